@@ -1,0 +1,97 @@
+"""Flags shared by the subcommands that describe a model and a layout
+(``train``, ``info``, ``simulate``, ``plan``), and their conversion to configs.
+
+The CLI only overrides config fields: a flag left unset keeps the config file's value or
+the dataclass default. Every flag defaults to None here for that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
+from plait.model.config import ARCHS, PRESETS, ModelConfig, preset
+
+MODEL_FLAGS = {  # flag dest -> ModelConfig field
+    "layers": "n_layers",
+    "hidden": "hidden",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "ffn_hidden": "ffn_hidden",
+    "vocab_size": "vocab_size",
+    "seq_len": "seq_len",
+    "dropout": "dropout",
+}
+
+LAYOUT_FLAGS = (
+    "dp",
+    "tp",
+    "pp",
+    "vpp",
+    "schedule",
+    "micro_batch_size",
+    "global_batch_size",
+    "zero",
+    "zero_shard_group",
+    "offload_optimizer",
+    "sequence_parallel",
+    "recompute",
+    "dtype",
+    "pp_layout",
+)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def model_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default tiny)")
+    g.add_argument("--arch", choices=ARCHS, default=None, help="flavour of the preset")
+    g.add_argument("--layers", type=int, default=None)
+    g.add_argument("--hidden", type=int, default=None)
+    g.add_argument("--heads", type=int, default=None)
+    g.add_argument("--kv-heads", type=int, default=None)
+    g.add_argument("--ffn-hidden", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--seq-len", type=int, default=None)
+    g.add_argument("--dropout", type=float, default=None)
+    return p
+
+
+def layout_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    g = p.add_argument_group("layout")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel replicas")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks")
+    g.add_argument("--pp", type=int, default=None, help="pipeline stages")
+    g.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
+    g.add_argument("--schedule", choices=SCHEDULES, default=None)
+    g.add_argument("--pp-layout", type=_int_list, default=None, help="layers per stage: 5,6,6,5")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="sequences")
+    g.add_argument("--global-batch-size", type=int, default=None, help="sequences")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None)
+    g.add_argument("--zero-shard-group", type=int, default=None)
+    g.add_argument("--offload-optimizer", action="store_true", default=None)
+    g.add_argument("--sequence-parallel", action="store_true", default=None)
+    g.add_argument("--recompute", choices=RECOMPUTE, default=None)
+    g.add_argument("--dtype", choices=DTYPES, default=None)
+    return p
+
+
+def model_config(values: dict) -> ModelConfig:
+    """ModelConfig from a flat mapping of flag values (config file merged with flags)."""
+    overrides = {MODEL_FLAGS[k]: v for k, v in values.items() if k in MODEL_FLAGS and v is not None}
+    return preset(values.get("model") or "tiny", arch=values.get("arch"), **overrides)
+
+
+def layout_config(values: dict) -> Layout:
+    fields = {k: values[k] for k in LAYOUT_FLAGS if values.get(k) is not None}
+    if "pp_layout" in fields:
+        fields["pp_layout"] = tuple(fields["pp_layout"])
+    return Layout(**fields)

@@ -1,0 +1,134 @@
+"""The parallel layout of a run: how many ways each axis splits, and how a step is cut up.
+
+Read by the topology, the parallel runtime, the trainer, the simulator and the planner;
+it imports nothing from torch so the simulator and planner can use it freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from plait.model.config import ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """dp x tp x pp processes; a global batch of ``global_batch_size`` sequences split into
+    ``num_microbatches`` micro-batches of ``micro_batch_size`` on each data-parallel rank."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # model chunks per pipeline rank (interleaved schedule)
+    schedule: str = "1f1b"
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    zero: int = 0
+    zero_shard_group: int | None = None  # shard within groups of K dp ranks (HSDP)
+    offload_optimizer: bool = False
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    dtype: str = "fp32"
+    pp_layout: tuple[int, ...] | None = None  # layers per virtual stage, e.g. (5, 6, 6, 5)
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "vpp", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(
+                f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}"
+            )
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by "
+                f"--micro-batch-size {self.micro_batch_size} x --dp {self.dp} = {per_step}; "
+                f"use a multiple of {per_step}"
+            )
+        if self.vpp > 1 and self.schedule != "interleaved-1f1b":
+            raise ValueError("--vpp > 1 needs --schedule interleaved-1f1b")
+        if self.schedule == "interleaved-1f1b" and self.pp > 1:
+            if self.num_microbatches % self.pp:
+                raise ValueError(
+                    f"--schedule interleaved-1f1b needs the micro-batches per step "
+                    f"({self.num_microbatches}) to be a multiple of --pp {self.pp}"
+                )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel needs --tp > 1")
+        if self.zero_shard_group is not None:
+            if self.zero == 0:
+                raise ValueError("--zero-shard-group needs --zero 1, 2 or 3")
+            if self.zero_shard_group < 1 or self.dp % self.zero_shard_group:
+                raise ValueError(
+                    f"--zero-shard-group {self.zero_shard_group} must divide --dp {self.dp}"
+                )
+        if self.offload_optimizer and self.zero == 0:
+            raise ValueError("--offload-optimizer needs --zero 1, 2 or 3")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual pipeline stages: pp ranks times model chunks per rank."""
+        return self.pp * self.vpp
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d["pp_layout"] is not None:
+            d["pp_layout"] = list(d["pp_layout"])
+        return d
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ValueError (one actionable line) if this layout cannot split ``model``."""
+        tp = self.tp
+        if model.n_heads % tp:
+            raise ValueError(
+                f"--tp {tp} does not divide --heads {model.n_heads}; use a --tp that divides it"
+            )
+        kv = model.n_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"--tp {tp} and --kv-heads {kv}: one must divide the other "
+                "(key/value heads are split, or replicated when fewer than tp)"
+            )
+        if model.ffn_hidden % tp:
+            raise ValueError(f"--tp {tp} does not divide --ffn-hidden {model.ffn_hidden}")
+        if self.pp_layout is not None:
+            if len(self.pp_layout) != self.num_stages:
+                raise ValueError(
+                    f"--pp-layout has {len(self.pp_layout)} entries; it needs one per stage "
+                    f"(--pp x --vpp = {self.num_stages})"
+                )
+            if sum(self.pp_layout) != model.n_layers or min(self.pp_layout) < 1:
+                raise ValueError(
+                    f"--pp-layout {','.join(map(str, self.pp_layout))} must be positive and "
+                    f"sum to --layers {model.n_layers}"
+                )
+        elif model.n_layers < self.num_stages:
+            raise ValueError(
+                f"--pp {self.pp} x --vpp {self.vpp} = {self.num_stages} stages but the model "
+                f"has only {model.n_layers} layers; use at most {model.n_layers} stages"
+            )
+        if self.sequence_parallel and (self.micro_batch_size * model.seq_len) % tp:
+            raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp {tp}")

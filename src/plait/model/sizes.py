@@ -1,0 +1,121 @@
+"""Size formulas: parameters, FLOPs and model-state bytes, in one place.
+
+The trainer's MFU, ``plait info``, the simulator and the planner all read these; tests
+check them against the parameters the runtime actually builds.
+
+FLOP convention (model FLOPs, as in Narayanan et al. 2021 and the PaLM paper's MFU):
+every matrix multiply counts 2 FLOPs per multiply-add; a training step is forward (1x)
+plus backward (2x), so each weight costs 6 FLOPs per token; attention scores and their
+application to the values add 12 * layers * seq_len * hidden per token (the full square,
+not halved for the causal mask, as Megatron-LM counts it). Recomputation is *not*
+counted: that is hardware FLOPs (HFU), see ``hardware_flops_per_token``. Norms, softmax,
+activations and the optimizer are ignored. For GPT with h = hidden, l = layers,
+s = seq_len, V = vocab this is 72 l h^2 (1 + s/(6h) + V/(12 l h)) per token, the
+formula of Narayanan et al. 2021 without its recomputation term.
+"""
+
+from __future__ import annotations
+
+from plait.model.config import ModelConfig
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one block that take part in matrix multiplies (no biases, no norms)."""
+    h = cfg.hidden
+    attn = 2 * h * h + 2 * h * cfg.kv_dim  # q and o; k and v
+    mlp = (2 if cfg.arch == "gpt2" else 3) * h * cfg.ffn_hidden
+    return attn + mlp
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    """All parameters of one transformer block."""
+    h = cfg.hidden
+    n = layer_matmul_params(cfg)
+    if cfg.biases:
+        n += h + 2 * cfg.kv_dim + h  # q, k, v, o biases
+        n += cfg.ffn_hidden + h  # MLP biases
+        n += 2 * 2 * h  # two LayerNorms, weight and bias
+    else:
+        n += 2 * h  # two RMSNorm weights
+    return n
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    """Token embedding, learned positions (gpt2) and, when untied, the output head."""
+    n = cfg.vocab_size * cfg.hidden
+    if cfg.arch == "gpt2":
+        n += cfg.seq_len * cfg.hidden
+    if not cfg.tied_embeddings:
+        n += cfg.vocab_size * cfg.hidden
+    return n
+
+
+def final_norm_params(cfg: ModelConfig) -> int:
+    return 2 * cfg.hidden if cfg.biases else cfg.hidden
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Total parameter count (tied embeddings counted once)."""
+    return cfg.n_layers * layer_params(cfg) + embedding_params(cfg) + final_norm_params(cfg)
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token, model-FLOPs convention (module doc)."""
+    s = cfg.seq_len if seq_len is None else seq_len
+    dense = cfg.n_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden  # + logits
+    attention = 12 * cfg.n_layers * s * cfg.hidden
+    return 6.0 * dense + attention
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """One forward pass: a third of ``model_flops_per_token``."""
+    return model_flops_per_token(cfg, seq_len) / 3.0
+
+
+def hardware_flops_per_token(
+    cfg: ModelConfig, seq_len: int | None = None, recompute: str = "none"
+) -> float:
+    """FLOPs actually executed: model FLOPs plus what recomputation repeats.
+
+    ``full`` reruns every block's forward (4 passes instead of 3 for the blocks, the
+    96 B s l h^2 of Narayanan et al.); ``selective`` reruns only the attention core
+    (scores, softmax, weighted values), as in Korthikanti et al. 2022.
+    """
+    s = cfg.seq_len if seq_len is None else seq_len
+    flops = model_flops_per_token(cfg, s)
+    if recompute == "full":
+        flops += 2.0 * cfg.n_layers * layer_matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.hidden
+    elif recompute == "selective":
+        flops += 4.0 * cfg.n_layers * s * cfg.hidden
+    elif recompute != "none":
+        raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
+    return flops
+
+
+def model_state_bytes(
+    n_params: int,
+    *,
+    dp: int = 1,
+    zero: int = 0,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optim_bytes: int = 8,
+) -> float:
+    """Bytes of parameters, gradients and optimizer state held by one data-parallel rank.
+
+    As in Rajbhandari et al. 2020 (ZeRO), for ``n_params`` parameters replicated over
+    ``dp`` ranks: stage 0 keeps everything; stage 1 shards the optimizer state; stage 2
+    also the gradients; stage 3 also the parameters. Defaults are plait's: fp32 weights
+    and gradients (kept in fp32 also under bf16/fp16 autocast) and AdamW's two fp32
+    moments, 16 bytes per parameter in all.
+    """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {zero}")
+    p, g, o = param_bytes * n_params, grad_bytes * n_params, optim_bytes * n_params
+    if zero >= 1:
+        o /= dp
+    if zero >= 2:
+        g /= dp
+    if zero >= 3:
+        p /= dp
+    return p + g + o
