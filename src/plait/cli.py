@@ -1,0 +1,392 @@
+"""``plait`` command line: a thin shell over the library.
+
+    plait train [flags]         train (starts dp x tp x pp workers)
+    plait generate --run DIR    sample text from a trained run
+    plait info [flags]          parameters, FLOPs per token and memory of a model and layout
+    plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
+    plait viz schedule ...      draw a pipeline schedule
+
+Errors a user can cause end with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from plait.cli_args import layout_parent, model_config, model_parent
+
+TRAIN_FLAGS = (
+    "steps", "lr", "warmup", "seed", "weight_decay", "grad_clip", "eval_every", "eval_batches",
+    "save_every", "keep_checkpoints", "log_every", "peak_tflops", "collective_timeout", "trace",
+    "threads",
+)  # fmt: skip
+DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
+              "val_fraction": "val_fraction"}  # fmt: skip
+
+
+class UserError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+def _die(prog: str, msg: str, code: int = 2) -> int:
+    print(f"plait {prog}: error: {msg}", file=sys.stderr)
+    return code
+
+
+# --- config files ---------------------------------------------------------------------------
+
+
+def read_config_file(path: str) -> dict:
+    """Flag values from a YAML or TOML file: flat keys named like the flags (``tp: 2``,
+    ``global-batch-size: 16``), or a ``config.yaml`` written by ``plait train``."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config {path}: no such file")
+    try:
+        text = p.read_text()
+        raw = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise UserError(f"--config {path}: not valid {'TOML' if p.suffix == '.toml' else 'YAML'} "
+                        f"({str(e).splitlines()[0]})")  # fmt: skip
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"--config {path}: expected a mapping of flag names to values")
+    flat = {}
+    if isinstance(raw.get("model"), dict):  # a resolved config.yaml
+        m = raw["model"]
+        flat.update(
+            layers=m.get("n_layers"), hidden=m.get("hidden"), heads=m.get("n_heads"),
+            kv_heads=m.get("n_kv_heads"), ffn_hidden=m.get("ffn_hidden"),
+            vocab_size=m.get("vocab_size"), seq_len=m.get("seq_len"), arch=m.get("arch"),
+            dropout=m.get("dropout"),
+        )  # fmt: skip
+        for section in ("layout", "train"):
+            flat.update(raw.get(section) or {})
+        d = raw.get("data") or {}
+        flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
+                    cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"))  # fmt: skip
+        if "out" in raw:
+            flat["out"] = raw["out"]
+        flat.pop("resume", None)
+        return {k: v for k, v in flat.items() if v is not None}
+    return {str(k).replace("-", "_"): v for k, v in raw.items()}
+
+
+def merged_values(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """Config file values overridden by the flags given on the command line."""
+    values = {}
+    if getattr(args, "config", None):
+        values = read_config_file(args.config)
+        known = {a.dest for a in parser._actions}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise UserError(f"--config {args.config}: unknown key {unknown[0]!r}")
+    for k, v in vars(args).items():
+        if v is not None and k != "config":
+            values[k] = v
+    return values
+
+
+# --- train ----------------------------------------------------------------------------------
+
+
+def _add_train(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+        help="train a model", description="Train a model (starts dp x tp x pp workers).",
+    )  # fmt: skip
+    p.add_argument("--config", help="YAML or TOML file of flag values (flags override it)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--warmup", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--grad-clip", type=float)
+    g.add_argument("--eval-every", type=int)
+    g.add_argument("--eval-batches", type=int)
+    g.add_argument("--save-every", type=int)
+    g.add_argument("--keep-checkpoints", type=int)
+    g.add_argument("--log-every", type=int)
+    g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU")
+    g.add_argument("--collective-timeout", type=float, help="seconds")
+    g.add_argument("--trace", action="store_true", default=None)
+    g.add_argument("--threads", type=int, help="torch threads per worker")
+    g.add_argument("--no-progress", action="store_true", default=None)
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data", help="text file, folder of text, or JSONL; default: embedded corpus")
+    g.add_argument("--tokenizer", help="bpe | bytes | path/to/tokenizer.json")
+    g.add_argument("--cache-dir")
+    g.add_argument("--val-fraction", type=float)
+    g.add_argument("--out", help="run folder (default runs/<time>)")
+    g.add_argument("--resume", action="store_true", default=None)
+    g.add_argument("--dry-run", action="store_true", default=None,
+                   help="validate, build the model on the meta device, and stop")  # fmt: skip
+    g = p.add_argument_group("multi-node (torchrun rendezvous)")
+    g.add_argument("--nnodes", type=int)
+    g.add_argument("--node-rank", type=int)
+    g.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0")
+    return p
+
+
+def _default_micro_batch(values: dict) -> None:
+    """Without --micro-batch-size: one micro-batch per step when there is no pipeline, else
+    2 x pp micro-batches (when the batch divides that way)."""
+    if values.get("micro_batch_size") is not None:
+        return
+    g, dp, pp = values.get("global_batch_size", 16), values.get("dp", 1), values.get("pp", 1)
+    want = 1 if pp == 1 else 2 * pp * values.get("vpp", 1)
+    values["micro_batch_size"] = g // (dp * want) if g % (dp * want) == 0 else 1
+
+
+def build_run_config(values: dict):
+    """RunConfig from merged flag values; ValueError (one line) on bad input."""
+    from plait.cli_args import layout_config
+    from plait.data import DataConfig
+    from plait.train.config import RunConfig, TrainConfig
+
+    values = dict(values)
+    values.setdefault("global_batch_size", 16)
+    _default_micro_batch(values)
+    model = model_config(values)
+    layout = layout_config(values)
+    layout.check_model(model)
+    train_fields = {k: values[k] for k in TRAIN_FLAGS if values.get(k) is not None}
+    if values.get("no_progress"):
+        train_fields["progress"] = False
+    train_fields["resume"] = bool(values.get("resume"))
+    data_fields = {f: values[k] for k, f in DATA_FLAGS.items() if values.get(k) is not None}
+    if values.get("vocab_size") is not None:
+        data_fields["vocab_size"] = values["vocab_size"]
+    elif data_fields.get("tokenizer", "bpe") == "bpe":
+        data_fields["vocab_size"] = model.vocab_size
+    out = values.get("out") or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    return RunConfig(
+        model=model, layout=layout, data=DataConfig(**data_fields),
+        train=TrainConfig(**train_fields), out=str(out),
+    )  # fmt: skip
+
+
+def cmd_train(args, parser) -> int:
+    from plait.data import DataError, prepare
+    from plait.train import checkpoint
+    from plait.train.launch import LaunchError, launch
+
+    try:
+        values = merged_values(args, parser)
+        cfg = build_run_config(values)
+        out = Path(cfg.out)
+        if cfg.train.resume:
+            path = checkpoint.latest(out / "checkpoints")
+            if path is None:
+                raise UserError(
+                    f"--resume: no checkpoint in {out / 'checkpoints'}; "
+                    "run without --resume to start fresh"
+                )
+            meta = checkpoint.read_meta(path)
+            if meta.get("model") and meta["model"] != {**cfg.model.to_dict(), **_vocab_of(meta)}:
+                raise UserError(
+                    f"--resume: checkpoint {path} is of a different model; "
+                    "use the same model flags or another --out"
+                )
+        if values.get("dry_run"):
+            return _dry_run(cfg)
+        print(f"plait: preparing data ({cfg.data.path or 'embedded corpus'}) ...", flush=True)
+        data = prepare(cfg.data, log=lambda m: print(f"  {m}", flush=True))
+        cfg = _with_vocab(cfg, data.tokenizer.vocab_size)
+        seq_need = cfg.model.seq_len + 1
+        if len(data.val) < seq_need:
+            raise UserError(
+                f"--data: the held-out split has {len(data.val)} tokens but a sequence needs "
+                f"{seq_need}; give more text or a larger --val-fraction"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save(out / "config.yaml")
+        lay = cfg.layout
+        print(
+            f"plait: training {values.get('model') or 'tiny'} ({cfg.model.arch}) on "
+            f"dp={lay.dp} tp={lay.tp} pp={lay.pp} for {cfg.train.steps} steps -> {out}",
+            flush=True,
+        )
+        launch(
+            cfg,
+            nnodes=values.get("nnodes") or 1,
+            node_rank=values.get("node_rank") or 0,
+            rdzv_endpoint=values.get("rdzv_endpoint"),
+        )
+    except (UserError, ValueError, DataError, checkpoint.CheckpointError) as e:
+        return _die("train", str(e).strip().splitlines()[0])
+    except LaunchError as e:
+        return _die("train", str(e), code=1)
+    if (values.get("node_rank") or 0) == 0:
+        _report(cfg)
+    return 0
+
+
+def _vocab_of(meta: dict) -> dict:
+    # The model's vocabulary comes from the tokenizer; compare everything else.
+    return {"vocab_size": meta["model"].get("vocab_size")}
+
+
+def _with_vocab(cfg, vocab: int):
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=vocab))
+
+
+def _dry_run(cfg) -> int:
+    from plait.model.sizes import model_state_bytes, num_params
+    from plait.model.transformer import build_model
+
+    build_model(cfg.model, device="meta")
+    n = num_params(cfg.model)
+    lay = cfg.layout
+    per_rank = model_state_bytes(n // (lay.tp * lay.pp), dp=lay.dp, zero=lay.zero)
+    print(
+        f"plait train --dry-run: ok: {n:,} parameters, {lay.world_size} workers "
+        f"(dp={lay.dp} tp={lay.tp} pp={lay.pp}), {lay.num_microbatches} micro-batches of "
+        f"{lay.micro_batch_size}, ~{per_rank / 2**30:.2f} GiB model state per rank"
+    )
+    return 0
+
+
+def _report(cfg) -> None:
+    import json
+
+    from plait.generate import generate_text
+
+    out = Path(cfg.out)
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    last = records[-1] if records else {}
+    if last:
+        print(
+            f"plait: done: step {last['step']}, train loss {last['loss']:.4f}"
+            + (f", validation loss {val[-1]:.4f}" if val else "")
+            + f", {last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.1%}"
+        )
+    try:
+        text = generate_text(out, "def ", max_new_tokens=80)
+        print("plait: sample:\n" + text)
+    except Exception as e:  # noqa: BLE001 - the run itself succeeded; a sample is a bonus
+        print(f"plait: (no sample: {e})")
+    print(f"plait: run folder {out}")
+
+
+# --- other commands -------------------------------------------------------------------------
+
+
+def cmd_generate(args) -> int:
+    from plait.generate import generate_text
+
+    try:
+        text = generate_text(
+            Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, seed=args.seed,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        return _die("generate", str(e).strip().splitlines()[0])
+    print(text)
+    return 0
+
+
+def cmd_info(args, parser) -> int:
+    from plait.cli_args import layout_config
+    from plait.model.sizes import model_flops_per_token, model_state_bytes, num_params
+
+    try:
+        values = merged_values(args, parser)
+        model = model_config(values)
+        layout = layout_config(values)
+        layout.check_model(model)
+    except (UserError, ValueError) as e:
+        return _die("info", str(e).strip().splitlines()[0])
+    n = num_params(model)
+    print(f"model {values.get('model') or 'tiny'} ({model.arch})")
+    for k, v in model.to_dict().items():
+        print(f"  {k:<12} {v}")
+    print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
+    print(f"FLOPs per token      {model_flops_per_token(model):.4g} (training, model FLOPs)")
+    shard = n / (layout.tp * layout.pp)
+    print(
+        f"model state per rank {model_state_bytes(round(shard), dp=layout.dp, zero=layout.zero) / 2**30:.3f} GiB "
+        f"(fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} dp={layout.dp} "
+        f"zero={layout.zero})"
+    )
+    return 0
+
+
+def _add_simulate(sub):
+    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+                       help="predict step time, MFU and memory of a layout")  # fmt: skip
+    p.add_argument("--config", help="YAML or TOML file of flag values")
+    try:
+        from plait.sim import cli as sim_cli
+
+        sim_cli.add_arguments(p)
+    except ImportError:
+        sim_cli = None
+    return p, sim_cli
+
+
+def _add_viz(sub):
+    p = sub.add_parser("viz", allow_abbrev=False, help="draw schedules, timelines and curves")
+    try:
+        from plait.viz import cli as viz_cli
+
+        viz_cli.add_arguments(p)
+    except ImportError:
+        viz_cli = None
+    return p, viz_cli
+
+
+def make_parser():
+    parser = argparse.ArgumentParser(prog="plait", allow_abbrev=False, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = _add_train(sub)
+    gen = sub.add_parser("generate", allow_abbrev=False, help="sample from a trained run")
+    gen.add_argument("--run", required=True, help="run folder written by plait train")
+    gen.add_argument("--prompt", default="")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--seed", type=int, default=0)
+    info = sub.add_parser("info", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+                          help="sizes, FLOPs and memory of a model")  # fmt: skip
+    info.add_argument("--config", help="YAML or TOML file of flag values")
+    simulate, sim_cli = _add_simulate(sub)
+    viz, viz_cli = _add_viz(sub)
+    return (
+        parser,
+        {"train": train, "info": info, "simulate": simulate, "viz": viz},
+        sim_cli,
+        viz_cli,
+    )
+
+
+def main(argv=None) -> int:
+    parser, subs, sim_cli, viz_cli = make_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return cmd_train(args, subs["train"])
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "info":
+        return cmd_info(args, subs["info"])
+    if args.command == "simulate" and sim_cli is not None:
+        return sim_cli.run(args)
+    if args.command == "viz" and viz_cli is not None:
+        return viz_cli.run(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Sampling text from a trained run: ``plait generate --run DIR --prompt "def "``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from plait.data import prepare
+from plait.model.transformer import build_model
+from plait.topology import Topology
+from plait.train import checkpoint
+from plait.train.config import RunConfig
+
+
+def load_run(run: Path):
+    """(config, tokenizer, model with the newest checkpoint's weights) of a run folder."""
+    run = Path(run)
+    if not (run / "config.yaml").exists():
+        raise ValueError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
+    cfg = RunConfig.load(run / "config.yaml")
+    path = checkpoint.latest(run / "checkpoints")
+    if path is None:
+        raise ValueError(f"--run {run}: no checkpoint in {run / 'checkpoints'}")
+    data = prepare(cfg.data)
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
+    model.eval()
+    return cfg, data.tokenizer, model
+
+
+@torch.no_grad()
+def sample(
+    model,
+    ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    seed: int = 0,
+) -> list[int]:
+    """Autoregressive sampling (no KV cache: the models plait samples from are small)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.tensor([ids or [0]], dtype=torch.long)
+    for _ in range(max_new_tokens):
+        logits = model(x[:, -model.cfg.seq_len :])[0, -1].float()  # (V,)
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = -float("inf")
+            nxt = int(torch.multinomial(logits.softmax(-1), 1, generator=g))
+        x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+    return x[0, len(ids or [0]) :].tolist()
+
+
+def generate_text(run: Path, prompt: str, *, max_new_tokens=120, temperature=0.8, seed=0) -> str:
+    _, tok, model = load_run(run)
+    new = sample(
+        model, tok.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+    )
+    return prompt + tok.decode(new)

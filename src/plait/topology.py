@@ -1,0 +1,165 @@
+"""The rank grid: axes pp, dp, tp (tp fastest-varying), and the process groups of each axis.
+
+Global rank = (pp_rank * dp + dp_rank) * tp + tp_rank. Worked example, 8 ranks with
+tp=2, pp=2, dp=2:
+
+    rank:      0  1  2  3  4  5  6  7
+    pp_rank:   0  0  0  0  1  1  1  1
+    dp_rank:   0  0  1  1  0  0  1  1
+    tp_rank:   0  1  0  1  0  1  0  1
+
+    tp groups: [0,1] [2,3] [4,5] [6,7]   (neighbours: tensor parallelism wants the fastest link)
+    dp groups: [0,2] [1,3] [4,6] [5,7]
+    pp groups: [0,4] [1,5] [2,6] [3,7]
+
+``Topology`` is built once per worker and passed by keyword. It is immutable; after a
+failure a new one is built (on a new store prefix), never patched. Process groups live
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.comm import CommStats
+
+
+class Axis(str, enum.Enum):
+    PP = "pp"
+    DP = "dp"
+    TP = "tp"
+
+
+def coords(rank: int, *, pp: int, dp: int, tp: int) -> dict[Axis, int]:
+    """Coordinates of a global rank: ``coords(5, pp=2, dp=2, tp=2) == {PP: 1, DP: 0, TP: 1}``."""
+    if not 0 <= rank < pp * dp * tp:
+        raise ValueError(f"rank {rank} outside a grid of {pp * dp * tp} ranks")
+    return {Axis.TP: rank % tp, Axis.DP: (rank // tp) % dp, Axis.PP: rank // (tp * dp)}
+
+
+def rank_of(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def axis_groups(axis: Axis, *, pp: int, dp: int, tp: int) -> list[list[int]]:
+    """Every group along ``axis``, in a fixed order (each rank must create them identically)."""
+    sizes = {Axis.PP: pp, Axis.DP: dp, Axis.TP: tp}
+    others = [a for a in (Axis.PP, Axis.DP, Axis.TP) if a != axis]
+    groups = []
+    for i in range(sizes[others[0]]):
+        for j in range(sizes[others[1]]):
+            fixed = {others[0]: i, others[1]: j}
+            groups.append(
+                [
+                    rank_of(
+                        pp_rank=fixed.get(Axis.PP, k) if axis != Axis.PP else k,
+                        dp_rank=fixed.get(Axis.DP, k) if axis != Axis.DP else k,
+                        tp_rank=fixed.get(Axis.TP, k) if axis != Axis.TP else k,
+                        dp=dp,
+                        tp=tp,
+                    )
+                    for k in range(sizes[axis])
+                ]
+            )
+    return groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """This worker's place in the grid and the process groups it belongs to.
+
+    ``group(axis)`` is None when that axis has size 1 (no communication needed);
+    ``world_group`` is None for a single process.
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    rank: int = 0
+    groups: dict = field(default_factory=dict)  # Axis -> ProcessGroup, for axes of size > 1
+    group_ranks: dict = field(default_factory=dict)  # Axis -> list of global ranks
+    world_group: object | None = None
+    device: torch.device = torch.device("cpu")
+    stats: CommStats = field(default_factory=CommStats)
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> Topology:
+        return cls(
+            group_ranks={a: [0] for a in Axis},
+            device=torch.device(device),
+        )
+
+    @classmethod
+    def build(cls, *, pp: int, dp: int, tp: int, device: torch.device | str = "cpu") -> Topology:
+        """Create every axis group (collectively: all ranks must call this) and keep ours."""
+        world = pp * dp * tp
+        if not dist.is_initialized():
+            if world != 1:
+                raise RuntimeError("Topology.build needs torch.distributed initialised")
+            return cls.single(device)
+        if dist.get_world_size() != world:
+            raise ValueError(
+                f"layout pp={pp} x dp={dp} x tp={tp} = {world} ranks but "
+                f"{dist.get_world_size()} processes were started"
+            )
+        rank = dist.get_rank()
+        groups, group_ranks = {}, {}
+        for axis in (Axis.TP, Axis.DP, Axis.PP):
+            for ranks in axis_groups(axis, pp=pp, dp=dp, tp=tp):
+                # new_group is collective over the world even for groups we are not in.
+                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    group_ranks[axis] = ranks
+                    if pg is not None:
+                        groups[axis] = pg
+        return cls(
+            pp=pp,
+            dp=dp,
+            tp=tp,
+            rank=rank,
+            groups=groups,
+            group_ranks=group_ranks,
+            world_group=dist.group.WORLD if world > 1 else None,
+            device=torch.device(device),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def size(self, axis: Axis) -> int:
+        return {Axis.PP: self.pp, Axis.DP: self.dp, Axis.TP: self.tp}[axis]
+
+    def coord(self, axis: Axis) -> int:
+        return coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)[axis]
+
+    def group(self, axis: Axis):
+        return self.groups.get(axis)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord(Axis.TP)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord(Axis.DP)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord(Axis.PP)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of the pipeline rank ``pp_rank`` in this rank's pipeline."""
+        return self.group_ranks[Axis.PP][pp_rank]

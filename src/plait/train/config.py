@@ -1,0 +1,96 @@
+"""The run's configuration: model, layout, data and training settings, each a frozen
+dataclass owned by the component that reads it, gathered into one ``RunConfig`` that is
+written to ``config.yaml`` in full (every default resolved) and read back by the workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from plait.data import DataConfig
+from plait.layout import Layout
+from plait.model.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 300
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global gradient norm; 0 disables clipping
+    seed: int = 0
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 4
+    save_every: int = 0  # 0: only the final checkpoint
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    peak_tflops: float | None = None  # per device, for MFU; None: look up or measure
+    collective_timeout: float = 300.0  # seconds
+    trace: bool = False
+    progress: bool = True
+    threads: int | None = None  # torch threads per worker; None: cores / local workers
+    resume: bool = False  # continue from the newest checkpoint in --out
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        for name in ("eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.collective_timeout <= 0:
+            raise ValueError("--collective-timeout must be positive (seconds)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig
+    layout: Layout
+    data: DataConfig
+    train: TrainConfig
+    out: str
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model.to_dict(),
+            "layout": self.layout.to_dict(),
+            "data": dataclasses.asdict(self.data),
+            "train": dataclasses.asdict(self.train),
+            "out": self.out,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunConfig:
+        layout = dict(d["layout"])
+        if layout.get("pp_layout") is not None:
+            layout["pp_layout"] = tuple(layout["pp_layout"])
+        return cls(
+            model=ModelConfig(**d["model"]),
+            layout=Layout(**layout),
+            data=DataConfig(**d["data"]),
+            train=TrainConfig(**d["train"]),
+            out=d["out"],
+        )
+
+    def save(self, path: Path) -> None:
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()))
+
+
+TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -1,0 +1,89 @@
+"""``plait train``'s launcher: validates the run, prepares the data once, writes the
+resolved ``config.yaml``, and starts dp x tp x pp workers through torchrun's engine
+(``torch.distributed.run``: gloo on CPU, NCCL on CUDA). Multi-node runs pass
+``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint`` through; each node then starts
+world / nnodes workers.
+
+The rendezvous store lives in this launcher's agent process, which outlives the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from plait.train.config import RunConfig
+
+
+class LaunchError(RuntimeError):
+    """The workers failed; the message is the one line to show."""
+
+
+def torchrun_args(
+    *, world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, config: Path
+) -> list[str]:
+    if world % nnodes:
+        raise ValueError(f"--nnodes {nnodes} does not divide the {world} workers of the layout")
+    args = ["--nproc-per-node", str(world // nnodes), "--max-restarts", "0"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        args = ["--standalone", "--nnodes", "1", *args]
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+        host, _, port = rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
+        args = [
+            "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--master-addr", host, "--master-port", port, *args,
+        ]  # fmt: skip
+    return [*args, "--monitor-interval", "0.2", "-m", "plait.train.worker", "--config", str(config)]
+
+
+def _quiet_torchrun() -> None:
+    for name in ("torch.distributed", "torch.distributed.elastic", "torch.distributed.run"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint=None) -> None:
+    """Run the workers of this node; raise LaunchError with one line if any failed."""
+    from torch.distributed.run import get_args_parser, run
+
+    out = Path(cfg.out)
+    config_path = out / "config.yaml"
+    status = out / "status"
+    shutil.rmtree(status, ignore_errors=True)
+    status.mkdir(parents=True)
+    world = cfg.layout.world_size
+    argv = torchrun_args(
+        world=world,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        config=config_path,
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _quiet_torchrun()
+    failure = None
+    try:
+        run(get_args_parser().parse_args(argv))
+    except BaseException as e:  # ChildFailedError, SignalException, KeyboardInterrupt
+        failure = e
+    per_node = world // nnodes
+    ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    errors = sorted(status.glob("rank-*.error"), key=lambda p: int(p.stem.split("-")[1]))
+    if errors:
+        lines = [p.read_text().strip() for p in errors]
+        # A rank whose peer died reports a collective failure; show the root cause first.
+        lines.sort(key=lambda line: "CollectiveError" in line)
+        raise LaunchError(lines[0] + (f" (logs in {out / 'logs'})" if "rank " in lines[0] else ""))
+    if all((status / f"rank-{r}.done").exists() for r in ranks):
+        return  # finished, whatever torchrun said about the exit (see worker.py)
+    if isinstance(failure, KeyboardInterrupt):
+        raise LaunchError("interrupted")
+    raise LaunchError(
+        f"workers exited without finishing ({type(failure).__name__ if failure else 'no status'});"
+        f" see {out / 'logs'}"
+    )

@@ -1,0 +1,210 @@
+"""The training loop, top to bottom: topology -> data -> model -> parallelize -> optimizer ->
+resume -> steps (forward/backward over micro-batches, gradient sync, clip, step) ->
+metrics, evaluation, checkpoints.
+
+Runs inside every worker process (``plait.train.worker``); the launcher has already
+validated the config and prepared the data, so errors here are unexpected ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from plait.data import GlobalBatchSampler, prepare, val_batches
+from plait.model.sizes import model_flops_per_token
+from plait.model.transformer import build_model
+from plait.parallel.data_parallel import GradSync
+from plait.topology import Topology
+from plait.train import checkpoint, optim
+from plait.train.config import RunConfig
+from plait.train.metrics import MetricsWriter, Progress, peak_memory_bytes, peak_tflops
+
+log = logging.getLogger("plait.train")
+
+
+class LocalRunner:
+    """Runs the micro-batches of one step on a model held whole by this rank (pp == 1)."""
+
+    def __init__(self, model, *, autocast):
+        self.model, self.autocast = model, autocast
+
+    def train_step(self, micro_batches, *, loss_scale: float, tokens_global: int) -> float:
+        """Forward and backward over the micro-batches; gradients accumulate in ``.grad``.
+        Returns this rank's share of the global mean loss."""
+        total = 0.0
+        for mb in micro_batches:  # (B, T+1)
+            with self.autocast():
+                token_loss = self.model(mb[:, :-1], mb[:, 1:])  # (B*T,)
+            loss = token_loss.sum() / tokens_global
+            (loss * loss_scale).backward()
+            total += loss.item()
+        return total
+
+    @torch.no_grad()
+    def eval_step(self, micro_batches, *, tokens_global: int) -> float:
+        total = 0.0
+        for mb in micro_batches:
+            with self.autocast():
+                total += self.model(mb[:, :-1], mb[:, 1:]).sum().item() / tokens_global
+        return total
+
+
+def _autocast_factory(dtype: str, device: torch.device):
+    if dtype == "fp32":
+        return contextlib.nullcontext
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    return lambda: torch.autocast(device_type=device.type, dtype=torch_dtype)
+
+
+def _split(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    return list(rows.split(micro_batch_size))
+
+
+def train(cfg: RunConfig, *, topo: Topology) -> dict:
+    """Train according to ``cfg`` on this worker's place in ``topo``; returns a summary."""
+    model_cfg, layout, tcfg = cfg.model, cfg.layout, cfg.train
+    out = Path(cfg.out)
+    is_logger = topo.rank == 0
+    torch.manual_seed(tcfg.seed)
+
+    # data: prepared by the launcher already, so this only opens the cache
+    data = prepare(cfg.data)
+    seq_len = model_cfg.seq_len
+    sampler = GlobalBatchSampler(
+        data.train, seq_len=seq_len, global_batch=layout.global_batch_size, seed=tcfg.seed
+    )
+    val_set = val_batches(
+        data.val, seq_len=seq_len, batch=layout.global_batch_size, num_batches=tcfg.eval_batches
+    )
+
+    # model and its parallel wrapping
+    if layout.pp > 1:
+        raise NotImplementedError("pipeline parallelism (--pp > 1) is not available yet")
+    model = build_model(model_cfg, seed=tcfg.seed, topo=topo, recompute=layout.recompute)
+    model.to(topo.device)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    grad_sync = GradSync(params, topo=topo)
+    runner = LocalRunner(model, autocast=_autocast_factory(layout.dtype, topo.device))
+    optimizer = optim.build_adamw(named, tcfg)
+    scaler = optim.LossScaler(enabled=layout.dtype == "fp16")
+
+    # resume
+    start_step = 0
+    ckpt_root = out / "checkpoints"
+    if tcfg.resume:
+        path = checkpoint.latest(ckpt_root)
+        optim_state = optim.init_adamw_state(optimizer, named)
+        meta = checkpoint.load(path, model=model, optim_state=optim_state, topo=topo)
+        start_step = meta["step"]
+        if meta.get("loss_scale"):
+            scaler.load_state_dict(meta["loss_scale"])
+
+    tokens_per_step = layout.global_batch_size * seq_len
+    flops_per_token = model_flops_per_token(model_cfg, seq_len)
+    peak = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
+    metrics = MetricsWriter(
+        out / "metrics.jsonl",
+        enabled=is_logger,
+        truncate_after=start_step if tcfg.resume else None,
+    )
+    progress = Progress(
+        tcfg.steps, start_step, enabled=is_logger and tcfg.progress, log_every=tcfg.log_every
+    )
+    # Ranks that report the loss: the last pipeline stage, one per tp group.
+    reports_loss = topo.is_last_stage and topo.tp_rank == 0
+    counts_dp_grads = topo.dp_rank == 0 or grad_sync.sharded
+
+    def evaluate() -> float:
+        total = 0.0
+        model.eval()
+        for batch in val_set:
+            rows = batch.chunk(layout.dp)[topo.dp_rank].to(topo.device)
+            share = runner.eval_step(
+                _split(rows, layout.micro_batch_size), tokens_global=batch.numel() - len(batch)
+            )
+            total += share if reports_loss else 0.0
+        model.train()
+        return optim.global_stats([total], topo)[0] / len(val_set)
+
+    def save(step: int) -> None:
+        checkpoint.save(
+            ckpt_root,
+            step,
+            model=model,
+            optim_state=optim.adamw_state(optimizer, named),
+            meta={"model": model_cfg.to_dict(), "loss_scale": scaler.state_dict()},
+            topo=topo,
+            keep=tcfg.keep_checkpoints,
+        )
+
+    model.train()
+    last = {}
+    for step in range(start_step, tcfg.steps):
+        t0 = time.perf_counter()
+        lr = optim.lr_at(step, tcfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        rows = sampler.local(step, dp_rank=topo.dp_rank, dp=layout.dp).to(topo.device)
+        loss_share = runner.train_step(
+            _split(rows, layout.micro_batch_size),
+            loss_scale=scaler.scale,
+            tokens_global=tokens_per_step,
+        )
+        grad_sync.finish()
+        grad_sq = optim.grad_sq_sum(params, topo).item() if counts_dp_grads else 0.0
+        grad_sq_sum, loss = optim.global_stats([grad_sq, loss_share if reports_loss else 0.0], topo)
+        grad_norm = (
+            math.sqrt(grad_sq_sum) / scaler.scale if math.isfinite(grad_sq_sum) else math.inf
+        )
+        found_inf = not math.isfinite(grad_norm)
+        if found_inf and not scaler.enabled:
+            raise FloatingPointError(
+                f"step {step + 1}: gradients are not finite (loss {loss:.4g}); "
+                "lower --lr or use --dtype fp32"
+            )
+        if not found_inf:
+            if scaler.scale != 1.0:
+                torch._foreach_mul_(
+                    [p.grad for p in params if p.grad is not None], 1 / scaler.scale
+                )
+            if tcfg.grad_clip:
+                optim.clip_(params, grad_norm, tcfg.grad_clip)
+            optimizer.step()
+        scaler.update(found_inf)
+        optimizer.zero_grad(set_to_none=True)
+        step_time = time.perf_counter() - t0
+
+        done = step + 1
+        tokens_per_s = tokens_per_step / step_time
+        rec = {
+            "step": done,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+            "tokens": tokens_per_step,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tokens_per_s * flops_per_token / topo.world_size / 1e12,
+            "mfu": tokens_per_s * flops_per_token / topo.world_size / peak,
+            "peak_mem_bytes": peak_memory_bytes(topo.device),
+        }
+        if scaler.enabled:
+            rec["loss_scale"] = scaler.scale
+            rec["skipped"] = found_inf
+        if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
+            rec["val_loss"] = evaluate()
+            progress.note(f"step {done}: val loss {rec['val_loss']:.4f}")
+        metrics.write(rec)
+        progress.update(rec)
+        last = rec
+        if done == tcfg.steps or (tcfg.save_every and done % tcfg.save_every == 0):
+            save(done)
+    progress.close()
+    return last
