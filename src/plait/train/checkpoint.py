@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,7 +102,9 @@ def save(
         tmp.mkdir()
     comm.barrier(topo=topo)
     state = full_state(model, optim_state, topo)
-    dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+    with warnings.catch_warnings():  # DCP warns that one process means no_dist; we know
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
     torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-rank-{topo.rank}.pt")
     comm.barrier(topo=topo)
     if topo.rank == 0:
@@ -144,7 +147,9 @@ def load(
             shape = full_shape(t.shape, spec, topo.tp) if t.dim() else (1,)
             targets[f"optim/{name}/{key}"] = torch.empty(shape, dtype=t.dtype)
     try:
-        dcp.load(targets, checkpoint_id=str(path), no_dist=not _dist())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, checkpoint_id=str(path), no_dist=not _dist())
     except Exception as e:  # DCP raises several types for missing keys / corrupt files
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(

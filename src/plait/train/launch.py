@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
 from plait.train.config import RunConfig
@@ -54,9 +53,13 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
     out = Path(cfg.out)
     config_path = out / "config.yaml"
     status = out / "status"
-    shutil.rmtree(status, ignore_errors=True)
-    status.mkdir(parents=True)
+    status.mkdir(parents=True, exist_ok=True)
     world = cfg.layout.world_size
+    per_node = world // nnodes if world % nnodes == 0 else world
+    ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    for r in ranks:  # only this node's: on a shared folder the other nodes write theirs
+        for suffix in ("done", "error"):
+            (status / f"rank-{r}.{suffix}").unlink(missing_ok=True)
     argv = torchrun_args(
         world=world,
         nnodes=nnodes,
@@ -71,8 +74,6 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
         run(get_args_parser().parse_args(argv))
     except BaseException as e:  # ChildFailedError, SignalException, KeyboardInterrupt
         failure = e
-    per_node = world // nnodes
-    ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     errors = sorted(status.glob("rank-*.error"), key=lambda p: int(p.stem.split("-")[1]))
     if errors:
         lines = [p.read_text().strip() for p in errors]
@@ -83,7 +84,21 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
         return  # finished, whatever torchrun said about the exit (see worker.py)
     if isinstance(failure, KeyboardInterrupt):
         raise LaunchError("interrupted")
-    raise LaunchError(
-        f"workers exited without finishing ({type(failure).__name__ if failure else 'no status'});"
-        f" see {out / 'logs'}"
+    raise LaunchError(_describe(failure) + f"; see {out / 'logs'}")
+
+
+def _describe(failure) -> str:
+    """One line for a worker that died without writing its status (killed, crashed)."""
+    import signal
+
+    for rank, f in sorted(getattr(failure, "failures", {}).items()):
+        code = getattr(f, "exitcode", None)
+        if code is not None and code < 0:
+            try:
+                return f"rank {rank} was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"rank {rank} exited with code {code} before finishing"
+    return (
+        f"workers exited without finishing ({type(failure).__name__ if failure else 'no status'})"
     )

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         cfg = RunConfig.load(Path(args.config))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING)
+        logging.basicConfig(level=logging.WARNING)
         import torch.distributed as dist
 
         from plait.topology import Topology
