@@ -1,4 +1,9 @@
-from plait.model.config import PRESETS, ModelConfig, preset
-from plait.model.transformer import Transformer, build_model
+"""The transformer (``plait.model.transformer``), its configs and presets, and size formulas.
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "build_model", "preset"]
+Importing this package loads no torch: the simulator and planner use the config and the
+formulas (``plait.model.sizes``) alone.
+"""
+
+from plait.model.config import PRESETS, ModelConfig, preset
+
+__all__ = ["PRESETS", "ModelConfig", "preset"]

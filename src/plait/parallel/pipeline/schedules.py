@@ -1,0 +1,551 @@
+"""Pipeline schedules as data: what each pipeline rank does, and in which order.
+
+Communication: point-to-point on the pp axis only, nothing else. For every micro-batch
+and every boundary between consecutive virtual stages, one activation goes forward
+(SEND_ACT / RECV_ACT) and one gradient goes backward (SEND_GRAD / RECV_GRAD), each
+micro_batch_size x seq_len x hidden elements (divided by tp under sequence parallelism)
+times the dtype's bytes. Per step 2 * m * (p * v - 1) such messages cross the pipeline
+(p ranks, v chunks per rank, m micro-batches): a middle rank sends m * v activations and
+m * v gradients; rank 0 sends m fewer gradients (stage 0 has no predecessor) and rank
+p - 1 m fewer activations (the last stage computes the loss). This module only says
+when; it imports nothing from torch.
+
+Vocabulary. p = ``num_ranks`` pipeline ranks, m = ``num_microbatches``, v =
+``num_chunks`` model chunks per rank (interleaving). The model is cut into S = p * v
+*virtual stages*, placed in Megatron-LM's order: virtual stage s lives on rank s % p as
+chunk s // p (``virtual_stage`` / ``stage_location``). With p=2, v=2: stages 0, 1, 2, 3
+are (rank 0, chunk 0), (rank 1, chunk 0), (rank 0, chunk 1), (rank 1, chunk 1), so the
+activation of stage 1 wraps from rank 1 back to rank 0's chunk 1.
+
+A schedule is one ordered list of ``Action``s per rank. Compute actions: F (forward),
+B (full backward: input and weight gradients), or, for zero-bubble schedules, BI (input
+gradient, on the critical path) and W (weight gradient, deferrable). Communication
+actions are explicit and sit where the executor should post them:
+
+- RECV_ACT(m, c) right before the F(m, c) that consumes it; SEND_ACT(m, c) right after
+  the F(m, c) that produced it. Virtual stage 0 receives no activation; the last stage
+  sends none (it computes the loss).
+- RECV_GRAD(m, c) right before B/BI(m, c); SEND_GRAD(m, c) right after it. The last
+  stage receives no gradient; stage 0 sends none.
+- ``peer`` is the pipeline rank on the other side; ``chunk`` is always the chunk on the
+  rank that holds the action. A send on stage s matches the receive on stage s + 1
+  (activations) or s - 1 (gradients) for the same micro-batch.
+
+Communication model (the executor's contract; ``validate`` and ``replay`` assume it):
+a send never blocks (an isend whose completion the executor waits on later); a receive
+blocks until the matching send has been issued. So a schedule deadlocks exactly when the
+receives wait on each other in a cycle, which ``validate`` detects by running the lists
+symbolically.
+
+Worked example: ``build_schedule("1f1b", num_ranks=2, num_microbatches=4)``. Rank 0 (the
+first stage) warms up with min(p - r - 1, m) = 1 forward, then alternates one forward
+and one backward, then drains; rank 1 (the last stage) has no warm-up. Written compactly
+(``>a0`` = SEND_ACT of micro-batch 0 to the other rank, ``<g0`` = RECV_GRAD, ...)::
+
+    rank 0: F0 >a0  F1 >a1 <g0 B0  F2 >a2 <g1 B1  F3 >a3 <g2 B2  <g3 B3
+    rank 1: <a0 F0 B0 >g0  <a1 F1 B1 >g1  <a2 F2 B2 >g2  <a3 F3 B3 >g3
+
+``replay`` with F = 1 and B = 2 time units and free transfers (``.`` = waiting)::
+
+    time    0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
+    rank 0  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3
+    rank 1  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .
+
+The makespan is 15 and each rank computes for 12, so the bubble fraction is
+(15 - 12) / 12 = 1/4 = (p - 1) / m, as Narayanan et al. (2021) give for 1F1B.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ScheduleError(ValueError):
+    """An impossible schedule request, or a schedule that breaks the rules above."""
+
+
+class Op(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"  # input and weight gradients together
+    BACKWARD_INPUT = "BI"  # zero-bubble split: input gradient only ...
+    BACKWARD_WEIGHT = "W"  # ... and the weight gradient, run later
+    SEND_ACT = "send_act"  # activation to the next virtual stage
+    RECV_ACT = "recv_act"  # activation from the previous virtual stage
+    SEND_GRAD = "send_grad"  # gradient to the previous virtual stage
+    RECV_GRAD = "recv_grad"  # gradient from the next virtual stage
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
+SEND_OPS = frozenset({Op.SEND_ACT, Op.SEND_GRAD})
+RECV_OPS = frozenset({Op.RECV_ACT, Op.RECV_GRAD})
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    microbatch: int
+    chunk: int = 0  # model chunk on this rank (0 .. num_chunks - 1)
+    peer: int | None = None  # pipeline rank on the other side, for send / recv
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+    def __str__(self) -> str:
+        side = "" if self.peer is None else " to" if self.op in SEND_OPS else " from"
+        peer = "" if self.peer is None else f"{side} rank {self.peer}"
+        return f"{self.op.value}(m={self.microbatch}, chunk={self.chunk}{peer})"
+
+
+Schedule = list[list[Action]]  # one ordered action list per pipeline rank
+
+
+def virtual_stage(rank: int, chunk: int, num_ranks: int) -> int:
+    """Megatron-LM order: chunk c of rank r is stage c * p + r (p=4: rank 1 holds 1, 5, ...)."""
+    return chunk * num_ranks + rank
+
+
+def stage_location(stage: int, num_ranks: int) -> tuple[int, int]:
+    """Inverse of ``virtual_stage``: (rank, chunk). p=4: stage 5 -> (1, 1)."""
+    return stage % num_ranks, stage // num_ranks
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def _check_sizes(name: str, num_ranks: int, num_microbatches: int, num_chunks: int) -> None:
+    if num_ranks < 1:
+        raise ScheduleError(f"{name}: --pp must be at least 1, got {num_ranks}")
+    if num_microbatches < 1:
+        raise ScheduleError(
+            f"{name}: needs at least 1 micro-batch, got {num_microbatches} "
+            "(micro-batches = --global-batch-size / (--micro-batch-size x --dp))"
+        )
+    if num_chunks < 1:
+        raise ScheduleError(f"{name}: --vpp must be at least 1, got {num_chunks}")
+
+
+def _no_interleaving(name: str, num_chunks: int) -> None:
+    if num_chunks != 1:
+        raise ScheduleError(
+            f"--schedule {name} runs one model chunk per rank, got --vpp {num_chunks}; "
+            "use --schedule interleaved-1f1b or --vpp 1"
+        )
+
+
+def _with_comm(
+    rank: int, compute: Sequence[tuple[Op, int, int]], num_ranks: int, num_chunks: int
+) -> list[Action]:
+    """Turn one rank's compute order [(op, microbatch, chunk)] into its action list.
+
+    The receives and sends go right around the compute that needs or produces them; this
+    is the only place that decides where communication sits, so every schedule function
+    only has to say in which order to compute.
+    """
+    last = num_ranks * num_chunks - 1
+    actions: list[Action] = []
+    for op, mb, chunk in compute:
+        stage = virtual_stage(rank, chunk, num_ranks)
+        prev_rank = stage_location(stage - 1, num_ranks)[0]
+        next_rank = stage_location(stage + 1, num_ranks)[0]
+        if op is Op.FORWARD:
+            if stage > 0:
+                actions.append(Action(Op.RECV_ACT, mb, chunk, prev_rank))
+            actions.append(Action(op, mb, chunk))
+            if stage < last:
+                actions.append(Action(Op.SEND_ACT, mb, chunk, next_rank))
+        elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            if stage < last:
+                actions.append(Action(Op.RECV_GRAD, mb, chunk, next_rank))
+            actions.append(Action(op, mb, chunk))
+            if stage > 0:
+                actions.append(Action(Op.SEND_GRAD, mb, chunk, prev_rank))
+        else:  # W needs nothing from anyone
+            actions.append(Action(op, mb, chunk))
+    return actions
+
+
+def gpipe(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward. Holds m activations."""
+    _check_sizes("gpipe", num_ranks, num_microbatches, num_chunks)
+    _no_interleaving("gpipe", num_chunks)
+    m = num_microbatches
+    compute = [(Op.FORWARD, i, 0) for i in range(m)] + [(Op.BACKWARD, i, 0) for i in range(m)]
+    return [_with_comm(r, compute, num_ranks, 1) for r in range(num_ranks)]
+
+
+def _one_f_one_b_order(rank: int, p: int, m: int) -> list[tuple[Op, int, int]]:
+    warmup = min(p - rank - 1, m)
+    order = [(Op.FORWARD, i, 0) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: one forward, one backward
+        order += [(Op.FORWARD, warmup + i, 0), (Op.BACKWARD, i, 0)]
+    order += [(Op.BACKWARD, i, 0) for i in range(m - warmup, m)]  # cool-down
+    return order
+
+
+def one_f_one_b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2021): rank r warms up with
+    min(p - r - 1, m) forwards, then alternates forward and backward, then drains the
+    remaining backwards. Same bubble as GPipe, at most p - r activations held."""
+    _check_sizes("1f1b", num_ranks, num_microbatches, num_chunks)
+    _no_interleaving("1f1b", num_chunks)
+    p, m = num_ranks, num_microbatches
+    return [_with_comm(r, _one_f_one_b_order(r, p, m), p, 1) for r in range(p)]
+
+
+def _interleaved_warmup(rank: int, p: int, m: int, v: int) -> int:
+    if v == 1:  # one chunk: plain 1F1B, which Megatron-LM also falls back to
+        return min(p - rank - 1, m)
+    return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
+
+
+def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021; Megatron-LM's interleaved schedule).
+
+    Each rank holds v chunks. Its k-th forward visits micro-batches in groups of p per
+    chunk: with p=2, v=2 the order is (m0,c0) (m1,c0) (m0,c1) (m1,c1) (m2,c0) (m3,c0) ...;
+    backwards go the same way with the chunks reversed. Warm-up: (p - r - 1) * 2 +
+    (v - 1) * p forwards, capped at m * v; then one forward, one backward; then cool-down.
+    Needs m to be a multiple of p when v > 1. The bubble shrinks to (p - 1) / (v m).
+    """
+    name = "interleaved-1f1b"
+    _check_sizes(name, num_ranks, num_microbatches, num_chunks)
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    if v > 1 and p == 1:
+        raise ScheduleError(f"{name} with --vpp {v} needs --pp of at least 2; use --vpp 1")
+    if v > 1 and m % p:
+        raise ScheduleError(
+            f"{name} needs the number of micro-batches ({m}) to be a multiple of --pp {p} "
+            "(micro-batches = --global-batch-size / (--micro-batch-size x --dp))"
+        )
+
+    def unit(k: int, op: Op) -> tuple[Op, int, int]:
+        group, in_group = divmod(k, p * v)
+        chunk = in_group // p
+        if op is Op.BACKWARD:
+            chunk = v - 1 - chunk
+        return op, group * p + in_group % p, chunk
+
+    schedule = []
+    for r in range(p):
+        total, warmup = m * v, _interleaved_warmup(r, p, m, v)
+        order = [unit(k, Op.FORWARD) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [unit(warmup + k, Op.FORWARD), unit(k, Op.BACKWARD)]
+        order += [unit(k, Op.BACKWARD) for k in range(total - warmup, total)]
+        schedule.append(_with_comm(r, order, p, v))
+    return schedule
+
+
+def zb_h1(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"), handcrafted variant.
+
+    The backward is split into BI (input gradient, which the previous stage waits for)
+    and W (weight gradient, which nobody waits for). The forwards and BIs follow 1F1B
+    (warm-up of p - r - 1 forwards), and rank r runs each W r micro-batches late: the
+    last rank, whose 1F1B cool-down is longest, defers the most, so the BIs of the last
+    micro-batches reach rank 0 sooner and the deferred Ws fill what was the cool-down
+    bubble. Activations awaiting BI stay <= p - r (as 1F1B); activations awaiting W stay
+    <= p on every rank. With F = BI = W = 1 the bubble is (p - 1) / (3 m) for m >= p,
+    a third of 1F1B's. With one rank there is nothing to fill: F, B per micro-batch.
+    """
+    _check_sizes("zb-h1", num_ranks, num_microbatches, num_chunks)
+    _no_interleaving("zb-h1", num_chunks)
+    p, m = num_ranks, num_microbatches
+    if p == 1:
+        return one_f_one_b(num_ranks=1, num_microbatches=m)
+    schedule = []
+    for r in range(p):
+        delay = r
+        order = []
+        pending: deque[int] = deque()  # micro-batches whose W is still to run
+        for op, mb, _ in _one_f_one_b_order(r, p, m):
+            if op is Op.FORWARD:
+                order.append((op, mb, 0))
+                continue
+            order.append((Op.BACKWARD_INPUT, mb, 0))
+            pending.append(mb)
+            if len(pending) > delay:
+                order.append((Op.BACKWARD_WEIGHT, pending.popleft(), 0))
+        order += [(Op.BACKWARD_WEIGHT, mb, 0) for mb in pending]
+        schedule.append(_with_comm(r, order, p, 1))
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zb_h1,
+}
+
+
+def build_schedule(
+    name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1
+) -> Schedule:
+    """The action lists of schedule ``name`` (a key of ``SCHEDULES``), one per rank."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name](
+        num_ranks=num_ranks, num_microbatches=num_microbatches, num_chunks=num_chunks
+    )
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def _message_key(rank: int, action: Action, num_ranks: int) -> tuple[str, int, int]:
+    """What a send and its receive agree on: (kind, micro-batch, sending virtual stage)."""
+    stage = virtual_stage(rank, action.chunk, num_ranks)
+    if action.op is Op.SEND_ACT or action.op is Op.SEND_GRAD:
+        src = stage
+    elif action.op is Op.RECV_ACT:
+        src = stage - 1
+    else:  # RECV_GRAD
+        src = stage + 1
+    kind = "act" if action.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad"
+    return kind, action.microbatch, src
+
+
+def _check_rank(
+    rank: int, actions: Sequence[Action], num_ranks: int, num_microbatches: int, num_chunks: int
+) -> None:
+    """Per-rank rules: ranges, one F and one B (or BI + W) per (microbatch, chunk), in
+    order, and each needed receive / send exactly once, on the right side of its compute."""
+    where: dict[tuple[Op, int, int], int] = {}
+    last = num_ranks * num_chunks - 1
+    for i, a in enumerate(actions):
+        at = f"rank {rank} action {i} {a}"
+        if not isinstance(a, Action) or not isinstance(a.op, Op):
+            raise ScheduleError(f"rank {rank} action {i}: {a!r} is not an Action")
+        if not 0 <= a.microbatch < num_microbatches:
+            raise ScheduleError(f"{at}: micro-batch outside 0..{num_microbatches - 1}")
+        if not 0 <= a.chunk < num_chunks:
+            raise ScheduleError(f"{at}: chunk outside 0..{num_chunks - 1}")
+        if a.is_compute and a.peer is not None:
+            raise ScheduleError(f"{at}: compute actions have no peer")
+        key = (a.op, a.microbatch, a.chunk)
+        if key in where:
+            raise ScheduleError(f"{at}: duplicate of action {where[key]}")
+        where[key] = i
+        if not a.is_compute:
+            stage = virtual_stage(rank, a.chunk, num_ranks)
+            other = stage + 1 if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else stage - 1
+            if not 0 <= other <= last:
+                raise ScheduleError(f"{at}: virtual stage {stage} has no neighbour {other}")
+            if a.peer != stage_location(other, num_ranks)[0]:
+                raise ScheduleError(
+                    f"{at}: stage {other} lives on rank {stage_location(other, num_ranks)[0]}"
+                )
+
+    def before(first: Op, then: Op, mb: int, c: int) -> None:
+        if where[(first, mb, c)] > where[(then, mb, c)]:
+            raise ScheduleError(
+                f"rank {rank} action {where[(then, mb, c)]} {then.value}(m={mb}, chunk={c}) "
+                f"comes before its {first.value} (action {where[(first, mb, c)]})"
+            )
+
+    for c in range(num_chunks):
+        stage = virtual_stage(rank, c, num_ranks)
+        for mb in range(num_microbatches):
+            if (Op.FORWARD, mb, c) not in where:
+                raise ScheduleError(f"rank {rank}: no F for micro-batch {mb} on chunk {c}")
+            backward_ops = (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+            has = {op for op in backward_ops if (op, mb, c) in where}
+            if has not in ({Op.BACKWARD}, {Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}):
+                found = ", ".join(sorted(op.value for op in has)) or "none"
+                raise ScheduleError(
+                    f"rank {rank}: micro-batch {mb} on chunk {c} needs one B, or one BI and "
+                    f"one W; found {found}"
+                )
+            back = Op.BACKWARD if Op.BACKWARD in has else Op.BACKWARD_INPUT
+            before(Op.FORWARD, back, mb, c)
+            if back is Op.BACKWARD_INPUT:
+                before(Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, mb, c)
+            needed = []
+            if stage > 0:
+                needed += [(Op.RECV_ACT, Op.FORWARD), (back, Op.SEND_GRAD)]
+            if stage < last:
+                needed += [(Op.FORWARD, Op.SEND_ACT), (Op.RECV_GRAD, back)]
+            for first, then in needed:
+                comm = first if first not in COMPUTE_OPS else then
+                if (comm, mb, c) not in where:
+                    raise ScheduleError(
+                        f"rank {rank}: no {comm.value} for micro-batch {mb} on chunk {c} "
+                        f"(virtual stage {stage})"
+                    )
+                before(first, then, mb, c)
+
+
+def validate(
+    schedule: Schedule, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1
+) -> None:
+    """Raise ``ScheduleError`` naming the first broken rule, else return None.
+
+    Rules: one list per rank; each (micro-batch, chunk) on each rank has exactly one F and
+    either one B or one BI and one W, with F before B/BI before W; every receive and send
+    the data flow needs is there exactly once, receive before the compute that reads it
+    and send after the compute that wrote it, naming the right peer, and no other; and
+    running the lists under the communication model (sends never block, receives wait for
+    their send) finishes: no deadlock. The per-rank rules make sends and receives pair
+    one to one: the send of (micro-batch, stage s -> s + 1) exists exactly once on s's
+    rank iff stage s + 1 < S, and so does its receive on s + 1's rank.
+    """
+    if len(schedule) != num_ranks:
+        raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected {num_ranks}")
+    for rank, actions in enumerate(schedule):
+        _check_rank(rank, actions, num_ranks, num_microbatches, num_chunks)
+    _run(schedule, lambda rank, action: 0.0, 0.0)  # raises on deadlock
+
+
+def max_in_flight(actions: Sequence[Action]) -> int:
+    """Most (micro-batch, chunk) pairs on one rank whose F has run and whose B / BI has
+    not: the activations held at once (W's smaller state is not counted)."""
+    held = peak = 0
+    for a in actions:
+        if a.op is Op.FORWARD:
+            held += 1
+            peak = max(peak, held)
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            held -= 1
+    return peak
+
+
+def in_flight_bound(
+    name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1, rank: int = 0
+) -> int:
+    """The ``max_in_flight`` that schedule ``name`` reaches on ``rank`` (rank 0 holds most)."""
+    p, m, v = num_ranks, num_microbatches, num_chunks
+    if name == "gpipe":
+        return m
+    if name in ("1f1b", "zb-h1"):
+        return min(p - rank, m)
+    if name == "interleaved-1f1b":
+        return min(_interleaved_warmup(rank, p, m, v) + 1, m * v)
+    raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
+    """Bubble fraction (idle / compute, as ``Timeline.bubble_fraction``) in closed form.
+
+    Equal stages and free transfers; F = 1, B = 2 (interleaved: per chunk 1/v and 2/v);
+    zb-h1 with F = BI = W = 1. GPipe and 1F1B: (p - 1) / m. Interleaved: (p - 1) / (v m).
+    ZB-H1: (p - 1) / (3 m) for m >= p; with fewer micro-batches than ranks the BI chain
+    cannot be hidden and it is (2 p - m - 1) / (3 m).
+    """
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if name == "interleaved-1f1b":
+        return (p - 1) / (v * m)
+    if name == "zb-h1":
+        return (p - 1) / (3 * m) if m >= p else (2 * p - m - 1) / (3 * m)
+    raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timeline:
+    """What each rank did when: ``events[rank]`` lists (action, start, end) in program
+    order, compute and communication alike (a receive spans its wait)."""
+
+    events: list[list[tuple[Action, float, float]]] = field(default_factory=list)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.events)
+
+    @property
+    def makespan(self) -> float:
+        return max((end for rank in self.events for _, _, end in rank), default=0.0)
+
+    def compute_time(self, rank: int) -> float:
+        return sum(end - start for a, start, end in self.events[rank] if a.is_compute)
+
+    def bubble_fraction(self) -> float:
+        """(makespan - compute) / compute with compute the busiest rank's compute time, as
+        in Narayanan et al. 2021: the pipeline's overhead over a device that never idles."""
+        busiest = max((self.compute_time(r) for r in range(self.num_ranks)), default=0.0)
+        return (self.makespan - busiest) / busiest if busiest > 0 else 0.0
+
+
+def _run(
+    schedule: Schedule,
+    cost: Callable[[int, Action], float],
+    p2p: Callable[[int, Action], float] | float,
+) -> Timeline:
+    """Event-driven execution under the communication model; raises on deadlock.
+
+    Each rank runs while it can; a rank that reaches a receive whose send has not been
+    issued parks on that message and is woken when the send is issued. Since sends never
+    block, this order of processing gives the same times as any other.
+    """
+    num_ranks = len(schedule)
+    transfer = p2p if callable(p2p) else (lambda rank, action, _t=float(p2p): _t)
+    timeline = Timeline([[] for _ in range(num_ranks)])
+    clock = [0.0] * num_ranks
+    pos = [0] * num_ranks
+    arrived: dict[tuple, float] = {}  # message key -> time the data reaches the receiver
+    parked: dict[tuple, int] = {}  # message key -> rank waiting for it
+    runnable = list(range(num_ranks - 1, -1, -1))
+    while runnable:
+        rank = runnable.pop()
+        actions, events = schedule[rank], timeline.events[rank]
+        while pos[rank] < len(actions):
+            a, t = actions[pos[rank]], clock[rank]
+            if a.op in RECV_OPS:
+                key = _message_key(rank, a, num_ranks)
+                if key not in arrived:
+                    parked[key] = rank
+                    break
+                end = max(t, arrived[key])
+            elif a.op in SEND_OPS:
+                key = _message_key(rank, a, num_ranks)
+                arrived.setdefault(key, t + transfer(rank, a))
+                if key in parked:
+                    runnable.append(parked.pop(key))
+                end = t
+            else:
+                end = t + cost(rank, a)
+            events.append((a, t, end))
+            clock[rank] = end
+            pos[rank] += 1
+    stuck = [r for r in range(num_ranks) if pos[r] < len(schedule[r])]
+    if stuck:
+        r = stuck[0]
+        others = ", ".join(f"rank {o} at action {pos[o]}" for o in stuck[1:])
+        raise ScheduleError(
+            f"schedule deadlocks: rank {r} waits forever at action {pos[r]} "
+            f"{schedule[r][pos[r]]}" + (f"; also stuck: {others}" if others else "")
+        )
+    return timeline
+
+
+def replay(
+    schedule: Schedule,
+    cost: Callable[[int, Action], float],
+    *,
+    p2p: Callable[[int, Action], float] | float = 0.0,
+) -> Timeline:
+    """Time a schedule: each rank runs its list in order from time 0.
+
+    A compute action takes ``cost(rank, action)``. A send takes no time on the sender; its
+    data reaches the receiver ``p2p`` later (a number, or ``p2p(sender_rank, send_action)``).
+    A receive starts when its rank reaches it and ends at max(that, the data's arrival).
+    Links are not shared: two transfers never slow each other down.
+    """
+    return _run(schedule, cost, p2p)
+
+
+def unit_cost(rank: int, action: Action, *, num_chunks: int = 1) -> float:
+    """The textbook costs behind ``bubble_formula``: F = 1, B = 2, BI = W = 1, each divided
+    by the number of chunks a rank holds (a chunk is 1/v of a stage)."""
+    base = {Op.FORWARD: 1.0, Op.BACKWARD: 2.0, Op.BACKWARD_INPUT: 1.0, Op.BACKWARD_WEIGHT: 1.0}
+    return base[action.op] / num_chunks

@@ -1,0 +1,132 @@
+"""Model: sizes against published figures, formulas against the built modules, determinism."""
+
+import pytest
+import torch
+
+from plait.model.config import PRESETS, preset
+from plait.model.sizes import (
+    hardware_flops_per_token,
+    model_flops_per_token,
+    model_state_bytes,
+    num_params,
+)
+from plait.model.transformer import build_model
+
+PUBLISHED = {  # Brown et al. 2020 Table 2.1; Touvron et al. 2023; Meta's Llama 3 card
+    "gpt3-125m": 125e6,
+    "gpt3-350m": 350e6,
+    "gpt3-1.3b": 1.3e9,
+    "gpt3-175b": 175e9,
+    "llama-7b": 6.7e9,
+    "llama-65b": 65.2e9,
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.6e9,
+    "llama3-405b": 405.9e9,
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_parameter_counts_match_published(name):
+    assert num_params(preset(name)) == pytest.approx(PUBLISHED[name], rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "llama-65b", "llama3-405b", "gpt2-124m"])
+def test_meta_build_allocates_nothing_and_matches_formula(name):
+    cfg = preset(name)
+    model = build_model(cfg, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_built_model_matches_formula_and_shapes(arch):
+    cfg = preset("tiny", arch=arch, n_layers=2)
+    model = build_model(cfg, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 9))
+    assert model(ids).shape == (3, 9, cfg.vocab_size)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    assert loss.shape == (3 * 8,)
+    # an untrained model predicts roughly uniformly
+    assert loss.mean().item() == pytest.approx(torch.log(torch.tensor(cfg.vocab_size)).item(), rel=0.05)
+
+
+def test_llama_flavour_details():
+    cfg = preset("tiny", arch="llama", n_kv_heads=2)
+    model = build_model(cfg, seed=0)
+    names = dict(model.named_parameters())
+    assert "head.weight" in names and "embed.positions.weight" not in names  # untied, rotary
+    assert names["blocks.0.attn.k.weight"].shape == (cfg.kv_dim, cfg.hidden)  # GQA
+    assert not any(n.endswith(".bias") for n in names)
+    gpt = dict(build_model(preset("tiny"), seed=0).named_parameters())
+    assert "head.weight" not in gpt and "embed.positions.weight" in gpt  # tied, learned
+
+
+def test_init_depends_only_on_seed_and_name():
+    cfg = preset("tiny", arch="llama")
+    a, b = build_model(cfg, seed=7), build_model(cfg, seed=7)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    c = build_model(cfg, seed=8)
+    assert not torch.equal(a.blocks["0"].attn.q.weight, c.blocks["0"].attn.q.weight)
+    # a pipeline chunk holding blocks 2..3 starts from the very same weights
+    chunk = build_model(cfg, seed=7, layers=[2, 3], pre=False, post=True)
+    full = dict(a.named_parameters())
+    for n, p in chunk.named_parameters():
+        assert torch.equal(p, full[n]), n
+
+
+def test_sequence_longer_than_positions_is_refused():
+    cfg = preset("tiny", seq_len=8)
+    model = build_model(cfg, seed=0)
+    with pytest.raises(ValueError, match="--seq-len 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(hidden=130), "--heads 4 does not divide --hidden 130"),
+        (dict(arch="llama", n_kv_heads=3), "--kv-heads 3 must divide --heads 4"),
+        (dict(arch="gpt2", n_kv_heads=2), "needs --arch llama"),
+        (dict(n_layers=0), "--layers must be at least 1"),
+    ],
+)
+def test_config_errors_name_the_flag(kwargs, match):
+    arch = kwargs.pop("arch", None)
+    with pytest.raises(ValueError, match=match):
+        preset("tiny", arch=arch, **kwargs)
+
+
+def test_unknown_preset_lists_choices():
+    with pytest.raises(ValueError, match="--model 'gpt5' is not a preset; choose one of tiny"):
+        preset("gpt5")
+
+
+def test_all_presets_valid_in_both_flavours():
+    for name in PRESETS:
+        for arch in ("gpt2", "llama"):
+            cfg = preset(name, arch=arch)
+            assert num_params(cfg) > 0
+
+
+def test_flops_match_megatron_formula():
+    # Narayanan et al. 2021: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per iteration without
+    # recomputation, 96 B s l h^2 (...) with full recomputation.
+    for name in ("gpt3-175b", "gpt3-1.3b"):
+        cfg = preset(name)
+        l, h, s, V = cfg.n_layers, cfg.hidden, cfg.seq_len, cfg.vocab_size
+        per_token = 72 * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+        assert model_flops_per_token(cfg) == pytest.approx(per_token, rel=1e-12)
+        with_recompute = 96 * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        assert hardware_flops_per_token(cfg, recompute="full") == pytest.approx(
+            with_recompute, rel=1e-12
+        )
+
+
+def test_model_state_bytes_per_zero_stage():
+    n = 1_000_000
+    assert model_state_bytes(n, dp=4, zero=0) == 16 * n
+    assert model_state_bytes(n, dp=4, zero=1) == 8 * n + 8 * n / 4
+    assert model_state_bytes(n, dp=4, zero=2) == 4 * n + 12 * n / 4
+    assert model_state_bytes(n, dp=4, zero=3) == 16 * n / 4

@@ -1,0 +1,338 @@
+"""Pipeline schedules as data: validity, memory bound and bubble, without processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from plait.layout import SCHEDULES as LAYOUT_SCHEDULES
+from plait.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Op,
+    ScheduleError,
+    bubble_formula,
+    build_schedule,
+    in_flight_bound,
+    max_in_flight,
+    replay,
+    stage_location,
+    unit_cost,
+    validate,
+    virtual_stage,
+)
+
+
+def _cases():
+    for name in SCHEDULES:
+        for p in (2, 3, 4, 8):
+            for m in sorted({p, 2 * p, 8}):
+                for v in (1, 2) if name == "interleaved-1f1b" else (1,):
+                    yield pytest.param(name, p, m, v, id=f"{name}-pp{p}-m{m}-v{v}")
+
+
+def _build(name, p, m, v):
+    """The schedule, or None after checking that the request is rejected as it should be."""
+    if name == "interleaved-1f1b" and v > 1 and m % p:
+        with pytest.raises(ScheduleError, match="multiple of --pp"):
+            build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)
+        return None
+    return build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)
+
+
+def _unit_replay(schedule, v):
+    return replay(schedule, lambda rank, action: unit_cost(rank, action, num_chunks=v))
+
+
+@pytest.mark.parametrize("name,p,m,v", _cases())
+def test_schedule_rules(name, p, m, v):
+    schedule = _build(name, p, m, v)
+    if schedule is None:
+        return
+    validate(schedule, num_ranks=p, num_microbatches=m, num_chunks=v)
+
+    # Checked again here without validate: F before B / BI before W, per chunk.
+    for actions in schedule:
+        pos = {(a.op, a.microbatch, a.chunk): i for i, a in enumerate(actions)}
+        assert len(pos) == len(actions)
+        for c in range(v):
+            for mb in range(m):
+                back = (Op.BACKWARD, mb, c)
+                if back not in pos:
+                    back = (Op.BACKWARD_INPUT, mb, c)
+                    assert pos[back] < pos[(Op.BACKWARD_WEIGHT, mb, c)]
+                assert pos[(Op.FORWARD, mb, c)] < pos[back]
+
+    # Every send has exactly one receive on the peer, same micro-batch and boundary.
+    pairs = {Op.SEND_ACT: Op.RECV_ACT, Op.SEND_GRAD: Op.RECV_GRAD}
+    sent, received = Counter(), Counter()
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            stage = virtual_stage(rank, a.chunk, p)
+            if a.op in pairs:
+                dst = stage + (1 if a.op is Op.SEND_ACT else -1)
+                assert stage_location(dst, p)[0] == a.peer
+                sent[(pairs[a.op], a.microbatch, stage, dst)] += 1
+            elif a.op in pairs.values():
+                src = stage + (-1 if a.op is Op.RECV_ACT else 1)
+                assert stage_location(src, p)[0] == a.peer
+                received[(a.op, a.microbatch, src, stage)] += 1
+    assert sent == received and set(sent.values()) == {1}
+    assert len(sent) == 2 * m * (p * v - 1)
+
+    in_flight = [max_in_flight(actions) for actions in schedule]
+    if name == "gpipe":
+        assert in_flight == [m] * p
+    elif name in ("1f1b", "zb-h1"):
+        assert max(in_flight) <= p
+    for rank, got in enumerate(in_flight):
+        bound = in_flight_bound(name, num_ranks=p, num_microbatches=m, num_chunks=v, rank=rank)
+        assert got <= bound
+
+    bubble = _unit_replay(schedule, v).bubble_fraction()
+    assert bubble == pytest.approx(bubble_formula(name, p, m, v), abs=1e-9)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 8) for m in sorted({p, 2 * p, 8})])
+def test_zb_h1_beats_1f1b_with_no_more_memory(p, m):
+    zb = build_schedule("zb-h1", num_ranks=p, num_microbatches=m)
+    ofob = build_schedule("1f1b", num_ranks=p, num_microbatches=m)
+    assert _unit_replay(zb, 1).bubble_fraction() < _unit_replay(ofob, 1).bubble_fraction()
+    for zb_rank, ofob_rank in zip(zb, ofob):
+        assert max_in_flight(zb_rank) <= max_in_flight(ofob_rank)
+        # Activations kept until W, counted in full, still never exceed 1F1B's p.
+        held = peak = 0
+        for a in zb_rank:
+            held += {Op.FORWARD: 1, Op.BACKWARD_WEIGHT: -1}.get(a.op, 0)
+            peak = max(peak, held)
+        assert peak <= p
+
+
+def test_zb_h1_fewer_microbatches_than_ranks_matches_formula():
+    for p in (2, 4, 8):
+        for m in range(1, p):
+            schedule = build_schedule("zb-h1", num_ranks=p, num_microbatches=m)
+            validate(schedule, num_ranks=p, num_microbatches=m)
+            got = _unit_replay(schedule, 1).bubble_fraction()
+            assert got == pytest.approx(bubble_formula("zb-h1", p, m), abs=1e-9)
+
+
+def test_interleaved_bubble_is_smaller_with_more_chunks():
+    bubbles = []
+    for v in (1, 2, 4):
+        schedule = build_schedule("interleaved-1f1b", num_ranks=4, num_microbatches=8, num_chunks=v)
+        validate(schedule, num_ranks=4, num_microbatches=8, num_chunks=v)
+        bubbles.append(_unit_replay(schedule, v).bubble_fraction())
+    assert bubbles == pytest.approx([3 / 8, 3 / 16, 3 / 32], abs=1e-9)
+
+
+def test_interleaved_order_visits_groups_of_p_per_chunk():
+    schedule = build_schedule("interleaved-1f1b", num_ranks=2, num_microbatches=4, num_chunks=2)
+    forwards = [(a.microbatch, a.chunk) for a in schedule[0] if a.op is Op.FORWARD]
+    assert forwards == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    # Rank 1 holds stage 1 (chunk 0) and stage 3, the last (chunk 1): its activation of
+    # stage 1 wraps to rank 0's chunk 1.
+    first_send = next(a for a in schedule[1] if a.op is Op.SEND_ACT)
+    assert (first_send.chunk, first_send.peer) == (0, 0)
+    assert Action(Op.RECV_ACT, 0, 1, 1) in schedule[0]
+    # Warm-up on rank 0: (p - 1) * 2 + (v - 1) * p = 4 forwards before the first backward.
+    ops = [a.op for a in schedule[0] if a.is_compute]
+    assert ops.index(Op.BACKWARD) == 5  # the 4 warm-up forwards and the first steady one
+
+
+def test_worked_example_in_module_docstring():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    timeline = _unit_replay(schedule, 1)
+    compute = [
+        [(f"{a.op.value}{a.microbatch}", start) for a, start, _ in rank if a.is_compute]
+        for rank in timeline.events
+    ]
+    assert compute[0] == [
+        ("F0", 0), ("F1", 1), ("B0", 4), ("F2", 6), ("B1", 7), ("F3", 9), ("B2", 10), ("B3", 13)
+    ]  # fmt: skip
+    assert compute[1] == [
+        ("F0", 1), ("B0", 2), ("F1", 4), ("B1", 5), ("F2", 7), ("B2", 8), ("F3", 10), ("B3", 11)
+    ]  # fmt: skip
+    assert timeline.makespan == 15
+    assert timeline.compute_time(0) == timeline.compute_time(1) == 12
+    assert timeline.bubble_fraction() == 0.25
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_one_rank_is_forward_backward_without_comm(name):
+    schedule = build_schedule(name, num_ranks=1, num_microbatches=3)
+    validate(schedule, num_ranks=1, num_microbatches=3)
+    got = [(a.op, a.microbatch) for a in schedule[0]]
+    if name == "gpipe":
+        assert got == [(Op.FORWARD, i) for i in range(3)] + [(Op.BACKWARD, i) for i in range(3)]
+    else:
+        assert got == [(op, i) for i in range(3) for op in (Op.FORWARD, Op.BACKWARD)]
+    assert _unit_replay(schedule, 1).bubble_fraction() == 0.0
+
+
+def test_registry_matches_layout_names():
+    assert tuple(SCHEDULES) == LAYOUT_SCHEDULES
+
+
+def test_virtual_stage_round_trip():
+    for p in (1, 2, 4):
+        for v in (1, 3):
+            pairs = [(r, c) for c in range(v) for r in range(p)]
+            assert [virtual_stage(r, c, p) for r, c in pairs] == list(range(p * v))
+            assert [stage_location(s, p) for s in range(p * v)] == pairs
+    assert stage_location(5, 4) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,match",
+    [
+        ("1f1b", dict(num_ranks=2, num_microbatches=0), "at least 1 micro-batch"),
+        ("gpipe", dict(num_ranks=0, num_microbatches=4), "--pp must be at least 1"),
+        ("interleaved-1f1b", dict(num_ranks=3, num_microbatches=4, num_chunks=2), "multiple"),
+        ("interleaved-1f1b", dict(num_ranks=1, num_microbatches=4, num_chunks=2), "--pp of"),
+        ("interleaved-1f1b", dict(num_ranks=2, num_microbatches=4, num_chunks=0), "--vpp"),
+        ("gpipe", dict(num_ranks=2, num_microbatches=4, num_chunks=2), "--vpp 2"),
+        ("1f1b", dict(num_ranks=2, num_microbatches=4, num_chunks=2), "interleaved-1f1b"),
+        ("zb-h1", dict(num_ranks=2, num_microbatches=4, num_chunks=2), "--vpp 1"),
+        ("pipedream", dict(num_ranks=2, num_microbatches=4), "gpipe, 1f1b, interleaved-1f1b"),
+    ],
+)
+def test_impossible_requests_fail_in_one_line(name, kwargs, match):
+    with pytest.raises(ScheduleError, match=match) as err:
+        build_schedule(name, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    a = build_schedule("interleaved-1f1b", num_ranks=3, num_microbatches=5)
+    assert a == build_schedule("1f1b", num_ranks=3, num_microbatches=5)
+
+
+# ------------------------------------------------------------------ validate catches it
+
+F, B = Op.FORWARD, Op.BACKWARD
+
+
+def _two_rank_gpipe_m1():
+    return [
+        [Action(F, 0), Action(Op.SEND_ACT, 0, peer=1), Action(Op.RECV_GRAD, 0, peer=1), Action(B, 0)],
+        [Action(Op.RECV_ACT, 0, peer=0), Action(F, 0), Action(B, 0), Action(Op.SEND_GRAD, 0, peer=0)],
+    ]  # fmt: skip
+
+
+def test_validate_accepts_the_hand_made_reference():
+    validate(_two_rank_gpipe_m1(), num_ranks=2, num_microbatches=1)
+
+
+def test_deadlock_both_ranks_receive_first():
+    # Each list is fine on its own (receive before the compute that reads it), but rank 0
+    # waits for a gradient that rank 1 sends only after an activation rank 0 never sent.
+    bad = [
+        [Action(Op.RECV_GRAD, 0, peer=1), Action(F, 0), Action(Op.SEND_ACT, 0, peer=1), Action(B, 0)],
+        [Action(Op.RECV_ACT, 0, peer=0), Action(F, 0), Action(B, 0), Action(Op.SEND_GRAD, 0, peer=0)],
+    ]  # fmt: skip
+    with pytest.raises(ScheduleError, match=r"deadlocks: rank 0 waits forever at action 0"):
+        validate(bad, num_ranks=2, num_microbatches=1)
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        replay(bad, lambda rank, action: 1.0)
+
+
+def test_deadlock_across_microbatches():
+    # 1F1B with rank 0's send of micro-batch 1's activation moved to the very end: rank 0
+    # waits for m1's gradient, which rank 1 computes only after that activation arrives.
+    good = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    rank0 = [a for a in good[0] if not (a.op is Op.SEND_ACT and a.microbatch == 1)]
+    rank0.insert(rank0.index(Action(B, 1)) + 1, Action(Op.SEND_ACT, 1, peer=1))
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0"):
+        validate([rank0, good[1]], num_ranks=2, num_microbatches=2)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda s: s[0].reverse(), "rank 0 action .* comes before its"),
+        (lambda s: s[1].pop(2), "rank 1: micro-batch 0 on chunk 0 needs one B"),
+        (lambda s: s[1].pop(0), "rank 1: no recv_act"),
+        (lambda s: s[1].append(Action(F, 0)), "rank 1 action 4 F.*duplicate of action 1"),
+        (lambda s: s[0].append(Action(F, 1)), "micro-batch outside 0..0"),
+        (lambda s: s[0].append(Action(F, 0, chunk=1)), "chunk outside 0..0"),
+        (lambda s: s[0].__setitem__(1, Action(Op.SEND_ACT, 0, peer=0)), "lives on rank 1"),
+        (lambda s: s[0].insert(0, Action(Op.RECV_ACT, 0, peer=1)), "has no neighbour -1"),
+        (lambda s: s.pop(), "1 rank lists, expected 2"),
+        (lambda s: s[1].append(Action(B, 0, peer=0)), "compute actions have no peer"),
+    ],
+)
+def test_validate_names_the_broken_rule(edit, match):
+    schedule = _two_rank_gpipe_m1()
+    edit(schedule)
+    with pytest.raises(ScheduleError, match=match):
+        validate(schedule, num_ranks=2, num_microbatches=1)
+
+
+def test_validate_split_backward_needs_both_halves_in_order():
+    schedule = build_schedule("zb-h1", num_ranks=2, num_microbatches=2)
+    bad = [list(rank) for rank in schedule]
+    bad[1] = [a for a in bad[1] if a != Action(Op.BACKWARD_WEIGHT, 0)]
+    with pytest.raises(ScheduleError, match="needs one B, or one BI and one W; found BI"):
+        validate(bad, num_ranks=2, num_microbatches=2)
+    bad = [list(rank) for rank in schedule]
+    w = bad[0].index(Action(Op.BACKWARD_WEIGHT, 0))
+    bad[0].insert(0, bad[0].pop(w))
+    with pytest.raises(ScheduleError, match="W\\(m=0, chunk=0\\) comes before its BI"):
+        validate(bad, num_ranks=2, num_microbatches=2)
+
+
+# ------------------------------------------------------------------------------ replay
+
+
+def test_replay_charges_p2p_to_the_receiver_only():
+    schedule = _two_rank_gpipe_m1()
+    seen = []
+
+    def p2p(rank, action):
+        seen.append((rank, action.op))
+        return 0.5
+
+    timeline = replay(schedule, unit_cost, p2p=p2p)
+    # rank 0: F [0, 1], send at 1; rank 1: recv until 1.5, F [1.5, 2.5], B [2.5, 4.5],
+    # send at 4.5; rank 0: recv until 5, B [5, 7].
+    assert timeline.makespan == 7.0
+    assert seen == [(0, Op.SEND_ACT), (1, Op.SEND_GRAD)]
+    recv = [(a.op, s, e) for a, s, e in timeline.events[1] if a.op is Op.RECV_ACT]
+    assert recv == [(Op.RECV_ACT, 0.0, 1.5)]
+    sends = [(s, e) for a, s, e in timeline.events[0] if a.op is Op.SEND_ACT]
+    assert sends == [(1.0, 1.0)]
+    assert timeline.compute_time(0) == 3.0
+    assert replay(schedule, unit_cost, p2p=0.5).makespan == 7.0
+
+
+def test_replay_uses_the_slowest_rank_for_the_bubble():
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    slow_last = replay(schedule, lambda r, a: unit_cost(r, a) * (2 if r == 1 else 1))
+    busiest = max(slow_last.compute_time(r) for r in range(2))
+    assert busiest == 24
+    assert slow_last.bubble_fraction() == pytest.approx((slow_last.makespan - 24) / 24)
+
+
+def test_pp4_m8_bubbles():
+    """The figures quoted in the design notes: pp=4, m=8 (v=2 for interleaved)."""
+    got = {}
+    for name in SCHEDULES:
+        v = 2 if name == "interleaved-1f1b" else 1
+        schedule = build_schedule(name, num_ranks=4, num_microbatches=8, num_chunks=v)
+        got[name] = _unit_replay(schedule, v).bubble_fraction()
+    assert got == pytest.approx(
+        {"gpipe": 3 / 8, "1f1b": 3 / 8, "interleaved-1f1b": 3 / 16, "zb-h1": 1 / 8}, abs=1e-9
+    )
+
+
+def test_schedules_import_nothing_from_torch():
+    code = (
+        "import sys; import plait.parallel.pipeline.schedules, plait.parallel.pipeline.partition;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

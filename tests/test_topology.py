@@ -1,0 +1,50 @@
+"""Rank arithmetic and layout validation (no processes)."""
+
+import pytest
+
+from plait.layout import Layout
+from plait.model.config import preset
+from plait.topology import Axis, axis_groups, coords, rank_of
+
+
+def test_docstring_example_8_ranks():
+    assert axis_groups(Axis.TP, pp=2, dp=2, tp=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axis_groups(Axis.DP, pp=2, dp=2, tp=2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_groups(Axis.PP, pp=2, dp=2, tp=2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (2, 3, 4), (4, 1, 2), (3, 2, 1)])
+def test_coords_round_trip_and_groups_partition(pp, dp, tp):
+    world = pp * dp * tp
+    for r in range(world):
+        c = coords(r, pp=pp, dp=dp, tp=tp)
+        assert rank_of(pp_rank=c[Axis.PP], dp_rank=c[Axis.DP], tp_rank=c[Axis.TP], dp=dp, tp=tp) == r
+    for axis, size in ((Axis.PP, pp), (Axis.DP, dp), (Axis.TP, tp)):
+        groups = axis_groups(axis, pp=pp, dp=dp, tp=tp)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups)
+        for g in groups:  # members differ only along this axis
+            others = {tuple(v for a, v in coords(r, pp=pp, dp=dp, tp=tp).items() if a != axis) for r in g}
+            assert len(others) == 1
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="--global-batch-size 10 is not divisible by --micro-batch-size 2 x --dp 2"):
+        Layout(global_batch_size=10, micro_batch_size=2, dp=2)
+    with pytest.raises(ValueError, match="needs --schedule interleaved-1f1b"):
+        Layout(vpp=2, pp=2)
+    with pytest.raises(ValueError, match="multiple of --pp 4"):
+        Layout(pp=4, vpp=2, schedule="interleaved-1f1b", global_batch_size=6)
+    with pytest.raises(ValueError, match="--sequence-parallel needs --tp > 1"):
+        Layout(sequence_parallel=True)
+    model = preset("tiny")  # 4 layers, 4 heads, ffn 512
+    with pytest.raises(ValueError, match="--tp 3 does not divide --heads 4"):
+        Layout(tp=3).check_model(model)
+    with pytest.raises(ValueError, match="only 4 layers"):
+        Layout(pp=8).check_model(model)
+    with pytest.raises(ValueError, match="--pp-layout"):
+        Layout(pp=2, pp_layout=(1, 2)).check_model(model)
+    llama = preset("tiny", arch="llama", n_heads=8, hidden=128, n_kv_heads=2)
+    Layout(tp=4).check_model(llama)  # kv heads split 2 ways, each replicated twice: fine
+    with pytest.raises(ValueError, match="--kv-heads"):
+        Layout(tp=4).check_model(preset("tiny", arch="llama", n_heads=12, hidden=96, n_kv_heads=3))
