@@ -224,7 +224,7 @@ def cmd_train(args, parser) -> int:
     except (UserError, ValueError, DataError, checkpoint.CheckpointError) as e:
         return _die("train", str(e).strip().splitlines()[0])
     except LaunchError as e:
-        return _die("train", str(e), code=1)
+        return _die("train", str(e), code=e.code)
     if (values.get("node_rank") or 0) == 0:
         _report(cfg)
     return 0

@@ -9,6 +9,7 @@ The rendezvous store lives in this launcher's agent process, which outlives the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -17,7 +18,11 @@ from plait.train.config import RunConfig
 
 
 class LaunchError(RuntimeError):
-    """The workers failed; the message is the one line to show."""
+    """The workers failed; the message is the one line to show, ``code`` the exit code."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 def torchrun_args(
@@ -76,10 +81,12 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
         failure = e
     errors = sorted(status.glob("rank-*.error"), key=lambda p: int(p.stem.split("-")[1]))
     if errors:
-        lines = [p.read_text().strip() for p in errors]
+        reports = [json.loads(p.read_text()) for p in errors]
         # A rank whose peer died reports a collective failure; show the root cause first.
-        lines.sort(key=lambda line: "CollectiveError" in line)
-        raise LaunchError(lines[0] + (f" (logs in {out / 'logs'})" if "rank " in lines[0] else ""))
+        reports.sort(key=lambda r: (r["code"] != 2, "CollectiveError" in r["message"]))
+        first = reports[0]
+        where = f" (logs in {out / 'logs'})" if first["code"] != 2 else ""
+        raise LaunchError(first["message"] + where, code=first["code"])
     if all((status / f"rank-{r}.done").exists() for r in ranks):
         return  # finished, whatever torchrun said about the exit (see worker.py)
     if isinstance(failure, KeyboardInterrupt):

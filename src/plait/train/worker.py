@@ -2,8 +2,9 @@
 ``python -m plait.train.worker --config OUT/config.yaml``.
 
 Whatever happens, the worker leaves one status file in ``OUT/status/``: ``rank-K.done``
-when its work completed, or ``rank-K.error`` holding one line for the user (the full
-traceback goes to ``OUT/logs/rank-K.log``). The launcher reads these instead of torchrun's
+when its work completed, or ``rank-K.error`` holding the exit code (2: the user's input,
+1: anything else) and one line for the user (the full traceback goes to
+``OUT/logs/rank-K.log``). The launcher reads these instead of torchrun's
 exit summary, so a gloo abort at interpreter exit after the work was done cannot turn a
 finished run into a failed one, and N interleaved tracebacks never reach the terminal.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import sys
@@ -62,15 +64,19 @@ def main(argv=None) -> int:
         train(cfg, topo=topo)
         (status / f"rank-{rank}.done").write_text("ok\n")
     except BaseException as e:  # noqa: BLE001 - every failure becomes one line for the user
-        code = 2 if isinstance(e, ValueError) else 1
+        from plait.train.checkpoint import CheckpointError
+
+        user_error = isinstance(e, ValueError | CheckpointError)
+        code = 2 if user_error else 1
         logs = out / "logs"
         logs.mkdir(exist_ok=True)
         (logs / f"rank-{rank}.log").write_text(traceback.format_exc())
         msg = (str(e).strip().splitlines() or [""])[0]
-        line = f"rank {rank}: {type(e).__name__}: {msg}" if code == 1 else msg
         if isinstance(e, KeyboardInterrupt):
-            line = f"rank {rank}: interrupted"
-        (status / f"rank-{rank}.error").write_text(line + "\n")
+            msg = f"rank {rank}: interrupted"
+        elif not user_error:
+            msg = f"rank {rank}: {type(e).__name__}: {msg}"
+        (status / f"rank-{rank}.error").write_text(json.dumps({"code": code, "message": msg}))
     finally:
         try:
             import torch.distributed as dist
