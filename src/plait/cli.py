@@ -21,11 +21,6 @@ import yaml
 
 from plait.cli_args import layout_parent, model_config, model_parent
 
-TRAIN_FLAGS = (
-    "steps", "lr", "warmup", "seed", "weight_decay", "grad_clip", "eval_every", "eval_batches",
-    "save_every", "keep_checkpoints", "log_every", "peak_tflops", "collective_timeout", "trace",
-    "threads",
-)  # fmt: skip
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
               "val_fraction": "val_fraction"}  # fmt: skip
 
@@ -84,7 +79,9 @@ def merged_values(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     values = {}
     if getattr(args, "config", None):
         values = read_config_file(args.config)
-        known = {a.dest for a in parser._actions}
+        from plait.train.config import TRAIN_FIELDS
+
+        known = {a.dest for a in parser._actions} | TRAIN_FIELDS
         unknown = sorted(set(values) - known)
         if unknown:
             raise UserError(f"--config {args.config}: unknown key {unknown[0]!r}")
@@ -150,7 +147,7 @@ def build_run_config(values: dict):
     """RunConfig from merged flag values; ValueError (one line) on bad input."""
     from plait.cli_args import layout_config
     from plait.data import DataConfig
-    from plait.train.config import RunConfig, TrainConfig
+    from plait.train.config import TRAIN_FIELDS, RunConfig, TrainConfig
 
     values = dict(values)
     values.setdefault("global_batch_size", 16)
@@ -158,7 +155,7 @@ def build_run_config(values: dict):
     model = model_config(values)
     layout = layout_config(values)
     layout.check_model(model)
-    train_fields = {k: values[k] for k in TRAIN_FLAGS if values.get(k) is not None}
+    train_fields = {k: values[k] for k in TRAIN_FIELDS if values.get(k) is not None}
     if values.get("no_progress"):
         train_fields["progress"] = False
     train_fields["resume"] = bool(values.get("resume"))

@@ -1,0 +1,131 @@
+"""Deterministic global batches: step k's sequences depend only on (seed, tokens,
+global_batch, seq_len), never on how the batch is split across data-parallel ranks or
+micro-batches (DESIGN.md section 3).
+
+The token stream is cut into non-overlapping windows of seq_len + 1 tokens; window i starts
+at token i * seq_len, so window i's last token (a target) is window i+1's first (an input)
+and every token is predicted exactly once per epoch. Epoch e visits the windows in the
+order of a permutation drawn from ``numpy.random.default_rng([seed, e])``; step k takes the
+entries [k*G, (k+1)*G) of the epoch permutations laid end to end.
+
+Worked example: 1,000 tokens, seq_len 99 -> windows 0..9 (window 9 is tokens 891..990).
+With G = 4, step 0 takes perm0[0:4], step 1 perm0[4:8], step 2 perm0[8:10] + perm1[0:2].
+
+Resuming is therefore just the step number: there is no iterator state to checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from plait.data.corpus import DataError
+
+
+class GlobalBatchSampler:
+    """The global batch of any step, or one data-parallel rank's rows of it.
+
+    ``name`` (e.g. ``Dataset.source``) only appears in error messages.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        name: str = "--data",
+    ):
+        _check_positive(seq_len=seq_len, global_batch=global_batch)
+        if seed < 0:
+            raise ValueError(f"--seed {seed}: must be >= 0")
+        if len(tokens) < seq_len + 1:
+            raise DataError(
+                f"{name}: the training split has {len(tokens):,} tokens but a step needs "
+                f"seq_len+1 = {seq_len + 1}; use more text or a smaller --seq-len"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.num_windows = (len(tokens) - 1) // seq_len
+        self._perms: dict[int, np.ndarray] = {}  # memo only: results never depend on it
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return self.num_windows / self.global_batch
+
+    def window_ids(self, step: int) -> np.ndarray:
+        """The window index of each of step ``step``'s ``global_batch`` rows, shape (G,)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
+        epochs, offsets = np.divmod(positions, self.num_windows)
+        ids = np.empty(self.global_batch, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            ids[here] = self._permutation(int(epoch))[offsets[here]]
+        return ids
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Step ``step``'s global batch, (global_batch, seq_len + 1) int64: inputs are
+        ``[:, :-1]``, targets ``[:, 1:]``."""
+        return self._gather(self.window_ids(step))
+
+    def local(self, step: int, *, dp_rank: int, dp: int) -> torch.Tensor:
+        """Rows [dp_rank*G/dp, (dp_rank+1)*G/dp) of ``batch(step)``, gathering only those."""
+        if dp < 1 or self.global_batch % dp:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch} is not divisible by --dp {dp}"
+            )
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
+        rows = self.global_batch // dp
+        return self._gather(self.window_ids(step)[dp_rank * rows : (dp_rank + 1) * rows])
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:  # a step spans at most two epochs unless G > windows
+                self._perms.pop(next(iter(self._perms)))
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perms[epoch] = rng.permutation(self.num_windows)
+        return self._perms[epoch]
+
+    def _gather(self, window_ids: np.ndarray) -> torch.Tensor:
+        return _windows(self.tokens, window_ids * self.seq_len, self.seq_len + 1)
+
+
+def val_batches(
+    tokens: np.ndarray, *, seq_len: int, batch: int, num_batches: int, name: str = "--data"
+) -> list[torch.Tensor]:
+    """``num_batches`` validation batches of (batch, seq_len + 1), the same for every layout
+    and every call.
+
+    They use windows spread evenly over the whole split (the validation tail may hold
+    several documents; the first few windows would only see the first). When the split
+    has fewer windows than ``batch * num_batches``, windows repeat, evenly.
+    """
+    _check_positive(seq_len=seq_len, batch=batch, num_batches=num_batches)
+    if len(tokens) < seq_len + 1:
+        raise DataError(
+            f"{name}: the validation split has {len(tokens):,} tokens but needs at least "
+            f"seq_len+1 = {seq_len + 1}; raise --val-fraction, use more text or a smaller --seq-len"
+        )
+    num_windows = (len(tokens) - 1) // seq_len
+    total = batch * num_batches
+    ids = np.arange(total, dtype=np.int64) * num_windows // total
+    rows = _windows(tokens, ids * seq_len, seq_len + 1)
+    return list(rows.split(batch))
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    # One fancy-indexing gather from the memmap: reads only the pages the windows touch.
+    index = starts[:, None] + np.arange(length, dtype=np.int64)  # (rows, length)
+    return torch.from_numpy(np.asarray(tokens[index]).astype(np.int64))
+
+
+def _check_positive(**values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")

@@ -1,0 +1,339 @@
+"""Corpus + tokenizer -> a token cache on disk -> the train and validation token streams.
+
+``prepare(cfg)`` does the work once per (corpus, tokenizer) and every later call, in this
+process or any other, memory-maps the result:
+
+    cache_dir/<fingerprint>/
+        tokenizer.json   the trained (or copied) tokenizer
+        tokens.bin       every document's ids followed by the end-of-text id, back to back
+        meta.json        written last: its presence means the folder is complete
+        .lock            flock'ed while one process builds; the others wait, then reuse
+
+The fingerprint hashes the corpus identity (see ``Corpus.identity``) and the tokenizer
+settings. Each file is written under a temporary name and renamed into place, so a crash
+leaves either nothing or a complete file, never half of one. ``val_fraction`` is not part of
+the fingerprint: the split is computed when the cache is opened, so changing it is free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from plait.data.corpus import Corpus, DataError, find_corpus
+from plait.data.tokenizer import (
+    EOT_TOKEN,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    token_dtype,
+    train_bpe,
+)
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock, concurrent prepares are unsafe
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+# Bump when the token stream for the same inputs changes (e.g. how documents are split).
+CACHE_FORMAT = 1
+# Tokenising hands the tokenizer batches of about this many characters (it uses all cores
+# within a batch), and cuts documents longer than PIECE_CHARS at a line break so one huge
+# file does not run on one core. The cut only changes how the text around it is merged.
+BATCH_CHARS = 4 << 20
+PIECE_CHARS = 1 << 20
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What to train on and how to tokenise it. Read by ``prepare``."""
+
+    path: str | None = None  # None: the embedded corpus; else a text file, folder or .jsonl
+    tokenizer: str = "bpe"  # "bpe" | "bytes" | path to a tokenizer.json
+    vocab_size: int = 4096  # for "bpe", the special token included
+    val_fraction: float = 0.01  # held-out tail of the token stream
+    cache_dir: str | None = None  # None: ~/.cache/plait
+
+    def __post_init__(self) -> None:
+        for name in ("path", "cache_dir"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+            elif value is not None and not isinstance(value, str):
+                raise ValueError(f"DataConfig.{name}: expected a path, got {value!r}")
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError(
+                f"--tokenizer {self.tokenizer!r}: use 'bpe', 'bytes' or a path to a tokenizer.json"
+            )
+        if self.tokenizer == "bpe" and (
+            not isinstance(self.vocab_size, int) or not 257 <= self.vocab_size < 1 << 32
+        ):
+            raise ValueError(
+                f"--vocab-size {self.vocab_size}: a byte-level BPE needs at least 257 ids "
+                f"(256 bytes + {EOT_TOKEN}); try 4096"
+            )
+        if not isinstance(self.val_fraction, int | float) or not 0 <= self.val_fraction < 1:
+            raise ValueError(
+                f"--val-fraction {self.val_fraction}: must be in [0, 1); 0.01 holds out the "
+                "last 1% of the tokens"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A prepared corpus: its tokenizer and its train / validation token streams.
+
+    ``train`` and ``val`` are read-only memory maps (uint16 when the vocabulary fits, else
+    uint32): opening a dataset costs nothing and every process shares the page cache.
+    """
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    cache_path: Path
+    fingerprint: str
+    source: str  # how messages name the data, e.g. "--data books/"; pass as name= to samplers
+    num_documents: int
+
+
+def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None) -> Dataset:
+    """Discover, tokenise and cache the corpus once; later calls open the cache.
+
+    Safe to call from every worker at once: one builds under a file lock, the rest wait for
+    it and reuse its result. Raises DataError (one line) for anything the user can fix.
+    """
+    log = log or logger.info
+    corpus = find_corpus(cfg.path)
+    fingerprint = _fingerprint(corpus, cfg)
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache/plait"
+    folder = root / fingerprint
+    if _complete(folder):
+        log(f"data: reusing the token cache {folder}")
+    else:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataError(
+                f"cache folder {root}: cannot create it ({e.strerror}); set DataConfig.cache_dir "
+                "to a writable folder"
+            )
+        with _exclusive(folder / ".lock", log):
+            if _complete(folder):  # another process built it while we waited
+                log(f"data: reusing the token cache {folder}")
+            else:
+                _build(folder, corpus, cfg, log)
+    return _open(folder, corpus, cfg)
+
+
+def _fingerprint(corpus: Corpus, cfg: DataConfig) -> str:
+    if cfg.tokenizer == "bpe":
+        tok_key, tok_name = {"kind": "bpe", "vocab_size": cfg.vocab_size}, f"bpe{cfg.vocab_size}"
+    elif cfg.tokenizer == "bytes":
+        tok_key, tok_name = {"kind": "bytes", "eot_id": ByteTokenizer.eot_id}, "bytes"
+    else:  # a tokenizer file: keyed by its content, wherever it lives
+        p = Path(cfg.tokenizer).expanduser()
+        p = p / "tokenizer.json" if p.is_dir() else p
+        load_tokenizer(cfg.tokenizer)  # a DataError now rather than after the corpus walk
+        tok_key, tok_name = {"kind": "file", "sha256": _sha256(p.read_bytes())}, "tokfile"
+    key = {"format": CACHE_FORMAT, "corpus": corpus.identity(), "tokenizer": tok_key}
+    digest = _sha256(json.dumps(key, sort_keys=True).encode())[:16]
+    return f"{corpus.kind}-{tok_name}-{digest}"  # readable in `ls ~/.cache/plait`
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _complete(folder: Path) -> bool:
+    """A cache folder is usable when meta.json exists and tokens.bin has the size it states."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+        return (folder / "tokenizer.json").is_file() and (
+            folder / "tokens.bin"
+        ).stat().st_size == expected
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold an flock on ``lock_path``. The kernel drops it if the holder dies, so a crashed
+    builder never leaves the others waiting forever."""
+    with open(lock_path, "a") as f:
+        if fcntl is None:
+            yield
+            return
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"data: another process is preparing {lock_path.parent}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(folder: Path, corpus: Corpus, cfg: DataConfig, log: Callable[[str], None]) -> None:
+    for leftover in folder.glob("*.tmp"):  # from a build that crashed
+        leftover.unlink(missing_ok=True)
+    tok_path = folder / "tokenizer.json"
+    if tok_path.is_file():  # complete (it was renamed into place): a crash came after it
+        tokenizer = load_tokenizer(tok_path)
+    else:
+        tokenizer = _make_tokenizer(corpus, cfg, log)
+        _write_atomically(tok_path, tokenizer.save)
+
+    start = time.perf_counter()
+    dtype = token_dtype(tokenizer.vocab_size)
+    counts = {}
+    _write_atomically(
+        folder / "tokens.bin",
+        lambda tmp: counts.update(_tokenise(corpus, tokenizer, dtype, tmp, log)),
+    )
+    if counts["num_documents"] == 0:
+        (folder / "tokens.bin").unlink()
+        raise DataError(f"{corpus.label}: no text found (every document is empty)")
+    log(
+        f"data: tokenised {counts['num_documents']:,} documents ({counts['num_chars'] / 1e6:.1f}M "
+        f"characters) into {counts['num_tokens']:,} tokens in {time.perf_counter() - start:.1f} s"
+    )
+    meta = {
+        "format": CACHE_FORMAT,
+        "source": corpus.label,
+        "tokenizer": cfg.tokenizer,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "dtype": np.dtype(dtype).name,
+        **counts,
+    }
+    _write_atomically(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    log(f"data: token cache ready at {folder}")
+
+
+def _make_tokenizer(corpus: Corpus, cfg: DataConfig, log: Callable[[str], None]) -> Tokenizer:
+    if cfg.tokenizer == "bytes":
+        return ByteTokenizer()
+    if cfg.tokenizer != "bpe":
+        return load_tokenizer(cfg.tokenizer)
+    start = time.perf_counter()
+    tokenizer = train_bpe(corpus.documents(), vocab_size=cfg.vocab_size)
+    log(
+        f"data: trained a byte-level BPE of {tokenizer.vocab_size} ids on {corpus.label} "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
+    if tokenizer.vocab_size < cfg.vocab_size:
+        log(
+            f"data: the corpus only supports {tokenizer.vocab_size} of the {cfg.vocab_size} "
+            "requested ids (too little text to learn more merges)"
+        )
+    return tokenizer
+
+
+def _tokenise(
+    corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: Path, log: Callable[[str], None]
+) -> dict[str, int]:
+    """Write every document's ids, each followed by the end-of-text id, to ``out``."""
+    eot = [] if tokenizer.eot_id is None else [np.array([tokenizer.eot_id], dtype=np.uint32)]
+    num_tokens = num_chars = num_documents = 0
+    with open(out, "wb") as f:
+        for batch in _batches(corpus.documents(log)):
+            pieces = [text for text, _ in batch]
+            parts = []
+            for ids, (text, last) in zip(tokenizer.encode_batch(pieces), batch):
+                parts.append(ids)
+                if last:
+                    parts += eot
+                    num_documents += 1
+                num_chars += len(text)
+            ids = np.concatenate(parts).astype(dtype)
+            ids.tofile(f)
+            num_tokens += len(ids)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"num_tokens": num_tokens, "num_documents": num_documents, "num_chars": num_chars}
+
+
+def _batches(documents: Iterator[str]) -> Iterator[list[tuple[str, bool]]]:
+    """Group documents into batches of about BATCH_CHARS; each item is (piece, is_last_piece)."""
+    batch, size = [], 0
+    for doc in documents:
+        for piece, last in _pieces(doc):
+            batch.append((piece, last))
+            size += len(piece)
+            if size >= BATCH_CHARS:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _pieces(doc: str) -> Iterator[tuple[str, bool]]:
+    start = 0
+    while len(doc) - start > PIECE_CHARS:
+        cut = doc.rfind("\n", start + PIECE_CHARS // 2, start + PIECE_CHARS) + 1
+        cut = cut or start + PIECE_CHARS  # no line break near the limit: cut anywhere
+        yield doc[start:cut], False
+        start = cut
+    yield doc[start:], True
+
+
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _open(folder: Path, corpus: Corpus, cfg: DataConfig) -> Dataset:
+    meta = json.loads((folder / "meta.json").read_text())
+    tokenizer = load_tokenizer(folder / "tokenizer.json", flag="token cache")
+    tokens = np.memmap(
+        folder / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],)
+    )
+    cut = split_point(tokens, cfg.val_fraction, tokenizer.eot_id)
+    return Dataset(
+        tokenizer=tokenizer,
+        train=tokens[:cut],
+        val=tokens[cut:],
+        cache_path=folder,
+        fingerprint=folder.name,
+        source=corpus.label,
+        num_documents=meta["num_documents"],
+    )
+
+
+def split_point(tokens: np.ndarray, val_fraction: float, eot_id: int | None) -> int:
+    """Where validation starts: ``val_fraction`` of the tokens from the end, moved to the
+    nearest document start within half the validation length so no document straddles
+    the split (kept where it is when there is none, e.g. one long document).
+
+    Worked example: 1,000 tokens, val_fraction 0.1 -> the cut is at 900; an end-of-text at
+    index 880 moves it to 881 (val has 119 tokens), one at 960 would move it to 961.
+    """
+    n = len(tokens)
+    num_val = round(n * val_fraction)
+    cut = n - num_val
+    if num_val == 0 or eot_id is None:
+        return cut
+    lo, hi = max(cut - num_val // 2, 0), min(cut + num_val // 2, n - 1)
+    starts = np.flatnonzero(np.asarray(tokens[lo:hi]) == eot_id) + lo + 1
+    if len(starts) == 0:
+        return cut
+    return int(starts[np.argmin(np.abs(starts - cut))])
