@@ -15,6 +15,7 @@ with no communication at all.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -68,11 +69,18 @@ def _axis_name(axis) -> str:
     return getattr(axis, "value", str(axis))
 
 
+def _essence(message: str) -> str:
+    """The informative part of a backend error: no source path, no boilerplate advice."""
+    first = (message.strip().splitlines() or [""])[0]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)
+    return first.split(". This is typically")[0].strip()
+
+
 def _guard(topo: Topology, op: str, axis, fn):
     try:
         return fn()
     except RuntimeError as e:  # gloo/NCCL errors and timeouts surface as RuntimeError
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = _essence(str(e)) or type(e).__name__
         raise CollectiveError(
             f"rank {topo.rank}: {op} on the {_axis_name(axis)} axis failed: {first}"
         ) from e

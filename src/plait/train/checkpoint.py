@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from plait import comm
 from plait.parallel.tensor import full_shape, shard_spec, tp_gather, tp_shard
@@ -119,6 +120,18 @@ def save(
     return final
 
 
+def _root_cause(e: BaseException) -> str:
+    """One line from DCP's per-rank failure report, or from the exception itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            e = inner
+    text = (str(e).strip().splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -150,8 +163,8 @@ def load(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(targets, checkpoint_id=str(path), no_dist=not _dist())
-    except Exception as e:  # DCP raises several types for missing keys / corrupt files
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+        first = _root_cause(e)
         raise CheckpointError(
             f"checkpoint {path} could not be loaded into this model: {first}"
         ) from None

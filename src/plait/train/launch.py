@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 from plait.train.config import RunConfig
@@ -80,25 +81,33 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
     except BaseException as e:  # ChildFailedError, SignalException, KeyboardInterrupt
         failure = e
     errors = sorted(status.glob("rank-*.error"), key=lambda p: int(p.stem.split("-")[1]))
-    if errors:
-        reports = [json.loads(p.read_text()) for p in errors]
-        # A rank whose peer died reports a collective failure; show the root cause first.
-        reports.sort(key=lambda r: (r["code"] != 2, "CollectiveError" in r["message"]))
+    reports = [json.loads(p.read_text()) for p in errors]
+    finished = all((status / f"rank-{r}.done").exists() for r in ranks)
+    if not reports and finished:
+        return  # finished, whatever torchrun said about the exit (see worker.py)
+    # Root cause first: bad input, then a crash, then a rank that died without a word
+    # (killed), and last the collective failures its peers saw as a consequence.
+    reports.sort(key=lambda r: (r["code"] != 2, "CollectiveError" in r["message"]))
+    if reports and (reports[0]["code"] == 2 or "CollectiveError" not in reports[0]["message"]):
         first = reports[0]
         where = f" (logs in {out / 'logs'})" if first["code"] != 2 else ""
         raise LaunchError(first["message"] + where, code=first["code"])
-    if all((status / f"rank-{r}.done").exists() for r in ranks):
-        return  # finished, whatever torchrun said about the exit (see worker.py)
     if isinstance(failure, KeyboardInterrupt):
         raise LaunchError("interrupted")
-    raise LaunchError(_describe(failure) + f"; see {out / 'logs'}")
+    silent = _describe(failure, reported={int(p.stem.split("-")[1]) for p in errors})
+    if silent is None and reports:
+        raise LaunchError(reports[0]["message"] + f" (logs in {out / 'logs'})")
+    raise LaunchError((silent or "workers exited without finishing") + f"; see {out / 'logs'}")
 
 
-def _describe(failure) -> str:
+def _describe(failure, *, reported: set[int]) -> str | None:
     """One line for a worker that died without writing its status (killed, crashed)."""
-    import signal
-
-    for rank, f in sorted(getattr(failure, "failures", {}).items()):
+    failures = [
+        (rank, f) for rank, f in getattr(failure, "failures", {}).items() if rank not in reported
+    ]
+    # The agent SIGTERMs the survivors of a failure: the root cause is the other one.
+    failures.sort(key=lambda item: (getattr(item[1], "exitcode", 0) == -signal.SIGTERM, item[0]))
+    for rank, f in failures:
         code = getattr(f, "exitcode", None)
         if code is not None and code < 0:
             try:
@@ -106,6 +115,4 @@ def _describe(failure) -> str:
             except ValueError:
                 pass
         return f"rank {rank} exited with code {code} before finishing"
-    return (
-        f"workers exited without finishing ({type(failure).__name__ if failure else 'no status'})"
-    )
+    return None

@@ -1,0 +1,228 @@
+"""``plait train`` end to end through the CLI: workers started by the torchrun engine."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "--model", "tiny", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",
+    "--global-batch-size", "8", "--lr", "3e-3", "--warmup", "2", "--eval-every", "0",
+    "--eval-batches", "1", "--tokenizer", "bytes", "--threads", "1", "--no-progress",
+]  # fmt: skip
+
+
+def plait(*args, timeout=180, check=False):
+    proc = subprocess.run(
+        [sys.executable, "-m", "plait.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"plait {' '.join(map(str, args))} failed:\n{proc.stderr}")
+    return proc
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((stdlib / f).read_text() for f in ("argparse.py", "dataclasses.py", "enum.py"))
+    (d / "code.txt").write_text(text)
+    return d
+
+
+@pytest.fixture(scope="module")
+def base(corpus, tmp_path_factory):
+    """One uninterrupted 20-step run that several tests compare against."""
+    out = tmp_path_factory.mktemp("runs") / "base"
+    plait("train", *TINY, "--data", corpus / "code.txt", "--cache-dir", corpus / "cache",
+          "--steps", 20, "--save-every", 10, "--out", out, check=True)  # fmt: skip
+    return out
+
+
+def common(corpus):
+    return [*TINY, "--data", corpus / "code.txt", "--cache-dir", corpus / "cache"]
+
+
+def test_train_writes_run_folder_and_loss_falls(base):
+    records = [json.loads(x) for x in (base / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for key in ("loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s",
+                "tflops_per_device", "mfu", "peak_mem_bytes"):  # fmt: skip
+        assert key in records[0], key
+    assert records[0]["tokens"] == 8 * 32
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    assert "val_loss" in records[-1]
+    assert (base / "config.yaml").exists()
+    assert sorted(p.name for p in (base / "checkpoints").iterdir()) == [
+        "step-00000010",
+        "step-00000020",
+    ]
+
+
+def test_generate_samples_from_checkpoint(base):
+    proc = plait("generate", "--run", base, "--prompt", "def ", "--max-new-tokens", 20, check=True)
+    assert proc.stdout.startswith("def ") and len(proc.stdout) > 10
+
+
+def test_resume_continues_the_same_curve(base, tmp_path):
+    # Interrupted after step 10: the run folder as it was then, resumed to step 20.
+    run = tmp_path / "resumed"
+    shutil.copytree(base, run)
+    shutil.rmtree(run / "checkpoints" / "step-00000020")
+    plait("train", "--config", run / "config.yaml", "--out", run, "--resume", check=True)
+    assert losses(run) == pytest.approx(losses(base), rel=1e-6)
+
+
+def test_dp2_matches_single_process(base, corpus, tmp_path):
+    out = tmp_path / "dp2"
+    plait("train", *common(corpus), "--steps", 20, "--dp", 2, "--out", out, check=True)
+    assert losses(out) == pytest.approx(losses(base), rel=1e-5)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match(base, corpus, tmp_path):
+    out = tmp_path / "two-nodes"
+    port = _free_port()
+    args = [sys.executable, "-m", "plait.cli", "train", *map(str, common(corpus)),
+            "--steps", "20", "--dp", "2", "--out", str(out), "--nnodes", "2",
+            "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    nodes = [
+        subprocess.Popen([*args, "--node-rank", str(i)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for i in (0, 1)
+    ]
+    for node in nodes:
+        _, err = node.communicate(timeout=180)
+        assert node.returncode == 0, err
+    assert losses(out) == pytest.approx(losses(base), rel=1e-5)
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--data", "/nonexistent/corpus.txt"], ["--data", "/nonexistent/corpus.txt"]),
+        (["--hidden", "66"], ["--heads 4 does not divide --hidden 66"]),
+        (["--global-batch-size", "6", "--micro-batch-size", "4"],
+         ["--global-batch-size 6 is not divisible"]),  # fmt: skip
+        (["--model", "gpt5"], ["--model 'gpt5' is not a preset"]),
+        (["--tp", "3"], ["--tp 3 does not divide --heads 4"]),
+        (["--resume", "--out", "/tmp/plait-no-such-run"], ["--resume: no checkpoint"]),
+        (["--config", "/nonexistent.yaml"], ["--config /nonexistent.yaml"]),
+    ],
+)
+def test_bad_input_one_line(extra, needles, tmp_path):
+    proc = plait("train", *TINY, "--out", tmp_path / "run", *extra)
+    _one_line_error(proc, *needles)
+
+
+def test_empty_corpus_and_short_corpus(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_error(plait("train", *TINY, "--data", empty, "--cache-dir", tmp_path / "c"), "--data")
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n" * 10)
+    _one_line_error(plait("train", *TINY, "--data", short, "--cache-dir", tmp_path / "c"), "--data")
+
+
+def test_corrupt_checkpoint_on_resume(base, tmp_path):
+    run = tmp_path / "corrupt"
+    shutil.copytree(base, run)
+    for f in (run / "checkpoints" / "step-00000020").glob("*.distcp"):
+        f.write_bytes(b"not a checkpoint")
+    proc = plait("train", "--config", run / "config.yaml", "--out", run, "--resume")
+    _one_line_error(proc, "step-00000020")
+    (run / "checkpoints" / "step-00000020" / "meta.json").write_text("{")
+    _one_line_error(plait("train", "--config", run / "config.yaml", "--out", run, "--resume"),
+                    "step-00000020", "corrupt")  # fmt: skip
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _start_long_run(corpus, out, *extra):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "train", *map(str, common(corpus)), "--dp", "2",
+         "--steps", "100000", "--log-every", "1", "--out", str(out), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.2)
+    workers = [p for p in _descendants(proc.pid) if "plait.train.worker" in _cmdline(p)]
+    if len(workers) != 2:
+        proc.kill()
+        raise AssertionError(f"expected 2 running workers: {proc.communicate()[1]}")
+    return proc, workers
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_killed_worker_one_message_no_orphans(corpus, tmp_path):
+    proc, workers = _start_long_run(corpus, tmp_path / "killed")
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "killed by SIGKILL" in lines[0], err
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{w}").exists() and "plait" in _cmdline(w) for w in workers)
+
+
+def test_collective_timeout_names_rank_and_operation(corpus, tmp_path):
+    proc, workers = _start_long_run(corpus, tmp_path / "hang", "--collective-timeout", "10")
+    os.kill(workers[1], signal.SIGSTOP)  # a hung peer: alive, silent
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        for w in workers:
+            if Path(f"/proc/{w}").exists():
+                os.kill(w, signal.SIGKILL)
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "rank 0" in lines[0] and "all_reduce" in lines[0], lines[0]
