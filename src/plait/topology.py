@@ -19,6 +19,7 @@ here and nowhere else.
 
 from __future__ import annotations
 
+import datetime
 import enum
 from dataclasses import dataclass, field
 
@@ -94,8 +95,20 @@ class Topology:
         )
 
     @classmethod
-    def build(cls, *, pp: int, dp: int, tp: int, device: torch.device | str = "cpu") -> Topology:
-        """Create every axis group (collectively: all ranks must call this) and keep ours."""
+    def build(
+        cls,
+        *,
+        pp: int,
+        dp: int,
+        tp: int,
+        device: torch.device | str = "cpu",
+        timeout: datetime.timedelta | None = None,
+    ) -> Topology:
+        """Create every axis group (collectively: all ranks must call this) and keep ours.
+
+        ``timeout`` bounds every collective on the axis groups; new_group does not inherit
+        the world group's timeout (it would default to 30 minutes), so it is passed here.
+        """
         world = pp * dp * tp
         if not dist.is_initialized():
             if world != 1:
@@ -111,7 +124,7 @@ class Topology:
         for axis in (Axis.TP, Axis.DP, Axis.PP):
             for ranks in axis_groups(axis, pp=pp, dp=dp, tp=tp):
                 # new_group is collective over the world even for groups we are not in.
-                pg = dist.new_group(ranks) if len(ranks) > 1 else None
+                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     group_ranks[axis] = ranks
                     if pg is not None:

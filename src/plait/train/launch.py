@@ -85,10 +85,14 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
     finished = all((status / f"rank-{r}.done").exists() for r in ranks)
     if not reports and finished:
         return  # finished, whatever torchrun said about the exit (see worker.py)
-    # Root cause first: bad input, then a crash, then a rank that died without a word
-    # (killed), and last the collective failures its peers saw as a consequence.
-    reports.sort(key=lambda r: (r["code"] != 2, "CollectiveError" in r["message"]))
-    if reports and (reports[0]["code"] == 2 or "CollectiveError" not in reports[0]["message"]):
+    # Root cause first: bad input, then a crash or a collective that timed out (a hung
+    # peer, which the agent then kills), then a rank that died without a word (killed),
+    # and last the collective failures its peers saw as a consequence.
+    def secondary(r):
+        return "CollectiveError" in r["message"] and "Timed out" not in r["message"]
+
+    reports.sort(key=lambda r: (r["code"] != 2, secondary(r)))
+    if reports and (reports[0]["code"] == 2 or not secondary(reports[0])):
         first = reports[0]
         where = f" (logs in {out / 'logs'})" if first["code"] != 2 else ""
         raise LaunchError(first["message"] + where, code=first["code"])

@@ -50,15 +50,13 @@ def main(argv=None) -> int:
         from plait.topology import Topology
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        timeout = datetime.timedelta(seconds=cfg.train.collective_timeout)
         if world > 1:
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(
-                backend="nccl" if device == "cuda" else "gloo",
-                timeout=datetime.timedelta(seconds=cfg.train.collective_timeout),
-            )
+            dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", timeout=timeout)
         lay = cfg.layout
-        topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp, device=device)
+        topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp, device=device, timeout=timeout)
         from plait.train.loop import train
 
         train(cfg, topo=topo)
