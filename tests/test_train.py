@@ -1,0 +1,158 @@
+"""Trainer pieces without the launcher: schedule, scaling, recomputation, precision,
+checkpoints, config files, the worker's argument parser."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from plait.cli import build_run_config, read_config_file
+from plait.data import DataConfig, prepare
+from plait.layout import Layout
+from plait.model.config import preset
+from plait.model.transformer import build_model
+from plait.topology import Topology
+from plait.train import checkpoint, optim
+from plait.train.config import RunConfig, TrainConfig
+from plait.train.loop import train
+from plait.train.worker import _parse
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
+    lrs = [optim.lr_at(s, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
+    s = optim.LossScaler(enabled=True, init_scale=1024.0, growth_interval=3)
+    s.update(found_inf=True)
+    assert s.scale == 512.0
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert s.scale == 1024.0
+    off = optim.LossScaler(enabled=False)
+    off.update(found_inf=True)
+    assert off.scale == 1.0
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_changes_nothing_numerically(recompute):
+    cfg = preset("tiny", arch="llama", n_layers=2, vocab_size=128, seq_len=16)
+    ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mode in ("none", recompute):
+        model = build_model(cfg, seed=1, recompute=mode)
+        model(ids[:, :-1], ids[:, 1:]).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    import sysconfig
+    from pathlib import Path
+
+    src = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+    (d / "a.txt").write_text(src.read_text())
+    cfg = DataConfig(path=str(d / "a.txt"), tokenizer="bytes", cache_dir=str(d / "cache"))
+    prepare(cfg)
+    return cfg
+
+
+def _run(data_cfg, out, **train_kw):
+    model = preset("tiny", n_layers=2, hidden=64, seq_len=32, vocab_size=256)
+    dtype = train_kw.pop("dtype", "fp32")
+    cfg = RunConfig(
+        model=model,
+        layout=Layout(global_batch_size=4, micro_batch_size=2, dtype=dtype),
+        data=data_cfg,
+        train=TrainConfig(
+            **{"steps": 6, "eval_every": 0, "eval_batches": 1, "progress": False, "warmup": 1,
+               **train_kw}
+        ),  # fmt: skip
+        out=str(out),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    train(cfg, topo=Topology.single())
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bf16_autocast_trains_close_to_fp32(small_data, tmp_path):
+    fp32 = _run(small_data, tmp_path / "fp32")
+    bf16 = _run(small_data, tmp_path / "bf16", dtype="bf16")
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2e-2)
+    assert bf16[-1]["loss"] < bf16[0]["loss"]
+
+
+def test_fp16_skips_overflowing_steps(small_data, tmp_path):
+    # An absurd initial scale overflows fp16: those steps are skipped and the scale halves
+    # until the gradients fit, then training proceeds.
+    recs = _run(small_data, tmp_path / "fp16", dtype="fp16")
+    assert all("loss_scale" in r for r in recs)
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    skipped = [r["skipped"] for r in recs]
+    scales = [r["loss_scale"] for r in recs]
+    for i in range(1, len(recs)):
+        if skipped[i]:
+            assert scales[i] == scales[i - 1] / 2
+
+
+def test_checkpoint_ignores_half_written_and_roundtrips(tmp_path):
+    cfg = preset("tiny", arch="llama", n_layers=2, vocab_size=64, seq_len=8)
+    model = build_model(cfg, seed=0)
+    opt = optim.build_adamw(list(model.named_parameters()), TrainConfig())
+    named = list(model.named_parameters())
+    state = optim.init_adamw_state(opt, named)
+    for t in state["blocks.0.attn.q.weight"].values():
+        t.fill_(3.0)
+    topo = Topology.single()
+    root = tmp_path / "ckpt"
+    checkpoint.save(root, 5, model=model, optim_state=state, meta={"x": 1}, topo=topo)
+    (root / "step-00000009.tmp").mkdir()  # a crash mid-write of a later checkpoint
+    assert checkpoint.latest(root).name == "step-00000005"
+    other = build_model(cfg, seed=99)
+    opt2 = optim.build_adamw(list(other.named_parameters()), TrainConfig())
+    state2 = optim.init_adamw_state(opt2, list(other.named_parameters()))
+    meta = checkpoint.load(checkpoint.latest(root), model=other, optim_state=state2, topo=topo)
+    assert meta["step"] == 5 and meta["x"] == 1
+    for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
+        assert torch.equal(p, q), n
+    assert torch.all(state2["blocks.0.attn.q.weight"]["exp_avg"] == 3.0)
+
+
+def test_config_files_yaml_and_toml(tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text("model: tiny\narch: llama\ntp: 2\nglobal-batch-size: 32\nsteps: 7\n")
+    t = tmp_path / "run.toml"
+    t.write_text('model = "tiny"\narch = "llama"\ntp = 2\nglobal_batch_size = 32\nsteps = 7\n')
+    for f in (y, t):
+        values = read_config_file(str(f))
+        cfg = build_run_config(values)
+        assert cfg.model.arch == "llama" and cfg.layout.tp == 2 and cfg.train.steps == 7
+        assert cfg.layout.global_batch_size == 32 and cfg.layout.micro_batch_size == 32
+    # a resolved config.yaml round-trips
+    resolved = tmp_path / "config.yaml"
+    cfg.save(resolved)
+    again = build_run_config(read_config_file(str(resolved)))
+    assert again.model == cfg.model and again.layout == cfg.layout
+
+
+def test_worker_parser_rejects_abbreviations():
+    assert _parse(["--config", "x.yaml"]).config == "x.yaml"
+    with pytest.raises(SystemExit):
+        _parse(["--conf", "x.yaml"])
+
+
+def test_grad_norm_counts_replicated_weights_once():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    topo = Topology.single()
+    assert optim.grad_sq_sum([p], topo).item() == pytest.approx(12.0)
+    optim.clip_([p], math.sqrt(12.0), 1.0)
+    assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
