@@ -119,3 +119,84 @@ def model_state_bytes(
     if zero >= 3:
         p /= dp
     return p + g + o
+
+
+def model_state_breakdown(
+    n_params: int,
+    *,
+    dp: int = 1,
+    zero: int = 0,
+    offload_optimizer: bool = False,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optim_bytes: int = 8,
+) -> dict[str, float]:
+    """``model_state_bytes`` in parts -- ``params``, ``grads``, ``optim`` on the device,
+    their sum ``device``, and ``host`` -- for what one rank holds.
+
+    ``dp`` is the number of ranks a shard is spread over (``--zero-shard-group`` when
+    hybrid sharding, else ``--dp``). With ``offload_optimizer`` (ZeRO-Offload) the
+    optimizer state leaves the device for host memory, together with an fp32 master copy
+    of the rank's parameter shard that the CPU update works on.
+    """
+    if offload_optimizer and zero == 0:
+        raise ValueError("--offload-optimizer needs --zero 1, 2 or 3")
+    shard = n_params / dp
+    out = {
+        "params": param_bytes * (shard if zero >= 3 else n_params),
+        "grads": grad_bytes * (shard if zero >= 2 else n_params),
+        "optim": 0.0 if offload_optimizer else optim_bytes * (shard if zero >= 1 else n_params),
+    }
+    out["device"] = out["params"] + out["grads"] + out["optim"]
+    out["host"] = (optim_bytes + 4) * shard if offload_optimizer else 0.0
+    return out
+
+
+def activation_bytes_per_layer(
+    cfg: ModelConfig,
+    *,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    flash_attention: bool = False,
+) -> float:
+    """Bytes one transformer block keeps for its backward, per tensor-parallel rank.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models", section 4), generalised to grouped-query attention, SwiGLU, any activation
+    dtype and fused attention. For GPT (f = 4h, a heads), 2-byte activations and dropout
+    (1-byte masks) it is their
+        s b h (10 + 24/t + 5 a s / (h t))     tensor parallel
+        s b h (34 + 5 a s / h) / t            tensor + sequence parallel
+        s b h (10 + 24/t) or 34 s b h / t     selective recomputation (no s^2 term)
+        2 s b h  (/ t with sequence parallelism)   full recomputation (the block input)
+    Parts: the QKV and FC1 inputs and two norm inputs (4 h elements per token, split by
+    t only under sequence parallelism) and two dropout masks (2 h bytes); inside the
+    tensor-parallel region Q, K, V and the attention output (2 h + 2 kv) and the MLP
+    (GELU: its input and output, 2 f; SwiGLU: gate, up and their product, 3 f); the
+    attention core keeps the softmax output (a s per token), with dropout also its
+    mask and output (5 a s bytes in all at 2 bytes). Fused attention keeps no s x s
+    matrix, only a 4-byte log-sum-exp per head and token.
+    """
+    s = cfg.seq_len if seq_len is None else seq_len
+    tokens = micro_batch_size * s
+    h, kv, e = cfg.hidden, cfg.kv_dim, act_bytes
+    masks = cfg.dropout > 0
+    split_all = tp if sequence_parallel else 1
+    if recompute == "full":
+        return tokens * h * e / split_all
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
+    replicated = 4 * h * e + (2 * h if masks else 0)
+    mlp = (2 if cfg.arch == "gpt2" else 3) * cfg.ffn_hidden
+    split = (2 * h + 2 * kv + mlp) * e
+    if flash_attention:
+        core = 4 * cfg.n_heads
+    elif recompute == "selective":
+        core = 0
+    else:
+        core = cfg.n_heads * s * (2 * e + 1 if masks else e)
+    return tokens * (replicated / split_all + (split + core) / tp)

@@ -1,0 +1,194 @@
+"""``plait simulate``: predict one layout's step, or a whole CSV of runs.
+
+    plait simulate --model gpt3-175b --gpu a100-80gb --gpus 1024 --tp 8 --pp 8 \\
+        --global-batch-size 1536 --dtype bf16 --sequence-parallel --recompute selective
+    plait simulate ... --json                 # one JSON object
+    plait simulate ... --timeline step.png    # per-rank timeline of the simulated step
+    plait simulate --runs runs.csv --out pred.csv
+    plait simulate --gpu h100-sxm --write-hardware my-cluster.yaml   # start a spec
+
+``plait.cli`` builds the parser from ``cli_args.model_parent()`` and ``layout_parent()``
+plus ``add_arguments`` below, and calls ``run(args)``. Errors a user can cause print one
+line, ``plait simulate: error: ...``, to stderr and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from plait.sim.hardware import BUILTIN, DEFAULT_GPU
+from plait.sim.runtime import DEFAULT_RUNTIME, PROFILES
+
+GiB = 2**30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("simulate")
+    g.add_argument(
+        "--gpu",
+        choices=list(BUILTIN),
+        default=None,
+        help=f"built-in hardware (default {DEFAULT_GPU})",
+    )
+    g.add_argument(
+        "--gpus", type=int, default=None, help="devices in all; sets --dp when --dp is not given"
+    )
+    g.add_argument("--hardware", metavar="FILE", default=None, help="hardware spec (YAML)")
+    g.add_argument(
+        "--runtime",
+        choices=list(PROFILES),
+        default=None,
+        help=f"software whose behaviour is modelled (default {DEFAULT_RUNTIME})",
+    )
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--timeline", metavar="PNG", default=None, help="draw the simulated step")
+    g.add_argument("--runs", metavar="FILE.csv", default=None, help="simulate every row")
+    # dest is not "out": a train config merged into these args may carry out: DIR
+    g.add_argument(
+        "--out", dest="pred_out", metavar="PRED.csv", default=None, help="with --runs: write rows"
+    )
+    g.add_argument(
+        "--write-hardware", metavar="FILE", default=None, help="write the hardware spec as YAML"
+    )
+
+
+def fail(message: str) -> int:
+    print(f"plait simulate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if getattr(args, "runs", None):
+            return _run_csv(args)
+        if getattr(args, "pred_out", None):
+            return fail("--out needs --runs FILE.csv (for one layout use --json or --timeline)")
+        return _run_one(args)
+    except ValueError as e:
+        return fail(str(e))
+
+
+def _hardware(args):
+    from plait.sim.hardware import load_hardware
+
+    return load_hardware(getattr(args, "gpu", None), getattr(args, "hardware", None))
+
+
+def _run_one(args: argparse.Namespace) -> int:
+    from plait.cli_args import layout_config, model_config
+    from plait.sim.simulate import simulate
+
+    hw = _hardware(args)
+    if args.write_hardware:
+        try:
+            hw.to_yaml(args.write_hardware)
+        except OSError as e:
+            return fail(f"--write-hardware {args.write_hardware}: cannot write it ({e.strerror})")
+        print(f"wrote {args.write_hardware} ({hw.name})")
+        return 0
+    values = dict(vars(args))
+    gpus = values.get("gpus")
+    if gpus is not None:
+        if gpus < 1:
+            return fail(f"--gpus must be at least 1, got {gpus}")
+        if values.get("dp") is None:
+            per_replica = (values.get("tp") or 1) * (values.get("pp") or 1)
+            if gpus % per_replica:
+                return fail(
+                    f"--gpus {gpus} is not divisible by --tp x --pp = {per_replica}; "
+                    f"use a multiple of {per_replica}"
+                )
+            values["dp"] = gpus // per_replica
+    model = model_config(values)
+    layout = layout_config(values)
+    runtime = args.runtime or DEFAULT_RUNTIME
+    res = simulate(model, layout, hw, gpus, runtime=runtime, keep_timeline=bool(args.timeline))
+    if args.timeline:
+        from plait.viz.timeline import draw_timeline
+
+        title = (
+            f"{values.get('model') or 'tiny'} on {res.n_devices} x {hw.name}: "
+            f"{_layout_line(layout)} - {res.iter_time_s:.3g} s/step"
+        )
+        unit = "ms" if res.iter_time_s < 1 else "s"
+        try:
+            draw_timeline(res.timeline, args.timeline, title=title, extras=res.extras, unit=unit)
+        except ValueError as e:
+            return fail(f"--timeline {e}")
+    if args.json:
+        out = res.to_dict()
+        out["model"] = model.to_dict()
+        out["layout"] = layout.to_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        print(report(res, model, layout, values.get("model") or "tiny"))
+        if args.timeline:
+            print(f"timeline  {args.timeline}")
+    return 0
+
+
+def _layout_line(layout) -> str:
+    return (
+        f"dp={layout.dp} tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+        f"{layout.schedule} mbs={layout.micro_batch_size}"
+    )
+
+
+def report(res, model, layout, name: str = "model") -> str:
+    """The human-readable summary ``plait simulate`` prints."""
+    tokens = layout.global_batch_size * model.seq_len
+    mem = res.memory
+    flags = [f"zero={layout.zero}", f"recompute={layout.recompute}", f"dtype={layout.dtype}"]
+    if layout.sequence_parallel:
+        flags.append("sequence-parallel")
+    lines = [
+        f"plait simulate: {name} ({model.n_layers} x {model.hidden}, seq {model.seq_len}) on "
+        f"{res.n_devices} x {res.hardware}, runtime {res.runtime}",
+        f"layout     {_layout_line(layout)}, {layout.num_microbatches} micro-batches, "
+        f"global batch {layout.global_batch_size} seqs ({tokens:,} tokens)",
+        f"           {' '.join(flags)}",
+        f"step       {res.iter_time_s:.4g} s   {res.tokens_per_s:,.0f} tokens/s   "
+        f"{res.tokens_per_s / res.n_devices:,.0f} tokens/s/device",
+        f"TFLOP/s    {res.tflops_per_device:.1f} per device in model FLOPs (MFU {res.mfu:.1%}); "
+        f"{res.hw_tflops_per_device:.1f} in hardware FLOPs with recomputation (HFU {res.hfu:.1%})",
+        f"memory     {res.peak_mem_bytes / GiB:.1f} GiB peak per device of "
+        f"{res.mem_capacity_bytes / GiB:.1f} GiB: " + ("fits" if res.fits else "DOES NOT FIT"),
+        f"           weights {mem.weights / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer "
+        f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, buffers "
+        f"{mem.buffers / GiB:.1f}, overhead {mem.overhead / GiB:.1f} GiB (pipeline rank {mem.rank})",
+        "breakdown  "
+        + ", ".join(
+            f"{k.replace('_', ' ')} {v:.3g} s ({v / res.iter_time_s:.1%})"
+            for k, v in res.breakdown.items()
+        ),
+        "convention model FLOPs = 6 per weight per token + attention (no recomputation); "
+        "hardware FLOPs add what recomputation repeats",
+    ]
+    return "\n".join(lines)
+
+
+def _run_csv(args: argparse.Namespace) -> int:
+    from plait.sim.runs import accuracy, predict_file
+
+    rows = predict_file(args.runs, args.pred_out)
+    acc = accuracy(rows)
+    if args.json:
+        print(json.dumps({"rows": len(rows), "out": args.pred_out, "tflops_gpu": acc}, indent=2))
+        return 0
+    print(f"{'id':30s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  convention  note")
+    for row in rows:
+        print(
+            f"{row.get('id', ''):30s} {row.get('tflops_gpu', ''):>9s} "
+            f"{row.get('pred_tflops_gpu', ''):>9s} {row.get('err_tflops_gpu', ''):>7s}  "
+            f"{row.get('flops_convention', ''):10s}  {row.get('pred_note', '')}"
+        )
+    if acc["n"]:
+        print(
+            f"TFLOP/s per GPU: mean absolute error {acc['mape']:.1%} over {acc['n']} rows, "
+            f"worst {acc['worst']:.1%} ({acc['worst_id']}); {len(acc['excluded'])} rows not compared"
+        )
+    if args.pred_out:
+        print(f"wrote {args.pred_out}")
+    return 0

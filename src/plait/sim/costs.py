@@ -1,0 +1,395 @@
+"""Per-action costs: compute from FLOPs and bytes, communication from an alpha-beta model.
+
+Everything here is a pure function of (model, layout, hardware, runtime) and returns
+seconds for *one tensor-parallel rank* of one micro-batch of ``b`` sequences of ``s``
+tokens (T = b s tokens). Letters: h hidden, a heads, k key/value heads, d = h / a head
+size, f FFN width, V vocabulary, t = tp, e bytes per activation element.
+
+Compute
+    A GEMM (M x K) @ (K x N) of F = 2 M N K FLOPs takes
+    ``max((F + F_half) / (peak * gemm_max), bytes / memory_bandwidth)``, bytes =
+    e (M K + K N + M N) (``Efficiency``). Per layer and tp rank, forward: QKV (T, (a+2k)
+    d / t, h), attention out (T, h, a d / t), MLP (T, f / t, h) and (T, h, f / t) (SwiGLU:
+    (T, 2 f / t, h)). Backward: each GEMM twice, as its input-gradient (M, K, N) and its
+    weight-gradient (N, K, M) product (the zero-bubble split times them apart).
+    Attention core: with fused attention, 4 T s h / t FLOPs forward, halved by the causal
+    mask, 2.5x that in backward, at ``efficiency.attention`` of peak; unfused, two batched
+    GEMMs (b a / t of them, (s, s, d) and (s, d, s)) plus the softmax streaming the scores.
+    Memory-bound operations stream their bytes at ``memory_bandwidth``: norms and residual
+    adds 10 h elements per token (divided by t under sequence parallelism), the MLP
+    activation 2 f / t (SwiGLU 3 f / t), rotary 2 (a + k) d / t, unfused softmax
+    2 a s / t; the backward streams twice what the forward does.
+
+Recomputation
+    ``full`` reruns each layer's forward (and its tensor-parallel collectives) inside the
+    backward; ``selective`` reruns the attention core, which fused attention already does
+    (so it costs nothing extra there).
+
+Collectives (alpha-beta, per rank; n ranks, S bytes of the full tensor, link (alpha, B))
+    ring all-reduce     2 (n-1) alpha + 2 (n-1)/n S / B
+    tree all-reduce     2 ceil(log2 n) alpha + 2 S / B        (the faster of the two is used)
+    all-gather / reduce-scatter (ring)   (n-1) alpha + (n-1)/n S / B
+    The link is the slowest the group spans (``group_link``): NVLink while the group fits
+    in a node; otherwise the network, where a group with k members per node drives k
+    rails at once (NCCL's multi-ring), capped by NVLink.
+
+Tensor parallelism (Megatron): per layer, forward 2 all-reduces of T h e bytes (with
+sequence parallelism 2 all-gathers + 2 reduce-scatters of the same size), and the same
+again in backward. Pipeline: one T h e message per stage boundary and direction, sent as
+t slices of 1/t (scatter/gather) and all-gathered over NVLink on arrival (with sequence
+parallelism the activations are already sliced). Data parallelism and ZeRO: see
+``dp_comm_time`` and ``zero3_layer_comm``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from plait.layout import Layout
+from plait.model import sizes
+from plait.model.config import ModelConfig
+from plait.sim.hardware import Hardware, Link
+from plait.sim.runtime import Runtime
+
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal saving)
+
+# -- compute ------------------------------------------------------------------------------
+
+
+def gemm_time(hw: Hardware, dtype: str, m: float, n: float, k: float, batch: float = 1) -> float:
+    """Seconds for ``batch`` GEMMs (m x k) @ (k x n) issued as one kernel (module doc)."""
+    flops = 2.0 * m * n * k * batch
+    compute = flops / (hw.peak(dtype) * hw.efficiency.gemm(m, n, k, batch))
+    memory = ACT_BYTES[dtype] * batch * (m * k + k * n + m * n) / hw.memory_bandwidth
+    return max(compute, memory)
+
+
+def linear_times(hw: Hardware, dtype: str, m: float, n: float, k: float) -> tuple[float, ...]:
+    """(forward, input-gradient, weight-gradient) seconds of one linear layer."""
+    return (
+        gemm_time(hw, dtype, m, n, k),
+        gemm_time(hw, dtype, m, k, n),
+        gemm_time(hw, dtype, n, k, m),
+    )
+
+
+def stream_time(hw: Hardware, nbytes: float) -> float:
+    return nbytes / hw.memory_bandwidth
+
+
+# -- collectives --------------------------------------------------------------------------
+
+
+def group_link(hw: Hardware, size: int, stride: int) -> Link | None:
+    """The link a group of ``size`` ranks spaced ``stride`` apart communicates over.
+
+    Ranks fill nodes in order (``devices_per_node`` each). The group fits in a node when
+    it spans at most one node's worth of ranks: NVLink. Otherwise the network, with k =
+    the group's members per node each driving its own rail. 8 per node, tp=2, dp=16: the
+    dp groups have stride 2, 4 members per node, so they get 4 rails' bandwidth (capped
+    by NVLink). None for a group of one.
+    """
+    if size <= 1:
+        return None
+    dpn = hw.devices_per_node
+    if size * stride <= dpn:
+        return hw.intra_node
+    per_node = max(1, min(size, dpn // stride)) if stride < dpn else 1
+    bandwidth = min(hw.intra_node.bandwidth, per_node * hw.inter_node.bandwidth)
+    return Link(bandwidth=bandwidth, latency=hw.inter_node.latency)
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link | None) -> float:
+    if n <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    a, b = link.latency, link.bandwidth
+    ring = 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
+    tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes / b
+    return min(ring, tree)
+
+
+def all_gather_time(nbytes: float, n: int, link: Link | None) -> float:
+    """All-gather whose *output* is ``nbytes`` (reduce-scatter of an ``nbytes`` input: same)."""
+    if n <= 1 or link is None or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+reduce_scatter_time = all_gather_time
+
+
+def p2p_time(nbytes: float, link: Link | None) -> float:
+    if link is None or nbytes <= 0:
+        return 0.0
+    return link.latency + nbytes / link.bandwidth
+
+
+# -- one transformer layer ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds for one layer and one micro-batch on one tp rank. ``*_tp`` are the exposed
+    tensor-parallel collectives; the rest is compute (GEMMs, attention, memory-bound)."""
+
+    fwd: float
+    fwd_tp: float
+    bwd_input: float  # input gradients, attention backward, memory-bound backward
+    bwd_weight: float  # weight-gradient GEMMs
+    bwd_tp: float
+    recompute: float
+    recompute_tp: float
+
+
+def _local_heads(cfg: ModelConfig, tp: int) -> tuple[float, float]:
+    """(query heads, key/value heads) per tp rank; kv heads are replicated when k < t."""
+    return cfg.n_heads / tp, max(cfg.n_kv_heads / tp, 1.0)
+
+
+def layer_cost(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, runtime: Runtime, seq_len: int | None = None
+) -> LayerCost:
+    s = cfg.seq_len if seq_len is None else seq_len
+    b, t, dtype = layout.micro_batch_size, layout.tp, layout.dtype
+    e = ACT_BYTES[dtype]
+    T = b * s
+    h, d = cfg.hidden, cfg.head_dim
+    a_t, kv_t = _local_heads(cfg, t)
+    f_t = cfg.ffn_hidden / t
+    sp = layout.sequence_parallel
+
+    # GEMMs: (m, n, k) of each linear layer's forward
+    qkv = (T, (a_t + 2 * kv_t) * d, h)
+    proj = (T, h, a_t * d)
+    if cfg.arch == "gpt2":
+        up, down = (T, f_t, h), (T, h, f_t)
+    else:
+        up, down = (T, 2 * f_t, h), (T, h, f_t)
+    lin = [linear_times(hw, dtype, *g) for g in (qkv, proj, up, down)]
+    fwd_gemm = sum(x[0] for x in lin)
+    bwd_in_gemm = sum(x[1] for x in lin)
+    bwd_w_gemm = sum(x[2] for x in lin)
+
+    # Attention core
+    heads = b * a_t
+    if runtime.flash_attention:
+        n_blk = max(1, math.ceil(s / FLASH_BLOCK))
+        causal = (n_blk + 1) / (2 * n_blk)
+        flops = 4.0 * T * s * a_t * d * causal
+        rate = hw.peak(dtype) * hw.efficiency.attention
+        attn_fwd, attn_bwd, attn_re = flops / rate, 2.5 * flops / rate, 0.0
+        softmax_elems = 0.0
+    else:
+        scores = gemm_time(hw, dtype, s, s, d, heads)  # Q K^T
+        values = gemm_time(hw, dtype, s, d, s, heads)  # P V
+        softmax = stream_time(hw, 2 * heads * s * s * e)  # read and write the scores
+        attn_fwd = scores + values + softmax
+        attn_bwd = 2 * (gemm_time(hw, dtype, s, d, s, heads) + gemm_time(hw, dtype, s, s, d, heads))
+        attn_bwd += 2 * softmax
+        attn_re = attn_fwd
+        softmax_elems = 0.0  # already streamed above
+
+    # Memory-bound elements per token (forward); backward streams twice as much.
+    elems = 10 * h / (t if sp else 1)
+    elems += (2 if cfg.arch == "gpt2" else 3) * f_t
+    if cfg.arch == "llama":
+        elems += 2 * (a_t + kv_t) * d
+    elems += softmax_elems
+    mem_fwd = stream_time(hw, elems * T * e)
+
+    fwd = fwd_gemm + attn_fwd + mem_fwd
+    bwd_input = bwd_in_gemm + attn_bwd + 2 * mem_fwd
+
+    # Tensor-parallel collectives: 2 per direction (all-reduce, or all-gather +
+    # reduce-scatter with sequence parallelism), each of T h e bytes.
+    fwd_tp = bwd_tp = 0.0
+    if t > 1:
+        link = group_link(hw, t, 1)
+        nbytes = T * h * e
+        if sp:
+            ag, rs = all_gather_time(nbytes, t, link), reduce_scatter_time(nbytes, t, link)
+            if runtime.overlap_tp_comm:  # each hides behind the GEMM next to it
+                fwd_tp = sum(
+                    max(0.0, c - g)
+                    for c, g in ((ag, lin[0][0]), (rs, lin[1][0]), (ag, lin[2][0]), (rs, lin[3][0]))
+                )
+                bwd_tp = sum(
+                    max(0.0, c - g)
+                    for c, g in ((rs, lin[0][1]), (ag, lin[1][1]), (rs, lin[2][1]), (ag, lin[3][1]))
+                )
+            else:
+                fwd_tp = bwd_tp = 2 * (ag + rs)
+        else:
+            fwd_tp = bwd_tp = 2 * all_reduce_time(nbytes, t, link)
+
+    if layout.recompute == "full":
+        recompute, recompute_tp = fwd, fwd_tp
+    elif layout.recompute == "selective":
+        recompute, recompute_tp = attn_re, 0.0
+    else:
+        recompute, recompute_tp = 0.0, 0.0
+    return LayerCost(fwd, fwd_tp, bwd_input, bwd_w_gemm, bwd_tp, recompute, recompute_tp)
+
+
+# -- embedding, head and loss --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EndCost:
+    """Extra seconds of the first stage (embedding) or the last (final norm, head, loss)."""
+
+    fwd: float = 0.0
+    fwd_tp: float = 0.0
+    bwd_input: float = 0.0
+    bwd_weight: float = 0.0
+    bwd_tp: float = 0.0
+
+
+def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
+    T, e, t = layout.micro_batch_size * cfg.seq_len, ACT_BYTES[layout.dtype], layout.tp
+    h = cfg.hidden
+    fwd = stream_time(hw, 3 * T * h * e)  # gather rows (+ positions), write
+    bwd = stream_time(hw, T * h * (e + 8))  # scatter-add into the fp32 gradient
+    fwd_tp = 0.0
+    if t > 1:  # vocab-parallel lookup: partial rows summed across tp
+        link, nbytes = group_link(hw, t, 1), T * h * e
+        if layout.sequence_parallel:
+            fwd_tp = reduce_scatter_time(nbytes, t, link)
+        else:
+            fwd_tp = all_reduce_time(nbytes, t, link)
+    return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd)
+
+
+def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
+    T, e, t = layout.micro_batch_size * cfg.seq_len, ACT_BYTES[layout.dtype], layout.tp
+    h, V_t = cfg.hidden, cfg.vocab_size / t
+    dtype = layout.dtype
+    f, bi, bw = linear_times(hw, dtype, T, V_t, h)
+    norm = stream_time(hw, 2 * T * h * e)
+    # cross-entropy over T x V/t logits: read them, write fp32 log-probabilities, reduce;
+    # backward reads those and writes the logits' gradient.
+    loss_fwd = stream_time(hw, T * V_t * (e + 8))
+    loss_bwd = stream_time(hw, T * V_t * (4 + e))
+    fwd_tp = bwd_tp = 0.0
+    if t > 1:
+        link, nbytes = group_link(hw, t, 1), T * h * e
+        # vocab-parallel cross-entropy: max, sum and target logit, T floats each
+        fwd_tp = 3 * all_reduce_time(4 * T, t, link)
+        if layout.sequence_parallel:
+            fwd_tp += all_gather_time(nbytes, t, link)
+            bwd_tp = reduce_scatter_time(nbytes, t, link)
+        else:
+            bwd_tp = all_reduce_time(nbytes, t, link)
+    return EndCost(
+        fwd=f + norm + loss_fwd,
+        fwd_tp=fwd_tp,
+        bwd_input=bi + 2 * norm + loss_bwd,
+        bwd_weight=bw,
+        bwd_tp=bwd_tp,
+    )
+
+
+# -- pipeline -----------------------------------------------------------------------------
+
+
+def pp_message_time(cfg: ModelConfig, layout: Layout, hw: Hardware, link: Link | None) -> float:
+    """One activation (or its gradient) between consecutive stages: each tp rank sends
+    its 1/t slice over ``link``; without sequence parallelism the receiver all-gathers
+    the slices over NVLink (the scatter/gather optimisation of Narayanan et al. 2021)."""
+    t = layout.tp
+    nbytes = layout.micro_batch_size * cfg.seq_len * cfg.hidden * ACT_BYTES[layout.dtype]
+    time = p2p_time(nbytes / t, link)
+    if t > 1 and not layout.sequence_parallel:
+        time += all_gather_time(nbytes, t, group_link(hw, t, 1))
+    return time
+
+
+def pp_boundary_link(hw: Hardware, layout: Layout, rank: int, peer: int) -> Link | None:
+    """Link between pipeline ranks ``rank`` and ``peer`` (rank order pp, dp, tp)."""
+    if rank == peer:
+        return None
+    block = layout.dp * layout.tp  # global ranks per pipeline rank
+    lo, hi = min(rank, peer), max(rank, peer)
+    dpn = hw.devices_per_node
+    # every global rank from the first of pipeline rank lo to the last of hi in one node?
+    if (lo * block) // dpn == ((hi + 1) * block - 1) // dpn:
+        return hw.intra_node
+    return hw.inter_node
+
+
+# -- data parallelism, ZeRO, optimizer ------------------------------------------------------
+
+
+def dp_groups(layout: Layout) -> tuple[int, int]:
+    """(shard group size, replicas across shard groups) of the dp axis."""
+    shard = layout.zero_shard_group or layout.dp if layout.zero else 1
+    return shard, layout.dp // shard
+
+
+def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) -> dict:
+    """Seconds of the once-per-step data-parallel communication of ``params`` weights.
+
+    ZeRO 0: all-reduce the gradients. ZeRO 1/2: reduce-scatter them over the shard group
+    (all-reduce the shard across replicas for HSDP), all-gather the updated weights after
+    the step. ZeRO 3 does its communication per layer and micro-batch instead
+    (``zero3_layer_comm``); only the HSDP replica all-reduce is left here.
+    Returns {"grad": s, "param": s}.
+    """
+    dp, t = layout.dp, layout.tp
+    if dp <= 1:
+        return {"grad": 0.0, "param": 0.0}
+    gbytes = params * runtime.grad_comm_bytes(layout.dtype)
+    pbytes = params * runtime.param_comm_bytes(layout.dtype)
+    if layout.zero == 0:
+        return {"grad": all_reduce_time(gbytes, dp, group_link(hw, dp, t)), "param": 0.0}
+    shard, replicas = dp_groups(layout)
+    shard_link = group_link(hw, shard, t)
+    replica_link = group_link(hw, replicas, t * shard)
+    across = all_reduce_time(gbytes / shard, replicas, replica_link)
+    if layout.zero == 3:
+        return {"grad": across, "param": 0.0}
+    grad = reduce_scatter_time(gbytes, shard, shard_link) + across
+    return {"grad": grad, "param": all_gather_time(pbytes, shard, shard_link)}
+
+
+def zero3_layer_comm(
+    layer_params: float, layout: Layout, hw: Hardware, runtime: Runtime
+) -> tuple[float, float]:
+    """(forward, backward) seconds of ZeRO-3's per-layer, per-micro-batch traffic: gather
+    the weights before the forward, again before the backward, reduce-scatter the
+    gradients after it (over the shard group)."""
+    if layout.zero != 3:
+        return 0.0, 0.0
+    shard, _ = dp_groups(layout)
+    link = group_link(hw, shard, layout.tp)
+    ag = all_gather_time(layer_params * runtime.param_comm_bytes(layout.dtype), shard, link)
+    rs = reduce_scatter_time(layer_params * runtime.grad_comm_bytes(layout.dtype), shard, link)
+    return ag, ag + rs
+
+
+def optimizer_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) -> float:
+    """AdamW over this rank's shard of ``params``: memory-bound. Fused Adam reads weight,
+    gradient and both moments (fp32) and writes weight and moments (28 bytes), clipping
+    reads the gradient once more and zeroing writes it; master-weight runtimes also write
+    the low-precision copy. Offloaded: gradients down and weights up over PCIe, Adam on
+    the host at its share of host memory bandwidth."""
+    w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)
+    shard, _ = dp_groups(layout)
+    n = params / shard
+    per_param = 28 + 2 * g_bytes + (w_bytes if w_bytes < 4 else 0)
+    if layout.offload_optimizer:
+        pcie = n * (g_bytes + w_bytes) / hw.pcie_bandwidth
+        host = n * per_param / (hw.host_memory_bandwidth / hw.devices_per_node)
+        return pcie + host
+    return stream_time(hw, n * per_param)
+
+
+def flops_per_step(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one optimizer step over all devices (``sizes.py``)."""
+    tokens = layout.global_batch_size * cfg.seq_len
+    return (
+        tokens * sizes.model_flops_per_token(cfg),
+        tokens * sizes.hardware_flops_per_token(cfg, recompute=layout.recompute),
+    )

@@ -1,0 +1,326 @@
+"""Hardware specs for the performance model: devices, their memory and the links between them.
+
+A :class:`Hardware` entry describes one kind of device and the machine it sits in:
+
+- dense peak FLOP/s per dtype (tensor cores where the dtype uses them; no sparsity),
+- device memory, its sustained (STREAM-like) bandwidth, and what the framework itself
+  takes (CUDA context, communicator buffers, allocator slack),
+- a compute-efficiency curve (:class:`Efficiency`): what fraction of peak a matrix multiply
+  of a given size reaches, and what fused (flash) attention reaches,
+- two link levels (:class:`Link`), each an alpha-beta pair: ``intra_node`` (NVLink /
+  NVSwitch between the devices of a node) and ``inter_node`` (the network; bandwidth *per
+  device*, i.e. one rail-local NIC, as on DGX machines where each GPU has its own NIC),
+- ``devices_per_node``, ``pcie_bandwidth`` and ``host_memory_bandwidth`` (optimizer offload).
+
+Built-in entries: ``v100``, ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200`` and ``cpu``.
+Users describe their own clusters in YAML (``Hardware.to_yaml`` writes the schema; every
+field is required except ``description``)::
+
+    name: my-cluster
+    peak_flops: {fp32: 19.5e12, bf16: 312e12, fp16: 312e12}
+    memory_bytes: 85899345920
+    memory_bandwidth: 1.84e12
+    framework_overhead_bytes: 2147483648
+    devices_per_node: 8
+    efficiency: {gemm_max: 0.7, gemm_half_flops: 1.0e9, attention: 0.5}
+    intra_node: {bandwidth: 2.4e11, latency: 5.0e-6}
+    inter_node: {bandwidth: 2.4e10, latency: 1.0e-5}
+    pcie_bandwidth: 2.5e10
+    host_memory_bandwidth: 1.5e11
+
+``plait calibrate`` writes the same file for the machine it runs on: measured matmul
+efficiency (fit of ``gemm_max`` / ``gemm_half_flops``) and measured collective alpha/beta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakFlops:
+    """Dense peak FLOP/s per dtype; ``None`` where the device has no fast path for it."""
+
+    fp32: float
+    bf16: float | None = None
+    fp16: float | None = None
+
+    def get(self, dtype: str) -> float | None:
+        return getattr(self, dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Fraction of peak FLOP/s that kernels reach.
+
+    A matrix multiply (m x k) @ (k x n) of F = 2 m n k FLOPs runs at
+    ``gemm_max * k / (k + gemm_half_k) * F / (F + gemm_half_flops)`` of peak, unless
+    moving its operands through device memory takes longer (roofline). Large GEMMs reach
+    ``gemm_max``; the two saturation terms are the two fixed costs a GEMM pays: each
+    output tile's prologue and epilogue, amortised over a main loop as long as the
+    reduction length k (a reduction of ``gemm_half_k`` runs at half speed), and each
+    launch with its tail wave (a GEMM of ``gemm_half_flops`` FLOPs runs at half speed).
+    ``attention`` is the fraction of peak that fused (flash) attention kernels reach on
+    the FLOPs they execute. All four are fitted by ``plait calibrate`` from a sweep of
+    matmul and attention shapes, or from published runs (docs/performance-model.md).
+    """
+
+    gemm_max: float
+    gemm_half_k: float
+    gemm_half_flops: float
+    attention: float
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gemm_max <= 1 or not 0 < self.attention <= 1:
+            raise ValueError("efficiency: gemm_max and attention must be in (0, 1]")
+        if self.gemm_half_flops < 0 or self.gemm_half_k < 0:
+            raise ValueError("efficiency: gemm_half_k and gemm_half_flops must be >= 0")
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
+        """Fraction of peak reached by ``batch`` (m x k) @ (k x n) GEMMs in one kernel."""
+        flops = 2.0 * m * n * k * batch
+        return self.gemm_max * k / (k + self.gemm_half_k) * flops / (flops + self.gemm_half_flops)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One level of the interconnect as an alpha-beta model: a message of n bytes takes
+    ``latency + n / bandwidth`` seconds. ``bandwidth`` is per device and direction, as
+    NCCL's *bus bandwidth* reports it (so ring factors apply on top of it)."""
+
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError("link: bandwidth must be > 0 and latency >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    peak_flops: PeakFlops
+    memory_bytes: float
+    memory_bandwidth: float  # sustained bytes/s
+    framework_overhead_bytes: float
+    devices_per_node: int
+    efficiency: Efficiency
+    intra_node: Link
+    inter_node: Link
+    pcie_bandwidth: float
+    host_memory_bandwidth: float
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1:
+            raise ValueError(f"hardware {self.name}: devices_per_node must be at least 1")
+        for name in ("memory_bytes", "memory_bandwidth", "pcie_bandwidth", "host_memory_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"hardware {self.name}: {name} must be positive")
+
+    def peak(self, dtype: str) -> float:
+        value = self.peak_flops.get(dtype)
+        if value is None:
+            supported = [d for d in ("fp32", "bf16", "fp16") if self.peak_flops.get(d)]
+            raise ValueError(
+                f"--dtype {dtype} has no fast path on {self.name}; use one of {', '.join(supported)}"
+            )
+        return value
+
+    def replace(self, **changes) -> Hardware:
+        return dataclasses.replace(self, **changes)
+
+    # -- YAML ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Hardware:
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware field(s): {', '.join(unknown)}")
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.name not in d and f.name != "description"
+        )
+        if missing:
+            raise ValueError(f"hardware spec lacks: {', '.join(missing)}")
+        try:
+            d["peak_flops"] = PeakFlops(**_floats(d["peak_flops"]))
+            d["efficiency"] = Efficiency(**_floats(d["efficiency"]))
+            d["intra_node"] = Link(**_floats(d["intra_node"]))
+            d["inter_node"] = Link(**_floats(d["inter_node"]))
+            for name in (
+                "memory_bytes",
+                "memory_bandwidth",
+                "framework_overhead_bytes",
+                "pcie_bandwidth",
+                "host_memory_bandwidth",
+            ):
+                d[name] = float(d[name])
+            d["devices_per_node"] = int(d["devices_per_node"])
+        except TypeError as e:  # a missing or misspelt key inside a nested block
+            raise ValueError(f"hardware spec: {e}") from None
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Hardware:
+        import yaml
+
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as e:
+            raise ValueError(f"--hardware {path}: cannot read it ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"--hardware {path}: not valid YAML ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--hardware {path}: expected a mapping of hardware fields")
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"--hardware {path}: {e}") from None
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        import yaml
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def _floats(d) -> dict:
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a mapping, got {d!r}")
+    return {k: (None if v is None else float(v)) for k, v in d.items()}
+
+
+# -- built-in entries ---------------------------------------------------------------------
+#
+# Peak FLOP/s, memory and bandwidth are NVIDIA data-sheet figures (dense, no sparsity).
+# Sustained memory bandwidth is taken as 90% of the data sheet (STREAM-like copies reach
+# 88-93% on these parts). Link bandwidths are NCCL bus bandwidths for large messages:
+# NVSwitch all-reduce ~80% of the per-direction NVLink figure (DGX A100 ~240 GB/s of
+# 300; DGX H100 ~360 GB/s of 450); the network is one rail per GPU, ~95% of its line rate
+# (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s). Latencies are per ring step.
+#
+# The efficiency curves of a100-* and h100-sxm are calibrated on
+# ../shared/data/published_runs.csv (docs/performance-model.md shows the fit);
+# gemm_half_flops comes from cuBLAS size sweeps (a 1024^3 GEMM runs at about two thirds
+# of a large one on A100, a bit under half on H100). V100 and H200 reuse the curve of the
+# closest calibrated part, which the docs flag as an extrapolation.
+
+_A100_EFF = Efficiency(gemm_max=0.64, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_H100_EFF = Efficiency(gemm_max=0.62, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.15)
+
+_DGX_A100 = dict(
+    devices_per_node=8,
+    intra_node=Link(bandwidth=240e9, latency=5e-6),
+    inter_node=Link(bandwidth=24e9, latency=10e-6),
+    pcie_bandwidth=25e9,  # PCIe 4.0 x16
+    host_memory_bandwidth=150e9,
+    framework_overhead_bytes=2 * GiB,
+)
+_DGX_H100 = dict(
+    devices_per_node=8,
+    intra_node=Link(bandwidth=360e9, latency=5e-6),
+    inter_node=Link(bandwidth=47e9, latency=10e-6),
+    pcie_bandwidth=50e9,  # PCIe 5.0 x16
+    host_memory_bandwidth=250e9,
+    framework_overhead_bytes=2 * GiB,
+)
+
+BUILTIN: dict[str, Hardware] = {
+    "v100": Hardware(
+        name="v100",
+        description="NVIDIA V100 SXM2 32GB, 8 per node (NVLink 2), 100 Gb/s EDR per GPU",
+        peak_flops=PeakFlops(fp32=15.7e12, fp16=125e12),
+        memory_bytes=32 * GiB,
+        memory_bandwidth=0.9 * 900e9,
+        devices_per_node=8,
+        efficiency=Efficiency(
+            gemm_max=0.64, gemm_half_k=128, gemm_half_flops=0.5e9, attention=0.30
+        ),
+        intra_node=Link(bandwidth=130e9, latency=6e-6),
+        inter_node=Link(bandwidth=11.5e9, latency=12e-6),
+        pcie_bandwidth=12e9,
+        host_memory_bandwidth=100e9,
+        framework_overhead_bytes=1.5 * GiB,
+    ),
+    "a100-40gb": Hardware(
+        name="a100-40gb",
+        description="NVIDIA A100 SXM4 40GB, DGX A100 (8 per node, NVSwitch, 8x HDR 200 Gb/s)",
+        peak_flops=PeakFlops(fp32=19.5e12, bf16=312e12, fp16=312e12),
+        memory_bytes=40 * GiB,
+        memory_bandwidth=0.9 * 1555e9,
+        efficiency=_A100_EFF,
+        **_DGX_A100,
+    ),
+    "a100-80gb": Hardware(
+        name="a100-80gb",
+        description="NVIDIA A100 SXM4 80GB, DGX A100 (8 per node, NVSwitch, 8x HDR 200 Gb/s)",
+        peak_flops=PeakFlops(fp32=19.5e12, bf16=312e12, fp16=312e12),
+        memory_bytes=80 * GiB,
+        memory_bandwidth=0.9 * 2039e9,
+        efficiency=_A100_EFF,
+        **_DGX_A100,
+    ),
+    "h100-sxm": Hardware(
+        name="h100-sxm",
+        description="NVIDIA H100 SXM5 80GB, DGX H100 (8 per node, NVSwitch, 8x NDR 400 Gb/s)",
+        peak_flops=PeakFlops(fp32=66.9e12, bf16=989.4e12, fp16=989.4e12),
+        memory_bytes=80 * GiB,
+        memory_bandwidth=0.9 * 3350e9,
+        efficiency=_H100_EFF,
+        **_DGX_H100,
+    ),
+    "h200": Hardware(
+        name="h200",
+        description="NVIDIA H200 SXM 141GB, HGX H200 (8 per node, NVSwitch, 8x NDR 400 Gb/s)",
+        peak_flops=PeakFlops(fp32=66.9e12, bf16=989.4e12, fp16=989.4e12),
+        memory_bytes=141e9,
+        memory_bandwidth=0.9 * 4800e9,
+        efficiency=_H100_EFF,
+        **_DGX_H100,
+    ),
+    # One worker process per "device" on a shared-memory host, gloo over loopback.
+    # Placeholder figures of the right order; `plait calibrate` measures the real ones.
+    "cpu": Hardware(
+        name="cpu",
+        description="CPU worker processes (one thread each) on one host, gloo over loopback",
+        peak_flops=PeakFlops(fp32=50e9, bf16=50e9, fp16=50e9),
+        memory_bytes=8 * GiB,
+        memory_bandwidth=10e9,
+        devices_per_node=64,
+        efficiency=Efficiency(gemm_max=0.6, gemm_half_k=16, gemm_half_flops=2e6, attention=0.3),
+        intra_node=Link(bandwidth=2e9, latency=50e-6),
+        inter_node=Link(bandwidth=1.1e9, latency=100e-6),
+        pcie_bandwidth=10e9,
+        host_memory_bandwidth=10e9,
+        framework_overhead_bytes=0.4 * GiB,
+    ),
+}
+
+DEFAULT_GPU = "a100-80gb"
+
+
+def get_hardware(name: str) -> Hardware:
+    """A built-in entry by name (``--gpu``)."""
+    key = name.lower()
+    if key not in BUILTIN:
+        raise ValueError(f"--gpu {name!r} is unknown; choose one of {', '.join(BUILTIN)}")
+    return BUILTIN[key]
+
+
+def load_hardware(gpu: str | None = None, path: str | Path | None = None) -> Hardware:
+    """``--hardware FILE`` wins over ``--gpu NAME``; neither gives ``DEFAULT_GPU``."""
+    if path is not None:
+        return Hardware.from_yaml(path)
+    return get_hardware(gpu or DEFAULT_GPU)

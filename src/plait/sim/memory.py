@@ -1,0 +1,169 @@
+"""Device memory per pipeline rank: model state, activations, buffers, overhead.
+
+- Model state: the rank's parameters (its layers' share for tensor parallelism, plus the
+  embedding on the first virtual stage and the head on the last; a tied embedding is held
+  on both ends when they are different ranks) times the runtime's bytes per parameter
+  for weights, gradients and AdamW state, sharded per ZeRO stage over the shard group
+  (``sizes.model_state_bytes``). An offloaded optimizer keeps its state on the host.
+- Activations: ``sizes.activation_bytes_per_layer`` (Korthikanti et al. 2022) per layer
+  and micro-batch, times the layers of each chunk, held from a micro-batch's F to its B
+  (from BI to W, zero-bubble schedules keep the weight-gradient inputs: the inputs of
+  the four linear layers). The peak is found by walking the rank's actual action list,
+  so 1F1B's p - r micro-batches, GPipe's m and interleaving's extra (p - 1) / (p v)
+  all come out of the schedule. The last stage also keeps, per micro-batch in flight,
+  its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
+  loss: T (2 h e + V / t (e + 4)) bytes (Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
+- ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
+  layer's full gradient before it is reduce-scattered.
+- Framework overhead: the hardware entry's fixed ``framework_overhead_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.layout import Layout
+from plait.model import sizes
+from plait.model.config import ModelConfig
+from plait.parallel.pipeline.schedules import in_flight_bound
+from plait.sim.costs import ACT_BYTES, dp_groups
+from plait.sim.pipeline import Compiled, peak_held
+from plait.sim.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one device of pipeline rank ``rank``."""
+
+    rank: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float  # ZeRO-3 gathered layers
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights + self.grads + self.optimizer + self.activations + self.buffers
+        ) + self.overhead
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "overhead": self.overhead,
+            "total": self.total,
+        }
+
+
+def stage_params(cfg: ModelConfig, layout: Layout, layers: int, first: bool, last: bool) -> float:
+    """Parameters one tp rank holds for a virtual stage of ``layers`` blocks."""
+    t = layout.tp
+    n = layers * (sizes.layer_matmul_params(cfg) / t + sizes.layer_params(cfg))
+    n -= layers * sizes.layer_matmul_params(cfg)  # norms and biases stay replicated
+    vh = cfg.vocab_size * cfg.hidden / t
+    if first:
+        n += vh + (cfg.seq_len * cfg.hidden if cfg.arch == "gpt2" else 0)
+    if last:
+        n += sizes.final_norm_params(cfg)
+        if not cfg.tied_embeddings or not first:  # untied head, or the tied copy
+            n += vh
+    return n
+
+
+def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
+    """Bytes the last stage keeps per micro-batch in flight for the final norm, the head
+    and the loss: T (2 h e + V / t (e + 4))."""
+    e = ACT_BYTES[layout.dtype]
+    tokens = layout.micro_batch_size * cfg.seq_len
+    return tokens * (2 * cfg.hidden * e + cfg.vocab_size / layout.tp * (e + 4))
+
+
+def chunk_activation_bytes(
+    cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int
+) -> tuple[float, float]:
+    """(bytes its blocks hold per in-flight micro-batch, of which kept until W)."""
+    e = ACT_BYTES[layout.dtype]
+    b, t, s = layout.micro_batch_size, layout.tp, cfg.seq_len
+    per_layer = sizes.activation_bytes_per_layer(
+        cfg,
+        micro_batch_size=b,
+        tp=t,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute,
+        act_bytes=e,
+        flash_attention=runtime.flash_attention,
+    )
+    tokens = b * s
+    # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
+    # (h / t) and the FC2 input (f / t)
+    split_all = t if layout.sequence_parallel else 1
+    w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
+    if layout.recompute == "full":
+        w_keep = 0.0  # recomputed in the backward, freed with it
+    held = layers * per_layer
+    return held, min(layers * w_keep, held)
+
+
+def memory_per_rank(
+    cfg: ModelConfig,
+    layout: Layout,
+    runtime: Runtime,
+    stage_layers: list[int],
+    overhead: float,
+    compiled: Compiled | None,
+) -> list[Memory]:
+    """Memory of one device on each pipeline rank (all dp / tp peers are alike). Without
+    a compiled schedule, each rank holds ``schedules.in_flight_bound`` micro-batches of
+    its average chunk (exact for even stages)."""
+    p, v = layout.pp, layout.vpp
+    last_stage = p * v - 1
+    w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
+    shard, _ = dp_groups(layout)
+    zero = layout.zero
+    weights, heads, params = [], [], []
+    head = last_stage_buffers(cfg, layout)
+    for rank in range(p):
+        row, n = [], 0.0
+        for chunk in range(v):
+            stage = chunk * p + rank
+            layers = stage_layers[stage]
+            n += stage_params(cfg, layout, layers, stage == 0, stage == last_stage)
+            held, keep = chunk_activation_bytes(cfg, layout, runtime, layers)
+            row.append((held + (head if stage == last_stage else 0.0), keep))
+        weights.append(tuple(row))
+        heads.append(head if rank == last_stage % p else 0.0)
+        params.append(n)
+    if compiled is not None:
+        act = peak_held(compiled, tuple(weights))
+    else:
+        m = layout.num_microbatches
+        act = []
+        for rank in range(p):
+            bound = in_flight_bound(
+                layout.schedule, num_ranks=p, num_microbatches=m, num_chunks=v, rank=rank
+            )
+            blocks = sum(held for held, _ in weights[rank]) - heads[rank]
+            last_in_flight = m if layout.schedule == "gpipe" else 1
+            act.append(bound * blocks / v + heads[rank] * last_in_flight)
+
+    out = []
+    for rank in range(p):
+        n = params[rank]
+        w = w_bytes * n / (shard if zero >= 3 else 1)
+        g = g_bytes * n / (shard if zero >= 2 else 1)
+        o = o_bytes * n / (shard if zero >= 1 else 1)
+        if layout.offload_optimizer:
+            o = 0.0
+        buffers = 0.0
+        if zero == 3:
+            layer = sizes.layer_params(cfg) / layout.tp
+            buffers = layer * (2 * runtime.param_comm_bytes(layout.dtype) + g_bytes)
+        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead))
+    return out

@@ -1,0 +1,115 @@
+"""What the training software does, as far as time and memory go.
+
+The cost model times *plait*'s runtime by default. Published runs used other software
+whose documented behaviour differs in ways that change step time by several percent
+(attention kernels, which communication overlaps compute, which dtype the gradients are
+reduced in, whether mixed precision keeps fp32 master weights). Rather than fit those
+differences away, each is a named, documented switch here; ``plait simulate --runtime``
+picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
+
+- ``flash_attention``: fused attention (FlashAttention, cuDNN/TE, PyTorch SDPA): no
+  s x s score matrix in device memory, causal blocks skipped, the backward recomputes
+  the scores (2.5x the forward's FLOPs). Otherwise attention is two batched GEMMs plus
+  a softmax that streams the s x s scores through memory, and stores them.
+- ``overlap_grad_reduce``: the data-parallel gradient reduction runs bucket by bucket
+  during the last micro-batch's backward (PyTorch DDP, Megatron-Core
+  ``--overlap-grad-reduce``); otherwise after the rank's last backward.
+- ``overlap_param_gather``: ZeRO parameter all-gathers are prefetched behind compute
+  (FSDP; Megatron-Core ``--overlap-param-gather``); otherwise they are exposed.
+- ``overlap_tp_comm``: with sequence parallelism, tensor-parallel all-gathers and
+  reduce-scatters are pipelined with the GEMM next to them (Megatron-Core
+  ``--tp-comm-overlap``): only the part longer than that GEMM is exposed.
+- ``master_weights``: mixed precision keeps low-precision weights plus an fp32 master
+  copy in the optimizer (Megatron: 2 + 4 + 12 bytes per parameter). plait instead keeps
+  fp32 weights and gradients and autocasts (4 + 4 + 8).
+- ``grad_reduce_fp32``: gradients are accumulated and reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    name: str
+    flash_attention: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    overlap_tp_comm: bool = False
+    master_weights: bool = False
+    grad_reduce_fp32: bool = True
+    description: str = dataclasses.field(default="", compare=False)
+
+    def state_bytes(self, dtype: str) -> tuple[int, int, int]:
+        """Bytes per parameter of (weights, gradients, optimizer state) with AdamW."""
+        if dtype == "fp32" or not self.master_weights:
+            return 4, 4, 8
+        return 2, (4 if self.grad_reduce_fp32 else 2), 12
+
+    def grad_comm_bytes(self, dtype: str) -> int:
+        """Bytes per gradient element on the wire in the data-parallel reduction."""
+        if dtype == "fp32" or self.grad_reduce_fp32:
+            return 4
+        return 2
+
+    def param_comm_bytes(self, dtype: str) -> int:
+        """Bytes per weight element in ZeRO all-gathers: the stored weights' dtype."""
+        return self.state_bytes(dtype)[0]
+
+
+PROFILES: dict[str, Runtime] = {
+    "plait": Runtime(
+        name="plait",
+        description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
+        "bucketed reduction overlapped with backward",
+    ),
+    "megatron-lm": Runtime(
+        name="megatron-lm",
+        flash_attention=False,
+        overlap_grad_reduce=False,
+        master_weights=True,
+        grad_reduce_fp32=False,
+        description="Megatron-LM 2021 (Narayanan et al. SC21): fused softmax, gradient "
+        "all-reduce after the pipeline flush, fp16 grads, fp32 master weights",
+    ),
+    "megatron-deepspeed": Runtime(
+        name="megatron-deepspeed",
+        flash_attention=False,
+        overlap_grad_reduce=False,
+        master_weights=True,
+        grad_reduce_fp32=True,
+        description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
+        "with fp32 gradient accumulation, reduction after the pipeline flush",
+    ),
+    "megatron-core": Runtime(
+        name="megatron-core",
+        flash_attention=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        overlap_tp_comm=True,
+        master_weights=True,
+        grad_reduce_fp32=True,
+        description="Megatron-Core 2024 with Transformer Engine: fused attention, "
+        "--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap",
+    ),
+    "fsdp": Runtime(
+        name="fsdp",
+        flash_attention=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        master_weights=False,
+        grad_reduce_fp32=False,
+        description="PyTorch FSDP (e.g. llm-foundry): FlashAttention, prefetched "
+        "all-gathers, sharded fp32 weights, low-precision reduce-scatter",
+    ),
+}
+
+DEFAULT_RUNTIME = "plait"
+
+
+def get_runtime(name: str) -> Runtime:
+    if name not in PROFILES:
+        raise ValueError(f"--runtime {name!r} is unknown; choose one of {', '.join(PROFILES)}")
+    return PROFILES[name]

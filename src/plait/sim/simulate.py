@@ -1,0 +1,293 @@
+"""One training step of one layout on one hardware entry: time, throughput and memory.
+
+``simulate(model, layout, hardware)`` builds the per-action costs of ``costs.py``,
+replays the pipeline schedule's real action lists (``parallel/pipeline/schedules.py``,
+the lists the executor runs) with them, adds the data-parallel communication where the
+runtime issues it and the optimizer step, and reports:
+
+- ``iter_time_s`` and tokens/s;
+- TFLOP/s per device in both conventions of ``model/sizes.py``: model FLOPs
+  (``tflops_per_device``, ``mfu``; recomputation not counted, as the trainer's MFU) and
+  hardware FLOPs (``hw_tflops_per_device``, ``hfu``; recomputation counted);
+- peak memory per device (the fullest pipeline rank) and whether it fits;
+- a breakdown of the step that adds up to ``iter_time_s`` (``breakdown``):
+  ``compute`` and exposed ``tp_comm`` on the busiest pipeline rank, the pipeline
+  ``bubble`` and exposed ``pp_comm`` (its idle time, split by replaying once more with
+  free transfers), exposed ``dp_comm`` (gradient reduction past the rank's last
+  backward, ZeRO gathers) and ``optimizer``.
+
+Step timeline per pipeline rank r (every dp / tp replica of it behaves the same):
+    replay the action lists -> r's compute ends at end_r
+    gradients of a chunk are ready from the start of its last backward; overlapped
+    reduction streams them from then, else starts at end_r -> finish_r
+    step = max_r finish_r (the loss / grad-norm reduction syncs everyone)
+           + optimizer + the ZeRO 1/2 weight all-gather where it is not overlapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.layout import Layout
+from plait.model.config import ModelConfig
+from plait.parallel.pipeline.partition import partition_layers
+from plait.parallel.pipeline.schedules import ScheduleError, Timeline, bubble_formula
+from plait.sim import costs, pipeline
+from plait.sim.hardware import Hardware
+from plait.sim.memory import Memory, memory_per_rank, stage_params
+from plait.sim.pipeline import compile_schedule
+from plait.sim.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
+
+FLOP_CONVENTION = (
+    "tflops_per_device/mfu count model FLOPs (6 per weight per token + attention, no "
+    "recomputation; plait.model.sizes); hw_tflops_per_device/hfu add recomputation"
+)
+BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
+
+
+@dataclass(frozen=True)
+class Result:
+    iter_time_s: float
+    tokens_per_s: float
+    tflops_per_device: float  # model FLOPs
+    hw_tflops_per_device: float  # hardware FLOPs (with recomputation)
+    mfu: float
+    hfu: float
+    peak_mem_bytes: float
+    mem_capacity_bytes: float
+    fits: bool
+    breakdown: dict[str, float]
+    memory: Memory  # the fullest pipeline rank
+    memory_ranks: tuple[Memory, ...]  # every pipeline rank
+    n_devices: int
+    hardware: str
+    runtime: str
+    flop_convention: str = FLOP_CONVENTION
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    extras: dict[int, list[tuple[str, float, float]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )  # per pipeline rank: ("p2p" | "dp_comm" | "optimizer", start, end) to draw
+
+    def to_dict(self) -> dict:
+        return {
+            "iter_time_s": self.iter_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "hw_tflops_per_device": self.hw_tflops_per_device,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "peak_mem_bytes": self.peak_mem_bytes,
+            "mem_capacity_bytes": self.mem_capacity_bytes,
+            "fits": self.fits,
+            "breakdown": dict(self.breakdown),
+            "memory": self.memory.to_dict(),
+            "n_devices": self.n_devices,
+            "hardware": self.hardware,
+            "runtime": self.runtime,
+            "flop_convention": self.flop_convention,
+        }
+
+
+def simulate(
+    model: ModelConfig,
+    layout: Layout,
+    hardware: Hardware,
+    n_devices: int | None = None,
+    *,
+    runtime: Runtime | str = DEFAULT_RUNTIME,
+    keep_timeline: bool = False,
+    exact: bool = True,
+) -> Result:
+    """Simulate one optimizer step. Raises ValueError (one actionable line) when the layout
+    cannot run the model or the hardware lacks the dtype; a layout that does not fit in
+    memory still gets a time, with ``fits`` False. ``n_devices``, when given, must equal
+    dp x tp x pp. ``keep_timeline`` keeps the replayed per-rank events for drawing.
+
+    ``exact=False`` skips the replay: the pipeline takes m times the busiest rank's work
+    times (1 + ``schedules.bubble_formula``) plus one fill of transfers, and memory
+    counts ``schedules.in_flight_bound`` micro-batches. Much cheaper for pipelines of
+    thousands of actions, equal to the replay for even stages and free transfers; for
+    ranking many candidates before simulating the best exactly."""
+    rt = get_runtime(runtime) if isinstance(runtime, str) else runtime
+    hw = hardware
+    layout.check_model(model)
+    if n_devices is not None and n_devices != layout.world_size:
+        raise ValueError(
+            f"--gpus {n_devices} does not match --dp {layout.dp} x --tp {layout.tp} x "
+            f"--pp {layout.pp} = {layout.world_size}"
+        )
+    peak = hw.peak(layout.dtype)  # raises if the dtype has no fast path
+    p, v, m = layout.pp, layout.vpp, layout.num_microbatches
+    S = p * v
+    method = "explicit" if layout.pp_layout else "uniform"
+    stage_layers = [
+        len(r)
+        for r in partition_layers(model.n_layers, S, method=method, explicit=layout.pp_layout)
+    ]
+    compiled = None
+    if exact:
+        try:
+            compiled = compile_schedule(layout.schedule, p, m, v)
+        except ScheduleError as e:
+            raise ValueError(str(e)) from None
+
+    cost, split = _action_costs(model, layout, hw, rt, stage_layers)
+    p2p = tuple(
+        (
+            costs.pp_message_time(model, layout, hw, costs.pp_boundary_link(hw, layout, r, nxt)),
+            costs.pp_message_time(model, layout, hw, costs.pp_boundary_link(hw, layout, r, prv)),
+        )
+        for r, nxt, prv in ((r, (r + 1) % p, (r - 1) % p) for r in range(p))
+    )
+    if compiled is not None:
+        rep = pipeline.run(compiled, cost, p2p, record=keep_timeline)
+    else:
+        rep = _formula_pipeline(layout, cost, p2p)
+    ends, windows, timeline = rep.ends, rep.windows, rep.timeline
+    pipe_end, free_end = max(ends), max(rep.free_ends)
+
+    # Gradient reduction per pipeline rank, then the step's global sync.
+    chunk_params = [
+        [
+            stage_params(model, layout, stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1)
+            for c in range(v)
+        ]
+        for r in range(p)
+    ]
+    params = [sum(row) for row in chunk_params]
+    tied_sync = 0.0
+    if model.tied_embeddings and p > 1:  # first and last stage sum their embedding copies
+        nbytes = model.vocab_size * model.hidden / layout.tp * rt.grad_comm_bytes(layout.dtype)
+        tied_sync = costs.all_reduce_time(nbytes, 2, costs.pp_boundary_link(hw, layout, 0, p - 1))
+    finish, gathers = [], []
+    extras = {r: [("p2p", a, b) for a, b in spans] for r, spans in rep.transfer_waits.items()}
+    for r in range(p):
+        dp = costs.dp_comm_time(params[r], layout, hw, rt)
+        t_grad = dp["grad"] + (tied_sync if r in (0, p - 1) else 0.0)
+        if rt.overlap_grad_reduce and t_grad > 0:
+            shares = [
+                (c, chunk_params[r][c] / params[r], stage_layers[c * p + r]) for c in range(v)
+            ]
+            done = _overlapped_reduce(windows[r], shares, t_grad)
+        else:
+            done = ends[r] + t_grad
+        finish.append(max(done, ends[r]))
+        gathers.append(dp["param"])
+        if finish[r] > ends[r]:
+            extras.setdefault(r, []).append(("dp_comm", ends[r], finish[r]))
+    step_sync = max(finish)
+    opt = max(costs.optimizer_time(n, layout, hw, rt) for n in params)
+    gather = 0.0
+    for r, t_ag in enumerate(gathers):
+        if rt.overlap_param_gather:  # behind the next step's first forward
+            t_ag = max(0.0, t_ag - cost[r][0][0])
+        gather = max(gather, t_ag)
+    iter_time = step_sync + opt + gather
+    for r in range(p):
+        extras.setdefault(r, []).append(("optimizer", step_sync, step_sync + opt))
+        if gather > 0:
+            extras[r].append(("dp_comm", step_sync + opt, iter_time))
+
+    # Breakdown on the busiest pipeline rank; every chunk's F and B run m times.
+    busy = [m * sum(sum(x) for x in split[r]) for r in range(p)]
+    crit = max(range(p), key=busy.__getitem__)
+    comp, tp, z3 = (m * sum(x[i] for x in split[crit]) for i in range(3))
+    idle = max(0.0, pipe_end - busy[crit])
+    pp_comm = min(idle, max(0.0, pipe_end - free_end))
+    breakdown = {
+        "compute": comp,
+        "bubble": idle - pp_comm,
+        "tp_comm": tp,
+        "pp_comm": pp_comm,
+        "dp_comm": z3 + (step_sync - pipe_end) + gather,
+        "optimizer": opt,
+    }
+
+    memory = memory_per_rank(model, layout, rt, stage_layers, hw.framework_overhead_bytes, compiled)
+    fullest = max(memory, key=lambda mem: mem.total)
+    model_flops, hw_flops = costs.flops_per_step(model, layout)
+    n = layout.world_size
+    return Result(
+        iter_time_s=iter_time,
+        tokens_per_s=layout.global_batch_size * model.seq_len / iter_time,
+        tflops_per_device=model_flops / iter_time / n / 1e12,
+        hw_tflops_per_device=hw_flops / iter_time / n / 1e12,
+        mfu=model_flops / iter_time / n / peak,
+        hfu=hw_flops / iter_time / n / peak,
+        peak_mem_bytes=fullest.total,
+        mem_capacity_bytes=hw.memory_bytes,
+        fits=fullest.total <= hw.memory_bytes,
+        breakdown=breakdown,
+        memory=fullest,
+        memory_ranks=tuple(memory),
+        n_devices=n,
+        hardware=hw.name,
+        runtime=rt.name,
+        timeline=timeline,
+        extras=extras if keep_timeline else {},
+    )
+
+
+def _formula_pipeline(layout, cost, p2p):
+    """Closed-form stand-in for the replay (``exact=False``), without a timeline."""
+    p, v, m = layout.pp, layout.vpp, layout.num_microbatches
+    try:
+        bubble = bubble_formula(layout.schedule, p, m, v)
+    except ScheduleError as e:
+        raise ValueError(str(e)) from None
+    work = [sum(f + b for f, b, _, _ in row) for row in cost]  # one micro-batch, all chunks
+    free = m * max(work) * (1 + bubble)
+    fill = 2 * (p * v - 1) * max(max(pair) for pair in p2p) if p > 1 else 0.0
+    windows = [{c: (free + fill - row[c][1], free + fill) for c in range(v)} for row in cost]
+    return pipeline.Replay([free + fill] * p, [free] * p, windows)
+
+
+def _action_costs(model, layout, hw, rt, stage_layers):
+    """``cost[rank][chunk]`` = (F, B, BI, W) seconds of one micro-batch, and ``split[rank]
+    [chunk]`` = (compute, exposed tp, exposed ZeRO-3) seconds of F + B together."""
+    p, v = layout.pp, layout.vpp
+    S = p * v
+    lc = costs.layer_cost(model, layout, hw, rt)
+    emb = costs.embedding_cost(model, layout, hw)
+    head = costs.head_cost(model, layout, hw)
+    z3_fwd, z3_bwd = costs.zero3_layer_comm(
+        stage_params(model, layout, 1, False, False), layout, hw, rt
+    )
+    if rt.overlap_param_gather:  # prefetched behind the layer's own compute
+        z3_fwd = max(0.0, z3_fwd - lc.fwd)
+        z3_bwd = max(0.0, z3_bwd - lc.bwd_input - lc.bwd_weight - lc.recompute)
+    none = costs.EndCost()
+    cost, split = [], []
+    for rank in range(p):
+        row, parts = [], []
+        for chunk in range(v):
+            stage = chunk * p + rank
+            n = stage_layers[stage]
+            e = emb if stage == 0 else none
+            hd = head if stage == S - 1 else none
+            f_comp = n * lc.fwd + e.fwd + hd.fwd
+            f_tp = n * lc.fwd_tp + e.fwd_tp + hd.fwd_tp
+            bi_comp = n * (lc.bwd_input + lc.recompute) + hd.bwd_input
+            bi_tp = n * (lc.bwd_tp + lc.recompute_tp) + hd.bwd_tp
+            w_comp = n * lc.bwd_weight + e.bwd_weight + hd.bwd_weight
+            zf, zb = n * z3_fwd, n * z3_bwd
+            bi = bi_comp + bi_tp + zb
+            row.append((f_comp + f_tp + zf, bi + w_comp, bi, w_comp))
+            parts.append((f_comp + bi_comp + w_comp, f_tp + bi_tp, zf + zb))
+        cost.append(tuple(row))
+        split.append(parts)
+    return tuple(cost), split
+
+
+def _overlapped_reduce(windows, shares, t_grad):
+    """When a rank's bucketed gradient reduction ends: each chunk's share of ``t_grad``
+    streams from the start of the chunk's last backward (its buckets fill during it),
+    one after another; the last bucket (one layer's gradients) cannot leave before that
+    backward has ended."""
+    cursor = 0.0
+    for chunk, share, layers in sorted(shares, key=lambda x: windows[x[0]][1]):
+        start, end = windows[chunk]
+        t_chunk = t_grad * share
+        cursor = max(cursor, start) + t_chunk
+        cursor = max(cursor, end + t_chunk / max(1, layers))
+    return cursor

@@ -1,0 +1,100 @@
+"""``plait viz WHAT ...``: drawings. Each WHAT is one entry of ``SUBCOMMANDS``.
+
+To add one (e.g. ``plait viz loss``), write ``add_X(parser)`` and ``run_X(args) -> int``
+and call ``register("X", add_X, run_X, "one-line help")`` at the bottom of this file;
+``plait.cli`` calls ``add_arguments`` / ``run`` and needs no change.
+
+Errors a user can cause print one line, ``plait viz: error: ...``, to stderr and
+return 2 (as ``plait simulate`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+SUBCOMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
+
+
+def register(
+    name: str,
+    add: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    help: str,
+) -> None:
+    SUBCOMMANDS[name] = (add, run, help)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="viz_command", metavar="WHAT", required=True)
+    for name, (add, _, help) in SUBCOMMANDS.items():
+        add(sub.add_parser(name, help=help, description=help, allow_abbrev=False))
+
+
+def run(args: argparse.Namespace) -> int:
+    _, run_one, _ = SUBCOMMANDS[args.viz_command]
+    return run_one(args)
+
+
+def fail(message: str) -> int:
+    print(f"plait viz: error: {message}", file=sys.stderr)
+    return 2
+
+
+# -- plait viz schedule ---------------------------------------------------------------------
+
+
+def add_schedule(p: argparse.ArgumentParser) -> None:
+    from plait.layout import SCHEDULES
+
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    p.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaving)")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument(
+        "--p2p", type=float, default=0.0, help="transfer time per message, in units of F (0)"
+    )
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="PNG, SVG or PDF")
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    """Draw a schedule with the textbook unit costs (F = 1, B = 2, BI = W = 1, per chunk
+    divided by --vpp) and its bubble fraction against the closed form."""
+    from functools import partial
+
+    from plait.parallel.pipeline.schedules import (
+        ScheduleError,
+        bubble_formula,
+        build_schedule,
+        replay,
+        unit_cost,
+    )
+    from plait.viz.timeline import draw_timeline
+
+    p, v, m = args.pp, args.vpp, args.micro_batches
+    if args.p2p < 0:
+        return fail(f"--p2p must be >= 0, got {args.p2p}")
+    hop = args.p2p / max(v, 1)
+    try:
+        lists = build_schedule(args.schedule, num_ranks=p, num_microbatches=m, num_chunks=v)
+        timeline = replay(lists, partial(unit_cost, num_chunks=v), p2p=hop)
+        waits = {  # the last `hop` of each receive's wait is the message in flight
+            rank: [(max(s, e - hop), e) for a, s, e in events if not a.is_compute and e > s]
+            for rank, events in enumerate(timeline.events)
+        }
+        title = (
+            f"{args.schedule}: pp={p} vpp={v} micro-batches={m} - bubble "
+            f"{timeline.bubble_fraction():.3f} (formula {bubble_formula(args.schedule, p, m, v):.3f})"
+        )
+        extras = {r: [("p2p", s, e) for s, e in spans] for r, spans in waits.items()}
+        draw_timeline(timeline, args.out, title=title, extras=extras, unit="time units (F = 1)")
+    except ScheduleError as e:
+        return fail(str(e))
+    except ValueError as e:
+        return fail(f"-o {e}")
+    print(f"wrote {args.out}: {title}")
+    return 0
+
+
+register("schedule", add_schedule, run_schedule, "draw a pipeline schedule with unit costs")

@@ -1,0 +1,427 @@
+"""The performance model: formulas, replay, memory, monotonicity, hardware specs, CLI.
+
+Pure logic, no processes. The published-run validation lives in test_sim_runs.py.
+"""
+
+import argparse
+import json
+import math
+from functools import partial
+
+import pytest
+
+from plait.cli_args import layout_parent, model_parent
+from plait.layout import Layout
+from plait.model import sizes
+from plait.model.config import ModelConfig, preset
+from plait.parallel.pipeline.schedules import (
+    bubble_formula,
+    build_schedule,
+    replay,
+    unit_cost,
+)
+from plait.sim import Hardware, Result, costs, get_hardware, pipeline, simulate
+from plait.sim import cli as sim_cli
+from plait.sim.hardware import BUILTIN, Link
+from plait.sim.runtime import PROFILES
+
+A100 = get_hardware("a100-80gb")
+GPT3 = preset("gpt3-175b")
+
+
+def lay(**kw):
+    base = dict(dtype="bf16", micro_batch_size=1, global_batch_size=64)
+    base.update(kw)
+    return Layout(**base)
+
+
+# -- exact formulas -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, count",
+    [  # as released (Hugging Face checkpoints' parameter counts)
+        ("gpt2-124m", 124_439_808),
+        ("llama-7b", 6_738_415_616),
+        ("llama-13b", 13_015_864_320),
+        ("llama-65b", 65_285_660_672),
+        ("llama2-70b", 68_976_648_192),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+    ],
+)
+def test_parameter_counts_of_published_sizes(name, count):
+    assert sizes.num_params(preset(name)) == count
+
+
+def test_gpt_parameter_count_is_megatrons_formula():
+    # Narayanan et al. 2021: P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h)), which
+    # leaves out the final LayerNorm (2h).
+    for name in ("gpt3-1.3b", "gpt3-13b", "gpt3-175b"):
+        c = preset(name)
+        l, h, V, s = c.n_layers, c.hidden, c.vocab_size, c.seq_len
+        formula = 12 * l * h**2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+        assert sizes.num_params(c) == pytest.approx(formula + 2 * h, rel=1e-12)
+    assert sizes.num_params(GPT3) / 1e9 == pytest.approx(174.6, abs=0.05)
+
+
+def test_flops_per_iteration_match_megatron_formula():
+    # Narayanan et al. 2021, eq. (3): 96 B s l h^2 (1 + s / (6h) + V / (16 l h)) with full
+    # recomputation; without it 72 B s l h^2 (1 + s / (6h) + V / (12 l h)).
+    for c in (
+        GPT3,
+        preset("gpt3-13b"),
+        ModelConfig(n_layers=128, hidden=25600, n_heads=160, vocab_size=51200, seq_len=2048),
+    ):
+        l, h, V, s, B = c.n_layers, c.hidden, c.vocab_size, c.seq_len, 3072
+        layout = Layout(global_batch_size=B, recompute="full", dp=1)
+        model, hw = costs.flops_per_step(c, layout)
+        assert hw == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)))
+        assert model == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)))
+
+
+def test_published_sc21_iteration_times_follow_from_the_flop_formula():
+    # The SC21 rows derive iter_s from 96 B s l h^2 (...) / (n X): our hardware FLOPs per
+    # step reproduce them, i.e. X is counted in the hardware (recompute) convention.
+    rows = [  # (layers, hidden, vocab, gbs, n_gpus, TFLOP/s per GPU, iter_s)
+        (24, 2304, 51200, 512, 32, 137, 3.53),
+        (96, 16384, 51200, 2160, 1920, 155, 37.61),
+        (128, 25600, 51200, 3072, 3072, 163, 102.63),
+    ]
+    for layers, hidden, vocab, gbs, n, tflops, iter_s in rows:
+        c = ModelConfig(
+            n_layers=layers, hidden=hidden, n_heads=hidden // 128, vocab_size=vocab, seq_len=2048
+        )
+        _, hw = costs.flops_per_step(c, Layout(global_batch_size=gbs, recompute="full"))
+        assert hw / (n * tflops * 1e12) == pytest.approx(iter_s, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "name, p, m, v",
+    [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 32, 1),
+     ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 4, 16, 4), ("zb-h1", 4, 8, 1)],
+)  # fmt: skip
+def test_bubble_fraction_from_replay_matches_formula(name, p, m, v):
+    lists = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)
+    reference = replay(lists, partial(unit_cost, num_chunks=v))
+    assert reference.bubble_fraction() == pytest.approx(bubble_formula(name, p, m, v))
+    # the simulator's compiled replay gives the same times
+    compiled = pipeline.compile_schedule(name, p, m, v)
+    cost = tuple(
+        tuple(tuple(unit_cost(0, _action(op), num_chunks=v) for op in "F B BI W".split())
+              for _ in range(v))
+        for _ in range(p)
+    )  # fmt: skip
+    ends = pipeline.run(compiled, cost, tuple((0.0, 0.0) for _ in range(p))).ends
+    assert max(ends) == pytest.approx(reference.makespan)
+    if name != "zb-h1":
+        assert (max(ends) - 3 * m) / (3 * m) == pytest.approx((p - 1) / (v * m))
+
+
+def _action(op):
+    from plait.parallel.pipeline.schedules import Action, Op
+
+    return Action(Op(op), 0)
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_compiled_replay_equals_schedules_replay_with_uneven_costs_and_transfers(name, v):
+    p, m = 4, 8
+    cost = tuple(
+        tuple((1.0 + 0.1 * r + 0.05 * c, 2.2 + 0.1 * r, 1.1 + 0.1 * r, 1.1 + 0.01 * c)
+              for c in range(v))
+        for r in range(p)
+    )  # fmt: skip
+    p2p = tuple((0.07 + 0.01 * r, 0.05) for r in range(p))
+    from plait.parallel.pipeline.schedules import Op
+
+    col = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.BACKWARD_INPUT: 2, Op.BACKWARD_WEIGHT: 3}
+    lists = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)
+    ref = replay(
+        lists,
+        lambda r, a: cost[r][a.chunk][col[a.op]],
+        p2p=lambda r, a: p2p[r][0 if a.op is Op.SEND_ACT else 1],
+    )
+    compiled = pipeline.compile_schedule(name, p, m, v)
+    rep = pipeline.run(compiled, cost, p2p, record=True)
+    ends, free, timeline = rep.ends, rep.free_ends, rep.timeline
+    assert max(ends) == pytest.approx(ref.makespan)
+    for rank in range(p):
+        assert [(a, pytest.approx(s), pytest.approx(e)) for a, s, e in ref.events[rank]] == [
+            (a, s, e) for a, s, e in timeline.events[rank]
+        ]
+    no_p2p = replay(lists, lambda r, a: cost[r][a.chunk][col[a.op]])
+    assert max(free) == pytest.approx(no_p2p.makespan)
+
+
+# -- collectives and costs ------------------------------------------------------------------
+
+
+def test_alpha_beta_collectives():
+    link = Link(bandwidth=100e9, latency=5e-6)
+    n, S = 8, 1e9
+    ring = 2 * (n - 1) * 5e-6 + 2 * (n - 1) / n * S / 100e9
+    assert costs.all_reduce_time(S, n, link) == pytest.approx(ring)
+    assert costs.all_gather_time(S, n, link) == pytest.approx(7 * 5e-6 + 7 / 8 * S / 100e9)
+    # small message on many ranks: the tree's log-depth latency wins
+    small = costs.all_reduce_time(1e3, 1024, link)
+    assert small == pytest.approx(2 * 10 * 5e-6 + 2 * 1e3 / 100e9)
+    assert costs.all_reduce_time(S, 1, link) == 0.0
+
+
+def test_group_link_uses_nvlink_inside_a_node_and_rails_across():
+    hw = A100
+    assert costs.group_link(hw, 8, 1) is hw.intra_node  # tp=8 in one node
+    assert costs.group_link(hw, 4, 2) is hw.intra_node  # dp=4 over tp=2
+    one_rail = costs.group_link(hw, 16, 8)  # dp across nodes, one member per node
+    assert one_rail.bandwidth == hw.inter_node.bandwidth
+    four = costs.group_link(hw, 16, 2)  # 4 members per node drive 4 rails
+    assert four.bandwidth == pytest.approx(
+        min(4 * hw.inter_node.bandwidth, hw.intra_node.bandwidth)
+    )
+
+
+def test_efficiency_curve_saturates():
+    eff = A100.efficiency
+    small, large = eff.gemm(256, 256, 256), eff.gemm(16384, 16384, 16384)
+    assert small < large < eff.gemm_max
+    assert large == pytest.approx(eff.gemm_max, rel=0.05)
+    assert eff.gemm(65536, 65536, eff.gemm_half_k) == pytest.approx(eff.gemm_max / 2, rel=0.01)
+
+
+def test_tp_collectives_per_layer():
+    # no sequence parallelism: 2 all-reduces forward, 2 backward, of b s h e bytes
+    layout = lay(tp=8)
+    rt = PROFILES["megatron-lm"]
+    lc = costs.layer_cost(GPT3, layout, A100, rt)
+    ar = costs.all_reduce_time(2048 * GPT3.hidden * 2, 8, A100.intra_node)
+    assert lc.fwd_tp == pytest.approx(2 * ar)
+    assert lc.bwd_tp == pytest.approx(2 * ar)
+    sp = costs.layer_cost(GPT3, lay(tp=8, sequence_parallel=True), A100, rt)
+    ag = costs.all_gather_time(2048 * GPT3.hidden * 2, 8, A100.intra_node)
+    assert sp.fwd_tp == pytest.approx(4 * ag)  # 2 all-gathers + 2 reduce-scatters
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def test_korthikanti_activation_formulas():
+    # Korthikanti et al. 2022, section 4: per layer, 2-byte activations, dropout masks.
+    for name, a, h, t in (("22B", 64, 6144, 8), ("175B", 96, 12288, 8), ("530B", 128, 20480, 8),
+                          ("1T", 160, 25600, 8)):  # fmt: skip
+        c = ModelConfig(n_layers=8, hidden=h, n_heads=a, seq_len=2048, vocab_size=51200,
+                        dropout=0.1)  # fmt: skip
+        s, b = 2048, 1
+        sbh = s * b * h
+        act = partial(sizes.activation_bytes_per_layer, c, micro_batch_size=b, tp=t)
+        assert act() == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t))), name
+        assert act(sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+        assert act(recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+        assert act(sequence_parallel=True, recompute="selective") == pytest.approx(34 * sbh / t)
+        assert act(recompute="full") == pytest.approx(2 * sbh)
+        assert act(sequence_parallel=True, recompute="full") == pytest.approx(2 * sbh / t)
+    # the worked case of their section 4.3: GPT-3 175B, t = 8, first pipeline stage holding
+    # L layers' worth under 1F1B, sequence parallel + selective: 34 s b h L / t bytes
+    c = GPT3.replace(dropout=0.1)
+    per_layer = sizes.activation_bytes_per_layer(
+        c, tp=8, sequence_parallel=True, recompute="selective"
+    )
+    assert per_layer * 96 / 2**30 == pytest.approx(34 * 2048 * 12288 * 96 / 8 / 2**30)
+    assert per_layer * 96 / 1e9 == pytest.approx(10.27, abs=0.01)
+
+
+def test_memory_per_zero_stage():
+    c = preset("gpt3-1.3b")
+    N = sizes.num_params(c)
+    rt = PROFILES["plait"]
+    got = {}
+    for zero in (0, 1, 2, 3):
+        r = simulate(c, lay(dp=8, zero=zero, global_batch_size=8), A100, runtime=rt)
+        got[zero] = r.memory
+    assert got[0].weights == pytest.approx(4 * N) and got[0].grads == pytest.approx(4 * N)
+    assert got[0].optimizer == pytest.approx(8 * N)
+    assert got[1].optimizer == pytest.approx(8 * N / 8) and got[1].grads == pytest.approx(4 * N)
+    assert got[2].grads == pytest.approx(4 * N / 8) and got[2].weights == pytest.approx(4 * N)
+    assert got[3].weights == pytest.approx(4 * N / 8)
+    assert got[3].buffers > 0 and got[2].buffers == 0
+    for zero in (0, 1, 2, 3):
+        state = got[zero].weights + got[zero].grads + got[zero].optimizer
+        assert state == pytest.approx(sizes.model_state_bytes(N, dp=8, zero=zero))
+    # Megatron-style mixed precision: 2 + 4 + 12 bytes per parameter
+    mixed = simulate(c, lay(dp=8, zero=1, global_batch_size=8), A100, runtime="megatron-core")
+    assert mixed.memory.weights == pytest.approx(2 * N)
+    assert mixed.memory.optimizer == pytest.approx(12 * N / 8)
+
+
+def test_pipeline_memory_follows_the_schedule():
+    c = preset("gpt3-1.3b")  # 24 layers
+    base = dict(pp=4, global_batch_size=32)
+    one = simulate(c, lay(**base), A100)
+    gpipe = simulate(c, lay(schedule="gpipe", **base), A100)
+    inter = simulate(c, lay(schedule="interleaved-1f1b", vpp=2, **base), A100)
+    per_layer = sizes.activation_bytes_per_layer(c, act_bytes=2, flash_attention=True)
+    # 1F1B: rank 0 holds p = 4 micro-batches of its 6 layers; GPipe all m = 32
+    assert one.memory_ranks[0].activations == pytest.approx(4 * 6 * per_layer)
+    assert gpipe.memory_ranks[0].activations == pytest.approx(32 * 6 * per_layer)
+    # the last rank also keeps each in-flight micro-batch's logits (bf16 + fp32 for the loss)
+    head = 2048 * (2 * c.hidden * 2 + c.vocab_size * 6)
+    assert gpipe.memory_ranks[3].activations == pytest.approx(32 * (6 * per_layer + head))
+    assert one.memory_ranks[3].activations == pytest.approx(6 * per_layer + head)
+    # interleaving: rank 0 holds (p - 1) * 2 + (v - 1) * p + 1 = 11 chunk-micro-batches
+    # of 3 layers: the (1 + (p - 1) / (p v)) penalty of Korthikanti et al. on 4 x 6 layers
+    assert inter.memory_ranks[0].activations == pytest.approx(11 * 3 * per_layer)
+    assert 11 * 3 == pytest.approx(4 * 6 * (1 + 3 / 8))
+
+
+def test_fits_flag():
+    big = simulate(GPT3, lay(dp=1, tp=8, pp=1, global_batch_size=8), A100)
+    assert not big.fits and big.peak_mem_bytes > A100.memory_bytes
+    ok = simulate(GPT3, lay(dp=1, tp=8, pp=16, global_batch_size=16, recompute="full",
+                            sequence_parallel=True, zero=0), A100)  # fmt: skip
+    assert ok.fits
+
+
+# -- monotonicity ---------------------------------------------------------------------------
+
+
+LAYOUTS = [
+    dict(dp=4, tp=2, pp=4, global_batch_size=64),
+    dict(dp=8, tp=8, pp=2, global_batch_size=128, sequence_parallel=True, zero=1),
+    dict(dp=16, tp=1, pp=1, global_batch_size=64, zero=3),
+    dict(dp=2, tp=4, pp=4, vpp=3, schedule="interleaved-1f1b", global_batch_size=32),
+]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS)
+@pytest.mark.parametrize("runtime", ["plait", "megatron-lm"])
+def test_more_bandwidth_never_slows_a_step(kw, runtime):
+    c = preset("gpt3-13b")
+    layout = lay(**kw)
+    base = simulate(c, layout, A100, runtime=runtime).iter_time_s
+    for factor in (1.5, 4.0):
+        for level in ("intra_node", "inter_node"):
+            link = getattr(A100, level)
+            faster = A100.replace(**{level: Link(bandwidth=link.bandwidth * factor,
+                                                 latency=link.latency)})  # fmt: skip
+            assert simulate(c, layout, faster, runtime=runtime).iter_time_s <= base * (1 + 1e-12)
+        more_mem = A100.replace(memory_bandwidth=A100.memory_bandwidth * factor)
+        assert simulate(c, layout, more_mem, runtime=runtime).iter_time_s <= base * (1 + 1e-12)
+
+
+def test_more_microbatches_never_increase_the_1f1b_bubble():
+    c = preset("gpt3-13b")
+    previous = math.inf
+    for gbs in (8, 16, 24, 32, 64, 128, 256):
+        r = simulate(c, lay(dp=1, tp=8, pp=8, global_batch_size=gbs), A100)
+        fraction = r.breakdown["bubble"] / r.breakdown["compute"]
+        assert fraction <= previous + 1e-12
+        previous = fraction
+
+
+def test_breakdown_adds_up_and_flop_conventions():
+    r = simulate(GPT3, lay(dp=4, tp=8, pp=8, global_batch_size=256, recompute="full"), A100)
+    assert sum(r.breakdown.values()) == pytest.approx(r.iter_time_s)
+    assert set(r.breakdown) == {"compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer"}
+    assert r.hfu / r.mfu == pytest.approx(
+        sizes.hardware_flops_per_token(GPT3, recompute="full") / sizes.model_flops_per_token(GPT3)
+    )
+    assert r.tflops_per_device * 1e12 / A100.peak("bf16") == pytest.approx(r.mfu)
+    assert isinstance(r, Result) and "model FLOPs" in r.flop_convention
+
+
+def test_simulate_is_cheap_for_typical_layouts():
+    import time
+
+    c = preset("gpt3-13b")
+    layouts = [lay(**kw) for kw in LAYOUTS]
+    for layout in layouts:  # compile the schedules once
+        simulate(c, layout, A100)
+    start = time.perf_counter()
+    n = 0
+    for hidden in (5120, 5200, 5280):
+        for layout in layouts:
+            simulate(c.replace(hidden=hidden), layout, A100)
+            n += 1
+    assert (time.perf_counter() - start) / n < 0.02  # target 5 ms; slack for a busy CI box
+
+
+def test_errors_are_one_line_value_errors():
+    with pytest.raises(ValueError, match="--tp 7 does not divide --heads"):
+        simulate(GPT3, lay(tp=7), A100)
+    with pytest.raises(ValueError, match="--gpus 10 does not match"):
+        simulate(GPT3, lay(dp=8, tp=1), A100, n_devices=10)
+    with pytest.raises(ValueError, match="no fast path on v100"):
+        simulate(GPT3, lay(tp=8), get_hardware("v100"))
+
+
+# -- hardware specs -------------------------------------------------------------------------
+
+
+def test_builtin_hardware_round_trips_through_yaml(tmp_path):
+    assert set(BUILTIN) >= {"v100", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"}
+    for hw in BUILTIN.values():
+        path = tmp_path / f"{hw.name}.yaml"
+        hw.to_yaml(path)
+        assert Hardware.from_yaml(path) == hw
+
+
+def test_bad_hardware_yaml_is_one_clear_error(tmp_path):
+    path = tmp_path / "hw.yaml"
+    path.write_text("name: x\npeak_flops: {fp32: 1e12}\n")
+    with pytest.raises(ValueError, match="hardware spec lacks"):
+        Hardware.from_yaml(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        Hardware.from_yaml(tmp_path / "missing.yaml")
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+
+def parser():
+    p = argparse.ArgumentParser(parents=[model_parent(), layout_parent()])
+    sim_cli.add_arguments(p)
+    return p
+
+
+def test_cli_report_and_json(capsys):
+    argv = ["--model", "gpt3-13b", "--gpu", "a100-80gb", "--gpus", "64", "--tp", "8",
+            "--pp", "2", "--global-batch-size", "256", "--dtype", "bf16"]  # fmt: skip
+    assert sim_cli.run(parser().parse_args(argv)) == 0
+    text = capsys.readouterr().out
+    assert "MFU" in text and "HFU" in text and "model FLOPs" in text and "fits" in text
+    assert sim_cli.run(parser().parse_args(argv + ["--json"])) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("iter_time_s", "tflops_per_device", "mfu", "hfu", "peak_mem_bytes", "fits",
+                "breakdown"):  # fmt: skip
+        assert key in out
+    assert out["layout"]["dp"] == 4 and out["n_devices"] == 64
+
+
+def test_cli_errors_are_one_line(capsys):
+    bad = ["--model", "gpt3-13b", "--gpus", "12", "--tp", "8"]
+    assert sim_cli.run(parser().parse_args(bad)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plait simulate: error: --gpus 12")
+    assert sim_cli.run(parser().parse_args(["--hardware", "/nonexistent.yaml"])) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_cli_timeline_and_viz_schedule(tmp_path, capsys):
+    png = tmp_path / "step.png"
+    argv = ["--model", "gpt3-1.3b", "--pp", "4", "--global-batch-size", "16", "--dtype",
+            "bf16", "--timeline", str(png)]  # fmt: skip
+    assert sim_cli.run(parser().parse_args(argv)) == 0
+    assert png.stat().st_size > 10_000
+
+    from plait.viz import cli as viz_cli
+
+    p = argparse.ArgumentParser()
+    viz_cli.add_arguments(p)
+    out = tmp_path / "sched.png"
+    args = p.parse_args(["schedule", "--schedule", "interleaved-1f1b", "--pp", "4", "--vpp",
+                         "2", "--micro-batches", "8", "-o", str(out)])  # fmt: skip
+    assert viz_cli.run(args) == 0
+    assert out.stat().st_size > 10_000
+    assert "formula 0.188" in capsys.readouterr().out
+    bad = p.parse_args(["schedule", "--schedule", "1f1b", "--vpp", "2", "-o", str(out)])
+    assert viz_cli.run(bad) == 2
