@@ -18,7 +18,7 @@ from plait.model.config import ModelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = 200
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup: int = 30
