@@ -12,6 +12,7 @@ layout names -- and therefore initialises -- every weight identically.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Sequence
@@ -26,12 +27,17 @@ from plait.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,
+    TPDropout,
     VocabParallelEmbedding,
-    copy_to_tp,
+    enter_tp,
     full_shape,
+    mark_sequence_parallel,
+    sequence_shard,
     shard_spec,
     tp_shard,
+    tp_shard_rng,
     vocab_parallel_cross_entropy,
+    vocab_spec,
 )
 from plait.topology import Topology
 
@@ -69,37 +75,52 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, topo: Topology, selective_recompute: bool):
+    """Heads split over tp: q, k, v column-parallel (by heads), the output projection
+    row-parallel. Under sequence parallelism x is (B, T/tp, C) and so is the output."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        topo: Topology,
+        selective_recompute: bool,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         tp = topo.tp
-        self.cfg, self.selective_recompute = cfg, selective_recompute
+        self.cfg, self.topo, self.selective_recompute = cfg, topo, selective_recompute
         self.n_heads = cfg.n_heads // tp
-        # Fewer key/value heads than tp ranks: each kv head is replicated on tp/K ranks.
+        # Fewer key/value heads than tp ranks: each kv head is replicated on tp/K ranks
+        # (their weight gradients are summed by TPGradSync).
         kv_replicas = max(1, tp // cfg.n_kv_heads)
         self.n_kv_heads = max(1, cfg.n_kv_heads // tp)
         kv_spec = ShardSpec(dim=0, replicas=kv_replicas)
-        bias = cfg.biases
-        self.q = ColumnParallelLinear(cfg.hidden, cfg.hidden, topo=topo, bias=bias)
-        self.k = ColumnParallelLinear(cfg.hidden, cfg.kv_dim, topo=topo, bias=bias, spec=kv_spec)
-        self.v = ColumnParallelLinear(cfg.hidden, cfg.kv_dim, topo=topo, bias=bias, spec=kv_spec)
-        self.o = RowParallelLinear(cfg.hidden, cfg.hidden, topo=topo, bias=bias)
+        col = dict(topo=topo, bias=cfg.biases, sequence_parallel=sequence_parallel)
+        self.q = ColumnParallelLinear(cfg.hidden, cfg.hidden, **col)
+        self.k = ColumnParallelLinear(cfg.hidden, cfg.kv_dim, spec=kv_spec, **col)
+        self.v = ColumnParallelLinear(cfg.hidden, cfg.kv_dim, spec=kv_spec, **col)
+        self.o = RowParallelLinear(cfg.hidden, cfg.hidden, **col)
 
     def _core(self, q, k, v):
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            dropout_p=self.cfg.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        dropout = self.cfg.dropout if self.training else 0.0
+        # attention probabilities of this rank's heads: a tp region, per-shard stream
+        with tp_shard_rng(self.topo) if dropout else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                dropout_p=dropout,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
 
     def forward(self, x, rope=None):  # (B, T, C) -> (B, T, C)
+        x = self.q.enter(x)  # one f (or all-gather) for q, k and v together
         B, T, _ = x.shape
         D = self.cfg.head_dim
-        q = self.q(x).view(B, T, self.n_heads, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.k(x).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
-        v = self.v(x).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
+        q = self.q(x, entered=True).view(B, T, self.n_heads, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k(x, entered=True).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
+        v = self.v(x, entered=True).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.selective_recompute and self.training:
@@ -113,33 +134,43 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP (gpt2) or SwiGLU (llama); first GEMM(s) column-split, last row-split."""
 
-    def __init__(self, cfg: ModelConfig, *, topo: Topology):
+    def __init__(self, cfg: ModelConfig, *, topo: Topology, sequence_parallel: bool = False):
         super().__init__()
         self.arch = cfg.arch
         h, f = cfg.hidden, cfg.ffn_hidden
+        sp = dict(topo=topo, sequence_parallel=sequence_parallel)
         if cfg.arch == "gpt2":
-            self.fc = ColumnParallelLinear(h, f, topo=topo, bias=True)
-            self.proj = RowParallelLinear(f, h, topo=topo, bias=True)
+            self.fc = ColumnParallelLinear(h, f, bias=True, **sp)
+            self.proj = RowParallelLinear(f, h, bias=True, **sp)
         else:
-            self.gate = ColumnParallelLinear(h, f, topo=topo, bias=False)
-            self.up = ColumnParallelLinear(h, f, topo=topo, bias=False)
-            self.down = RowParallelLinear(f, h, topo=topo, bias=False)
+            self.gate = ColumnParallelLinear(h, f, bias=False, **sp)
+            self.up = ColumnParallelLinear(h, f, bias=False, **sp)
+            self.down = RowParallelLinear(f, h, bias=False, **sp)
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         if self.arch == "gpt2":
             return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        x = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
+        return self.down(F.silu(self.gate(x, entered=True)) * self.up(x, entered=True))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, topo: Topology, recompute: str):
+    def __init__(
+        self, cfg: ModelConfig, *, topo: Topology, recompute: str, sequence_parallel: bool = False
+    ):
         super().__init__()
         self.recompute_full = recompute == "full"
         self.ln1 = make_norm(cfg)
-        self.attn = Attention(cfg, topo=topo, selective_recompute=recompute == "selective")
+        self.attn = Attention(
+            cfg,
+            topo=topo,
+            selective_recompute=recompute == "selective",
+            sequence_parallel=sequence_parallel,
+        )
         self.ln2 = make_norm(cfg)
-        self.mlp = MLP(cfg, topo=topo)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.mlp = MLP(cfg, topo=topo, sequence_parallel=sequence_parallel)
+        # the residual stream: replicated over tp, or a sequence shard (per-shard masks)
+        self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
 
     def _forward(self, x, rope):
         x = x + self.drop(self.attn(self.ln1(x), rope))
@@ -152,16 +183,25 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, topo: Topology, positions: bool):
-        super().__init__()
-        self.tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, topo=topo)
-        self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
-        self.drop = nn.Dropout(cfg.dropout)
+    """Token embedding (vocabulary-parallel) plus learned positions (gpt2); under sequence
+    parallelism the output is this rank's sequence shard (B, T/tp, C)."""
 
-    def forward(self, ids):  # (B, T) -> (B, T, C)
+    def __init__(
+        self, cfg: ModelConfig, *, topo: Topology, positions: bool, sequence_parallel: bool = False
+    ):
+        super().__init__()
+        self.topo, self.sequence_parallel = topo, sequence_parallel
+        self.tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden, topo=topo, sequence_parallel=sequence_parallel
+        )
+        self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
+        self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
+
+    def forward(self, ids):  # (B, T) -> (B, T, C) or (B, T/tp, C)
         x = self.tokens(ids)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            pos = self.positions(torch.arange(ids.shape[1], device=ids.device))[None]  # (1, T, C)
+            x = x + (sequence_shard(pos, self.topo) if self.sequence_parallel else pos)
         return self.drop(x)
 
 
@@ -177,22 +217,44 @@ class Transformer(nn.Module):
         pre: bool = True,
         post: bool = True,
         recompute: str = "none",
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         topo = topo or Topology.single()
+        check_tp_split(cfg, topo.tp)
+        sp = sequence_parallel and topo.tp > 1
         self.cfg, self.topo, self.pre, self.post = cfg, topo, pre, post
+        self.sequence_parallel = sp
         layers = range(cfg.n_layers) if layers is None else layers
         if pre or (post and cfg.tied_embeddings):
             # The last pipeline stage of a tied model keeps its own copy of the token
             # embedding under the same name; the pipeline keeps the copies in sync.
-            self.embed = Embedding(cfg, topo=topo, positions=pre and cfg.arch == "gpt2")
+            self.embed = Embedding(
+                cfg, topo=topo, positions=pre and cfg.arch == "gpt2", sequence_parallel=sp
+            )
         self.blocks = nn.ModuleDict(
-            {str(i): Block(cfg, topo=topo, recompute=recompute) for i in layers}
+            {
+                str(i): Block(cfg, topo=topo, recompute=recompute, sequence_parallel=sp)
+                for i in layers
+            }
         )
         if post:
             self.norm = make_norm(cfg)
             if not cfg.tied_embeddings:
-                self.head = ColumnParallelLinear(cfg.hidden, cfg.vocab_size, topo=topo, bias=False)
+                self.head = ColumnParallelLinear(
+                    cfg.hidden,
+                    cfg.vocab_size,
+                    topo=topo,
+                    bias=False,
+                    spec=vocab_spec(cfg.vocab_size),
+                    sequence_parallel=sp,
+                )
+        if sp:
+            # Every tp-replicated parameter (norms, row-parallel biases, positions) now sees
+            # only this rank's sequence shard: TPGradSync sums its gradient over tp.
+            for p in self.parameters():
+                if shard_spec(p).dim is None:
+                    mark_sequence_parallel(p)
         self._rope_cache: dict = {}
 
     def _rope(self, T: int, device):
@@ -203,22 +265,32 @@ class Transformer(nn.Module):
             self._rope_cache[key] = rotary_tables(self.cfg, T, device)
         return self._rope_cache[key]
 
-    def logits(self, x):  # (B, T, C) -> (B, T, V/tp)
+    def logits(self, x):  # (B, T, C) or (B, T/tp, C) -> (B, T, V/tp)
+        """This rank's vocabulary slice of the logits; where tp does not divide the
+        vocabulary, the last slice ends in padded columns (zero weights)."""
         x = self.norm(x)
-        weight = self.embed.tokens.weight if self.cfg.tied_embeddings else self.head.weight
-        return F.linear(copy_to_tp(x, self.topo), weight)
+        if not self.cfg.tied_embeddings:
+            return self.head(x)
+        return F.linear(enter_tp(x, self.topo, self.sequence_parallel), self.embed.tokens.weight)
 
     def forward(self, x, targets=None):
-        """ids (B, T) if ``pre`` else hidden (B, T, C). Returns hidden (B, T, C) unless
-        ``post``; then the per-token loss (B*T,) if targets are given, else the logits."""
+        """ids (B, T) if ``pre`` else hidden (B, T, C) -- (B, T/tp, C), this rank's sequence
+        shard, under sequence parallelism. Returns hidden in the same form unless ``post``;
+        then the per-token loss (B*T,) if targets are given, else the logits (B, T, V/tp)."""
         if self.pre:
             if x.shape[1] > self.cfg.seq_len:
                 raise ValueError(
                     f"sequence of {x.shape[1]} tokens is longer than the model's "
                     f"--seq-len {self.cfg.seq_len}"
                 )
+            if self.sequence_parallel and x.shape[1] % self.topo.tp:
+                raise ValueError(
+                    f"--sequence-parallel needs the sequence length ({x.shape[1]}) divisible "
+                    f"by --tp {self.topo.tp}"
+                )
             x = self.embed(x)
-        rope = self._rope(x.shape[1], x.device)
+        T = x.shape[1] * (self.topo.tp if self.sequence_parallel else 1)
+        rope = self._rope(T, x.device)
         for block in self.blocks.values():
             x = block(x, rope)
         if not self.post:
@@ -226,7 +298,26 @@ class Transformer(nn.Module):
         logits = self.logits(x)
         if targets is None:
             return logits
-        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), topo=self.topo)
+        return vocab_parallel_cross_entropy(
+            logits.flatten(0, 1), targets.flatten(), topo=self.topo, valid_vocab=self.cfg.vocab_size
+        )
+
+
+def check_tp_split(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError (one line naming the flags) if tensor parallelism of ``tp`` cannot
+    split ``cfg``. The vocabulary never blocks it: it is padded to a multiple of tp."""
+    if cfg.n_heads % tp:
+        raise ValueError(
+            f"--tp {tp} does not divide --heads {cfg.n_heads}; use a --tp that divides it"
+        )
+    kv = cfg.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(
+            f"--tp {tp} and --kv-heads {kv}: one must divide the other "
+            "(key/value heads are split, or replicated when fewer than tp)"
+        )
+    if cfg.ffn_hidden % tp:
+        raise ValueError(f"--tp {tp} does not divide --ffn-hidden {cfg.ffn_hidden}")
 
 
 # --- deterministic initialisation ---------------------------------------------------------
@@ -274,12 +365,24 @@ def build_model(
     pre: bool = True,
     post: bool = True,
     recompute: str = "none",
+    sequence_parallel: bool = False,
     device: str | torch.device = "cpu",
 ) -> Transformer:
     """Build (a chunk of) the model with its deterministic initial weights. On the ``meta``
-    device nothing is allocated or initialised: for sizes and memory of large presets."""
+    device nothing is allocated or initialised: for sizes and memory of large presets.
+
+    ``sequence_parallel`` (with tp > 1): activations between the tp regions are sequence
+    shards; the gradients of the tp-replicated parameters then need ``TPGradSync``."""
     with torch.device(device):
-        model = Transformer(cfg, topo=topo, layers=layers, pre=pre, post=post, recompute=recompute)
+        model = Transformer(
+            cfg,
+            topo=topo,
+            layers=layers,
+            pre=pre,
+            post=post,
+            recompute=recompute,
+            sequence_parallel=sequence_parallel,
+        )
     if str(device) != "meta":
         init_weights(model, seed)
     return model

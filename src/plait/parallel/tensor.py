@@ -1,23 +1,52 @@
-"""Megatron-style tensor parallelism: the layers the transformer is built from.
+"""Megatron-style tensor parallelism (+ sequence parallelism): the layers the model is built from.
 
-Communication (axis tp, t = tp size, per transformer layer and micro-batch of b sequences
-of s tokens, hidden h, activations of e bytes each):
+Communication (axis tp, t = tp size; per transformer layer and micro-batch of b sequences of
+s tokens, hidden h, e bytes per activation element; bytes as ``comm.py`` counts them: an
+all-reduce counts its tensor, an all-gather its output, a reduce-scatter its input, so each
+line below moves b*s*h*e counted bytes per call):
 
-- forward: one all-reduce after attention's output projection (g) and one after the
-  MLP's second GEMM (g): 2 all-reduces of b*s*h*e bytes.
-- backward: one all-reduce of the input gradient before attention's q/k/v projections (f)
-  and one before the MLP's first GEMM (f): 2 all-reduces of b*s*h*e bytes.
-- embedding: one all-reduce forward (b*s*h*e); the vocabulary-parallel cross-entropy:
-  three all-reduces forward of b*s*4 bytes each (max, sum of exponentials, target logit).
-- with t == 1 nothing is issued.
+- without sequence parallelism, forward: 2 all-reduces (g after attention's output
+  projection and after the MLP's second GEMM), 2*b*s*h*e bytes; backward: 2 all-reduces
+  of the input gradient (f before q/k/v -- one for the three -- and before the MLP's first
+  GEMM(s)), 2*b*s*h*e bytes.
+- with sequence parallelism (``--sequence-parallel``) each f becomes an all-gather of the
+  sequence shards forward / reduce-scatter backward, and each g a reduce-scatter forward /
+  all-gather backward: forward 2 all-gathers + 2 reduce-scatters, backward 2 reduce-scatters
+  + 2 all-gathers, 4*b*s*h*e bytes each way. The all-reduce's ring cost is exactly one
+  all-gather plus one reduce-scatter, so the traffic is the same; activations outside the
+  GEMMs (norms, dropout, residual) are stored and computed 1/t each.
+- embedding (vocabulary-parallel): forward 1 all-reduce of b*s*h*e (sequence parallel: a
+  reduce-scatter; backward then 1 all-gather of b*s*h*e).
+- head: forward nothing (sequence parallel: 1 all-gather of b*s*h*e); backward 1
+  all-reduce of b*s*h*e (sequence parallel: a reduce-scatter).
+- vocabulary-parallel cross-entropy, forward: 2 all-reduces, the per-token max (4*b*s
+  bytes) then the target logit and the sum of exponentials together (8*b*s bytes); no
+  backward communication. The logits are never gathered.
+- per optimizer step (``TPGradSync.finish``): 1 all-reduce of 4*(R + K) bytes, R the
+  tp-replicated parameters that saw only a sequence shard (sequence parallelism: norms,
+  row-parallel biases, learned positions) and K the full size of the key/value weights that
+  are replicated because there are fewer key/value heads than tp ranks. Nothing when both
+  are empty.
+- with t == 1 nothing is issued; ``--recompute full`` repeats the forward's collectives
+  inside the backward.
 
 Every weight has a ``ShardSpec``: which dimension is split over tp and how. ``tp_shard``
 cuts a full weight into the shard a tp rank holds; the initialiser, the checkpoint code and
 the Hugging Face converter all use it, so a tp=2 run starts from exactly the tp=1 weights.
+A vocabulary that tp does not divide is padded (Megatron-style) with zero rows at its end;
+the checkpoint still holds the unpadded tensor and the loss ignores the padded entries.
+
+Randomness: dropout outside tp regions (the replicated residual stream) draws from the
+default generator, identical on every tp rank; dropout inside a tp region (attention
+probabilities of this rank's heads, or anything on a sequence shard) draws a per-shard
+stream (``tp_shard_rng``).
+
+Shape letters: B batch, T tokens per sequence, C hidden, N tokens (B*T), V vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -29,6 +58,8 @@ from torch import nn
 from plait import comm
 from plait.topology import Axis, Topology
 
+SEQ_DIM = 1  # sequence parallelism splits activations (B, T, C) along T
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -36,13 +67,21 @@ class ShardSpec:
 
     ``dim=None``: replicated on every tp rank. ``replicas > 1`` serves key/value heads when
     there are fewer of them than tp ranks: each head is then held by ``replicas`` ranks.
+    ``size``: the true (unpadded) length of ``dim`` when it may be padded with zeros up to a
+    multiple of the parts (the vocabulary); None: it must divide evenly.
     """
 
     dim: int | None = None
     replicas: int = 1
+    size: int | None = None
 
 
 REPLICATED = ShardSpec()
+
+
+def vocab_spec(vocab_size: int) -> ShardSpec:
+    """Rows split over tp, padded to a multiple of tp (embedding and output head)."""
+    return ShardSpec(dim=0, size=vocab_size)
 
 
 def set_shard(p: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
@@ -54,26 +93,55 @@ def shard_spec(p: torch.Tensor) -> ShardSpec:
     return getattr(p, "shard_spec", REPLICATED)
 
 
+def local_size(n: int, spec: ShardSpec, tp: int) -> int:
+    """Length of the split dimension on one tp rank: ``local_size(257, vocab_spec(257), 4)``
+    is 65 (the vocabulary padded to 260)."""
+    parts = tp // spec.replicas
+    if spec.size is not None:
+        return math.ceil(n / parts)
+    if n % parts:
+        raise ValueError(f"dimension of size {n} not divisible by {parts}")
+    return n // parts
+
+
 def tp_shard(full: torch.Tensor, spec: ShardSpec, *, tp_rank: int, tp: int) -> torch.Tensor:
     """The one sharding function: the slice of ``full`` that ``tp_rank`` of ``tp`` holds."""
     if spec.dim is None or tp == 1:
         return full
     parts = tp // spec.replicas
-    if full.shape[spec.dim] % parts:
-        raise ValueError(
-            f"dimension {spec.dim} of size {full.shape[spec.dim]} not divisible by {parts}"
-        )
-    return full.chunk(parts, dim=spec.dim)[tp_rank // spec.replicas]
+    n = full.shape[spec.dim]
+    local = local_size(n, spec, tp)
+    if local * parts != n:  # padded: zero rows appended at the end of the dimension
+        pad = list(full.shape)
+        pad[spec.dim] = local * parts - n
+        full = torch.cat([full, full.new_zeros(pad)], dim=spec.dim)
+    return full.narrow(spec.dim, (tp_rank // spec.replicas) * local, local)
 
 
 def full_shape(local_shape: torch.Size, spec: ShardSpec, tp: int) -> tuple[int, ...]:
+    """The unpadded full shape of a tensor whose shard has ``local_shape``."""
     shape = list(local_shape)
     if spec.dim is not None:
-        shape[spec.dim] *= tp // spec.replicas
+        shape[spec.dim] = (
+            spec.size if spec.size is not None else shape[spec.dim] * (tp // spec.replicas)
+        )
     return tuple(shape)
 
 
-# --- the conjugate pair f / g ---------------------------------------------------------------
+def tp_gather(local: torch.Tensor, spec: ShardSpec, *, topo: Topology) -> torch.Tensor:
+    """Inverse of ``tp_shard``: the full tensor, from every tp rank's shard (collective)."""
+    if spec.dim is None or topo.tp == 1:
+        return local
+    parts = comm.all_gather(local.contiguous(), topo=topo, axis=Axis.TP, dim=spec.dim)
+    if spec.replicas > 1:
+        chunks = parts.chunk(topo.tp, dim=spec.dim)[:: spec.replicas]
+        parts = torch.cat(chunks, dim=spec.dim)
+    if spec.size is not None:
+        parts = parts.narrow(spec.dim, 0, spec.size)
+    return parts
+
+
+# --- the conjugate pairs ----------------------------------------------------------------------
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -105,74 +173,245 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence-parallel f: all-gather of the sequence shards forward, reduce-scatter back."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return comm.all_gather(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter(grad, topo=ctx.topo, axis=Axis.TP, dim=SEQ_DIM), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Sequence-parallel g: reduce-scatter into sequence shards forward, all-gather back."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo = topo
+        return comm.reduce_scatter(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather(grad, topo=ctx.topo, axis=Axis.TP, dim=SEQ_DIM), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather of the last dimension forward; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, topo):
+        ctx.topo, ctx.local = topo, x.shape[-1]
+        return comm.all_gather(x, topo=topo, axis=Axis.TP, dim=x.dim() - 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.topo.tp_rank * ctx.local
+        return grad.narrow(-1, start, ctx.local).contiguous(), None
+
+
 def copy_to_tp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """f: identity forward, all-reduce backward (entering a tp region)."""
     return x if topo.tp == 1 else _CopyToTP.apply(x, topo)
 
 
 def reduce_from_tp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (leaving a tp region)."""
     return x if topo.tp == 1 else _ReduceFromTP.apply(x, topo)
+
+
+def gather_from_sp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """(B, T/t, C) -> (B, T, C): all-gather forward, reduce-scatter backward."""
+    return x if topo.tp == 1 else _GatherFromSP.apply(x, topo)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """(B, T, C) partial sums -> (B, T/t, C): reduce-scatter forward, all-gather backward."""
+    return x if topo.tp == 1 else _ReduceScatterToSP.apply(x, topo)
+
+
+def gather_from_tp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """(..., n/t) -> (..., n): all-gather forward, split backward (no communication)."""
+    return x if topo.tp == 1 else _GatherFromTP.apply(x, topo)
+
+
+def enter_tp(x: torch.Tensor, topo: Topology, sequence_parallel: bool) -> torch.Tensor:
+    """Into a tp region: f, or with sequence parallelism the all-gather of the shards."""
+    return gather_from_sp(x, topo) if sequence_parallel else copy_to_tp(x, topo)
+
+
+def leave_tp(x: torch.Tensor, topo: Topology, sequence_parallel: bool) -> torch.Tensor:
+    """Out of a tp region: g, or with sequence parallelism the reduce-scatter into shards."""
+    return reduce_scatter_to_sp(x, topo) if sequence_parallel else reduce_from_tp(x, topo)
+
+
+def sequence_shard(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """This tp rank's slice of a replicated (B, T, ...) tensor along T (no gradient path)."""
+    if topo.tp == 1:
+        return x
+    if x.shape[SEQ_DIM] % topo.tp:
+        raise ValueError(
+            f"--sequence-parallel needs the sequence length ({x.shape[SEQ_DIM]}) divisible "
+            f"by --tp {topo.tp}"
+        )
+    return x.chunk(topo.tp, dim=SEQ_DIM)[topo.tp_rank]
+
+
+# --- random streams -------------------------------------------------------------------------
+
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads tp ranks over the seed space
+
+
+@contextlib.contextmanager
+def tp_shard_rng(topo: Topology):
+    """Run the body on this tp rank's own random stream, then resume the default one.
+
+    The stream's seed mixes one draw from the default generator (which every tp rank draws
+    identically) with the tp rank. So the default stream stays in lockstep across tp ranks
+    (replicated regions see identical dropout masks), each shard gets its own masks, and
+    activation recomputation -- which replays the default generator's state -- redraws the
+    same masks. With tp == 1 the default stream is used unchanged.
+    """
+    if topo.tp == 1:
+        yield
+        return
+    base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    seed = (base ^ ((topo.tp_rank * _GOLDEN) & (2**63 - 1))) % 2**63
+    cuda = topo.device.type == "cuda"
+    with torch.random.fork_rng(devices=[topo.device] if cuda else [], device_type="cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
+class TPDropout(nn.Module):
+    """Dropout whose mask comes from the per-shard stream when ``sharded`` (the activation
+    is a tp or sequence shard), else from the default stream shared by the tp ranks."""
+
+    def __init__(self, p: float, *, topo: Topology, sharded: bool):
+        super().__init__()
+        self.p, self.topo, self.sharded = p, topo, sharded
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if not self.sharded:
+            return F.dropout(x, self.p, training=True)
+        with tp_shard_rng(self.topo):
+            return F.dropout(x, self.p, training=True)
 
 
 # --- layers ---------------------------------------------------------------------------------
 
 
+def mark_sequence_parallel(p: nn.Parameter) -> nn.Parameter:
+    """Flag a tp-replicated parameter that sees only this rank's sequence shard: its
+    gradient is a partial sum that ``TPGradSync`` all-reduces over tp."""
+    p.sequence_parallel = True
+    return p
+
+
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A split by output features: each tp rank computes its slice of y."""
+    """y = x A^T + b with A split by output features: each tp rank computes its slice of y.
 
-    def __init__(self, in_features, out_features, *, topo: Topology, bias: bool, spec=None):
+    ``sequence_parallel``: x arrives as a sequence shard and is all-gathered (else f).
+    ``gather_output``: all-gather y's slices into the full y (else y stays split).
+    ``spec``: how the weight rows split (key/value replication, vocabulary padding).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        topo: Topology,
+        bias: bool,
+        spec: ShardSpec | None = None,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+    ):
         super().__init__()
-        self.topo = topo
-        spec = spec or ShardSpec(dim=0)
-        parts = topo.tp // spec.replicas
-        if out_features % parts:
+        self.topo, self.sequence_parallel, self.gather_output = (
+            topo,
+            sequence_parallel,
+            gather_output,
+        )
+        self.spec = spec or ShardSpec(dim=0)
+        self.out_features = out_features
+        if self.spec.size is None and out_features % (topo.tp // self.spec.replicas):
             raise ValueError(f"{out_features} output features do not split over tp={topo.tp}")
-        local_out = out_features // parts
-        self.weight = set_shard(nn.Parameter(torch.empty(local_out, in_features)), spec)
-        self.bias = set_shard(nn.Parameter(torch.empty(local_out)), spec) if bias else None
+        local_out = local_size(out_features, self.spec, topo.tp)
+        self.weight = set_shard(nn.Parameter(torch.empty(local_out, in_features)), self.spec)
+        self.bias = set_shard(nn.Parameter(torch.empty(local_out)), self.spec) if bias else None
 
-    def forward(self, x):  # (..., in) -> (..., out / tp)
-        return F.linear(copy_to_tp(x, self.topo), self.weight, self.bias)
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return enter_tp(x, self.topo, self.sequence_parallel)
+
+    def forward(self, x, *, entered: bool = False):  # (..., in) -> (..., out / tp)
+        """``entered=True``: x already went through ``self.enter`` -- several column-parallel
+        layers reading one input (q, k, v) share one f / all-gather."""
+        y = F.linear(x if entered else self.enter(x), self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tp(y, self.topo)
+            if y.shape[-1] != self.out_features:  # drop the vocabulary padding
+                y = y.narrow(-1, 0, self.out_features)
+        return y
 
 
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split by input features; x arrives already split, the partial
-    products are summed across tp (g), then the replicated bias is added."""
+    products are summed across tp (g; with sequence parallelism a reduce-scatter into
+    sequence shards), then the replicated bias is added."""
 
-    def __init__(self, in_features, out_features, *, topo: Topology, bias: bool):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        topo: Topology,
+        bias: bool,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
-        self.topo = topo
+        self.topo, self.sequence_parallel = topo, sequence_parallel
         if in_features % topo.tp:
             raise ValueError(f"{in_features} input features do not split over tp={topo.tp}")
         w = nn.Parameter(torch.empty(out_features, in_features // topo.tp))
         self.weight = set_shard(w, ShardSpec(dim=1))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if self.bias is not None and sequence_parallel and topo.tp > 1:
+            mark_sequence_parallel(self.bias)
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
-        y = reduce_from_tp(F.linear(x, self.weight), self.topo)
+        y = leave_tp(F.linear(x, self.weight), self.topo, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each tp rank owns a contiguous slice of the vocabulary; ids outside it look up zeros,
-    and the partial embeddings are summed across tp."""
+    """Each tp rank owns a contiguous slice of the (padded) vocabulary; ids outside it look
+    up zeros, and the partial embeddings are summed across tp (with sequence parallelism,
+    reduce-scattered into sequence shards: (B, T) -> (B, T/t, C))."""
 
-    def __init__(self, vocab_size: int, hidden: int, *, topo: Topology):
+    def __init__(
+        self, vocab_size: int, hidden: int, *, topo: Topology, sequence_parallel: bool = False
+    ):
         super().__init__()
-        self.topo = topo
-        if vocab_size % topo.tp:
-            raise ValueError(f"vocabulary {vocab_size} does not split over tp={topo.tp}")
-        self.local_vocab = vocab_size // topo.tp
+        self.topo, self.sequence_parallel = topo, sequence_parallel
+        spec = vocab_spec(vocab_size)
+        self.local_vocab = local_size(vocab_size, spec, topo.tp)
         self.vocab_start = topo.tp_rank * self.local_vocab
-        self.weight = set_shard(nn.Parameter(torch.empty(self.local_vocab, hidden)), ShardSpec(0))
+        self.weight = set_shard(nn.Parameter(torch.empty(self.local_vocab, hidden)), spec)
 
-    def forward(self, ids):  # (B, T) -> (B, T, C)
+    def forward(self, ids):  # (B, T) -> (B, T, C), or (B, T/t, C) under sequence parallelism
         if self.topo.tp == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.topo)
+        return leave_tp(out, self.topo, self.sequence_parallel)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -180,8 +419,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, topo, vocab_start, valid_vocab):
-        # logits (N, V/t) float32, targets (N,)
-        local_v = logits.shape[-1]
+        # logits (N, V/t), targets (N,); the maths in float32
+        local_v, input_dtype = logits.shape[-1], logits.dtype
         logits = logits.float()
         if valid_vocab is not None and vocab_start + local_v > valid_vocab:
             # padded vocabulary entries never win and take no probability
@@ -193,31 +432,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - logits_max.unsqueeze(-1)
         local = targets - vocab_start
         outside = (local < 0) | (local >= local_v)
-        picked = shifted.gather(-1, local.clamp(0, local_v - 1).unsqueeze(-1)).squeeze(-1)
+        local = local.clamp(0, local_v - 1)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         picked = picked.masked_fill(outside, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        stacked = torch.stack([picked, sum_exp])
+        exp = shifted.exp_()
+        stacked = torch.stack([picked, exp.sum(dim=-1)])
         comm.all_reduce(stacked, topo=topo, axis=Axis.TP)
         picked, sum_exp = stacked[0], stacked[1]
         loss = sum_exp.log() - picked
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, local.clamp(0, local_v - 1), outside)
+        ctx.save_for_backward(exp, local, outside)
+        ctx.input_dtype = input_dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local, outside = ctx.saved_tensors
-        grad = softmax
+        grad = softmax  # d loss / d logit = softmax - one_hot(target), scaled per token
         grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, *, topo: Topology, valid_vocab: int | None = None
 ) -> torch.Tensor:
-    """Per-token loss (N,) from vocabulary-split logits (N, V/tp).
+    """Per-token loss (N,) in float32 from vocabulary-split logits (N, V/tp).
 
     ``valid_vocab``: the real vocabulary size when the model's is padded for tp; padded
     entries are excluded.
@@ -230,12 +470,65 @@ def vocab_parallel_cross_entropy(
     )
 
 
-def tp_gather(local: torch.Tensor, spec: ShardSpec, *, topo: Topology) -> torch.Tensor:
-    """Inverse of ``tp_shard``: the full tensor, from every tp rank's shard (collective)."""
-    if spec.dim is None or topo.tp == 1:
-        return local
-    parts = comm.all_gather(local.contiguous(), topo=topo, axis=Axis.TP, dim=spec.dim)
-    if spec.replicas == 1:
-        return parts
-    chunks = parts.chunk(topo.tp, dim=spec.dim)[:: spec.replicas]
-    return torch.cat(chunks, dim=spec.dim)
+# --- gradients that tp ranks hold only in part ----------------------------------------------
+
+
+class TPGradSync:
+    """Completes, over tp, the gradients each tp rank computes only a part of:
+
+    - parameters marked by ``mark_sequence_parallel`` (replicated, but under sequence
+      parallelism each rank saw only its sequence shard): summed over tp;
+    - key/value weights replicated because there are fewer key/value heads than tp ranks
+      (``ShardSpec.replicas > 1``): each copy got the gradient of its own rank's query heads
+      only, so the copies of one head are summed. Rather than a process group per replica
+      set (Topology stays the single owner of groups), each rank writes its gradient into
+      its head's slot of a zero buffer shaped like the full weight and one all-reduce over
+      tp sums every slot; K is small (that is why it is replicated).
+
+    Everything goes into one flat all-reduce per optimizer step. Call ``finish()`` after the
+    last micro-batch's backward, before the dp gradient sync (both are sums, so the order
+    does not change the result; before keeps the gradients whole when dp shards them).
+    """
+
+    def __init__(self, params, *, topo: Topology):
+        self.topo = topo
+        params = [p for p in params if p.requires_grad]
+        self.partial = [p for p in params if getattr(p, "sequence_parallel", False)]
+        self.replicated_kv = [p for p in params if shard_spec(p).replicas > 1]
+
+    @property
+    def active(self) -> bool:
+        return self.topo.tp > 1 and bool(self.partial or self.replicated_kv)
+
+    def finish(self) -> None:
+        if not self.active:
+            return
+        tp, tp_rank = self.topo.tp, self.topo.tp_rank
+
+        def grad(p):
+            return p.grad if p.grad is not None else torch.zeros_like(p)
+
+        pieces = [grad(p).reshape(-1) for p in self.partial]
+        for p in self.replicated_kv:
+            replicas = shard_spec(p).replicas
+            slots = torch.zeros(tp // replicas, p.numel(), dtype=p.dtype, device=p.device)
+            slots[tp_rank // replicas] = grad(p).reshape(-1)
+            pieces.append(slots.reshape(-1))
+        flat = torch.cat(pieces)
+        comm.all_reduce(flat, topo=self.topo, axis=Axis.TP)
+        offset = 0
+        for p in self.partial:
+            self._assign(p, flat[offset : offset + p.numel()])
+            offset += p.numel()
+        for p in self.replicated_kv:
+            replicas = shard_spec(p).replicas
+            slots = flat[offset : offset + (tp // replicas) * p.numel()].view(tp // replicas, -1)
+            self._assign(p, slots[tp_rank // replicas])
+            offset += slots.numel()
+
+    @staticmethod
+    def _assign(p: torch.Tensor, flat: torch.Tensor) -> None:
+        if p.grad is None:
+            p.grad = flat.view_as(p).clone()
+        else:
+            p.grad.copy_(flat.view_as(p))
