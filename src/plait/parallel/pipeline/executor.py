@@ -1,0 +1,594 @@
+"""Pipeline-parallel runtime: runs this rank's action list from ``schedules.py``.
+
+Communication (p pipeline ranks, v chunks per rank, m micro-batches of b sequences of s
+tokens, hidden h, t = tp size, e = 4 bytes: activations stay fp32 under autocast):
+
+- forward, axis pp: for each micro-batch, each virtual stage but the last sends its
+  output activation to the next (one isend) and the next receives it (one irecv): b*s*h*e
+  bytes, or b*s*h*e / t with t > 1 (below). A middle rank with v = 1 sends m activations.
+- backward, axis pp: the same messages in reverse carry the input gradients; stage 0
+  sends none. Per step 2*m*(p*v - 1) messages cross the pipeline in all.
+- with t > 1, the scatter/gather of Narayanan et al. (2021, PTD-P): the activation (and
+  its gradient) at a stage boundary is identical on the t ranks of a tp group, so each
+  sends only its 1/t slice to its counterpart on the next stage, which rebuilds the whole
+  with one all-gather over tp (b*s*h*e bytes counted, per received message).
+- tied embeddings (gpt2), axis pp: after the step's backward, ranks 0 and p - 1 swap the
+  gradient of their copy of the token embedding (one send and one receive of V*h*4 / t
+  bytes each) and both add the two: one exchange per step, equal to an all-reduce of the
+  pair, without a process group of its own.
+- with sequence parallelism the boundary activation is already this rank's sequence
+  shard (b, s/t, h): it is sent as it is (b*s*h*e / t bytes) and nothing is gathered.
+- nothing on dp: gradients are synchronised by ``data_parallel.py`` after the step.
+
+How the action list is run. Sends are isends; their handles are waited on at the end of
+the step, so a send never blocks (the communication model ``schedules.validate`` checks
+against). A receive is an irecv into a buffer of the shape known from the config,
+(b, s, h), posted one compute action ahead of the one that reads it: gloo only starts
+moving a message once its receive is posted (measured: a 200 MB message whose receive
+was posted late took 0.5 s after posting, 0 s when posted early), so the transfer
+overlaps the compute before it. Messages between two ranks must be posted in the same order
+on both sides (gloo matches them by (peer, tag) in order, NCCL by order); every schedule
+is checked for that, and ``validate``d, before the first step. A stage's output is dropped
+as soon as its send completes (with t > 1, as soon as its slice is copied): backward
+starts from its ``GradientEdge``, which keeps the graph but not the tensor.
+
+Zero-bubble split (zb-h1). BI computes only the input gradient and W the weight
+gradients later, without redoing BI's work: before BI, the autograd graph is searched for
+the nodes where each weight's subgraph joins the path from the stage input to the output
+("joints"); BI runs ``autograd.grad`` to the input only (so weight GEMMs are skipped) and
+captures the gradient arriving at each joint; W restarts autograd at the joints with
+those gradients, towards the weights only (one autograd call per group of weights that
+share joints). The same idea as ``torch.distributed.pipelining``'s
+``stage_backward_input/weight``. BI and W together run exactly B's matmuls (tested) and
+give bit-identical gradients. Costs: a graph walk in Python per micro-batch (about a node
+per tensor op, ~10 ms for 4 layers), some 40 autograd calls for W where B is one, and
+the whole graph of a micro-batch stays alive until its W. Measured on CPU (4 layers of
+hidden 256, 2 x 128 tokens): B 0.13 s, BI 0.085 s + W 0.09 s, so about 1.3 x B. With
+``--recompute full`` every W call would re-run the checkpointed forward, so W is then one
+call over all weights: it re-runs the forward once but also redoes the input path.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from plait import comm
+from plait.layout import Layout
+from plait.parallel.pipeline.schedules import (
+    RECV_OPS,
+    SEND_OPS,
+    Action,
+    Op,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    replay,
+    validate,
+    virtual_stage,
+)
+from plait.parallel.pipeline.stage import PipelineStage
+from plait.topology import Axis, Topology
+from plait.viz.trace import TraceWriter, now_us
+
+COMPUTE_LANE, COMM_LANE, STEP_LANE = 0, 1, 2
+
+
+# ----------------------------------------------------------------------- static checks
+
+
+def _message(rank: int, a: Action, num_ranks: int) -> tuple[str, int, int]:
+    """(kind, micro-batch, sending virtual stage): what a send and its receive share."""
+    stage = virtual_stage(rank, a.chunk, num_ranks)
+    kind = "act" if a.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad"
+    if a.op in SEND_OPS:
+        return kind, a.microbatch, stage
+    return kind, a.microbatch, stage - 1 if kind == "act" else stage + 1
+
+
+def check_channel_order(schedule: Schedule) -> None:
+    """Raise ScheduleError unless, for every ordered pair of ranks, the receiver posts its
+    receives in the order the sender posts the sends (what point-to-point matching needs
+    on top of ``validate``'s deadlock check: two messages of equal shape must not swap)."""
+    p = len(schedule)
+    sent, received = defaultdict(list), defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if a.op in SEND_OPS:
+                sent[(rank, a.peer)].append(_message(rank, a, p))
+            elif a.op in RECV_OPS:
+                received[(a.peer, rank)].append(_message(rank, a, p))
+    for (src, dst), keys in sent.items():
+        got = received.get((src, dst), [])
+        if got != keys:
+            i = next(
+                (i for i, (x, y) in enumerate(zip(keys, got)) if x != y), min(len(keys), len(got))
+            )
+            raise ScheduleError(
+                f"messages from rank {src} to rank {dst} are sent and received in different "
+                f"orders (message {i}: sent {keys[i] if i < len(keys) else None}, received "
+                f"{got[i] if i < len(got) else None})"
+            )
+
+
+def forward_only_schedule(num_ranks: int, num_microbatches: int, num_chunks: int) -> Schedule:
+    """Evaluation: every micro-batch through every chunk in (micro-batch, stage) order,
+    which is a topological order of the data flow, so it cannot deadlock."""
+    p, last = num_ranks, num_ranks * num_chunks - 1
+    out = []
+    for r in range(p):
+        actions = []
+        for mb in range(num_microbatches):
+            for c in range(num_chunks):
+                s = virtual_stage(r, c, p)
+                if s > 0:
+                    actions.append(Action(Op.RECV_ACT, mb, c, (s - 1) % p))
+                actions.append(Action(Op.FORWARD, mb, c))
+                if s < last:
+                    actions.append(Action(Op.SEND_ACT, mb, c, (s + 1) % p))
+        out.append(actions)
+    return out
+
+
+def _next_compute_index(actions: list[Action]) -> list[int]:
+    """For each index i, the index of the first compute action after i (or the length)."""
+    out, nxt = [len(actions)] * len(actions), len(actions)
+    for i in range(len(actions) - 1, -1, -1):
+        out[i] = nxt
+        if actions[i].is_compute:
+            nxt = i
+    return out
+
+
+# ----------------------------------------------------------------- zero-bubble split
+
+
+def _grad_node(t: torch.Tensor):
+    """The autograd node t's gradient enters: its grad_fn, or a leaf's accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _parents(root) -> dict:
+    """node -> the nodes that pass it a gradient (towards the root), for the graph below root."""
+    parents, todo, seen = defaultdict(list), [root], {root}
+    while todo:
+        node = todo.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            parents[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return parents
+
+
+def _upwards(starts, parents, stop=frozenset()) -> tuple[set, set]:
+    """Nodes reachable from ``starts`` towards the root, not entering ``stop``; and the
+    ``stop`` nodes met on the way."""
+    seen, met, todo = set(starts), set(), list(starts)
+    while todo:
+        for up in parents.get(todo.pop(), ()):
+            if up in stop:
+                met.add(up)
+            elif up not in seen:
+                seen.add(up)
+                todo.append(up)
+    return seen, met
+
+
+@dataclass(eq=False)
+class _WeightGroup:
+    params: list
+    joints: set
+    grads: dict = field(default_factory=dict)  # joint -> gradients captured by BI
+
+
+class WeightGrad:
+    """The deferred W half of a split backward (see the module docstring)."""
+
+    def __init__(self, groups: list[_WeightGroup]):
+        self.groups = groups
+
+    def run(self) -> None:
+        for g in self.groups:
+            joints = [j for j in g.joints if j in g.grads]
+            edges, grads = [], []
+            for j in joints:
+                for i, grad in enumerate(g.grads[j]):
+                    if grad is not None:
+                        edges.append(GradientEdge(j, i))
+                        grads.append(grad)
+            if not edges:
+                continue
+            # A joint below another would also receive the upper one's gradient: pin
+            # each joint to what BI captured there.
+            hooks = (
+                [j.register_prehook(lambda _, c=g.grads[j]: c) for j in joints]
+                if len(joints) > 1
+                else []
+            )
+            try:
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=g.params)
+            finally:
+                for h in hooks:
+                    h.remove()
+        self.groups = []
+
+
+class FullBackward:
+    """A W with no BI before it (stage 0 has no input gradient): the whole backward."""
+
+    def __init__(self, root, grad):
+        self.root, self.grad = root, grad
+
+    def run(self) -> None:
+        torch.autograd.backward(self.root, grad_tensors=self.grad)
+        self.root = self.grad = None
+
+
+def backward_input(
+    root, grad, x: torch.Tensor, params, *, one_call: bool = False
+) -> tuple[torch.Tensor, WeightGrad]:
+    """BI: the gradient of ``x`` only; returns it and the W that completes the backward.
+
+    ``root`` is the stage output (a tensor or its GradientEdge) with gradient ``grad``, or
+    the loss with ``grad`` None. W runs one autograd call per group of weights that share
+    joints, which touches nothing on the input path. ``one_call``: one call for all of
+    them instead -- for ``--recompute full``, where every call would re-run the
+    checkpointed forward; one call re-runs it once but also redoes the input path."""
+    root_node = root.node if isinstance(root, GradientEdge) else root.grad_fn
+    parents = _parents(root_node)
+    path, _ = _upwards([_grad_node(x)], parents)  # what BI runs
+    owner: dict = {}
+    groups: list[_WeightGroup] = []
+    for p in params:
+        acc = _grad_node(p)
+        if acc not in parents:
+            continue  # not used by this micro-batch's graph
+        _, joints = _upwards([acc], parents, stop=path)
+        group = _WeightGroup([p], set(joints))
+        for other in {id(owner[j]): owner[j] for j in joints if j in owner}.values():
+            group.params += other.params
+            group.joints |= other.joints
+            groups.remove(other)
+        for j in group.joints:
+            owner[j] = group
+        groups.append(group)
+
+    def capture(joint):
+        def hook(grad_outputs):
+            owner[joint].grads[joint] = grad_outputs
+
+        return hook
+
+    if one_call and groups:
+        merged = _WeightGroup([p for g in groups for p in g.params], set(owner))
+        owner = dict.fromkeys(owner, merged)
+        groups = [merged]
+    hooks = [j.register_prehook(capture(j)) for j in owner]
+    try:
+        (dx,) = torch.autograd.grad(root, x, grad_outputs=grad, retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return dx, WeightGrad(groups)
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+@dataclass
+class _Step:
+    """What one step's actions hand each other, keyed by (micro-batch, chunk)."""
+
+    micro_batches: list
+    train: bool
+    loss_scale: float
+    tokens_global: int
+    received: dict = field(default_factory=dict)  # (kind, mb, chunk) -> tensor
+    outputs: dict = field(default_factory=dict)  # stage outputs awaiting their send
+    inputs: dict = field(default_factory=dict)  # stage inputs awaiting their backward
+    roots: dict = field(default_factory=dict)  # where backward starts: edge or scaled loss
+    input_grads: dict = field(default_factory=dict)  # awaiting their send
+    deferred: dict = field(default_factory=dict)  # BI done, W to run
+    posted: dict = field(default_factory=dict)  # (kind, mb, chunk) -> (buffer, handles)
+    sends: list = field(default_factory=list)  # in-flight send handles
+    losses: list = field(default_factory=list)  # last stage: per micro-batch loss share
+    busy_s: float = 0.0  # compute time on this rank
+    cuda_spans: list = field(default_factory=list)  # (start, end) events of compute, on CUDA
+
+
+class PipelineRunner:
+    """Runs one step's micro-batches through this rank's pipeline chunks, following the
+    schedule's action list. Same interface as the loop's ``LocalRunner``: gradients
+    accumulate in ``.grad``; ``train_step`` returns this rank's share of the global mean
+    loss (non-zero on the last stage only) and leaves the measured ``bubble_fraction``
+    (1 - compute time / step time, on this rank) of the step.
+    """
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        *,
+        topo: Topology,
+        layout: Layout,
+        seq_len: int,
+        autocast: Callable,
+        trace_dir: Path | None = None,
+    ):
+        self.stage, self.topo, self.layout, self.autocast = stage, topo, layout, autocast
+        p, v = layout.pp, layout.vpp
+        if topo.pp != p:
+            raise ValueError(f"topology has pp={topo.pp} but the layout --pp {p}")
+        self.num_stages = p * v
+        self.num_microbatches = layout.num_microbatches
+        kw = dict(num_ranks=p, num_microbatches=self.num_microbatches, num_chunks=v)
+        schedule = build_schedule(layout.schedule, **kw)
+        validate(schedule, **kw)
+        check_channel_order(schedule)
+        # With NCCL, the first batched point-to-point call on a group must involve every
+        # rank of it; a barrier first makes the pipeline's first transfer an ordinary one.
+        comm.barrier(topo=topo)
+        self.train_actions = schedule[topo.pp_rank]
+        self._eval_actions: dict[int, list[Action]] = {}
+        cfg, tp = stage.chunks[0].cfg, topo.tp
+        sp = layout.sequence_parallel and tp > 1  # boundaries carry sequence shards already
+        if sp and seq_len % tp:
+            raise ValueError(
+                f"--sequence-parallel needs --seq-len {seq_len} divisible by --tp {tp}"
+            )
+        self.act_shape = (layout.micro_batch_size, seq_len // tp if sp else seq_len, cfg.hidden)
+        self.act_dtype = next(stage.parameters()).dtype
+        self.scatter = tp > 1 and not sp  # PTD-P scatter/gather
+        numel = self.act_shape[0] * self.act_shape[1] * self.act_shape[2]
+        assert numel % tp == 0, "hidden is a multiple of tp (heads are)"
+        self.piece = numel // tp
+        self.params = [[p for p in c.parameters() if p.requires_grad] for c in stage.chunks]
+        self.bubble_fraction = 0.0
+        self.steps = 0
+        # On CUDA compute is asynchronous: its time comes from events; the trace then
+        # shows when the CPU issued each action.
+        self.cuda_timing = topo.device.type == "cuda"
+        self.trace = None
+        if trace_dir is not None:
+            self.trace = TraceWriter(
+                Path(trace_dir) / f"rank-{topo.rank}.json",
+                pid=topo.rank,
+                process_name=(
+                    f"rank {topo.rank} (pp {topo.pp_rank}, dp {topo.dp_rank}, tp {topo.tp_rank})"
+                ),
+                lanes={COMPUTE_LANE: "compute", COMM_LANE: "comm", STEP_LANE: "step"},
+            )
+
+    # -- the interface the loop uses ---------------------------------------------------
+
+    def train_step(self, micro_batches, *, loss_scale: float, tokens_global: int) -> float:
+        st = _Step(list(micro_batches), True, loss_scale, tokens_global)
+        if len(st.micro_batches) != self.num_microbatches:
+            raise ValueError(
+                f"the schedule was built for {self.num_microbatches} micro-batches, "
+                f"got {len(st.micro_batches)}"
+            )
+        self.steps += 1
+        start = now_us()
+        self._run(self.train_actions, st)
+        self._sync_tied_grads()
+        if st.cuda_spans:
+            torch.cuda.synchronize(self.topo.device)
+            st.busy_s = sum(a.elapsed_time(b) for a, b in st.cuda_spans) / 1e3
+        end = now_us()
+        elapsed_s = (end - start) / 1e6
+        self.bubble_fraction = max(0.0, 1.0 - st.busy_s / elapsed_s) if elapsed_s > 0 else 0.0
+        if self.trace is not None:
+            self.trace.add(
+                f"step {self.steps}",
+                start,
+                end,
+                tid=STEP_LANE,
+                cat="step",
+                args={"step": self.steps, "bubble_fraction": round(self.bubble_fraction, 4)},
+            )
+            self.trace.flush()
+        return sum(t.item() for t in st.losses)
+
+    def eval_step(self, micro_batches, *, tokens_global: int) -> float:
+        st = _Step(list(micro_batches), False, 1.0, tokens_global)
+        m = len(st.micro_batches)
+        if m not in self._eval_actions:
+            p, v = self.layout.pp, self.layout.vpp
+            schedule = forward_only_schedule(p, m, v)
+            replay(schedule, lambda rank, a: 1.0)  # raises if it could deadlock
+            check_channel_order(schedule)
+            self._eval_actions[m] = schedule[self.topo.pp_rank]
+        with torch.no_grad():
+            self._run(self._eval_actions[m], st)
+        return sum(t.item() for t in st.losses)
+
+    # -- running an action list --------------------------------------------------------
+
+    def _run(self, actions: list[Action], st: _Step) -> None:
+        handlers = {
+            Op.FORWARD: self._forward,
+            Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input,
+            Op.BACKWARD_WEIGHT: self._backward_weight,
+            Op.SEND_ACT: self._send_act,
+            Op.SEND_GRAD: self._send_grad,
+            Op.RECV_ACT: self._recv,
+            Op.RECV_GRAD: self._recv,
+        }
+        # Receives the next compute needs are posted before the current compute runs:
+        # gloo moves a message only once its receive is posted, so the transfer then
+        # overlaps with compute instead of starting when the receive is reached.
+        next_compute = _next_compute_index(actions)
+        for i, a in enumerate(actions):
+            if a.is_compute:
+                for b in actions[i + 1 : next_compute[i]]:
+                    if b.op in RECV_OPS:
+                        self._post_recv(b, st)
+            t0 = now_us()
+            if a.is_compute and self.cuda_timing:
+                span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                span[0].record()
+            handlers[a.op](a, st)
+            t1 = now_us()
+            if a.is_compute and self.cuda_timing:  # GPU time, read once at the step's end
+                span[1].record()
+                st.cuda_spans.append(span)
+            elif a.is_compute:
+                st.busy_s += (t1 - t0) / 1e6
+            if self.trace is not None and st.train:
+                self.trace.add(
+                    f"{a.op.value} m{a.microbatch} c{a.chunk}",
+                    t0,
+                    t1,
+                    tid=COMPUTE_LANE if a.is_compute else COMM_LANE,
+                    cat="compute" if a.is_compute else "comm",
+                    args={
+                        "op": a.op.value,
+                        "microbatch": a.microbatch,
+                        "chunk": a.chunk,
+                        "step": self.steps,
+                    },
+                )
+            if st.sends:
+                st.sends = self._reap(st.sends)
+        t0 = now_us()
+        self._wait(st.sends)
+        if self.trace is not None and st.train:
+            self.trace.add("wait sends", t0, now_us(), tid=COMM_LANE, cat="comm", args={})
+        leftover = [d for d in (st.outputs, st.inputs, st.roots, st.input_grads, st.deferred) if d]
+        assert not leftover and not st.received and not st.posted, "schedule left work undone"
+
+    def _wait(self, works) -> None:
+        comm.wait(works, topo=self.topo, what="pipeline send/recv", axis=Axis.PP.value)
+
+    def _reap(self, sends: list) -> list:
+        """Let go of the sends that are done (and so of their tensors); keep the rest."""
+        pending = []
+        for w in sends:
+            if w.is_completed():
+                self._wait([w])  # returns at once; raises if the send failed
+            else:
+                pending.append(w)
+        return pending
+
+    def _is_first(self, chunk: int) -> bool:
+        return self.stage.stages[chunk] == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self.stage.stages[chunk] == self.num_stages - 1
+
+    # -- compute -----------------------------------------------------------------------
+
+    def _forward(self, a: Action, st: _Step) -> None:
+        key = (a.microbatch, a.chunk)
+        chunk = self.stage.chunks[a.chunk]
+        mb = st.micro_batches[a.microbatch]  # (B, T+1)
+        if self._is_first(a.chunk):
+            x = mb[:, :-1]
+        else:
+            x = st.received.pop(("act", *key))
+            if st.train:
+                x.requires_grad_(True)
+                st.inputs[key] = x
+        with self.autocast():
+            out = chunk(x, mb[:, 1:]) if self._is_last(a.chunk) else chunk(x)
+        if self._is_last(a.chunk):  # out: per-token loss (B*T,)
+            loss = out.sum() / st.tokens_global
+            st.losses.append(loss.detach())
+            if st.train:
+                st.roots[key] = loss * st.loss_scale
+        else:  # out: (B, T, C)
+            st.outputs[key] = out
+            if st.train:
+                st.roots[key] = get_gradient_edge(out)
+
+    def _backward(self, a: Action, st: _Step) -> None:
+        key = (a.microbatch, a.chunk)
+        root = st.roots.pop(key)
+        grad = None if self._is_last(a.chunk) else st.received.pop(("grad", *key))
+        torch.autograd.backward(root, grad_tensors=grad)
+        x = st.inputs.pop(key, None)
+        if x is not None:
+            st.input_grads[key] = x.grad
+
+    def _backward_input(self, a: Action, st: _Step) -> None:
+        key = (a.microbatch, a.chunk)
+        root = st.roots.pop(key)
+        grad = None if self._is_last(a.chunk) else st.received.pop(("grad", *key))
+        x = st.inputs.pop(key, None)
+        if x is None:  # stage 0: nobody waits for an input gradient; all of it in W
+            st.deferred[key] = FullBackward(root, grad)
+            return
+        dx, st.deferred[key] = backward_input(
+            root, grad, x, self.params[a.chunk], one_call=self.layout.recompute == "full"
+        )
+        st.input_grads[key] = dx
+
+    def _backward_weight(self, a: Action, st: _Step) -> None:
+        st.deferred.pop((a.microbatch, a.chunk)).run()
+
+    # -- communication -----------------------------------------------------------------
+
+    def _peer(self, a: Action) -> int:
+        return self.topo.pp_peer(a.peer)
+
+    def _post_send(self, t: torch.Tensor, a: Action, st: _Step) -> None:
+        if t.shape != self.act_shape or t.dtype != self.act_dtype:
+            raise RuntimeError(
+                f"rank {self.topo.rank}: {a} would send {tuple(t.shape)} {t.dtype}, but "
+                f"receivers expect {self.act_shape} {self.act_dtype}"
+            )
+        t = t.detach()
+        if self.scatter:  # our 1/tp slice; a copy, so the whole tensor can go now
+            t = t.reshape(-1)[self.topo.tp_rank * self.piece :][: self.piece].clone()
+        st.sends += comm.batch_p2p([("send", t, self._peer(a))], topo=self.topo, axis=Axis.PP)
+
+    def _send_act(self, a: Action, st: _Step) -> None:
+        self._post_send(st.outputs.pop((a.microbatch, a.chunk)), a, st)
+
+    def _send_grad(self, a: Action, st: _Step) -> None:
+        self._post_send(st.input_grads.pop((a.microbatch, a.chunk)), a, st)
+
+    def _post_recv(self, a: Action, st: _Step) -> None:
+        key = ("act" if a.op is Op.RECV_ACT else "grad", a.microbatch, a.chunk)
+        if key not in st.posted:
+            shape = (self.piece,) if self.scatter else self.act_shape
+            buf = torch.empty(shape, dtype=self.act_dtype, device=self.topo.device)
+            works = comm.batch_p2p([("recv", buf, self._peer(a))], topo=self.topo, axis=Axis.PP)
+            st.posted[key] = buf, works
+
+    def _recv(self, a: Action, st: _Step) -> None:
+        self._post_recv(a, st)  # unless posted ahead
+        key = ("act" if a.op is Op.RECV_ACT else "grad", a.microbatch, a.chunk)
+        buf, works = st.posted.pop(key)
+        self._wait(works)
+        if self.scatter:
+            buf = comm.all_gather(buf, topo=self.topo, axis=Axis.TP).view(self.act_shape)
+        st.received[key] = buf
+
+    def _sync_tied_grads(self) -> None:
+        """Ranks 0 and p - 1 add their tied embedding copies' gradients (module doc)."""
+        w = self.stage.tied_copy
+        if w is None:
+            return
+        t0 = now_us()
+        peer = self.topo.pp_peer(self.layout.pp - 1 if self.topo.pp_rank == 0 else 0)
+        mine = w.grad if w.grad is not None else torch.zeros_like(w)
+        theirs = torch.empty_like(mine)
+        works = comm.batch_p2p(
+            [("send", mine, peer), ("recv", theirs, peer)], topo=self.topo, axis=Axis.PP
+        )
+        self._wait(works)
+        w.grad = mine.add_(theirs)  # a + b == b + a exactly: both copies stay equal
+        if self.trace is not None:
+            self.trace.add("tied grads", t0, now_us(), tid=COMM_LANE, cat="comm", args={})
