@@ -38,6 +38,7 @@ LAYOUT_FLAGS = (
     "recompute",
     "dtype",
     "pp_layout",
+    "pp_partition",
 )
 
 
@@ -73,6 +74,8 @@ def layout_parent() -> argparse.ArgumentParser:
     g.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
     g.add_argument("--schedule", choices=SCHEDULES, default=None)
     g.add_argument("--pp-layout", type=_int_list, default=None, help="layers per stage: 5,6,6,5")
+    g.add_argument("--pp-partition", choices=("uniform", "balanced"), default=None,
+                   help="layers to stages: even counts, or balanced by cost")  # fmt: skip
     g.add_argument("--micro-batch-size", type=int, default=None, help="sequences")
     g.add_argument("--global-batch-size", type=int, default=None, help="sequences")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None)

@@ -104,17 +104,11 @@ def all_gather(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> 
     group = topo.group(axis)
     if group is None:
         return t
-    n = topo.size(axis)
     t = t.contiguous()
-    out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    if dim != 0:
-        parts = [torch.empty_like(t) for _ in range(n)]
-        topo.stats.record(_axis_name(axis), "all_gather", n * _nbytes(t))
-        _guard(topo, "all_gather", axis, lambda: dist.all_gather(parts, t, group=group))
-        return torch.cat(parts, dim=dim)
-    topo.stats.record(_axis_name(axis), "all_gather", _nbytes(out))
-    _guard(topo, "all_gather", axis, lambda: dist.all_gather_into_tensor(out, t, group=group))
-    return out
+    parts = [torch.empty_like(t) for _ in range(topo.size(axis))]
+    topo.stats.record(_axis_name(axis), "all_gather", len(parts) * _nbytes(t))
+    _guard(topo, "all_gather", axis, lambda: dist.all_gather(parts, t, group=group))
+    return torch.cat(parts, dim=dim)
 
 
 def reduce_scatter(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Layout:
     recompute: str = "none"
     dtype: str = "fp32"
     pp_layout: tuple[int, ...] | None = None  # layers per virtual stage, e.g. (5, 6, 6, 5)
+    pp_partition: str = "uniform"  # uniform | balanced (by per-layer cost, embedding and head)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "vpp", "micro_batch_size", "global_batch_size"):
@@ -65,6 +66,10 @@ class Layout:
                     f"--schedule interleaved-1f1b needs the micro-batches per step "
                     f"({self.num_microbatches}) to be a multiple of --pp {self.pp}"
                 )
+        if self.pp_partition not in ("uniform", "balanced"):
+            raise ValueError(
+                f"--pp-partition {self.pp_partition!r}: choose one of uniform, balanced"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tp > 1")
         if self.zero_shard_group is not None:
@@ -130,5 +135,5 @@ class Layout:
                 f"--pp {self.pp} x --vpp {self.vpp} = {self.num_stages} stages but the model "
                 f"has only {model.n_layers} layers; use at most {model.n_layers} stages"
             )
-        if self.sequence_parallel and (self.micro_batch_size * model.seq_len) % tp:
+        if self.sequence_parallel and model.seq_len % tp:
             raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp {tp}")

@@ -1,50 +1,418 @@
-"""Gradient synchronisation over the dp axis.
+"""Data parallelism (``--zero 0``): gradients averaged over the dp axis in buckets that
+overlap the backward; and the engine interface the training loop drives for every ZeRO
+stage (``zero.py`` holds stages 1-3).
 
-Communication (axis dp, d = dp size, N parameters on this rank, 4-byte gradients): once per
-optimizer step, after the last micro-batch's backward, the gradients are all-reduced in
-flat buckets of at most ``bucket_bytes``: ceil(4N / bucket_bytes) all-reduces moving 4N
-bytes in all. The loss is already divided by the *global* token count, so a sum over dp
-gives the exact global mean gradient whatever d is. With d == 1 nothing is issued.
+Communication (axis dp, d = dp size, N = trainable parameters on this rank, 4-byte
+gradients, B = bucket bytes, default 25 MiB): in the backward of a step's *last*
+micro-batch, one all-reduce per bucket -- ceil(4N / B) all-reduces (more where a bucket
+boundary falls between chunks, or for deferred gradients, below) of 4N bytes in all (a
+ring all-reduce sends 2 (d-1)/d x 4N bytes per rank on the wire). Each starts,
+asynchronously, the moment the last gradient of its bucket has been accumulated, so it
+overlaps the rest of the backward; ``finish()`` waits. Earlier micro-batches communicate
+nothing (gradients accumulate in place), nor do the forward and the optimizer step.
+With d == 1 nothing is issued.
+
+Averaging is exact whatever d is: the loss is divided by the *global* token count, so the
+sum over dp of the local gradients is the gradient of the global mean loss.
+
+Buckets. Each model chunk's trainable parameters, in reverse registration order (the
+order the backward produces their gradients), are cut into buckets of about B bytes.
+For stage 0 (and 1) every bucket owns one flat gradient buffer and each ``p.grad`` is a
+view into it, so accumulation writes straight into what is all-reduced (no copy).
+*Deferred* parameters -- those whose gradient another component completes after the
+backward (``TPGradSync``'s sequence-parallel and replicated key/value weights, the
+pipeline's tied embedding copies) -- go into buckets of their own that are launched by
+``finish()``; complete them before calling it.
+
+The last micro-batch is detected per bucket, not by loop index, so any runner works: a
+bucket has finished one micro-batch's backward when the post-accumulate-grad hook of
+every one of its parameters has fired once; the ``num_microbatches``-th time launches
+its collective. Runners must run, per step and per chunk, exactly ``num_microbatches``
+backward passes that reach every trainable parameter (true of the local runner and of
+every pipeline schedule, split backward included); anything not launched by the hooks
+-- an unused parameter, a deferred bucket -- is launched by ``finish()``.
+
+The engine interface (the loop uses nothing else; ``build_data_parallel`` returns the
+engine for the configured stage)::
+
+    engine = build_data_parallel(
+        model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
+        make_optimizer=partial(optim.build_adamw, cfg=tcfg),  # (named, decays) -> AdamW
+        owns_grad=partial(optim.owns_grad, topo=topo),        # counted once in |g|^2?
+        defer=tp_grad_sync.partial + tp_grad_sync.replicated_kv + tied_copies)
+    for step in ...:
+        runner.train_step(...)        # hooks launch the last micro-batch's buckets
+        tp_grad_sync.finish()         # complete the deferred gradients (full, local)
+        engine.finish()               # launch the rest; wait; gradients now reduced
+        sq = engine.grad_sq_local()   # this rank's share of |g|^2 -> one world all-reduce
+        engine.scale_grads_(c)        # unscale (fp16) / clip
+        engine.step(lr)               # AdamW (+ ZeRO parameter gathers)
+        engine.zero_grad()
+    with engine.full_params():        # checkpoint: every parameter materialised
+        checkpoint.save(..., optim_state=engine.optim_state())   # {name: {key: full tensor}}
+    with engine.full_params(writeback=True):   # resume: load whole tensors ...
+        state = engine.optim_state(template=True)
+        checkpoint.load(..., optim_state=state)
+    engine.load_optim_state(state)             # ... and keep this rank's ZeRO pieces
+
+``engine.grad(p)`` is the tensor that holds this rank's (reduced) gradient of ``p``
+after ``finish()``: the full ``p.grad`` for stage 0, its dp shard for stages 1-3.
+``engine.model_state_bytes()``: what this rank holds for parameters, gradients and
+optimizer state, measured from the tensors (``sizes.model_state_breakdown`` predicts it).
+Build the engine once the model is on its device: stages 1-2 keep views into the
+parameters, stage 3 moves them into buffers of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch import nn
 
 from plait import comm
 from plait.topology import Axis, Topology
 
+# DDP's default bucket size: large enough to amortise a collective's latency, small enough
+# that the first bucket starts early in the backward.
+DEFAULT_BUCKET_MB = 25.0
 
-class GradSync:
-    """Plain synchronous bucketed all-reduce of every gradient over dp."""
 
-    sharded = False  # gradients are whole on every dp rank afterwards
+@dataclass(frozen=True, kw_only=True)
+class DataParallelConfig:
+    """How gradients, optimizer state and parameters are spread over the dp axis."""
 
-    def __init__(self, params, *, topo: Topology, bucket_bytes: int = 25 * 2**20):
-        self.topo = topo
-        self.params = [p for p in params if p.requires_grad]
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        size, bucket = 0, []
-        for p in reversed(self.params):  # backward produces gradients roughly in reverse
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
-                self.buckets.append(bucket)
-                size, bucket = 0, []
-        if bucket:
-            self.buckets.append(bucket)
+    zero: int = 0  # 0: replicate everything; 1: shard optimizer state; 2: + grads; 3: + params
+    shard_group: int | None = None  # shard within groups of this many dp ranks (HSDP)
+    offload_optimizer: bool = False  # optimizer state and update in CPU memory
+    bucket_mb: float = DEFAULT_BUCKET_MB  # gradient bucket size (stage 3: one per layer)
+    num_microbatches: int = 1  # backward passes per chunk and step (gradient accumulation)
+
+    def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if self.num_microbatches < 1:
+            raise ValueError("num_microbatches must be at least 1")
+        if self.zero == 0 and (self.shard_group is not None or self.offload_optimizer):
+            raise ValueError("--zero-shard-group and --offload-optimizer need --zero 1, 2 or 3")
+
+    @classmethod
+    def from_layout(cls, layout, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> DataParallelConfig:
+        return cls(
+            zero=layout.zero,
+            shard_group=layout.zero_shard_group,
+            offload_optimizer=layout.offload_optimizer,
+            bucket_mb=bucket_mb,
+            num_microbatches=layout.num_microbatches,
+        )
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
+
+
+def build_data_parallel(
+    model: nn.Module,
+    *,
+    topo: Topology,
+    cfg: DataParallelConfig,
+    make_optimizer: Callable,
+    owns_grad: Callable[[torch.Tensor], bool] | None = None,
+    defer=(),
+):
+    """The engine for ``cfg.zero`` over ``model`` (one chunk, or a module holding this
+    rank's chunks). Collective over the world when hybrid sharding creates its groups.
+
+    ``make_optimizer(named_tensors, decays)`` builds the optimizer (AdamW; its state must be
+    elementwise so that it can be sharded) over ``(name, tensor)`` pairs, ``decays(t)``
+    saying whether ``t`` gets weight decay; the engine calls it with the parameters
+    (stage 0) or with this rank's shards of them. ``owns_grad(p)``: whether this rank
+    counts ``p``'s gradient in the global norm (a tp-replicated weight on one tp rank,
+    a tied copy once); None counts every parameter. Both come from the trainer so this
+    module needs nothing from ``plait.train``. ``defer``: see the module docstring."""
+    kw = dict(topo=topo, cfg=cfg, make_optimizer=make_optimizer, owns_grad=owns_grad, defer=defer)
+    if cfg.zero == 0:
+        return DataParallel(model, **kw)
+    from plait.parallel.zero import ZeroDataParallel
+
+    return ZeroDataParallel(model, **kw)
+
+
+# --- buckets ------------------------------------------------------------------------------
+
+
+def model_chunks(model: nn.Module) -> list[nn.Module]:
+    """The pipeline chunks inside ``model`` (each ``Transformer``, outermost), else [model]."""
+    from plait.model.transformer import Transformer
+
+    if isinstance(model, Transformer):
+        return [model]
+    chunks = getattr(model, "chunks", None)  # a pipeline stage keeps them in a plain list
+    if (
+        isinstance(chunks, list | tuple)
+        and chunks
+        and all(isinstance(c, nn.Module) for c in chunks)
+    ):
+        return list(chunks)
+    found = [m for m in model.modules() if isinstance(m, Transformer)]
+    outer = [m for m in found if not any(m is not o and _contains(o, m) for o in found)]
+    return outer or [model]
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """``params`` in reverse order, cut into runs of at least ``bucket_bytes`` (the last
+    may be smaller): the backward produces gradients roughly last-parameter first."""
+    buckets, bucket, size = [], [], 0
+    for p in reversed(params):
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+class Bucket:
+    """Parameters whose gradients are reduced by one collective, and its progress."""
+
+    def __init__(self, params: list[nn.Parameter], *, deferred: bool = False):
+        self.params = params
+        self.deferred = deferred
+        self.fired = 0  # gradient hooks fired in the current micro-batch's backward
+        self.microbatches = 0  # micro-batches whose backward this bucket has completed
+        self.launched = False
+        self.handle = None  # the in-flight collective
+        self.flat: torch.Tensor | None = None  # this step's reduced gradients, flat
+        self.index = 0  # position among the reducer's buckets
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def weak_method(obj, name: str, *bound):
+    """``getattr(obj, name)(*bound, *args)`` through a weak reference. For hooks stored on
+    parameters: those live on the C++ side, where a strong reference back to the engine
+    (which holds the parameters) would be a cycle the garbage collector cannot see."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        target = ref()
+        return None if target is None else getattr(target, name)(*bound, *args)
+
+    return call
+
+
+class GradReducer:
+    """Base of the gradient paths: buckets, the hooks that count micro-batches, and the
+    launch of each bucket's collective on the last one (module docstring). Subclasses
+    implement ``_launch`` and ``_complete``.
+
+    Gradient storage lives only from the backward to ``zero_grad()``, as with PyTorch's
+    ``zero_grad(set_to_none=True)``: kept across the forward it would add to the
+    activation peak. Accumulation micro-batches accumulate in autograd's own ``p.grad``;
+    the last one's gradients are copied into the bucket's flat buffer as it launches."""
+
+    def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig, defer=()):
+        self.topo, self.cfg = topo, cfg
+        deferred = {id(p) for p in defer}
+        self.buckets: list[Bucket] = []
+        seen: set[int] = set()
+        for chunk in model_chunks(model):
+            params = [p for p in chunk.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            self.buckets += self._make_buckets(
+                [p for p in params if id(p) not in deferred], deferred=False
+            )
+            self.buckets += self._make_buckets(
+                [p for p in params if id(p) in deferred], deferred=True
+            )
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+        self.buckets += self._make_buckets(rest, deferred=False)
+        for i, bucket in enumerate(self.buckets):
+            bucket.index = i
+        self._hooks = []
+        for bucket in self.buckets:
+            if bucket.deferred:
+                continue
+            hook = weak_method(self, "_grad_ready", bucket.index)
+            for p in bucket.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        self.grad_bytes = 0  # of the last finish(): the gradients this rank held
+
+    def _make_buckets(self, params, *, deferred: bool) -> list[Bucket]:
+        return [Bucket(b, deferred=deferred) for b in split_buckets(params, self.cfg.bucket_bytes)]
+
+    def _grad_ready(self, index: int, _param) -> None:
+        bucket = self.buckets[index]
+        bucket.fired += 1
+        if bucket.fired < len(bucket.params):
+            return
+        bucket.fired = 0
+        bucket.microbatches += 1
+        if bucket.microbatches == self.cfg.num_microbatches and not bucket.launched:
+            self._launch(bucket)
 
     def finish(self) -> None:
-        """Call after the last micro-batch's backward: all-reduce the gradients over dp."""
-        if self.topo.dp == 1:
-            return
+        """Launch every bucket the hooks did not, wait for all, complete the gradients."""
         for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = _flatten_dense_tensors(grads)
-            comm.all_reduce(flat, topo=self.topo, axis=Axis.DP)
-            for p, g in zip(bucket, _unflatten_dense_tensors(flat, grads)):
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.copy_(g)
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            self._complete(bucket)
+            bucket.launched, bucket.handle = False, None
+            bucket.fired = bucket.microbatches = 0
+        self.grad_bytes = tensor_bytes(b.flat for b in self.buckets)
+
+    @property
+    def launched_by_hooks(self) -> int:
+        """Buckets in flight before ``finish()`` (tests: the overlap happened)."""
+        return sum(b.launched for b in self.buckets)
+
+    def zero_grad(self) -> None:
+        """Free this step's gradients."""
+        for bucket in self.buckets:
+            bucket.flat = None
+            for p in bucket.params:
+                p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _launch(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def _complete(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+
+class AllReduceGrads(GradReducer):
+    """Stage 0 and 1: a bucket's gradients are moved into one flat buffer (``p.grad``
+    becomes a view into it) that is all-reduced asynchronously over ``topo``'s dp axis."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        p0 = bucket.params[0]
+        bucket.flat = torch.empty(bucket.numel, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in bucket.params:
+            view = bucket.flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view  # autograd's tensor is freed: the gradient now lives in the bucket
+            offset += p.numel()
+        bucket.handle = comm.all_reduce(bucket.flat, topo=self.topo, axis=Axis.DP, async_op=True)
+        bucket.launched = True
+
+    def _complete(self, bucket: Bucket) -> None:
+        comm.wait([bucket.handle], topo=self.topo, what="all_reduce", axis="dp")
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def decays(p: torch.Tensor) -> bool:
+    """Weight decay for matrices and embeddings, not for biases and norm weights (nanoGPT)."""
+    return p.dim() >= 2
+
+
+def sq_sum(tensors) -> float:
+    """Sum of squares of ``tensors`` in float64 (per-tensor norms, as the reference does)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return 0.0
+    norms = torch._foreach_norm(tensors, 2)
+    return torch.stack([n.double() for n in norms]).pow(2).sum().item()
+
+
+def adamw_zero_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's state before its first step, as ``torch.optim.AdamW`` creates it."""
+    return {
+        "step": torch.zeros((), dtype=torch.float32),
+        "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format),
+    }
+
+
+class DataParallel:
+    """Stage 0: every rank holds the whole model, its gradients and AdamW's state; the
+    gradients are all-reduced over dp (module docstring)."""
+
+    zero = 0
+
+    def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
+                 make_optimizer: Callable, owns_grad=None, defer=()):  # fmt: skip
+        self.model, self.topo, self.cfg = model, topo, cfg
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.owns_grad = owns_grad or (lambda p: True)
+        self.grads = AllReduceGrads(model, topo=topo, cfg=cfg, defer=defer)
+        self.optimizer = make_optimizer(self.named, decays=decays)
+
+    # the interface (module docstring)
+
+    def finish(self) -> None:
+        self.grads.finish()
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor:
+        return p.grad
+
+    def grad_sq_local(self) -> float:
+        # Gradients are replicated over dp: one dp rank counts them.
+        if self.topo.dp_rank != 0:
+            return 0.0
+        return sq_sum(p.grad for _, p in self.named if self.owns_grad(p))
+
+    def scale_grads_(self, factor: float) -> None:
+        if factor != 1.0:
+            torch._foreach_mul_([b.flat for b in self.grads.buckets], factor)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's state per parameter name, full tensors (``template``: zeros to load into)."""
+        state = self.optimizer.state
+        if template:
+            for _, p in self.named:
+                if not state.get(p):
+                    state[p] = adamw_zero_state(p)
+        return {n: dict(state[p]) for n, p in self.named if state.get(p)}
+
+    def load_optim_state(self, state: dict) -> None:
+        """Nothing to do: ``optim_state(template=True)`` handed out the live tensors."""
+
+    def full_params(self, *, writeback: bool = False):
+        return contextlib.nullcontext()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients (as of the last ``finish()``:
+        they are freed between steps) and optimizer state."""
+        params = tensor_bytes(p for _, p in self.named)
+        states = [t for s in self.optimizer.state.values() for t in s.values()]
+        out = {"params": params, "grads": self.grads.grad_bytes, "optim": tensor_bytes(states)}
+        out["total"] = sum(out.values())
+        out["host"] = 0
+        return out
+
+    def close(self) -> None:
+        self.grads.remove_hooks()

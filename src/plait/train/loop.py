@@ -9,6 +9,7 @@ validated the config and prepared the data, so errors here are unexpected ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -19,7 +20,10 @@ import torch
 from plait.data import GlobalBatchSampler, prepare, val_batches
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model
-from plait.parallel.data_parallel import GradSync
+from plait.parallel.data_parallel import DataParallelConfig, build_data_parallel
+from plait.parallel.pipeline.executor import PipelineRunner
+from plait.parallel.pipeline.stage import build_stage
+from plait.parallel.tensor import TPGradSync
 from plait.topology import Topology
 from plait.train import checkpoint, optim
 from plait.train.config import RunConfig
@@ -92,15 +96,43 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
     )
 
     # model and its parallel wrapping
-    if layout.pp > 1:
-        raise NotImplementedError("pipeline parallelism (--pp > 1) is not available yet")
-    model = build_model(model_cfg, seed=tcfg.seed, topo=topo, recompute=layout.recompute)
+    if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
+        model = build_stage(
+            model_cfg, layout, topo=topo, seed=tcfg.seed, method=layout.pp_partition
+        )
+    else:
+        model = build_model(
+            model_cfg,
+            seed=tcfg.seed,
+            topo=topo,
+            recompute=layout.recompute,
+            sequence_parallel=layout.sequence_parallel,
+        )
     model.to(topo.device)
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    grad_sync = GradSync(params, topo=topo)
-    runner = LocalRunner(model, autocast=_autocast_factory(layout.dtype, topo.device))
-    optimizer = optim.build_adamw(named, tcfg)
+    tp_grad_sync = TPGradSync(params, topo=topo)  # sequence-parallel / replicated-kv grads
+    # gradients completed after the backward (over tp; the pipeline's tied embedding copies,
+    # summed by the runner): their dp reduction waits for finish()
+    deferred = tp_grad_sync.partial + tp_grad_sync.replicated_kv
+    if getattr(model, "tied_copy", None) is not None:
+        deferred.append(model.tied_copy)
+    dp_engine = build_data_parallel(  # dp gradient sync, ZeRO sharding, and the optimizer
+        model,
+        topo=topo,
+        cfg=DataParallelConfig.from_layout(layout),
+        make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
+        owns_grad=functools.partial(optim.owns_grad, topo=topo),
+        defer=deferred,
+    )
+    autocast = _autocast_factory(layout.dtype, topo.device)
+    if layout.pp > 1:
+        trace_dir = out / "traces" if tcfg.trace else None
+        runner = PipelineRunner(
+            model, topo=topo, layout=layout, seq_len=seq_len, autocast=autocast, trace_dir=trace_dir
+        )
+    else:
+        runner = LocalRunner(model, autocast=autocast)
     scaler = optim.LossScaler(enabled=layout.dtype == "fp16")
 
     # resume
@@ -108,8 +140,10 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
     ckpt_root = out / "checkpoints"
     if tcfg.resume:
         path = checkpoint.latest(ckpt_root)
-        optim_state = optim.init_adamw_state(optimizer, named)
-        meta = checkpoint.load(path, model=model, optim_state=optim_state, topo=topo)
+        with dp_engine.full_params(writeback=True):  # ZeRO-3: whole while loading
+            optim_state = dp_engine.optim_state(template=True)
+            meta = checkpoint.load(path, model=model, optim_state=optim_state, topo=topo)
+        dp_engine.load_optim_state(optim_state)  # keeps this rank's ZeRO shard
         start_step = meta["step"]
         if meta.get("loss_scale"):
             scaler.load_state_dict(meta["loss_scale"])
@@ -127,7 +161,6 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
     )
     # Ranks that report the loss: the last pipeline stage, one per tp group.
     reports_loss = topo.is_last_stage and topo.tp_rank == 0
-    counts_dp_grads = topo.dp_rank == 0 or grad_sync.sharded
 
     def evaluate() -> float:
         total = 0.0
@@ -142,32 +175,35 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         return optim.global_stats([total], topo)[0] / len(val_set)
 
     def save(step: int) -> None:
-        checkpoint.save(
-            ckpt_root,
-            step,
-            model=model,
-            optim_state=optim.adamw_state(optimizer, named),
-            meta={"model": model_cfg.to_dict(), "loss_scale": scaler.state_dict()},
-            topo=topo,
-            keep=tcfg.keep_checkpoints,
-        )
+        with dp_engine.full_params():  # full tensors, whatever the ZeRO stage
+            checkpoint.save(
+                ckpt_root,
+                step,
+                model=model,
+                optim_state=dp_engine.optim_state(),
+                meta={"model": model_cfg.to_dict(), "loss_scale": scaler.state_dict()},
+                topo=topo,
+                keep=tcfg.keep_checkpoints,
+            )
 
     model.train()
     last = {}
     for step in range(start_step, tcfg.steps):
         t0 = time.perf_counter()
         lr = optim.lr_at(step, tcfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
         rows = sampler.local(step, dp_rank=topo.dp_rank, dp=layout.dp).to(topo.device)
         loss_share = runner.train_step(
             _split(rows, layout.micro_batch_size),
             loss_scale=scaler.scale,
             tokens_global=tokens_per_step,
         )
-        grad_sync.finish()
-        grad_sq = optim.grad_sq_sum(params, topo).item() if counts_dp_grads else 0.0
-        grad_sq_sum, loss = optim.global_stats([grad_sq, loss_share if reports_loss else 0.0], topo)
+        tp_grad_sync.finish()
+        dp_engine.finish()
+        grad_sq = dp_engine.grad_sq_local()  # this rank's share (its shard, or 0 if a replica)
+        stats = [grad_sq, loss_share if reports_loss else 0.0]
+        if layout.pp > 1:  # measured bubble fraction, averaged over ranks (executor.py)
+            stats.append(runner.bubble_fraction / topo.world_size)
+        grad_sq_sum, loss, *bubble = optim.global_stats(stats, topo)
         grad_norm = (
             math.sqrt(grad_sq_sum) / scaler.scale if math.isfinite(grad_sq_sum) else math.inf
         )
@@ -179,15 +215,14 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
             )
         if not found_inf:
             if scaler.scale != 1.0:
-                torch._foreach_mul_(
-                    [p.grad for p in params if p.grad is not None], 1 / scaler.scale
-                )
+                dp_engine.scale_grads_(1 / scaler.scale)
             if tcfg.grad_clip:
-                optim.clip_(params, grad_norm, tcfg.grad_clip)
-            optimizer.step()
+                dp_engine.scale_grads_(optim.clip_coef(grad_norm, tcfg.grad_clip))
+            dp_engine.step(lr)
         scaler.update(found_inf)
-        optimizer.zero_grad(set_to_none=True)
+        dp_engine.zero_grad()
         step_time = time.perf_counter() - t0
+        model_state = dp_engine.model_state_bytes()
 
         done = step + 1
         tokens_per_s = tokens_per_step / step_time
@@ -202,7 +237,13 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
             "tflops_per_device": tokens_per_s * flops_per_token / topo.world_size / 1e12,
             "mfu": tokens_per_s * flops_per_token / topo.world_size / peak,
             "peak_mem_bytes": peak_memory_bytes(topo.device),
+            # this rank's parameters + gradients + optimizer state on the device
+            "model_state_bytes": model_state["total"],
         }
+        if model_state["host"]:
+            rec["host_state_bytes"] = model_state["host"]  # --offload-optimizer
+        if bubble:
+            rec["bubble_fraction"] = bubble[0]
         if scaler.enabled:
             rec["loss_scale"] = scaler.scale
             rec["skipped"] = found_inf
@@ -215,4 +256,5 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         if done == tcfg.steps or (tcfg.save_every and done % tcfg.save_every == 0):
             save(done)
     progress.close()
+    dp_engine.close()
     return last

@@ -29,21 +29,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """Decay matrices (and embeddings); not biases or norm weights -- as nanoGPT does."""
+def param_groups(named_params, weight_decay: float, decays=None) -> list[dict]:
+    """Decay matrices (and embeddings); not biases or norm weights -- as nanoGPT does.
+    ``decays(t)`` overrides that rule (ZeRO passes flat shards, which keep their
+    parameter's rule)."""
+    rule = decays or (lambda p: p.dim() >= 2)
     decay, no_decay = [], []
     for _, p in named_params:
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+        if p.requires_grad or decays is not None:  # shards are plain tensors
+            (decay if rule(p) else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
 
 
-def build_adamw(named_params, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_adamw(named_params, cfg: TrainConfig, decays=None) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        param_groups(named_params, cfg.weight_decay),
+        param_groups(named_params, cfg.weight_decay, decays),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=1e-8,
@@ -75,9 +78,16 @@ def grad_sq_sum(params, topo: Topology) -> torch.Tensor:
     return total
 
 
-def clip_(params, total_norm: float, max_norm: float) -> None:
+def clip_coef(total_norm: float, max_norm: float) -> float:
+    """What global-norm clipping multiplies every gradient by (1.0: no clipping)."""
     if max_norm > 0 and total_norm > max_norm and math.isfinite(total_norm):
-        coef = max_norm / (total_norm + 1e-6)
+        return max_norm / (total_norm + 1e-6)
+    return 1.0
+
+
+def clip_(params, total_norm: float, max_norm: float) -> None:
+    coef = clip_coef(total_norm, max_norm)
+    if coef != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
 
 

@@ -1,0 +1,661 @@
+"""ZeRO (Rajbhandari et al. 2020): optimizer state (stage 1), gradients (2) and parameters
+(3) sharded over the data-parallel ranks; optionally the optimizer on the CPU (ZeRO-Offload)
+and sharding within groups of K dp ranks only, replicated across groups (hybrid, HSDP).
+
+Communication (axis dp; d = ranks a shard is spread over: K with ``--zero-shard-group K``,
+else dp; R = dp / d replicas; N = trainable parameters on this rank, 4 bytes each; m
+micro-batches per step; counted bytes as ``comm.py`` counts them -- all-gather its output,
+reduce-scatter its input):
+
+- stage 1: backward of the last micro-batch: the stage-0 bucketed all-reduce over all dp
+  ranks (``data_parallel.py``), 4N bytes; optimizer step: each rank updates its 1/d of
+  every parameter, then one all-gather per bucket over the shard group, 4N bytes.
+- stage 2: backward of the last micro-batch: one reduce-scatter per bucket over the shard
+  group as each bucket completes, 4N bytes, after which the full gradients are freed
+  (HSDP: then one all-reduce per bucket over the R replicas, 4N/d bytes); step: one
+  all-gather per bucket, 4N bytes. Same volume as stage 0 on the wire: (d-1)/d x 4N for
+  each of the reduce-scatter and the all-gather.
+- stage 3: one all-gather per unit (the embedding, each transformer block, the final norm
+  and head) before its forward and again before its backward, every micro-batch: 8mN
+  bytes per step; the next unit's gather is issued (prefetched) when a unit starts, and a
+  unit's full parameters are freed after its forward and after its backward. Gradients:
+  one reduce-scatter per unit in the last micro-batch's backward, 4N bytes (HSDP: + an
+  all-reduce of 4N/d). Nothing after the step.
+- earlier micro-batches reduce nothing (gradients accumulate unsharded), in every stage.
+- checkpoints: two all-gathers per bucket of AdamW's moments (8N bytes); stage 3 also
+  gathers every unit's parameters (4N bytes).
+- d == 1: nothing is issued for the shard group; R == 1: nothing across replicas.
+
+The sharding of a parameter is defined once, by ``shard_range``: the parameter flattened,
+padded to a multiple of d, cut into d equal pieces; rank i holds piece i (its real part,
+without the padding). It depends only on the parameter's size and d -- not on which other
+parameters share its bucket -- so gradient buckets and stage-3 parameter units can group
+parameters differently, pipeline stages' tied embedding copies shard alike, and the
+checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
+rank-major (``ShardedLayout``): row i is rank i's piece of each parameter in turn, so one
+reduce-scatter leaves each rank exactly its pieces, and one all-gather rebuilds them all.
+
+Asynchrony: ``comm.py`` offers ``async_op`` for all-reduce only, so reduce-scatters and
+all-gathers run on one background thread per engine (``CommQueue``), in submission order
+-- the same order on every rank. All dp-axis collectives of a sharded stage go through it
+(except stage 1's all-reduce, which uses the native async all-reduce while the queue is
+idle), so no two threads ever use the dp group at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait import comm
+from plait.parallel.data_parallel import (
+    AllReduceGrads,
+    Bucket,
+    DataParallelConfig,
+    GradReducer,
+    adamw_zero_state,
+    model_chunks,
+    sq_sum,
+    tensor_bytes,
+    weak_method,
+)
+from plait.topology import Axis, Topology, axis_groups
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
+
+
+# --- the one sharding definition ----------------------------------------------------------
+
+
+def shard_size(numel: int, n: int) -> int:
+    """Elements in each of the n pieces of a parameter (the last may be part padding)."""
+    return math.ceil(numel / n)
+
+
+def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
+    """[lo, hi) of the flattened parameter that rank ``rank`` of ``n`` holds.
+
+    ``shard_range(10, r, 4)`` for r = 0..3: (0, 3) (3, 6) (6, 9) (9, 10) -- pieces of 3, the
+    last one 2 elements of padding. A rank past the end holds nothing: (numel, numel).
+    """
+    s = shard_size(numel, n)
+    lo = min(rank * s, numel)
+    return lo, min(lo + s, numel)
+
+
+def zero_shard(full: torch.Tensor, *, rank: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` (a flat view, no padding): the checkpoint loader
+    and the engines cut every parameter and optimizer state with it."""
+    lo, hi = shard_range(full.numel(), rank, n)
+    return full.reshape(-1)[lo:hi]
+
+
+class ShardedLayout:
+    """Where every parameter's pieces sit in a bucket's flat buffer of n rows (one per
+    rank): row r = [piece r of p0 | piece r of p1 | ...], each padded to ``shard_size``."""
+
+    def __init__(self, numels: list[int], *, n: int, rank: int):
+        self.numels, self.n, self.rank = numels, n, rank
+        self.sizes = [shard_size(k, n) for k in numels]
+        self.offsets = [0]
+        for s in self.sizes[:-1]:
+            self.offsets.append(self.offsets[-1] + s)
+        self.row_numel = sum(self.sizes)
+        self.ranges = [shard_range(k, rank, n) for k in numels]
+
+    def pack(self, tensors: list[torch.Tensor | None], *, like: torch.Tensor) -> torch.Tensor:
+        """Every rank's pieces of ``tensors`` (None: zeros), rank-major: (n * row,)."""
+        out = torch.empty(self.n, self.row_numel, dtype=like.dtype, device=like.device)
+        for t, off, s, k in zip(tensors, self.offsets, self.sizes, self.numels):
+            dst = out[:, off : off + s]
+            if t is None:
+                dst.zero_()
+                continue
+            flat, full_rows = t.reshape(-1), k // s
+            dst[:full_rows].copy_(flat[: full_rows * s].view(full_rows, s))
+            if full_rows < self.n:
+                rem = k - full_rows * s
+                dst[full_rows, :rem].copy_(flat[full_rows * s :])
+                dst[full_rows, rem:].zero_()
+                dst[full_rows + 1 :].zero_()
+        return out.view(-1)
+
+    def unpack(self, flat: torch.Tensor, dests: list[torch.Tensor]) -> None:
+        """Inverse of ``pack``: copy every parameter out of a gathered (n * row,) buffer."""
+        rows = flat.view(self.n, self.row_numel)
+        for dest, off, s, k in zip(dests, self.offsets, self.sizes, self.numels):
+            src, dst, full_rows = rows[:, off : off + s], dest.view(-1), k // s
+            dst[: full_rows * s].view(full_rows, s).copy_(src[:full_rows])
+            if full_rows < self.n:
+                dst[full_rows * s :].copy_(src[full_rows, : k - full_rows * s])
+
+    def row_views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's (real) piece of each parameter, as views into its row."""
+        return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
+
+    def pack_row(self, pieces: list[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
+        """This rank's row from its (real) pieces, zero padded: what it all-gathers."""
+        row = torch.zeros(self.row_numel, dtype=like.dtype, device=like.device)
+        for view, piece in zip(self.row_views(row), pieces):
+            view.copy_(piece)
+        return row
+
+
+# --- hybrid sharding groups ---------------------------------------------------------------
+
+
+def hsdp_topologies(topo: Topology, shard_group: int | None) -> tuple[Topology, Topology | None]:
+    """The topologies ZeRO communicates on: (shard, replicate). Without hybrid sharding,
+    (topo, None). With K = ``shard_group``: dp rank j shards with the K dp ranks of its
+    block and all-reduces with the ranks holding the same piece in the other blocks.
+    Worked example, dp=4 (global ranks 0-3), K=2: shard groups [0,1] [2,3], replicate
+    groups [0,2] [1,3]; dp rank 2 holds piece 0 of each parameter, as does dp rank 0.
+
+    Both are ``Topology`` objects whose dp axis is the sub-group (sharing ``topo.stats``,
+    so their collectives are counted on the "dp" axis); groups stay inside topologies.
+    Collective over the world: every rank creates every group, in the same order.
+    """
+    dp, k = topo.dp, shard_group or topo.dp
+    if k == dp:
+        return topo, None
+    mine: dict[str, tuple[list[int], object]] = {}
+    if dist.is_initialized():
+        for ranks in axis_groups(Axis.DP, pp=topo.pp, dp=dp, tp=topo.tp):
+            for kind, sets in (
+                ("shard", [ranks[i : i + k] for i in range(0, dp, k)]),
+                ("replicate", [ranks[j::k] for j in range(k)]),
+            ):
+                for members in sets:
+                    pg = dist.new_group(members) if len(members) > 1 else None
+                    if topo.rank in members:
+                        mine[kind] = (members, pg)
+
+    def sub(kind: str, size: int) -> Topology:
+        members, pg = mine.get(kind, ([topo.rank], None))
+        return Topology(
+            pp=1,
+            dp=size,
+            tp=1,
+            rank=topo.rank,
+            groups={Axis.DP: pg} if pg is not None else {},
+            group_ranks={Axis.DP: members, Axis.PP: [topo.rank], Axis.TP: [topo.rank]},
+            world_group=topo.world_group,
+            device=topo.device,
+            stats=topo.stats,
+        )
+
+    return sub("shard", k), sub("replicate", dp // k)
+
+
+# --- the communication thread -------------------------------------------------------------
+
+
+class CommQueue:
+    """Runs collectives on one background thread, in submission order (module docstring);
+    inline (already done) when there is nothing to communicate."""
+
+    def __init__(self, *, inline: bool):
+        self.inline = inline
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        if self.inline:
+            fut: Future = Future()
+            fut.set_result(fn(*args, **kwargs))
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-zero")
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+# --- stage 2 and 3 gradients: reduce-scatter into shards ----------------------------------
+
+
+class ReduceScatterGrads(GradReducer):
+    """Each bucket's gradients are packed rank-major, freed, and reduce-scattered over the
+    shard group into a row holding this rank's pieces (HSDP: then summed over the
+    replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s piece."""
+
+    def __init__(self, model, *, topo, cfg, defer, shard: Topology, replicate, n, rank,
+                 queue: CommQueue, groups=None):  # fmt: skip
+        self.groups = groups
+        super().__init__(model, topo=topo, cfg=cfg, defer=defer)
+        self.shard_topo, self.replicate_topo, self.queue = shard, replicate, queue
+        self.layouts = [
+            ShardedLayout([p.numel() for p in b.params], n=n, rank=rank) for b in self.buckets
+        ]
+        self.shard: dict[nn.Parameter, torch.Tensor] = {}
+
+    def _make_buckets(self, params, *, deferred):
+        if self.groups is None or deferred:
+            return super()._make_buckets(params, deferred=deferred)
+        mine = {id(p) for p in params}  # stage 3: one bucket per parameter unit
+        return [Bucket(b) for g in self.groups if (b := [p for p in g if id(p) in mine])]
+
+    def _launch(self, bucket: Bucket) -> None:
+        p0 = bucket.params[0]
+        flat = self.layouts[bucket.index].pack([p.grad for p in bucket.params], like=p0)
+        for p in bucket.params:
+            p.grad = None  # the full gradient is no longer needed
+        bucket.handle = self.queue.submit(self._reduce, flat)
+        bucket.launched = True
+
+    def _reduce(self, flat: torch.Tensor) -> torch.Tensor:  # on the comm thread
+        piece = comm.reduce_scatter(flat, topo=self.shard_topo, axis=Axis.DP)
+        if self.replicate_topo is not None:
+            comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
+        return piece
+
+    def _complete(self, bucket: Bucket) -> None:
+        bucket.flat = bucket.handle.result()
+        views = self.layouts[bucket.index].row_views(bucket.flat)
+        self.shard.update(zip(bucket.params, views))
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self.shard.clear()
+
+
+# --- stage 3 parameters: gathered per unit, on demand --------------------------------------
+
+
+class Unit:
+    """Parameters gathered and freed together (a block, the embedding, the norm + head)."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int):
+        self.name, self.params = name, params
+        self.layout = ShardedLayout([p.numel() for p in params], n=n, rank=rank)
+        p0 = params[0]
+        self.full = torch.empty(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+        self.full_bytes = self.full.untyped_storage().nbytes()
+        self.slices = []
+        offset = 0
+        for p in params:
+            self.slices.append(self.full[offset : offset + p.numel()])
+            offset += p.numel()
+        self.row = self.layout.pack_row(
+            [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=p0
+        )
+        with torch.no_grad():
+            for p, flat in zip(params, self.slices):
+                flat.copy_(p.detach().reshape(-1))
+                p.data = flat.view_as(p)  # from now on p lives in ``full``
+        self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
+        self.gathered = False
+        self.pending: Future | None = None
+        self.fired = 0
+        self.next_forward: Unit | None = None
+        self.next_backward: Unit | None = None
+
+
+def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Module, nn.Module]]:
+    """(unit, entry module, exit module) of one chunk, in forward order of first use.
+
+    A ``Transformer`` chunk: one unit per block; the other parameters (embedding, final
+    norm, head, a tied embedding copy) form one more, entered at the embedding (or, on a
+    chunk without one, at the final norm) and left when the chunk returns -- a tied
+    embedding is used at both ends. Any other module: one unit for all of it.
+    """
+    params = [(name, p) for name, p in chunk.named_parameters() if p.requires_grad]
+    blocks = getattr(chunk, "blocks", None)
+    if blocks is None:
+        return [(Unit("chunk", [p for _, p in params], n=n, rank=rank), chunk, chunk)]
+    out = []
+    rest = [p for name, p in params if not name.startswith("blocks.")]
+    pre, post = getattr(chunk, "pre", False), getattr(chunk, "post", False)
+    if rest:
+        entry = chunk.embed if pre else getattr(chunk, "norm", chunk)
+        exit_ = chunk if post else chunk.embed
+        out.append((Unit("rest", rest, n=n, rank=rank), entry, exit_))
+    for key, block in blocks.items():
+        ps = [p for p in block.parameters() if p.requires_grad]
+        if ps:
+            out.append((Unit(f"blocks.{key}", ps, n=n, rank=rank), block, block))
+    return out
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamUnits:
+    """Stage 3: parameters live as this rank's pieces (``unit.row``); a unit's full
+    parameters exist only between its gather and its free (module docstring)."""
+
+    def __init__(self, model: nn.Module, *, shard: Topology, n: int, rank: int,
+                 queue: CommQueue):  # fmt: skip
+        self.shard_topo, self.queue = shard, queue
+        self.units: list[Unit] = []
+        self._hooks = []
+        for chunk in model_chunks(model):
+            found = _units_of(chunk, n=n, rank=rank)
+            units = [u for u, _, _ in found]
+            rest = [u for u in units if u.name == "rest"]
+            blocks = [u for u in units if u.name != "rest"]
+            pre, post = getattr(chunk, "pre", True), getattr(chunk, "post", True)
+            fwd = (rest if pre else []) + blocks + (rest if post and not pre else [])
+            bwd = (rest if post else []) + blocks[::-1] + (rest if pre and not post else [])
+            for order, attr in ((fwd, "next_forward"), (bwd, "next_backward")):
+                for a, b in zip(order, order[1:]):
+                    setattr(a, attr, b)
+            for unit, entry, exit_ in found:
+                i = len(self.units)  # hooks name units by index (see ``weak_method``)
+                self.units.append(unit)
+                self._hooks += [
+                    entry.register_forward_pre_hook(weak_method(self, "_forward_pre", i)),
+                    exit_.register_forward_hook(weak_method(self, "_forward_post", i)),
+                ]
+                hook = weak_method(self, "_grad_ready", i)
+                for p in unit.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    @property
+    def shard(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's piece on this rank: a view into its unit's row."""
+        out = {}
+        for unit in self.units:
+            out.update(zip(unit.params, unit.layout.row_views(unit.row)))
+        return out
+
+    # gather / free
+
+    def _start(self, unit: Unit) -> Future:
+        return self.queue.submit(comm.all_gather, unit.row, topo=self.shard_topo, axis=Axis.DP)
+
+    def prefetch(self, unit: Unit | None) -> None:
+        if unit is not None and not unit.gathered and unit.pending is None:
+            unit.pending = self._start(unit)
+
+    def gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        fut, unit.pending = unit.pending or self._start(unit), None
+        flat = fut.result()
+        unit.full.untyped_storage().resize_(unit.full_bytes)
+        unit.layout.unpack(flat, unit.slices)
+        unit.gathered = True
+
+    def free(self, unit: Unit) -> None:
+        if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
+            unit.pending.result()
+            unit.pending = None
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    # hooks
+
+    def _forward_pre(self, i: int, module, args) -> None:
+        unit = self.units[i]
+        self.gather(unit)
+        self.prefetch(unit.next_forward)
+
+    def _forward_post(self, i: int, module, args, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(weak_method(self, "_backward_pre", i))
+        if not _in_backward():  # (a recomputed forward keeps its parameters)
+            self.free(self.units[i])
+
+    def _backward_pre(self, i: int, grad) -> None:
+        unit = self.units[i]
+        self.gather(unit)
+        self.prefetch(unit.next_backward)
+
+    def _grad_ready(self, i: int, _param) -> None:
+        unit = self.units[i]
+        unit.fired += 1
+        if unit.fired == len(unit.params):  # this micro-batch's backward is done with it
+            unit.fired = 0
+            self.free(unit)
+
+    @contextlib.contextmanager
+    def full_params(self, *, writeback: bool):
+        """Every unit gathered; with ``writeback``, the pieces re-cut from the (possibly
+        overwritten) full parameters on exit."""
+        for unit in self.units:
+            self.prefetch(unit)
+        for unit in self.units:
+            self.gather(unit)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if writeback:
+                    n, rank = unit.layout.n, unit.layout.rank
+                    pieces = [zero_shard(f, rank=rank, n=n) for f in unit.slices]
+                    unit.row.copy_(unit.layout.pack_row(pieces, like=unit.row))
+                self.free(unit)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(u.row for u in self.units)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+# --- the optimizer on shards ---------------------------------------------------------------
+
+
+class ShardedOptimizer:
+    """AdamW over this rank's pieces: ``pieces[p]`` (views into the parameters or into
+    the stage-3 rows) with gradients ``grads[p]``. Elementwise, so the same numbers as
+    AdamW over whole parameters. Offload: fp32 master pieces and AdamW's state in (pinned)
+    host memory; gradients go down, updated pieces come back."""
+
+    def __init__(self, named, pieces: dict, *, make_optimizer: Callable, offload: bool,
+                 device: torch.device):  # fmt: skip
+        self.named = named
+        self.pieces, self.offload = pieces, offload
+        pin = offload and device.type == "cuda"
+        self.targets = {}
+        for _, p in named:
+            t = pieces[p]
+            if offload:
+                t = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                t.copy_(pieces[p])
+            self.targets[p] = t
+        decay = {id(self.targets[p]): p.dim() >= 2 for _, p in named}
+        self.optimizer = make_optimizer(
+            [(name, self.targets[p]) for name, p in named], decays=lambda t: decay[id(t)]
+        )
+        for _, p in named:  # state up front: checkpoints load into it, memory is counted
+            self.optimizer.state[self.targets[p]] = adamw_zero_state(self.targets[p])
+
+    def step(self, lr: float, grads: dict) -> None:
+        """One AdamW step of every piece, with ``grads[p]`` (this rank's gradient pieces)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for _, p in self.named:  # offload: the gradients go down to the host
+            self.targets[p].grad = (
+                grads[p].to("cpu", non_blocking=True) if self.offload else grads[p]
+            )
+        if self.offload:
+            _sync(grads)
+        self.optimizer.step()
+        if self.offload:  # ... and the updated pieces come back
+            for _, p in self.named:
+                self.pieces[p].copy_(self.targets[p], non_blocking=True)
+            _sync(self.pieces)
+        for t in self.targets.values():
+            t.grad = None
+
+    def state(self, p) -> dict[str, torch.Tensor]:
+        return self.optimizer.state[self.targets[p]]
+
+    def reload_masters(self) -> None:
+        """Offload: copy the pieces into the host masters (after a checkpoint has been
+        loaded into the parameters; otherwise the masters are the truth)."""
+        if self.offload:
+            for _, p in self.named:
+                self.targets[p].copy_(self.pieces[p])
+
+    def nbytes(self) -> dict[str, int]:
+        states = tensor_bytes(t for s in self.optimizer.state.values() for t in s.values())
+        masters = tensor_bytes(self.targets.values()) if self.offload else 0
+        return {"device": 0, "host": states + masters} if self.offload else {"device": states}
+
+
+def _sync(tensors: dict) -> None:
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()
+
+
+# --- the engine ----------------------------------------------------------------------------
+
+
+class ZeroDataParallel:
+    """Stages 1-3 behind the engine interface of ``data_parallel.py`` (its docstring)."""
+
+    def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
+                 make_optimizer: Callable, owns_grad=None, defer=()):  # fmt: skip
+        self.model, self.topo, self.cfg, self.zero = model, topo, cfg, cfg.zero
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.owns_grad = owns_grad or (lambda p: True)
+        self.shard_topo, self.replicate_topo = hsdp_topologies(topo, cfg.shard_group)
+        self.n = self.shard_topo.dp
+        self.rank = topo.dp_rank % self.n
+        self.counts_norm = topo.dp_rank // self.n == 0  # the first replica of each piece
+        self.queue = CommQueue(inline=self.n == 1 and self.replicate_topo is None)
+        self.units = None
+        if self.zero == 3:
+            self.units = ParamUnits(model, shard=self.shard_topo, n=self.n, rank=self.rank,
+                                    queue=self.queue)  # fmt: skip
+            pieces = self.units.shard
+        else:
+            pieces = {p: zero_shard(p.detach(), rank=self.rank, n=self.n) for _, p in self.named}
+        if self.zero == 1:
+            self.grads = AllReduceGrads(model, topo=topo, cfg=cfg, defer=defer)
+        else:
+            groups = [u.params for u in self.units.units] if self.units else None
+            self.grads = ReduceScatterGrads(
+                model, topo=topo, cfg=cfg, defer=defer, shard=self.shard_topo,
+                replicate=self.replicate_topo, n=self.n, rank=self.rank, queue=self.queue,
+                groups=groups,
+            )  # fmt: skip
+        self.optimizer = ShardedOptimizer(
+            self.named, pieces, make_optimizer=make_optimizer,
+            offload=cfg.offload_optimizer, device=topo.device,
+        )  # fmt: skip
+        # How parameters (stages 1-2) and optimizer state are gathered: by gradient bucket,
+        # or by unit for stage 3.
+        groups = [u.params for u in self.units.units] if self.units else [
+            b.params for b in self.grads.buckets
+        ]  # fmt: skip
+        self.gather_groups = [
+            (g, ShardedLayout([p.numel() for p in g], n=self.n, rank=self.rank)) for g in groups
+        ]
+
+    # the interface
+
+    def finish(self) -> None:
+        self.grads.finish()
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of ``p``'s reduced gradient (after ``finish()``)."""
+        if self.zero == 1:  # all-reduced whole: the piece is a view into it
+            return zero_shard(p.grad, rank=self.rank, n=self.n)
+        return self.grads.shard[p]
+
+    def _grad_pieces(self) -> dict:
+        return {p: self.grad(p) for _, p in self.named}
+
+    def grad_sq_local(self) -> float:
+        if not self.counts_norm:
+            return 0.0
+        return sq_sum(self.grad(p) for _, p in self.named if self.owns_grad(p))
+
+    def scale_grads_(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        if self.zero == 1:
+            pieces = [g for g in self._grad_pieces().values() if g.numel()]
+        else:
+            pieces = [b.flat for b in self.grads.buckets]
+        torch._foreach_mul_(pieces, factor)
+
+    def step(self, lr: float) -> None:
+        self.optimizer.step(lr, self._grad_pieces())
+        if self.zero in (1, 2):
+            self._gather_params()
+
+    def _gather_params(self) -> None:
+        """Every rank updated its pieces: one all-gather per bucket rebuilds the rest."""
+        pending = []
+        for params, layout in self.gather_groups:
+            pieces = [zero_shard(p.detach(), rank=self.rank, n=self.n) for p in params]
+            row = layout.pack_row(pieces, like=params[0])
+            pending.append(self.queue.submit(comm.all_gather, row, topo=self.shard_topo,
+                                             axis=Axis.DP))  # fmt: skip
+        with torch.no_grad():
+            for (params, layout), fut in zip(self.gather_groups, pending):
+                layout.unpack(fut.result(), [p.detach() for p in params])
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """Full (dp-unsharded) AdamW state per parameter name; collective over the shard
+        group unless ``template`` (zeros of the full shapes, to load a checkpoint into)."""
+        if template:
+            return {name: adamw_zero_state(torch.empty(p.shape)) for name, p in self.named}
+        names = {p: name for name, p in self.named}
+        out = {names[p]: {"step": self.optimizer.state(p)["step"].clone()} for _, p in self.named}
+        for key in STATE_KEYS:
+            pending = []
+            for params, layout in self.gather_groups:
+                pieces = [self.optimizer.state(p)[key] for p in params]
+                row = layout.pack_row(pieces, like=params[0].detach())
+                pending.append(self.queue.submit(comm.all_gather, row, topo=self.shard_topo,
+                                                 axis=Axis.DP))  # fmt: skip
+            for (params, layout), fut in zip(self.gather_groups, pending):
+                fulls = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
+                layout.unpack(fut.result(), fulls)
+                for p, full in zip(params, fulls):
+                    out[names[p]][key] = full
+        return out
+
+    def load_optim_state(self, state: dict) -> None:
+        """Take this rank's pieces of full state tensors (as ``optim_state`` returns).
+        Call it after loading the parameters: it also refreshes offloaded masters."""
+        self.optimizer.reload_masters()
+        with torch.no_grad():
+            for name, p in self.named:
+                if name not in state:
+                    continue
+                mine = self.optimizer.state(p)
+                mine["step"].copy_(state[name]["step"].reshape(()))
+                for key in STATE_KEYS:
+                    mine[key].copy_(zero_shard(state[name][key], rank=self.rank, n=self.n))
+
+    def full_params(self, *, writeback: bool = False):
+        """Context in which every parameter is whole (stage 3 gathers them; collective)."""
+        if self.units is None:
+            return contextlib.nullcontext()
+        return self.units.full_params(writeback=writeback)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        params = self.units.nbytes() if self.units else tensor_bytes(p for _, p in self.named)
+        optim = self.optimizer.nbytes()
+        # gradients as of the last finish(): they are freed between steps
+        out = {"params": params, "grads": self.grads.grad_bytes, "optim": optim["device"]}
+        out["total"] = sum(out.values())
+        out["host"] = optim.get("host", 0)
+        return out
+
+    def close(self) -> None:
+        self.queue.close()
+        self.grads.remove_hooks()
+        if self.units is not None:
+            self.units.remove_hooks()

@@ -1,0 +1,255 @@
+"""ZeRO stages 1-3, offload and hybrid sharding: the sharding function, collective counts
+and bytes per step, per-rank model-state bytes against the formula, single-process loss
+curves for dp 2 and 4 (alone, with tp 2, with pp 2), and resuming a checkpoint under a
+different dp size and stage.
+
+Process groups are the expensive part, so one module fixture runs everything in two:
+world 2 (engine steps, dp 2 curves with and without offload, saving run B), then world 4
+(engine steps with hybrid sharding, dp 4 / tp / pp / HSDP curves, saving run A, resuming
+B, then resuming A as dp 2 x pp 2 and into an offloaded optimizer). The tests then only
+read the results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_workers
+from test_data_parallel import (
+    PARAM_TOL,
+    STEPS,
+    assert_same_curve,
+    engine_step,
+    make_data,
+    reference_losses,
+    resume_from,
+    run_checks,
+    run_config,
+    state_matches_formula,
+)
+
+from plait.model.sizes import model_state_breakdown, model_state_bytes
+from plait.parallel.zero import ShardedLayout, shard_range, zero_shard
+
+# --- pure logic --------------------------------------------------------------------------
+
+
+def test_shard_range_covers_every_element_once():
+    for numel in (1, 5, 10, 64, 1000):
+        for n in (1, 2, 3, 4, 8):
+            ranges = [shard_range(numel, r, n) for r in range(n)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert [shard_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert shard_range(2, 3, 4) == (2, 2)  # past the end: nothing
+
+
+def test_sharded_layout_pack_unpack_and_rows():
+    tensors = [torch.randn(3, 5), torch.randn(7), torch.randn(2)]
+    for n in (1, 2, 4):
+        layouts = [ShardedLayout([t.numel() for t in tensors], n=n, rank=r) for r in range(n)]
+        flat = layouts[0].pack(tensors, like=tensors[0])
+        assert flat.numel() == n * layouts[0].row_numel
+        rows = flat.view(n, -1)
+        for r, layout in enumerate(layouts):  # a reduce-scatter leaves rank r row r
+            for view, t in zip(layout.row_views(rows[r]), tensors):
+                assert torch.equal(view, zero_shard(t, rank=r, n=n))
+            own = layout.pack_row([zero_shard(t, rank=r, n=n) for t in tensors], like=flat)
+            assert torch.equal(own, rows[r])
+        out = [torch.empty_like(t) for t in tensors]
+        layouts[0].unpack(flat, out)
+        assert all(torch.equal(a, b) for a, b in zip(out, tensors))
+        assert torch.equal(
+            layouts[0].pack([None, tensors[1], None], like=flat).view(n, -1)[:, :1],
+            torch.zeros(n, 1),
+        )
+
+
+def test_single_process_every_stage_matches_formula():
+    """dp = 1: one engine step per stage (no processes) and its model-state bytes."""
+    for zero in (0, 1, 2, 3):
+        seen = engine_step(0, 1, zero)
+        assert seen["grad_err"] < 1e-7 and seen["param_err"] < PARAM_TOL
+        assert seen["after finish"] == {} and seen["step"] == {}
+        state_matches_formula(seen, dp=1, zero=zero)
+
+
+def test_formula_breakdown_agrees_with_model_state_bytes():
+    for dp in (1, 2, 4):
+        for zero in range(4):
+            parts = model_state_breakdown(1000, dp=dp, zero=zero)
+            assert parts["device"] == model_state_bytes(1000, dp=dp, zero=zero)
+    parts = model_state_breakdown(1000, dp=4, zero=2, offload_optimizer=True)
+    assert parts["optim"] == 0 and parts["host"] == 12 * 1000 / 4
+
+
+# --- multi-process: everything in three process groups -----------------------------------
+
+W2_ENGINE = [{"zero": 1}, {"zero": 2}, {"zero": 3}, {"zero": 2, "offload": True}]
+W4_ENGINE = [{"zero": 1, "shard_group": 2}, {"zero": 2, "shard_group": 2}, {"zero": 3}]
+
+
+def _w2_cases(data, root):
+    return {
+        "dp2-z1": run_config(data, root / "dp2-z1", dp=2, zero=1, train={"save_every": 10}),
+        "dp2-z2": run_config(data, root / "dp2-z2", dp=2, zero=2, micro_batch_size=1),
+        "dp2-z3": run_config(data, root / "dp2-z3", dp=2, zero=3),
+        "dp2-z2-offload": run_config(data, root / "dp2-z2-o", dp=2, zero=2, offload_optimizer=True),
+    }
+
+
+def _w4_cases(data, root):
+    """dp 4 at every stage; with tp 2 / pp 2 / hybrid sharding the stages that change the
+    gradient path (2, 3) -- stage 1 with them is stage 0's path plus the sharded AdamW
+    that the engine steps check; llama (untied head, RMSNorm) under tp 2 with sequence
+    parallelism, whose deferred gradients ``TPGradSync`` completes."""
+    cases = {
+        f"dp4-z{z}": run_config(
+            data, root / f"dp4-z{z}", dp=4, zero=z, train={"save_every": 10} if z == 3 else None
+        )
+        for z in (0, 1, 2, 3)
+    }
+    for z in (2, 3):
+        cases[f"pp2-dp2-z{z}"] = run_config(data, root / f"pp-z{z}", dp=2, pp=2, zero=z)
+        cases[f"hsdp4x2-z{z}"] = run_config(
+            data, root / f"hsdp-z{z}", dp=4, zero=z, zero_shard_group=2
+        )
+    cases["tp2-dp2-z2"] = run_config(data, root / "tp-z2", dp=2, tp=2, zero=2)
+    cases["tp2-dp2-z3-sp-llama"] = run_config(
+        data, root / "tp-sp", arch="llama", dp=2, tp=2, zero=3, sequence_parallel=True
+    )
+    return cases
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero")
+    data = make_data(root)
+    ref = {arch: reference_losses(data, root, arch) for arch in ("gpt2", "llama")}
+    w2 = _w2_cases(data, root)
+    w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
+    w4 = _w4_cases(data, root)
+    # Run B (dp 2, zero 1; the world-2 group) saved step 10: resume it with dp 4, zero 3.
+    # Run A (dp 4, zero 3; an earlier case of this group) saved step 10: resume it with
+    # dp 2, zero 1 -- in a world of 4, as dp 2 x pp 2 -- and with dp 4, zero 2, offloaded.
+    step10 = Path("checkpoints") / "step-00000010"
+    w4["resume-B"] = resume_from(
+        run_config(data, root / "resume-B", dp=4, zero=3), root / "dp2-z1" / step10
+    )
+    w4["resume-A"] = resume_from(
+        run_config(data, root / "resume-A", dp=2, pp=2, zero=1), root / "dp4-z3" / step10
+    )
+    w4["resume-A-offload"] = resume_from(
+        run_config(data, root / "resume-A-o", dp=4, zero=2, offload_optimizer=True),
+        root / "dp4-z3" / step10,
+    )
+    w4_ranks = run_workers(4, run_checks, W4_ENGINE, list(w4.values()))
+    return {"ref": ref, "w2": (w2, w2_ranks), "w4": (w4, w4_ranks)}
+
+
+def _expected_state_dp(cfg) -> int:
+    return cfg.layout.zero_shard_group or cfg.layout.dp
+
+
+def test_zero_engine_counts_collectives_per_step(runs):
+    """dp 2, two micro-batches, small buckets: per step, stage 1 all-reduces and then
+    all-gathers one bucket at a time; stage 2 reduce-scatters and all-gathers one bucket at
+    a time; stage 3 all-gathers each unit twice per micro-batch and reduce-scatters it
+    once. Nothing on the first micro-batch's backward except stage 3's gathers."""
+    _, ranks = runs["w2"]
+    (z1, z2, z3, z2_offload), _ = ranks[0]
+    for seen in (z1, z2, z3, z2_offload):
+        assert seen["grad_err"] < 1e-7 and abs(seen["sq_err"]) < 1e-6
+        assert seen["param_err"] < PARAM_TOL
+        nb = seen["buckets"]
+        assert seen["launched by hooks"] == nb  # every bucket started during the backward
+    nb = z1["buckets"]
+    assert nb >= 4
+    assert z1["after micro-batch 1"] == {}
+    assert z1["after finish"] == {("dp", "all_reduce"): nb}
+    assert z1["step"] == {("dp", "all_gather"): nb}
+    for seen in (z2, z2_offload):
+        assert seen["after micro-batch 1"] == {}
+        assert seen["after finish"] == {("dp", "reduce_scatter"): seen["buckets"]}
+        assert seen["step"] == {("dp", "all_gather"): seen["buckets"]}
+    # stage 3: units = embedding/norm ("rest") + 2 blocks; gathered before forward and
+    # before backward of each of the 2 micro-batches
+    units = z3["buckets"]
+    assert units == 3
+    assert z3["after micro-batch 1"] == {("dp", "all_gather"): 2 * units}
+    assert z3["after finish"] == {("dp", "all_gather"): 4 * units, ("dp", "reduce_scatter"): units}
+    assert z3["step"] == {}
+    # bytes: the all-gathers of a step (stages 1, 2) rebuild all 4N bytes (plus padding)
+    n = z2["n_local"]
+    for seen in (z1, z2):
+        got = seen["step bytes"][("dp", "all_gather")]
+        assert 4 * n <= got <= 4 * n * 1.01
+
+
+def test_hybrid_sharding_counts(runs):
+    """dp 4 in shard groups of 2: stage 2 reduce-scatters in the shard group and then
+    all-reduces each bucket's shard across the replicas (both counted on the dp axis)."""
+    _, ranks = runs["w4"]
+    (h1, h2, z3), _ = ranks[0]
+    for seen in (h1, h2, z3):
+        assert seen["grad_err"] < 1e-7 and abs(seen["sq_err"]) < 1e-6
+        assert seen["param_err"] < PARAM_TOL
+    nb = h2["buckets"]
+    assert h1["after finish"] == {("dp", "all_reduce"): h1["buckets"]}
+    assert h2["after finish"] == {("dp", "reduce_scatter"): nb, ("dp", "all_reduce"): nb}
+    assert h2["step"] == {("dp", "all_gather"): nb}
+    # what crosses the replicas is the shard: 1/K of what was reduce-scattered in the group
+    b = h2["finish bytes"]
+    assert b[("dp", "all_reduce")] * 2 == b[("dp", "reduce_scatter")]
+    assert h2["step bytes"][("dp", "all_gather")] == b[("dp", "reduce_scatter")]
+
+
+def _curve(result) -> list[float]:
+    return [m["loss"] for m in result["metrics"]]
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_every_layout_reproduces_the_single_process_curve(runs, world):
+    cases, ranks = runs[world]
+    (_, results) = ranks[0]
+    for (name, cfg), result in zip(cases.items(), results):
+        ref = runs["ref"][cfg.model.arch]
+        if name.startswith("resume"):
+            continue
+        assert_same_curve(_curve(result), ref, name)
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_model_state_bytes_match_the_formula(runs, world):
+    """Every rank's measured parameters + gradients + optimizer state within 5% of
+    ``sizes.model_state_breakdown`` for its stage, shard size and offload."""
+    cases, ranks = runs[world]
+    for _, results in ranks:
+        for cfg, result in zip(cases.values(), results):
+            lay = cfg.layout
+            state_matches_formula(
+                result, dp=_expected_state_dp(cfg), zero=lay.zero, offload=lay.offload_optimizer
+            )
+    (engine_steps, _) = ranks[0]
+    for kw, seen in zip(W2_ENGINE if world == "w2" else W4_ENGINE, engine_steps):
+        state_matches_formula(
+            seen,
+            dp=kw.get("shard_group") or (2 if world == "w2" else 4),
+            zero=kw["zero"],
+            offload=kw.get("offload", False),
+        )
+
+
+def test_resume_across_dp_size_and_stage(runs):
+    """A run saved at step 10 with dp 2 / zero 1 continues with dp 4 / zero 3, and one saved
+    with dp 4 / zero 3 continues with dp 2 (x pp 2) / zero 1 and with dp 4 / zero 2 and
+    the optimizer offloaded: optimizer state included, on the single-process curve."""
+    ref = runs["ref"]["gpt2"]
+    cases, ranks = runs["w4"]
+    results = dict(zip(cases, ranks[0][1]))
+    for name in ("resume-B", "resume-A", "resume-A-offload"):
+        steps = [m["step"] for m in results[name]["metrics"]]
+        assert steps == list(range(11, STEPS + 1)), name
+        assert_same_curve(_curve(results[name]), ref[10:], name)
