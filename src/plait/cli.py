@@ -4,6 +4,8 @@
     plait generate --run DIR    sample text from a trained run
     plait info [flags]          parameters, FLOPs per token and memory of a model and layout
     plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
+    plait plan [flags]          rank every layout of a model on a cluster; write the best
+    plait calibrate             measure this machine into a hardware file for simulate / plan
     plait viz schedule ...      draw a pipeline schedule
 
 Errors a user can cause end with one line on stderr and exit code 2.
@@ -155,6 +157,10 @@ def build_run_config(values: dict):
     model = model_config(values)
     layout = layout_config(values)
     layout.check_model(model)
+    if layout.pp > 1:  # the partition and a static deadlock check of the schedule, up front
+        from plait.parallel.pipeline.stage import check_pipeline
+
+        check_pipeline(model, layout, method=layout.pp_partition)
     train_fields = {k: values[k] for k in TRAIN_FIELDS if values.get(k) is not None}
     if values.get("no_progress"):
         train_fields["progress"] = False
@@ -239,19 +245,31 @@ def _with_vocab(cfg, vocab: int):
 
 
 def _dry_run(cfg) -> int:
-    from plait.model.sizes import model_state_bytes, num_params
+    from plait.model.sizes import num_params
     from plait.model.transformer import build_model
 
     build_model(cfg.model, device="meta")
     n = num_params(cfg.model)
     lay = cfg.layout
-    per_rank = model_state_bytes(n // (lay.tp * lay.pp), dp=lay.dp, zero=lay.zero)
+    per_rank = _state_bytes(n, lay)
     print(
         f"plait train --dry-run: ok: {n:,} parameters, {lay.world_size} workers "
         f"(dp={lay.dp} tp={lay.tp} pp={lay.pp}), {lay.num_microbatches} micro-batches of "
         f"{lay.micro_batch_size}, ~{per_rank / 2**30:.2f} GiB model state per rank"
     )
     return 0
+
+
+def _state_bytes(n_params: int, lay) -> float:
+    """Model-state bytes on one device: ZeRO stage, hybrid sharding and offload included."""
+    from plait.model.sizes import model_state_breakdown
+
+    return model_state_breakdown(
+        round(n_params / (lay.tp * lay.pp)),
+        dp=lay.zero_shard_group or lay.dp,
+        zero=lay.zero,
+        offload_optimizer=lay.offload_optimizer,
+    )["device"]
 
 
 def _report(cfg) -> None:
@@ -296,7 +314,7 @@ def cmd_generate(args) -> int:
 
 def cmd_info(args, parser) -> int:
     from plait.cli_args import layout_config
-    from plait.model.sizes import model_flops_per_token, model_state_bytes, num_params
+    from plait.model.sizes import model_flops_per_token, num_params
 
     try:
         values = merged_values(args, parser)
@@ -311,9 +329,8 @@ def cmd_info(args, parser) -> int:
         print(f"  {k:<12} {v}")
     print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
     print(f"FLOPs per token      {model_flops_per_token(model):.4g} (training, model FLOPs)")
-    shard = n / (layout.tp * layout.pp)
     print(
-        f"model state per rank {model_state_bytes(round(shard), dp=layout.dp, zero=layout.zero) / 2**30:.3f} GiB "
+        f"model state per rank {_state_bytes(n, layout) / 2**30:.3f} GiB on the device "
         f"(fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} dp={layout.dp} "
         f"zero={layout.zero})"
     )
@@ -344,6 +361,25 @@ def _add_viz(sub):
     return p, viz_cli
 
 
+def _add_plan(sub):
+    p = sub.add_parser("plan", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+                       help="rank every layout of a model on a cluster; write the best")  # fmt: skip
+    p.add_argument("--config", help="YAML or TOML file of flag values")
+    from plait import plan
+
+    plan.add_arguments(p)
+    return p
+
+
+def _add_calibrate(sub):
+    p = sub.add_parser("calibrate", allow_abbrev=False,
+                       help="measure this machine; write a hardware file for simulate and plan")  # fmt: skip
+    from plait import calibrate
+
+    calibrate.add_arguments(p)
+    return p
+
+
 def make_parser():
     parser = argparse.ArgumentParser(prog="plait", allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -360,9 +396,17 @@ def make_parser():
     info.add_argument("--config", help="YAML or TOML file of flag values")
     simulate, sim_cli = _add_simulate(sub)
     viz, viz_cli = _add_viz(sub)
+    plan, calibrate = _add_plan(sub), _add_calibrate(sub)
     return (
         parser,
-        {"train": train, "info": info, "simulate": simulate, "viz": viz},
+        {
+            "train": train,
+            "info": info,
+            "simulate": simulate,
+            "viz": viz,
+            "plan": plan,
+            "calibrate": calibrate,
+        },  # fmt: skip
         sim_cli,
         viz_cli,
     )
@@ -379,6 +423,17 @@ def main(argv=None) -> int:
         return cmd_info(args, subs["info"])
     if args.command == "simulate" and sim_cli is not None:
         return sim_cli.run(args)
+    if args.command == "plan":
+        from plait import plan
+
+        try:
+            return plan.run(args, merged_values(args, subs["plan"]))
+        except UserError as e:
+            return _die("plan", str(e))
+    if args.command == "calibrate":
+        from plait import calibrate
+
+        return calibrate.run(args)
     if args.command == "viz" and viz_cli is not None:
         return viz_cli.run(args)
     parser.print_help()

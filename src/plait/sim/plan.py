@@ -1,0 +1,696 @@
+"""The layout search behind ``plait plan``: every valid layout of a model on a cluster,
+ranked by simulated step time, the ones that do not fit in memory rejected.
+
+    from plait.sim.plan import PlanRequest, search, space_for
+    plan = search(PlanRequest(model=cfg, hardware=hw, n_devices=1024, global_batch_size=1536))
+    plan.best.layout, plan.best.result.iter_time_s, plan.best.result.peak_mem_bytes
+
+The search space
+    tp divides the devices, the heads and the FFN width (the key/value heads and tp divide
+    one another) and is at most ``--max-tp`` (default: devices per node); pp divides the
+    rest, at most the layers; dp = devices / (tp pp) divides the global batch; every
+    micro-batch size dividing the per-replica batch (up to ``--max-micro-batch-size``);
+    the schedules gpipe, 1f1b, zb-h1 and interleaved-1f1b with 2..``--max-vpp`` chunks
+    per rank (pp vpp at most the layers, micro-batches a multiple of pp); ZeRO 0-3 (one stage
+    only without data parallelism); sequence parallelism on or off (only with tp > 1);
+    recomputation none, selective or full. One pipeline rank runs every schedule alike,
+    so pp = 1 is tried with 1f1b only. A runtime profile (``--runtime``) narrows the space
+    to what that software could do (``RUNTIME_FEATURES``); any layout flag (``--tp 8``,
+    ``--schedule 1f1b``, ``--zero 1`` ...) pins that axis.
+
+The method: best-first branch and bound, exact over the space
+    The objective is the simulator's closed-form step time, ``simulate(exact=False)``
+    (the schedule's bubble formula on the busiest rank's per-micro-batch costs; equal to
+    the replay for even stages), and a layout is feasible when that simulation says it
+    fits. Every layout first gets two cheap lower bounds, built with the simulator's own
+    cost functions (``costs.py``, ``memory.py``) from per-layer figures cached by the
+    few axes they depend on (a layer's cost depends on tp, micro-batch, sequence
+    parallelism and recomputation only; model state on tp, pp, vpp, dp and ZeRO):
+
+    - memory: model state per ZeRO stage + buffers + overhead + activations, the
+      larger of (the schedule's in-flight micro-batches x the rank's smallest chunk)
+      and (the last stage's chunk with the head) -- both held at some instant of every
+      schedule. A layout whose bound is above the device's memory can never fit, and is
+      rejected without simulating;
+    - time: m x busiest-rank work x (1 + the schedule's bubble formula) + pipeline fill
+      + optimizer + ZeRO gathers + the exposed gradient reduction (all of it where it
+      is not overlapped; with one chunk per rank, what outlasts the last backward; with
+      several chunks, nothing) -- the closed form itself but for that last case, taken
+      0.5% lower (``SLACK``) to stay a bound through small refinements of the costs.
+
+    The survivors go on a heap keyed by their bound. Popping the smallest: a bound is
+    replaced by the layout's simulated time (pushed back); a simulated time is final --
+    nothing left on the heap can beat it, since every other key is a lower bound or a
+    true time. So layouts come out in exact order of step time while only those whose
+    bound is below the K-th best are ever simulated (the bound is within a few percent,
+    so ~K to a few K of them). 10,000+ device clusters: ~10^4-10^5 layouts, bounds in
+    about a second, a few dozen simulations. tests/test_plan.py checks the result against
+    brute force on small spaces.
+
+    The K winners are then replayed exactly (``simulate(exact=True)``, the figures
+    ``plait simulate`` prints; uneven stages and transfers included) and shown in that
+    order; a layout whose replayed memory no longer fits is dropped for the next one.
+    Compiling a schedule for the replay costs ~0.1 ms per (rank, micro-batch, chunk), so
+    winners are replayed best first while the schedules they add stay within
+    ``REPLAY_BUDGET`` of those units; the rest keep their closed-form figures (marked).
+
+Figures: TFLOP/s and MFU count model FLOPs (no recomputation) against the hardware's
+dense (non-sparse) peak of the dtype; the "simple estimate" line quotes the
+8 x tokens x parameters convention of Narayanan et al. 2021 (it counts full
+recomputation) against the same dense peak. Sparse peaks would halve every utilisation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from typing import NamedTuple
+
+import numpy as np
+
+from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
+from plait.model import sizes
+from plait.model.config import ModelConfig
+from plait.parallel.pipeline.partition import partition_layers
+from plait.parallel.pipeline.schedules import bubble_formula, in_flight_bound
+from plait.sim import costs
+from plait.sim.hardware import Hardware
+from plait.sim.memory import chunk_activation_bytes, last_stage_buffers, stage_params
+from plait.sim.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
+from plait.sim.simulate import Result, simulate
+
+GiB = 2**30
+SLACK = 0.995  # the time bound is taken this much lower (module docstring)
+# Replaying a schedule costs ~0.1 ms per (rank, micro-batch, chunk) to compile: the
+# winners are replayed, best first, while the new schedules they need stay within this
+# many units in all (~2 s).
+REPLAY_BUDGET = 16384
+FOLD = 1e-3  # relative step-time difference below which two layouts tie
+TOKENS_PER_PARAM = 20  # Chinchilla (Hoffmann et al. 2022): compute-optimal tokens / parameter
+
+# What the software each runtime profile models could do (the rest is searched fully).
+# Megatron-LM 2021 (Narayanan et al. SC21): 1F1B and interleaved 1F1B, full activation
+# recomputation, no ZeRO; sequence parallelism and selective recomputation came in 2022
+# (Korthikanti et al.). Megatron-DeepSpeed (BLOOM): its 1F1B engine, ZeRO-1, full
+# recomputation. FSDP (llm-foundry): data parallelism with sharding only.
+RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
+    "megatron-lm": dict(
+        schedule=("1f1b", "interleaved-1f1b"),
+        zero=(0,),
+        sequence_parallel=(False,),
+        recompute=("none", "full"),
+    ),
+    "megatron-deepspeed": dict(
+        schedule=("1f1b",), zero=(0, 1), sequence_parallel=(False,), recompute=("none", "full")
+    ),
+    "fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3)),
+}
+
+
+class Candidate(NamedTuple):
+    """One point of the search space (the axes the planner chooses)."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    schedule: str
+    micro_batch_size: int
+    zero: int
+    sequence_parallel: bool
+    recompute: str
+
+    def label(self) -> str:
+        """Short form for tables: ``tp8 pp8 dp16 interleaved v2 mbs1 z1 sp selective``."""
+        sched = {"interleaved-1f1b": f"interleaved v{self.vpp}"}.get(self.schedule, self.schedule)
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.pp > 1:
+            parts.append(sched)
+        parts += [f"mbs{self.micro_batch_size}", f"z{self.zero}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(self.recompute)
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """Allowed values per axis; ``None`` means every valid value. ``max_*`` cap the
+    axes whose valid range is large (see the module docstring)."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] | None = None
+    schedule: tuple[str, ...] = SCHEDULES
+    micro_batch_size: tuple[int, ...] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    recompute: tuple[str, ...] = RECOMPUTE
+    max_tp: int | None = None  # None: the hardware's devices per node
+    max_vpp: int = 8
+    max_micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.schedule if s not in SCHEDULES]
+        if bad:
+            raise ValueError(f"--schedule {bad[0]!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.max_vpp < 1:
+            raise ValueError(f"--max-vpp must be at least 1, got {self.max_vpp}")
+        if self.max_tp is not None and self.max_tp < 1:
+            raise ValueError(f"--max-tp must be at least 1, got {self.max_tp}")
+
+    def narrowed(self, **allowed: tuple) -> Space:
+        """This space intersected with ``allowed`` values per axis."""
+        changes = {}
+        for axis, values in allowed.items():
+            mine = getattr(self, axis)
+            changes[axis] = tuple(values) if mine is None else tuple(v for v in mine if v in values)
+        return Space(**{**self.__dict__, **changes})
+
+
+def space_for(runtime: str, pins: dict | None = None, **limits) -> Space:
+    """The space a runtime profile can run, with pinned axes (``{"tp": 8}``) and limits."""
+    space = Space(**limits).narrowed(**RUNTIME_FEATURES.get(runtime, {}))
+    pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    wanted = {}
+    for axis, value in pins.items():
+        allowed = getattr(space, axis)
+        if allowed is not None and value not in allowed:
+            raise ValueError(
+                f"--{axis.replace('_', '-')} {_flag_value(value)} is outside what --runtime "
+                f"{runtime} can run ({', '.join(map(_flag_value, allowed))})"
+            )
+        wanted[axis] = (value,)
+    return space.narrowed(**wanted) if wanted else space
+
+
+def _flag_value(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What to plan: a model on ``n_devices`` of ``hardware`` for a global batch of
+    ``global_batch_size`` sequences of ``model.seq_len`` tokens."""
+
+    model: ModelConfig
+    hardware: Hardware
+    n_devices: int
+    global_batch_size: int
+    dtype: str = "bf16"
+    runtime: str = DEFAULT_RUNTIME
+    space: Space = field(default_factory=Space)
+    top_k: int = 10
+    exact: bool = True  # replay the K winners exactly
+    tokens: float | None = None  # training tokens, for days and device-hours
+
+    def __post_init__(self) -> None:
+        if self.n_devices < 1:
+            raise ValueError(f"--gpus must be at least 1, got {self.n_devices}")
+        if self.global_batch_size < 1:
+            raise ValueError(
+                f"--global-batch-size must be at least 1, got {self.global_batch_size}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        self.hardware.peak(self.dtype)  # raises: the device has no fast path for it
+        get_runtime(self.runtime)
+        if self.top_k < 1:
+            raise ValueError(f"--top must be at least 1, got {self.top_k}")
+        if self.tokens is not None and self.tokens <= 0:
+            raise ValueError(f"--tokens must be positive, got {self.tokens:g}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One ranked layout with its simulated figures."""
+
+    candidate: Candidate
+    layout: Layout
+    result: Result  # the exact replay where ``replayed``, else the closed form
+    screen_s: float  # closed-form step time the search ranked it by
+    replayed: bool
+    train_days: float | None = None
+    device_hours: float | None = None
+
+    def to_dict(self, model: ModelConfig) -> dict:
+        """The ``plait simulate --json`` object of this layout, plus training time."""
+        out = self.result.to_dict()
+        out["model"] = model.to_dict()
+        out["layout"] = self.layout.to_dict()
+        if self.train_days is not None:
+            out["train_days"] = self.train_days
+            out["device_hours"] = self.device_hours
+        return out
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout that would have been fast but does not fit: its step time and memory."""
+
+    candidate: Candidate
+    iter_time_s: float
+    peak_mem_bytes: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    request: PlanRequest
+    entries: tuple[Entry, ...]  # best first
+    n_layouts: int  # valid layouts in the space
+    n_rejected_memory: int  # of them, rejected because they do not fit
+    n_simulated: int  # closed-form simulations the search ran
+    best_rejected: tuple[Rejected, ...]  # the fastest layouts rejected for memory
+    seconds: float
+
+    @property
+    def best(self) -> Entry:
+        return self.entries[0]
+
+
+# -- the search space ----------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def candidates(req: PlanRequest):
+    """Every valid layout of ``req`` (module docstring), as ``Candidate`` tuples."""
+    cfg, n, G, sp_ = req.model, req.n_devices, req.global_batch_size, req.space
+    L = cfg.n_layers
+    max_tp = sp_.max_tp or req.hardware.devices_per_node
+    kv = cfg.n_kv_heads
+    for tp in _divisors(n):
+        if (sp_.tp is not None and tp not in sp_.tp) or (sp_.tp is None and tp > max_tp):
+            continue
+        if cfg.n_heads % tp or (kv % tp and tp % kv) or cfg.ffn_hidden % tp:
+            continue
+        for pp in _divisors(n // tp):
+            if pp > L or (sp_.pp is not None and pp not in sp_.pp):
+                continue
+            dp = n // (tp * pp)
+            if G % dp or (sp_.dp is not None and dp not in sp_.dp):
+                continue
+            # without data parallelism there is nothing to shard: every stage is the same
+            zeros = sp_.zero if dp > 1 else sp_.zero[:1]
+            for mbs in _divisors(G // dp):
+                if sp_.micro_batch_size is not None:
+                    if mbs not in sp_.micro_batch_size:
+                        continue
+                elif sp_.max_micro_batch_size and mbs > sp_.max_micro_batch_size:
+                    continue
+                m = G // (dp * mbs)
+                for schedule, vpp in _schedules(sp_, pp, m, L):
+                    for seq_par in sp_.sequence_parallel:
+                        if seq_par and (tp == 1 or (mbs * cfg.seq_len) % tp):
+                            continue
+                        for recompute in sp_.recompute:
+                            for zero in zeros:
+                                yield Candidate(
+                                    tp, pp, dp, vpp, schedule, mbs, zero, seq_par, recompute
+                                )
+
+
+def _schedules(space: Space, pp: int, m: int, L: int) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs for ``pp`` ranks and ``m`` micro-batches."""
+    names = space.schedule
+    if pp == 1:  # one pipeline rank: every schedule runs F then B; try one of them
+        ok = space.vpp is None or 1 in space.vpp
+        return [("1f1b" if "1f1b" in names else names[0], 1)] if ok else []
+    out = []
+    for name in names:
+        if name != "interleaved-1f1b":
+            if space.vpp is None or 1 in space.vpp:
+                out.append((name, 1))
+            continue
+        for v in space.vpp or range(2, space.max_vpp + 1):
+            if v == 1 and "1f1b" in names:
+                continue  # interleaving one chunk is 1F1B
+            if pp * v <= L and m % pp == 0:
+                out.append((name, v))
+    return out
+
+
+def make_layout(c: Candidate, req: PlanRequest) -> Layout:
+    return Layout(
+        dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
+        micro_batch_size=c.micro_batch_size, global_batch_size=req.global_batch_size,
+        zero=c.zero, sequence_parallel=c.sequence_parallel, recompute=c.recompute,
+        dtype=req.dtype,
+    )  # fmt: skip
+
+
+# -- bounds --------------------------------------------------------------------------------
+
+
+class _Bounds:
+    """Lower bounds on a candidate's closed-form step time and on its peak memory, from
+    figures cached by the few axes each depends on (module docstring). Per-rank figures
+    are numpy vectors over the pipeline ranks."""
+
+    def __init__(self, req: PlanRequest):
+        self.req, self.cfg, self.hw = req, req.model, req.hardware
+        self.rt: Runtime = get_runtime(req.runtime)
+        w_b, g_b, o_b = self.rt.state_bytes(req.dtype)
+        self.state_bytes = (w_b, g_b, o_b)
+        self.z3_buffer = sizes.layer_params(self.cfg) * (
+            2 * self.rt.param_comm_bytes(req.dtype) + g_b
+        )
+        for name in ("proto", "layer", "ranks", "work", "links", "hop", "dp_times", "act"):
+            setattr(self, name, cache(getattr(self, "_" + name)))
+
+    def _proto(self, tp, pp, dp, mbs, sp, recompute, zero) -> Layout:
+        """A layout with these fields, for the cost functions (batch: one micro-batch)."""
+        return Layout(
+            dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=mbs * dp,
+            sequence_parallel=sp, recompute=recompute, zero=zero, dtype=self.req.dtype,
+        )  # fmt: skip
+
+    def _layer(self, tp, mbs, sp, recompute):
+        """Per layer (F, B) seconds; embedding and head (F, B); activation bytes of a layer
+        and of the head per micro-batch; the layer's cost object."""
+        lay = self.proto(tp, 1, 1, mbs, sp, recompute, 0)
+        lc = costs.layer_cost(self.cfg, lay, self.hw, self.rt)
+        e = costs.embedding_cost(self.cfg, lay, self.hw)
+        h = costs.head_cost(self.cfg, lay, self.hw)
+        f = lc.fwd + lc.fwd_tp
+        b = lc.bwd_input + lc.recompute + lc.bwd_tp + lc.recompute_tp + lc.bwd_weight
+        ends = (
+            e.fwd + e.fwd_tp,
+            e.bwd_weight,
+            h.fwd + h.fwd_tp,
+            h.bwd_input + h.bwd_tp + h.bwd_weight,
+        )
+        held = chunk_activation_bytes(self.cfg, lay, self.rt, 1)[0]
+        return f, b, ends, held, last_stage_buffers(self.cfg, lay), lc
+
+    def _ranks(self, tp, pp, vpp):
+        """Per pipeline rank: layers in all, in chunk 0, in the smallest chunk, whether it
+        holds the first / last stage, layers of the last stage, parameters (one tp rank)."""
+        S = pp * vpp
+        counts = [len(r) for r in partition_layers(self.cfg.n_layers, S)]
+        rows = [[counts[c * pp + r] for c in range(vpp)] for r in range(pp)]
+        lay = self.proto(tp, 1, 1, 1, False, "none", 0)
+        params = [
+            sum(stage_params(self.cfg, lay, n, c * pp + r == 0, c * pp + r == S - 1)
+                for c, n in enumerate(row))
+            for r, row in enumerate(rows)
+        ]  # fmt: skip
+        first, last = np.zeros(pp), np.zeros(pp)
+        first[0], last[(S - 1) % pp] = 1.0, 1.0
+        return (
+            np.array([sum(row) for row in rows], float), np.array([row[0] for row in rows], float),
+            np.array([min(row) for row in rows], float), first, last, counts[-1],
+            np.array(params),
+        )  # fmt: skip
+
+    def _work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp):
+        """(busiest rank's F + B of one micro-batch; per rank the F of its first chunk; per
+        rank its B, with one chunk per rank) as ``simulate`` adds them; ``z3_dp`` is the
+        ZeRO-3 shard group (0: no ZeRO-3)."""
+        f, b, (fe, be, fh, bh), _, _, lc = self.layer(tp, mbs, sp, recompute)
+        if z3_dp:
+            lay = self.proto(tp, 1, z3_dp, mbs, sp, recompute, 3)
+            z3f, z3b = costs.zero3_layer_comm(
+                stage_params(self.cfg, lay, 1, False, False), lay, self.hw, self.rt
+            )
+            if self.rt.overlap_param_gather:
+                z3f = max(0.0, z3f - lc.fwd)
+                z3b = max(0.0, z3b - lc.bwd_input - lc.bwd_weight - lc.recompute)
+            f, b = f + z3f, b + z3b
+        layers, chunk0, _, first, last, _, _ = self.ranks(tp, pp, vpp)
+        total = layers * (f + b) + first * (fe + be) + last * (fh + bh)
+        fwd0 = chunk0 * f + first * fe + (last * fh if vpp == 1 else 0.0)
+        return float(total.max()), fwd0, layers * b + first * be + last * bh
+
+    def _links(self, tp, pp, dp):
+        """The links between consecutive pipeline ranks (ring order, as ``simulate``)."""
+        lay = self.proto(tp, pp, dp, 1, False, "none", 0)
+        return frozenset(costs.pp_boundary_link(self.hw, lay, r, (r + d) % pp)
+                         for r in range(pp) for d in (1, -1))  # fmt: skip
+
+    def _hop(self, tp, pp, dp, mbs, sp):
+        """The slowest stage-to-stage message (the closed form's fill is 2 (S - 1) of them)."""
+        lay = self.proto(tp, pp, dp, mbs, sp, "none", 0)
+        return max(costs.pp_message_time(self.cfg, lay, self.hw, link)
+                   for link in self.links(tp, pp, dp))  # fmt: skip
+
+    def _dp_times(self, tp, pp, vpp, dp, zero):
+        """Per rank (gradient reduction, weight gather) seconds; optimizer seconds."""
+        lay = self.proto(tp, pp, dp, 1, False, "none", zero)
+        params = self.ranks(tp, pp, vpp)[-1]
+        tied = 0.0
+        if self.cfg.tied_embeddings and pp > 1:
+            nbytes = self.cfg.vocab_size * self.cfg.hidden / tp * self.rt.grad_comm_bytes(lay.dtype)
+            tied = costs.all_reduce_time(nbytes, 2, costs.pp_boundary_link(self.hw, lay, 0, pp - 1))
+        times = {n: costs.dp_comm_time(n, lay, self.hw, self.rt) for n in set(params.tolist())}
+        grad = np.array([times[n]["grad"] + (tied if r in (0, pp - 1) else 0.0)
+                         for r, n in enumerate(params.tolist())])  # fmt: skip
+        gather = np.array([times[n]["param"] for n in params.tolist()])
+        return grad, gather, costs.optimizer_time(float(params.max()), lay, self.hw, self.rt)
+
+    def _act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m):
+        """Per rank, activation bytes held at some instant of the schedule (module doc)."""
+        *_, held, head, _ = self.layer(tp, mbs, sp, recompute)
+        _, _, smallest, _, last, last_layers, _ = self.ranks(tp, pp, vpp)
+        flight = np.array([
+            in_flight_bound(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vpp, rank=r)
+            for r in range(pp)
+        ], float)  # fmt: skip
+        return np.maximum(flight * smallest * held, last * (last_layers * held + head))
+
+    def time(self, c: Candidate) -> float:
+        """A lower bound on ``simulate(exact=False).iter_time_s`` (module docstring)."""
+        m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
+        busiest, fwd0, bwd = self.work(
+            c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
+            c.dp if c.zero == 3 else 0,
+        )  # fmt: skip
+        pipe = m * busiest * (1 + bubble_formula(c.schedule, c.pp, m, c.vpp))
+        if c.pp > 1:
+            hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel)
+            pipe += 2 * (c.pp * c.vpp - 1) * hop
+        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero)
+        if not self.rt.overlap_grad_reduce:
+            pipe += float(grad.max())
+        elif c.vpp == 1:  # streamed during the backward, the rest after it
+            layers = self.ranks(c.tp, c.pp, c.vpp)[0]
+            pipe += float(np.maximum(grad - bwd, grad / layers).max(initial=0.0))
+        if self.rt.overlap_param_gather:
+            gather = np.maximum(gather - fwd0, 0.0)
+        return SLACK * (pipe + opt + float(gather.max()))
+
+    def memory(self, c: Candidate) -> float:
+        """A lower bound on the peak bytes per device, closed form or replayed (module
+        docstring): the fullest pipeline rank."""
+        params = self.ranks(c.tp, c.pp, c.vpp)[-1]
+        w_b, g_b, o_b = self.state_bytes
+        shard = c.dp if c.zero else 1
+        per_param = (
+            w_b / (shard if c.zero >= 3 else 1)
+            + g_b / (shard if c.zero >= 2 else 1)
+            + o_b / (shard if c.zero >= 1 else 1)
+        )
+        m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
+        act = self.act(c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
+                       c.schedule, m)  # fmt: skip
+        fixed = self.hw.framework_overhead_bytes
+        if c.zero == 3:
+            fixed += self.z3_buffer / c.tp
+        return float((params * per_param + act).max()) + fixed
+
+
+# -- the search ----------------------------------------------------------------------------
+
+
+def search(req: PlanRequest) -> Plan:
+    """Rank the layouts of ``req`` (module docstring: best-first branch and bound)."""
+    t0 = time.perf_counter()
+    bounds = _Bounds(req)
+    n_layouts, rejected, heap = _bounded(req, bounds)
+    if n_layouts == 0:
+        raise ValueError(_no_layout_message(req))
+    counts = {"rejected": len(rejected.seen), "simulated": 0}
+    entries: list[Entry] = []
+    folded: dict[tuple, float] = {}
+    budget, compiled, replaying = REPLAY_BUDGET, set(), req.exact
+    for seconds, c, res in _fastest_first(req, heap, rejected, counts):
+        # A layout that only changes ZeRO stage or recomputation of a better one, at the
+        # same predicted time, is the same plan with more memory: fold it into that one.
+        fold = c._replace(zero=0, recompute="")
+        if folded.get(fold, -1.0) >= seconds * (1 - FOLD):
+            continue
+        lay = make_layout(c, req)
+        sched = (c.schedule, c.pp, lay.num_microbatches, c.vpp)
+        units = c.pp * lay.num_microbatches * c.vpp
+        replayed = replaying and (sched in compiled or units <= budget)
+        if replayed:
+            res = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=True)
+            if sched not in compiled:
+                compiled.add(sched)
+                budget -= units
+            if not res.fits:  # the replayed peak is above the closed form's
+                rejected.add(res.iter_time_s, c)
+                continue
+        replaying = replayed  # the replayed entries are a prefix of the ranking
+        folded[fold] = seconds
+        entries.append(_entry(req, c, lay, res, seconds, replayed))
+        if len(entries) == req.top_k:
+            break
+    if not entries:
+        raise ValueError(_nothing_fits_message(req, bounds))
+    entries.sort(key=lambda e: (e.result.iter_time_s, e.result.peak_mem_bytes))
+    best_rejected = []
+    for seconds, c, res in rejected.fastest():
+        if seconds < entries[0].result.iter_time_s:  # it would have won: say by how much
+            if res is None:
+                lay = make_layout(c, req)
+                res = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=False)
+            best_rejected.append(Rejected(c, res.iter_time_s, res.peak_mem_bytes))
+    return Plan(
+        request=req,
+        entries=tuple(entries),
+        n_layouts=n_layouts,
+        n_rejected_memory=len(rejected.seen),
+        n_simulated=counts["simulated"],
+        best_rejected=tuple(best_rejected),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _bounded(req: PlanRequest, bounds: _Bounds):
+    """Every layout with its bounds: (count, the memory-rejected, a heap of the rest)."""
+    cap = req.hardware.memory_bytes * (1 + 1e-9)
+    rejected = _Rejections()
+    heap = []
+    n = 0
+    for c in candidates(req):
+        n += 1
+        lb = bounds.time(c)
+        if bounds.memory(c) > cap:
+            rejected.add(lb, c)
+        else:  # kind 0: a bound, popped before a simulated time it ties with
+            heap.append((lb, 0, 0.0, c, None))
+    heapq.heapify(heap)
+    return n, rejected, heap
+
+
+def _fastest_first(req: PlanRequest, heap: list, rejected: _Rejections, counts: dict):
+    """Yield (closed-form seconds, layout, result) of the layouts that fit, fastest first
+    (ties: least memory first), simulating a layout only when its bound comes up."""
+    while heap:
+        _, kind, _, c, res = heapq.heappop(heap)
+        if kind == 1:
+            yield res.iter_time_s, c, res
+            continue
+        res = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
+                       exact=False)  # fmt: skip
+        counts["simulated"] += 1
+        if res.fits:
+            tie = float(f"{res.iter_time_s:.12g}")  # equal times: least memory first
+            heapq.heappush(heap, (tie, 1, res.peak_mem_bytes, c, res))
+        else:
+            rejected.add(res.iter_time_s, c, res)
+
+
+class _Rejections:
+    """The layouts rejected for memory; remembers the fastest few (by time or bound)."""
+
+    def __init__(self, keep: int = 3):
+        self.seen: set[Candidate] = set()
+        self.keep, self.heap = keep, []  # max-heap of (-seconds, layout, result)
+
+    def add(self, seconds: float, c: Candidate, res: Result | None = None) -> None:
+        self.seen.add(c)
+        item = (-seconds, c, res)
+        if len(self.heap) < self.keep:
+            heapq.heappush(self.heap, item)
+        elif item[:2] > self.heap[0][:2]:
+            heapq.heapreplace(self.heap, item)
+
+    def fastest(self) -> list[tuple[float, Candidate, Result | None]]:
+        return [(-s, c, r) for s, c, r in sorted(self.heap, key=lambda x: x[:2], reverse=True)]
+
+
+def brute_force(req: PlanRequest) -> list[tuple[float, Candidate]]:
+    """Every layout that fits, simulated in closed form, fastest first (for tests)."""
+    out = []
+    for c in candidates(req):
+        r = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
+                     exact=False)  # fmt: skip
+        if r.fits:
+            out.append((r.iter_time_s, c))
+    return sorted(out)
+
+
+def _entry(
+    req: PlanRequest, c: Candidate, lay: Layout, res: Result, screen: float, replayed: bool
+) -> Entry:
+    days = hours = None
+    if req.tokens:
+        seconds = req.tokens / res.tokens_per_s
+        days, hours = seconds / 86400, seconds * req.n_devices / 3600
+    return Entry(c, lay, res, screen, replayed, days, hours)
+
+
+def _no_layout_message(req: PlanRequest) -> str:
+    cfg, n = req.model, req.n_devices
+    return (
+        f"--gpus {n}: no layout of {cfg.n_layers} layers, {cfg.n_heads} heads and global batch "
+        f"{req.global_batch_size} is valid (dp = gpus / (tp x pp) must divide "
+        f"--global-batch-size); try a --global-batch-size that is a multiple of {n}"
+    )
+
+
+def _nothing_fits_message(req: PlanRequest, bounds: _Bounds) -> str:
+    gib = req.hardware.memory_bytes / GiB
+    least = None
+    for c in candidates(req):
+        mem = bounds.memory(c)
+        if least is None or mem < least[0]:
+            least = (mem, c)
+    hint = f"; the leanest ({least[1].label()}) needs {least[0] / GiB:.1f} GiB" if least else ""
+    return (
+        f"no layout fits in {gib:.1f} GiB per device{hint}; use more --gpus, a smaller "
+        "--global-batch-size, or a device with more memory"
+    )
+
+
+# -- estimates -------------------------------------------------------------------------------
+
+
+def simple_estimate(model: ModelConfig, tokens: float, n: int, peak: float, days: float) -> dict:
+    """Narayanan et al. 2021's estimate, time = 8 T P / (n X): the per-device throughput X
+    and utilisation X / peak that ``days`` imply (8 = 6 for forward and backward + 2 for
+    recomputing the forward)."""
+    P = sizes.num_params(model)
+    x = 8 * tokens * P / (n * days * 86400)
+    return {"params": P, "tflops": x / 1e12, "utilisation": x / peak}
+
+
+def chinchilla_model(
+    compute_flops: float, *, arch: str, vocab_size: int, seq_len: int
+) -> tuple[ModelConfig, float]:
+    """The compute-optimal model for ``compute_flops`` (6 N D, D = 20 N; Hoffmann et al.
+    2022) and its token count. Shape: head size 128, layers = hidden / 128 (GPT-3 175B is
+    96 x 12288, LLaMA-7B 32 x 4096), hidden a multiple of 1024 from 4096 up (so tp up to 8
+    divides the heads), of 256 below; the candidate closest to N in parameters wins."""
+    target = math.sqrt(compute_flops / (6 * TOKENS_PER_PARAM))
+    best = None
+    for hidden in list(range(256, 4096, 256)) + list(range(4096, 65537, 1024)):
+        head = 128 if hidden >= 2048 else 64
+        cfg = ModelConfig(
+            arch=arch, n_layers=max(2, round(hidden / 128)), hidden=hidden,
+            n_heads=hidden // head, vocab_size=vocab_size, seq_len=seq_len,
+        )  # fmt: skip
+        gap = abs(math.log(sizes.num_params(cfg) / target))
+        if best is None or gap < best[0]:
+            best = (gap, cfg)
+    cfg = best[1]
+    return cfg, TOKENS_PER_PARAM * sizes.num_params(cfg)

@@ -1,0 +1,249 @@
+"""``plait plan``: the search is exact (brute force on small spaces), its bounds are bounds,
+plans fit in memory, the literature's two worked examples come out right, the emitted
+config trains, and the CLI speaks in one-line errors. Pure Python, no processes."""
+
+import json
+import random
+import time
+
+import pytest
+
+from plait.cli import main
+from plait.layout import Layout
+from plait.model.config import ModelConfig, preset
+from plait.sim import get_hardware, simulate
+from plait.sim.hardware import GiB
+from plait.sim.plan import (
+    PlanRequest,
+    Space,
+    _Bounds,
+    brute_force,
+    candidates,
+    chinchilla_model,
+    make_layout,
+    search,
+    space_for,
+)
+
+A100 = get_hardware("a100-80gb")
+
+
+def small_cases():
+    """Small spaces where brute force is cheap; memory scaled down so that it binds."""
+    rng = random.Random(7)
+    models = [
+        preset("tiny"),
+        preset("small"),
+        preset("tiny", arch="llama", n_kv_heads=2),
+        ModelConfig(n_layers=6, hidden=256, n_heads=8, seq_len=256, vocab_size=8192),
+        preset("gpt3-1.3b"),
+    ]
+    hws = ["cpu", "a100-40gb", "h100-sxm"]
+    runtimes = ["plait", "megatron-lm", "megatron-core", "fsdp"]
+    cases = []
+    for i in range(14):
+        model = models[i % len(models)]
+        n = rng.choice([2, 4, 6, 8, 12, 16])
+        G = n * rng.choice([2, 4, 8])
+        hw = get_hardware(hws[i % len(hws)])
+        runtime = runtimes[i % len(runtimes)]
+        dtype = "fp32" if hw.name == "cpu" else "bf16"
+        req = PlanRequest(model=model, hardware=hw, n_devices=n, global_batch_size=G,
+                          dtype=dtype, runtime=runtime, space=space_for(runtime, max_vpp=3),
+                          top_k=3, exact=False)  # fmt: skip
+        # memory: between the leanest and the fattest layout, so that some do not fit
+        mems = sorted(_Bounds(req).memory(c) for c in candidates(req))
+        if mems:
+            cap = mems[len(mems) // 3]
+            req = PlanRequest(**{**req.__dict__, "hardware": hw.replace(memory_bytes=cap)})
+        cases.append(req)
+    return cases
+
+
+@pytest.mark.parametrize("req", small_cases(), ids=lambda r: f"{r.model.n_layers}x{r.model.hidden}"
+                         f"-{r.n_devices}-{r.hardware.name}-{r.runtime}")  # fmt: skip
+def test_search_returns_the_brute_force_optimum(req):
+    brute = brute_force(req)
+    if not brute:
+        with pytest.raises(ValueError, match="no layout fits"):
+            search(req)
+        return
+    plan = search(req)
+    best = plan.entries[0]
+    assert best.screen_s == pytest.approx(brute[0][0], rel=1e-12)
+    assert best.result.iter_time_s == pytest.approx(brute[0][0], rel=1e-12)  # closed form
+    times = [e.screen_s for e in plan.entries]
+    assert times == sorted(times)
+    fitting = {c for _, c in brute}
+    assert all(e.candidate in fitting for e in plan.entries)
+    assert plan.n_layouts == len(list(candidates(req)))
+    assert plan.n_simulated <= plan.n_layouts
+    assert plan.n_rejected_memory <= plan.n_layouts - len(brute)  # never a layout that fits
+
+
+def test_bounds_are_lower_bounds():
+    rng = random.Random(3)
+    for req in small_cases()[:8]:
+        bounds = _Bounds(req)
+        cands = list(candidates(req))
+        for c in rng.sample(cands, min(15, len(cands))):
+            lay = make_layout(c, req)
+            closed = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=False)
+            replay = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=True)
+            assert bounds.time(c) <= closed.iter_time_s * (1 + 1e-12)
+            assert bounds.memory(c) <= min(closed.peak_mem_bytes, replay.peak_mem_bytes) * (
+                1 + 1e-12
+            )
+
+
+def test_every_candidate_is_a_valid_layout():
+    req = PlanRequest(model=preset("gpt3-2.7b"), hardware=A100, n_devices=48,
+                      global_batch_size=96, space=space_for("plait"))  # fmt: skip
+    n = 0
+    for c in candidates(req):
+        make_layout(c, req).check_model(req.model)  # raises if invalid
+        n += 1
+    assert n > 500
+
+
+def test_plans_fit_in_device_memory():
+    hw = get_hardware("a100-40gb")
+    req = PlanRequest(model=preset("gpt3-13b"), hardware=hw, n_devices=32,
+                      global_batch_size=256, top_k=6)  # fmt: skip
+    plan = search(req)
+    assert plan.n_rejected_memory > 0
+    assert plan.best_rejected and plan.best_rejected[0].peak_mem_bytes > hw.memory_bytes
+    for e in plan.entries:
+        assert e.result.fits and e.result.peak_mem_bytes <= hw.memory_bytes
+        exact = simulate(req.model, e.layout, hw)  # what plait simulate says
+        assert exact.peak_mem_bytes <= hw.memory_bytes
+
+
+def test_pins_and_runtime_narrow_the_space():
+    req = PlanRequest(model=preset("gpt3-1.3b"), hardware=A100, n_devices=16,
+                      global_batch_size=64,
+                      space=space_for("megatron-lm", {"tp": 2, "recompute": "full"}))  # fmt: skip
+    for c in candidates(req):
+        assert c.tp == 2 and c.recompute == "full" and c.zero == 0
+        assert not c.sequence_parallel and c.schedule in ("1f1b", "interleaved-1f1b")
+    with pytest.raises(ValueError, match="--zero 1 is outside what --runtime megatron-lm"):
+        space_for("megatron-lm", {"zero": 1})
+    with pytest.raises(ValueError, match="--max-vpp"):
+        Space(max_vpp=0)
+
+
+# -- the worked examples -------------------------------------------------------------------
+
+
+def run_cli(args, capsys, tmp_path):
+    out = tmp_path / "plan.yaml"
+    code = main(["plan", *args, "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out, out
+
+
+def test_gpt3_175b_on_1024_a100s_takes_about_34_days(capsys, tmp_path):
+    # Narayanan et al. 2021: 8 T P / (n X) with X = 140 TFLOP/s -> 34 days for 300B tokens,
+    # on Megatron-LM with full recomputation.
+    text, _ = run_cli(
+        ["--model", "gpt3-175b", "--gpu", "a100-80gb", "--gpus", "1024", "--global-batch-size",
+         "1536", "--tokens", "300B", "--runtime", "megatron-lm", "--recompute", "full",
+         "--dtype", "fp16", "--json", "--top", "3"], capsys, tmp_path)  # fmt: skip
+    best = json.loads(text)[0]
+    assert 34.5 / 1.15 <= best["train_days"] <= 34.5 * 1.15
+    x = 8 * 300e9 * 174.6e9 / (1024 * best["train_days"] * 86400) / 1e12  # the paper's X
+    assert 140 / 1.15 <= x <= 140 * 1.15
+    assert best["device_hours"] == pytest.approx(best["train_days"] * 24 * 1024)
+
+
+def test_llama_65b_on_2048_a100s_takes_about_21_days(capsys, tmp_path):
+    # Touvron et al. 2023: ~380 tokens/s per GPU, 1.4T tokens in ~21 days.
+    text, _ = run_cli(
+        ["--model", "llama-65b", "--gpu", "a100-80gb", "--gpus", "2048", "--global-batch-size",
+         "2048", "--tokens", "1.4T", "--top", "3"], capsys, tmp_path)  # fmt: skip
+    days = float(text.split("steps of the best layout: ")[1].split(" days")[0])
+    assert 21 / 1.15 <= days <= 21 * 1.15
+    per_gpu = float(text.split("device-hours (")[1].split(" tokens/s")[0].replace(",", ""))
+    assert 380 / 1.15 <= per_gpu <= 380 * 1.15
+    assert "8 x tokens x params / (devices x peak x utilisation)" in text
+    assert "dense bf16 peak" in text and "312 TFLOP/s" in text
+    assert text.count("\n") > 10 and "rejected" in text
+
+
+def test_emitted_config_round_trips_through_train_dry_run(capsys, tmp_path):
+    _, path = run_cli(
+        ["--model", "gpt3-2.7b", "--gpu", "a100-40gb", "--gpus", "64", "--global-batch-size",
+         "512", "--top", "1"], capsys, tmp_path)  # fmt: skip
+    text = path.read_text()
+    assert "model: gpt3-2.7b" in text and "global-batch-size: 512" in text
+    assert main(["train", "--dry-run", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "plait train --dry-run: ok: 2,651,553,280 parameters, 64 workers" in out
+    # a resized model writes its sizes
+    _, path = run_cli(["--model", "tiny", "--layers", "6", "--hidden", "192", "--heads", "6",
+                       "--gpus", "4", "--gpu", "cpu", "--global-batch-size", "8"],
+                      capsys, tmp_path)  # fmt: skip
+    assert "layers: 6" in path.read_text() and "hidden: 192" in path.read_text()
+    assert main(["train", "--dry-run", "--config", str(path)]) == 0
+    assert "4 workers" in capsys.readouterr().out
+
+
+def test_planner_is_fast_on_a_16384_gpu_cluster():
+    req = PlanRequest(model=preset("llama3-405b"), hardware=get_hardware("h100-sxm"),
+                      n_devices=16384, global_batch_size=2048)  # fmt: skip
+    t0 = time.process_time()
+    plan = search(req)
+    cpu = time.process_time() - t0
+    assert plan.n_layouts > 5000
+    assert cpu < 8, f"{cpu:.1f} s of CPU for {plan.n_layouts} layouts"
+    assert plan.best.layout.world_size == 16384
+
+
+def test_budget_proposes_a_chinchilla_model(capsys, tmp_path):
+    cfg, tokens = chinchilla_model(6 * 20 * 7e9**2, arch="llama", vocab_size=32000, seq_len=2048)
+    assert 5e9 < tokens / 20 < 10e9
+    text, path = run_cli(["--gpu", "h100-sxm", "--gpus", "256", "--budget-gpu-days", "2000",
+                          "--global-batch-size", "512", "--top", "2"], capsys, tmp_path)  # fmt: skip
+    assert "compute-optimal (Chinchilla" in text
+    assert "layers:" in path.read_text() and "model:" not in path.read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "8"], "--global-batch-size (sequences) or --global-batch-tokens is required"),
+        (["--global-batch-size", "8"], "--gpus is required"),
+        (["--gpus", "8", "--global-batch-tokens", "1000"], "not a multiple of --seq-len 128"),
+        (["--gpus", "8", "--global-batch-size", "8", "--tokens", "many"], "--tokens 'many'"),
+        (
+            ["--gpus", "8", "--global-batch-size", "8", "--runtime", "megatron-lm", "--zero", "2"],
+            "--zero 2 is outside what --runtime megatron-lm can run",
+        ),
+        (["--gpus", "7", "--global-batch-size", "3"], "no layout"),
+        (
+            ["--gpus", "8", "--global-batch-size", "8", "--hardware", "/no/such.yaml"],
+            "--hardware /no/such.yaml",
+        ),
+    ],
+)
+def test_user_errors_are_one_line(args, message, capsys):
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", *args, "--out", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plait plan: error: ") and message in err and err.count("\n") == 1
+
+
+def test_nothing_fits_names_the_leanest_layout():
+    req = PlanRequest(model=preset("gpt3-175b"), hardware=get_hardware("a100-40gb"),
+                      n_devices=8, global_batch_size=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"no layout fits in 40.0 GiB .* needs \d+"):
+        search(req)
+
+
+def test_layout_label_and_memory_units():
+    c = next(iter(candidates(PlanRequest(model=preset("tiny"), hardware=A100, n_devices=1,
+                                         global_batch_size=4))))  # fmt: skip
+    assert c.label().startswith("tp1 pp1 dp1 mbs")
+    assert GiB == 2**30
+    assert isinstance(make_layout(c, PlanRequest(model=preset("tiny"), hardware=A100,
+                                                  n_devices=1, global_batch_size=4)), Layout)  # fmt: skip
