@@ -55,7 +55,9 @@ class PlainGPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.hidden)
-        self.blocks = nn.ModuleList(PlainBlock(cfg.hidden, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            PlainBlock(cfg.hidden, cfg.n_heads) for _ in range(cfg.n_layers)
+        )
         self.ln_f = nn.LayerNorm(cfg.hidden)
         for p in self.parameters():
             if p.dim() >= 2:

@@ -105,8 +105,12 @@ def test_two_nodes_on_loopback_match(base, corpus, tmp_path):
             "--steps", "20", "--dp", "2", "--out", str(out), "--nnodes", "2",
             "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
     nodes = [
-        subprocess.Popen([*args, "--node-rank", str(i)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [*args, "--node-rank", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for i in (0, 1)
     ]
     for node in nodes:
@@ -128,8 +132,10 @@ def _one_line_error(proc, *needles):
     [
         (["--data", "/nonexistent/corpus.txt"], ["--data", "/nonexistent/corpus.txt"]),
         (["--hidden", "66"], ["--heads 4 does not divide --hidden 66"]),
-        (["--global-batch-size", "6", "--micro-batch-size", "4"],
-         ["--global-batch-size 6 is not divisible"]),  # fmt: skip
+        (
+            ["--global-batch-size", "6", "--micro-batch-size", "4"],
+            ["--global-batch-size 6 is not divisible"],
+        ),  # fmt: skip
         (["--model", "gpt5"], ["--model 'gpt5' is not a preset"]),
         (["--tp", "3"], ["--tp 3 does not divide --heads 4"]),
         (["--resume", "--out", "/tmp/plait-no-such-run"], ["--resume: no checkpoint"]),

@@ -48,7 +48,9 @@ def test_built_model_matches_formula_and_shapes(arch):
     loss = model(ids[:, :-1], ids[:, 1:])
     assert loss.shape == (3 * 8,)
     # an untrained model predicts roughly uniformly
-    assert loss.mean().item() == pytest.approx(torch.log(torch.tensor(cfg.vocab_size)).item(), rel=0.05)
+    assert loss.mean().item() == pytest.approx(
+        torch.log(torch.tensor(cfg.vocab_size)).item(), rel=0.05
+    )
 
 
 def test_llama_flavour_details():

@@ -18,18 +18,24 @@ def test_coords_round_trip_and_groups_partition(pp, dp, tp):
     world = pp * dp * tp
     for r in range(world):
         c = coords(r, pp=pp, dp=dp, tp=tp)
-        assert rank_of(pp_rank=c[Axis.PP], dp_rank=c[Axis.DP], tp_rank=c[Axis.TP], dp=dp, tp=tp) == r
+        assert (
+            rank_of(pp_rank=c[Axis.PP], dp_rank=c[Axis.DP], tp_rank=c[Axis.TP], dp=dp, tp=tp) == r
+        )
     for axis, size in ((Axis.PP, pp), (Axis.DP, dp), (Axis.TP, tp)):
         groups = axis_groups(axis, pp=pp, dp=dp, tp=tp)
         assert sorted(r for g in groups for r in g) == list(range(world))
         assert all(len(g) == size for g in groups)
         for g in groups:  # members differ only along this axis
-            others = {tuple(v for a, v in coords(r, pp=pp, dp=dp, tp=tp).items() if a != axis) for r in g}
+            others = {
+                tuple(v for a, v in coords(r, pp=pp, dp=dp, tp=tp).items() if a != axis) for r in g
+            }
             assert len(others) == 1
 
 
 def test_layout_errors():
-    with pytest.raises(ValueError, match="--global-batch-size 10 is not divisible by --micro-batch-size 2 x --dp 2"):
+    with pytest.raises(
+        ValueError, match="--global-batch-size 10 is not divisible by --micro-batch-size 2 x --dp 2"
+    ):
         Layout(global_batch_size=10, micro_batch_size=2, dp=2)
     with pytest.raises(ValueError, match="needs --schedule interleaved-1f1b"):
         Layout(vpp=2, pp=2)

@@ -73,8 +73,14 @@ def _run(data_cfg, out, **train_kw):
         layout=Layout(global_batch_size=4, micro_batch_size=2, dtype=dtype),
         data=data_cfg,
         train=TrainConfig(
-            **{"steps": 6, "eval_every": 0, "eval_batches": 1, "progress": False, "warmup": 1,
-               **train_kw}
+            **{
+                "steps": 6,
+                "eval_every": 0,
+                "eval_batches": 1,
+                "progress": False,
+                "warmup": 1,
+                **train_kw,
+            }
         ),  # fmt: skip
         out=str(out),
     )

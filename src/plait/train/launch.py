@@ -85,6 +85,7 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
     finished = all((status / f"rank-{r}.done").exists() for r in ranks)
     if not reports and finished:
         return  # finished, whatever torchrun said about the exit (see worker.py)
+
     # Root cause first: bad input, then a crash or a collective that timed out (a hung
     # peer, which the agent then kills), then a rank that died without a word (killed),
     # and last the collective failures its peers saw as a consequence.
