@@ -16,6 +16,23 @@ DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
 
 
+def check_tp_split(model: ModelConfig, tp: int) -> None:
+    """Raise ValueError (one line naming the flags) if tensor parallelism of ``tp`` cannot
+    split ``model``. The vocabulary never blocks it: it is padded to a multiple of tp."""
+    if model.n_heads % tp:
+        raise ValueError(
+            f"--tp {tp} does not divide --heads {model.n_heads}; use a --tp that divides it"
+        )
+    kv = model.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(
+            f"--tp {tp} and --kv-heads {kv}: one must divide the other "
+            "(key/value heads are split, or replicated when fewer than tp)"
+        )
+    if model.ffn_hidden % tp:
+        raise ValueError(f"--tp {tp} does not divide --ffn-hidden {model.ffn_hidden}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """dp x tp x pp processes; a global batch of ``global_batch_size`` sequences split into
@@ -107,18 +124,7 @@ class Layout:
     def check_model(self, model: ModelConfig) -> None:
         """Raise ValueError (one actionable line) if this layout cannot split ``model``."""
         tp = self.tp
-        if model.n_heads % tp:
-            raise ValueError(
-                f"--tp {tp} does not divide --heads {model.n_heads}; use a --tp that divides it"
-            )
-        kv = model.n_kv_heads
-        if kv % tp and tp % kv:
-            raise ValueError(
-                f"--tp {tp} and --kv-heads {kv}: one must divide the other "
-                "(key/value heads are split, or replicated when fewer than tp)"
-            )
-        if model.ffn_hidden % tp:
-            raise ValueError(f"--tp {tp} does not divide --ffn-hidden {model.ffn_hidden}")
+        check_tp_split(model, tp)
         if self.pp_layout is not None:
             if len(self.pp_layout) != self.num_stages:
                 raise ValueError(

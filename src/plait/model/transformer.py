@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
 from plait.parallel.tensor import (
     ColumnParallelLinear,
@@ -301,23 +302,6 @@ class Transformer(nn.Module):
         return vocab_parallel_cross_entropy(
             logits.flatten(0, 1), targets.flatten(), topo=self.topo, valid_vocab=self.cfg.vocab_size
         )
-
-
-def check_tp_split(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError (one line naming the flags) if tensor parallelism of ``tp`` cannot
-    split ``cfg``. The vocabulary never blocks it: it is padded to a multiple of tp."""
-    if cfg.n_heads % tp:
-        raise ValueError(
-            f"--tp {tp} does not divide --heads {cfg.n_heads}; use a --tp that divides it"
-        )
-    kv = cfg.n_kv_heads
-    if kv % tp and tp % kv:
-        raise ValueError(
-            f"--tp {tp} and --kv-heads {kv}: one must divide the other "
-            "(key/value heads are split, or replicated when fewer than tp)"
-        )
-    if cfg.ffn_hidden % tp:
-        raise ValueError(f"--tp {tp} does not divide --ffn-hidden {cfg.ffn_hidden}")
 
 
 # --- deterministic initialisation ---------------------------------------------------------
