@@ -1,27 +1,33 @@
 """Does the performance model, calibrated on this machine, predict plait's own step times?
 
-    python benchmarks/simulator_accuracy.py                      # calibrate, then compare
-    python benchmarks/simulator_accuracy.py --work runs/acc --reuse   # re-predict old runs
-    python benchmarks/simulator_accuracy.py --json results.json
+    python benchmarks/simulator_accuracy.py                       # calibrate, then compare
+    python benchmarks/simulator_accuracy.py --rounds 5 --json results.json
+    python benchmarks/simulator_accuracy.py --hardware calibrated.yaml --only dp2,tp2
 
-1. ``plait calibrate --procs P`` measures this machine into a hardware file for each
-   process count P of the layouts (1, 2 and 4), just before the P-process runs: a device
-   is a worker process, measured while P of them are busy, so a host with fewer cores
-   than processes is described as the workers see it. ``--hardware FILE`` uses one file
-   for every layout instead.
+1. ``plait calibrate --procs 4`` measures this machine into a hardware file at the start
+   of every round (the host's speed drifts by tens of percent over minutes, so each
+   round's runs are predicted from a calibration taken just before them; the first file
+   also feeds the planner): compute measured with as many workers busy as there are
+   cores, collectives over 2..4 worker processes, and the number of cores
+   (``compute_slots_per_node``) with which the simulator shares them when a layout runs
+   more single-thread workers than that (``plait.sim.simulate``, "time sharing").
 2. ``plait train`` runs a small GPT (4 x 128, seq 128, 16 sequences a step, fp32, bytes
    tokenizer, one thread per worker) for ``--steps`` steps in each of ``LAYOUTS`` (1-4
-   processes: data, tensor and pipeline parallelism, the schedules, ZeRO stages); the
-   measured step time is the median of ``step_time_s`` in ``metrics.jsonl`` past the
-   first ``--warmup`` steps.
-3. ``simulate`` (what ``plait simulate --hardware FILE`` prints) predicts each layout from
-   the run's own resolved ``config.yaml``, with the file of its process count.
-4. ``plait plan --hardware FILE`` picks a layout for each process count of the set; the
-   fastest predicted of those is trained too, and compared with the fastest measured.
+   processes: data, tensor and pipeline parallelism, the schedules, ZeRO stages), in
+   ``--rounds`` rounds that visit every layout once, so that each layout is sampled at
+   several moments (a shared host's speed drifts by tens of percent within minutes); a
+   layout's measured step time is the median of its ``step_time_s`` (``metrics.jsonl``)
+   past the first ``--warmup`` steps of each run, pooled over the rounds.
+3. ``simulate`` (what ``plait simulate --hardware FILE`` prints) predicts each run from
+   its own resolved ``config.yaml`` and its round's file; a layout's prediction is the
+   median over its rounds.
+4. ``plait plan --hardware FILE --gpus P`` for P = 1, 2, 4: the fastest predicted of the
+   three plans is trained too (as many rounds), and compared with the fastest measured.
 
 Prints the table (layout, predicted, measured, error), the mean absolute error, the
-Spearman rank correlation of predicted and measured times, and the plan check. Runs take
-a few minutes: process start-up (importing torch in every worker) dominates.
+Spearman rank correlation of predicted and measured times, and the plan check. Takes about
+17 minutes with 3 rounds: process start-up (importing torch in every worker) dominates
+each run.
 """
 
 from __future__ import annotations
@@ -70,22 +76,18 @@ def corpus(folder: Path) -> Path:
     return path
 
 
-def train(name: str, flags: list[str], work: Path, steps: int, warmup: int, reuse: bool) -> dict:
-    """Run ``plait train`` once; the median step time past ``warmup`` steps."""
-    out = work / name.replace(" ", "_").replace(":", "")
+def train(name: str, flags: list[str], work: Path, steps: int, warmup: int, round_: int) -> dict:
+    """Run ``plait train`` once; its step times past ``warmup`` steps."""
+    out = work / f"{name.replace(' ', '_').replace(':', '')}-r{round_}"
     cmd = ["train", *MODEL, "--global-batch-size", str(BATCH), *flags, "--steps", str(steps),
            "--tokenizer", "bytes", "--data", str(corpus(work)), "--cache-dir", str(work / "cache"),
            "--eval-every", "0", "--eval-batches", "1", "--threads", "1", "--no-progress",
            "--out", str(out)]  # fmt: skip
-    t0 = time.perf_counter()
-    if not (reuse and (out / "metrics.jsonl").exists()):
-        proc = plait(*cmd)
-        if proc.returncode != 0:
-            return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    proc = plait(*cmd)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
-    times = [r["step_time_s"] for r in records[warmup:]]
-    return {"measured": statistics.median(times), "spread": (min(times), max(times)),
-            "run": str(out), "wall": time.perf_counter() - t0}  # fmt: skip
+    return {"times": [r["step_time_s"] for r in records[warmup:]], "run": str(out)}
 
 
 def predict(run: str, hw) -> float:
@@ -109,13 +111,15 @@ def spearman(a: list[float], b: list[float]) -> float:
 
     ra, rb = ranks(a), ranks(b)
     n = len(a)
+    if n < 2:
+        return float("nan")
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def plan_choice(files: dict[int, str], work: Path) -> tuple[str, list[str], float]:
+def plan_choice(hardware: str, work: Path, worlds) -> tuple[str, list[str], float]:
     """The fastest predicted plan over the process counts: (label, train flags, seconds)."""
     best = None
-    for n, hardware in sorted(files.items()):
+    for n in worlds:
         proc = plait("plan", *MODEL, "--vocab-size", "256", "--global-batch-size", str(BATCH),
                      "--gpus", str(n), "--hardware", hardware, "--dtype", "fp32", "--json",
                      "--top", "1", "--out", str(work / f"plan-{n}.yaml"))  # fmt: skip
@@ -135,14 +139,16 @@ def plan_choice(files: dict[int, str], work: Path) -> tuple[str, list[str], floa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hardware", help="one hardware file for all (default: calibrate now)")
+    ap.add_argument("--hardware", help="one hardware file for every round (default: "
+                    "plait calibrate --procs 4 before each round)")  # fmt: skip
     ap.add_argument("--quick-calibration", action="store_true", help="plait calibrate --quick")
-    ap.add_argument("--reuse", action="store_true", help="keep runs already in --work")
-    ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every layout, interleaved")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2, help="steps of each run left out")
     ap.add_argument("--work", help="folder for runs (default: a temporary one)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", help="comma-separated layout names")
+    ap.add_argument("--no-plan", action="store_true", help="skip the plan check")
     args = ap.parse_args()
 
     from plait.sim.hardware import load_hardware
@@ -155,71 +161,74 @@ def main() -> int:
         keep = {x.strip() for x in args.only.split(",")}
         layouts = [(n, f) for n, f in LAYOUTS if n in keep]
     worlds = sorted({_world(f) for _, f in layouts})
-    files, hws, rows = {}, {}, []
-    for n in worlds:  # calibrate for n processes, then run the n-process layouts right away
-        files[n] = args.hardware or str(work / f"calibrated-{n}.yaml")
-        if not args.hardware and not (args.reuse and Path(files[n]).exists()):
-            quick = ["--quick"] if args.quick_calibration else []
-            proc = plait("calibrate", "--procs", str(n), "--out", files[n], *quick)
-            if proc.returncode != 0:
-                print(proc.stderr, file=sys.stderr)
-                return 1
-            print(f"calibrated for {n} process(es): {proc.stdout.strip().splitlines()[-1]}",
-                  flush=True)  # fmt: skip
-        hws[n] = load_hardware(path=files[n])
-        for name, flags in layouts:
-            if _world(flags) != n:
-                continue
-            r = train(name, flags, work, args.steps, args.warmup, args.reuse)
-            if "error" in r:
-                print(f"  {name}: skipped ({r['error']})", flush=True)
-                continue
-            r.update(name=name, predicted=predict(r["run"], hws[n]))
-            rows.append(r)
-            print(f"  {name:<20} predicted {r['predicted']:.3f} s  measured "
-                  f"{r['measured']:.3f} s ({r['wall']:.0f} s)", flush=True)  # fmt: skip
 
-    plan = plan_choice(files, work)
-    if plan is not None:
-        r = train("plan " + plan[0], plan[1], work, args.steps, args.warmup, args.reuse)
-        if "error" not in r:
-            world = yaml_world(plan[1][1])
-            r.update(name=plan[0], predicted=predict(r["run"], hws[world]))
+    def calibrate(r: int) -> str:
+        if args.hardware:
+            return args.hardware
+        path = str(work / f"calibrated-r{r}.yaml")
+        quick = ["--quick"] if args.quick_calibration else []
+        proc = plait("calibrate", "--procs", str(max(worlds)), "--out", path, *quick)
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr)
+        print(f"round {r + 1}: {proc.stdout.strip().splitlines()[-1]}", flush=True)
+        return path
+
+    first = calibrate(0)
+    plan = None if args.no_plan else plan_choice(first, work, worlds)
+    todo = list(layouts) + ([(plan[0], plan[1])] if plan else [])
+    runs: dict[str, dict] = {name: {"times": [], "predicted": []} for name, _ in todo}
+    for r in range(args.rounds):
+        hw = load_hardware(path=first if r == 0 else calibrate(r))
+        order = todo[r % len(todo) :] + todo[: r % len(todo)]  # a different neighbour each round
+        for name, flags in order:
+            res = train(name, flags, work, args.steps, args.warmup, r)
+            if "error" in res:
+                print(f"  {name}: failed ({res['error']})", flush=True)
+                continue
+            runs[name]["times"] += res["times"]
+            runs[name]["predicted"].append(predict(res["run"], hw))
+        print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    rows = []
+    for name, _ in todo:
+        x = runs[name]
+        if not x["times"]:
+            continue
+        times = sorted(x["times"])
+        spread = (_quantile(times, 0.1), _quantile(times, 0.9))
+        rows.append({"name": name, "predicted": statistics.median(x["predicted"]),
+                     "measured": statistics.median(times), "spread": spread,
+                     "samples": len(times), "plan": plan is not None and name == plan[0]})  # fmt: skip
 
     print(f"\n{'layout':<22}{'predicted':>11}{'measured':>11}{'error':>8}   "
-          f"(min..max measured; error against the min)")  # fmt: skip
+          f"(10th..90th percentile of the measured steps)")  # fmt: skip
     for x in rows:
         err = x["predicted"] / x["measured"] - 1
         lo, hi = x["spread"]
         print(f"{x['name']:<22}{x['predicted']:>10.3f}s{x['measured']:>10.3f}s{err:>+8.0%}"
-              f"   ({lo:.3f}..{hi:.3f}; {x['predicted'] / lo - 1:+.0%})")  # fmt: skip
-    for stat, key in (("median", "measured"), ("min", None)):
-        meas = [x[key] if key else x["spread"][0] for x in rows]
-        errors = [abs(x["predicted"] / m - 1) for x, m in zip(rows, meas)]
-        rho = spearman([x["predicted"] for x in rows], meas)
-        within = sum(e <= 0.2 for e in errors)
-        print(f"{'against the ' + stat + ' step:':<24}mean absolute error "
-              f"{statistics.mean(errors):.0%}, {within} of {len(rows)} within 20%; Spearman "
-              f"rank correlation {rho:.2f}")  # fmt: skip
-    fastest = min(rows, key=lambda x: x["measured"])
-    if plan is not None and "error" not in r:
-        gap = r["measured"] / fastest["measured"] - 1
-        print(f"plan       {plan[0]}: predicted {r['predicted']:.3f} s, measured "
-              f"{r['measured']:.3f} s, {gap:+.0%} against the fastest measured "
-              f"({fastest['name']}, {fastest['measured']:.3f} s)")  # fmt: skip
-        rows.append({**r, "plan": True})
-    print(f"hardware   {', '.join(sorted(set(files.values())))}; "
+              f"   ({lo:.3f}..{hi:.3f}, {x['samples']} steps)")  # fmt: skip
+    bench = [x for x in rows if not x["plan"]]
+    errors = [abs(x["predicted"] / x["measured"] - 1) for x in bench]
+    rho = spearman([x["predicted"] for x in bench], [x["measured"] for x in bench])
+    print(f"mean absolute error {statistics.mean(errors):.0%}, {sum(e <= 0.2 for e in errors)} of "
+          f"{len(bench)} within 20%, worst {max(errors):.0%}; Spearman rank correlation "
+          f"{rho:.2f}")  # fmt: skip
+    fastest = min(bench, key=lambda x: x["measured"])
+    for x in rows:
+        if x["plan"]:
+            gap = x["measured"] / fastest["measured"] - 1
+            print(f"plan       {x['name']}: predicted {x['predicted']:.3f} s, measured "
+                  f"{x['measured']:.3f} s, {gap:+.0%} against the fastest measured "
+                  f"({fastest['name']}, {fastest['measured']:.3f} s)")  # fmt: skip
+    print(f"hardware   {first if args.hardware else work / 'calibrated-r*.yaml'}; "
           f"{time.perf_counter() - t0:.0f} s in all")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
 
-def yaml_world(path: str) -> int:
-    import yaml
-
-    d = yaml.safe_load(Path(path).read_text())
-    return d.get("dp", 1) * d.get("tp", 1) * d.get("pp", 1)
+def _quantile(sorted_times: list[float], f: float) -> float:
+    return sorted_times[min(len(sorted_times) - 1, int(f * len(sorted_times)))]
 
 
 def _world(flags: list[str]) -> int:

@@ -7,7 +7,17 @@ import time
 
 import pytest
 
-from plait.calibrate import fit_efficiency, fit_link, gemm_shapes, message_sizes
+from plait.calibrate import (
+    ELEMENTWISE,
+    PROBES,
+    elementwise_bytes,
+    fit_efficiency,
+    fit_elementwise,
+    fit_link,
+    fit_probes,
+    gemm_shapes,
+    message_sizes,
+)
 from plait.layout import Layout
 from plait.model.config import preset
 from plait.sim import costs, simulate
@@ -52,6 +62,52 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert fit["residual"] < 0.05
 
 
+def test_link_fit_gives_each_operation_its_own_pair():
+    pairs = {"all_reduce": (1e-3, 1e9), "all_gather": (2e-3, 0.3e9),
+             "reduce_scatter": (3e-3, 0.4e9), "p2p": (5e-4, 2e9)}  # fmt: skip
+    rows = []
+    for op, (a, b) in pairs.items():
+        link = Link(bandwidth=b, latency=a)
+        for n in (2, 4) if op != "p2p" else (2,):
+            for s in message_sizes(quick=False):
+                t = {"all_reduce": costs.all_reduce_time, "all_gather": costs.all_gather_time,
+                     "reduce_scatter": costs.reduce_scatter_time,
+                     "p2p": lambda s, n, link: costs.p2p_time(s, link)}[op](s, n, link)  # fmt: skip
+                rows.append((op, n, s, t))
+    fit = fit_link(rows)
+    assert fit["residual"] < 0.05
+    for op, (a, b) in pairs.items():
+        assert fit["per_op"][op][0] == pytest.approx(a, rel=0.1)
+        assert fit["per_op"][op][1] == pytest.approx(b, rel=0.1)
+
+
+def test_elementwise_fit_recovers_the_rate():
+    rows = [(shape, elementwise_bytes(*shape) / 2.5e9) for shape in ELEMENTWISE]
+    assert fit_elementwise(rows) == pytest.approx(2.5e9)
+
+
+def test_probe_fit_recovers_the_kernel_overhead_and_gemm_level():
+    truth = load_hardware("cpu").replace(op_overhead=80e-6, elementwise_bandwidth=3e9)
+    truth = truth.replace(efficiency=truth.efficiency.__class__(
+        gemm_max=0.45, gemm_half_k=16, gemm_half_flops=2e6, attention=0.3))  # fmt: skip
+    from plait.model.config import ModelConfig
+
+    rows = []
+    for probe in PROBES:
+        layers, hidden, heads, seq, batch, micro, vocab = probe
+        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
+                            vocab_size=vocab)  # fmt: skip
+        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+        rows.append((probe, simulate(model, layout, truth).iter_time_s))
+    # start from the sweep's view: GEMMs 20% faster than in a step, no kernel overhead
+    sweep = truth.replace(op_overhead=0.0, efficiency=truth.efficiency.__class__(
+        gemm_max=0.54, gemm_half_k=16, gemm_half_flops=2e6, attention=0.3))  # fmt: skip
+    fit = fit_probes(rows, sweep)
+    assert fit["residual"] < 0.03
+    assert fit["hardware"].op_overhead == pytest.approx(80e-6, rel=0.2)
+    assert fit["hardware"].efficiency.gemm_max == pytest.approx(0.45, rel=0.08)
+
+
 @pytest.mark.slow
 def test_quick_calibration_writes_a_valid_hardware_file(tmp_path):
     out = tmp_path / "hw.yaml"
@@ -68,6 +124,10 @@ def test_quick_calibration_writes_a_valid_hardware_file(tmp_path):
     assert isinstance(hw, Hardware) and hw.peak("fp32") > 1e8
     assert 0 < hw.efficiency.gemm_max <= 1 and 0 < hw.efficiency.attention <= 1
     assert hw.intra_node.latency > 0 and hw.devices_per_node >= 2
+    assert {op for op, _ in hw.intra_node.per_op} == {"all_reduce", "all_gather",
+                                                      "reduce_scatter", "p2p"}  # fmt: skip
+    assert hw.elementwise_bw > 1e7 and hw.op_overhead >= 0
+    assert 1 <= hw.compute_slots <= hw.devices_per_node
     model = preset("tiny")
     layout = Layout(dp=2, global_batch_size=8, micro_batch_size=4)
     res = simulate(model, layout, hw)

@@ -365,6 +365,87 @@ def test_builtin_hardware_round_trips_through_yaml(tmp_path):
         assert Hardware.from_yaml(path) == hw
 
 
+def cpu_host(**changes) -> Hardware:
+    """A host of 4 single-thread workers on 2 cores, with per-operation gloo links."""
+    base = get_hardware("cpu")
+    link = Link(bandwidth=1e9, latency=1e-3,
+                per_op=(("all_gather", Link(bandwidth=0.3e9, latency=2e-3)),
+                        ("p2p", Link(bandwidth=2e9, latency=5e-4))))  # fmt: skip
+    return base.replace(**{"devices_per_node": 4, "compute_slots_per_node": 2,
+                           "elementwise_bandwidth": 3e9, "op_overhead": 50e-6,
+                           "intra_node": link, "inter_node": link, **changes})  # fmt: skip
+
+
+def test_optional_hardware_fields_round_trip_and_default(tmp_path):
+    hw = cpu_host()
+    path = tmp_path / "host.yaml"
+    hw.to_yaml(path)
+    assert Hardware.from_yaml(path) == hw
+    # files written before these fields existed still load, with the GPU defaults
+    old = get_hardware("cpu").to_dict()
+    for key in ("elementwise_bandwidth", "compute_slots_per_node", "op_overhead"):
+        old.pop(key)
+    loaded = Hardware.from_dict(old)
+    assert loaded.elementwise_bw == loaded.memory_bandwidth
+    assert loaded.compute_slots == loaded.devices_per_node and loaded.op_overhead == 0
+    with pytest.raises(ValueError, match="unknown per_op"):
+        Link.from_dict({"bandwidth": 1e9, "latency": 0, "per_op": {"gather": {"bandwidth": 1,
+                                                                              "latency": 0}}})  # fmt: skip
+    with pytest.raises(ValueError, match="compute_slots_per_node"):
+        cpu_host(compute_slots_per_node=0)
+
+
+def test_per_operation_links_replace_the_shared_pair():
+    link = cpu_host().intra_node
+    assert costs.all_gather_time(1e6, 2, link) == pytest.approx(2e-3 + 0.5e6 / 0.3e9)
+    assert costs.reduce_scatter_time(1e6, 2, link) == pytest.approx(1e-3 + 0.5e6 / 1e9)
+    assert costs.p2p_time(1e6, link) == pytest.approx(5e-4 + 1e6 / 2e9)
+    assert costs.all_reduce_time(1e6, 2, link) == pytest.approx(2e-3 + 1e6 / 1e9)
+
+
+def test_elementwise_bandwidth_and_kernel_overhead_enter_the_layer_cost():
+    cfg = ModelConfig(n_layers=2, hidden=128, n_heads=4, seq_len=128, vocab_size=256)
+    layout = Layout(global_batch_size=4, micro_batch_size=4, dtype="fp32")
+    rt = PROFILES["plait"]
+    plain = cpu_host(op_overhead=0.0, elementwise_bandwidth=None)
+    base = costs.layer_cost(cfg, layout, plain, rt)
+    slow = costs.layer_cost(cfg, layout, plain.replace(op_overhead=1e-4), rt)
+    kernels, linears = costs.LAYER_KERNELS["gpt2"]
+    assert slow.fwd - base.fwd == pytest.approx(kernels * 1e-4)
+    assert slow.bwd_input - base.bwd_input == pytest.approx(kernels * 1e-4)
+    assert slow.bwd_weight - base.bwd_weight == pytest.approx(linears * 1e-4)
+    # halving the elementwise rate adds exactly the memory-bound time once more
+    half = costs.layer_cost(
+        cfg, layout, plain.replace(elementwise_bandwidth=plain.memory_bandwidth / 2), rt
+    )
+    elems = (10 * 128 + 2 * 512) * 4 * 128 * 4  # bytes of the forward's memory-bound kernels
+    assert half.fwd - base.fwd == pytest.approx(elems / plain.memory_bandwidth)
+
+
+def test_time_sharing_of_oversubscribed_cores():
+    cfg = ModelConfig(n_layers=4, hidden=128, n_heads=4, seq_len=128, vocab_size=256)
+    own = cpu_host(compute_slots_per_node=None)  # every worker on its own core
+    shared = cpu_host()  # 4 workers on 2 cores
+    dp4 = Layout(dp=4, global_batch_size=16, micro_batch_size=4, dtype="fp32")
+    a, b = simulate(cfg, dp4, own), simulate(cfg, dp4, shared)
+    assert a.time_sharing == 1.0
+    # every worker computes nearly all the time: the node's work over its 2 cores
+    assert 1.7 < b.time_sharing <= 2.0
+    assert b.breakdown["compute"] == pytest.approx(
+        a.breakdown["compute"] * b.time_sharing, rel=1e-6
+    )
+    assert b.mfu == pytest.approx(b.tflops_per_device * 1e12 / shared.peak("fp32"), rel=1e-6)
+    # a pipeline idles in its bubble, so its workers share less
+    pp = Layout(pp=2, dp=2, global_batch_size=16, micro_batch_size=4, dtype="fp32")
+    c = simulate(cfg, pp, shared)
+    assert 1.0 < c.time_sharing < b.time_sharing
+    # two workers on two cores, and GPUs, never share
+    dp2 = Layout(dp=2, global_batch_size=16, micro_batch_size=4, dtype="fp32")
+    assert simulate(cfg, dp2, shared).time_sharing == 1.0
+    assert simulate(preset("gpt3-1.3b"), Layout(dp=8, global_batch_size=64, micro_batch_size=1),
+                    get_hardware("a100-80gb")).time_sharing == 1.0  # fmt: skip
+
+
 def test_bad_hardware_yaml_is_one_clear_error(tmp_path):
     path = tmp_path / "hw.yaml"
     path.write_text("name: x\npeak_flops: {fp32: 1e12}\n")

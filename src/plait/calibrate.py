@@ -54,6 +54,7 @@ measured collective beside its fit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -79,6 +80,25 @@ class CalibrateConfig:
     dtypes: tuple[str, ...] = ("fp32",)
     device: str = "cpu"
     name: str = "calibrated"
+
+    @property
+    def rounds(self) -> int:
+        """Passes over the compute measurements (``measure_compute``)."""
+        return 2 if self.quick else 3
+
+    @property
+    def compute_slots(self) -> int:
+        """Processes that can compute at full speed at once: the GPUs, or the CPU cores
+        this process may use divided by the threads per worker."""
+        if self.device == "cuda":
+            return self.procs
+        return max(1, len(os.sched_getaffinity(0)) // self.threads)
+
+    @property
+    def compute_procs(self) -> int:
+        """Workers that measure compute together: never more than the slots, so the file
+        describes a device at full speed and ``simulate`` shares the slots itself."""
+        return min(self.procs, self.compute_slots)
 
     def __post_init__(self) -> None:
         if self.procs < 1:
@@ -125,43 +145,68 @@ def _median_time(fn, device: str, *, min_s: float, reps: int) -> float:
 # -- compute -------------------------------------------------------------------------------
 
 
-def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the sweep: squares, and small-transformer products in the forward and
-    both backward orientations (tokens T, hidden h, FFN 4h)."""
+def gemm_cases(quick: bool) -> list[tuple[int, int, int, str]]:
+    """(m, n, k, kind) of the sweep: ``square`` products, and the small-transformer
+    products of a linear layer with n outputs, k inputs and T tokens: ``forward`` (T, n,
+    k), ``input_grad`` (T, k, n) and ``weight_grad`` (n, k, T) (tokens T, hidden h, FFN
+    4h)."""
     squares = [64, 256, 1024] if quick else [32, 64, 128, 256, 512, 1024]
-    shapes = {(s, s, s) for s in squares}
+    cases = {(s, s, s, "square") for s in squares}
     tokens = [256, 1024] if quick else [128, 512, 2048]
     hiddens = [64, 256] if quick else [64, 128, 256, 512]
     for T in tokens:
         for h in hiddens:
             for n, k in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)):
-                shapes |= {(T, n, k), (T, k, n), (n, k, T)}
-    return sorted(shapes)
+                cases |= {(T, n, k, "forward"), (T, k, n, "input_grad"), (n, k, T, "weight_grad")}
+    return sorted(cases)
+
+
+def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
+    """The distinct (m, n, k) of ``gemm_cases``."""
+    return sorted({c[:3] for c in gemm_cases(quick)})
 
 
 def measure_matmuls(
     cfg: CalibrateConfig, log=print, sync=lambda: None
 ) -> list[tuple[str, int, int, int, float]]:
     """(dtype, m, n, k, seconds) of ``(m x k) @ (k x n)`` over ``gemm_shapes``; ``sync()``
-    before each shape keeps concurrent workers on the same one."""
+    before each shape keeps concurrent workers on the same one. Squares multiply
+    contiguous matrices; the transformer shapes are run with the operand layouts a linear
+    layer has: forward ``x W^T``, input gradient ``g W``, weight gradient ``g^T x``."""
     import torch
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    min_s, reps = (0.004, 3) if cfg.quick else (0.02, 5)
+    min_s, reps = (0.004, 2) if cfg.quick else (0.01, 3)
     out = []
     for dtype in cfg.dtypes:
-        shapes = gemm_shapes(cfg.quick)
+        shapes = gemm_cases(cfg.quick)
         if dtype != "fp32":  # the curve is fitted on fp32; other dtypes only need a peak
-            shapes = [s for s in shapes if s[0] == s[1] == s[2] and s[0] >= 256]
-        for m, n, k in shapes:
-            a = torch.randn(m, k, dtype=dt[dtype], device=cfg.device)
-            b = torch.randn(k, n, dtype=dt[dtype], device=cfg.device)
+            shapes = [s for s in shapes if s[3] == "square" and s[0] >= 256]
+        for m, n, k, kind in shapes:
+            a, b = _linear_operands(m, n, k, kind, dt[dtype], cfg.device)
             sync()
             t = _median_time(lambda a=a, b=b: a @ b, cfg.device, min_s=min_s, reps=reps)
             out.append((dtype, m, n, k, t))
         best = max(2 * m * n * k / t for d, m, n, k, t in out if d == dtype)
         log(f"  matmul {dtype}: {len(shapes)} shapes, best {best / 1e9:.1f} GFLOP/s")
     return out
+
+
+def _linear_operands(m: int, n: int, k: int, kind: str, dtype, device):
+    """Operands of ``(m x k) @ (k x n)`` laid out as a linear layer has them
+    (``gemm_cases``): the forward multiplies by the transposed weight (x W^T), the input
+    gradient by the weight as stored (g W), the weight gradient takes the transposed
+    output gradient (g^T x)."""
+    import torch
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    if kind == "forward":
+        return randn(m, k), randn(n, k).t()
+    if kind == "weight_grad":
+        return randn(k, m).t(), randn(k, n)
+    return randn(m, k), randn(k, n)  # square, input_grad
 
 
 def measure_attention(
@@ -173,7 +218,7 @@ def measure_attention(
     import torch.nn.functional as F
 
     shapes = [(4, 4, 128, 32)] if cfg.quick else [(4, 4, 128, 32), (2, 8, 256, 64), (1, 8, 512, 64)]
-    min_s, reps = (0.01, 3) if cfg.quick else (0.03, 5)
+    min_s, reps = (0.01, 2) if cfg.quick else (0.02, 3)
     out = []
     for b, a, s, d in shapes:
         q, k, v = (torch.randn(b, a, s, d, device=cfg.device, requires_grad=True) for _ in range(3))
@@ -197,25 +242,110 @@ def measure_stream(cfg: CalibrateConfig) -> float:
     return 2 * 4 * n / t
 
 
-def measure_compute(cfg: CalibrateConfig, log=None, sync=lambda: None) -> dict:
-    """Memory bandwidth, the matmul sweep and attention, in this process; ``sync()``
-    (a barrier, in workers) before each measurement keeps them measuring together."""
-    import torch
+ELEMENTWISE = (  # (arch, tokens, hidden, heads): the memory-bound kernels of one layer
+    ("gpt2", 2048, 128, 4),
+    ("gpt2", 1024, 256, 8),
+    ("llama", 2048, 128, 4),
+    ("llama", 1024, 256, 8),
+)
 
-    torch.set_num_threads(cfg.threads)
-    sync()
-    out = {"stream": measure_stream(cfg)}
-    out["matmul"] = measure_matmuls(cfg, log or (lambda m: None), sync)
-    out["attention"] = measure_attention(cfg, sync)
-    out["probe"] = measure_probes(cfg, sync)
+
+def elementwise_bytes(arch: str, tokens: int, hidden: int, heads: int) -> float:
+    """Bytes the simulator counts for the memory-bound kernels of one layer, forward and
+    backward (``costs.layer_cost``: 10 h + 2 f (gpt2) or 3 f + 2 (a + k) d (llama)
+    elements per token forward, twice that backward, fp32)."""
+    f = 4 * hidden
+    per_token = 10 * hidden + (2 * f if arch == "gpt2" else 3 * f + 4 * hidden)
+    return 3 * 4 * per_token * tokens
+
+
+def measure_elementwise(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple, float]]:
+    """Seconds of the memory-bound kernels of one transformer layer, forward and backward,
+    as plait's model runs them: two norms (LayerNorm or plait's RMSNorm), two residual
+    adds, the MLP activation (tanh GELU, or SiLU times the up projection) and, for llama,
+    rotary embeddings of q and k. One row per ``ELEMENTWISE`` shape."""
+    import torch
+    import torch.nn.functional as F
+
+    from plait.model.config import ModelConfig
+    from plait.model.transformer import apply_rotary, make_norm, rotary_tables
+
+    min_s, reps = (0.01, 2) if cfg.quick else (0.02, 3)
+    out = []
+    for shape in ELEMENTWISE[::2] if cfg.quick else ELEMENTWISE:
+        arch, T, h, a = shape
+        mc = ModelConfig(arch=arch, n_layers=1, hidden=h, n_heads=a, seq_len=128, vocab_size=256)
+        n1, n2 = make_norm(mc).to(cfg.device), make_norm(mc).to(cfg.device)
+        for n in (n1, n2):
+            torch.nn.init.ones_(n.weight)
+        x = torch.randn(T, h, device=cfg.device, requires_grad=True)
+        u = torch.randn(T, 4 * h, device=cfg.device, requires_grad=True)
+        g = torch.randn(T, 4 * h, device=cfg.device, requires_grad=True)
+        q = torch.randn(T // 128, a, 128, h // a, device=cfg.device, requires_grad=True)
+        k = torch.randn(T // 128, a, 128, h // a, device=cfg.device, requires_grad=True)
+        cos, sin = rotary_tables(mc, 128, cfg.device)
+
+        def layer(arch=arch, x=x, u=u, g=g, q=q, k=k, n1=n1, n2=n2, cos=cos, sin=sin):
+            r1 = x + n1(x)
+            r2 = r1 + n2(r1)
+            outs = [r2, F.gelu(u, approximate="tanh") if arch == "gpt2" else F.silu(g) * u]
+            if arch == "llama":
+                outs += [apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+        sync()
+        out.append((shape, _median_time(layer, cfg.device, min_s=min_s, reps=reps)))
     return out
 
 
-PROBES = (  # (layers, hidden, heads, seq, batch, vocab): overhead- to compute-bound
-    (2, 128, 4, 128, 1, 512),
-    (2, 256, 8, 128, 8, 1024),
-    (2, 96, 4, 128, 16, 512),
-    (3, 192, 6, 256, 4, 512),
+def fit_elementwise(rows) -> float:
+    """Bytes/s at which the simulator's byte count of the measured kernels takes the
+    measured time (geometric mean over the rows)."""
+    return float(np.exp(np.mean([np.log(elementwise_bytes(*shape) / t) for shape, t in rows])))
+
+
+def measure_compute(cfg: CalibrateConfig, log=None, sync=lambda: None) -> dict:
+    """Memory bandwidth, the matmul sweep, attention, elementwise kernels and model steps,
+    in this process; ``sync()`` (a barrier, in workers) before each measurement keeps
+    them measuring together.
+
+    The whole set is measured ``cfg.rounds`` times over and each figure is the median of
+    its rounds: a shared or virtual host changes speed for a fraction of a second at a
+    time (a 1024^3 matmul on one thread moves between ~80 and ~125 GFLOP/s here), and a
+    round seconds later catches the same shape at another moment."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    passes = []
+    for i in range(cfg.rounds):
+        sync()
+        passes.append({
+            "stream": measure_stream(cfg),
+            "elementwise": measure_elementwise(cfg, sync),
+            "matmul": measure_matmuls(cfg, (log or (lambda m: None)) if i == 0 else (lambda m: None),
+                                      sync),
+            "attention": measure_attention(cfg, sync),
+            "probe": measure_probes(cfg, sync),
+        })  # fmt: skip
+    return median_of(passes)
+
+
+def median_of(passes: list[dict]) -> dict:
+    """Per-figure median of several measurements of the same set (rounds, or workers):
+    ``stream`` is a number, every other key a list of rows whose last element is seconds."""
+    return {
+        "stream": statistics.median(p["stream"] for p in passes),
+        **{key: [(*row[:-1], statistics.median(p[key][i][-1] for p in passes))
+                 for i, row in enumerate(passes[0][key])]
+           for key in ("matmul", "attention", "elementwise", "probe")},
+    }  # fmt: skip
+
+
+PROBES = (  # (layers, hidden, heads, seq, batch, micro-batch, vocab): overhead- to
+    (2, 128, 4, 128, 1, 1, 512),  # compute-bound; the third accumulates 8 micro-batches
+    (2, 256, 8, 128, 8, 8, 1024),
+    (2, 96, 4, 128, 16, 2, 512),
+    (3, 192, 6, 256, 4, 4, 512),
 )
 
 
@@ -229,22 +359,23 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple,
     from plait.topology import Topology
 
     out = []
-    for probe in PROBES[:2] if cfg.quick else PROBES:
-        layers, hidden, heads, seq, batch, vocab = probe
+    for probe in PROBES[::2] if cfg.quick else PROBES:
+        layers, hidden, heads, seq, batch, micro, vocab = probe
         model_cfg = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
                                 vocab_size=vocab)  # fmt: skip
         model = build_model(model_cfg, topo=Topology.single(cfg.device), device=cfg.device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         ids = torch.randint(0, vocab, (batch, seq), device=cfg.device)
 
-        def step(model=model, opt=opt, ids=ids):
-            model(ids, ids).mean().backward()
+        def step(model=model, opt=opt, ids=ids, micro=micro):
+            for part in ids.split(micro):
+                model(part, part).mean().backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         sync()
-        out.append((probe, _median_time(step, cfg.device, min_s=0.0, reps=3 if cfg.quick else 5)))
+        out.append((probe, _median_time(step, cfg.device, min_s=0.0, reps=2 if cfg.quick else 3)))
     return out
 
 
@@ -286,16 +417,27 @@ def _worker(rank: int, world: int, port: int, cfg: CalibrateConfig, queue) -> No
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     overhead = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}
-    compute = measure_compute(cfg, sync=dist.barrier)
+    n_compute = cfg.compute_procs
+    compute_group = dist.new_group(list(range(n_compute))) if n_compute < world else None
+    compute = None
+    if rank < n_compute:
+        sync = (lambda: dist.barrier(group=compute_group)) if n_compute > 1 else (lambda: None)
+        compute = measure_compute(cfg, sync=sync)
     dist.barrier()
-    reps = 5 if cfg.quick else 9
-    rows = []
+    reps = 3 if cfg.quick else 5
+    work = torch.randn(384, 384, device=device)
 
     def timed(fn, group) -> float:
+        """Median seconds of ``fn`` as a training step meets it: each repetition starts
+        together (a barrier), computes for a few milliseconds (the same matmuls on every
+        rank, so the backend's threads have gone idle and the caches hold other data),
+        then times the collective; the slowest rank's median."""
         fn()  # warm-up
         times = []
         for _ in range(reps):
             dist.barrier(group=group)
+            for _ in range(3):
+                work @ work
             if cfg.device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -307,36 +449,45 @@ def _worker(rank: int, world: int, port: int, cfg: CalibrateConfig, queue) -> No
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
         return float(t.median())
 
-    for n, group in groups.items():
-        if rank < n:
+    samples: dict[tuple, list[float]] = {}  # (op, processes, bytes) -> seconds per round
+    for _ in range(cfg.rounds):  # rounds apart in time, as for compute (measure_compute)
+        for n, group in groups.items():
+            if rank < n:
+                for nbytes in message_sizes(cfg.quick):
+                    elems = max(n, nbytes // 4 // n * n)
+                    full = torch.randn(elems, device=device)
+                    part = torch.randn(elems // n, device=device)
+
+                    # the calls comm.py makes: list all-gather + cat, list reduce-scatter
+                    def all_gather(p=part, g=group, n=n):
+                        parts = [torch.empty_like(p) for _ in range(n)]
+                        dist.all_gather(parts, p, group=g)
+                        return torch.cat(parts)
+
+                    def reduce_scatter(f=full, g=group, n=n):
+                        chunks = [c.contiguous() for c in f.chunk(n)]
+                        out = torch.empty_like(chunks[0])
+                        dist.reduce_scatter(out, chunks, group=g)
+
+                    calls = {"all_reduce": lambda f=full, g=group: dist.all_reduce(f, group=g),
+                             "all_gather": all_gather, "reduce_scatter": reduce_scatter}  # fmt: skip
+                    for op, call in calls.items():
+                        samples.setdefault((op, n, 4 * elems), []).append(timed(call, group))
+            dist.barrier()
+        if rank < 2:  # point-to-point between ranks 0 and 1: half a ping-pong
+            peer = 1 - rank
             for nbytes in message_sizes(cfg.quick):
-                elems = max(n, nbytes // 4 // n * n)
-                full = torch.randn(elems, device=device)
-                part = torch.empty(elems // n, device=device)
-                chunks = list(full.chunk(n))
-                calls = {
-                    "all_reduce": lambda f=full, g=group: dist.all_reduce(f, group=g),
-                    "all_gather": lambda f=full, p=part, g=group: dist.all_gather_into_tensor(
-                        f, p, group=g),
-                    "reduce_scatter": lambda p=part, c=chunks, g=group: dist.reduce_scatter(
-                        p, c, group=g),
-                }  # fmt: skip
-                for op, call in calls.items():
-                    rows.append((op, n, 4 * elems, timed(call, group)))
+                buf = torch.randn(nbytes // 4, device=device)
+
+                def ping(buf=buf, peer=peer):
+                    for kind in ("send", "recv") if rank == 0 else ("recv", "send"):
+                        fn = dist.isend if kind == "send" else dist.irecv
+                        for w in dist.batch_isend_irecv([dist.P2POp(fn, buf, peer)]):
+                            w.wait()
+
+                samples.setdefault(("p2p", 2, nbytes), []).append(timed(ping, groups[2]) / 2)
         dist.barrier()
-    if rank < 2:  # point-to-point between ranks 0 and 1: half a ping-pong
-        peer = 1 - rank
-        for nbytes in message_sizes(cfg.quick):
-            buf = torch.randn(nbytes // 4, device=device)
-
-            def ping(buf=buf, peer=peer):
-                for kind in ("send", "recv") if rank == 0 else ("recv", "send"):
-                    fn = dist.isend if kind == "send" else dist.irecv
-                    for w in dist.batch_isend_irecv([dist.P2POp(fn, buf, peer)]):
-                        w.wait()
-
-            rows.append(("p2p", 2, nbytes, timed(ping, groups[2]) / 2))
-    dist.barrier()
+    rows = [(*key, statistics.median(v)) for key, v in samples.items()]
     queue.put((rank, compute, rows, overhead))
     dist.destroy_process_group()
 
@@ -369,16 +520,7 @@ def measure(cfg: CalibrateConfig, log=print):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    computes = [c for _, c, _, _ in results]
-    compute = {
-        "stream": statistics.median(c["stream"] for c in computes),
-        "matmul": [(*row[:4], statistics.median(c["matmul"][i][4] for c in computes))
-                   for i, row in enumerate(computes[0]["matmul"])],
-        "attention": [(*row[:4], statistics.median(c["attention"][i][4] for c in computes))
-                      for i, row in enumerate(computes[0]["attention"])],
-        "probe": [(row[0], statistics.median(c["probe"][i][1] for c in computes))
-                  for i, row in enumerate(computes[0]["probe"])],
-    }  # fmt: skip
+    compute = median_of([c for _, c, _, _ in results if c is not None])
     return compute, results[0][2], float(results[0][3])
 
 
@@ -431,49 +573,49 @@ def attention_efficiency(rows, peak: float) -> float:
 
 
 def fit_probes(rows, hw) -> dict:
-    """Refine the GEMM curve so that ``simulate`` reproduces plait's own single-process
-    training steps (``measure_probes``): scale its level (``gemm_max``, at most 1) and its
-    fixed cost (``gemm_half_flops``, which then stands for every per-operation overhead
-    of a layer) over a grid; the rest stays as the sweep measured it."""
+    """Fit what bare kernels do not show, so that ``simulate`` reproduces plait's own
+    single-process training steps (``measure_probes``): the host time per kernel
+    (``op_overhead``: dispatch, autograd bookkeeping, allocation) and a common scale of
+    the GEMM level (``gemm_max``, at most 1: a step's operands are colder than a sweep's),
+    over a grid; everything else stays as measured. Returns the hardware and the fit."""
     from plait.layout import Layout
     from plait.model.config import ModelConfig
     from plait.sim import simulate
 
     if not rows:
-        return {"efficiency": hw.efficiency, "scale": 1.0, "fixed": 1.0, "residual": 0.0}
+        return {"hardware": hw, "scale": 1.0, "residual": 0.0}
     eff = hw.efficiency
     cases = []
-    for (layers, hidden, heads, seq, batch, vocab), t in rows:
+    for (layers, hidden, heads, seq, batch, micro, vocab), t in rows:
         model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
                             vocab_size=vocab)  # fmt: skip
-        layout = Layout(global_batch_size=batch, micro_batch_size=batch, dtype="fp32")
+        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
         cases.append((model, layout, t))
-    base_hf = max(eff.gemm_half_flops, 1e3)
 
-    def error(scale: float, fixed: float) -> tuple:
-        trial = eff.__class__(gemm_max=float(eff.gemm_max * scale), gemm_half_k=eff.gemm_half_k,
-                              gemm_half_flops=float(base_hf * fixed), attention=eff.attention)  # fmt: skip
-        h = hw.replace(efficiency=trial)
-        err = float(np.sqrt(np.mean([np.log(simulate(m, lay, h).iter_time_s / t) ** 2
+    def error(scale: float, overhead: float) -> tuple:
+        trial = hw.replace(efficiency=dataclasses.replace(eff, gemm_max=float(eff.gemm_max * scale)),
+                           op_overhead=float(overhead))  # fmt: skip
+        err = float(np.sqrt(np.mean([np.log(simulate(m, lay, trial).iter_time_s / t) ** 2
                                      for m, lay, t in cases])))  # fmt: skip
-        return err, trial, float(scale), float(fixed)
+        return err, trial, float(scale), float(overhead)
 
-    # a coarse grid (factors of ~1.4 and ~3), then a finer one around its best; the level
-    # stays at most 1 (gemm_max <= 1)
+    # a coarse grid, then a finer one around its best; gemm_max stays at most 1
     top = 1.0 / eff.gemm_max
-    best = min((error(a, b) for a in np.geomspace(0.1, 2.0, 10) if a <= top
-                for b in [0.0, *np.geomspace(0.1, 1000.0, 9)]), key=lambda x: x[0])  # fmt: skip
+    best = min((error(a, b) for a in np.geomspace(0.25, 2.0, 13) if a <= top
+                for b in [0.0, *np.geomspace(1e-6, 1e-3, 13)]), key=lambda x: x[0])  # fmt: skip
     _, _, a0, b0 = best
-    fine_b = [0.0] if b0 == 0 else list(b0 * np.geomspace(0.5, 2.0, 7))
-    best = min([best, *(error(a, b) for a in a0 * np.geomspace(0.8, 1.25, 7) if a <= top
+    fine_b = list(np.geomspace(1e-7, 2e-6, 4)) if b0 == 0 else list(b0 * np.geomspace(0.6, 1.6, 9))
+    best = min([best, *(error(a, b) for a in a0 * np.geomspace(0.85, 1.15, 7) if a <= top
                         for b in fine_b)], key=lambda x: x[0])  # fmt: skip
-    err, trial, scale, fixed = best
-    return {"efficiency": trial, "scale": scale, "fixed": fixed, "residual": err}
+    err, trial, scale, _ = best
+    return {"hardware": trial, "scale": scale, "residual": err}
 
 
 def fit_link(rows) -> dict:
-    """Latency and bandwidth of the ``Link`` whose ``costs`` formulas best match the
-    measured collectives (rms of log error over every row)."""
+    """The ``Link`` whose ``costs`` formulas best match the measured collectives (rms of
+    log error): one latency and bandwidth over every row, and one pair per operation
+    (``Link.per_op``), which the simulator uses where it has one. Returns latency,
+    bandwidth, per_op {op: (latency, bandwidth)} and residual (with the per-op pairs)."""
     from plait.sim import costs
     from plait.sim.hardware import Link
 
@@ -483,21 +625,32 @@ def fit_link(rows) -> dict:
         "reduce_scatter": lambda s, n, link: costs.reduce_scatter_time(s, n, link),
         "p2p": lambda s, n, link: costs.p2p_time(s, link),
     }
-    t = np.array([r[3] for r in rows])
 
-    def error(alpha: float, bw: float) -> float:
-        link = Link(bandwidth=bw, latency=alpha)
-        pred = np.array([fns[op](s, n, link) for op, n, s, _ in rows])
-        return float(np.sqrt(np.mean(np.log(pred / t) ** 2)))
+    def fit(subset) -> tuple[float, float, float]:
+        t = np.array([r[3] for r in subset])
 
-    # a coarse grid (a factor 2 apart), then a fine one (2^(1/8)) around its best
-    best = min((error(a, b), a, b) for a in np.geomspace(1e-7, 1e-2, 17)
-               for b in np.geomspace(1e7, 1e12, 17))  # fmt: skip
-    fine = np.geomspace(0.5, 2.0, 17)
-    best = min((error(best[1] * x, best[2] * y), best[1] * x, best[2] * y)
-               for x in fine for y in fine)  # fmt: skip
-    err, alpha, bw = best
-    return {"latency": float(alpha), "bandwidth": float(bw), "residual": err}
+        def error(alpha: float, bw: float) -> float:
+            link = Link(bandwidth=bw, latency=alpha)
+            pred = np.array([fns[op](s, n, link) for op, n, s, _ in subset])
+            return float(np.sqrt(np.mean(np.log(pred / t) ** 2)))
+
+        # a coarse grid (a factor 2 apart), then a fine one (2^(1/8)) around its best
+        best = min((error(a, b), a, b) for a in np.geomspace(1e-7, 1e-2, 17)
+                   for b in np.geomspace(1e7, 1e12, 17))  # fmt: skip
+        fine = np.geomspace(0.5, 2.0, 17)
+        return min((error(best[1] * x, best[2] * y), best[1] * x, best[2] * y)
+                   for x in fine for y in fine)  # fmt: skip
+
+    _, alpha, bw = fit(rows)
+    per_op, errors = {}, []
+    for op in fns:
+        subset = [r for r in rows if r[0] == op]
+        if subset:
+            err, a, b = fit(subset)
+            per_op[op] = (float(a), float(b))
+            errors += [err**2] * len(subset)
+    return {"latency": float(alpha), "bandwidth": float(bw), "per_op": per_op,
+            "residual": float(np.sqrt(np.mean(errors)))}  # fmt: skip
 
 
 # -- the hardware file ---------------------------------------------------------------------
@@ -512,10 +665,13 @@ def calibrate(cfg: CalibrateConfig, log=print):
     t0 = time.perf_counter()
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here; use --device cpu")
-    log(f"  compute in {cfg.procs} process(es) at once, collectives over 2..{cfg.procs} ...")
+    log(f"  compute in {cfg.compute_procs} process(es) at once ({cfg.compute_slots} can run "
+        f"at full speed), collectives over 2..{cfg.procs} ...")  # fmt: skip
     compute, comm, overhead = measure(cfg, log)
     bandwidth, mm, attn = compute["stream"], compute["matmul"], compute["attention"]
-    log(f"  memory bandwidth {bandwidth / 1e9:.2f} GB/s per process")
+    elementwise = fit_elementwise(compute["elementwise"])
+    log(f"  memory bandwidth {bandwidth / 1e9:.2f} GB/s per process, elementwise kernels "
+        f"{elementwise / 1e9:.2f} GB/s")  # fmt: skip
     fit = fit_efficiency([r for r in mm if r[0] == "fp32"], bandwidth)
     peaks = {"fp32": fit["peak"]}
     for dtype in cfg.dtypes[1:]:
@@ -528,23 +684,30 @@ def calibrate(cfg: CalibrateConfig, log=print):
         memory_bandwidth=bandwidth, framework_overhead_bytes=0.0, devices_per_node=1,
         efficiency=eff, intra_node=Link(bandwidth=1e9, latency=0.0),
         inter_node=Link(bandwidth=1e9, latency=0.0), pcie_bandwidth=bandwidth,
-        host_memory_bandwidth=bandwidth,
+        host_memory_bandwidth=bandwidth, elementwise_bandwidth=elementwise,
     )  # fmt: skip
     probe = fit_probes(compute["probe"], draft)
-    eff, fit["probe_residual"] = probe["efficiency"], probe["residual"]
-    log(f"  model steps: the GEMM level x{probe['scale']:.2f}, fixed cost x{probe['fixed']:.2g} "
-        f"(fit error {probe['residual']:.0%} over {len(compute['probe'])} probe models)")  # fmt: skip
+    eff, op_overhead = probe["hardware"].efficiency, probe["hardware"].op_overhead
+    fit["probe_residual"] = probe["residual"]
+    log(f"  model steps: the GEMM level x{probe['scale']:.2f}, {op_overhead * 1e6:.1f} us per "
+        f"kernel (fit error {probe['residual']:.0%} over {len(compute['probe'])} probe models)")  # fmt: skip
     link = fit_link(comm) if comm else {"latency": 50e-6, "bandwidth": 2e9, "residual": 0.0}
     if comm:
         log(f"  link: latency {link['latency'] * 1e6:.1f} us, bandwidth "
-            f"{link['bandwidth'] / 1e9:.2f} GB/s (fit error {link['residual']:.0%})")  # fmt: skip
+            f"{link['bandwidth'] / 1e9:.2f} GB/s; per operation (fit error {link['residual']:.0%}): "
+            + ", ".join(f"{op} {a * 1e6:.0f} us {b / 1e9:.2f} GB/s"
+                        for op, (a, b) in link["per_op"].items()))  # fmt: skip
     per_node = max(cfg.procs, os.cpu_count() or 1)
+    slots = None if cfg.device == "cuda" else min(per_node, cfg.compute_slots)
     if cfg.device == "cuda":
         memory = torch.cuda.get_device_properties(0).total_memory
         per_node = torch.cuda.device_count()
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node
-    link_obj = Link(bandwidth=link["bandwidth"], latency=link["latency"])
+    link_obj = Link(
+        bandwidth=link["bandwidth"], latency=link["latency"],
+        per_op=tuple((op, Link(latency=a, bandwidth=b)) for op, (a, b) in link.get("per_op", {}).items()),
+    )  # fmt: skip
     hw = Hardware(
         name=cfg.name,
         description=(
@@ -562,6 +725,9 @@ def calibrate(cfg: CalibrateConfig, log=print):
         inter_node=link_obj,
         pcie_bandwidth=bandwidth,
         host_memory_bandwidth=bandwidth,
+        elementwise_bandwidth=elementwise,
+        compute_slots_per_node=slots,
+        op_overhead=op_overhead,
     )
     data = {"matmul": mm, "attention": attn, "collectives": comm, "fit": fit, "link": link,
             "seconds": time.perf_counter() - t0}  # fmt: skip
@@ -637,7 +803,7 @@ def summary(hw, data: dict) -> str:
         fns = {"all_reduce": costs.all_reduce_time, "all_gather": costs.all_gather_time,
                "reduce_scatter": costs.reduce_scatter_time}  # fmt: skip
         for op, n, s, t in data["collectives"]:
-            pred = costs.p2p_time(s, link) if op == "p2p" else fns[op](s, n, link)
+            pred = costs.p2p_time(s, link) if op == "p2p" else fns[op](s, n, link)  # per-op pair
             lines.append(f"{op:<15}{n:>6}{s:>10}{t * 1e6:>10.0f}us{pred * 1e6:>10.0f}us")
     lines.append(f"overhead    {hw.framework_overhead_bytes / GiB:.2f} GiB per process; "
                  f"memory {hw.memory_bytes / GiB:.1f} GiB per process")  # fmt: skip

@@ -15,10 +15,19 @@ Compute
     Attention core: with fused attention, 4 T s h / t FLOPs forward, halved by the causal
     mask, 2.5x that in backward, at ``efficiency.attention`` of peak; unfused, two batched
     GEMMs (b a / t of them, (s, s, d) and (s, d, s)) plus the softmax streaming the scores.
-    Memory-bound operations stream their bytes at ``memory_bandwidth``: norms and residual
+    Memory-bound operations stream their bytes at ``elementwise_bandwidth`` (the memory
+    bandwidth unless the hardware file says the kernels are slower): norms and residual
     adds 10 h elements per token (divided by t under sequence parallelism), the MLP
     activation 2 f / t (SwiGLU 3 f / t), rotary 2 (a + k) d / t, unfused softmax
     2 a s / t; the backward streams twice what the forward does.
+
+Per-kernel overhead
+    Each kernel also costs ``hw.op_overhead`` seconds of host time (zero for GPUs, whose
+    kernels are queued ahead). Counted per layer and micro-batch, forward:
+    ``LAYER_KERNELS`` (the linears, norms, attention, activation, residual adds, and for
+    llama the unfused RMSNorm and rotary); backward: as many again for the input
+    gradients plus one weight-gradient kernel per linear. Embedding and head: see
+    ``END_KERNELS``.
 
 Recomputation
     ``full`` reruns each layer's forward (and its tensor-parallel collectives) inside the
@@ -53,6 +62,12 @@ from plait.sim.hardware import Hardware, Link
 from plait.sim.runtime import Runtime
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Kernels one layer's forward launches in plait's model (views are free): gpt2: 6 linears
+# (q, k, v, o, fc, proj), 2 LayerNorms, attention, the head merge copy, GELU, 2 adds;
+# llama: 7 linears, 2 RMSNorms of 6 kernels, rotary on q and k (8 each), attention, the
+# copy, SiLU, the gate product, 2 adds.
+LAYER_KERNELS = {"gpt2": (13, 6), "llama": (41, 7)}  # (forward kernels, linears)
+END_KERNELS = {"embedding": (3, 2), "head": (8, 8)}  # (forward, backward)
 FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal saving)
 
 # -- compute ------------------------------------------------------------------------------
@@ -76,7 +91,8 @@ def linear_times(hw: Hardware, dtype: str, m: float, n: float, k: float) -> tupl
 
 
 def stream_time(hw: Hardware, nbytes: float) -> float:
-    return nbytes / hw.memory_bandwidth
+    """Seconds of a memory-bound framework kernel (elementwise, norm, loss, optimizer)."""
+    return nbytes / hw.elementwise_bw
 
 
 # -- collectives --------------------------------------------------------------------------
@@ -104,25 +120,30 @@ def group_link(hw: Hardware, size: int, stride: int) -> Link | None:
 def all_reduce_time(nbytes: float, n: int, link: Link | None) -> float:
     if n <= 1 or link is None or nbytes <= 0:
         return 0.0
+    link = link.op("all_reduce")
     a, b = link.latency, link.bandwidth
     ring = 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
     tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes / b
     return min(ring, tree)
 
 
-def all_gather_time(nbytes: float, n: int, link: Link | None) -> float:
-    """All-gather whose *output* is ``nbytes`` (reduce-scatter of an ``nbytes`` input: same)."""
+def all_gather_time(nbytes: float, n: int, link: Link | None, op: str = "all_gather") -> float:
+    """All-gather whose *output* is ``nbytes`` (reduce-scatter of an ``nbytes`` input: the
+    same formula, with the link's reduce-scatter pair)."""
     if n <= 1 or link is None or nbytes <= 0:
         return 0.0
+    link = link.op(op)
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-reduce_scatter_time = all_gather_time
+def reduce_scatter_time(nbytes: float, n: int, link: Link | None) -> float:
+    return all_gather_time(nbytes, n, link, op="reduce_scatter")
 
 
 def p2p_time(nbytes: float, link: Link | None) -> float:
     if link is None or nbytes <= 0:
         return 0.0
+    link = link.op("p2p")
     return link.latency + nbytes / link.bandwidth
 
 
@@ -199,8 +220,11 @@ def layer_cost(
     elems += softmax_elems
     mem_fwd = stream_time(hw, elems * T * e)
 
-    fwd = fwd_gemm + attn_fwd + mem_fwd
-    bwd_input = bwd_in_gemm + attn_bwd + 2 * mem_fwd
+    kernels, linears = LAYER_KERNELS[cfg.arch]
+    ov = hw.op_overhead
+    fwd = fwd_gemm + attn_fwd + mem_fwd + kernels * ov
+    bwd_input = bwd_in_gemm + attn_bwd + 2 * mem_fwd + kernels * ov
+    bwd_w_gemm += linears * ov
 
     # Tensor-parallel collectives: 2 per direction (all-reduce, or all-gather +
     # reduce-scatter with sequence parallelism), each of T h e bytes.
@@ -250,8 +274,9 @@ class EndCost:
 def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     T, e, t = layout.micro_batch_size * cfg.seq_len, ACT_BYTES[layout.dtype], layout.tp
     h = cfg.hidden
-    fwd = stream_time(hw, 3 * T * h * e)  # gather rows (+ positions), write
-    bwd = stream_time(hw, T * h * (e + 8))  # scatter-add into the fp32 gradient
+    k_fwd, k_bwd = END_KERNELS["embedding"]
+    fwd = stream_time(hw, 3 * T * h * e) + k_fwd * hw.op_overhead  # gather rows (+ positions)
+    bwd = stream_time(hw, T * h * (e + 8)) + k_bwd * hw.op_overhead  # scatter-add, fp32 grad
     fwd_tp = 0.0
     if t > 1:  # vocab-parallel lookup: partial rows summed across tp
         link, nbytes = group_link(hw, t, 1), T * h * e
@@ -275,17 +300,19 @@ def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     fwd_tp = bwd_tp = 0.0
     if t > 1:
         link, nbytes = group_link(hw, t, 1), T * h * e
-        # vocab-parallel cross-entropy: max, sum and target logit, T floats each
-        fwd_tp = 3 * all_reduce_time(4 * T, t, link)
+        # vocab-parallel cross-entropy: the max (T floats), then the sum of exponentials
+        # and the target logit together (2 T floats)
+        fwd_tp = all_reduce_time(4 * T, t, link) + all_reduce_time(8 * T, t, link)
         if layout.sequence_parallel:
             fwd_tp += all_gather_time(nbytes, t, link)
             bwd_tp = reduce_scatter_time(nbytes, t, link)
         else:
             bwd_tp = all_reduce_time(nbytes, t, link)
+    k_fwd, k_bwd = END_KERNELS["head"]
     return EndCost(
-        fwd=f + norm + loss_fwd,
+        fwd=f + norm + loss_fwd + k_fwd * hw.op_overhead,
         fwd_tp=fwd_tp,
-        bwd_input=bi + 2 * norm + loss_bwd,
+        bwd_input=bi + 2 * norm + loss_bwd + k_bwd * hw.op_overhead,
         bwd_weight=bw,
         bwd_tp=bwd_tp,
     )

@@ -10,11 +10,21 @@ A :class:`Hardware` entry describes one kind of device and the machine it sits i
 - two link levels (:class:`Link`), each an alpha-beta pair: ``intra_node`` (NVLink /
   NVSwitch between the devices of a node) and ``inter_node`` (the network; bandwidth *per
   device*, i.e. one rail-local NIC, as on DGX machines where each GPU has its own NIC),
-- ``devices_per_node``, ``pcie_bandwidth`` and ``host_memory_bandwidth`` (optimizer offload).
+- ``devices_per_node``, ``pcie_bandwidth`` and ``host_memory_bandwidth`` (optimizer offload),
+- two optional fields for hosts where the framework, not the memory, sets the pace:
+  ``elementwise_bandwidth``, the bytes/s that elementwise, normalisation, loss and
+  optimizer kernels reach (default: ``memory_bandwidth``, as on GPUs, where those kernels
+  stream near it; single CPU threads compute GELU or AdamW well below it), and
+  ``compute_slots_per_node``, how many of a node's devices can compute at full speed at
+  once (default: all of them; a CPU host running more single-thread worker processes
+  than it has cores time-shares them, see ``simulate``), and ``op_overhead``, the host
+  time each kernel costs on top of its own run time where nothing hides it (default 0:
+  a GPU queues kernels ahead of time; a CPU worker pays the framework's dispatch and
+  autograd bookkeeping for every operation, see ``costs``).
 
 Built-in entries: ``v100``, ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200`` and ``cpu``.
 Users describe their own clusters in YAML (``Hardware.to_yaml`` writes the schema; every
-field is required except ``description``)::
+field is required except ``description`` and the two optional ones)::
 
     name: my-cluster
     peak_flops: {fp32: 19.5e12, bf16: 312e12, fp16: 312e12}
@@ -27,6 +37,9 @@ field is required except ``description``)::
     inter_node: {bandwidth: 2.4e10, latency: 1.0e-5}
     pcie_bandwidth: 2.5e10
     host_memory_bandwidth: 1.5e11
+    elementwise_bandwidth: null      # optional
+    compute_slots_per_node: null     # optional
+    op_overhead: 0.0                 # optional
 
 ``plait calibrate`` writes the same file for the machine it runs on: measured matmul
 efficiency (fit of ``gemm_max`` / ``gemm_half_flops``) and measured collective alpha/beta.
@@ -90,14 +103,51 @@ class Efficiency:
 class Link:
     """One level of the interconnect as an alpha-beta model: a message of n bytes takes
     ``latency + n / bandwidth`` seconds. ``bandwidth`` is per device and direction, as
-    NCCL's *bus bandwidth* reports it (so ring factors apply on top of it)."""
+    NCCL's *bus bandwidth* reports it (so ring factors apply on top of it).
+
+    ``per_op`` optionally gives some operations (``all_reduce``, ``all_gather``,
+    ``reduce_scatter``, ``p2p``) their own pair, for backends whose algorithms differ
+    from the ring the formulas in ``costs`` assume (gloo's all-gather is no cheaper than
+    its all-reduce); ``plait calibrate`` fits one pair per operation."""
 
     bandwidth: float  # bytes/s
     latency: float  # s
+    per_op: tuple[tuple[str, Link], ...] = ()
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0:
             raise ValueError("link: bandwidth must be > 0 and latency >= 0")
+        unknown = sorted({op for op, _ in self.per_op} - set(LINK_OPS))
+        if unknown:
+            raise ValueError(f"link: unknown per_op operation(s) {', '.join(unknown)}; "
+                             f"choose among {', '.join(LINK_OPS)}")  # fmt: skip
+
+    def op(self, name: str) -> Link:
+        """The pair operation ``name`` runs at."""
+        for op, link in self.per_op:
+            if op == name:
+                return link
+        return self
+
+    def to_dict(self) -> dict:
+        d = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.per_op:
+            d["per_op"] = {op: link.to_dict() for op, link in self.per_op}
+        return d
+
+    @classmethod
+    def from_dict(cls, d) -> Link:
+        if not isinstance(d, dict):
+            raise TypeError(f"expected a mapping, got {d!r}")
+        d = dict(d)
+        per_op = d.pop("per_op", None) or {}
+        if not isinstance(per_op, dict):
+            raise TypeError(f"per_op: expected a mapping of operations, got {per_op!r}")
+        ops = tuple((str(op), cls(**_floats(v))) for op, v in per_op.items())
+        return cls(**_floats(d), per_op=ops)
+
+
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +163,9 @@ class Hardware:
     inter_node: Link
     pcie_bandwidth: float
     host_memory_bandwidth: float
+    elementwise_bandwidth: float | None = None  # None: memory_bandwidth
+    compute_slots_per_node: int | None = None  # None: devices_per_node
+    op_overhead: float = 0.0  # seconds of host work per kernel, where it is not hidden
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +174,22 @@ class Hardware:
         for name in ("memory_bytes", "memory_bandwidth", "pcie_bandwidth", "host_memory_bandwidth"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name}: {name} must be positive")
+        if self.elementwise_bandwidth is not None and self.elementwise_bandwidth <= 0:
+            raise ValueError(f"hardware {self.name}: elementwise_bandwidth must be positive")
+        if self.op_overhead < 0:
+            raise ValueError(f"hardware {self.name}: op_overhead must be >= 0")
+        if self.compute_slots_per_node is not None and self.compute_slots_per_node < 1:
+            raise ValueError(f"hardware {self.name}: compute_slots_per_node must be at least 1")
+
+    @property
+    def elementwise_bw(self) -> float:
+        """Bytes/s of elementwise, normalisation, loss and optimizer kernels."""
+        return self.elementwise_bandwidth or self.memory_bandwidth
+
+    @property
+    def compute_slots(self) -> int:
+        """Devices of one node that compute at full speed at the same time."""
+        return min(self.compute_slots_per_node or self.devices_per_node, self.devices_per_node)
 
     def peak(self, dtype: str) -> float:
         value = self.peak_flops.get(dtype)
@@ -137,7 +206,9 @@ class Hardware:
     # -- YAML ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["intra_node"], d["inter_node"] = self.intra_node.to_dict(), self.inter_node.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Hardware:
@@ -146,16 +217,17 @@ class Hardware:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown hardware field(s): {', '.join(unknown)}")
+        optional = {"description", "elementwise_bandwidth", "compute_slots_per_node", "op_overhead"}
         missing = sorted(
-            f.name for f in dataclasses.fields(cls) if f.name not in d and f.name != "description"
+            f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional
         )
         if missing:
             raise ValueError(f"hardware spec lacks: {', '.join(missing)}")
         try:
             d["peak_flops"] = PeakFlops(**_floats(d["peak_flops"]))
             d["efficiency"] = Efficiency(**_floats(d["efficiency"]))
-            d["intra_node"] = Link(**_floats(d["intra_node"]))
-            d["inter_node"] = Link(**_floats(d["inter_node"]))
+            d["intra_node"] = Link.from_dict(d["intra_node"])
+            d["inter_node"] = Link.from_dict(d["inter_node"])
             for name in (
                 "memory_bytes",
                 "memory_bandwidth",
@@ -165,6 +237,11 @@ class Hardware:
             ):
                 d[name] = float(d[name])
             d["devices_per_node"] = int(d["devices_per_node"])
+            if d.get("elementwise_bandwidth") is not None:
+                d["elementwise_bandwidth"] = float(d["elementwise_bandwidth"])
+            d["op_overhead"] = float(d.get("op_overhead") or 0.0)
+            if d.get("compute_slots_per_node") is not None:
+                d["compute_slots_per_node"] = int(d["compute_slots_per_node"])
         except TypeError as e:  # a missing or misspelt key inside a nested block
             raise ValueError(f"hardware spec: {e}") from None
         return cls(**d)

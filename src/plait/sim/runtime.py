@@ -19,6 +19,10 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``overlap_tp_comm``: with sequence parallelism, tensor-parallel all-gathers and
   reduce-scatters are pipelined with the GEMM next to them (Megatron-Core
   ``--tp-comm-overlap``): only the part longer than that GEMM is exposed.
+- ``grad_bucket_bytes``: gradients are reduced in buckets of this size, each leaving
+  once the backward has filled it (PyTorch DDP and plait: 25 MiB; Megatron-Core: 40M
+  parameters); ``None``: one bucket per layer (FSDP's per-layer units). A model smaller
+  than one bucket gets no overlap at all.
 - ``master_weights``: mixed precision keeps low-precision weights plus an fp32 master
   copy in the optimizer (Megatron: 2 + 4 + 12 bytes per parameter). plait instead keeps
   fp32 weights and gradients and autocasts (4 + 4 + 8).
@@ -38,6 +42,7 @@ class Runtime:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
+    grad_bucket_bytes: float | None = 25 * 2**20
     master_weights: bool = False
     grad_reduce_fp32: bool = True
     description: str = dataclasses.field(default="", compare=False)
@@ -89,6 +94,7 @@ PROFILES: dict[str, Runtime] = {
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         overlap_tp_comm=True,
+        grad_bucket_bytes=40e6 * 4,
         master_weights=True,
         grad_reduce_fp32=True,
         description="Megatron-Core 2024 with Transformer Engine: fused attention, "
@@ -99,6 +105,7 @@ PROFILES: dict[str, Runtime] = {
         flash_attention=True,
         overlap_grad_reduce=True,
         overlap_param_gather=True,
+        grad_bucket_bytes=None,
         master_weights=False,
         grad_reduce_fp32=False,
         description="PyTorch FSDP (e.g. llm-foundry): FlashAttention, prefetched "

@@ -22,10 +22,22 @@ Step timeline per pipeline rank r (every dp / tp replica of it behaves the same)
     reduction streams them from then, else starts at end_r -> finish_r
     step = max_r finish_r (the loss / grad-norm reduction syncs everyone)
            + optimizer + the ZeRO 1/2 weight all-gather where it is not overlapped.
+
+Time sharing. When a node holds more devices than can compute at once
+(``Hardware.compute_slots``: e.g. four single-thread worker processes on two CPU cores),
+the busy ones share the slots: each runs at ``1 / f`` of full speed with
+``f = max(1, A / slots)``, A the average number of the node's devices at work (their
+compute, optimizer and communication time over the step, overlapped or not: a CPU
+host's backend copies and reduces on the same cores). Every compute cost is scaled by f
+and the step simulated again until f settles (a few rounds; A barely moves with f). A step
+whose devices are all busy gets f = devices / slots, i.e. the node's total work over its
+slots; a pipeline whose stages idle in bubbles shares less. ``time_sharing`` reports f.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from plait.layout import Layout
@@ -63,6 +75,8 @@ class Result:
     hardware: str
     runtime: str
     flop_convention: str = FLOP_CONVENTION
+    time_sharing: float = 1.0  # compute slowed by this factor (module docstring)
+    busy_s: tuple[float, ...] = field(default=(), repr=False, compare=False)  # per pp rank
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
     extras: dict[int, list[tuple[str, float, float]]] = field(
         default_factory=dict, repr=False, compare=False
@@ -85,6 +99,7 @@ class Result:
             "hardware": self.hardware,
             "runtime": self.runtime,
             "flop_convention": self.flop_convention,
+            "time_sharing": self.time_sharing,
         }
 
 
@@ -109,7 +124,36 @@ def simulate(
     thousands of actions, equal to the replay for even stages and free transfers; for
     ranking many candidates before simulating the best exactly."""
     rt = get_runtime(runtime) if isinstance(runtime, str) else runtime
-    hw = hardware
+    res = _simulate(model, layout, hardware, n_devices, rt, keep_timeline, exact)
+    on_node = min(layout.world_size, hardware.devices_per_node)
+    if on_node <= hardware.compute_slots:
+        return res
+    block = layout.dp * layout.tp  # global ranks per pipeline rank
+    share = 1.0
+    for _ in range(12):
+        active = sum(min(1.0, res.busy_s[g // block] / res.iter_time_s) for g in range(on_node))
+        new = max(1.0, active / hardware.compute_slots)  # busy_s already run at 1/share
+        if abs(new - share) <= 0.002 * share:
+            break
+        share = new
+        res = _simulate(model, layout, _slowed(hardware, share), n_devices, rt, keep_timeline,
+                        exact)  # fmt: skip
+    return dataclasses.replace(res, mfu=res.mfu / share, hfu=res.hfu / share, time_sharing=share)
+
+
+def _slowed(hw: Hardware, f: float) -> Hardware:
+    """``hw`` with every compute rate divided by ``f``, and the host's time per kernel
+    multiplied by it (links as measured)."""
+    peaks = {k: (v / f if v else v) for k, v in dataclasses.asdict(hw.peak_flops).items()}
+    return hw.replace(
+        peak_flops=hw.peak_flops.__class__(**peaks),
+        memory_bandwidth=hw.memory_bandwidth / f,
+        elementwise_bandwidth=hw.elementwise_bw / f,
+        op_overhead=hw.op_overhead * f,
+    )
+
+
+def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
     layout.check_model(model)
     if n_devices is not None and n_devices != layout.world_size:
         raise ValueError(
@@ -159,24 +203,35 @@ def simulate(
     if model.tied_embeddings and p > 1:  # first and last stage sum their embedding copies
         nbytes = model.vocab_size * model.hidden / layout.tp * rt.grad_comm_bytes(layout.dtype)
         tied_sync = costs.all_reduce_time(nbytes, 2, costs.pp_boundary_link(hw, layout, 0, p - 1))
-    finish, gathers = [], []
+    finish, gathers, dp_work = [], [], []
     extras = {r: [("p2p", a, b) for a, b in spans] for r, spans in rep.transfer_waits.items()}
     for r in range(p):
         dp = costs.dp_comm_time(params[r], layout, hw, rt)
         t_grad = dp["grad"] + (tied_sync if r in (0, p - 1) else 0.0)
         if rt.overlap_grad_reduce and t_grad > 0:
+            bucket = rt.grad_bucket_bytes
+            gbytes = rt.grad_comm_bytes(layout.dtype) / layout.tp
             shares = [
-                (c, chunk_params[r][c] / params[r], stage_layers[c * p + r]) for c in range(v)
+                (
+                    c,
+                    chunk_params[r][c] / params[r],
+                    math.ceil(chunk_params[r][c] * gbytes / bucket)
+                    if bucket
+                    else stage_layers[c * p + r],
+                )
+                for c in range(v)
             ]
             done = _overlapped_reduce(windows[r], shares, t_grad)
         else:
             done = ends[r] + t_grad
         finish.append(max(done, ends[r]))
         gathers.append(dp["param"])
+        dp_work.append(t_grad + dp["param"])
         if finish[r] > ends[r]:
             extras.setdefault(r, []).append(("dp_comm", ends[r], finish[r]))
     step_sync = max(finish)
-    opt = max(costs.optimizer_time(n, layout, hw, rt) for n in params)
+    opts = [costs.optimizer_time(n, layout, hw, rt) for n in params]
+    opt = max(opts)
     gather = 0.0
     for r, t_ag in enumerate(gathers):
         if rt.overlap_param_gather:  # behind the next step's first forward
@@ -224,6 +279,13 @@ def simulate(
         hardware=hw.name,
         runtime=rt.name,
         timeline=timeline,
+        busy_s=tuple(
+            m * sum(sum(x) for x in split[r])  # compute, tp and ZeRO-3 communication
+            + m * v * (sum(p2p[r]) if p > 1 else 0.0)  # activations out, gradients back
+            + dp_work[r]
+            + opts[r]
+            for r in range(p)
+        ),
         extras=extras if keep_timeline else {},
     )
 
@@ -280,14 +342,15 @@ def _action_costs(model, layout, hw, rt, stage_layers):
 
 
 def _overlapped_reduce(windows, shares, t_grad):
-    """When a rank's bucketed gradient reduction ends: each chunk's share of ``t_grad``
-    streams from the start of the chunk's last backward (its buckets fill during it),
-    one after another; the last bucket (one layer's gradients) cannot leave before that
-    backward has ended."""
+    """When a rank's bucketed gradient reduction ends. A chunk's n buckets fill evenly
+    during its last backward (window start..end, one every d = (end - start) / n) and
+    leave one after another, each taking tau = its share of ``t_grad`` / n: the last
+    leaves at ``max(max(cursor, start + d) + n tau, end + tau)`` (the stream keeps up
+    with the backward, or the backward outruns it); chunks in the order they finish."""
     cursor = 0.0
-    for chunk, share, layers in sorted(shares, key=lambda x: windows[x[0]][1]):
+    for chunk, share, buckets in sorted(shares, key=lambda x: windows[x[0]][1]):
         start, end = windows[chunk]
-        t_chunk = t_grad * share
-        cursor = max(cursor, start) + t_chunk
-        cursor = max(cursor, end + t_chunk / max(1, layers))
+        n = max(1, buckets)
+        tau = t_grad * share / n
+        cursor = max(max(cursor, start + (end - start) / n) + n * tau, end + tau)
     return cursor
