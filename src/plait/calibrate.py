@@ -22,8 +22,9 @@ collectives). What each worker measures:
   groups of 2..``--procs`` of the worker processes: all-reduce, all-gather and
   reduce-scatter (the calls ``comm.py`` makes) over message sizes from 1 KiB to 16 MiB,
   and point-to-point transfers (``batch_isend_irecv`` ping-pong, half the round trip);
-- one training step (forward, backward, clipping, AdamW) of plait's own model in a few
-  probe sizes (``PROBES``, unlike the benchmarked ones), in a single process each;
+- one training step of plait's own model as ``plait train`` runs it (runner, data-parallel
+  engine, global statistics, clipping, AdamW) in a few probe sizes (``PROBES``, unlike
+  the benchmarked ones), in a single process each;
 - what a worker holds before any model exists (resident memory after importing torch
   and joining the process group): the framework overhead.
 
@@ -350,29 +351,51 @@ PROBES = (  # (layers, hidden, heads, seq, batch, micro-batch, vocab): overhead-
 
 
 def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple, float]]:
-    """Seconds of one single-process training step of plait's own model (forward, backward,
-    gradient clipping, AdamW) for each of ``PROBES`` (the first two when ``quick``)."""
+    """Seconds of one single-process training step of plait's own model for each of
+    ``PROBES`` (every other one when ``quick``), run the way ``plait train`` runs it: the
+    micro-batches through ``LocalRunner``, the data-parallel engine (flat gradient
+    buffers, also at dp 1), the global statistics, clipping and AdamW step of
+    ``train.loop.train``, on real next-token targets."""
+    import functools
+    import math
+
     import torch
 
+    from plait.layout import Layout
     from plait.model.config import ModelConfig
     from plait.model.transformer import build_model
+    from plait.parallel.data_parallel import DataParallelConfig, build_data_parallel
     from plait.topology import Topology
+    from plait.train import optim
+    from plait.train.config import TrainConfig
+    from plait.train.loop import LocalRunner, _autocast_factory
 
     out = []
+    tcfg = TrainConfig()
+    topo = Topology.single(cfg.device)
     for probe in PROBES[::2] if cfg.quick else PROBES:
         layers, hidden, heads, seq, batch, micro, vocab = probe
         model_cfg = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
                                 vocab_size=vocab)  # fmt: skip
-        model = build_model(model_cfg, topo=Topology.single(cfg.device), device=cfg.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-        ids = torch.randint(0, vocab, (batch, seq), device=cfg.device)
+        model = build_model(model_cfg, topo=topo, device=cfg.device)
+        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+        engine = build_data_parallel(
+            model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
+            make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
+            owns_grad=functools.partial(optim.owns_grad, topo=topo),
+        )  # fmt: skip
+        runner = LocalRunner(model, autocast=_autocast_factory("fp32", torch.device(cfg.device)))
+        rows = torch.randint(0, vocab, (batch, seq + 1), device=cfg.device)
 
-        def step(model=model, opt=opt, ids=ids, micro=micro):
-            for part in ids.split(micro):
-                model(part, part).mean().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def step(engine=engine, runner=runner, rows=rows, micro=micro, batch=batch, seq=seq):
+            # as one iteration of train.loop.train
+            loss = runner.train_step(list(rows.split(micro)), loss_scale=1.0,
+                                     tokens_global=batch * seq)  # fmt: skip
+            engine.finish()
+            grad_sq, _ = optim.global_stats([engine.grad_sq_local(), loss], topo)
+            engine.scale_grads_(optim.clip_coef(math.sqrt(grad_sq), tcfg.grad_clip))
+            engine.step(tcfg.lr)
+            engine.zero_grad()
 
         sync()
         out.append((probe, _median_time(step, cfg.device, min_s=0.0, reps=2 if cfg.quick else 3)))
