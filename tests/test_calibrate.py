@@ -14,6 +14,7 @@ from plait.calibrate import (
     fit_efficiency,
     fit_elementwise,
     fit_link,
+    fit_optimizer,
     fit_probes,
     gemm_shapes,
     message_sizes,
@@ -108,6 +109,28 @@ def test_probe_fit_recovers_the_kernel_overhead_and_gemm_level():
     assert fit["hardware"].efficiency.gemm_max == pytest.approx(0.45, rel=0.08)
 
 
+def test_optimizer_fit_recovers_the_cost_per_tensor():
+    from plait.model.config import ModelConfig
+    from plait.sim.memory import stage_params
+    from plait.sim.runtime import get_runtime
+
+    truth = load_hardware("cpu").replace(elementwise_bandwidth=3e9, optimizer_tensor_overhead=45e-6)
+    rows = []
+    for probe in PROBES:
+        layers, hidden, heads, seq, batch, micro, vocab = probe
+        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
+                            vocab_size=vocab)  # fmt: skip
+        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+        params = stage_params(model, layout, layers, True, True)
+        tensors = costs.stage_tensors(model, layers, True, True)
+        rows.append((probe, costs.optimizer_time(params, layout, truth, get_runtime("plait"),
+                                                 tensors)))  # fmt: skip
+    assert fit_optimizer(rows, truth.replace(optimizer_tensor_overhead=0.0)) == pytest.approx(45e-6)
+    # a tail faster than its bytes gives no negative overhead
+    fast = [(probe, 1e-6) for probe, _ in rows]
+    assert fit_optimizer(fast, truth) == 0.0
+
+
 @pytest.mark.slow
 def test_quick_calibration_writes_a_valid_hardware_file(tmp_path):
     out = tmp_path / "hw.yaml"
@@ -126,7 +149,7 @@ def test_quick_calibration_writes_a_valid_hardware_file(tmp_path):
     assert hw.intra_node.latency > 0 and hw.devices_per_node >= 2
     assert {op for op, _ in hw.intra_node.per_op} == {"all_reduce", "all_gather",
                                                       "reduce_scatter", "p2p"}  # fmt: skip
-    assert hw.elementwise_bw > 1e7 and hw.op_overhead >= 0
+    assert hw.elementwise_bw > 1e7 and hw.op_overhead >= 0 and hw.optimizer_tensor_overhead >= 0
     assert 1 <= hw.compute_slots <= hw.devices_per_node
     model = preset("tiny")
     layout = Layout(dp=2, global_batch_size=8, micro_batch_size=4)

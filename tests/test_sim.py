@@ -373,7 +373,7 @@ def cpu_host(**changes) -> Hardware:
                         ("p2p", Link(bandwidth=2e9, latency=5e-4))))  # fmt: skip
     return base.replace(**{"devices_per_node": 4, "compute_slots_per_node": 2,
                            "elementwise_bandwidth": 3e9, "op_overhead": 50e-6,
-                           "intra_node": link, "inter_node": link, **changes})  # fmt: skip
+                           "optimizer_tensor_overhead": 40e-6, "intra_node": link, "inter_node": link, **changes})  # fmt: skip
 
 
 def test_optional_hardware_fields_round_trip_and_default(tmp_path):
@@ -383,16 +383,52 @@ def test_optional_hardware_fields_round_trip_and_default(tmp_path):
     assert Hardware.from_yaml(path) == hw
     # files written before these fields existed still load, with the GPU defaults
     old = get_hardware("cpu").to_dict()
-    for key in ("elementwise_bandwidth", "compute_slots_per_node", "op_overhead"):
+    for key in ("elementwise_bandwidth", "compute_slots_per_node", "op_overhead",
+                "optimizer_tensor_overhead"):  # fmt: skip
         old.pop(key)
     loaded = Hardware.from_dict(old)
     assert loaded.elementwise_bw == loaded.memory_bandwidth
     assert loaded.compute_slots == loaded.devices_per_node and loaded.op_overhead == 0
+    assert loaded.optimizer_tensor_overhead == 0
+    with pytest.raises(ValueError, match="optimizer_tensor_overhead must be >= 0"):
+        cpu_host(optimizer_tensor_overhead=-1e-6)
     with pytest.raises(ValueError, match="unknown per_op"):
         Link.from_dict({"bandwidth": 1e9, "latency": 0, "per_op": {"gather": {"bandwidth": 1,
                                                                               "latency": 0}}})  # fmt: skip
     with pytest.raises(ValueError, match="compute_slots_per_node"):
         cpu_host(compute_slots_per_node=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_stage_tensor_count_matches_the_model(arch):
+    """The optimizer's per-tensor cost counts what plait's model really holds per stage."""
+    from plait.model.transformer import build_model
+    from plait.topology import Topology
+
+    cfg = ModelConfig(arch=arch, n_layers=4, hidden=64, n_heads=4, seq_len=32, vocab_size=128)
+    whole = build_model(cfg, topo=Topology.single("cpu"), device="meta")
+    assert costs.stage_tensors(cfg, 4, True, True) == len(list(whole.parameters()))
+    # a pipeline stage holds its blocks' tensors and its end's
+    per_block = sum(1 for n, _ in whole.named_parameters() if n.startswith("blocks.0."))
+    assert costs.LAYER_TENSORS[arch] == per_block
+    ends = len(list(whole.parameters())) - 4 * per_block
+    first, last = costs.stage_tensors(cfg, 0, True, False), costs.stage_tensors(cfg, 0, False, True)
+    # gpt2 ties the head to the embedding: the last stage of a pipeline holds a copy
+    assert first + last == ends + (1 if cfg.tied_embeddings else 0)
+
+
+def test_optimizer_tensor_overhead_adds_a_fixed_cost_per_tensor():
+    cfg = ModelConfig(n_layers=2, hidden=128, n_heads=4, seq_len=128, vocab_size=256)
+    host = cpu_host(optimizer_tensor_overhead=0.0)
+    slow = host.replace(optimizer_tensor_overhead=1e-4)
+    rt = PROFILES["plait"]
+    for dp, zero in ((1, 0), (2, 1), (2, 3)):
+        layout = Layout(dp=dp, zero=zero, global_batch_size=4, micro_batch_size=2, dtype="fp32")
+        base = costs.optimizer_time(1e6, layout, host, rt, 36)
+        assert costs.optimizer_time(1e6, layout, slow, rt, 36) - base == pytest.approx(36e-4)
+        a, b = simulate(cfg, layout, host), simulate(cfg, layout, slow)
+        extra = costs.stage_tensors(cfg, 2, True, True) * 1e-4 * b.time_sharing
+        assert b.breakdown["optimizer"] - a.breakdown["optimizer"] == pytest.approx(extra, rel=0.05)
 
 
 def test_per_operation_links_replace_the_shared_pair():

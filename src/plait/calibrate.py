@@ -39,10 +39,13 @@ for small and large operations:
   fastest throughput measured (what the trainer's MFU divides by on CPU), so
   ``gemm_max`` <= 1. ``attention`` is the simulator's attention FLOPs (3.5 x the causal
   forward's) over the measured time, as a fraction of peak.
-- Model steps: the GEMM curve's level (gemm_max, at most 1) and fixed cost
-  (gemm_half_flops) are then scaled, over a grid, until ``simulate`` best reproduces the
-  probe steps: a framework's per-operation overheads and a step's cache misses, which
-  bare matmuls on hot operands do not see, land there.
+- The optimizer: the probe steps' tail (gradient norm, clipping, AdamW, zeroing) beyond
+  its bytes at the elementwise rate, per parameter tensor: ``optimizer_tensor_overhead``
+  (``fit_optimizer``; per-tensor loops on a CPU).
+- Model steps: the host time per kernel (``op_overhead``) and a common scale of the GEMM
+  level (``gemm_max``, at most 1) are then fitted over a grid until ``simulate`` best
+  reproduces the probe steps (``fit_probes``): a framework's per-operation overheads and
+  a step's cache misses, which bare matmuls on hot operands do not see, land there.
 - ``Link``: latency alpha and bandwidth B such that ``costs.all_reduce_time``,
   ``all_gather_time``, ``reduce_scatter_time`` and ``p2p_time`` best match every
   measured collective (grid over alpha, B). One host: ``intra_node`` and ``inter_node``
@@ -326,7 +329,7 @@ def measure_compute(cfg: CalibrateConfig, log=None, sync=lambda: None) -> dict:
             "matmul": measure_matmuls(cfg, (log or (lambda m: None)) if i == 0 else (lambda m: None),
                                       sync),
             "attention": measure_attention(cfg, sync),
-            "probe": measure_probes(cfg, sync),
+            **dict(zip(("probe", "optimizer"), measure_probes(cfg, sync))),
         })  # fmt: skip
     return median_of(passes)
 
@@ -338,7 +341,7 @@ def median_of(passes: list[dict]) -> dict:
         "stream": statistics.median(p["stream"] for p in passes),
         **{key: [(*row[:-1], statistics.median(p[key][i][-1] for p in passes))
                  for i, row in enumerate(passes[0][key])]
-           for key in ("matmul", "attention", "elementwise", "probe")},
+           for key in ("matmul", "attention", "elementwise", "probe", "optimizer")},
     }  # fmt: skip
 
 
@@ -350,12 +353,14 @@ PROBES = (  # (layers, hidden, heads, seq, batch, micro-batch, vocab): overhead-
 )
 
 
-def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple, float]]:
+def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]:
     """Seconds of one single-process training step of plait's own model for each of
     ``PROBES`` (every other one when ``quick``), run the way ``plait train`` runs it: the
     micro-batches through ``LocalRunner``, the data-parallel engine (flat gradient
     buffers, also at dp 1), the global statistics, clipping and AdamW step of
-    ``train.loop.train``, on real next-token targets."""
+    ``train.loop.train``, on real next-token targets. Returns (steps, tails): rows
+    (probe, seconds) of the whole step, and of its part after the backward (gradient
+    norm, clipping, AdamW, zeroing; ``fit_optimizer``)."""
     import functools
     import math
 
@@ -370,7 +375,7 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple,
     from plait.train.config import TrainConfig
     from plait.train.loop import LocalRunner, _autocast_factory
 
-    out = []
+    out, tails = [], []
     tcfg = TrainConfig()
     topo = Topology.single(cfg.device)
     for probe in PROBES[::2] if cfg.quick else PROBES:
@@ -387,19 +392,27 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple,
         runner = LocalRunner(model, autocast=_autocast_factory("fp32", torch.device(cfg.device)))
         rows = torch.randint(0, vocab, (batch, seq + 1), device=cfg.device)
 
-        def step(engine=engine, runner=runner, rows=rows, micro=micro, batch=batch, seq=seq):
+        tail = []
+
+        def step(engine=engine, runner=runner, rows=rows, micro=micro, batch=batch, seq=seq,
+                 tail=tail):  # fmt: skip
             # as one iteration of train.loop.train
             loss = runner.train_step(list(rows.split(micro)), loss_scale=1.0,
                                      tokens_global=batch * seq)  # fmt: skip
             engine.finish()
+            _sync(cfg.device)
+            t0 = time.perf_counter()
             grad_sq, _ = optim.global_stats([engine.grad_sq_local(), loss], topo)
             engine.scale_grads_(optim.clip_coef(math.sqrt(grad_sq), tcfg.grad_clip))
             engine.step(tcfg.lr)
             engine.zero_grad()
+            _sync(cfg.device)
+            tail.append(time.perf_counter() - t0)
 
         sync()
         out.append((probe, _median_time(step, cfg.device, min_s=0.0, reps=2 if cfg.quick else 3)))
-    return out
+        tails.append((probe, statistics.median(tail[1:])))  # past the warm-up call
+    return out, tails
 
 
 # -- communication -------------------------------------------------------------------------
@@ -595,6 +608,30 @@ def attention_efficiency(rows, peak: float) -> float:
     return float(min(1.0, statistics.median(effs)))
 
 
+def fit_optimizer(rows, hw) -> float:
+    """Host seconds per parameter tensor of the step's tail (``measure_probes``): what the
+    tail takes beyond the simulator's streamed bytes at ``hw``'s elementwise rate, over
+    the probe's parameter tensors (median over the probes, at least 0)."""
+    from plait.layout import Layout
+    from plait.model.config import ModelConfig
+    from plait.sim import costs
+    from plait.sim.memory import stage_params
+    from plait.sim.runtime import get_runtime
+
+    if not rows:
+        return 0.0
+    rt, plain = get_runtime("plait"), hw.replace(optimizer_tensor_overhead=0.0)
+    per_tensor = []
+    for (layers, hidden, heads, seq, batch, micro, vocab), t in rows:
+        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
+                            vocab_size=vocab)  # fmt: skip
+        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+        params = stage_params(model, layout, layers, True, True)
+        streamed = costs.optimizer_time(params, layout, plain, rt)
+        per_tensor.append((t - streamed) / costs.stage_tensors(model, layers, True, True))
+    return max(0.0, float(statistics.median(per_tensor)))
+
+
 def fit_probes(rows, hw) -> dict:
     """Fit what bare kernels do not show, so that ``simulate`` reproduces plait's own
     single-process training steps (``measure_probes``): the host time per kernel
@@ -709,6 +746,9 @@ def calibrate(cfg: CalibrateConfig, log=print):
         inter_node=Link(bandwidth=1e9, latency=0.0), pcie_bandwidth=bandwidth,
         host_memory_bandwidth=bandwidth, elementwise_bandwidth=elementwise,
     )  # fmt: skip
+    per_tensor = fit_optimizer(compute["optimizer"], draft)
+    draft = draft.replace(optimizer_tensor_overhead=per_tensor)
+    log(f"  optimizer step: {per_tensor * 1e6:.1f} us per parameter tensor beyond its bytes")
     probe = fit_probes(compute["probe"], draft)
     eff, op_overhead = probe["hardware"].efficiency, probe["hardware"].op_overhead
     fit["probe_residual"] = probe["residual"]
@@ -751,6 +791,7 @@ def calibrate(cfg: CalibrateConfig, log=print):
         elementwise_bandwidth=elementwise,
         compute_slots_per_node=slots,
         op_overhead=op_overhead,
+        optimizer_tensor_overhead=per_tensor,
     )
     data = {"matmul": mm, "attention": attn, "collectives": comm, "fit": fit, "link": link,
             "seconds": time.perf_counter() - t0}  # fmt: skip

@@ -68,6 +68,7 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # copy, SiLU, the gate product, 2 adds.
 LAYER_KERNELS = {"gpt2": (13, 6), "llama": (41, 7)}  # (forward kernels, linears)
 END_KERNELS = {"embedding": (3, 2), "head": (8, 8)}  # (forward, backward)
+LAYER_TENSORS = {"gpt2": 16, "llama": 9}  # parameter tensors of one block (plait.model)
 FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal saving)
 
 # -- compute ------------------------------------------------------------------------------
@@ -396,21 +397,40 @@ def zero3_layer_comm(
     return ag, ag + rs
 
 
-def optimizer_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) -> float:
-    """AdamW over this rank's shard of ``params``: memory-bound. Fused Adam reads weight,
-    gradient and both moments (fp32) and writes weight and moments (28 bytes), clipping
-    reads the gradient once more and zeroing writes it; master-weight runtimes also write
-    the low-precision copy. Offloaded: gradients down and weights up over PCIe, Adam on
-    the host at its share of host memory bandwidth."""
+def stage_tensors(cfg: ModelConfig, layers: int, first: bool, last: bool) -> int:
+    """Parameter tensors one rank holds for a virtual stage of ``layers`` blocks (as
+    ``memory.stage_params``: the first stage has the token (and gpt2 position) embedding,
+    the last the final norm and the head or its tied copy)."""
+    n = layers * LAYER_TENSORS[cfg.arch]
+    if first:
+        n += 2 if cfg.arch == "gpt2" else 1
+    if last:
+        n += 2 if cfg.arch == "gpt2" else 1
+        if not cfg.tied_embeddings or not first:
+            n += 1
+    return n
+
+
+def optimizer_time(
+    params: float, layout: Layout, hw: Hardware, runtime: Runtime, tensors: int = 0
+) -> float:
+    """AdamW over this rank's shard of ``params`` in ``tensors`` parameter tensors:
+    memory-bound. Fused Adam reads weight, gradient and both moments (fp32) and writes
+    weight and moments (28 bytes), clipping reads the gradient once more and zeroing
+    writes it; master-weight runtimes also write the low-precision copy. Each tensor adds
+    ``hw.optimizer_tensor_overhead`` (every rank holds a piece of every tensor under
+    ZeRO, so the count does not shrink with dp). Offloaded: gradients down and weights
+    up over PCIe, Adam on the host at its share of host memory bandwidth."""
     w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)
     shard, _ = dp_groups(layout)
     n = params / shard
     per_param = 28 + 2 * g_bytes + (w_bytes if w_bytes < 4 else 0)
+    fixed = tensors * hw.optimizer_tensor_overhead
     if layout.offload_optimizer:
         pcie = n * (g_bytes + w_bytes) / hw.pcie_bandwidth
         host = n * per_param / (hw.host_memory_bandwidth / hw.devices_per_node)
-        return pcie + host
-    return stream_time(hw, n * per_param)
+        return pcie + host + fixed
+    return stream_time(hw, n * per_param) + fixed
 
 
 def flops_per_step(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:

@@ -11,7 +11,7 @@ A :class:`Hardware` entry describes one kind of device and the machine it sits i
   NVSwitch between the devices of a node) and ``inter_node`` (the network; bandwidth *per
   device*, i.e. one rail-local NIC, as on DGX machines where each GPU has its own NIC),
 - ``devices_per_node``, ``pcie_bandwidth`` and ``host_memory_bandwidth`` (optimizer offload),
-- two optional fields for hosts where the framework, not the memory, sets the pace:
+- optional fields for hosts where the framework, not the memory, sets the pace:
   ``elementwise_bandwidth``, the bytes/s that elementwise, normalisation, loss and
   optimizer kernels reach (default: ``memory_bandwidth``, as on GPUs, where those kernels
   stream near it; single CPU threads compute GELU or AdamW well below it), and
@@ -20,11 +20,15 @@ A :class:`Hardware` entry describes one kind of device and the machine it sits i
   than it has cores time-shares them, see ``simulate``), and ``op_overhead``, the host
   time each kernel costs on top of its own run time where nothing hides it (default 0:
   a GPU queues kernels ahead of time; a CPU worker pays the framework's dispatch and
-  autograd bookkeeping for every operation, see ``costs``).
+  autograd bookkeeping for every operation, see ``costs``), and
+  ``optimizer_tensor_overhead``, host seconds per parameter tensor per optimizer step
+  (default 0: fused multi-tensor kernels; on a CPU, AdamW, the gradient norm and clipping
+  loop over the tensors one by one, a fixed cost per tensor that a small model's step
+  feels).
 
 Built-in entries: ``v100``, ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200`` and ``cpu``.
 Users describe their own clusters in YAML (``Hardware.to_yaml`` writes the schema; every
-field is required except ``description`` and the two optional ones)::
+field is required except ``description`` and the optional ones)::
 
     name: my-cluster
     peak_flops: {fp32: 19.5e12, bf16: 312e12, fp16: 312e12}
@@ -40,6 +44,7 @@ field is required except ``description`` and the two optional ones)::
     elementwise_bandwidth: null      # optional
     compute_slots_per_node: null     # optional
     op_overhead: 0.0                 # optional
+    optimizer_tensor_overhead: 0.0   # optional
 
 ``plait calibrate`` writes the same file for the machine it runs on: measured matmul
 efficiency (fit of ``gemm_max`` / ``gemm_half_flops``) and measured collective alpha/beta.
@@ -166,6 +171,9 @@ class Hardware:
     elementwise_bandwidth: float | None = None  # None: memory_bandwidth
     compute_slots_per_node: int | None = None  # None: devices_per_node
     op_overhead: float = 0.0  # seconds of host work per kernel, where it is not hidden
+    # host seconds per parameter tensor per optimizer step (per-tensor loops of AdamW,
+    # the gradient norm and clipping, where no multi-tensor kernel fuses them)
+    optimizer_tensor_overhead: float = 0.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -176,8 +184,9 @@ class Hardware:
                 raise ValueError(f"hardware {self.name}: {name} must be positive")
         if self.elementwise_bandwidth is not None and self.elementwise_bandwidth <= 0:
             raise ValueError(f"hardware {self.name}: elementwise_bandwidth must be positive")
-        if self.op_overhead < 0:
-            raise ValueError(f"hardware {self.name}: op_overhead must be >= 0")
+        for name in ("op_overhead", "optimizer_tensor_overhead"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"hardware {self.name}: {name} must be >= 0")
         if self.compute_slots_per_node is not None and self.compute_slots_per_node < 1:
             raise ValueError(f"hardware {self.name}: compute_slots_per_node must be at least 1")
 
@@ -217,7 +226,13 @@ class Hardware:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown hardware field(s): {', '.join(unknown)}")
-        optional = {"description", "elementwise_bandwidth", "compute_slots_per_node", "op_overhead"}
+        optional = {
+            "description",
+            "elementwise_bandwidth",
+            "compute_slots_per_node",
+            "op_overhead",
+            "optimizer_tensor_overhead",
+        }
         missing = sorted(
             f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional
         )
@@ -239,7 +254,8 @@ class Hardware:
             d["devices_per_node"] = int(d["devices_per_node"])
             if d.get("elementwise_bandwidth") is not None:
                 d["elementwise_bandwidth"] = float(d["elementwise_bandwidth"])
-            d["op_overhead"] = float(d.get("op_overhead") or 0.0)
+            for name in ("op_overhead", "optimizer_tensor_overhead"):
+                d[name] = float(d.get(name) or 0.0)
             if d.get("compute_slots_per_node") is not None:
                 d["compute_slots_per_node"] = int(d["compute_slots_per_node"])
         except TypeError as e:  # a missing or misspelt key inside a nested block

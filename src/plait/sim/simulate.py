@@ -20,7 +20,7 @@ Step timeline per pipeline rank r (every dp / tp replica of it behaves the same)
     replay the action lists -> r's compute ends at end_r
     gradients of a chunk are ready from the start of its last backward; overlapped
     reduction streams them from then, else starts at end_r -> finish_r
-    step = max_r finish_r (the loss / grad-norm reduction syncs everyone)
+    step = max_r finish_r + the loss / grad-norm all-reduce (it syncs everyone)
            + optimizer + the ZeRO 1/2 weight all-gather where it is not overlapped.
 
 Time sharing. When a node holds more devices than can compute at once
@@ -150,6 +150,7 @@ def _slowed(hw: Hardware, f: float) -> Hardware:
         memory_bandwidth=hw.memory_bandwidth / f,
         elementwise_bandwidth=hw.elementwise_bw / f,
         op_overhead=hw.op_overhead * f,
+        optimizer_tensor_overhead=hw.optimizer_tensor_overhead * f,
     )
 
 
@@ -222,8 +223,21 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
         dp_work.append(t_grad + dp["param"])
         if finish[r] > ends[r]:
             extras.setdefault(r, []).append(("dp_comm", ends[r], finish[r]))
-    step_sync = max(finish)
-    opts = [costs.optimizer_time(n, layout, hw, rt) for n in params]
+    # the loss and gradient-norm scalars: one all-reduce over every rank, a sync point
+    world = layout.world_size
+    stats = costs.all_reduce_time(24, world, costs.group_link(hw, world, 1)) if world > 1 else 0.0
+    step_sync = max(finish) + stats
+    if stats:
+        for r in range(p):
+            extras.setdefault(r, []).append(("dp_comm", step_sync - stats, step_sync))
+    tensors = [
+        sum(
+            costs.stage_tensors(model, stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1)
+            for c in range(v)
+        )
+        for r in range(p)
+    ]
+    opts = [costs.optimizer_time(n, layout, hw, rt, k) for n, k in zip(params, tensors)]
     opt = max(opts)
     gather = 0.0
     for r, t_ag in enumerate(gathers):
