@@ -431,6 +431,22 @@ def test_optimizer_tensor_overhead_adds_a_fixed_cost_per_tensor():
         assert b.breakdown["optimizer"] - a.breakdown["optimizer"] == pytest.approx(extra, rel=0.05)
 
 
+def test_zero1_reduces_gradients_as_the_runtime_does():
+    """plait's stage 1 all-reduces whole gradients (as ZeRO-0); a reduce-scatter runtime
+    reduce-scatters them; both gather the weights back with the pack/unpack copies."""
+    hw = cpu_host()
+    z0, z1 = (Layout(dp=2, zero=z, global_batch_size=4, micro_batch_size=2) for z in (0, 1))
+    plait_rt, rs_rt = PROFILES["plait"], PROFILES["megatron-core"]
+    assert plait_rt.zero1_grad_all_reduce and not rs_rt.zero1_grad_all_reduce
+    ref = costs.dp_comm_time(1e6, z0, hw, plait_rt)["grad"]
+    assert costs.dp_comm_time(1e6, z1, hw, plait_rt)["grad"] == pytest.approx(ref)
+    assert costs.dp_comm_time(1e6, z1, hw, rs_rt)["grad"] == pytest.approx(
+        costs.reduce_scatter_time(4e6, 2, hw.intra_node))
+    gather = costs.dp_comm_time(1e6, z1, hw, plait_rt)["param"]
+    copies = costs.stream_time(hw, 2 * 4e6 * 1.5)
+    assert gather == pytest.approx(costs.all_gather_time(4e6, 2, hw.intra_node) + copies)
+
+
 def test_per_operation_links_replace_the_shared_pair():
     link = cpu_host().intra_node
     assert costs.all_gather_time(1e6, 2, link) == pytest.approx(2e-3 + 0.5e6 / 0.3e9)

@@ -360,9 +360,12 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
     """Seconds of the once-per-step data-parallel communication of ``params`` weights.
 
     ZeRO 0: all-reduce the gradients. ZeRO 1/2: reduce-scatter them over the shard group
-    (all-reduce the shard across replicas for HSDP), all-gather the updated weights after
-    the step. ZeRO 3 does its communication per layer and micro-batch instead
-    (``zero3_layer_comm``); only the HSDP replica all-reduce is left here.
+    (all-reduce the shard across replicas for HSDP; a ``zero1_grad_all_reduce`` runtime
+    all-reduces them whole at stage 1), all-gather the updated weights after the step,
+    with the copies that pack this rank's pieces into the message and unpack the gathered
+    row into the weights (streamed at the elementwise rate). ZeRO 3 does its
+    communication per layer and micro-batch instead (``zero3_layer_comm``); only the HSDP
+    replica all-reduce is left here.
     Returns {"grad": s, "param": s}.
     """
     dp, t = layout.dp, layout.tp
@@ -378,8 +381,12 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
     across = all_reduce_time(gbytes / shard, replicas, replica_link)
     if layout.zero == 3:
         return {"grad": across, "param": 0.0}
-    grad = reduce_scatter_time(gbytes, shard, shard_link) + across
-    return {"grad": grad, "param": all_gather_time(pbytes, shard, shard_link)}
+    if layout.zero == 1 and runtime.zero1_grad_all_reduce:
+        grad = all_reduce_time(gbytes, dp, group_link(hw, dp, t))
+    else:
+        grad = reduce_scatter_time(gbytes, shard, shard_link) + across
+    copies = stream_time(hw, 2 * pbytes * (1 + 1 / shard))  # pack the pieces, unpack the row
+    return {"grad": grad, "param": all_gather_time(pbytes, shard, shard_link) + copies}
 
 
 def zero3_layer_comm(

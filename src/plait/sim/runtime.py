@@ -27,6 +27,9 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   copy in the optimizer (Megatron: 2 + 4 + 12 bytes per parameter). plait instead keeps
   fp32 weights and gradients and autocasts (4 + 4 + 8).
 - ``grad_reduce_fp32``: gradients are accumulated and reduced in fp32.
+- ``zero1_grad_all_reduce``: ZeRO stage 1 all-reduces whole gradients, as ZeRO-0 does,
+  and each rank updates its shard from them (plait: stage 1 shards only the optimizer
+  state); otherwise stage 1 reduce-scatters them as stage 2 does.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Runtime:
     grad_bucket_bytes: float | None = 25 * 2**20
     master_weights: bool = False
     grad_reduce_fp32: bool = True
+    zero1_grad_all_reduce: bool = False
     description: str = dataclasses.field(default="", compare=False)
 
     def state_bytes(self, dtype: str) -> tuple[int, int, int]:
@@ -67,6 +71,7 @@ class Runtime:
 PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
+        zero1_grad_all_reduce=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
     ),
