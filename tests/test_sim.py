@@ -441,7 +441,8 @@ def test_zero1_reduces_gradients_as_the_runtime_does():
     ref = costs.dp_comm_time(1e6, z0, hw, plait_rt)["grad"]
     assert costs.dp_comm_time(1e6, z1, hw, plait_rt)["grad"] == pytest.approx(ref)
     assert costs.dp_comm_time(1e6, z1, hw, rs_rt)["grad"] == pytest.approx(
-        costs.reduce_scatter_time(4e6, 2, hw.intra_node))
+        costs.reduce_scatter_time(4e6, 2, hw.intra_node)
+    )
     gather = costs.dp_comm_time(1e6, z1, hw, plait_rt)["param"]
     copies = costs.stream_time(hw, 2 * 4e6 * 1.5)
     assert gather == pytest.approx(costs.all_gather_time(4e6, 2, hw.intra_node) + copies)
