@@ -18,6 +18,7 @@ from plait.calibrate import (
     fit_probes,
     gemm_shapes,
     message_sizes,
+    probe_case,
 )
 from plait.layout import Layout
 from plait.model.config import preset
@@ -91,15 +92,7 @@ def test_probe_fit_recovers_the_kernel_overhead_and_gemm_level():
     truth = load_hardware("cpu").replace(op_overhead=80e-6, elementwise_bandwidth=3e9)
     truth = truth.replace(efficiency=truth.efficiency.__class__(
         gemm_max=0.45, gemm_half_k=16, gemm_half_flops=2e6, attention=0.3))  # fmt: skip
-    from plait.model.config import ModelConfig
-
-    rows = []
-    for probe in PROBES:
-        layers, hidden, heads, seq, batch, micro, vocab = probe
-        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
-                            vocab_size=vocab)  # fmt: skip
-        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
-        rows.append((probe, simulate(model, layout, truth).iter_time_s))
+    rows = [(probe, simulate(*probe_case(probe), truth).iter_time_s) for probe in PROBES]
     # start from the sweep's view: GEMMs 20% faster than in a step, no kernel overhead
     sweep = truth.replace(op_overhead=0.0, efficiency=truth.efficiency.__class__(
         gemm_max=0.54, gemm_half_k=16, gemm_half_flops=2e6, attention=0.3))  # fmt: skip
@@ -110,17 +103,14 @@ def test_probe_fit_recovers_the_kernel_overhead_and_gemm_level():
 
 
 def test_optimizer_fit_recovers_the_cost_per_tensor():
-    from plait.model.config import ModelConfig
     from plait.sim.memory import stage_params
     from plait.sim.runtime import get_runtime
 
     truth = load_hardware("cpu").replace(elementwise_bandwidth=3e9, optimizer_tensor_overhead=45e-6)
     rows = []
     for probe in PROBES:
-        layers, hidden, heads, seq, batch, micro, vocab = probe
-        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
-                            vocab_size=vocab)  # fmt: skip
-        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+        model, layout = probe_case(probe)
+        layers = model.n_layers
         params = stage_params(model, layout, layers, True, True)
         tensors = costs.stage_tensors(model, layers, True, True)
         rows.append((probe, costs.optimizer_time(params, layout, truth, get_runtime("plait"),

@@ -353,6 +353,17 @@ PROBES = (  # (layers, hidden, heads, seq, batch, micro-batch, vocab): overhead-
 )
 
 
+def probe_case(probe: tuple):
+    """(``ModelConfig``, fp32 ``Layout``) of one of ``PROBES``."""
+    from plait.layout import Layout
+    from plait.model.config import ModelConfig
+
+    layers, hidden, heads, seq, batch, micro, vocab = probe
+    model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
+                        vocab_size=vocab)  # fmt: skip
+    return model, Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+
+
 def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]:
     """Seconds of one single-process training step of plait's own model for each of
     ``PROBES`` (every other one when ``quick``), run the way ``plait train`` runs it: the
@@ -366,8 +377,6 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
 
     import torch
 
-    from plait.layout import Layout
-    from plait.model.config import ModelConfig
     from plait.model.transformer import build_model
     from plait.parallel.data_parallel import DataParallelConfig, build_data_parallel
     from plait.topology import Topology
@@ -379,11 +388,9 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
     tcfg = TrainConfig()
     topo = Topology.single(cfg.device)
     for probe in PROBES[::2] if cfg.quick else PROBES:
-        layers, hidden, heads, seq, batch, micro, vocab = probe
-        model_cfg = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
-                                vocab_size=vocab)  # fmt: skip
+        model_cfg, layout = probe_case(probe)
+        _, _, _, seq, batch, micro, vocab = probe
         model = build_model(model_cfg, topo=topo, device=cfg.device)
-        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
         engine = build_data_parallel(
             model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
             make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
@@ -612,8 +619,6 @@ def fit_optimizer(rows, hw) -> float:
     """Host seconds per parameter tensor of the step's tail (``measure_probes``): what the
     tail takes beyond the simulator's streamed bytes at ``hw``'s elementwise rate, over
     the probe's parameter tensors (median over the probes, at least 0)."""
-    from plait.layout import Layout
-    from plait.model.config import ModelConfig
     from plait.sim import costs
     from plait.sim.memory import stage_params
     from plait.sim.runtime import get_runtime
@@ -622,12 +627,11 @@ def fit_optimizer(rows, hw) -> float:
         return 0.0
     rt, plain = get_runtime("plait"), hw.replace(optimizer_tensor_overhead=0.0)
     per_tensor = []
-    for (layers, hidden, heads, seq, batch, micro, vocab), t in rows:
-        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
-                            vocab_size=vocab)  # fmt: skip
-        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
-        params = stage_params(model, layout, layers, True, True)
-        streamed = costs.optimizer_time(params, layout, plain, rt)
+    for probe, t in rows:
+        model, layout = probe_case(probe)
+        layers = model.n_layers
+        streamed = costs.optimizer_time(stage_params(model, layout, layers, True, True), layout,
+                                        plain, rt)  # fmt: skip
         per_tensor.append((t - streamed) / costs.stage_tensors(model, layers, True, True))
     return max(0.0, float(statistics.median(per_tensor)))
 
@@ -638,19 +642,12 @@ def fit_probes(rows, hw) -> dict:
     (``op_overhead``: dispatch, autograd bookkeeping, allocation) and a common scale of
     the GEMM level (``gemm_max``, at most 1: a step's operands are colder than a sweep's),
     over a grid; everything else stays as measured. Returns the hardware and the fit."""
-    from plait.layout import Layout
-    from plait.model.config import ModelConfig
     from plait.sim import simulate
 
     if not rows:
         return {"hardware": hw, "scale": 1.0, "residual": 0.0}
     eff = hw.efficiency
-    cases = []
-    for (layers, hidden, heads, seq, batch, micro, vocab), t in rows:
-        model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
-                            vocab_size=vocab)  # fmt: skip
-        layout = Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
-        cases.append((model, layout, t))
+    cases = [(*probe_case(probe), t) for probe, t in rows]
 
     def error(scale: float, overhead: float) -> tuple:
         trial = hw.replace(efficiency=dataclasses.replace(eff, gemm_max=float(eff.gemm_max * scale)),
