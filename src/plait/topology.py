@@ -86,6 +86,7 @@ class Topology:
     world_group: object | None = None
     device: torch.device = torch.device("cpu")
     stats: CommStats = field(default_factory=CommStats)
+    timeout: datetime.timedelta | None = None  # of every group built here (``build``)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Topology:
@@ -138,7 +139,56 @@ class Topology:
             group_ranks=group_ranks,
             world_group=dist.group.WORLD if world > 1 else None,
             device=torch.device(device),
+            timeout=timeout,
         )
+
+    def split_dp(self, k: int) -> tuple[Topology, Topology | None]:
+        """Hybrid sharding (HSDP): the dp axis cut into blocks of ``k`` ranks. Returns
+        (shard, replicate) topologies whose dp axis is the sub-group: dp rank j shards
+        with the k dp ranks of its block, and all-reduces with the ranks holding the same
+        piece in the other blocks. Worked example, dp=4 (global ranks 0-3), k=2: shard
+        groups [0,1] [2,3], replicate groups [0,2] [1,3]. (self, None) when k == dp.
+
+        Both share ``stats`` (their collectives count on the "dp" axis) and the timeout.
+        Collective over the world: every rank creates every group, in the same order.
+        """
+        dp = self.dp
+        if k == dp:
+            return self, None
+        if k < 1 or dp % k:
+            raise ValueError(f"--zero-shard-group {k} must divide --dp {dp}")
+        mine: dict[str, tuple[list[int], object]] = {}
+        if dist.is_initialized():
+            for ranks in axis_groups(Axis.DP, pp=self.pp, dp=dp, tp=self.tp):
+                for kind, sets in (
+                    ("shard", [ranks[i : i + k] for i in range(0, dp, k)]),
+                    ("replicate", [ranks[j::k] for j in range(k)]),
+                ):
+                    for members in sets:
+                        pg = (
+                            dist.new_group(members, timeout=self.timeout)
+                            if len(members) > 1
+                            else None
+                        )
+                        if self.rank in members:
+                            mine[kind] = (members, pg)
+
+        def sub(kind: str, size: int) -> Topology:
+            members, pg = mine.get(kind, ([self.rank], None))
+            return Topology(
+                pp=1,
+                dp=size,
+                tp=1,
+                rank=self.rank,
+                groups={Axis.DP: pg} if pg is not None else {},
+                group_ranks={Axis.DP: members, Axis.PP: [self.rank], Axis.TP: [self.rank]},
+                world_group=self.world_group,
+                device=self.device,
+                stats=self.stats,
+                timeout=self.timeout,
+            )
+
+        return sub("shard", k), sub("replicate", dp // k)
 
     @property
     def world_size(self) -> int:

@@ -50,7 +50,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait import comm
@@ -65,7 +64,7 @@ from plait.parallel.data_parallel import (
     tensor_bytes,
     weak_method,
 )
-from plait.topology import Axis, Topology, axis_groups
+from plait.topology import Axis, Topology
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
 
@@ -145,52 +144,6 @@ class ShardedLayout:
         for view, piece in zip(self.row_views(row), pieces):
             view.copy_(piece)
         return row
-
-
-# --- hybrid sharding groups ---------------------------------------------------------------
-
-
-def hsdp_topologies(topo: Topology, shard_group: int | None) -> tuple[Topology, Topology | None]:
-    """The topologies ZeRO communicates on: (shard, replicate). Without hybrid sharding,
-    (topo, None). With K = ``shard_group``: dp rank j shards with the K dp ranks of its
-    block and all-reduces with the ranks holding the same piece in the other blocks.
-    Worked example, dp=4 (global ranks 0-3), K=2: shard groups [0,1] [2,3], replicate
-    groups [0,2] [1,3]; dp rank 2 holds piece 0 of each parameter, as does dp rank 0.
-
-    Both are ``Topology`` objects whose dp axis is the sub-group (sharing ``topo.stats``,
-    so their collectives are counted on the "dp" axis); groups stay inside topologies.
-    Collective over the world: every rank creates every group, in the same order.
-    """
-    dp, k = topo.dp, shard_group or topo.dp
-    if k == dp:
-        return topo, None
-    mine: dict[str, tuple[list[int], object]] = {}
-    if dist.is_initialized():
-        for ranks in axis_groups(Axis.DP, pp=topo.pp, dp=dp, tp=topo.tp):
-            for kind, sets in (
-                ("shard", [ranks[i : i + k] for i in range(0, dp, k)]),
-                ("replicate", [ranks[j::k] for j in range(k)]),
-            ):
-                for members in sets:
-                    pg = dist.new_group(members) if len(members) > 1 else None
-                    if topo.rank in members:
-                        mine[kind] = (members, pg)
-
-    def sub(kind: str, size: int) -> Topology:
-        members, pg = mine.get(kind, ([topo.rank], None))
-        return Topology(
-            pp=1,
-            dp=size,
-            tp=1,
-            rank=topo.rank,
-            groups={Axis.DP: pg} if pg is not None else {},
-            group_ranks={Axis.DP: members, Axis.PP: [topo.rank], Axis.TP: [topo.rank]},
-            world_group=topo.world_group,
-            device=topo.device,
-            stats=topo.stats,
-        )
-
-    return sub("shard", k), sub("replicate", dp // k)
 
 
 # --- the communication thread -------------------------------------------------------------
@@ -523,7 +476,7 @@ class ZeroDataParallel:
         self.model, self.topo, self.cfg, self.zero = model, topo, cfg, cfg.zero
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
-        self.shard_topo, self.replicate_topo = hsdp_topologies(topo, cfg.shard_group)
+        self.shard_topo, self.replicate_topo = topo.split_dp(cfg.shard_group or topo.dp)
         self.n = self.shard_topo.dp
         self.rank = topo.dp_rank % self.n
         self.counts_norm = topo.dp_rank // self.n == 0  # the first replica of each piece
