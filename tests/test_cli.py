@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 TINY = [
     "--model", "tiny", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",
@@ -86,10 +87,15 @@ def test_resume_continues_the_same_curve(base, tmp_path):
     assert losses(run) == pytest.approx(losses(base), rel=1e-6)
 
 
-def test_dp2_matches_single_process(base, corpus, tmp_path):
+@pytest.mark.parametrize("buckets", [[], ["--bucket-mb", "0.25"]], ids=["one-bucket", "buckets"])
+def test_dp2_matches_single_process(base, corpus, tmp_path, buckets):
+    """dp 2 reproduces the single-process curve, with the default bucket (the tiny model's
+    gradients fit one) and with --bucket-mb small enough for several, overlapped."""
     out = tmp_path / "dp2"
-    plait("train", *common(corpus), "--steps", 20, "--dp", 2, "--out", out, check=True)
+    plait("train", *common(corpus), "--steps", 20, "--dp", 2, "--out", out, *buckets, check=True)
     assert losses(out) == pytest.approx(losses(base), rel=1e-5)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["layout"]["bucket_mb"] == (0.25 if buckets else 25.0)
 
 
 def _free_port():
@@ -140,6 +146,7 @@ def _one_line_error(proc, *needles):
         (["--tp", "3"], ["--tp 3 does not divide --heads 4"]),
         (["--resume", "--out", "/tmp/plait-no-such-run"], ["--resume: no checkpoint"]),
         (["--config", "/nonexistent.yaml"], ["--config /nonexistent.yaml"]),
+        (["--bucket-mb", "0"], ["--bucket-mb must be positive"]),
     ],
 )
 def test_bad_input_one_line(extra, needles, tmp_path):

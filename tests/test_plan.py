@@ -222,6 +222,10 @@ def test_budget_proposes_a_chinchilla_model(capsys, tmp_path):
         ),
         (["--gpus", "7", "--global-batch-size", "3"], "no layout"),
         (
+            ["--gpus", "2", "--global-batch-size", "8", "--bucket-mb", "4"],
+            "--bucket-mb is not searched by plait plan",
+        ),
+        (
             ["--gpus", "8", "--global-batch-size", "8", "--hardware", "/no/such.yaml"],
             "--hardware /no/such.yaml",
         ),

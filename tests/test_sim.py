@@ -448,6 +448,25 @@ def test_zero1_reduces_gradients_as_the_runtime_does():
     assert gather == pytest.approx(costs.all_gather_time(4e6, 2, hw.intra_node) + copies)
 
 
+def test_bucket_mb_of_the_layout_sets_plait_buckets():
+    """--bucket-mb reaches the simulator (plait runtime only): a model under one 25 MiB
+    bucket reduces after its backward; small buckets overlap it."""
+    cfg = ModelConfig(n_layers=4, hidden=128, n_heads=4, seq_len=128, vocab_size=256)
+    hw = cpu_host(devices_per_node=2)
+    one = Layout(dp=2, global_batch_size=16, micro_batch_size=8, dtype="fp32")
+    small = Layout(dp=2, global_batch_size=16, micro_batch_size=8, dtype="fp32", bucket_mb=0.25)
+    a, b = simulate(cfg, one, hw), simulate(cfg, small, hw)
+    assert b.breakdown["dp_comm"] < a.breakdown["dp_comm"]
+    assert b.breakdown["compute"] == pytest.approx(a.breakdown["compute"])
+    # another runtime keeps its own bucket size
+    rt = "megatron-core"
+    assert simulate(cfg, one, hw, runtime=rt).iter_time_s == pytest.approx(
+        simulate(cfg, small, hw, runtime=rt).iter_time_s
+    )
+    with pytest.raises(ValueError, match="--bucket-mb must be positive"):
+        Layout(bucket_mb=0)
+
+
 def test_per_operation_links_replace_the_shared_pair():
     link = cpu_host().intra_node
     assert costs.all_gather_time(1e6, 2, link) == pytest.approx(2e-3 + 0.5e6 / 0.3e9)

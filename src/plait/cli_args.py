@@ -39,6 +39,7 @@ LAYOUT_FLAGS = (
     "dtype",
     "pp_layout",
     "pp_partition",
+    "bucket_mb",
 )
 
 
@@ -84,6 +85,8 @@ def layout_parent() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true", default=None)
     g.add_argument("--recompute", choices=RECOMPUTE, default=None)
     g.add_argument("--dtype", choices=DTYPES, default=None)
+    g.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient bucket size in MiB for ZeRO 0-2 (default 25, as DDP)")  # fmt: skip
     return p
 
 

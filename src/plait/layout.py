@@ -33,6 +33,11 @@ def check_tp_split(model: ModelConfig, tp: int) -> None:
         raise ValueError(f"--tp {tp} does not divide --ffn-hidden {model.ffn_hidden}")
 
 
+# Gradient bucket (MiB), PyTorch DDP's default: large enough to amortise a collective's
+# latency, small enough that the first bucket starts early in the backward.
+DEFAULT_BUCKET_MB = 25.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """dp x tp x pp processes; a global batch of ``global_batch_size`` sequences split into
@@ -53,6 +58,7 @@ class Layout:
     dtype: str = "fp32"
     pp_layout: tuple[int, ...] | None = None  # layers per virtual stage, e.g. (5, 6, 6, 5)
     pp_partition: str = "uniform"  # uniform | balanced (by per-layer cost, embedding and head)
+    bucket_mb: float = DEFAULT_BUCKET_MB  # data-parallel gradient buckets (ZeRO 0-2)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "vpp", "micro_batch_size", "global_batch_size"):
@@ -87,6 +93,8 @@ class Layout:
             raise ValueError(
                 f"--pp-partition {self.pp_partition!r}: choose one of uniform, balanced"
             )
+        if not self.bucket_mb > 0:
+            raise ValueError(f"--bucket-mb must be positive (e.g. 25), got {self.bucket_mb}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tp > 1")
         if self.zero_shard_group is not None:

@@ -133,7 +133,7 @@ def _request(values: dict, model, hw, tokens: float | None):
     from plait.cli_args import LAYOUT_FLAGS
     from plait.sim.plan import PlanRequest, space_for
 
-    for key in ("pp_layout", "zero_shard_group", "offload_optimizer"):
+    for key in ("pp_layout", "zero_shard_group", "offload_optimizer", "bucket_mb"):
         if values.get(key):
             flag = "--" + key.replace("_", "-")
             raise ValueError(

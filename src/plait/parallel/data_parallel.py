@@ -74,11 +74,8 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.layout import DEFAULT_BUCKET_MB
 from plait.topology import Axis, Topology
-
-# DDP's default bucket size: large enough to amortise a collective's latency, small enough
-# that the first bucket starts early in the backward.
-DEFAULT_BUCKET_MB = 25.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,12 +99,12 @@ class DataParallelConfig:
             raise ValueError("--zero-shard-group and --offload-optimizer need --zero 1, 2 or 3")
 
     @classmethod
-    def from_layout(cls, layout, *, bucket_mb: float = DEFAULT_BUCKET_MB) -> DataParallelConfig:
+    def from_layout(cls, layout) -> DataParallelConfig:
         return cls(
             zero=layout.zero,
             shard_group=layout.zero_shard_group,
             offload_optimizer=layout.offload_optimizer,
-            bucket_mb=bucket_mb,
+            bucket_mb=layout.bucket_mb,
             num_microbatches=layout.num_microbatches,
         )
 

@@ -22,7 +22,8 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``grad_bucket_bytes``: gradients are reduced in buckets of this size, each leaving
   once the backward has filled it (PyTorch DDP and plait: 25 MiB; Megatron-Core: 40M
   parameters); ``None``: one bucket per layer (FSDP's per-layer units). A model smaller
-  than one bucket gets no overlap at all.
+  than one bucket gets no overlap at all. ``bucket_from_layout``: the layout's
+  ``bucket_mb`` (``--bucket-mb``) sets it instead (plait).
 - ``master_weights``: mixed precision keeps low-precision weights plus an fp32 master
   copy in the optimizer (Megatron: 2 + 4 + 12 bytes per parameter). plait instead keeps
   fp32 weights and gradients and autocasts (4 + 4 + 8).
@@ -46,6 +47,7 @@ class Runtime:
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
     grad_bucket_bytes: float | None = 25 * 2**20
+    bucket_from_layout: bool = False
     master_weights: bool = False
     grad_reduce_fp32: bool = True
     zero1_grad_all_reduce: bool = False
@@ -72,6 +74,7 @@ PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
         zero1_grad_all_reduce=True,
+        bucket_from_layout=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
     ),

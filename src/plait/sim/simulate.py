@@ -210,7 +210,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
         dp = costs.dp_comm_time(params[r], layout, hw, rt)
         t_grad = dp["grad"] + (tied_sync if r in (0, p - 1) else 0.0)
         if rt.overlap_grad_reduce and t_grad > 0:
-            bucket, gbytes = rt.grad_bucket_bytes, rt.grad_comm_bytes(layout.dtype)
+            bucket = layout.bucket_mb * 2**20 if rt.bucket_from_layout else rt.grad_bucket_bytes
+            gbytes = rt.grad_comm_bytes(layout.dtype)
             shares = [  # (chunk, share of the bytes, buckets; per layer without a size)
                 (c, n / params[r], math.ceil(n * gbytes / bucket) if bucket else stage_layers[c * p + r])
                 for c, n in enumerate(chunk_params[r])
