@@ -149,6 +149,34 @@ def test_config_files_yaml_and_toml(tmp_path):
     assert again.model == cfg.model and again.layout == cfg.layout
 
 
+def test_a_run_config_feeds_simulate_plan_and_info(tmp_path, capsys):
+    """``--config runs/x/config.yaml`` describes the same model and layout to every
+    command; only train takes its data and run folder (plan writes where --out says)."""
+    from plait.cli import main
+
+    cfg = build_run_config({"model": "tiny", "dp": 2, "zero": 3, "global_batch_size": 16,
+                            "micro_batch_size": 4, "data": "corpus.txt",
+                            "out": str(tmp_path / "run")})  # fmt: skip
+    resolved = tmp_path / "config.yaml"
+    cfg.save(resolved)
+    assert main(["simulate", "--config", str(resolved), "--gpu", "cpu", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)
+    assert sim["n_devices"] == 2 and sim["layout"]["zero"] == 3
+    assert sim["layout"]["micro_batch_size"] == 4
+    # flags override the file
+    assert (
+        main(["simulate", "--config", str(resolved), "--gpu", "cpu", "--json", "--zero", "1"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["layout"]["zero"] == 1
+    plan = tmp_path / "plan.yaml"
+    assert main(["plan", "--config", str(resolved), "--gpu", "cpu", "--out", str(plan)]) == 0
+    assert plan.exists() and not (tmp_path / "run").exists()
+    assert main(["info", "--config", str(resolved)]) == 0
+    others = read_config_file(str(resolved), run=False)
+    assert "out" not in others and "data" not in others and others["zero"] == 3
+    assert read_config_file(str(resolved))["data"] == "corpus.txt"
+
+
 def test_worker_parser_rejects_abbreviations():
     assert _parse(["--config", "x.yaml"]).config == "x.yaml"
     with pytest.raises(SystemExit):

@@ -39,9 +39,10 @@ def _die(prog: str, msg: str, code: int = 2) -> int:
 # --- config files ---------------------------------------------------------------------------
 
 
-def read_config_file(path: str) -> dict:
+def read_config_file(path: str, *, run: bool = True) -> dict:
     """Flag values from a YAML or TOML file: flat keys named like the flags (``tp: 2``,
-    ``global-batch-size: 16``), or a ``config.yaml`` written by ``plait train``."""
+    ``global-batch-size: 16``), or a ``config.yaml`` written by ``plait train`` (whose
+    data section and run folder only ``train`` reads: left out unless ``run``)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config {path}: no such file")
@@ -66,21 +67,25 @@ def read_config_file(path: str) -> dict:
         )  # fmt: skip
         for section in ("layout", "train"):
             flat.update(raw.get(section) or {})
-        d = raw.get("data") or {}
-        flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
-                    cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"))  # fmt: skip
-        if "out" in raw:
-            flat["out"] = raw["out"]
+        if run:
+            d = raw.get("data") or {}
+            flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
+                        cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"))  # fmt: skip
+            if "out" in raw:
+                flat["out"] = raw["out"]
         flat.pop("resume", None)
         return {k: v for k, v in flat.items() if v is not None}
     return {str(k).replace("-", "_"): v for k, v in raw.items()}
 
 
-def merged_values(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
-    """Config file values overridden by the flags given on the command line."""
+def merged_values(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, *, run: bool = False
+) -> dict:
+    """Config file values overridden by the flags given on the command line (``run``: the
+    command trains, and takes a run config's data and folder too)."""
     values = {}
     if getattr(args, "config", None):
-        values = read_config_file(args.config)
+        values = read_config_file(args.config, run=run)
         from plait.train.config import TRAIN_FIELDS
 
         known = {a.dest for a in parser._actions} | TRAIN_FIELDS
@@ -183,7 +188,7 @@ def cmd_train(args, parser) -> int:
     from plait.train.launch import LaunchError, launch
 
     try:
-        values = merged_values(args, parser)
+        values = merged_values(args, parser, run=True)
         cfg = build_run_config(values)
         out = Path(cfg.out)
         if cfg.train.resume:
@@ -422,6 +427,10 @@ def main(argv=None) -> int:
     if args.command == "info":
         return cmd_info(args, subs["info"])
     if args.command == "simulate" and sim_cli is not None:
+        try:  # a config file's values where no flag is given
+            args = argparse.Namespace(**{**vars(args), **merged_values(args, subs["simulate"])})
+        except UserError as e:
+            return _die("simulate", str(e))
         return sim_cli.run(args)
     if args.command == "plan":
         from plait import plan

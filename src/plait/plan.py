@@ -131,15 +131,19 @@ def run(args: argparse.Namespace, values: dict | None = None) -> int:
 def _request(values: dict, model, hw, tokens: float | None):
     """The ``sim.plan.PlanRequest`` the flag values describe."""
     from plait.cli_args import LAYOUT_FLAGS
+    from plait.layout import DEFAULT_BUCKET_MB
     from plait.sim.plan import PlanRequest, space_for
 
-    for key in ("pp_layout", "zero_shard_group", "offload_optimizer", "bucket_mb"):
-        if values.get(key):
+    # not searched: fine at their defaults (as a run's config.yaml holds them)
+    fixed = {"pp_layout": None, "zero_shard_group": None, "offload_optimizer": False,
+             "bucket_mb": DEFAULT_BUCKET_MB}  # fmt: skip
+    for key, default in fixed.items():
+        if values.get(key) not in (None, default):
             flag = "--" + key.replace("_", "-")
             raise ValueError(
                 f"{flag} is not searched by plait plan; plan, then add {flag} to train"
             )
-    pins = {k: values.get(k) for k in LAYOUT_FLAGS}
+    pins = {k: values.get(k) for k in LAYOUT_FLAGS if k not in fixed}
     n = values.get("gpus")
     if n is None:
         if not all(pins.get(k) for k in ("dp", "tp", "pp")):
