@@ -2,6 +2,7 @@
 
     plait train [flags]         train (starts dp x tp x pp workers)
     plait generate --run DIR    sample text from a trained run
+    plait export --run DIR      the newest checkpoint as a Hugging Face model folder
     plait info [flags]          parameters, FLOPs per token and memory of a model and layout
     plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
     plait plan [flags]          rank every layout of a model on a cluster; write the best
@@ -131,6 +132,9 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--val-fraction", type=float)
     g.add_argument("--out", help="run folder (default runs/<time>)")
     g.add_argument("--resume", action="store_true", default=None)
+    g.add_argument("--init-hf", metavar="DIR",
+                   help="start from a Hugging Face GPT-2 / LLaMA folder (config.json + "
+                   "safetensors); the model's sizes come from it")  # fmt: skip
     g.add_argument("--dry-run", action="store_true", default=None,
                    help="validate, build the model on the meta device, and stop")  # fmt: skip
     g = p.add_argument_group("multi-node (torchrun rendezvous)")
@@ -159,7 +163,7 @@ def build_run_config(values: dict):
     values = dict(values)
     values.setdefault("global_batch_size", 16)
     _default_micro_batch(values)
-    model = model_config(values)
+    model = _hf_model(values) if values.get("init_hf") else model_config(values)
     layout = layout_config(values)
     layout.check_model(model)
     if layout.pp > 1:  # the partition and a static deadlock check of the schedule, up front
@@ -175,11 +179,33 @@ def build_run_config(values: dict):
         data_fields["vocab_size"] = values["vocab_size"]
     elif data_fields.get("tokenizer", "bpe") == "bpe":
         data_fields["vocab_size"] = model.vocab_size
+    try:
+        data = DataConfig(**data_fields)
+    except ValueError as e:
+        if not values.get("init_hf"):
+            raise
+        raise UserError(f"--init-hf {values['init_hf']}: its {model.vocab_size}-token vocabulary "
+                        f"does not suit the tokenizer: {e}") from None  # fmt: skip
     out = values.get("out") or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
     return RunConfig(
-        model=model, layout=layout, data=DataConfig(**data_fields),
-        train=TrainConfig(**train_fields), out=str(out),
-    )  # fmt: skip
+        model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out)
+    )
+
+
+def _hf_model(values: dict):
+    """The model of ``--init-hf DIR``; a size flag that disagrees with it is an error."""
+    from plait.cli_args import MODEL_FLAGS
+    from plait.model import hf
+
+    model = hf.read_config(values["init_hf"])
+    for flag, name in [*MODEL_FLAGS.items(), ("arch", "arch")]:
+        given = values.get(flag)
+        if given is not None and given != getattr(model, name) and flag != "vocab_size":
+            raise UserError(
+                f"--{flag.replace('_', '-')} {given} disagrees with --init-hf "
+                f"{values['init_hf']} ({name} {getattr(model, name)}); drop the flag"
+            )
+    return model
 
 
 def cmd_train(args, parser) -> int:
@@ -208,6 +234,12 @@ def cmd_train(args, parser) -> int:
             return _dry_run(cfg)
         print(f"plait: preparing data ({cfg.data.path or 'embedded corpus'}) ...", flush=True)
         data = prepare(cfg.data, log=lambda m: print(f"  {m}", flush=True))
+        if cfg.train.init_hf and data.tokenizer.vocab_size != cfg.model.vocab_size:
+            raise UserError(
+                f"--init-hf {cfg.train.init_hf}: the model has {cfg.model.vocab_size} tokens "
+                f"but the tokenizer ({cfg.data.tokenizer}) has {data.tokenizer.vocab_size}; "
+                "use the data and tokenizer it was trained with"
+            )
         cfg = _with_vocab(cfg, data.tokenizer.vocab_size)
         seq_need = cfg.model.seq_len + 1
         if len(data.val) < seq_need:
@@ -303,6 +335,33 @@ def _report(cfg) -> None:
 # --- other commands -------------------------------------------------------------------------
 
 
+def cmd_export(args) -> int:
+    """``plait export --run DIR --out HF_DIR``: the newest checkpoint as a Hugging Face
+    model folder (config.json + model.safetensors)."""
+    from plait.model import hf
+    from plait.model.transformer import build_model
+    from plait.topology import Topology
+    from plait.train import checkpoint
+    from plait.train.config import RunConfig
+
+    run = Path(args.run)
+    try:
+        if not (run / "config.yaml").exists():
+            raise UserError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
+        cfg = RunConfig.load(run / "config.yaml")
+        path = checkpoint.latest(run / "checkpoints")
+        if path is None:
+            raise UserError(f"--run {run}: no checkpoint in {run / 'checkpoints'}")
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
+        out = Path(args.out or run / "hf")
+        hf.save(out, dict(model.named_parameters()), cfg.model)
+    except (UserError, ValueError, OSError, checkpoint.CheckpointError) as e:
+        return _die("export", str(e).strip().splitlines()[0])
+    print(f"wrote {out} ({cfg.model.arch}, {path.name}): config.json, {hf.WEIGHTS}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from plait.generate import generate_text
 
@@ -396,6 +455,10 @@ def make_parser():
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--seed", type=int, default=0)
+    exp = sub.add_parser("export", allow_abbrev=False,
+                         help="write a run's newest checkpoint as a Hugging Face model folder")  # fmt: skip
+    exp.add_argument("--run", required=True, help="run folder written by plait train")
+    exp.add_argument("--out", help="folder to write (default RUN/hf)")
     info = sub.add_parser("info", parents=[model_parent(), layout_parent()], allow_abbrev=False,
                           help="sizes, FLOPs and memory of a model")  # fmt: skip
     info.add_argument("--config", help="YAML or TOML file of flag values")
@@ -424,6 +487,8 @@ def main(argv=None) -> int:
         return cmd_train(args, subs["train"])
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "export":
+        return cmd_export(args)
     if args.command == "info":
         return cmd_info(args, subs["info"])
     if args.command == "simulate" and sim_cli is not None:

@@ -38,6 +38,7 @@ class TrainConfig:
     progress: bool = True
     threads: int | None = None  # torch threads per worker; None: cores / local workers
     resume: bool = False  # continue from the newest checkpoint in --out
+    init_hf: str | None = None  # start from a Hugging Face model folder's weights
 
     def __post_init__(self) -> None:
         if self.steps < 1:

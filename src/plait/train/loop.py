@@ -109,6 +109,10 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
             sequence_parallel=layout.sequence_parallel,
         )
     model.to(topo.device)
+    if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
+        from plait.model import hf
+
+        hf.load_into(model, hf.load(tcfg.init_hf)[1], topo)
     named = list(model.named_parameters())
     params = [p for _, p in named]
     tp_grad_sync = TPGradSync(params, topo=topo)  # sequence-parallel / replicated-kv grads
