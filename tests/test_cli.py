@@ -274,3 +274,4 @@ def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
     proc = plait("train", *common(corpus), "--init-hf", out, "--hidden", 128, "--heads", 4,
                  "--out", tmp_path / "bad")  # fmt: skip
     _one_line_error(proc, "--hidden 128 disagrees with --init-hf")
+    _one_line_error(plait("export", "--run", tmp_path / "none"), "no config.yaml")

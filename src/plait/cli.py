@@ -338,22 +338,13 @@ def _report(cfg) -> None:
 def cmd_export(args) -> int:
     """``plait export --run DIR --out HF_DIR``: the newest checkpoint as a Hugging Face
     model folder (config.json + model.safetensors)."""
+    from plait.generate import load_model
     from plait.model import hf
-    from plait.model.transformer import build_model
-    from plait.topology import Topology
     from plait.train import checkpoint
-    from plait.train.config import RunConfig
 
     run = Path(args.run)
     try:
-        if not (run / "config.yaml").exists():
-            raise UserError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
-        cfg = RunConfig.load(run / "config.yaml")
-        path = checkpoint.latest(run / "checkpoints")
-        if path is None:
-            raise UserError(f"--run {run}: no checkpoint in {run / 'checkpoints'}")
-        model = build_model(cfg.model, seed=cfg.train.seed)
-        checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
+        cfg, path, model = load_model(run)
         out = Path(args.out or run / "hf")
         hf.save(out, dict(model.named_parameters()), cfg.model)
     except (UserError, ValueError, OSError, checkpoint.CheckpointError) as e:

@@ -13,8 +13,8 @@ from plait.train import checkpoint
 from plait.train.config import RunConfig
 
 
-def load_run(run: Path):
-    """(config, tokenizer, model with the newest checkpoint's weights) of a run folder."""
+def load_model(run: Path):
+    """(config, checkpoint path, model with its weights) of a run folder's newest checkpoint."""
     run = Path(run)
     if not (run / "config.yaml").exists():
         raise ValueError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
@@ -22,11 +22,16 @@ def load_run(run: Path):
     path = checkpoint.latest(run / "checkpoints")
     if path is None:
         raise ValueError(f"--run {run}: no checkpoint in {run / 'checkpoints'}")
-    data = prepare(cfg.data)
     model = build_model(cfg.model, seed=cfg.train.seed)
     checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
     model.eval()
-    return cfg, data.tokenizer, model
+    return cfg, path, model
+
+
+def load_run(run: Path):
+    """(config, tokenizer, model with the newest checkpoint's weights) of a run folder."""
+    cfg, _, model = load_model(run)
+    return cfg, prepare(cfg.data).tokenizer, model
 
 
 @torch.no_grad()
