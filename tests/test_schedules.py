@@ -47,7 +47,7 @@ def _unit_replay(schedule, v):
     return replay(schedule, lambda rank, action: unit_cost(rank, action, num_chunks=v))
 
 
-@pytest.mark.parametrize("name,p,m,v", _cases())
+@pytest.mark.parametrize("name,p,m,v", list(_cases()))
 def test_schedule_rules(name, p, m, v):
     schedule = _build(name, p, m, v)
     if schedule is None:
