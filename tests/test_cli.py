@@ -275,3 +275,26 @@ def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
                  "--out", tmp_path / "bad")  # fmt: skip
     _one_line_error(proc, "--hidden 128 disagrees with --init-hf")
     _one_line_error(plait("export", "--run", tmp_path / "none"), "no config.yaml")
+
+
+def test_export_carries_the_bpe_tokenizer(corpus, tmp_path):
+    """A BPE run's export holds its tokenizer: transformers' AutoTokenizer encodes as plait
+    does, and the folder serves as --init-hf and --tokenizer of a fine-tuning run."""
+    import transformers
+
+    from plait.generate import load_run
+
+    run, out = tmp_path / "bpe", tmp_path / "hf"
+    plait("train", *common(corpus), "--tokenizer", "bpe", "--vocab-size", 300, "--steps", 2,
+          "--out", run, check=True)  # fmt: skip
+    proc = plait("export", "--run", run, "--out", out, check=True)
+    assert "tokenizer.json" in proc.stdout
+    _, tok, _ = load_run(run)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x + 1  # héllo"
+    assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    assert theirs.eos_token_id == tok.eot_id and len(theirs) == tok.vocab_size == 300
+    again = tmp_path / "again"
+    plait("train", *common(corpus), "--init-hf", out, "--tokenizer", out, "--steps", 1,
+          "--out", again, check=True)  # fmt: skip
+    assert yaml.safe_load((again / "config.yaml").read_text())["model"]["vocab_size"] == 300

@@ -338,6 +338,7 @@ def _report(cfg) -> None:
 def cmd_export(args) -> int:
     """``plait export --run DIR --out HF_DIR``: the newest checkpoint as a Hugging Face
     model folder (config.json + model.safetensors)."""
+    from plait.data import DataError, prepare
     from plait.generate import load_model
     from plait.model import hf
     from plait.train import checkpoint
@@ -347,9 +348,17 @@ def cmd_export(args) -> int:
         cfg, path, model = load_model(run)
         out = Path(args.out or run / "hf")
         hf.save(out, dict(model.named_parameters()), cfg.model)
+        files = ["config.json", hf.WEIGHTS]
+        try:  # the run's tokenizer, from its token cache (rebuilt if the cache is gone)
+            if hf.save_tokenizer(out, prepare(cfg.data).tokenizer, cfg.model):
+                files += ["tokenizer.json", "tokenizer_config.json"]
+            else:
+                files.append("no tokenizer file (--tokenizer bytes: ids are UTF-8 bytes)")
+        except DataError as e:
+            files.append(f"no tokenizer ({str(e).splitlines()[0]})")
     except (UserError, ValueError, OSError, checkpoint.CheckpointError) as e:
         return _die("export", str(e).strip().splitlines()[0])
-    print(f"wrote {out} ({cfg.model.arch}, {path.name}): config.json, {hf.WEIGHTS}")
+    print(f"wrote {out} ({cfg.model.arch}, {path.name}): {', '.join(files)}")
     return 0
 
 

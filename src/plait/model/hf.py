@@ -243,6 +243,23 @@ def save(folder: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig) -
     return folder
 
 
+def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig) -> bool:
+    """Write a ``tokenizers`` tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``
+    (``AutoTokenizer.from_pretrained`` and ``plait train --tokenizer FOLDER`` read it).
+    False for plait's byte tokenizer, which has no such file (its ids are UTF-8 bytes)."""
+    from plait.data.tokenizer import HFTokenizer
+
+    if not isinstance(tokenizer, HFTokenizer):
+        return False
+    folder = Path(folder)
+    tokenizer.save(folder / "tokenizer.json")
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
+    if tokenizer.eot_id is not None:
+        conf["eos_token"] = tokenizer.decode([tokenizer.eot_id])
+    (folder / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    return True
+
+
 def read_config(folder: str | Path) -> ModelConfig:
     """plait's ``ModelConfig`` of a Hugging Face model folder (its ``config.json``)."""
     folder = Path(folder)
