@@ -389,7 +389,8 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
     topo = Topology.single(cfg.device)
     for probe in PROBES[::2] if cfg.quick else PROBES:
         model_cfg, layout = probe_case(probe)
-        _, _, _, seq, batch, micro, vocab = probe
+        seq, vocab = model_cfg.seq_len, model_cfg.vocab_size
+        batch, micro = layout.global_batch_size, layout.micro_batch_size
         model = build_model(model_cfg, topo=topo, device=cfg.device)
         engine = build_data_parallel(
             model, topo=topo, cfg=DataParallelConfig.from_layout(layout),

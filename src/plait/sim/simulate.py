@@ -192,14 +192,14 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
     pipe_end, free_end = max(ends), max(rep.free_ends)
 
     # Gradient reduction per pipeline rank, then the step's global sync.
-    chunk_params = [
-        [
-            stage_params(model, layout, stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1)
-            for c in range(v)
-        ]
+    # (layers, first, last) of each rank's chunks: what it holds
+    chunks = [
+        [(stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1) for c in range(v)]
         for r in range(p)
     ]
+    chunk_params = [[stage_params(model, layout, *chunk) for chunk in row] for row in chunks]
     params = [sum(row) for row in chunk_params]
+    tensors = [sum(costs.stage_tensors(model, *chunk) for chunk in row) for row in chunks]
     tied_sync = 0.0
     if model.tied_embeddings and p > 1:  # first and last stage sum their embedding copies
         nbytes = model.vocab_size * model.hidden / layout.tp * rt.grad_comm_bytes(layout.dtype)
@@ -231,13 +231,6 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
     if stats:
         for r in range(p):
             extras.setdefault(r, []).append(("dp_comm", step_sync - stats, step_sync))
-    tensors = [
-        sum(
-            costs.stage_tensors(model, stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1)
-            for c in range(v)
-        )
-        for r in range(p)
-    ]
     opts = [costs.optimizer_time(n, layout, hw, rt, k) for n, k in zip(params, tensors)]
     opt = max(opts)
     gather = 0.0
