@@ -100,7 +100,7 @@ class Impl:
 def build(name: str, args, topo) -> Impl:
     from plait.model.config import preset
     from plait.model.transformer import build_model
-    from plait.parallel.data_parallel import DataParallelConfig, build_data_parallel
+    from plait.parallel.engine import DataParallelConfig, build_data_parallel
     from plait.train import optim
     from plait.train.config import TrainConfig
 
@@ -140,7 +140,7 @@ def build(name: str, args, topo) -> Impl:
         fully_shard(model, mesh=mesh)
         wrapped = model
         named = list(model.named_parameters())  # now DTensor shards
-    opt = optim.build_adamw(named, tcfg)
+    opt = optim.build_adamw([(n, p, p) for n, p in named], tcfg)
 
     def step(x, y, tokens):  # DDP and FSDP average over dp: loss over the local tokens
         loss = wrapped(x, y).sum() / (tokens / args.dp)

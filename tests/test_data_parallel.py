@@ -19,17 +19,13 @@ import pytest
 import torch
 from distributed import run_workers
 
-from plait import comm
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
 from plait.model.config import preset
 from plait.model.sizes import model_state_breakdown
 from plait.model.transformer import build_model
-from plait.parallel.data_parallel import (
-    DataParallelConfig,
-    build_data_parallel,
-    split_buckets,
-)
+from plait.parallel.data_parallel import split_buckets
+from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.topology import Topology
 from plait.train import optim
 from plait.train.config import RunConfig, TrainConfig
@@ -178,7 +174,7 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
     ref = build_model(cfg, seed=0)
     (ref(ids[:, :-1], ids[:, 1:]).sum() / tokens).backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    opt = optim.build_adamw(list(ref.named_parameters()), tcfg)
+    opt = optim.build_adamw([(n, p, p) for n, p in ref.named_parameters()], tcfg)
     opt.step()
 
     model = build_model(cfg, seed=0, topo=topo)
@@ -210,8 +206,7 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
         (engine.grad(p).reshape(-1) - _piece(engine, ref_grads[n])).abs().max().item()
         for n, p in model.named_parameters()
     )
-    sq = torch.tensor([engine.grad_sq_local()], dtype=torch.float64)
-    comm.world_all_reduce(sq, topo=topo)
+    (sq,) = optim.global_stats([engine.grad_sq_local()], topo)
     ref_sq = sum(g.double().pow(2).sum().item() for g in ref_grads.values())
     topo.stats.reset()
     engine.step(1e-2)
@@ -225,7 +220,7 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
     seen["state"] = engine.model_state_bytes()
     engine.close()
     seen["n_local"] = sum(p.numel() for p in model.parameters())
-    seen.update(grad_err=grad_err, sq_err=sq.item() / ref_sq - 1, param_err=param_err)
+    seen.update(grad_err=grad_err, sq_err=sq / ref_sq - 1, param_err=param_err)
     return seen
 
 

@@ -378,11 +378,11 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
     import torch
 
     from plait.model.transformer import build_model
-    from plait.parallel.data_parallel import DataParallelConfig, build_data_parallel
+    from plait.parallel.engine import DataParallelConfig, build_data_parallel
     from plait.topology import Topology
     from plait.train import optim
     from plait.train.config import TrainConfig
-    from plait.train.loop import LocalRunner, _autocast_factory
+    from plait.train.loop import LocalRunner, autocast_factory
 
     out, tails = [], []
     tcfg = TrainConfig()
@@ -397,7 +397,7 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
             make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
             owns_grad=functools.partial(optim.owns_grad, topo=topo),
         )  # fmt: skip
-        runner = LocalRunner(model, autocast=_autocast_factory("fp32", torch.device(cfg.device)))
+        runner = LocalRunner(model, autocast=autocast_factory("fp32", torch.device(cfg.device)))
         rows = torch.randint(0, vocab, (batch, seq + 1), device=cfg.device)
 
         tail = []

@@ -124,6 +124,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--collective-timeout", type=float, help="seconds")
     g.add_argument("--trace", action="store_true", default=None)
     g.add_argument("--threads", type=int, help="torch threads per worker")
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each transformer block (first steps pay the compile)")  # fmt: skip
     g.add_argument("--no-progress", action="store_true", default=None)
     g = p.add_argument_group("data and output")
     g.add_argument("--data", help="text file, folder of text, or JSONL; default: embedded corpus")

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+ReduceOp = dist.ReduceOp
+
 if TYPE_CHECKING:
     from plait.topology import Axis, Topology
 

@@ -340,6 +340,17 @@ def init_weights(model: Transformer, seed: int) -> None:
         p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` the computation of every transformer block in ``model``, as
+    torchtitan compiles per block: blocks share one code path, so one compiled graph serves
+    them all and compile time does not grow with depth. Hooks on a block (ZeRO-3's
+    parameter gathers) stay outside the compiled region; the tensor-parallel collectives
+    inside it break the graph there and run eagerly, in the same order."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module._forward = torch.compile(module._forward)
+
+
 def build_model(
     cfg: ModelConfig,
     *,

@@ -32,35 +32,8 @@ backward passes that reach every trainable parameter (true of the local runner a
 every pipeline schedule, split backward included); anything not launched by the hooks
 -- an unused parameter, a deferred bucket -- is launched by ``finish()``.
 
-The engine interface (the loop uses nothing else; ``build_data_parallel`` returns the
-engine for the configured stage)::
-
-    engine = build_data_parallel(
-        model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
-        make_optimizer=partial(optim.build_adamw, cfg=tcfg),  # (named, decays) -> AdamW
-        owns_grad=partial(optim.owns_grad, topo=topo),        # counted once in |g|^2?
-        defer=tp_grad_sync.partial + tp_grad_sync.replicated_kv + tied_copies)
-    for step in ...:
-        runner.train_step(...)        # hooks launch the last micro-batch's buckets
-        tp_grad_sync.finish()         # complete the deferred gradients (full, local)
-        engine.finish()               # launch the rest; wait; gradients now reduced
-        sq = engine.grad_sq_local()   # this rank's share of |g|^2 -> one world all-reduce
-        engine.scale_grads_(c)        # unscale (fp16) / clip
-        engine.step(lr)               # AdamW (+ ZeRO parameter gathers)
-        engine.zero_grad()
-    with engine.full_params():        # checkpoint: every parameter materialised
-        checkpoint.save(..., optim_state=engine.optim_state())   # {name: {key: full tensor}}
-    with engine.full_params(writeback=True):   # resume: load whole tensors ...
-        state = engine.optim_state(template=True)
-        checkpoint.load(..., optim_state=state)
-    engine.load_optim_state(state)             # ... and keep this rank's ZeRO pieces
-
-``engine.grad(p)`` is the tensor that holds this rank's (reduced) gradient of ``p``
-after ``finish()``: the full ``p.grad`` for stage 0, its dp shard for stages 1-3.
-``engine.model_state_bytes()``: what this rank holds for parameters, gradients and
-optimizer state, measured from the tensors (``sizes.model_state_breakdown`` predicts it).
-Build the engine once the model is on its device: stages 1-2 keep views into the
-parameters, stage 3 moves them into buffers of its own.
+The engine interface the trainer drives, and the factory that picks the engine for a ZeRO
+stage, are in ``engine.py``.
 """
 
 from __future__ import annotations
@@ -111,33 +84,6 @@ class DataParallelConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
-
-
-def build_data_parallel(
-    model: nn.Module,
-    *,
-    topo: Topology,
-    cfg: DataParallelConfig,
-    make_optimizer: Callable,
-    owns_grad: Callable[[torch.Tensor], bool] | None = None,
-    defer=(),
-):
-    """The engine for ``cfg.zero`` over ``model`` (one chunk, or a module holding this
-    rank's chunks). Collective over the world when hybrid sharding creates its groups.
-
-    ``make_optimizer(named_tensors, decays)`` builds the optimizer (AdamW; its state must be
-    elementwise so that it can be sharded) over ``(name, tensor)`` pairs, ``decays(t)``
-    saying whether ``t`` gets weight decay; the engine calls it with the parameters
-    (stage 0) or with this rank's shards of them. ``owns_grad(p)``: whether this rank
-    counts ``p``'s gradient in the global norm (a tp-replicated weight on one tp rank,
-    a tied copy once); None counts every parameter. Both come from the trainer so this
-    module needs nothing from ``plait.train``. ``defer``: see the module docstring."""
-    kw = dict(topo=topo, cfg=cfg, make_optimizer=make_optimizer, owns_grad=owns_grad, defer=defer)
-    if cfg.zero == 0:
-        return DataParallel(model, **kw)
-    from plait.parallel.zero import ZeroDataParallel
-
-    return ZeroDataParallel(model, **kw)
 
 
 # --- buckets ------------------------------------------------------------------------------
@@ -323,18 +269,15 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def decays(p: torch.Tensor) -> bool:
-    """Weight decay for matrices and embeddings, not for biases and norm weights (nanoGPT)."""
-    return p.dim() >= 2
-
-
-def sq_sum(tensors) -> float:
-    """Sum of squares of ``tensors`` in float64 (per-tensor norms, as the reference does)."""
+def sq_sum(tensors) -> torch.Tensor | float:
+    """Sum of squares of ``tensors``, a float64 scalar on their device (per-tensor norms
+    first, as the single-process reference clips); 0.0 when there is nothing to sum.
+    Stays on the device: the trainer reads it once per step with the other statistics."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return 0.0
     norms = torch._foreach_norm(tensors, 2)
-    return torch.stack([n.double() for n in norms]).pow(2).sum().item()
+    return torch.stack([n.double() for n in norms]).pow(2).sum()
 
 
 def adamw_zero_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -358,7 +301,7 @@ class DataParallel:
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
         self.grads = AllReduceGrads(model, topo=topo, cfg=cfg, defer=defer)
-        self.optimizer = make_optimizer(self.named, decays=decays)
+        self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
 
     # the interface (module docstring)
 
@@ -368,7 +311,7 @@ class DataParallel:
     def grad(self, p: nn.Parameter) -> torch.Tensor:
         return p.grad
 
-    def grad_sq_local(self) -> float:
+    def grad_sq_local(self) -> torch.Tensor | float:
         # Gradients are replicated over dp: one dp rank counts them.
         if self.topo.dp_rank != 0:
             return 0.0

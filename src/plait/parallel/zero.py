@@ -419,10 +419,7 @@ class ShardedOptimizer:
                 t = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
                 t.copy_(pieces[p])
             self.targets[p] = t
-        decay = {id(self.targets[p]): p.dim() >= 2 for _, p in named}
-        self.optimizer = make_optimizer(
-            [(name, self.targets[p]) for name, p in named], decays=lambda t: decay[id(t)]
-        )
+        self.optimizer = make_optimizer([(name, self.targets[p], p) for name, p in named])
         for _, p in named:  # state up front: checkpoints load into it, memory is counted
             self.optimizer.state[self.targets[p]] = adamw_zero_state(self.targets[p])
 

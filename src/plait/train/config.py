@@ -39,6 +39,7 @@ class TrainConfig:
     threads: int | None = None  # torch threads per worker; None: cores / local workers
     resume: bool = False  # continue from the newest checkpoint in --out
     init_hf: str | None = None  # start from a Hugging Face model folder's weights
+    compile: bool = False  # torch.compile each transformer block
 
     def __post_init__(self) -> None:
         if self.steps < 1:

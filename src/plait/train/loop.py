@@ -1,9 +1,23 @@
-"""The training loop, top to bottom: topology -> data -> model -> parallelize -> optimizer ->
-resume -> steps (forward/backward over micro-batches, gradient sync, clip, step) ->
-metrics, evaluation, checkpoints.
+"""The training loop: a ``Trainer`` that is built, restored and stepped, and ``train``,
+which drives it from the first step to the last.
+
+``Trainer.build``: topology -> data -> model -> parallelize -> optimizer -> runner.
+``Trainer.restore``: the newest checkpoint, when resuming. ``Trainer.step``: one optimizer
+step, top to bottom (forward/backward over micro-batches, gradient sync, global norm,
+clip, update), returning its metrics record. ``evaluate`` and ``save`` are the other two
+things a run does. Keeping the parallel state in one object means a failure handler can
+build it again on a new ``Topology`` instead of ending the process.
 
 Runs inside every worker process (``plait.train.worker``); the launcher has already
 validated the config and prepared the data, so errors here are unexpected ones.
+
+GPU notes. Every tensor the step hands to a collective lives on ``topo.device``: the
+micro-batch losses are summed on the device and read, with the squared gradient norm, in
+one all-reduce per step (``optim.global_stats``), which is the step's only host
+synchronisation. The collectives of a step come in the same order on every rank: the
+runner's (tensor- and pipeline-parallel, and the data-parallel hooks in backward order),
+then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce, the peak-memory
+all-reduce, and the engine's step. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
 from __future__ import annotations
@@ -19,8 +33,8 @@ import torch
 
 from plait.data import GlobalBatchSampler, prepare, val_batches
 from plait.model.sizes import model_flops_per_token
-from plait.model.transformer import build_model
-from plait.parallel.data_parallel import DataParallelConfig, build_data_parallel
+from plait.model.transformer import build_model, compile_blocks
+from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.pipeline.executor import PipelineRunner
 from plait.parallel.pipeline.stage import build_stage
 from plait.parallel.tensor import TPGradSync
@@ -38,28 +52,30 @@ class LocalRunner:
     def __init__(self, model, *, autocast):
         self.model, self.autocast = model, autocast
 
-    def train_step(self, micro_batches, *, loss_scale: float, tokens_global: int) -> float:
+    def train_step(self, micro_batches, *, loss_scale: float, tokens_global: int):
         """Forward and backward over the micro-batches; gradients accumulate in ``.grad``.
-        Returns this rank's share of the global mean loss."""
-        total = 0.0
+        Returns this rank's share of the global mean loss, a float64 scalar on the device
+        (summed there: reading it per micro-batch would stall the host)."""
+        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].device)
         for mb in micro_batches:  # (B, T+1)
             with self.autocast():
                 token_loss = self.model(mb[:, :-1], mb[:, 1:])  # (B*T,)
             loss = token_loss.sum() / tokens_global
             (loss * loss_scale).backward()
-            total += loss.item()
+            total += loss.detach()
         return total
 
     @torch.no_grad()
-    def eval_step(self, micro_batches, *, tokens_global: int) -> float:
-        total = 0.0
+    def eval_step(self, micro_batches, *, tokens_global: int):
+        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].device)
         for mb in micro_batches:
             with self.autocast():
-                total += self.model(mb[:, :-1], mb[:, 1:]).sum().item() / tokens_global
+                total += self.model(mb[:, :-1], mb[:, 1:]).sum() / tokens_global
         return total
 
 
-def _autocast_factory(dtype: str, device: torch.device):
+def autocast_factory(dtype: str, device: torch.device):
+    """A context-manager factory: autocast to ``dtype`` (bf16 / fp16), or nothing (fp32)."""
     if dtype == "fp32":
         return contextlib.nullcontext
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -70,141 +86,142 @@ def _split(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
     return list(rows.split(micro_batch_size))
 
 
-def train(cfg: RunConfig, *, topo: Topology) -> dict:
-    """Train according to ``cfg`` on this worker's place in ``topo``; returns a summary."""
-    model_cfg, layout, tcfg = cfg.model, cfg.layout, cfg.train
-    out = Path(cfg.out)
-    is_logger = topo.rank == 0
-    torch.manual_seed(tcfg.seed)
+class Trainer:
+    """One worker's share of a run (module docstring)."""
 
-    # data: prepared by the launcher already, so this only opens the cache
-    data = prepare(cfg.data)
-    seq_len = model_cfg.seq_len
-    sampler = GlobalBatchSampler(
-        data.train,
-        seq_len=seq_len,
-        global_batch=layout.global_batch_size,
-        seed=tcfg.seed,
-        name=data.source,
-    )
-    val_set = val_batches(
-        data.val,
-        seq_len=seq_len,
-        batch=layout.global_batch_size,
-        num_batches=tcfg.eval_batches,
-        name=data.source,
-    )
+    def __init__(self, cfg: RunConfig, *, topo: Topology):
+        self.cfg = cfg
+        self.build(topo)
 
-    # model and its parallel wrapping
-    if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
-        model = build_stage(
-            model_cfg, layout, topo=topo, seed=tcfg.seed, method=layout.pp_partition
-        )
-    else:
-        model = build_model(
-            model_cfg,
+    # -- build ---------------------------------------------------------------------------
+
+    def build(self, topo: Topology) -> None:
+        """Data, model, parallel engines and runner for this worker's place in ``topo``."""
+        cfg, model_cfg, layout, tcfg = self.cfg, self.cfg.model, self.cfg.layout, self.cfg.train
+        self.topo = topo
+        self.out = Path(cfg.out)
+        torch.manual_seed(tcfg.seed)
+        if topo.device.type == "cuda":  # fp32 matmuls on tensor cores (TF32)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        # data: prepared by the launcher already, so this only opens the cache
+        data = prepare(cfg.data)
+        self.sampler = GlobalBatchSampler(
+            data.train,
+            seq_len=model_cfg.seq_len,
+            global_batch=layout.global_batch_size,
             seed=tcfg.seed,
-            topo=topo,
-            recompute=layout.recompute,
-            sequence_parallel=layout.sequence_parallel,
+            name=data.source,
         )
-    model.to(topo.device)
-    if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
-        from plait.model import hf
-
-        hf.load_into(model, hf.load(tcfg.init_hf)[1], topo)
-    named = list(model.named_parameters())
-    params = [p for _, p in named]
-    tp_grad_sync = TPGradSync(params, topo=topo)  # sequence-parallel / replicated-kv grads
-    # gradients completed after the backward (over tp; the pipeline's tied embedding copies,
-    # summed by the runner): their dp reduction waits for finish()
-    deferred = tp_grad_sync.partial + tp_grad_sync.replicated_kv
-    if getattr(model, "tied_copy", None) is not None:
-        deferred.append(model.tied_copy)
-    dp_engine = build_data_parallel(  # dp gradient sync, ZeRO sharding, and the optimizer
-        model,
-        topo=topo,
-        cfg=DataParallelConfig.from_layout(layout),
-        make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
-        owns_grad=functools.partial(optim.owns_grad, topo=topo),
-        defer=deferred,
-    )
-    autocast = _autocast_factory(layout.dtype, topo.device)
-    if layout.pp > 1:
-        trace_dir = out / "traces" if tcfg.trace else None
-        runner = PipelineRunner(
-            model, topo=topo, layout=layout, seq_len=seq_len, autocast=autocast, trace_dir=trace_dir
+        self.val_set = val_batches(
+            data.val,
+            seq_len=model_cfg.seq_len,
+            batch=layout.global_batch_size,
+            num_batches=tcfg.eval_batches,
+            name=data.source,
         )
-    else:
-        runner = LocalRunner(model, autocast=autocast)
-    scaler = optim.LossScaler(enabled=layout.dtype == "fp16")
 
-    # resume
-    start_step = 0
-    ckpt_root = out / "checkpoints"
-    if tcfg.resume:
-        path = checkpoint.latest(ckpt_root)
-        with dp_engine.full_params(writeback=True):  # ZeRO-3: whole while loading
-            optim_state = dp_engine.optim_state(template=True)
-            meta = checkpoint.load(path, model=model, optim_state=optim_state, topo=topo)
-        dp_engine.load_optim_state(optim_state)  # keeps this rank's ZeRO shard
-        start_step = meta["step"]
-        if meta.get("loss_scale"):
-            scaler.load_state_dict(meta["loss_scale"])
-
-    tokens_per_step = layout.global_batch_size * seq_len
-    flops_per_token = model_flops_per_token(model_cfg, seq_len)
-    peak = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
-    metrics = MetricsWriter(
-        out / "metrics.jsonl",
-        enabled=is_logger,
-        truncate_after=start_step if tcfg.resume else None,
-    )
-    progress = Progress(
-        tcfg.steps, start_step, enabled=is_logger and tcfg.progress, log_every=tcfg.log_every
-    )
-    # Ranks that report the loss: the last pipeline stage, one per tp group.
-    reports_loss = topo.is_last_stage and topo.tp_rank == 0
-
-    def evaluate() -> float:
-        total = 0.0
-        model.eval()
-        for batch in val_set:
-            rows = batch.chunk(layout.dp)[topo.dp_rank].to(topo.device)
-            share = runner.eval_step(
-                _split(rows, layout.micro_batch_size), tokens_global=batch.numel() - len(batch)
+        # model and its parallel wrapping
+        if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
+            model = build_stage(
+                model_cfg, layout, topo=topo, seed=tcfg.seed, method=layout.pp_partition
             )
-            total += share if reports_loss else 0.0
-        model.train()
-        return optim.global_stats([total], topo)[0] / len(val_set)
-
-    def save(step: int) -> None:
-        with dp_engine.full_params():  # full tensors, whatever the ZeRO stage
-            checkpoint.save(
-                ckpt_root,
-                step,
-                model=model,
-                optim_state=dp_engine.optim_state(),
-                meta={"model": model_cfg.to_dict(), "loss_scale": scaler.state_dict()},
+        else:
+            model = build_model(
+                model_cfg,
+                seed=tcfg.seed,
                 topo=topo,
-                keep=tcfg.keep_checkpoints,
+                recompute=layout.recompute,
+                sequence_parallel=layout.sequence_parallel,
+            )
+        model.to(topo.device)
+        if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
+            from plait.model import hf
+
+            hf.load_into(model, hf.load(tcfg.init_hf)[1], topo)
+        if tcfg.compile:
+            compile_blocks(model)
+        self.model = model
+        self.tp_grad_sync = TPGradSync(list(model.parameters()), topo=topo)
+        # gradients completed after the backward (over tp; the pipeline's tied embedding
+        # copies, summed by the runner): their dp reduction waits for finish()
+        deferred = self.tp_grad_sync.partial + self.tp_grad_sync.replicated_kv
+        if getattr(model, "tied_copy", None) is not None:
+            deferred.append(model.tied_copy)
+        self.engine = build_data_parallel(  # dp gradient sync, ZeRO sharding, the optimizer
+            model,
+            topo=topo,
+            cfg=DataParallelConfig.from_layout(layout),
+            make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
+            owns_grad=functools.partial(optim.owns_grad, topo=topo),
+            defer=deferred,
+        )
+        autocast = autocast_factory(layout.dtype, topo.device)
+        if layout.pp > 1:
+            self.runner = PipelineRunner(
+                model,
+                topo=topo,
+                layout=layout,
+                seq_len=model_cfg.seq_len,
+                autocast=autocast,
+                trace_dir=self.out / "traces" if tcfg.trace else None,
+            )
+        else:
+            self.runner = LocalRunner(model, autocast=autocast)
+        self.scaler = optim.LossScaler(enabled=layout.dtype == "fp16")
+        # Ranks that report the loss: the last pipeline stage, one per tp group.
+        self.reports_loss = topo.is_last_stage and topo.tp_rank == 0
+        self.tokens_per_step = layout.global_batch_size * model_cfg.seq_len
+        self.flops_per_token = model_flops_per_token(model_cfg, model_cfg.seq_len)
+        self.peak_flops = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
+
+    # -- restore and save --------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Load the newest checkpoint when resuming; return the step to continue from."""
+        if not self.cfg.train.resume:
+            return 0
+        path = checkpoint.latest(self.out / "checkpoints")
+        engine = self.engine
+        with engine.full_params(writeback=True):  # ZeRO-3: whole while loading
+            optim_state = engine.optim_state(template=True)
+            meta = checkpoint.load(path, model=self.model, optim_state=optim_state, topo=self.topo)
+        engine.load_optim_state(optim_state)  # keeps this rank's ZeRO shard
+        if meta.get("loss_scale"):
+            self.scaler.load_state_dict(meta["loss_scale"])
+        return meta["step"]
+
+    def save(self, step: int) -> None:
+        with self.engine.full_params():  # full tensors, whatever the ZeRO stage
+            checkpoint.save(
+                self.out / "checkpoints",
+                step,
+                model=self.model,
+                optim_state=self.engine.optim_state(),
+                meta={"model": self.cfg.model.to_dict(), "loss_scale": self.scaler.state_dict()},
+                topo=self.topo,
+                keep=self.cfg.train.keep_checkpoints,
             )
 
-    model.train()
-    last = {}
-    for step in range(start_step, tcfg.steps):
+    # -- one step ----------------------------------------------------------------------
+
+    def step(self, step: int) -> dict:
+        """Optimizer step ``step`` (from 0); returns its metrics record."""
+        topo, layout, tcfg = self.topo, self.cfg.layout, self.cfg.train
+        engine, runner, scaler = self.engine, self.runner, self.scaler
         t0 = time.perf_counter()
         lr = optim.lr_at(step, tcfg)
-        rows = sampler.local(step, dp_rank=topo.dp_rank, dp=layout.dp).to(topo.device)
+        rows = self.sampler.local(step, dp_rank=topo.dp_rank, dp=layout.dp).to(topo.device)
         loss_share = runner.train_step(
             _split(rows, layout.micro_batch_size),
             loss_scale=scaler.scale,
-            tokens_global=tokens_per_step,
+            tokens_global=self.tokens_per_step,
         )
-        tp_grad_sync.finish()
-        dp_engine.finish()
-        grad_sq = dp_engine.grad_sq_local()  # this rank's share (its shard, or 0 if a replica)
-        stats = [grad_sq, loss_share if reports_loss else 0.0]
+        self.tp_grad_sync.finish()
+        engine.finish()
+        # this rank's share of |g|^2 (its shard, or 0 if a replica) and of the loss
+        stats = [engine.grad_sq_local(), loss_share if self.reports_loss else 0.0]
         if layout.pp > 1:  # measured bubble fraction, averaged over ranks (executor.py)
             stats.append(runner.bubble_fraction / topo.world_size)
         grad_sq_sum, loss, *bubble = optim.global_stats(stats, topo)
@@ -219,28 +236,28 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
             )
         if not found_inf:
             if scaler.scale != 1.0:
-                dp_engine.scale_grads_(1 / scaler.scale)
+                engine.scale_grads_(1 / scaler.scale)
             if tcfg.grad_clip:
-                dp_engine.scale_grads_(optim.clip_coef(grad_norm, tcfg.grad_clip))
-            dp_engine.step(lr)
+                engine.scale_grads_(optim.clip_coef(grad_norm, tcfg.grad_clip))
+            engine.step(lr)
         scaler.update(found_inf)
-        dp_engine.zero_grad()
+        engine.zero_grad()
         step_time = time.perf_counter() - t0
-        model_state = dp_engine.model_state_bytes()
 
-        done = step + 1
-        tokens_per_s = tokens_per_step / step_time
+        tokens_per_s = self.tokens_per_step / step_time
+        flops_per_s = tokens_per_s * self.flops_per_token / topo.world_size
+        model_state = engine.model_state_bytes()
         rec = {
-            "step": done,
+            "step": step + 1,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-            "tokens": tokens_per_step,
+            "tokens": self.tokens_per_step,
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
-            "tflops_per_device": tokens_per_s * flops_per_token / topo.world_size / 1e12,
-            "mfu": tokens_per_s * flops_per_token / topo.world_size / peak,
-            "peak_mem_bytes": peak_memory_bytes(topo.device),
+            "tflops_per_device": flops_per_s / 1e12,
+            "mfu": flops_per_s / self.peak_flops,
+            "peak_mem_bytes": int(optim.global_max(peak_memory_bytes(topo.device), topo)),
             # this rank's parameters + gradients + optimizer state on the device
             "model_state_bytes": model_state["total"],
         }
@@ -251,14 +268,55 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         if scaler.enabled:
             rec["loss_scale"] = scaler.scale
             rec["skipped"] = found_inf
+        return rec
+
+    def evaluate(self) -> float:
+        """Mean loss over the validation batches (every rank calls it)."""
+        layout, topo = self.cfg.layout, self.topo
+        total = 0.0
+        self.model.eval()
+        for batch in self.val_set:
+            rows = batch.chunk(layout.dp)[topo.dp_rank].to(topo.device)
+            share = self.runner.eval_step(
+                _split(rows, layout.micro_batch_size), tokens_global=batch.numel() - len(batch)
+            )
+            if self.reports_loss:
+                total = total + share
+        self.model.train()
+        return optim.global_stats([total], topo)[0] / len(self.val_set)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def train(cfg: RunConfig, *, topo: Topology) -> dict:
+    """Train according to ``cfg`` on this worker's place in ``topo``; returns the last
+    step's metrics record."""
+    tcfg = cfg.train
+    trainer = Trainer(cfg, topo=topo)
+    start_step = trainer.restore()
+    is_logger = topo.rank == 0
+    metrics = MetricsWriter(
+        trainer.out / "metrics.jsonl",
+        enabled=is_logger,
+        truncate_after=start_step if tcfg.resume else None,
+    )
+    progress = Progress(
+        tcfg.steps, start_step, enabled=is_logger and tcfg.progress, log_every=tcfg.log_every
+    )
+    trainer.model.train()
+    last = {}
+    for step in range(start_step, tcfg.steps):
+        rec = trainer.step(step)
+        done = rec["step"]
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
-            rec["val_loss"] = evaluate()
+            rec["val_loss"] = trainer.evaluate()
             progress.note(f"step {done}: val loss {rec['val_loss']:.4f}")
         metrics.write(rec)
         progress.update(rec)
         last = rec
         if done == tcfg.steps or (tcfg.save_every and done % tcfg.save_every == 0):
-            save(done)
+            trainer.save(done)
     progress.close()
-    dp_engine.close()
+    trainer.close()
     return last

@@ -29,28 +29,31 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(named_params, weight_decay: float, decays=None) -> list[dict]:
-    """Decay matrices (and embeddings); not biases or norm weights -- as nanoGPT does.
-    ``decays(t)`` overrides that rule (ZeRO passes flat shards, which keep their
-    parameter's rule)."""
-    rule = decays or (lambda p: p.dim() >= 2)
+def decays(p: torch.Tensor) -> bool:
+    """Weight decay for matrices and embeddings, not for biases and norm weights (nanoGPT).
+    The one rule: engines that hand the optimizer shards of a parameter ask it about the
+    parameter, not the shard."""
+    return p.dim() >= 2
+
+
+def build_adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over ``params``: (name, tensor to update, the parameter it belongs to) -- the
+    parameter itself, or this rank's ZeRO shard of it. Weight decay follows ``decays`` of
+    the parameter. Fused (one kernel for every tensor) when the tensors live on a GPU,
+    multi-tensor (foreach) otherwise."""
     decay, no_decay = [], []
-    for _, p in named_params:
-        if p.requires_grad or decays is not None:  # shards are plain tensors
-            (decay if rule(p) else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def build_adamw(named_params, cfg: TrainConfig, decays=None) -> torch.optim.AdamW:
+    for _, t, p in params:
+        (decay if decays(p) else no_decay).append(t)
+    on_gpu = any(t.is_cuda for _, t, _ in params)
     return torch.optim.AdamW(
-        param_groups(named_params, cfg.weight_decay, decays),
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=1e-8,
-        foreach=True,
+        **({"fused": True} if on_gpu else {"foreach": True}),
     )
 
 
@@ -67,28 +70,11 @@ def owns_grad(p: torch.Tensor, topo: Topology) -> bool:
     return True
 
 
-def grad_sq_sum(params, topo: Topology) -> torch.Tensor:
-    """Sum of squares of the owned gradients on this rank (a float64 scalar); the caller
-    adds the dp-rank condition when gradients are replicated over dp."""
-    total = torch.zeros((), dtype=torch.float64)
-    grads = [p.grad for p in params if p.grad is not None and owns_grad(p, topo)]
-    if grads:
-        norms = torch._foreach_norm(grads, 2)
-        total += torch.stack([n.double() for n in norms]).pow(2).sum()
-    return total
-
-
 def clip_coef(total_norm: float, max_norm: float) -> float:
     """What global-norm clipping multiplies every gradient by (1.0: no clipping)."""
     if max_norm > 0 and total_norm > max_norm and math.isfinite(total_norm):
         return max_norm / (total_norm + 1e-6)
     return 1.0
-
-
-def clip_(params, total_norm: float, max_norm: float) -> None:
-    coef = clip_coef(total_norm, max_norm)
-    if coef != 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
 
 
 class LossScaler:
@@ -119,30 +105,26 @@ class LossScaler:
         self.scale, self.good_steps = d["scale"], d["good_steps"]
 
 
-def global_stats(local: list[float], topo: Topology) -> list[float]:
-    """All-reduce (sum) a few float64 scalars over every rank in one call."""
-    t = torch.tensor(local, dtype=torch.float64)
+def global_stats(values, topo: Topology) -> list[float]:
+    """Sum a few scalars over every rank in one all-reduce, and read them on the host.
+
+    ``values`` are floats or 0-dim tensors (a loss summed on the device, a squared norm):
+    they are stacked on ``topo.device`` in float64 -- a NCCL group has no CPU side -- and
+    ``tolist`` is the one host synchronisation of a training step."""
+    t = torch.stack(
+        [
+            v.detach().to(device=topo.device, dtype=torch.float64)
+            if isinstance(v, torch.Tensor)
+            else torch.tensor(float(v), dtype=torch.float64, device=topo.device)
+            for v in values
+        ]
+    )
     comm.world_all_reduce(t, topo=topo)
     return t.tolist()
 
 
-def adamw_state(optimizer: torch.optim.Optimizer, named_params) -> dict[str, dict]:
-    """AdamW's state keyed by parameter name (what the checkpoint stores)."""
-    out = {}
-    for name, p in named_params:
-        st = optimizer.state.get(p)
-        if st:
-            out[name] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
-    return out
-
-
-def init_adamw_state(optimizer: torch.optim.Optimizer, named_params) -> dict[str, dict]:
-    """Create AdamW's (zero) state ahead of the first step, so a checkpoint can load into it."""
-    for _, p in named_params:
-        if p.requires_grad and not optimizer.state.get(p):
-            optimizer.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32),
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
-    return adamw_state(optimizer, named_params)
+def global_max(value: float, topo: Topology) -> float:
+    """The largest of one number over every rank (peak memory)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=topo.device)
+    comm.world_all_reduce(t, topo=topo, op=comm.ReduceOp.MAX)
+    return t.item()

@@ -397,7 +397,7 @@ class PipelineRunner:
                 args={"step": self.steps, "bubble_fraction": round(self.bubble_fraction, 4)},
             )
             self.trace.flush()
-        return sum(t.item() for t in st.losses)
+        return self._loss(st)
 
     def eval_step(self, micro_batches, *, tokens_global: int) -> float:
         st = _Step(list(micro_batches), False, 1.0, tokens_global)
@@ -410,7 +410,14 @@ class PipelineRunner:
             self._eval_actions[m] = schedule[self.topo.pp_rank]
         with torch.no_grad():
             self._run(self._eval_actions[m], st)
-        return sum(t.item() for t in st.losses)
+        return self._loss(st)
+
+    def _loss(self, st: _Step) -> torch.Tensor:
+        """This rank's share of the loss, summed on the device (0 off the last stage)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for t in st.losses:
+            total += t
+        return total
 
     # -- running an action list --------------------------------------------------------
 

@@ -1,0 +1,76 @@
+"""The data-parallel engine: one interface over plain data parallelism (``data_parallel.py``)
+and ZeRO stages 1-3 (``zero.py``), and the factory that picks one for a run.
+
+Communication: see the engine's module (``data_parallel.py`` for stage 0, ``zero.py`` for
+stages 1-3); this module issues nothing itself.
+
+The interface (the trainer uses nothing else)::
+
+    engine = build_data_parallel(
+        model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
+        make_optimizer=partial(optim.build_adamw, cfg=tcfg),  # [(name, tensor, param)] -> AdamW
+        owns_grad=partial(optim.owns_grad, topo=topo),        # counted once in |g|^2?
+        defer=tp_grad_sync.partial + tp_grad_sync.replicated_kv + tied_copies)
+    for step in ...:
+        runner.train_step(...)        # hooks launch the last micro-batch's buckets
+        tp_grad_sync.finish()         # complete the deferred gradients (full, local)
+        engine.finish()               # launch the rest; wait; gradients now reduced
+        sq = engine.grad_sq_local()   # this rank's share of |g|^2 (a device scalar)
+        engine.scale_grads_(c)        # unscale (fp16) / clip
+        engine.step(lr)               # AdamW (+ ZeRO parameter gathers)
+        engine.zero_grad()
+    with engine.full_params():        # checkpoint: every parameter materialised
+        checkpoint.save(..., optim_state=engine.optim_state())   # {name: {key: full tensor}}
+    with engine.full_params(writeback=True):   # resume: load whole tensors ...
+        state = engine.optim_state(template=True)
+        checkpoint.load(..., optim_state=state)
+    engine.load_optim_state(state)             # ... and keep this rank's ZeRO pieces
+
+``make_optimizer`` receives (name, tensor to update, parameter) triples: the parameter
+itself (stage 0) or this rank's shard of it (stages 1-3), so that rules about parameters
+(weight decay) are asked of the parameter. ``engine.grad(p)`` is the tensor that holds
+this rank's (reduced) gradient of ``p`` after ``finish()``: the full ``p.grad`` for stage
+0, its dp shard for stages 1-3. ``engine.model_state_bytes()``: what this rank holds for
+parameters, gradients and optimizer state, measured from the tensors
+(``sizes.model_state_breakdown`` predicts it). Build the engine once the model is on its
+device: stages 1-2 keep views into the parameters, stage 3 moves them into buffers of its
+own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from plait.parallel.data_parallel import DataParallel, DataParallelConfig
+from plait.parallel.zero import ZeroDataParallel
+from plait.topology import Topology
+
+__all__ = ["DataParallelConfig", "build_data_parallel"]
+
+
+def build_data_parallel(
+    model: nn.Module,
+    *,
+    topo: Topology,
+    cfg: DataParallelConfig,
+    make_optimizer: Callable,
+    owns_grad: Callable[[torch.Tensor], bool] | None = None,
+    defer=(),
+):
+    """The engine for ``cfg.zero`` over ``model`` (one chunk, or a module holding this
+    rank's chunks). Collective over the world when hybrid sharding creates its groups.
+
+    ``make_optimizer(triples)`` builds the optimizer (AdamW; its state must be elementwise
+    so that it can be sharded) over (name, tensor, parameter) triples (module docstring).
+    ``owns_grad(p)``: whether this rank counts ``p``'s gradient in the global norm (a
+    tp-replicated weight on one tp rank, a tied copy once); None counts every parameter.
+    Both come from the trainer so that ``parallel`` needs nothing from ``plait.train``.
+    ``defer``: parameters whose gradients another component completes after the
+    backward (``data_parallel.py``)."""
+    engine = DataParallel if cfg.zero == 0 else ZeroDataParallel
+    return engine(
+        model, topo=topo, cfg=cfg, make_optimizer=make_optimizer, owns_grad=owns_grad, defer=defer
+    )
