@@ -19,6 +19,7 @@ import pytest
 import torch
 from distributed import run_workers
 
+from plait import comm
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
 from plait.model.config import preset
@@ -26,7 +27,7 @@ from plait.model.sizes import model_state_breakdown
 from plait.model.transformer import build_model
 from plait.parallel.data_parallel import split_buckets
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
-from plait.topology import Topology
+from plait.topology import Axis, Topology
 from plait.train import optim
 from plait.train.config import RunConfig, TrainConfig
 from plait.train.loop import train
@@ -161,10 +162,14 @@ def test_config_errors_are_one_line():
 # --- multi-process -----------------------------------------------------------------------
 
 
-def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=False):
+def engine_step(
+    rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=False, gather_dtype="fp32"
+):
     """One step of two micro-batches through the engine, checked against the whole batch
     on one process: dp communication per phase, the reduced gradients, the new weights,
-    the model-state bytes."""
+    the model-state bytes. ``gather_dtype`` (stage 3): the weights cross the wire, and so
+    reach the forward, rounded to it; the reference is given the same rounded weights, so
+    the gradients still agree to fp32 summation order."""
     topo = Topology.build(pp=1, dp=world, tp=1)
     tcfg = TrainConfig(lr=1e-2, warmup=0)
     cfg = tiny()
@@ -172,6 +177,11 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
     tokens = ids[:, 1:].numel()
 
     ref = build_model(cfg, seed=0)
+    if gather_dtype != "fp32":
+        wire = {"bf16": torch.bfloat16, "fp16": torch.float16}[gather_dtype]
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.to(wire).float())
     (ref(ids[:, :-1], ids[:, 1:]).sum() / tokens).backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     opt = optim.build_adamw([(n, p, p) for n, p in ref.named_parameters()], tcfg)
@@ -187,6 +197,7 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
             num_microbatches=2,
             shard_group=shard_group,
             offload_optimizer=offload,
+            gather_dtype=gather_dtype,
         ),
         make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
         owns_grad=functools.partial(optim.owns_grad, topo=topo),
@@ -217,6 +228,10 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
             (p.detach() - dict(ref.named_parameters())[n].detach()).abs().max().item()
             for n, p in model.named_parameters()
         )
+        if gather_dtype != "fp32":  # checkpoints see the fp32 masters, not the wire copy
+            seen["full_is_rounded"] = all(
+                torch.equal(p, p.to(wire).float()) for p in model.parameters()
+            )
     seen["state"] = engine.model_state_bytes()
     engine.close()
     seen["n_local"] = sum(p.numel() for p in model.parameters())
@@ -224,10 +239,38 @@ def engine_step(rank, world, zero, *, bucket_mb=0.05, shard_group=None, offload=
     return seen
 
 
+def device_refusals(world) -> dict:
+    """Every collective of comm.py handed a tensor that is not on topo.device (a meta
+    tensor here; a CPU tensor on a GPU rank): the one-line error each raises, or None."""
+    topo = Topology.build(pp=1, dp=world, tp=1)
+    bad = torch.zeros(world, device="meta")
+    ok = torch.zeros(world)
+    peer = topo.group_ranks[Axis.DP][1 - topo.dp_rank] if world == 2 else 0
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(bad, topo=topo, axis=Axis.DP),
+        "all_gather": lambda: comm.all_gather_into(ok.repeat(world), bad, topo=topo, axis=Axis.DP),
+        "reduce_scatter": lambda: comm.reduce_scatter_into(ok[:1], bad, topo=topo, axis=Axis.DP),
+        "broadcast": lambda: comm.broadcast(bad, topo=topo, axis=Axis.DP),
+        "send": lambda: comm.batch_p2p([("send", bad, peer)], topo=topo, axis=Axis.DP),
+        "world_all_reduce": lambda: comm.world_all_reduce(bad, topo=topo),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except comm.CommDeviceError as e:
+            out[name] = str(e)
+    comm.barrier(topo=topo)  # nothing was posted: the group still works
+    return out
+
+
 def run_checks(rank, world, engine_cases, train_cases_):
-    """Worker: several engine steps (kwargs of ``engine_step``), then training runs."""
+    """Worker: the device refusals, several engine steps (kwargs of ``engine_step``), then
+    training runs."""
+    refusals = device_refusals(world)
     steps = [engine_step(rank, world, **kw) for kw in engine_cases]
-    return steps, train_cases(rank, world, train_cases_)
+    return steps, train_cases(rank, world, train_cases_), refusals
 
 
 def _piece(engine, full):
@@ -246,7 +289,7 @@ def test_dp2_buckets_overlap_accumulate_average_and_match_single_process(tmp_pat
     ref = reference_losses(data, tmp_path)
     cases = [run_config(data, tmp_path / "dp2", dp=2)]
     ranks = run_workers(2, run_checks, [{"zero": 0}], cases)
-    (seen,), (curve,) = ranks[0]
+    (seen,), (curve,), refusals = ranks[0]
     assert seen["after micro-batch 1"] == {}
     nb = seen["buckets"]
     assert nb >= 4 and seen["launched by hooks"] == nb
@@ -256,6 +299,10 @@ def test_dp2_buckets_overlap_accumulate_average_and_match_single_process(tmp_pat
     assert seen["grad_err"] < 1e-7 and abs(seen["sq_err"]) < 1e-6
     assert seen["param_err"] < PARAM_TOL
     assert_same_curve([m["loss"] for m in curve["metrics"]], ref, "dp2")
-    for (step,), (result,) in ranks:
+    for (step,), (result,), refusals in ranks:
+        # every collective refuses a tensor off topo.device, in one line naming the call
+        for name, msg in refusals.items():
+            assert msg is not None and f"comm.{name} was given a tensor on meta" in msg, name
+            assert "\n" not in msg
         state_matches_formula(result, dp=2, zero=0)
         state_matches_formula({"state": step["state"], "n_local": step["n_local"]}, dp=2, zero=0)

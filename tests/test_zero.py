@@ -87,7 +87,13 @@ def test_formula_breakdown_agrees_with_model_state_bytes():
 
 # --- multi-process: everything in three process groups -----------------------------------
 
-W2_ENGINE = [{"zero": 1}, {"zero": 2}, {"zero": 3}, {"zero": 2, "offload": True}]
+W2_ENGINE = [
+    {"zero": 1},
+    {"zero": 2},
+    {"zero": 3},
+    {"zero": 2, "offload": True},
+    {"zero": 3, "gather_dtype": "bf16"},
+]
 W4_ENGINE = [{"zero": 1, "shard_group": 2}, {"zero": 2, "shard_group": 2}, {"zero": 3}]
 
 
@@ -159,9 +165,10 @@ def test_zero_engine_counts_collectives_per_step(runs):
     a time; stage 3 all-gathers each unit twice per micro-batch and reduce-scatters it
     once. Nothing on the first micro-batch's backward except stage 3's gathers."""
     _, ranks = runs["w2"]
-    (z1, z2, z3, z2_offload), _ = ranks[0]
-    for seen in (z1, z2, z3, z2_offload):
+    (z1, z2, z3, z2_offload, z3_bf16), _, _ = ranks[0]
+    for seen in (z1, z2, z3, z2_offload, z3_bf16):
         assert seen["grad_err"] < 1e-7 and abs(seen["sq_err"]) < 1e-6
+    for seen in (z1, z2, z3, z2_offload):  # (bf16: the reference steps from rounded weights)
         assert seen["param_err"] < PARAM_TOL
         nb = seen["buckets"]
         assert seen["launched by hooks"] == nb  # every bucket started during the backward
@@ -181,6 +188,12 @@ def test_zero_engine_counts_collectives_per_step(runs):
     assert z3["after micro-batch 1"] == {("dp", "all_gather"): 2 * units}
     assert z3["after finish"] == {("dp", "all_gather"): 4 * units, ("dp", "reduce_scatter"): units}
     assert z3["step"] == {}
+    # under bf16 the same collectives, each all-gather in bf16: half the counted bytes
+    assert z3_bf16["after finish"] == z3["after finish"] and z3_bf16["step"] == {}
+    ag, rs = ("dp", "all_gather"), ("dp", "reduce_scatter")
+    assert 2 * z3_bf16["finish bytes"][ag] == z3["finish bytes"][ag]
+    assert z3_bf16["finish bytes"][rs] == z3["finish bytes"][rs]  # gradients stay fp32
+    assert z3_bf16["full_is_rounded"] is False  # full_params: the masters, exactly
     # bytes: the all-gathers of a step (stages 1, 2) rebuild all 4N bytes (plus padding)
     n = z2["n_local"]
     for seen in (z1, z2):
@@ -192,7 +205,7 @@ def test_hybrid_sharding_counts(runs):
     """dp 4 in shard groups of 2: stage 2 reduce-scatters in the shard group and then
     all-reduces each bucket's shard across the replicas (both counted on the dp axis)."""
     _, ranks = runs["w4"]
-    (h1, h2, z3), _ = ranks[0]
+    (h1, h2, z3), _, _ = ranks[0]
     for seen in (h1, h2, z3):
         assert seen["grad_err"] < 1e-7 and abs(seen["sq_err"]) < 1e-6
         assert seen["param_err"] < PARAM_TOL
@@ -213,7 +226,7 @@ def _curve(result) -> list[float]:
 @pytest.mark.parametrize("world", ["w2", "w4"])
 def test_every_layout_reproduces_the_single_process_curve(runs, world):
     cases, ranks = runs[world]
-    (_, results) = ranks[0]
+    (_, results, _) = ranks[0]
     for (name, cfg), result in zip(cases.items(), results):
         ref = runs["ref"][cfg.model.arch]
         if name.startswith("resume"):
@@ -226,13 +239,13 @@ def test_model_state_bytes_match_the_formula(runs, world):
     """Every rank's measured parameters + gradients + optimizer state within 5% of
     ``sizes.model_state_breakdown`` for its stage, shard size and offload."""
     cases, ranks = runs[world]
-    for _, results in ranks:
+    for _, results, _ in ranks:
         for cfg, result in zip(cases.values(), results):
             lay = cfg.layout
             state_matches_formula(
                 result, dp=_expected_state_dp(cfg), zero=lay.zero, offload=lay.offload_optimizer
             )
-    (engine_steps, _) = ranks[0]
+    (engine_steps, _, _) = ranks[0]
     for kw, seen in zip(W2_ENGINE if world == "w2" else W4_ENGINE, engine_steps):
         state_matches_formula(
             seen,

@@ -11,6 +11,27 @@ reduce-scatter + all-gather pair that can replace it.
 
 An axis of size 1 issues nothing and counts nothing: a single process runs the same code
 with no communication at all.
+
+Rules every call keeps, so that what runs on gloo here also runs on NCCL (DESIGN.md
+section 8):
+
+- **Device tensors only.** A process group started with ``nccl`` has no CPU side: every
+  tensor handed to this module must live on ``topo.device``, or the call is refused with
+  one line naming it (``CommDeviceError``) -- on gloo as well, so a CPU test catches what
+  would crash a GPU run.
+- **Explicit groups.** Every call names its process group from the ``Topology`` (the axis
+  group, or ``topo.world_group``); nothing here falls back to the default group, so a
+  topology rebuilt on new groups after a failure carries all its communication along.
+- **Tensor-form collectives.** All-gather and reduce-scatter work on one flat tensor
+  (``all_gather_into`` / ``reduce_scatter_into``, NCCL's native forms: no list of
+  per-rank buffers and no ``cat``), and take ``async_op``: the caller keeps the handle and
+  ``wait``s right before it reads the result. Handles are issued from the training thread
+  or from autograd's hooks, never from a thread pool, so each rank issues its
+  collectives in program order -- the same order on every rank.
+- **Point-to-point in batches.** ``batch_p2p`` posts a set of sends and receives together
+  (one ``batch_isend_irecv``: one NCCL group). Callers post, as one batch, every message
+  that could otherwise wait on another in the opposite direction (the pipeline schedules
+  build those batches; ``schedules.validate`` checks them under NCCL's semantics).
 """
 
 from __future__ import annotations
@@ -28,9 +49,18 @@ ReduceOp = dist.ReduceOp
 if TYPE_CHECKING:
     from plait.topology import Axis, Topology
 
+# NCCL's single-tensor collectives; torch 2.13 renames them (the old names still work,
+# with a deprecation warning), torch 2.6 has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the rank and the operation."""
+
+
+class CommDeviceError(ValueError):
+    """A tensor handed to a collective does not live on the topology's device."""
 
 
 @dataclass
@@ -88,44 +118,100 @@ def _guard(topo: Topology, op: str, axis, fn):
         ) from e
 
 
+def check_device(topo: Topology, op: str, *tensors: torch.Tensor) -> None:
+    """Refuse (one line) a tensor that does not live on ``topo.device``."""
+    for t in tensors:
+        if t.device != topo.device:
+            raise CommDeviceError(
+                f"rank {topo.rank}: comm.{op} was given a tensor on {t.device}, but this "
+                f"rank's collectives run on {topo.device} (NCCL has no CPU side); move it "
+                "to topo.device first"
+            )
+
+
 def all_reduce(
-    t: torch.Tensor, *, topo: Topology, axis: Axis, op=dist.ReduceOp.SUM, async_op: bool = False
+    t: torch.Tensor, *, topo: Topology, axis: Axis, op=ReduceOp.SUM, async_op: bool = False
 ):
     """In-place all-reduce over ``axis``. Returns the work handle when ``async_op``."""
     group = topo.group(axis)
     if group is None:
         return None
+    check_device(topo, "all_reduce", t)
     topo.stats.record(_axis_name(axis), "all_reduce", _nbytes(t))
     return _guard(
         topo, "all_reduce", axis, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op)
     )
 
 
-def all_gather(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's ``t`` along ``dim`` (in axis order)."""
+def all_gather_into(
+    out: torch.Tensor, t: torch.Tensor, *, topo: Topology, axis: Axis, async_op: bool = False
+):
+    """Every rank's ``t`` (same shape everywhere) into ``out`` = n x ``t.numel()`` elements,
+    in axis order. With an axis of size 1, ``out`` is filled with ``t`` locally. Returns the
+    work handle when ``async_op`` (wait on it before reading ``out``)."""
     group = topo.group(axis)
     if group is None:
+        out.view(-1).copy_(t.reshape(-1))
+        return None
+    check_device(topo, "all_gather", out, t)
+    topo.stats.record(_axis_name(axis), "all_gather", _nbytes(out))
+    return _guard(
+        topo,
+        "all_gather",
+        axis,
+        # flat views: the concatenated form, which every backend accepts
+        lambda: _all_gather_single(
+            out.view(-1), t.contiguous().view(-1), group=group, async_op=async_op
+        ),
+    )
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, t: torch.Tensor, *, topo: Topology, axis: Axis, async_op: bool = False
+):
+    """Sum ``t`` (n equal consecutive pieces) over ``axis`` and keep this rank's piece in
+    ``out``. With an axis of size 1, ``out`` is ``t`` copied. Returns the work handle when
+    ``async_op``."""
+    group = topo.group(axis)
+    if group is None:
+        out.view(-1).copy_(t.reshape(-1))
+        return None
+    check_device(topo, "reduce_scatter", out, t)
+    topo.stats.record(_axis_name(axis), "reduce_scatter", _nbytes(t))
+    return _guard(
+        topo,
+        "reduce_scatter",
+        axis,
+        lambda: _reduce_scatter_single(
+            out.view(-1), t.contiguous().view(-1), group=group, async_op=async_op
+        ),
+    )
+
+
+def all_gather(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` (in axis order)."""
+    if topo.group(axis) is None:
         return t
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(topo.size(axis))]
-    topo.stats.record(_axis_name(axis), "all_gather", len(parts) * _nbytes(t))
-    _guard(topo, "all_gather", axis, lambda: dist.all_gather(parts, t, group=group))
-    return torch.cat(parts, dim=dim)
+    n = topo.size(axis)
+    out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
+    all_gather_into(out, t, topo=topo, axis=axis)
+    if dim == 0:  # stacking along a new first dimension is concatenation along dim 0
+        return out.view(n * t.shape[0], *t.shape[1:])
+    return torch.cat(out.unbind(0), dim=dim)
 
 
 def reduce_scatter(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Sum ``t`` over ``axis`` and keep this rank's 1/n slice along ``dim``."""
-    group = topo.group(axis)
-    if group is None:
+    if topo.group(axis) is None:
         return t
     n = topo.size(axis)
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {n}")
-    topo.stats.record(_axis_name(axis), "reduce_scatter", _nbytes(t))
-    chunks = [c.contiguous() for c in t.chunk(n, dim=dim)]
-    out = torch.empty_like(chunks[0])
-    # gloo implements reduce_scatter on lists of tensors, not reduce_scatter_tensor.
-    _guard(topo, "reduce_scatter", axis, lambda: dist.reduce_scatter(out, chunks, group=group))
+    pieces = t.contiguous() if dim == 0 else torch.stack(t.chunk(n, dim=dim))
+    shape = list(t.shape)
+    shape[dim] //= n
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    reduce_scatter_into(out, pieces, topo=topo, axis=axis)
     return out
 
 
@@ -134,6 +220,7 @@ def broadcast(t: torch.Tensor, *, topo: Topology, axis: Axis, src_index: int = 0
     group = topo.group(axis)
     if group is None:
         return t
+    check_device(topo, "broadcast", t)
     topo.stats.record(_axis_name(axis), "broadcast", _nbytes(t))
     src = topo.group_ranks[axis][src_index]
     _guard(topo, "broadcast", axis, lambda: dist.broadcast(t, src=src, group=group))
@@ -141,15 +228,23 @@ def broadcast(t: torch.Tensor, *, topo: Topology, axis: Axis, src_index: int = 0
 
 
 def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], *, topo: Topology, axis: Axis):
-    """Issue point-to-point transfers together: ``ops`` holds ("send"|"recv", tensor, global
-    peer rank). Returns the work handles (wait on them before reading a received tensor)."""
+    """Post point-to-point transfers together, as one batch: ``ops`` holds ("send"|"recv",
+    tensor, global peer rank), every peer in this rank's ``axis`` group. Returns the work
+    handles; wait on all of them before reading a received tensor or reusing a sent one
+    (on NCCL the batch is one group and completes as a whole)."""
     if not ops:
         return []
+    group = topo.group(axis)
+    if group is None:
+        raise ValueError(
+            f"rank {topo.rank}: point-to-point on the {_axis_name(axis)} axis of size 1"
+        )
     p2p = []
     for kind, t, peer in ops:
+        check_device(topo, kind, t)
         topo.stats.record(_axis_name(axis), kind, _nbytes(t))
         fn = dist.isend if kind == "send" else dist.irecv
-        p2p.append(dist.P2POp(fn, t, peer))
+        p2p.append(dist.P2POp(fn, t, peer, group=group))
     return _guard(topo, "send/recv", axis, lambda: dist.batch_isend_irecv(p2p))
 
 
@@ -159,15 +254,18 @@ def wait(works, *, topo: Topology, what: str = "send/recv", axis="pp") -> None:
             _guard(topo, what, axis, w.wait)
 
 
-def world_all_reduce(t: torch.Tensor, *, topo: Topology, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce over every rank (metrics, overflow flags, the global gradient norm)."""
+def world_all_reduce(t: torch.Tensor, *, topo: Topology, op=ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over every rank of the run (metrics, overflow flags, the global gradient
+    norm), on the topology's own world group."""
     if topo.world_group is None:
         return t
+    check_device(topo, "world_all_reduce", t)
     topo.stats.record("world", "all_reduce", _nbytes(t))
-    _guard(topo, "all_reduce", "world", lambda: dist.all_reduce(t, op=op))
+    _guard(topo, "all_reduce", "world", lambda: dist.all_reduce(t, op=op, group=topo.world_group))
     return t
 
 
 def barrier(*, topo: Topology) -> None:
+    """Every rank of the run waits for all the others (on the topology's world group)."""
     if topo.world_group is not None:
-        _guard(topo, "barrier", "world", dist.barrier)
+        _guard(topo, "barrier", "world", lambda: dist.barrier(group=topo.world_group))

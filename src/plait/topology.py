@@ -29,6 +29,15 @@ import torch.distributed as dist
 from plait.comm import CommStats
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: "cuda" becomes this process's current CUDA device, so
+    that a tensor's device and the topology's compare equal (``comm.check_device``)."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class Axis(str, enum.Enum):
     PP = "pp"
     DP = "dp"
@@ -92,7 +101,7 @@ class Topology:
     def single(cls, device: torch.device | str = "cpu") -> Topology:
         return cls(
             group_ranks={a: [0] for a in Axis},
-            device=torch.device(device),
+            device=resolve_device(device),
         )
 
     @classmethod
@@ -138,7 +147,7 @@ class Topology:
             groups=groups,
             group_ranks=group_ranks,
             world_group=dist.group.WORLD if world > 1 else None,
-            device=torch.device(device),
+            device=resolve_device(device),
             timeout=timeout,
         )
 

@@ -60,12 +60,15 @@ class DataParallelConfig:
     offload_optimizer: bool = False  # optimizer state and update in CPU memory
     bucket_mb: float = DEFAULT_BUCKET_MB  # gradient bucket size (stage 3: one per layer)
     num_microbatches: int = 1  # backward passes per chunk and step (gradient accumulation)
+    gather_dtype: str = "fp32"  # stage 3: weights gathered in the compute dtype (zero.py)
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.bucket_mb <= 0:
             raise ValueError(f"--bucket-mb must be positive, got {self.bucket_mb}")
+        if self.gather_dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"--dtype {self.gather_dtype!r}: choose one of fp32, bf16, fp16")
         if self.num_microbatches < 1:
             raise ValueError("num_microbatches must be at least 1")
         if self.zero == 0 and (self.shard_group is not None or self.offload_optimizer):
@@ -79,7 +82,14 @@ class DataParallelConfig:
             offload_optimizer=layout.offload_optimizer,
             bucket_mb=layout.bucket_mb,
             num_microbatches=layout.num_microbatches,
+            gather_dtype=layout.dtype,
         )
+
+    @property
+    def gather_torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            self.gather_dtype
+        ]
 
     @property
     def bucket_bytes(self) -> int:

@@ -35,11 +35,24 @@ checkpoint code cuts a full tensor with the same function. A bucket's flat buffe
 rank-major (``ShardedLayout``): row i is rank i's piece of each parameter in turn, so one
 reduce-scatter leaves each rank exactly its pieces, and one all-gather rebuilds them all.
 
-Asynchrony: ``comm.py`` offers ``async_op`` for all-reduce only, so reduce-scatters and
-all-gathers run on one background thread per engine (``CommQueue``), in submission order
--- the same order on every rank. All dp-axis collectives of a sharded stage go through it
-(except stage 1's all-reduce, which uses the native async all-reduce while the queue is
-idle), so no two threads ever use the dp group at once.
+Mixed precision (FSDP2's policy): under ``--dtype bf16`` / ``fp16`` stage 3 gathers each
+unit in the compute dtype -- half the bytes (counted so) -- from its fp32 pieces, which stay
+the master weights the optimizer updates; the gathered values land in the unit's fp32
+buffer, where autocast's casts of them to the compute dtype are exact. Gradients are
+reduce-scattered in fp32. Stages 1-2 gather the updated fp32 parameters themselves.
+
+Order and overlap, and why this cannot deadlock under NCCL. Every collective is issued
+with ``async_op=True`` from the thread that runs the model -- the training loop (stage-1/2
+parameter gathers after the step, checkpoint gathers), module forward hooks (stage-3
+gathers and the prefetch of the next unit) or autograd's hooks (gradient reduce-scatters
+as each bucket's last gradient arrives, stage-3 gathers for the backward) -- and its
+handle is waited on right before the result is read (``finish()``, or the unit's next use).
+So the backward's reduce-scatters and the next unit's gather overlap compute (on GPU they
+run on NCCL's stream). Hooks fire in the same order on every rank of a shard group: all of
+them run the same model over the same schedule, and autograd orders a backward
+deterministically. Hence every rank issues the same collectives in the same order on each
+group, which is all NCCL needs; HSDP's replica all-reduces are issued by ``finish()`` in
+bucket order, after the shard group's reduce-scatters. No thread pool is involved.
 """
 
 from __future__ import annotations
@@ -47,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -146,30 +158,24 @@ class ShardedLayout:
         return row
 
 
-# --- the communication thread -------------------------------------------------------------
+# --- asynchronous gathers of rank-major rows ---------------------------------------------
 
 
-class CommQueue:
-    """Runs collectives on one background thread, in submission order (module docstring);
-    inline (already done) when there is nothing to communicate."""
+class Gather:
+    """An all-gather of every rank's row in flight: ``rows()`` waits and returns them,
+    (n * row,), in ``dtype`` (the wire dtype: the row is cast to it first)."""
 
-    def __init__(self, *, inline: bool):
-        self.inline = inline
-        self._pool: ThreadPoolExecutor | None = None
+    def __init__(self, row: torch.Tensor, *, topo: Topology, dtype: torch.dtype | None = None):
+        self.topo = topo
+        self.src = row if dtype in (None, row.dtype) else row.to(dtype)
+        self.out = torch.empty(topo.dp * row.numel(), dtype=self.src.dtype, device=row.device)
+        self.handle = comm.all_gather_into(self.out, self.src, topo=topo, axis=Axis.DP,
+                                           async_op=True)  # fmt: skip
 
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        if self.inline:
-            fut: Future = Future()
-            fut.set_result(fn(*args, **kwargs))
-            return fut
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-zero")
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def rows(self) -> torch.Tensor:
+        comm.wait([self.handle], topo=self.topo, what="all_gather", axis="dp")
+        self.handle = self.src = None
+        return self.out
 
 
 # --- stage 2 and 3 gradients: reduce-scatter into shards ----------------------------------
@@ -181,10 +187,10 @@ class ReduceScatterGrads(GradReducer):
     replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s piece."""
 
     def __init__(self, model, *, topo, cfg, defer, shard: Topology, replicate, n, rank,
-                 queue: CommQueue, groups=None):  # fmt: skip
+                 groups=None):  # fmt: skip
         self.groups = groups
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
-        self.shard_topo, self.replicate_topo, self.queue = shard, replicate, queue
+        self.shard_topo, self.replicate_topo = shard, replicate
         self.layouts = [
             ShardedLayout([p.numel() for p in b.params], n=n, rank=rank) for b in self.buckets
         ]
@@ -201,17 +207,20 @@ class ReduceScatterGrads(GradReducer):
         flat = self.layouts[bucket.index].pack([p.grad for p in bucket.params], like=p0)
         for p in bucket.params:
             p.grad = None  # the full gradient is no longer needed
-        bucket.handle = self.queue.submit(self._reduce, flat)
+        piece = torch.empty(
+            flat.numel() // self.shard_topo.dp, dtype=flat.dtype, device=flat.device
+        )
+        handle = comm.reduce_scatter_into(piece, flat, topo=self.shard_topo, axis=Axis.DP,
+                                          async_op=True)  # fmt: skip
+        bucket.handle = (handle, flat, piece)  # the input lives until the collective is done
         bucket.launched = True
 
-    def _reduce(self, flat: torch.Tensor) -> torch.Tensor:  # on the comm thread
-        piece = comm.reduce_scatter(flat, topo=self.shard_topo, axis=Axis.DP)
-        if self.replicate_topo is not None:
-            comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
-        return piece
-
     def _complete(self, bucket: Bucket) -> None:
-        bucket.flat = bucket.handle.result()
+        handle, _, piece = bucket.handle
+        comm.wait([handle], topo=self.shard_topo, what="reduce_scatter", axis="dp")
+        if self.replicate_topo is not None:  # HSDP: sum the piece over the replicas
+            comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
+        bucket.flat = piece
         views = self.layouts[bucket.index].row_views(bucket.flat)
         self.shard.update(zip(bucket.params, views))
 
@@ -246,7 +255,7 @@ class Unit:
                 p.data = flat.view_as(p)  # from now on p lives in ``full``
         self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
         self.gathered = False
-        self.pending: Future | None = None
+        self.pending: Gather | None = None
         self.fired = 0
         self.next_forward: Unit | None = None
         self.next_backward: Unit | None = None
@@ -287,8 +296,8 @@ class ParamUnits:
     parameters exist only between its gather and its free (module docstring)."""
 
     def __init__(self, model: nn.Module, *, shard: Topology, n: int, rank: int,
-                 queue: CommQueue):  # fmt: skip
-        self.shard_topo, self.queue = shard, queue
+                 wire_dtype: torch.dtype | None = None):  # fmt: skip
+        self.shard_topo, self.wire_dtype = shard, wire_dtype
         self.units: list[Unit] = []
         self._hooks = []
         for chunk in model_chunks(model):
@@ -323,8 +332,8 @@ class ParamUnits:
 
     # gather / free
 
-    def _start(self, unit: Unit) -> Future:
-        return self.queue.submit(comm.all_gather, unit.row, topo=self.shard_topo, axis=Axis.DP)
+    def _start(self, unit: Unit) -> Gather:
+        return Gather(unit.row, topo=self.shard_topo, dtype=self.wire_dtype)
 
     def prefetch(self, unit: Unit | None) -> None:
         if unit is not None and not unit.gathered and unit.pending is None:
@@ -333,15 +342,15 @@ class ParamUnits:
     def gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
-        fut, unit.pending = unit.pending or self._start(unit), None
-        flat = fut.result()
+        pending, unit.pending = unit.pending or self._start(unit), None
+        flat = pending.rows()
         unit.full.untyped_storage().resize_(unit.full_bytes)
         unit.layout.unpack(flat, unit.slices)
         unit.gathered = True
 
     def free(self, unit: Unit) -> None:
         if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
-            unit.pending.result()
+            unit.pending.rows()
             unit.pending = None
         unit.full.untyped_storage().resize_(0)
         unit.gathered = False
@@ -373,10 +382,13 @@ class ParamUnits:
 
     @contextlib.contextmanager
     def full_params(self, *, writeback: bool):
-        """Every unit gathered; with ``writeback``, the pieces re-cut from the (possibly
+        """Every unit gathered in full precision (the master values, whatever the wire
+        dtype of training); with ``writeback``, the pieces re-cut from the (possibly
         overwritten) full parameters on exit."""
         for unit in self.units:
-            self.prefetch(unit)
+            self.free(unit)
+        for unit in self.units:
+            unit.pending = Gather(unit.row, topo=self.shard_topo)
         for unit in self.units:
             self.gather(unit)
         try:
@@ -477,11 +489,10 @@ class ZeroDataParallel:
         self.n = self.shard_topo.dp
         self.rank = topo.dp_rank % self.n
         self.counts_norm = topo.dp_rank // self.n == 0  # the first replica of each piece
-        self.queue = CommQueue(inline=self.n == 1 and self.replicate_topo is None)
         self.units = None
         if self.zero == 3:
             self.units = ParamUnits(model, shard=self.shard_topo, n=self.n, rank=self.rank,
-                                    queue=self.queue)  # fmt: skip
+                                    wire_dtype=cfg.gather_torch_dtype)  # fmt: skip
             pieces = self.units.shard
         else:
             pieces = {p: zero_shard(p.detach(), rank=self.rank, n=self.n) for _, p in self.named}
@@ -491,8 +502,7 @@ class ZeroDataParallel:
             groups = [u.params for u in self.units.units] if self.units else None
             self.grads = ReduceScatterGrads(
                 model, topo=topo, cfg=cfg, defer=defer, shard=self.shard_topo,
-                replicate=self.replicate_topo, n=self.n, rank=self.rank, queue=self.queue,
-                groups=groups,
+                replicate=self.replicate_topo, n=self.n, rank=self.rank, groups=groups,
             )  # fmt: skip
         self.optimizer = ShardedOptimizer(
             self.named, pieces, make_optimizer=make_optimizer,
@@ -521,7 +531,7 @@ class ZeroDataParallel:
     def _grad_pieces(self) -> dict:
         return {p: self.grad(p) for _, p in self.named}
 
-    def grad_sq_local(self) -> float:
+    def grad_sq_local(self) -> torch.Tensor | float:
         if not self.counts_norm:
             return 0.0
         return sq_sum(self.grad(p) for _, p in self.named if self.owns_grad(p))
@@ -543,14 +553,12 @@ class ZeroDataParallel:
     def _gather_params(self) -> None:
         """Every rank updated its pieces: one all-gather per bucket rebuilds the rest."""
         pending = []
-        for params, layout in self.gather_groups:
+        for params, layout in self.gather_groups:  # issued together, in bucket order ...
             pieces = [zero_shard(p.detach(), rank=self.rank, n=self.n) for p in params]
-            row = layout.pack_row(pieces, like=params[0])
-            pending.append(self.queue.submit(comm.all_gather, row, topo=self.shard_topo,
-                                             axis=Axis.DP))  # fmt: skip
-        with torch.no_grad():
-            for (params, layout), fut in zip(self.gather_groups, pending):
-                layout.unpack(fut.result(), [p.detach() for p in params])
+            pending.append(Gather(layout.pack_row(pieces, like=params[0]), topo=self.shard_topo))
+        with torch.no_grad():  # ... and unpacked as each arrives
+            for (params, layout), gather in zip(self.gather_groups, pending):
+                layout.unpack(gather.rows(), [p.detach() for p in params])
 
     def zero_grad(self) -> None:
         self.grads.zero_grad()
@@ -564,14 +572,13 @@ class ZeroDataParallel:
         out = {names[p]: {"step": self.optimizer.state(p)["step"].clone()} for _, p in self.named}
         for key in STATE_KEYS:
             pending = []
-            for params, layout in self.gather_groups:
+            for params, layout in self.gather_groups:  # on the device (offload: from the host)
                 pieces = [self.optimizer.state(p)[key] for p in params]
                 row = layout.pack_row(pieces, like=params[0].detach())
-                pending.append(self.queue.submit(comm.all_gather, row, topo=self.shard_topo,
-                                                 axis=Axis.DP))  # fmt: skip
-            for (params, layout), fut in zip(self.gather_groups, pending):
+                pending.append(Gather(row, topo=self.shard_topo))
+            for (params, layout), gather in zip(self.gather_groups, pending):
                 fulls = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
-                layout.unpack(fut.result(), fulls)
+                layout.unpack(gather.rows(), fulls)
                 for p, full in zip(params, fulls):
                     out[names[p]][key] = full
         return out
@@ -605,7 +612,6 @@ class ZeroDataParallel:
         return out
 
     def close(self) -> None:
-        self.queue.close()
         self.grads.remove_hooks()
         if self.units is not None:
             self.units.remove_hooks()
