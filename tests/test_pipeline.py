@@ -18,18 +18,18 @@ from plait.data import DataConfig, prepare
 from plait.layout import Layout
 from plait.model.config import preset
 from plait.model.transformer import build_model
-from plait.parallel.pipeline.executor import (
-    backward_input,
-    check_channel_order,
-    forward_only_schedule,
-)
+from plait.parallel.pipeline.executor import backward_input
 from plait.parallel.pipeline.schedules import (
     SCHEDULES,
     SEND_OPS,
+    CommBatch,
     Op,
     ScheduleError,
     build_schedule,
-    replay,
+    check_channel_order,
+    forward_only,
+    messages,
+    validate,
 )
 from plait.parallel.pipeline.stage import build_stage, check_pipeline, stage_layers
 from plait.topology import Topology
@@ -72,19 +72,21 @@ def test_every_schedule_pairs_messages_in_order():
         check_channel_order(schedule)
         n += 1
     assert n > 100
-    # swapping two sends on one channel is caught (both are (B, T, C): gloo would mix them)
+    # swapping two sends on one channel is caught (both are (B, T, C): they would mix)
     bad = build_schedule("gpipe", num_ranks=2, num_microbatches=2)
-    sends = [i for i, a in enumerate(bad[0]) if a.op in SEND_OPS]
-    bad[0][sends[0]], bad[0][sends[1]] = bad[0][sends[1]], bad[0][sends[0]]
+    first, second = [i for i, a in enumerate(bad[0]) if isinstance(a, CommBatch)][:2]
+    a0, a1 = bad[0][first].messages[0], bad[0][second].messages[0]
+    assert a0.op is a1.op is Op.SEND_ACT
+    bad[0][first] = CommBatch((a1,))
+    bad[0][second] = CommBatch((a0, *bad[0][second].messages[1:]))
     with pytest.raises(ScheduleError, match="different orders"):
         check_channel_order(bad)
 
 
 def test_forward_only_schedule_cannot_deadlock():
     for p, m, v in [(1, 3, 1), (2, 4, 1), (2, 4, 2), (4, 8, 2), (3, 5, 3)]:
-        schedule = forward_only_schedule(p, m, v)
-        replay(schedule, lambda rank, a: 1.0)
-        check_channel_order(schedule)
+        schedule = forward_only(num_ranks=p, num_microbatches=m, num_chunks=v)
+        validate(schedule, num_ranks=p, num_microbatches=m, num_chunks=v, train=False)
         assert sum(a.op is Op.FORWARD for acts in schedule for a in acts) == m * p * v
 
 
@@ -352,8 +354,9 @@ def expected_sends(lay: Layout, cfg, pp_rank: int) -> tuple[int, int]:
     the tied-embedding exchange on the first and last rank."""
     p, m, v = lay.pp, lay.num_microbatches, lay.vpp
     schedule = build_schedule(lay.schedule, num_ranks=p, num_microbatches=m, num_chunks=v)
-    train_sends = sum(a.op in SEND_OPS for a in schedule[pp_rank])
-    eval_sends = sum(a.op in SEND_OPS for a in forward_only_schedule(p, m, v)[pp_rank])
+    train_sends = sum(a.op in SEND_OPS for _, a in messages(schedule[pp_rank]))
+    evaluation = forward_only(num_ranks=p, num_microbatches=m, num_chunks=v)
+    eval_sends = sum(a.op in SEND_OPS for _, a in messages(evaluation[pp_rank]))
     tied = int(cfg.tied_embeddings and pp_rank in (0, p - 1))
     msg = lay.micro_batch_size * cfg.seq_len * cfg.hidden * 4 // lay.tp
     calls = STEPS * (train_sends + tied) + eval_sends

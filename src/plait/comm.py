@@ -265,7 +265,10 @@ def world_all_reduce(t: torch.Tensor, *, topo: Topology, op=ReduceOp.SUM) -> tor
     return t
 
 
-def barrier(*, topo: Topology) -> None:
-    """Every rank of the run waits for all the others (on the topology's world group)."""
-    if topo.world_group is not None:
-        _guard(topo, "barrier", "world", lambda: dist.barrier(group=topo.world_group))
+def barrier(*, topo: Topology, axis: Axis | None = None) -> None:
+    """Every rank of the run (or of this rank's ``axis`` group) waits for all the others.
+    On NCCL this also brings up the group's communicator with every member present,
+    which a first batched point-to-point call on it needs."""
+    group = topo.world_group if axis is None else topo.group(axis)
+    if group is not None:
+        _guard(topo, "barrier", axis or "world", lambda: dist.barrier(group=group))

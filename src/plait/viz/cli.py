@@ -79,10 +79,14 @@ def run_schedule(args: argparse.Namespace) -> int:
     try:
         lists = build_schedule(args.schedule, num_ranks=p, num_microbatches=m, num_chunks=v)
         timeline = replay(lists, partial(unit_cost, num_chunks=v), p2p=hop)
-        waits = {  # the last `hop` of each receive's wait is the message in flight
-            rank: [(max(s, e - hop), e) for a, s, e in events if not a.is_compute and e > s]
-            for rank, events in enumerate(timeline.events)
-        }
+        waits = {}  # a compute that waited: the last `hop` of its wait is a message in flight
+        for rank, events in enumerate(timeline.events):
+            clock = 0.0
+            for a, s, e in events:
+                if a.is_compute:
+                    if s > clock:
+                        waits.setdefault(rank, []).append((max(clock, s - hop), s))
+                    clock = e
         title = (
             f"{args.schedule}: pp={p} vpp={v} micro-batches={m} - bubble "
             f"{timeline.bubble_fraction():.3f} (formula {bubble_formula(args.schedule, p, m, v):.3f})"

@@ -118,7 +118,7 @@ def draw_timeline(
     ax.set_ylim(-0.7, p - 0.3)
     ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
-    chunks = any(a.chunk for events in timeline.events for a, _, _ in events)
+    chunks = any(a.is_compute and a.chunk for events in timeline.events for a, _, _ in events)
     handles = [
         Patch(facecolor=c, label=name + (" (darker: later chunks)" if chunks and i == 0 else ""))
         for i, (name, c) in enumerate(x for x in used.items() if x[0] != "waiting on p2p")

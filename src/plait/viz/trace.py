@@ -26,7 +26,7 @@ import json
 import time
 from pathlib import Path
 
-from plait.parallel.pipeline.schedules import Action, Op, Timeline
+from plait.parallel.pipeline.schedules import Action, CommBatch, Op, Timeline
 
 _TAIL = "\n]}\n"
 
@@ -107,7 +107,7 @@ def timeline_from_traces(paths: list[Path], *, step: int) -> Timeline:
         [
             [
                 (
-                    Action(Op(e["args"]["op"]), e["args"]["microbatch"], e["args"]["chunk"]),
+                    _item(e["args"]),
                     (e["ts"] - origin) / 1e6,
                     (e["ts"] + e["dur"] - origin) / 1e6,
                 )
@@ -116,3 +116,12 @@ def timeline_from_traces(paths: list[Path], *, step: int) -> Timeline:
             for events in rows
         ]
     )
+
+
+def _item(args: dict):
+    """The schedule item a trace event records: a compute action, or a batch (whose
+    messages the trace does not list)."""
+    op = Op(args["op"])
+    if op is Op.COMM:
+        return CommBatch(())
+    return Action(op, args["microbatch"], args["chunk"])

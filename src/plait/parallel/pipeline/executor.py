@@ -1,7 +1,9 @@
-"""Pipeline-parallel runtime: runs this rank's action list from ``schedules.py``.
+"""Pipeline-parallel runtime: runs this rank's list of items from ``schedules.py``.
 
 Communication (p pipeline ranks, v chunks per rank, m micro-batches of b sequences of s
-tokens, hidden h, t = tp size, e = 4 bytes: activations stay fp32 under autocast):
+tokens, hidden h, t = tp size, e = bytes of the compute dtype: 4 for fp32, 2 under
+``--dtype bf16`` / ``fp16``, whose messages are cast to it -- the fp32 residual stream is
+rounded once per stage boundary, as Megatron-LM's bf16 activations are):
 
 - forward, axis pp: for each micro-batch, each virtual stage but the last sends its
   output activation to the next (one isend) and the next receives it (one irecv): b*s*h*e
@@ -20,17 +22,21 @@ tokens, hidden h, t = tp size, e = 4 bytes: activations stay fp32 under autocast
   shard (b, s/t, h): it is sent as it is (b*s*h*e / t bytes) and nothing is gathered.
 - nothing on dp: gradients are synchronised by ``data_parallel.py`` after the step.
 
-How the action list is run. Sends are isends; their handles are waited on at the end of
-the step, so a send never blocks (the communication model ``schedules.validate`` checks
-against). A receive is an irecv into a buffer of the shape known from the config,
-(b, s, h), posted one compute action ahead of the one that reads it: gloo only starts
-moving a message once its receive is posted (measured: a 200 MB message whose receive
-was posted late took 0.5 s after posting, 0 s when posted early), so the transfer
-overlaps the compute before it. Messages between two ranks must be posted in the same order
-on both sides (gloo matches them by (peer, tag) in order, NCCL by order); every schedule
-is checked for that, and ``validate``d, before the first step. A stage's output is dropped
-as soon as its send completes (with t > 1, as soon as its slice is copied): backward
-starts from its ``GradientEdge``, which keeps the graph but not the tensor.
+How the items are run, and why it cannot deadlock under NCCL. The executor posts exactly
+the schedule's batches, nothing per message: a ``CommBatch`` becomes one
+``comm.batch_p2p`` call (one ``batch_isend_irecv``, one NCCL group on the pp group) when
+the rank reaches it, and is waited on -- as a whole, since NCCL completes a group as a
+whole -- right before the first compute that reads one of its messages; batches that
+only send are let go when done, or at the end of the step. That is the communication
+model ``schedules.validate`` checks every schedule against before the first step (NCCL's:
+batches run in posting order on the rank's queue, a send completes only when its
+receive has been posted); the same order runs on gloo. Receive buffers have the shape
+known from the config, (b, s, h) in the compute dtype. Messages between two ranks are
+posted in the same order on both sides (``schedules.check_channel_order``). A stage's
+output is dropped once its batch is done: backward starts from its ``GradientEdge``,
+which keeps the graph but not the tensor. Before the first batch, a barrier on the pp
+group brings its NCCL communicator up with every member (a first batched call on a
+group must include all of its ranks).
 
 Zero-bubble split (zb-h1). BI computes only the input gradient and W the weight
 gradients later, without redoing BI's work: before BI, the autograd graph is searched for
@@ -61,88 +67,20 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from plait import comm
 from plait.layout import Layout
 from plait.parallel.pipeline.schedules import (
-    RECV_OPS,
     SEND_OPS,
     Action,
+    CommBatch,
+    Item,
     Op,
-    Schedule,
-    ScheduleError,
     build_schedule,
-    replay,
+    forward_only,
     validate,
-    virtual_stage,
 )
 from plait.parallel.pipeline.stage import PipelineStage
 from plait.topology import Axis, Topology
 from plait.viz.trace import TraceWriter, now_us
 
 COMPUTE_LANE, COMM_LANE, STEP_LANE = 0, 1, 2
-
-
-# ----------------------------------------------------------------------- static checks
-
-
-def _message(rank: int, a: Action, num_ranks: int) -> tuple[str, int, int]:
-    """(kind, micro-batch, sending virtual stage): what a send and its receive share."""
-    stage = virtual_stage(rank, a.chunk, num_ranks)
-    kind = "act" if a.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad"
-    if a.op in SEND_OPS:
-        return kind, a.microbatch, stage
-    return kind, a.microbatch, stage - 1 if kind == "act" else stage + 1
-
-
-def check_channel_order(schedule: Schedule) -> None:
-    """Raise ScheduleError unless, for every ordered pair of ranks, the receiver posts its
-    receives in the order the sender posts the sends (what point-to-point matching needs
-    on top of ``validate``'s deadlock check: two messages of equal shape must not swap)."""
-    p = len(schedule)
-    sent, received = defaultdict(list), defaultdict(list)
-    for rank, actions in enumerate(schedule):
-        for a in actions:
-            if a.op in SEND_OPS:
-                sent[(rank, a.peer)].append(_message(rank, a, p))
-            elif a.op in RECV_OPS:
-                received[(a.peer, rank)].append(_message(rank, a, p))
-    for (src, dst), keys in sent.items():
-        got = received.get((src, dst), [])
-        if got != keys:
-            i = next(
-                (i for i, (x, y) in enumerate(zip(keys, got)) if x != y), min(len(keys), len(got))
-            )
-            raise ScheduleError(
-                f"messages from rank {src} to rank {dst} are sent and received in different "
-                f"orders (message {i}: sent {keys[i] if i < len(keys) else None}, received "
-                f"{got[i] if i < len(got) else None})"
-            )
-
-
-def forward_only_schedule(num_ranks: int, num_microbatches: int, num_chunks: int) -> Schedule:
-    """Evaluation: every micro-batch through every chunk in (micro-batch, stage) order,
-    which is a topological order of the data flow, so it cannot deadlock."""
-    p, last = num_ranks, num_ranks * num_chunks - 1
-    out = []
-    for r in range(p):
-        actions = []
-        for mb in range(num_microbatches):
-            for c in range(num_chunks):
-                s = virtual_stage(r, c, p)
-                if s > 0:
-                    actions.append(Action(Op.RECV_ACT, mb, c, (s - 1) % p))
-                actions.append(Action(Op.FORWARD, mb, c))
-                if s < last:
-                    actions.append(Action(Op.SEND_ACT, mb, c, (s + 1) % p))
-        out.append(actions)
-    return out
-
-
-def _next_compute_index(actions: list[Action]) -> list[int]:
-    """For each index i, the index of the first compute action after i (or the length)."""
-    out, nxt = [len(actions)] * len(actions), len(actions)
-    for i in range(len(actions) - 1, -1, -1):
-        out[i] = nxt
-        if actions[i].is_compute:
-            nxt = i
-    return out
 
 
 # ----------------------------------------------------------------- zero-bubble split
@@ -293,25 +231,35 @@ class _Step:
     train: bool
     loss_scale: float
     tokens_global: int
-    received: dict = field(default_factory=dict)  # (kind, mb, chunk) -> tensor
+    received: dict = field(default_factory=dict)  # (kind, mb, chunk) -> tensor, unpacked
     outputs: dict = field(default_factory=dict)  # stage outputs awaiting their send
     inputs: dict = field(default_factory=dict)  # stage inputs awaiting their backward
     roots: dict = field(default_factory=dict)  # where backward starts: edge or scaled loss
     input_grads: dict = field(default_factory=dict)  # awaiting their send
     deferred: dict = field(default_factory=dict)  # BI done, W to run
-    posted: dict = field(default_factory=dict)  # (kind, mb, chunk) -> (buffer, handles)
-    sends: list = field(default_factory=list)  # in-flight send handles
+    batches: dict = field(default_factory=dict)  # item index -> _Posted, not yet waited on
+    holder: dict = field(default_factory=dict)  # (kind, mb, chunk) -> its batch's item index
     losses: list = field(default_factory=list)  # last stage: per micro-batch loss share
     busy_s: float = 0.0  # compute time on this rank
     cuda_spans: list = field(default_factory=list)  # (start, end) events of compute, on CUDA
 
 
+@dataclass
+class _Posted:
+    """A posted batch: its handles, the buffers its receives land in, and the tensors its
+    sends read (kept alive until the batch is done)."""
+
+    works: list
+    recvs: list  # ((kind, mb, chunk), buffer)
+    sends: list
+
+
 class PipelineRunner:
     """Runs one step's micro-batches through this rank's pipeline chunks, following the
-    schedule's action list. Same interface as the loop's ``LocalRunner``: gradients
+    schedule's list of items. Same interface as the loop's ``LocalRunner``: gradients
     accumulate in ``.grad``; ``train_step`` returns this rank's share of the global mean
-    loss (non-zero on the last stage only) and leaves the measured ``bubble_fraction``
-    (1 - compute time / step time, on this rank) of the step.
+    loss (a device scalar, non-zero on the last stage only) and leaves the measured
+    ``bubble_fraction`` (1 - compute time / step time, on this rank) of the step.
     """
 
     def __init__(
@@ -332,13 +280,12 @@ class PipelineRunner:
         self.num_microbatches = layout.num_microbatches
         kw = dict(num_ranks=p, num_microbatches=self.num_microbatches, num_chunks=v)
         schedule = build_schedule(layout.schedule, **kw)
-        validate(schedule, **kw)
-        check_channel_order(schedule)
-        # With NCCL, the first batched point-to-point call on a group must involve every
-        # rank of it; a barrier first makes the pipeline's first transfer an ordinary one.
-        comm.barrier(topo=topo)
+        validate(schedule, **kw)  # matched, in order, and no deadlock under NCCL
+        # NCCL: the first batched point-to-point call on a group must involve every rank
+        # of it; a barrier on the pp group brings its communicator up with all of them.
+        comm.barrier(topo=topo, axis=Axis.PP)
         self.train_actions = schedule[topo.pp_rank]
-        self._eval_actions: dict[int, list[Action]] = {}
+        self._eval_actions: dict[int, list[Item]] = {}
         cfg, tp = stage.chunks[0].cfg, topo.tp
         sp = layout.sequence_parallel and tp > 1  # boundaries carry sequence shards already
         if sp and seq_len % tp:
@@ -347,6 +294,8 @@ class PipelineRunner:
             )
         self.act_shape = (layout.micro_batch_size, seq_len // tp if sp else seq_len, cfg.hidden)
         self.act_dtype = next(stage.parameters()).dtype
+        # messages travel in the compute dtype (bf16 / fp16 halve the bytes)
+        self.wire_dtype = WIRE_DTYPES[layout.dtype]
         self.scatter = tp > 1 and not sp  # PTD-P scatter/gather
         numel = self.act_shape[0] * self.act_shape[1] * self.act_shape[2]
         assert numel % tp == 0, "hidden is a multiple of tp (heads are)"
@@ -370,7 +319,7 @@ class PipelineRunner:
 
     # -- the interface the loop uses ---------------------------------------------------
 
-    def train_step(self, micro_batches, *, loss_scale: float, tokens_global: int) -> float:
+    def train_step(self, micro_batches, *, loss_scale: float, tokens_global: int):
         st = _Step(list(micro_batches), True, loss_scale, tokens_global)
         if len(st.micro_batches) != self.num_microbatches:
             raise ValueError(
@@ -399,14 +348,13 @@ class PipelineRunner:
             self.trace.flush()
         return self._loss(st)
 
-    def eval_step(self, micro_batches, *, tokens_global: int) -> float:
+    def eval_step(self, micro_batches, *, tokens_global: int):
         st = _Step(list(micro_batches), False, 1.0, tokens_global)
         m = len(st.micro_batches)
         if m not in self._eval_actions:
-            p, v = self.layout.pp, self.layout.vpp
-            schedule = forward_only_schedule(p, m, v)
-            replay(schedule, lambda rank, a: 1.0)  # raises if it could deadlock
-            check_channel_order(schedule)
+            kw = dict(num_ranks=self.layout.pp, num_microbatches=m, num_chunks=self.layout.vpp)
+            schedule = forward_only(**kw)
+            validate(schedule, **kw, train=False)
             self._eval_actions[m] = schedule[self.topo.pp_rank]
         with torch.no_grad():
             self._run(self._eval_actions[m], st)
@@ -419,74 +367,64 @@ class PipelineRunner:
             total += t
         return total
 
-    # -- running an action list --------------------------------------------------------
+    # -- running the items -------------------------------------------------------------
 
-    def _run(self, actions: list[Action], st: _Step) -> None:
+    def _run(self, items: list[Item], st: _Step) -> None:
+        """Compute actions in order; each batch is posted when reached and waited on right
+        before the first compute that reads one of its messages (schedules' model)."""
         handlers = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
             Op.BACKWARD_INPUT: self._backward_input,
             Op.BACKWARD_WEIGHT: self._backward_weight,
-            Op.SEND_ACT: self._send_act,
-            Op.SEND_GRAD: self._send_grad,
-            Op.RECV_ACT: self._recv,
-            Op.RECV_GRAD: self._recv,
         }
-        # Receives the next compute needs are posted before the current compute runs:
-        # gloo moves a message only once its receive is posted, so the transfer then
-        # overlaps with compute instead of starting when the receive is reached.
-        next_compute = _next_compute_index(actions)
-        for i, a in enumerate(actions):
-            if a.is_compute:
-                for b in actions[i + 1 : next_compute[i]]:
-                    if b.op in RECV_OPS:
-                        self._post_recv(b, st)
+        for i, item in enumerate(items):
             t0 = now_us()
-            if a.is_compute and self.cuda_timing:
+            if isinstance(item, CommBatch):
+                self._post(i, item, st)
+                self._traced(item, t0, now_us(), st, cat="comm")
+                continue
+            self._await_input(item, st)
+            t0 = now_us()
+            if self.cuda_timing:
                 span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 span[0].record()
-            handlers[a.op](a, st)
+            handlers[item.op](item, st)
             t1 = now_us()
-            if a.is_compute and self.cuda_timing:  # GPU time, read once at the step's end
+            if self.cuda_timing:  # GPU time, read once at the step's end
                 span[1].record()
                 st.cuda_spans.append(span)
-            elif a.is_compute:
-                st.busy_s += (t1 - t0) / 1e6
-            if self.trace is not None and st.train:
-                self.trace.add(
-                    f"{a.op.value} m{a.microbatch} c{a.chunk}",
-                    t0,
-                    t1,
-                    tid=COMPUTE_LANE if a.is_compute else COMM_LANE,
-                    cat="compute" if a.is_compute else "comm",
-                    args={
-                        "op": a.op.value,
-                        "microbatch": a.microbatch,
-                        "chunk": a.chunk,
-                        "step": self.steps,
-                    },
-                )
-            if st.sends:
-                st.sends = self._reap(st.sends)
-        t0 = now_us()
-        self._wait(st.sends)
-        if self.trace is not None and st.train:
-            self.trace.add("wait sends", t0, now_us(), tid=COMM_LANE, cat="comm", args={})
-        leftover = [d for d in (st.outputs, st.inputs, st.roots, st.input_grads, st.deferred) if d]
-        assert not leftover and not st.received and not st.posted, "schedule left work undone"
-
-    def _wait(self, works) -> None:
-        comm.wait(works, topo=self.topo, what="pipeline send/recv", axis=Axis.PP.value)
-
-    def _reap(self, sends: list) -> list:
-        """Let go of the sends that are done (and so of their tensors); keep the rest."""
-        pending = []
-        for w in sends:
-            if w.is_completed():
-                self._wait([w])  # returns at once; raises if the send failed
             else:
-                pending.append(w)
-        return pending
+                st.busy_s += (t1 - t0) / 1e6
+            self._traced(item, t0, t1, st, cat="compute")
+            self._reap(st)
+        t0 = now_us()
+        for index in list(st.batches):  # the last sends
+            self._complete(index, st)
+        if self.trace is not None and st.train:
+            self.trace.add("wait sends", t0, now_us(), tid=COMM_LANE, cat="wait", args={})
+        leftover = [d for d in (st.outputs, st.inputs, st.roots, st.input_grads, st.deferred) if d]
+        assert not leftover and not st.received and not st.holder, "schedule left work undone"
+
+    def _traced(self, item: Item, t0: float, t1: float, st: _Step, *, cat: str) -> None:
+        if self.trace is None or not st.train:
+            return
+        if isinstance(item, CommBatch):
+            name, mb, chunk = str(item), -1, -1
+        else:
+            name, mb, chunk = (
+                f"{item.op.value} m{item.microbatch} c{item.chunk}",
+                item.microbatch,
+                item.chunk,
+            )
+        self.trace.add(
+            name,
+            t0,
+            t1,
+            tid=COMPUTE_LANE if cat == "compute" else COMM_LANE,
+            cat=cat,
+            args={"op": item.op.value, "microbatch": mb, "chunk": chunk, "step": self.steps},
+        )
 
     def _is_first(self, chunk: int) -> bool:
         return self.stage.stages[chunk] == 0
@@ -546,42 +484,70 @@ class PipelineRunner:
 
     # -- communication -----------------------------------------------------------------
 
-    def _peer(self, a: Action) -> int:
-        return self.topo.pp_peer(a.peer)
+    def _post(self, index: int, batch: CommBatch, st: _Step) -> None:
+        """Post every message of ``batch`` in one call (one NCCL group); do not wait."""
+        ops, recvs, sends = [], [], []
+        for m in batch.messages:
+            peer = self.topo.pp_peer(m.peer)
+            key = ("act" if m.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad", m.microbatch, m.chunk)
+            if m.op in SEND_OPS:
+                t = self._outgoing(m, st)
+                ops.append(("send", t, peer))
+                sends.append(t)
+            else:
+                shape = (self.piece,) if self.scatter else self.act_shape
+                buf = torch.empty(shape, dtype=self.wire_dtype, device=self.topo.device)
+                ops.append(("recv", buf, peer))
+                recvs.append((key, buf))
+                st.holder[key] = index
+        works = comm.batch_p2p(ops, topo=self.topo, axis=Axis.PP)
+        st.batches[index] = _Posted(works, recvs, sends)
 
-    def _post_send(self, t: torch.Tensor, a: Action, st: _Step) -> None:
+    def _outgoing(self, m: Action, st: _Step) -> torch.Tensor:
+        """The tensor a send reads: the stage output or input gradient it names, in the
+        wire dtype, and with tp > 1 only this rank's 1/tp slice (PTD-P scatter)."""
+        key = (m.microbatch, m.chunk)
+        t = st.outputs.pop(key) if m.op is Op.SEND_ACT else st.input_grads.pop(key)
         if t.shape != self.act_shape or t.dtype != self.act_dtype:
             raise RuntimeError(
-                f"rank {self.topo.rank}: {a} would send {tuple(t.shape)} {t.dtype}, but "
+                f"rank {self.topo.rank}: {m} would send {tuple(t.shape)} {t.dtype}, but "
                 f"receivers expect {self.act_shape} {self.act_dtype}"
             )
-        t = t.detach()
-        if self.scatter:  # our 1/tp slice; a copy, so the whole tensor can go now
-            t = t.reshape(-1)[self.topo.tp_rank * self.piece :][: self.piece].clone()
-        st.sends += comm.batch_p2p([("send", t, self._peer(a))], topo=self.topo, axis=Axis.PP)
-
-    def _send_act(self, a: Action, st: _Step) -> None:
-        self._post_send(st.outputs.pop((a.microbatch, a.chunk)), a, st)
-
-    def _send_grad(self, a: Action, st: _Step) -> None:
-        self._post_send(st.input_grads.pop((a.microbatch, a.chunk)), a, st)
-
-    def _post_recv(self, a: Action, st: _Step) -> None:
-        key = ("act" if a.op is Op.RECV_ACT else "grad", a.microbatch, a.chunk)
-        if key not in st.posted:
-            shape = (self.piece,) if self.scatter else self.act_shape
-            buf = torch.empty(shape, dtype=self.act_dtype, device=self.topo.device)
-            works = comm.batch_p2p([("recv", buf, self._peer(a))], topo=self.topo, axis=Axis.PP)
-            st.posted[key] = buf, works
-
-    def _recv(self, a: Action, st: _Step) -> None:
-        self._post_recv(a, st)  # unless posted ahead
-        key = ("act" if a.op is Op.RECV_ACT else "grad", a.microbatch, a.chunk)
-        buf, works = st.posted.pop(key)
-        self._wait(works)
+        t = t.detach().to(self.wire_dtype)
         if self.scatter:
-            buf = comm.all_gather(buf, topo=self.topo, axis=Axis.TP).view(self.act_shape)
-        st.received[key] = buf
+            t = t.reshape(-1)[self.topo.tp_rank * self.piece :][: self.piece]
+        return t.contiguous()
+
+    def _await_input(self, a: Action, st: _Step) -> None:
+        """Before a compute: wait for the batch that holds the message it reads."""
+        if a.op is Op.FORWARD:
+            key = ("act", a.microbatch, a.chunk)
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            key = ("grad", a.microbatch, a.chunk)
+        else:
+            return
+        if key in st.holder and key not in st.received:
+            t0 = now_us()
+            self._complete(st.holder[key], st)
+            if self.trace is not None and st.train:
+                self.trace.add("wait", t0, now_us(), tid=COMM_LANE, cat="wait", args={})
+
+    def _complete(self, index: int, st: _Step) -> None:
+        """Wait for a posted batch (all of it: on NCCL it completes as a group) and
+        unpack its receives (tp > 1: all-gather the slices; back to the compute dtype)."""
+        posted = st.batches.pop(index)
+        comm.wait(posted.works, topo=self.topo, what="pipeline send/recv", axis=Axis.PP.value)
+        for key, buf in posted.recvs:
+            del st.holder[key]
+            if self.scatter:
+                buf = comm.all_gather(buf, topo=self.topo, axis=Axis.TP).view(self.act_shape)
+            st.received[key] = buf.to(self.act_dtype)
+
+    def _reap(self, st: _Step) -> None:
+        """Let go of send-only batches that are done (and so of the tensors they read)."""
+        for index, posted in list(st.batches.items()):
+            if not posted.recvs and all(w.is_completed() for w in posted.works):
+                self._complete(index, st)
 
     def _sync_tied_grads(self) -> None:
         """Ranks 0 and p - 1 add their tied embedding copies' gradients (module doc)."""
@@ -595,7 +561,10 @@ class PipelineRunner:
         works = comm.batch_p2p(
             [("send", mine, peer), ("recv", theirs, peer)], topo=self.topo, axis=Axis.PP
         )
-        self._wait(works)
+        comm.wait(works, topo=self.topo, what="pipeline send/recv", axis=Axis.PP.value)
         w.grad = mine.add_(theirs)  # a + b == b + a exactly: both copies stay equal
         if self.trace is not None:
             self.trace.add("tied grads", t0, now_us(), tid=COMM_LANE, cat="comm", args={})
+
+
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -17,33 +17,43 @@ chunk s // p (``virtual_stage`` / ``stage_location``). With p=2, v=2: stages 0, 
 are (rank 0, chunk 0), (rank 1, chunk 0), (rank 0, chunk 1), (rank 1, chunk 1), so the
 activation of stage 1 wraps from rank 1 back to rank 0's chunk 1.
 
-A schedule is one ordered list of ``Action``s per rank. Compute actions: F (forward),
+A schedule is one ordered list of items per rank: compute ``Action``s -- F (forward),
 B (full backward: input and weight gradients), or, for zero-bubble schedules, BI (input
-gradient, on the critical path) and W (weight gradient, deferrable). Communication
-actions are explicit and sit where the executor should post them:
+gradient, on the critical path) and W (weight gradient, deferrable) -- and, between them,
+``CommBatch``es: the point-to-point messages the rank posts together, as one
+``batch_isend_irecv`` (one NCCL group). A message is a SEND_ACT / RECV_ACT (the output
+activation of F(m, c) to the next virtual stage) or SEND_GRAD / RECV_GRAD (the input
+gradient of B/BI(m, c) to the previous one); ``peer`` is the pipeline rank on the other
+side and ``chunk`` the chunk on the rank that holds the message. Virtual stage 0 receives
+no activation and sends no gradient; the last stage sends no activation and receives no
+gradient (it computes the loss). ``_with_comm`` places them: after each compute, one batch
+with the sends of the computes since the last batch and the receives of the computes up
+to the next one -- the pairing Megatron-LM's ``send_forward_recv_backward`` makes. The
+interleaved schedule posts no batch between a steady-state forward and the backward after
+it, so that every steady-state batch carries both computes' sends and the next pair's
+receives (Megatron-LM's ``send_forward_backward_recv_forward_backward``).
 
-- RECV_ACT(m, c) right before the F(m, c) that consumes it; SEND_ACT(m, c) right after
-  the F(m, c) that produced it. Virtual stage 0 receives no activation; the last stage
-  sends none (it computes the loss).
-- RECV_GRAD(m, c) right before B/BI(m, c); SEND_GRAD(m, c) right after it. The last
-  stage receives no gradient; stage 0 sends none.
-- ``peer`` is the pipeline rank on the other side; ``chunk`` is always the chunk on the
-  rank that holds the action. A send on stage s matches the receive on stage s + 1
-  (activations) or s - 1 (gradients) for the same micro-batch.
-
-Communication model (the executor's contract; ``validate`` and ``replay`` assume it):
-a send never blocks (an isend whose completion the executor waits on later); a receive
-blocks until the matching send has been issued. So a schedule deadlocks exactly when the
-receives wait on each other in a cycle, which ``validate`` detects by running the lists
-symbolically.
+Communication model -- NCCL's, which the executor keeps on every backend, and which
+``validate`` and ``replay`` run symbolically. A rank's compute thread posts each batch as
+it reaches it and does not wait for it; it waits only, right before a compute, for the
+batch that holds the message that compute reads. The rank's batches run one at a time, in
+posting order, on its communication queue (NCCL's stream): a batch starts once posted and
+once the batch before it has finished; a message completes when the batches holding its
+send and its receive have both started (a send waits for its receive: no buffering); a
+batch finishes with its last message. A schedule deadlocks when some batch can never
+start or finish -- e.g. two ranks that each post a send to the other first and the
+matching receive later, which is why crossing messages travel in one batch. ``validate``
+checks every shipped schedule against this model (tests: pp 2-8, every vpp up to 4, 1 to
+4p + 1 micro-batches, forward-only evaluation too).
 
 Worked example: ``build_schedule("1f1b", num_ranks=2, num_microbatches=4)``. Rank 0 (the
 first stage) warms up with min(p - r - 1, m) = 1 forward, then alternates one forward
 and one backward, then drains; rank 1 (the last stage) has no warm-up. Written compactly
-(``>a0`` = SEND_ACT of micro-batch 0 to the other rank, ``<g0`` = RECV_GRAD, ...)::
+(``[>a0 <g1]`` = one batch: the activation of micro-batch 0 sent to the other rank and the
+gradient of micro-batch 1 received from it)::
 
-    rank 0: F0 >a0  F1 >a1 <g0 B0  F2 >a2 <g1 B1  F3 >a3 <g2 B2  <g3 B3
-    rank 1: <a0 F0 B0 >g0  <a1 F1 B1 >g1  <a2 F2 B2 >g2  <a3 F3 B3 >g3
+    rank 0: F0 [>a0] F1 [>a1 <g0] B0  F2 [>a2 <g1] B1  F3 [>a3 <g2] B2 [<g3] B3
+    rank 1: [<a0] F0 B0 [>g0 <a1] F1 B1 [>g1 <a2] F2 B2 [>g2 <a3] F3 B3 [>g3]
 
 ``replay`` with F = 1 and B = 2 time units and free transfers (``.`` = waiting)::
 
@@ -76,6 +86,7 @@ class Op(str, Enum):
     RECV_ACT = "recv_act"  # activation from the previous virtual stage
     SEND_GRAD = "send_grad"  # gradient to the previous virtual stage
     RECV_GRAD = "recv_grad"  # gradient from the next virtual stage
+    COMM = "comm"  # a batch of the above, posted together (``CommBatch``)
 
     def __str__(self) -> str:
         return self.value
@@ -103,7 +114,35 @@ class Action:
         return f"{self.op.value}(m={self.microbatch}, chunk={self.chunk}{peer})"
 
 
-Schedule = list[list[Action]]  # one ordered action list per pipeline rank
+@dataclass(frozen=True)
+class CommBatch:
+    """Point-to-point messages (SEND_* / RECV_* actions) that a rank posts together, as one
+    ``batch_isend_irecv`` -- one NCCL group -- and that complete together."""
+
+    messages: tuple[Action, ...]
+    op = Op.COMM
+    is_compute = False
+
+    def __str__(self) -> str:
+        return "comm(" + ", ".join(_short(m) for m in self.messages) + ")"
+
+
+def _short(m: Action) -> str:
+    sign = ">" if m.op in SEND_OPS else "<"
+    kind = "a" if m.op in (Op.SEND_ACT, Op.RECV_ACT) else "g"
+    chunk = f"c{m.chunk}" if m.chunk else ""
+    return f"{sign}{kind}{m.microbatch}{chunk} {'to' if sign == '>' else 'from'} rank {m.peer}"
+
+
+Item = Action | CommBatch  # what a rank's list holds: compute actions and batches
+Schedule = list[list[Item]]  # one ordered list per pipeline rank
+
+
+def messages(items) -> list[tuple[int, Action]]:
+    """(index of its item, message) for every send and receive of one rank's list."""
+    return [
+        (i, m) for i, item in enumerate(items) if isinstance(item, CommBatch) for m in item.messages
+    ]
 
 
 def virtual_stage(rank: int, chunk: int, num_ranks: int) -> int:
@@ -140,35 +179,86 @@ def _no_interleaving(name: str, num_chunks: int) -> None:
 
 
 def _with_comm(
-    rank: int, compute: Sequence[tuple[Op, int, int]], num_ranks: int, num_chunks: int
-) -> list[Action]:
-    """Turn one rank's compute order [(op, microbatch, chunk)] into its action list.
+    rank: int,
+    compute: Sequence[tuple[Op, int, int]],
+    num_ranks: int,
+    num_chunks: int,
+    *,
+    no_batch_after: Sequence[int] = (),
+) -> list[Item]:
+    """Turn one rank's compute order [(op, microbatch, chunk)] into its list of items.
 
-    The receives and sends go right around the compute that needs or produces them; this
+    After each compute comes one ``CommBatch`` with the sends of the computes since the
+    last batch and the receives of the computes up to the next one. ``no_batch_after``
+    lists computes (by index) after which no batch is posted: their sends ride with the
+    next batch, and the receives of the computes after them are posted before them. This
     is the only place that decides where communication sits, so every schedule function
-    only has to say in which order to compute.
+    only has to say in which order to compute (and, for interleaving, which computes pair).
     """
     last = num_ranks * num_chunks - 1
-    actions: list[Action] = []
-    for op, mb, chunk in compute:
+    skip = set(no_batch_after)
+    items: list[Item] = []
+    segment: list[tuple[list, Action, list]] = []  # (receives, compute, sends)
+    carried: list[Action] = []  # sends of the previous segment
+
+    def close() -> None:
+        nonlocal carried
+        recvs = [m for r, _, _ in segment for m in r]
+        if carried or recvs:
+            items.append(CommBatch(tuple(carried + recvs)))
+        items.extend(a for _, a, _ in segment)
+        carried = [m for _, _, sends in segment for m in sends]
+        segment.clear()
+
+    for i, (op, mb, chunk) in enumerate(compute):
         stage = virtual_stage(rank, chunk, num_ranks)
         prev_rank = stage_location(stage - 1, num_ranks)[0]
         next_rank = stage_location(stage + 1, num_ranks)[0]
+        recvs, sends = [], []
         if op is Op.FORWARD:
             if stage > 0:
-                actions.append(Action(Op.RECV_ACT, mb, chunk, prev_rank))
-            actions.append(Action(op, mb, chunk))
+                recvs.append(Action(Op.RECV_ACT, mb, chunk, prev_rank))
             if stage < last:
-                actions.append(Action(Op.SEND_ACT, mb, chunk, next_rank))
+                sends.append(Action(Op.SEND_ACT, mb, chunk, next_rank))
         elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             if stage < last:
-                actions.append(Action(Op.RECV_GRAD, mb, chunk, next_rank))
-            actions.append(Action(op, mb, chunk))
+                recvs.append(Action(Op.RECV_GRAD, mb, chunk, next_rank))
             if stage > 0:
-                actions.append(Action(Op.SEND_GRAD, mb, chunk, prev_rank))
-        else:  # W needs nothing from anyone
-            actions.append(Action(op, mb, chunk))
-    return actions
+                sends.append(Action(Op.SEND_GRAD, mb, chunk, prev_rank))
+        # (W needs nothing from anyone)
+        segment.append((recvs, Action(op, mb, chunk), sends))
+        if i not in skip:
+            close()
+    close()
+    if carried:
+        items.append(CommBatch(tuple(carried)))
+    return items
+
+
+def batched(actions: Sequence[Action]) -> list[Item]:
+    """Every run of consecutive sends and receives in ``actions`` as one ``CommBatch``,
+    sends first (posting order does not matter inside a group, but a fixed one keeps
+    traces and tests readable)."""
+    out: list[Item] = []
+    run: list[Action] = []
+    for a in [*actions, None]:
+        if a is not None and not a.is_compute:
+            run.append(a)
+            continue
+        if run:
+            sends = [m for m in run if m.op in SEND_OPS]
+            out.append(CommBatch(tuple(sends + [m for m in run if m.op in RECV_OPS])))
+            run = []
+        if a is not None:
+            out.append(a)
+    return out
+
+
+def forward_only(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """Evaluation: every micro-batch through every chunk, in (micro-batch, stage) order."""
+    _check_sizes("forward-only", num_ranks, num_microbatches, num_chunks)
+    order = [(Op.FORWARD, mb, c) for mb in range(num_microbatches) for c in range(num_chunks)]
+    return [_with_comm(r, order, num_ranks, num_chunks) for r in range(num_ranks)]
 
 
 def gpipe(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
@@ -236,10 +326,13 @@ def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int =
     for r in range(p):
         total, warmup = m * v, _interleaved_warmup(r, p, m, v)
         order = [unit(k, Op.FORWARD) for k in range(warmup)]
+        steady_forwards = []
         for k in range(total - warmup):
+            steady_forwards.append(len(order))
             order += [unit(warmup + k, Op.FORWARD), unit(k, Op.BACKWARD)]
         order += [unit(k, Op.BACKWARD) for k in range(total - warmup, total)]
-        schedule.append(_with_comm(r, order, p, v))
+        paired = steady_forwards if v > 1 else ()
+        schedule.append(_with_comm(r, order, p, v, no_batch_after=paired))
     return schedule
 
 
@@ -314,16 +407,34 @@ def _message_key(rank: int, action: Action, num_ranks: int) -> tuple[str, int, i
 
 
 def _check_rank(
-    rank: int, actions: Sequence[Action], num_ranks: int, num_microbatches: int, num_chunks: int
+    rank: int,
+    items: Sequence[Item],
+    num_ranks: int,
+    num_microbatches: int,
+    num_chunks: int,
+    train: bool,
 ) -> None:
     """Per-rank rules: ranges, one F and one B (or BI + W) per (microbatch, chunk), in
-    order, and each needed receive / send exactly once, on the right side of its compute."""
+    order, and each needed receive / send exactly once, in a batch on the right side of
+    its compute. A position is the index of the item (a message: of its batch)."""
     where: dict[tuple[Op, int, int], int] = {}
     last = num_ranks * num_chunks - 1
-    for i, a in enumerate(actions):
-        at = f"rank {rank} action {i} {a}"
-        if not isinstance(a, Action) or not isinstance(a.op, Op):
-            raise ScheduleError(f"rank {rank} action {i}: {a!r} is not an Action")
+    flat: list[tuple[int, Action]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, CommBatch):
+            if not item.messages:
+                raise ScheduleError(f"rank {rank} item {i}: an empty batch")
+            flat += [(i, m) for m in item.messages]
+        else:
+            flat.append((i, item))
+    for i, a in flat:
+        at = f"rank {rank} item {i} {a}"
+        if not isinstance(a, Action) or not isinstance(a.op, Op) or a.op is Op.COMM:
+            raise ScheduleError(f"rank {rank} item {i}: {a!r} is not an Action")
+        if a.is_compute and not isinstance(items[i], Action):
+            raise ScheduleError(f"{at}: a compute action inside a batch")
+        if not a.is_compute and not isinstance(items[i], CommBatch):
+            raise ScheduleError(f"{at}: a message outside a batch")
         if not 0 <= a.microbatch < num_microbatches:
             raise ScheduleError(f"{at}: micro-batch outside 0..{num_microbatches - 1}")
         if not 0 <= a.chunk < num_chunks:
@@ -332,7 +443,7 @@ def _check_rank(
             raise ScheduleError(f"{at}: compute actions have no peer")
         key = (a.op, a.microbatch, a.chunk)
         if key in where:
-            raise ScheduleError(f"{at}: duplicate of action {where[key]}")
+            raise ScheduleError(f"{at}: duplicate of item {where[key]}")
         where[key] = i
         if not a.is_compute:
             stage = virtual_stage(rank, a.chunk, num_ranks)
@@ -345,10 +456,10 @@ def _check_rank(
                 )
 
     def before(first: Op, then: Op, mb: int, c: int) -> None:
-        if where[(first, mb, c)] > where[(then, mb, c)]:
+        if where[(first, mb, c)] >= where[(then, mb, c)]:
             raise ScheduleError(
-                f"rank {rank} action {where[(then, mb, c)]} {then.value}(m={mb}, chunk={c}) "
-                f"comes before its {first.value} (action {where[(first, mb, c)]})"
+                f"rank {rank} item {where[(then, mb, c)]} {then.value}(m={mb}, chunk={c}) "
+                f"does not come after its {first.value} (item {where[(first, mb, c)]})"
             )
 
     for c in range(num_chunks):
@@ -358,21 +469,30 @@ def _check_rank(
                 raise ScheduleError(f"rank {rank}: no F for micro-batch {mb} on chunk {c}")
             backward_ops = (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
             has = {op for op in backward_ops if (op, mb, c) in where}
-            if has not in ({Op.BACKWARD}, {Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}):
+            if not train:  # evaluation: forwards only, no gradient messages
+                if has:
+                    raise ScheduleError(f"rank {rank}: a backward in a forward-only schedule")
+                needed = [(Op.RECV_ACT, Op.FORWARD)] if stage > 0 else []
+                needed += [(Op.FORWARD, Op.SEND_ACT)] if stage < last else []
+                grads = [(op, mb, c) in where for op in (Op.SEND_GRAD, Op.RECV_GRAD)]
+                if any(grads):
+                    raise ScheduleError(f"rank {rank}: gradient messages without a backward")
+            elif has not in ({Op.BACKWARD}, {Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}):
                 found = ", ".join(sorted(op.value for op in has)) or "none"
                 raise ScheduleError(
                     f"rank {rank}: micro-batch {mb} on chunk {c} needs one B, or one BI and "
                     f"one W; found {found}"
                 )
-            back = Op.BACKWARD if Op.BACKWARD in has else Op.BACKWARD_INPUT
-            before(Op.FORWARD, back, mb, c)
-            if back is Op.BACKWARD_INPUT:
-                before(Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, mb, c)
-            needed = []
-            if stage > 0:
-                needed += [(Op.RECV_ACT, Op.FORWARD), (back, Op.SEND_GRAD)]
-            if stage < last:
-                needed += [(Op.FORWARD, Op.SEND_ACT), (Op.RECV_GRAD, back)]
+            else:
+                back = Op.BACKWARD if Op.BACKWARD in has else Op.BACKWARD_INPUT
+                before(Op.FORWARD, back, mb, c)
+                if back is Op.BACKWARD_INPUT:
+                    before(Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, mb, c)
+                needed = []
+                if stage > 0:
+                    needed += [(Op.RECV_ACT, Op.FORWARD), (back, Op.SEND_GRAD)]
+                if stage < last:
+                    needed += [(Op.FORWARD, Op.SEND_ACT), (Op.RECV_GRAD, back)]
             for first, then in needed:
                 comm = first if first not in COMPUTE_OPS else then
                 if (comm, mb, c) not in where:
@@ -383,28 +503,60 @@ def _check_rank(
                 before(first, then, mb, c)
 
 
+def check_channel_order(schedule: Schedule) -> None:
+    """Raise ScheduleError unless, for every ordered pair of ranks, the receiver posts its
+    receives in the order the sender posts the sends: NCCL (and gloo) match the messages
+    between two ranks in posting order, so two messages of equal shape must not swap."""
+    p = len(schedule)
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for rank, items in enumerate(schedule):
+        for _, m in messages(items):
+            key = _message_key(rank, m, p)
+            if m.op in SEND_OPS:
+                sent.setdefault((rank, m.peer), []).append(key)
+            else:
+                received.setdefault((m.peer, rank), []).append(key)
+    for pair in sorted(set(sent) | set(received)):
+        keys, got = sent.get(pair, []), received.get(pair, [])
+        if got != keys:
+            i = next(
+                (i for i, (x, y) in enumerate(zip(keys, got)) if x != y), min(len(keys), len(got))
+            )
+            raise ScheduleError(
+                f"messages from rank {pair[0]} to rank {pair[1]} are sent and received in "
+                f"different orders (message {i}: sent {keys[i] if i < len(keys) else None}, "
+                f"received {got[i] if i < len(got) else None})"
+            )
+
+
 def validate(
-    schedule: Schedule, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1
+    schedule: Schedule,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    train: bool = True,
 ) -> None:
     """Raise ``ScheduleError`` naming the first broken rule, else return None.
 
     Rules: one list per rank; each (micro-batch, chunk) on each rank has exactly one F and
-    either one B or one BI and one W, with F before B/BI before W; every receive and send
-    the data flow needs is there exactly once, receive before the compute that reads it
-    and send after the compute that wrote it, naming the right peer, and no other; and
-    running the lists under the communication model (sends never block, receives wait for
-    their send) finishes: no deadlock. The per-rank rules make sends and receives pair
-    one to one: the send of (micro-batch, stage s -> s + 1) exists exactly once on s's
-    rank iff stage s + 1 < S, and so does its receive on s + 1's rank.
+    either one B or one BI and one W (``train=False``, evaluation: none), with F before
+    B/BI before W; every receive and send the data flow needs is there exactly once, in a
+    batch before the compute that reads it or after the one that wrote it, naming the
+    right peer, and no other; messages between two ranks are posted in the same order on
+    both sides; and running the lists under NCCL's semantics (module docstring) finishes:
+    no deadlock.
     """
     if len(schedule) != num_ranks:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected {num_ranks}")
-    for rank, actions in enumerate(schedule):
-        _check_rank(rank, actions, num_ranks, num_microbatches, num_chunks)
+    for rank, items in enumerate(schedule):
+        _check_rank(rank, items, num_ranks, num_microbatches, num_chunks, train)
+    check_channel_order(schedule)
     _run(schedule, lambda rank, action: 0.0, 0.0)  # raises on deadlock
 
 
-def max_in_flight(actions: Sequence[Action]) -> int:
+def max_in_flight(actions: Sequence[Item]) -> int:
     """Most (micro-batch, chunk) pairs on one rank whose F has run and whose B / BI has
     not: the activations held at once (W's smaller state is not counted)."""
     held = peak = 0
@@ -476,55 +628,135 @@ class Timeline:
         return (self.makespan - busiest) / busiest if busiest > 0 else 0.0
 
 
+def consumed(rank: int, action: Action, num_ranks: int, num_chunks: int) -> tuple | None:
+    """The message key a compute reads (its input activation, or the gradient of its
+    output), or None when it reads none (stage 0's F, the last stage's B, any W)."""
+    stage = virtual_stage(rank, action.chunk, num_ranks)
+    if action.op is Op.FORWARD and stage > 0:
+        return "act", action.microbatch, stage - 1
+    last = num_ranks * num_chunks - 1
+    if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and stage < last:
+        return "grad", action.microbatch, stage + 1
+    return None
+
+
 def _run(
     schedule: Schedule,
     cost: Callable[[int, Action], float],
     p2p: Callable[[int, Action], float] | float,
 ) -> Timeline:
-    """Event-driven execution under the communication model; raises on deadlock.
+    """Execution under NCCL's point-to-point semantics (module docstring); raises
+    ``ScheduleError`` on deadlock.
 
-    Each rank runs while it can; a rank that reaches a receive whose send has not been
-    issued parks on that message and is woken when the send is issued. Since sends never
-    block, this order of processing gives the same times as any other.
+    A rank's compute thread runs its items in order: a compute takes ``cost`` once the
+    batch holding the message it reads has finished; a batch is only posted, at the
+    time the thread reaches it. The rank's batches then run one after another on its
+    communication queue: a batch starts once it is posted and the batch before it has
+    finished; each of its messages completes ``transfer`` after the batches holding its
+    send and its receive have both started; the batch finishes with its last message.
+    Which item waits on which depends only on the lists, not on the costs, so resolving
+    them in any order that respects the waits gives the same times.
     """
-    num_ranks = len(schedule)
+    p = len(schedule)
+    num_chunks = 1 + max(
+        (a.chunk for items in schedule for a in items if isinstance(a, Action)), default=0
+    )
     transfer = p2p if callable(p2p) else (lambda rank, action, _t=float(p2p): _t)
-    timeline = Timeline([[] for _ in range(num_ranks)])
-    clock = [0.0] * num_ranks
-    pos = [0] * num_ranks
-    arrived: dict[tuple, float] = {}  # message key -> time the data reaches the receiver
-    parked: dict[tuple, int] = {}  # message key -> rank waiting for it
-    runnable = list(range(num_ranks - 1, -1, -1))
-    while runnable:
-        rank = runnable.pop()
-        actions, events = schedule[rank], timeline.events[rank]
-        while pos[rank] < len(actions):
-            a, t = actions[pos[rank]], clock[rank]
-            if a.op in RECV_OPS:
-                key = _message_key(rank, a, num_ranks)
-                if key not in arrived:
-                    parked[key] = rank
-                    break
-                end = max(t, arrived[key])
-            elif a.op in SEND_OPS:
-                key = _message_key(rank, a, num_ranks)
-                arrived.setdefault(key, t + transfer(rank, a))
-                if key in parked:
-                    runnable.append(parked.pop(key))
-                end = t
+    # where each message sits: key -> {"send": (rank, batch index), "recv": ...}
+    side_of: dict[tuple, dict[str, tuple[int, int]]] = {}
+    hop: dict[tuple, float] = {}
+    for rank, items in enumerate(schedule):
+        for i, m in messages(items):
+            key = _message_key(rank, m, p)
+            side = "send" if m.op in SEND_OPS else "recv"
+            side_of.setdefault(key, {})[side] = (rank, i)
+            if side == "send":
+                hop[key] = transfer(rank, m)
+    for key, sides in side_of.items():
+        if len(sides) != 2:
+            raise ScheduleError(
+                f"message {key} has no matching {'send' if 'recv' in sides else 'receive'}"
+            )
+    posted: dict[tuple[int, int], float] = {}  # (rank, batch index) -> time posted
+    started: dict[tuple[int, int], float] = {}
+    finished: dict[tuple[int, int], float] = {}
+    timeline = Timeline([[] for _ in range(p)])
+    events: list[dict[int, tuple]] = [{} for _ in range(p)]  # item index -> event
+    clock = [0.0] * p
+    pos = [0] * p  # compute thread: next item
+    batches = [[i for i, it in enumerate(items) if isinstance(it, CommBatch)] for items in schedule]
+    head = [0] * p  # communication queue: index into batches[rank] of the next to finish
+    queue_free = [0.0] * p  # when the previous batch finished
+
+    def advance_thread(rank: int) -> bool:
+        moved = False
+        items = schedule[rank]
+        while pos[rank] < len(items):
+            i, item = pos[rank], items[pos[rank]]
+            t = clock[rank]
+            if isinstance(item, CommBatch):
+                posted[(rank, i)] = t
             else:
-                end = t + cost(rank, a)
-            events.append((a, t, end))
-            clock[rank] = end
+                key = consumed(rank, item, p, num_chunks)
+                if key is not None:
+                    holder = side_of[key]["recv"]
+                    if holder not in finished:
+                        break
+                    t = max(t, finished[holder])
+                end = t + cost(rank, item)
+                events[rank][i] = (item, t, end)
+                clock[rank] = end
             pos[rank] += 1
-    stuck = [r for r in range(num_ranks) if pos[r] < len(schedule[r])]
+            moved = True
+        return moved
+
+    def advance_queue(rank: int) -> bool:
+        moved = False
+        while head[rank] < len(batches[rank]):
+            i = batches[rank][head[rank]]
+            here = (rank, i)
+            if here not in posted:
+                break
+            if here not in started:
+                started[here] = max(posted[here], queue_free[rank])
+                moved = True
+            end = started[here]
+            for m in schedule[rank][i].messages:
+                key = _message_key(rank, m, p)
+                other = side_of[key]["recv" if m.op in SEND_OPS else "send"]
+                if other not in started:
+                    return moved
+                end = max(end, max(started[here], started[other]) + hop[key])
+            finished[here] = queue_free[rank] = end
+            events[rank][i] = (schedule[rank][i], started[here], end)
+            head[rank] += 1
+            moved = True
+        return moved
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            progress |= advance_thread(rank)
+            progress |= advance_queue(rank)
+    stuck = [r for r in range(p) if pos[r] < len(schedule[r]) or head[r] < len(batches[r])]
     if stuck:
-        r = stuck[0]
-        others = ", ".join(f"rank {o} at action {pos[o]}" for o in stuck[1:])
+
+        def where(r: int) -> str:
+            if head[r] < len(batches[r]) and (
+                pos[r] == len(schedule[r]) or batches[r][head[r]] < pos[r]
+            ):
+                i = batches[r][head[r]]
+                return f"rank {r}'s batch at item {i} {schedule[r][i]}"
+            return f"rank {r} at item {pos[r]} {schedule[r][pos[r]]}"
+
         raise ScheduleError(
-            f"schedule deadlocks: rank {r} waits forever at action {pos[r]} "
-            f"{schedule[r][pos[r]]}" + (f"; also stuck: {others}" if others else "")
+            "schedule deadlocks under NCCL's point-to-point semantics: "
+            + "; ".join(where(r) for r in stuck)
+            + " wait forever"
         )
+    for rank in range(p):
+        timeline.events[rank] = [events[rank][i] for i in range(len(schedule[rank]))]
     return timeline
 
 
