@@ -227,13 +227,16 @@ def cmd_train(args, parser) -> int:
     try:
         values = merged_values(args, parser, run=True)
         cfg = build_run_config(values)
-        if cfg.train.resume:
-            _check_resume(cfg)
         if values.get("dry_run"):
+            if cfg.train.resume:
+                _check_resume(cfg)
             return _dry_run(cfg)
         from plait.train import run_folder
 
+        # before anything is read from or written to the folder, and before the data
         lock = run_folder.claim(Path(cfg.out), node_rank=values.get("node_rank") or 0)
+        if cfg.train.resume:
+            _check_resume(cfg)
         _train(cfg, values)
     except (KeyboardInterrupt, launch.Terminated) as e:
         signum = getattr(e, "signum", signal.SIGINT)

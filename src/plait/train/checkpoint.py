@@ -151,7 +151,7 @@ def save(
         if cause is None:
             raise
         kept = (
-            f"{previous.name} is intact (--resume continues from it)"
+            f"{previous.name} is intact and --resume continues from it"
             if previous is not None
             else "there is no earlier checkpoint"
         )

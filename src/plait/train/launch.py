@@ -95,18 +95,16 @@ def _torch_logs_to(path: Path):
     except OSError:
         handler = logging.NullHandler()
     loggers = [logging.getLogger("torch.distributed"), logging.getLogger("py.warnings")]
-    saved = [lg.propagate for lg in loggers]
+    saved = [(lg.handlers, lg.propagate) for lg in loggers]  # torch's own: stderr
     for lg in loggers:
-        lg.addHandler(handler)
-        lg.propagate = False
+        lg.handlers, lg.propagate = [handler], False
     logging.captureWarnings(True)
     try:
         yield
     finally:
         logging.captureWarnings(False)
-        for lg, propagate in zip(loggers, saved):
-            lg.removeHandler(handler)
-            lg.propagate = propagate
+        for lg, (handlers, propagate) in zip(loggers, saved):
+            lg.handlers, lg.propagate = handlers, propagate
         handler.close()
 
 
