@@ -241,7 +241,8 @@ def cmd_train(args, parser) -> int:
     except (KeyboardInterrupt, launch.Terminated) as e:
         signum = getattr(e, "signum", signal.SIGINT)
         if cfg is None:
-            return _die("train", signal.Signals(signum).name.lower(), code=128 + signum)
+            what = "interrupted" if signum == signal.SIGINT else "terminated"
+            return _die("train", f"{what} ({signal.Signals(signum).name})", code=128 + signum)
         return _die("train", launch.stopped_line(signum, Path(cfg.out)), code=128 + signum)
     except (UserError, ValueError, DataError, checkpoint.CheckpointError) as e:
         return _die("train", str(e).strip().splitlines()[0])
