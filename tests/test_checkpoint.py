@@ -10,8 +10,7 @@ from plait.cli import main
 from plait.model.config import preset
 from plait.model.transformer import build_model
 from plait.topology import Topology
-from plait.train import checkpoint, manifest, optim
-from plait.train.config import TrainConfig
+from plait.train import checkpoint, manifest
 
 FILES = [".metadata", "__0_0.distcp", "meta.json", "rng-rank-0.pt", "manifest.json"]
 
@@ -19,8 +18,11 @@ FILES = [".metadata", "__0_0.distcp", "meta.json", "rng-rank-0.pt", "manifest.js
 def _model(seed):
     cfg = preset("tiny", n_layers=2, hidden=32, vocab_size=64, seq_len=8)
     model = build_model(cfg, seed=seed)
-    named = list(model.named_parameters())
-    state = optim.init_adamw_state(optim.build_adamw(named, TrainConfig()), named)
+    state = {  # AdamW's state, as the data-parallel engine hands it to the checkpoint
+        name: {"step": torch.zeros(()), "exp_avg": torch.full_like(p, seed),
+               "exp_avg_sq": torch.zeros_like(p)}
+        for name, p in model.named_parameters()
+    }  # fmt: skip
     return model, state
 
 

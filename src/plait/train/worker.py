@@ -85,9 +85,10 @@ def main(argv=None) -> int:
         from plait.train import liveness
         from plait.train.config import RunConfig
 
-        cfg = RunConfig.load(Path(args.config))
-        if args.liveness:  # the launcher's store: heartbeats from a side thread, last word
+        if args.liveness:  # the launcher's store: for the last word, and heartbeats below
             store = liveness.connect(args.liveness)
+        cfg = RunConfig.load(Path(args.config))
+        if store is not None:  # from a side thread, into the store only
             beat = liveness.interval_for(liveness.stale_after(cfg.train.collective_timeout))
             liveness.Heartbeat(
                 liveness.connect(args.liveness), rank=rank, interval=beat, pid=os.getpid()
