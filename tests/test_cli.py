@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -78,13 +80,54 @@ def test_generate_samples_from_checkpoint(base):
     assert proc.stdout.startswith("def ") and len(proc.stdout) > 10
 
 
-def test_resume_continues_the_same_curve(base, tmp_path):
-    # Interrupted after step 10: the run folder as it was then, resumed to step 20.
+def _flip_middle_of_shard(step: Path) -> None:
+    """Finite junk in the middle of a shard (3.0 written 4,096 times): same size, loads."""
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4 * 4096] = struct.pack("<f", 3.0) * 4096
+    shard.write_bytes(data)
+
+
+def test_damaged_checkpoint_falls_back_and_a_second_run_is_refused(base, corpus, tmp_path):
+    """The newest checkpoint's shard has bytes changed in its middle: --resume (under dp 2,
+    where each rank hashes half the files and they agree) skips it in one line, resumes
+    from the one before and continues the uninterrupted curve. Meanwhile a second run on
+    the same folder is refused in one line naming the first, which finishes normally."""
     run = tmp_path / "resumed"
     shutil.copytree(base, run)
-    shutil.rmtree(run / "checkpoints" / "step-00000020")
-    plait("train", "--config", run / "config.yaml", "--out", run, "--resume", check=True)
-    assert losses(run) == pytest.approx(losses(base), rel=1e-6)
+    _flip_middle_of_shard(run / "checkpoints" / "step-00000020")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "train", "--config", str(run / "config.yaml"),
+         "--out", str(run), "--resume", "--dp", "2", "--micro-batch-size", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and f'"pid": {first.pid}' not in _read(run / "run.lock"):
+            time.sleep(0.05)
+        second = plait("train", *common(corpus), "--steps", 5, "--out", run)
+        _one_line_error(second, f"--out {run} is in use by another plait train (pid {first.pid} ")
+        out, err = first.communicate(timeout=180)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err
+    notes = [line for line in out.splitlines() if "resuming" in line]
+    assert notes == [
+        f"plait: resuming from step 10 ({run / 'checkpoints' / 'step-00000010'}); skipped "
+        "step-00000020: __0_0.distcp does not match its sha256: its bytes changed after it "
+        "was written"
+    ], out
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert losses(run) == pytest.approx(losses(base), rel=1e-5)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 @pytest.mark.parametrize("buckets", [[], ["--bucket-mb", "0.25"]], ids=["one-bucket", "buckets"])
@@ -163,16 +206,69 @@ def test_empty_corpus_and_short_corpus(tmp_path):
     _one_line_error(plait("train", *TINY, "--data", short, "--cache-dir", tmp_path / "c"), "--data")
 
 
-def test_corrupt_checkpoint_on_resume(base, tmp_path):
+def test_damaged_checkpoints_named_before_any_worker_starts(base, tmp_path):
+    """Truncated or overwritten files change a file's size: the launcher finds it from the
+    manifest before preparing data and says which file of which checkpoint, in one line."""
     run = tmp_path / "corrupt"
     shutil.copytree(base, run)
-    for f in (run / "checkpoints" / "step-00000020").glob("*.distcp"):
-        f.write_bytes(b"not a checkpoint")
+    (run / "checkpoints" / "step-00000020" / "__0_0.distcp").write_bytes(b"not a checkpoint")
+    proc = plait("train", "--config", run / "config.yaml", "--out", run, "--resume-from", 20)
+    _one_line_error(proc, "--resume-from 20: checkpoint step-00000020", "__0_0.distcp is 16 bytes")
+    (run / "checkpoints" / "step-00000010" / ".metadata").write_bytes(b"")
     proc = plait("train", "--config", run / "config.yaml", "--out", run, "--resume")
-    _one_line_error(proc, "step-00000020")
-    (run / "checkpoints" / "step-00000020" / "meta.json").write_text("{")
-    _one_line_error(plait("train", "--config", run / "config.yaml", "--out", run, "--resume"),
-                    "step-00000020", "corrupt")  # fmt: skip
+    _one_line_error(proc, "no checkpoint in", "verifies", "step-00000010: .metadata is 0 bytes")
+    assert "preparing data" not in proc.stdout
+
+
+def test_unwritable_out_exits_2_before_data_preparation(corpus, tmp_path, capsys):
+    from plait.cli import main
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out, needle in [(a_file / "run", "part of that path is a file"),
+                        ("/proc/plait-run", "cannot create the folder")]:  # fmt: skip
+        code = main(["train", *map(str, common(corpus)), "--cache-dir", str(tmp_path / "cache"),
+                     "--out", str(out)])  # fmt: skip
+        captured = capsys.readouterr()
+        assert code == 2
+        lines = captured.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"plait train: error: --out {out}: "), lines
+        assert needle in lines[0], lines[0]
+        assert "preparing data" not in captured.out
+    assert not (tmp_path / "cache").exists()  # no data was prepared
+
+
+def test_disk_full_during_save_is_one_line_and_keeps_the_previous(base, tmp_path):
+    """A save that runs out of space (dp 2) ends in one line naming the step and the
+    checkpoint that is intact, which still verifies and loads."""
+    if os.geteuid() != 0:
+        pytest.skip("filling a file system needs a small tmpfs, and mounting one needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    try:
+        run = disk / "run"
+        shutil.copytree(base, run, ignore=shutil.ignore_patterns("step-00000020"))
+        st = os.statvfs(disk)  # leave 200 kB: room for metrics and logs, not a checkpoint
+        (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 200_000))
+        proc = plait("train", "--config", run / "config.yaml", "--out", run, "--resume",
+                     "--dp", 2, "--micro-batch-size", 4, "--steps", 12, "--save-every", 2)  # fmt: skip
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith(
+            f"plait train: error: checkpoint step 12 could not be written to {run / 'checkpoints'}"
+            ": no space left on device; step-00000010 is intact and --resume continues from it"
+        ), lines[0]
+        assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000010"]
+        from plait.generate import load_model
+        from plait.train import checkpoint
+
+        assert checkpoint.verify(run / "checkpoints" / "step-00000010") is None
+        _, path, _ = load_model(run)
+        assert path.name == "step-00000010"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def _children(pid: int) -> list[int]:
@@ -189,22 +285,22 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _start_long_run(corpus, out, *extra):
+def _start_long_run(corpus, out, *extra, dp=2, ready=None):
+    """A run that would take hours, once ``ready(out)`` (default: two steps done)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "plait.cli", "train", *map(str, common(corpus)), "--dp", "2",
-         "--steps", "100000", "--log-every", "1", "--out", str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "plait.cli", "train", *map(str, common(corpus)), "--dp", str(dp),
+         "--micro-batch-size", str(8 // dp), "--steps", "100000", "--log-every", "1",
+         "--out", str(out), *map(str, extra)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+    ready = ready or (lambda out: _read(out / "metrics.jsonl").count("\n") >= 2)
     deadline = time.time() + 120
-    while time.time() < deadline:
-        metrics = out / "metrics.jsonl"
-        if metrics.exists() and metrics.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.2)
+    while time.time() < deadline and not ready(out):
+        time.sleep(0.05)
     workers = [p for p in _descendants(proc.pid) if "plait.train.worker" in _cmdline(p)]
-    if len(workers) != 2:
+    if not ready(out):
         proc.kill()
-        raise AssertionError(f"expected 2 running workers: {proc.communicate()[1]}")
+        raise AssertionError(f"the run did not start: {proc.communicate()[1]}")
     return proc, workers
 
 
@@ -226,19 +322,76 @@ def test_killed_worker_one_message_no_orphans(corpus, tmp_path):
     assert not any(Path(f"/proc/{w}").exists() and "plait" in _cmdline(w) for w in workers)
 
 
-def test_collective_timeout_names_rank_and_operation(corpus, tmp_path):
-    proc, workers = _start_long_run(corpus, tmp_path / "hang", "--collective-timeout", "10")
-    os.kill(workers[1], signal.SIGSTOP)  # a hung peer: alive, silent
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "plait" in _cmdline(pid)
+
+
+def test_hung_worker_is_named_and_killed_within_the_timeout(corpus, tmp_path):
+    """A worker that stops (SIGSTOP: alive, silent) is found by its stale heartbeat: the run
+    ends within the collective timeout plus a few seconds, naming that rank, and kills it."""
+    proc, workers = _start_long_run(corpus, tmp_path / "hang", "--collective-timeout", "5")
+    assert len(workers) == 2
+    hung = workers[1]
+    rank = int(dict(x.split("=", 1) for x in Path(f"/proc/{hung}/environ").read_text()
+                    .split("\0") if "=" in x)["RANK"])  # fmt: skip
+    t0 = time.time()
+    os.kill(hung, signal.SIGSTOP)
     try:
-        _, err = proc.communicate(timeout=90)
+        _, err = proc.communicate(timeout=60)
     finally:
         for w in workers:
-            if Path(f"/proc/{w}").exists():
+            if _alive(w):
                 os.kill(w, signal.SIGKILL)
+    elapsed = time.time() - t0
     assert proc.returncode == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert "rank 0" in lines[0] and "all_reduce" in lines[0], lines[0]
+    assert lines[0].startswith(f"plait train: error: rank {rank} stopped responding: no heartbeat "
+                               "for 5."), lines[0]  # fmt: skip
+    assert f"(--collective-timeout 5); killed it (pid {hung})" in lines[0], lines[0]
+    assert elapsed < 15, elapsed
+    assert not any(_alive(w) for w in workers)
+
+
+@pytest.mark.parametrize(
+    "sig, target, when",
+    [
+        ("SIGTERM", "launcher", "start"),
+        ("SIGTERM", "launcher", "training"),
+        ("SIGINT", "group", "training"),
+    ],  # fmt: skip
+    ids=["sigterm-before-first-step", "sigterm", "ctrl-c"],
+)
+def test_signals_end_with_one_line_and_the_conventional_code(corpus, tmp_path, sig, target, when):
+    """SIGTERM to the launcher, or Ctrl-C (SIGINT to the whole process group): exit 143 or
+    130, one line saying where the run was and which checkpoint is kept (a folder that
+    exists), no torch warning on the terminal, no worker left behind."""
+    out = tmp_path / "sig"
+    if when == "start":  # as soon as the run holds its folder (data preparation, start-up)
+        proc, workers = _start_long_run(
+            corpus, out, dp=1, ready=lambda out: '"pid"' in _read(out / "run.lock")
+        )
+    else:  # once a checkpoint exists
+        proc, workers = _start_long_run(
+            corpus, out, "--save-every", 2, dp=1 if sig == "SIGTERM" else 2,
+            ready=lambda out: any((out / "checkpoints").glob("step-0*[0-9]")),
+        )  # fmt: skip
+    signum = getattr(signal, sig)
+    os.killpg(proc.pid, signum) if target == "group" else os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    what = "interrupted" if sig == "SIGINT" else "terminated"
+    assert lines[0].startswith(f"plait train: {what} ({sig}) "), lines[0]
+    if when == "start":
+        assert lines[0].endswith("; no checkpoint was written"), lines[0]
+    else:
+        kept = re.search(r"after step \d+; (\S+) is the newest checkpoint: --resume continues "
+                         "from it$", lines[0])  # fmt: skip
+        assert kept and Path(kept.group(1)).is_dir(), lines[0]
+    time.sleep(0.5)
+    assert not any(_alive(w) for w in workers)
 
 
 def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):

@@ -3,19 +3,22 @@
     plait train [flags]         train (starts dp x tp x pp workers)
     plait generate --run DIR    sample text from a trained run
     plait export --run DIR      the newest checkpoint as a Hugging Face model folder
+    plait checkpoint verify DIR check a run's checkpoints against their manifests
     plait info [flags]          parameters, FLOPs per token and memory of a model and layout
     plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
     plait plan [flags]          rank every layout of a model on a cluster; write the best
     plait calibrate             measure this machine into a hardware file for simulate / plan
     plait viz schedule ...      draw a pipeline schedule
 
-Errors a user can cause end with one line on stderr and exit code 2.
+Errors a user can cause end with one line on stderr and exit code 2; a run stopped by
+Ctrl-C exits 130, by SIGTERM 143.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import signal
 import sys
 import tomllib
 from pathlib import Path
@@ -33,7 +36,8 @@ class UserError(Exception):
 
 
 def _die(prog: str, msg: str, code: int = 2) -> int:
-    print(f"plait {prog}: error: {msg}", file=sys.stderr)
+    label = "" if code in (130, 143) else "error: "  # a signal is the user's choice
+    print(f"plait {prog}: {label}{msg}", file=sys.stderr)
     return code
 
 
@@ -75,6 +79,7 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
             if "out" in raw:
                 flat["out"] = raw["out"]
         flat.pop("resume", None)
+        flat.pop("resume_from", None)
         return {k: v for k, v in flat.items() if v is not None}
     return {str(k).replace("-", "_"): v for k, v in raw.items()}
 
@@ -133,7 +138,10 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--cache-dir")
     g.add_argument("--val-fraction", type=float)
     g.add_argument("--out", help="run folder (default runs/<time>)")
-    g.add_argument("--resume", action="store_true", default=None)
+    g.add_argument("--resume", action="store_true", default=None,
+                   help="continue from the newest checkpoint in --out that verifies")  # fmt: skip
+    g.add_argument("--resume-from", type=int, metavar="STEP",
+                   help="continue from the checkpoint of this step")  # fmt: skip
     g.add_argument("--init-hf", metavar="DIR",
                    help="start from a Hugging Face GPT-2 / LLaMA folder (config.json + "
                    "safetensors); the model's sizes come from it")  # fmt: skip
@@ -175,7 +183,7 @@ def build_run_config(values: dict):
     train_fields = {k: values[k] for k in TRAIN_FIELDS if values.get(k) is not None}
     if values.get("no_progress"):
         train_fields["progress"] = False
-    train_fields["resume"] = bool(values.get("resume"))
+    train_fields["resume"] = bool(values.get("resume") or values.get("resume_from"))
     data_fields = {f: values[k] for k, f in DATA_FLAGS.items() if values.get(k) is not None}
     if values.get("vocab_size") is not None:
         data_fields["vocab_size"] = values["vocab_size"]
@@ -211,65 +219,95 @@ def _hf_model(values: dict):
 
 
 def cmd_train(args, parser) -> int:
-    from plait.data import DataError, prepare
-    from plait.train import checkpoint
-    from plait.train.launch import LaunchError, launch
+    from plait.data import DataError
+    from plait.train import checkpoint, launch
 
+    previous = signal.signal(signal.SIGTERM, launch.raise_terminated)
+    cfg = lock = None
     try:
         values = merged_values(args, parser, run=True)
         cfg = build_run_config(values)
-        out = Path(cfg.out)
-        if cfg.train.resume:
-            path = checkpoint.latest(out / "checkpoints")
-            if path is None:
-                raise UserError(
-                    f"--resume: no checkpoint in {out / 'checkpoints'}; "
-                    "run without --resume to start fresh"
-                )
-            meta = checkpoint.read_meta(path)
-            if meta.get("model") and meta["model"] != {**cfg.model.to_dict(), **_vocab_of(meta)}:
-                raise UserError(
-                    f"--resume: checkpoint {path} is of a different model; "
-                    "use the same model flags or another --out"
-                )
         if values.get("dry_run"):
+            if cfg.train.resume:
+                _check_resume(cfg)
             return _dry_run(cfg)
-        print(f"plait: preparing data ({cfg.data.path or 'embedded corpus'}) ...", flush=True)
-        data = prepare(cfg.data, log=lambda m: print(f"  {m}", flush=True))
-        if cfg.train.init_hf and data.tokenizer.vocab_size != cfg.model.vocab_size:
-            raise UserError(
-                f"--init-hf {cfg.train.init_hf}: the model has {cfg.model.vocab_size} tokens "
-                f"but the tokenizer ({cfg.data.tokenizer}) has {data.tokenizer.vocab_size}; "
-                "use the data and tokenizer it was trained with"
-            )
-        cfg = _with_vocab(cfg, data.tokenizer.vocab_size)
-        seq_need = cfg.model.seq_len + 1
-        if len(data.val) < seq_need:
-            raise UserError(
-                f"--data: the held-out split has {len(data.val)} tokens but a sequence needs "
-                f"{seq_need}; give more text or a larger --val-fraction"
-            )
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save(out / "config.yaml")
-        lay = cfg.layout
-        print(
-            f"plait: training {values.get('model') or 'tiny'} ({cfg.model.arch}) on "
-            f"dp={lay.dp} tp={lay.tp} pp={lay.pp} for {cfg.train.steps} steps -> {out}",
-            flush=True,
-        )
-        launch(
-            cfg,
-            nnodes=values.get("nnodes") or 1,
-            node_rank=values.get("node_rank") or 0,
-            rdzv_endpoint=values.get("rdzv_endpoint"),
-        )
+        from plait.train import run_folder
+
+        # before anything is read from or written to the folder, and before the data
+        lock = run_folder.claim(Path(cfg.out), node_rank=values.get("node_rank") or 0)
+        if cfg.train.resume:
+            _check_resume(cfg)
+        _train(cfg, values)
+    except (KeyboardInterrupt, launch.Terminated) as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        if cfg is None:
+            what = "interrupted" if signum == signal.SIGINT else "terminated"
+            return _die("train", f"{what} ({signal.Signals(signum).name})", code=128 + signum)
+        return _die("train", launch.stopped_line(signum, Path(cfg.out)), code=128 + signum)
     except (UserError, ValueError, DataError, checkpoint.CheckpointError) as e:
         return _die("train", str(e).strip().splitlines()[0])
-    except LaunchError as e:
+    except launch.LaunchError as e:
+        if e.detail:  # the worker could not write its log: the detail once, here
+            print(e.detail.rstrip(), file=sys.stderr)
         return _die("train", str(e), code=e.code)
+    finally:
+        if lock is not None:
+            lock.release(remove_if_unused=True)
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _check_resume(cfg) -> None:
+    """Before anything else: a checkpoint to resume from exists, its files have the sizes
+    its manifest lists (the workers check the digests), and it is of this model."""
+    from plait.train import checkpoint
+
+    root = Path(cfg.out) / "checkpoints"
+    path, _ = checkpoint.pick_resume(root, cfg.train.resume_from, hashes=False)
+    meta = checkpoint.read_meta(path)
+    if meta.get("model") and meta["model"] != {**cfg.model.to_dict(), **_vocab_of(meta)}:
+        raise UserError(
+            f"--resume: checkpoint {path} is of a different model; "
+            "use the same model flags or another --out"
+        )
+
+
+def _train(cfg, values: dict) -> None:
+    """Prepare the data, write config.yaml, run the workers and report."""
+    from plait.data import prepare
+    from plait.train.launch import launch
+
+    out = Path(cfg.out)
+    print(f"plait: preparing data ({cfg.data.path or 'embedded corpus'}) ...", flush=True)
+    data = prepare(cfg.data, log=lambda m: print(f"  {m}", flush=True))
+    if cfg.train.init_hf and data.tokenizer.vocab_size != cfg.model.vocab_size:
+        raise UserError(
+            f"--init-hf {cfg.train.init_hf}: the model has {cfg.model.vocab_size} tokens "
+            f"but the tokenizer ({cfg.data.tokenizer}) has {data.tokenizer.vocab_size}; "
+            "use the data and tokenizer it was trained with"
+        )
+    cfg = _with_vocab(cfg, data.tokenizer.vocab_size)
+    seq_need = cfg.model.seq_len + 1
+    if len(data.val) < seq_need:
+        raise UserError(
+            f"--data: the held-out split has {len(data.val)} tokens but a sequence needs "
+            f"{seq_need}; give more text or a larger --val-fraction"
+        )
+    cfg.save(out / "config.yaml")
+    lay = cfg.layout
+    print(
+        f"plait: training {values.get('model') or 'tiny'} ({cfg.model.arch}) on "
+        f"dp={lay.dp} tp={lay.tp} pp={lay.pp} for {cfg.train.steps} steps -> {out}",
+        flush=True,
+    )
+    launch(
+        cfg,
+        nnodes=values.get("nnodes") or 1,
+        node_rank=values.get("node_rank") or 0,
+        rdzv_endpoint=values.get("rdzv_endpoint"),
+    )
     if (values.get("node_rank") or 0) == 0:
         _report(cfg)
-    return 0
 
 
 def _vocab_of(meta: dict) -> dict:
@@ -362,6 +400,37 @@ def cmd_export(args) -> int:
         return _die("export", str(e).strip().splitlines()[0])
     print(f"wrote {out} ({cfg.model.arch}, {path.name}): {', '.join(files)}")
     return 0
+
+
+def cmd_checkpoint_verify(args) -> int:
+    """``plait checkpoint verify DIR``: every checkpoint of a run (or one checkpoint folder)
+    against its manifest; one line per checkpoint, exit code 1 when one is damaged."""
+    import time
+
+    from plait.train import checkpoint, manifest
+
+    target = Path(args.dir)
+    if (target / manifest.NAME).exists() or target.name.startswith("step-"):
+        folders = [target]
+    else:
+        root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
+        folders = checkpoint.checkpoint_dirs(root)
+    if not folders:
+        return _die("checkpoint verify", f"{target}: no checkpoint there; give a run folder, "
+                    "its checkpoints/ folder or one step-N folder")  # fmt: skip
+    damaged = 0
+    for folder in folders:
+        t0 = time.perf_counter()
+        problem = checkpoint.verify(folder)
+        if problem is None:
+            files = manifest.read(folder)
+            size = sum(e["size"] for e in files.values())
+            print(f"{folder}: ok ({len(files)} files, {size / 2**20:.1f} MiB, "
+                  f"{manifest.HASH} checked in {time.perf_counter() - t0:.2f} s)")  # fmt: skip
+        else:
+            damaged += 1
+            print(f"{folder}: damaged: {problem}")
+    return 1 if damaged else 0
 
 
 def cmd_generate(args) -> int:
@@ -461,6 +530,13 @@ def make_parser():
                          help="write a run's newest checkpoint as a Hugging Face model folder")  # fmt: skip
     exp.add_argument("--run", required=True, help="run folder written by plait train")
     exp.add_argument("--out", help="folder to write (default RUN/hf)")
+    ckpt = sub.add_parser("checkpoint", allow_abbrev=False, help="check a run's checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="action", metavar="ACTION", required=True)
+    verify = ckpt_sub.add_parser("verify", allow_abbrev=False,
+                                 help="check every file of each checkpoint against its manifest")  # fmt: skip
+    verify.add_argument(
+        "dir", metavar="DIR", help="a run folder, its checkpoints/ or a step-N folder"
+    )
     info = sub.add_parser("info", parents=[model_parent(), layout_parent()], allow_abbrev=False,
                           help="sizes, FLOPs and memory of a model")  # fmt: skip
     info.add_argument("--config", help="YAML or TOML file of flag values")
@@ -491,6 +567,8 @@ def main(argv=None) -> int:
         return cmd_generate(args)
     if args.command == "export":
         return cmd_export(args)
+    if args.command == "checkpoint":
+        return cmd_checkpoint_verify(args)
     if args.command == "info":
         return cmd_info(args, subs["info"])
     if args.command == "simulate" and sim_cli is not None:

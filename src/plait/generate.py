@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -19,11 +20,14 @@ def load_model(run: Path):
     if not (run / "config.yaml").exists():
         raise ValueError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
     cfg = RunConfig.load(run / "config.yaml")
-    path = checkpoint.latest(run / "checkpoints")
-    if path is None:
-        raise ValueError(f"--run {run}: no checkpoint in {run / 'checkpoints'}")
+    try:  # the newest checkpoint that verifies
+        path, note = checkpoint.pick_resume(run / "checkpoints", flag=f"--run {run}")
+    except checkpoint.CheckpointError as e:
+        raise ValueError(str(e)) from None
+    if "skipped" in note:
+        logging.getLogger("plait").warning("plait: %s", note.replace("resuming", "loading", 1))
     model = build_model(cfg.model, seed=cfg.train.seed)
-    checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
+    checkpoint.load(path, model=model, optim_state=None, topo=Topology.single(), verified=True)
     model.eval()
     return cfg, path, model
 

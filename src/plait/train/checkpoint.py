@@ -1,15 +1,32 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), written atomically.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), written atomically, each
+file checked against a manifest before anything reaches the model.
 
 Layout of ``OUT/checkpoints/step-00000100/``: the DCP files (``.metadata``, ``*.distcp``)
 holding every parameter and its optimizer state under the parameter's global name, as the
-*full* (unsharded) tensor; ``meta.json`` (step, loss scale, model config); and
-``rng-rank-K.pt`` per rank. Because tensors are stored whole and cut on load by the same
-sharding functions the runtime uses, a checkpoint loads into any layout: different dp, tp,
-pp or ZeRO stage. DCP writes each tensor once even when several ranks hold it.
+*full* (unsharded) tensor; ``meta.json`` (step, loss scale, model config); ``rng-rank-K.pt``
+per rank; and ``manifest.json``, the size and SHA-256 of every other file (``manifest.py``).
+Because tensors are stored whole and cut on load by the same sharding functions the runtime
+uses, a checkpoint loads into any layout: different dp, tp, pp or ZeRO stage. DCP writes
+each tensor once even when several ranks hold it.
 
-Atomicity: everything is written into ``step-N.tmp``; once all ranks are done, rank 0
-renames it to ``step-N``. A crash mid-write leaves only a ``.tmp`` folder, which is
-ignored and cleaned up by the next save: the previous checkpoint stays intact.
+Atomicity: everything is written into ``step-N.tmp``; each rank fsyncs and hashes the files
+it wrote (``.manifest-rank-K.json``); once all ranks are done, rank 0 merges those into the
+manifest, writes it last (temporary name, fsync, rename) and renames the folder to
+``step-N``. A crash mid-write leaves only a ``.tmp`` folder, which is ignored and cleaned up
+by the next save; a failed write (no space left, say) removes it at once. Either way the
+previous checkpoint stays intact.
+
+Verification (``verify``, ``pick_resume``): every file listed in the manifest must exist
+with its size and digest. ``pick_resume`` takes the newest checkpoint that verifies and says
+in one line which ones it skipped and why.
+
+Communication: ``save`` issues three world barriers around DCP's own collectives (planning
+and the final gather of write results, all on DCP's default group); every rank calls it at
+the same step, so the order is the same everywhere. ``verify`` and ``pick_resume`` with a
+multi-rank ``topo`` issue world all-reduces of small int64 tensors on ``topo.device`` (the
+candidate step; the manifest's file count; one (kind, size) row per file): each rank reads
+about 1/world of the bytes, and every decision is taken from the reduced values, so every
+rank runs the same number of all-reduces in the same order and returns the same answer.
 
 Known limit: every rank materialises full tensors of the parameters it holds while saving
 and loading; fine at the sizes plait trains on CPU, wasteful for very large tp/ZeRO-3 runs.
@@ -31,10 +48,31 @@ from torch.distributed.checkpoint.api import CheckpointException
 from plait import comm
 from plait.parallel.tensor import full_shape, shard_spec, tp_gather, tp_shard
 from plait.topology import Topology
+from plait.train import manifest
+
+PART = ".manifest-rank-"  # + rank + ".json": the files one rank wrote, merged by rank 0
 
 
 class CheckpointError(RuntimeError):
-    """A missing, incomplete or unreadable checkpoint (message is one line)."""
+    """A missing, incomplete, damaged or unreadable checkpoint (message is one line)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written (no space left, a read-only file system); the
+    message is one line and names the previous checkpoint, which is intact."""
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer (fsyncs every file), remembering which files this rank wrote."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # already complete: written in this thread
+        self.written += [r.storage_data.relative_path for r in future.value()]
+        return future
 
 
 def _dist() -> bool:
@@ -57,6 +95,13 @@ def checkpoint_dirs(root: Path) -> list[Path]:
 def latest(root: Path) -> Path | None:
     dirs = checkpoint_dirs(root)
     return dirs[-1] if dirs else None
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return None
 
 
 def read_meta(path: Path) -> dict:
@@ -92,8 +137,31 @@ def save(
     topo: Topology,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` (collective: every rank calls it)."""
+    """Write checkpoint ``step`` (collective: every rank calls it). A write that fails for
+    want of space or permission raises CheckpointWriteError with one line."""
     root = Path(root)
+    previous = latest(root)
+    try:
+        return _write(root, step, model=model, optim_state=optim_state, meta=meta, topo=topo,
+                      keep=keep)  # fmt: skip
+    except BaseException as e:
+        if topo.rank == 0:  # free the space at once; the previous checkpoint is untouched
+            shutil.rmtree(root / f"step-{step:08d}.tmp", ignore_errors=True)
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        kept = (
+            f"{previous.name} is intact and --resume continues from it"
+            if previous is not None
+            else "there is no earlier checkpoint"
+        )
+        what = os.strerror(cause.errno).lower() if cause.errno else str(cause)
+        raise CheckpointWriteError(
+            f"checkpoint step {step} could not be written to {root}: {what}; {kept}"
+        ) from e
+
+
+def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep) -> Path:
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
     if topo.rank == 0:
@@ -103,21 +171,59 @@ def save(
         tmp.mkdir()
     comm.barrier(topo=topo)
     state = full_state(model, optim_state, topo)
+    writer = _Writer(tmp)
     with warnings.catch_warnings():  # DCP warns that one process means no_dist; we know
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _dist())
+        dcp.save(state, storage_writer=writer, no_dist=not _dist())
     torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-rank-{topo.rank}.pt")
+    manifest.fsync(tmp / f"rng-rank-{topo.rank}.pt")  # DCP fsyncs its own files
+    mine = manifest.entries(tmp, [*writer.written, f"rng-rank-{topo.rank}.pt"])
+    manifest.write_synced(tmp / f"{PART}{topo.rank}.json", json.dumps(mine).encode())
     comm.barrier(topo=topo)
     if topo.rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        _commit(tmp, final, {**meta, "step": step}, world=topo.world_size)
         for old in checkpoint_dirs(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier(topo=topo)
     return final
+
+
+def _commit(tmp: Path, final: Path, meta: dict, *, world: int) -> None:
+    """Rank 0, once every rank has written and hashed its files: meta.json, the manifest
+    (last), then the folder's rename."""
+    manifest.write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    files = {}
+    parts = [tmp / f"{PART}{r}.json" for r in range(world)]
+    for part in parts:
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    rest = [
+        p.relative_to(tmp).as_posix()
+        for p in tmp.rglob("*")
+        if p.is_file() and p.relative_to(tmp).as_posix() not in files
+    ]  # what rank 0 wrote besides its part: DCP's .metadata, meta.json
+    files.update(manifest.entries(tmp, rest))
+    manifest.write(tmp, files)
+    manifest.fsync(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    manifest.fsync(final.parent)
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: ``e`` itself, one of DCP's per-rank failures, or a
+    cause in its chain."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        for inner in (getattr(e, "failures", None) or {}).values():
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            if isinstance(inner, OSError):
+                return inner
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
 
 
 def _root_cause(e: BaseException) -> str:
@@ -132,12 +238,95 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def verify(path: Path, *, topo: Topology | None = None, hashes: bool = True) -> str | None:
+    """None when every file of checkpoint ``path`` matches its manifest, else one line saying
+    what is wrong (``hashes=False``: sizes only, from ``stat``). With a multi-rank ``topo``
+    this is collective: the files are split over the ranks by size and every rank returns
+    the same answer (module docstring)."""
+    path = Path(path)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        files, trouble = manifest.read(path), None
+    except manifest.ManifestError as e:
+        files, trouble = {}, str(e)
+    if topo is None or topo.world_group is None:
+        problems = [] if trouble else manifest.check(path, files, hashes=hashes)
+        return trouble or (problems[0].describe() if problems else None)
+    n = len(files)
+    head = torch.tensor([trouble is not None, n, -n], dtype=torch.int64, device=topo.device)
+    comm.world_all_reduce(head, topo=topo, op=dist.ReduceOp.MAX)
+    if head[0] or head[1] != -head[2]:
+        return trouble or f"{manifest.NAME} could not be read the same on every rank"
+    names = sorted(files)
+    if not names:
+        return None
+    mine = manifest.split(files, topo.world_size)[topo.rank]
+    found = torch.zeros(len(names), 2, dtype=torch.int64)  # (kind + 1, size found) per file
+    for p in manifest.check(path, files, mine, hashes=hashes):
+        found[names.index(p.name)] = torch.tensor([_KINDS.index(p.kind) + 1, p.found])
+    found = comm.world_all_reduce(found.to(topo.device), topo=topo, op=dist.ReduceOp.MAX)
+    for name, (kind, size) in zip(names, found.tolist()):
+        if kind:
+            want, kind = files[name]["size"], _KINDS[kind - 1]
+            return manifest.Problem(name=name, kind=kind, expected=want, found=size).describe()
+    return None
+
+
+_KINDS = ("missing", "size", "digest")
+
+
+def pick_resume(
+    root: Path,
+    step: int | None = None,
+    *,
+    topo: Topology | None = None,
+    hashes: bool = True,
+    flag: str = "--resume",
+) -> tuple[Path, str]:
+    """The checkpoint to resume from: ``step``'s, or else the newest that verifies; and one
+    line saying which step and what was skipped and why. Raises CheckpointError (one line,
+    naming ``flag``) when there is none. With a multi-rank ``topo`` this is collective and
+    every rank picks the same (the candidate step is agreed by an all-reduce before each
+    check)."""
+    root = Path(root)
+    tried, skipped = set(), []
+    while True:
+        mine = [
+            s
+            for s in map(_step_of, checkpoint_dirs(root))
+            if s is not None and s not in tried and (step is None or s == step)
+        ]
+        candidate = _agree_max(max(mine, default=-1), topo)
+        if candidate < 0:
+            break
+        tried.add(candidate)
+        path = root / f"step-{candidate:08d}"
+        problem = verify(path, topo=topo, hashes=hashes)
+        if problem is None:
+            note = f"resuming from step {candidate} ({path})"
+            return path, note + "".join(f"; skipped {n}: {p}" for n, p in skipped)
+        skipped.append((path.name, problem))
+    fresh = "; run without --resume to start fresh" if flag == "--resume" else ""
+    if step is not None:
+        if skipped:
+            raise CheckpointError(
+                f"--resume-from {step}: checkpoint {skipped[0][0]} in {root} is damaged: "
+                f"{skipped[0][1]}; --resume takes the newest one that verifies"
+            )
+        have = ", ".join(str(_step_of(p)) for p in checkpoint_dirs(root)) or "none"
+        raise CheckpointError(
+            f"--resume-from {step}: no checkpoint of step {step} in {root} (steps there: {have})"
+        )
+    if skipped:
+        why = "; ".join(f"{n}: {p}" for n, p in skipped)
+        raise CheckpointError(f"{flag}: no checkpoint in {root} verifies ({why}){fresh}")
+    raise CheckpointError(f"{flag}: no checkpoint in {root}{fresh}")
+
+
+def _agree_max(value: int, topo: Topology | None) -> int:
+    if topo is None or topo.world_group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=topo.device)
+    return int(comm.world_all_reduce(t, topo=topo, op=dist.ReduceOp.MAX).item())
 
 
 def load(
@@ -146,10 +335,16 @@ def load(
     model,
     optim_state: dict | None,
     topo: Topology,
+    verified: bool = False,
 ) -> dict:
     """Load ``path`` into ``model`` (and into the tensors of ``optim_state``, in place,
-    which must already have the local shapes); returns the checkpoint's meta."""
+    which must already have the local shapes); returns the checkpoint's meta. Unless
+    ``verified`` (by ``pick_resume``), the files are checked against the manifest first
+    (collective when ``topo`` has several ranks)."""
     path = Path(path)
+    problem = None if verified else verify(path, topo=topo)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     meta = read_meta(path)
     targets = {}
     params = dict(model.named_parameters())

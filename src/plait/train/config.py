@@ -37,7 +37,8 @@ class TrainConfig:
     trace: bool = False
     progress: bool = True
     threads: int | None = None  # torch threads per worker; None: cores / local workers
-    resume: bool = False  # continue from the newest checkpoint in --out
+    resume: bool = False  # continue from the newest checkpoint in --out that verifies
+    resume_from: int | None = None  # continue from this step's checkpoint (implies resume)
     init_hf: str | None = None  # start from a Hugging Face model folder's weights
     compile: bool = False  # torch.compile each transformer block
 
@@ -53,6 +54,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.collective_timeout <= 0:
             raise ValueError("--collective-timeout must be positive (seconds)")
+        if self.resume_from is not None and self.resume_from < 1:
+            raise ValueError(
+                f"--resume-from must be a checkpoint's step (>= 1), got {self.resume_from}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

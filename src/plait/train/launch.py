@@ -5,10 +5,22 @@ resolved ``config.yaml``, and starts dp x tp x pp workers through torchrun's eng
 world / nnodes workers.
 
 The rendezvous store lives in this launcher's agent process, which outlives the workers.
+So does the liveness store (``liveness.py``): this node's workers beat into it and leave
+their last word there, and a watchdog thread here kills a worker whose heartbeat stopped
+for the collective timeout, so a hung worker ends the run in about that time, named.
+
+Signals: torchrun's agent installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT once it
+starts the workers; on one it forwards the signal to the workers, waits up to
+``SHUTDOWN_GRACE_S`` for them and raises ``SignalException``. Before that (data preparation,
+rendezvous) the CLI's own handlers raise ``KeyboardInterrupt`` or ``Terminated``. Either way
+the run ends with one line and the shell's convention: 130 for SIGINT, 143 for SIGTERM.
+
+Communication: none through process groups (the workers' collectives are theirs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,17 +29,38 @@ from pathlib import Path
 
 from plait.train.config import RunConfig
 
+SHUTDOWN_GRACE_S = 5  # torchrun's wait between SIGTERM and SIGKILL (its default is 30 s)
+
 
 class LaunchError(RuntimeError):
-    """The workers failed; the message is the one line to show, ``code`` the exit code."""
+    """The workers failed; the message is the one line to show, ``code`` the exit code and
+    ``detail`` a traceback to print first (only when it could not be written to a log)."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 1, detail: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.detail = code, detail
+
+
+class Terminated(BaseException):
+    """A termination signal that arrived while torchrun's handlers were not installed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_terminated(signum, frame):
+    raise Terminated(signum)
 
 
 def torchrun_args(
-    *, world: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, config: Path
+    *,
+    world: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    config: Path,
+    liveness: str | None = None,
 ) -> list[str]:
     if world % nnodes:
         raise ValueError(f"--nnodes {nnodes} does not divide the {world} workers of the layout")
@@ -44,69 +77,172 @@ def torchrun_args(
             "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--master-addr", host, "--master-port", port, *args,
         ]  # fmt: skip
-    return [*args, "--monitor-interval", "0.2", "-m", "plait.train.worker", "--config", str(config)]
+    worker = ["-m", "plait.train.worker", "--config", str(config)]
+    if liveness:
+        worker += ["--liveness", liveness]
+    return [*args, "--monitor-interval", "0.2", *worker]
 
 
-def _quiet_torchrun() -> None:
-    for name in ("torch.distributed", "torch.distributed.elastic", "torch.distributed.run"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+@contextlib.contextmanager
+def _torch_logs_to(path: Path):
+    """torch.distributed's log lines and Python warnings raised in this process go to
+    ``path`` (never to the terminal); dropped if that file cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path, delay=True)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        handler.handleError = lambda record: None  # a full disk must not print a traceback
+    except OSError:
+        handler = logging.NullHandler()
+    loggers = [logging.getLogger("torch.distributed"), logging.getLogger("py.warnings")]
+    saved = [(lg.handlers, lg.propagate) for lg in loggers]  # torch's own: stderr
+    for lg in loggers:
+        lg.handlers, lg.propagate = [handler], False
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        for lg, (handlers, propagate) in zip(loggers, saved):
+            lg.handlers, lg.propagate = handlers, propagate
+        handler.close()
+
+
+def _kill(silence) -> None:
+    try:
+        os.kill(silence.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint=None) -> None:
     """Run the workers of this node; raise LaunchError with one line if any failed."""
     from torch.distributed.run import get_args_parser, run
 
+    from plait.train import liveness
+
     out = Path(cfg.out)
-    config_path = out / "config.yaml"
-    status = out / "status"
-    status.mkdir(parents=True, exist_ok=True)
     world = cfg.layout.world_size
     per_node = world // nnodes if world % nnodes == 0 else world
     ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
-    for r in ranks:  # only this node's: on a shared folder the other nodes write theirs
-        for suffix in ("done", "error"):
-            (status / f"rank-{r}.{suffix}").unlink(missing_ok=True)
+    store = liveness.host()
     argv = torchrun_args(
         world=world,
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
-        config=config_path,
+        config=out / "config.yaml",
+        liveness=f"127.0.0.1:{store.port}",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _quiet_torchrun()
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
+    stale_s = liveness.stale_after(cfg.train.collective_timeout)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    log = out / "logs" / ("launcher.log" if node_rank == 0 else f"launcher-node-{node_rank}.log")
     failure = None
-    try:
-        run(get_args_parser().parse_args(argv))
-    except BaseException as e:  # ChildFailedError, SignalException, KeyboardInterrupt
-        failure = e
-    errors = sorted(status.glob("rank-*.error"), key=lambda p: int(p.stem.split("-")[1]))
-    reports = [json.loads(p.read_text()) for p in errors]
-    finished = all((status / f"rank-{r}.done").exists() for r in ranks)
-    if not reports and finished:
-        return  # finished, whatever torchrun said about the exit (see worker.py)
+    with _torch_logs_to(log):
+        watchdog = liveness.Watchdog(store, ranks=ranks, stale_s=stale_s).start(_kill)
+        try:
+            run(get_args_parser().parse_args(argv))
+        except BaseException as e:  # ChildFailedError, SignalException, KeyboardInterrupt
+            failure = e
+        finally:
+            watchdog.stop()
+            for s, h in handlers.items():  # torchrun's would raise SignalException from now on
+                signal.signal(s, h)
+    error = outcome(
+        reports=liveness.reports(store, ranks),
+        silent=watchdog.silent,
+        failure=failure,
+        out=out,
+        ranks=ranks,
+        stale_s=stale_s,
+    )
+    if error is not None:
+        raise error
 
-    # Root cause first: bad input, then a crash or a collective that timed out (a hung
-    # peer, which the agent then kills), then a rank that died without a word (killed),
-    # and last the collective failures its peers saw as a consequence.
-    def secondary(r):
-        return "CollectiveError" in r["message"] and "Timed out" not in r["message"]
 
-    reports.sort(key=lambda r: (r["code"] != 2, secondary(r)))
-    if reports and (reports[0]["code"] == 2 or not secondary(reports[0])):
-        first = reports[0]
-        where = f" (logs in {out / 'logs'})" if first["code"] != 2 else ""
-        raise LaunchError(first["message"] + where, code=first["code"])
+def outcome(*, reports, silent, failure, out: Path, ranks, stale_s: float) -> LaunchError | None:
+    """The run's result from the workers' last words, the silent ranks the watchdog killed
+    and torchrun's exception: None when every rank finished, else the LaunchError to show.
+    Root cause first: a signal to the launcher, bad input, a rank that stopped responding,
+    a crash or a collective that timed out, a rank killed without a word, and last the
+    collective failures its peers saw as a consequence."""
+    signum = _signal_of(failure)
+    if signum is not None:
+        return LaunchError(stopped_line(signum, out), code=128 + signum)
+    failed = {r: x for r, x in sorted(reports.items()) if x["code"] != 0}
+    if not failed and all(r in reports for r in ranks):
+        return None  # finished, whatever torchrun said about the exit (see worker.py)
+    user = [x for x in failed.values() if x["code"] == 2]
+    if user:
+        return LaunchError(user[0]["message"], code=2)
+    if silent:
+        s = silent[0]
+        return LaunchError(
+            f"rank {s.rank} stopped responding: no heartbeat for {s.silent_s:.1f} s "
+            f"(--collective-timeout {stale_s:g}); killed it (pid {s.pid})" + _logs(out)
+        )
+    primary = [x for x in failed.values() if not _secondary(x)]
+    if primary:
+        return _error(primary[0], out)
+    killed = _describe(failure, reported=set(reports))
+    if killed is not None:
+        return LaunchError(killed + _logs(out))
+    if failed:
+        return _error(next(iter(failed.values())), out)
+    return LaunchError("workers exited without finishing" + _logs(out))
+
+
+def _secondary(report: dict) -> bool:
+    m = report["message"]
+    return "CollectiveError" in m and "Timed out" not in m
+
+
+def _error(report: dict, out: Path) -> LaunchError:
+    log = report.get("log")
+    where = f" (details in {log})" if log and Path(log).is_file() else ""
+    return LaunchError(report["message"] + where, code=report["code"], detail=report.get("detail"))
+
+
+def _logs(out: Path) -> str:
+    logs = out / "logs"
+    return f"; logs in {logs}" if logs.is_dir() and any(logs.iterdir()) else ""
+
+
+def _signal_of(failure) -> int | None:
     if isinstance(failure, KeyboardInterrupt):
-        raise LaunchError("interrupted")
-    silent = _describe(failure, reported={int(p.stem.split("-")[1]) for p in errors})
-    if silent is None and reports:
-        raise LaunchError(reports[0]["message"] + f" (logs in {out / 'logs'})")
-    raise LaunchError((silent or "workers exited without finishing") + f"; see {out / 'logs'}")
+        return signal.SIGINT
+    if isinstance(failure, Terminated):
+        return failure.signum
+    sigval = getattr(failure, "sigval", None)  # torchrun's SignalException
+    return int(sigval) if sigval is not None else None
+
+
+def stopped_line(signum: int, out: Path) -> str:
+    """One line for a run stopped by a signal: where it was and what is kept."""
+    from plait.train.checkpoint import latest
+
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    line = f"{what} ({signal.Signals(signum).name})"
+    step = _last_step(out / "metrics.jsonl")
+    line += f" after step {step}" if step else " before the first step"
+    ckpt = latest(out / "checkpoints")
+    if ckpt is not None:
+        return line + f"; {ckpt} is the newest checkpoint: --resume continues from it"
+    return line + "; no checkpoint was written"
+
+
+def _last_step(metrics: Path) -> int | None:
+    try:
+        lines = metrics.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _describe(failure, *, reported: set[int]) -> str | None:
-    """One line for a worker that died without writing its status (killed, crashed)."""
+    """One line for a worker that died without a last word (killed, crashed)."""
     failures = [
         (rank, f) for rank, f in getattr(failure, "failures", {}).items() if rank not in reported
     ]

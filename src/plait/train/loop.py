@@ -179,14 +179,20 @@ class Trainer:
     # -- restore and save --------------------------------------------------------------
 
     def restore(self) -> int:
-        """Load the newest checkpoint when resuming; return the step to continue from."""
-        if not self.cfg.train.resume:
+        """Load the newest checkpoint that verifies (or --resume-from's) when resuming;
+        return the step to continue from."""
+        tcfg = self.cfg.train
+        if not tcfg.resume:
             return 0
-        path = checkpoint.latest(self.out / "checkpoints")
+        root = self.out / "checkpoints"
+        path, note = checkpoint.pick_resume(root, tcfg.resume_from, topo=self.topo)  # verified
+        if self.topo.rank == 0:
+            print(f"plait: {note}", flush=True)
         engine = self.engine
         with engine.full_params(writeback=True):  # ZeRO-3: whole while loading
             optim_state = engine.optim_state(template=True)
-            meta = checkpoint.load(path, model=self.model, optim_state=optim_state, topo=self.topo)
+            meta = checkpoint.load(path, model=self.model, optim_state=optim_state, topo=self.topo,
+                                   verified=True)  # fmt: skip
         engine.load_optim_state(optim_state)  # keeps this rank's ZeRO shard
         if meta.get("loss_scale"):
             self.scaler.load_state_dict(meta["loss_scale"])

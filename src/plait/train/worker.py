@@ -1,21 +1,25 @@
 """Entry point of one worker process, started by the launcher through torchrun:
-``python -m plait.train.worker --config OUT/config.yaml``.
+``python -m plait.train.worker --config OUT/config.yaml --liveness HOST:PORT``.
 
-Whatever happens, the worker leaves one status file in ``OUT/status/``: ``rank-K.done``
-when its work completed, or ``rank-K.error`` holding the exit code (2: the user's input,
-1: anything else) and one line for the user (the full traceback goes to
-``OUT/logs/rank-K.log``). The launcher reads these instead of torchrun's
-exit summary, so a gloo abort at interpreter exit after the work was done cannot turn a
-finished run into a failed one, and N interleaved tracebacks never reach the terminal.
+The worker's stderr goes to ``OUT/logs/rank-K.log`` (appended): torch's warnings, C++ log
+lines and tracebacks stay there, the terminal gets only the launcher's one line (and rank
+0's progress on stdout). Through the launcher's store (``--liveness``, ``liveness.py``) the
+worker beats from a side thread while it runs and leaves its last word: code 0 when its
+work completed, or the exit code (2: the user's input; 130: interrupted; 1: anything else)
+with one line for the user and the log file holding the traceback, or the traceback itself
+when the log could not be written (a full disk). The launcher reads these instead of
+torchrun's exit summary, so a gloo abort at interpreter exit after the work was done cannot
+turn a finished run into a failed one, and N interleaved tracebacks never reach the
+terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -25,23 +29,70 @@ def _parse(argv):
     # allow_abbrev=False: torchrun matches prefixes of its own options; ours must not.
     p = argparse.ArgumentParser(prog="plait-worker", allow_abbrev=False)
     p.add_argument("--config", required=True)
+    p.add_argument("--liveness", help="HOST:PORT of the launcher's store (liveness.py)")
     return p.parse_args(argv)
+
+
+def _log_to(path: Path) -> Path | None:
+    """Send this process's stderr (file descriptor 2: Python and C++ alike) to ``path``,
+    appending; None when it cannot be opened (stderr stays where it was)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return None
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path
+
+
+def _append(log: Path | None, text: str) -> bool:
+    """Whether ``text`` reached the log (a full disk may refuse it)."""
+    if log is None:
+        return False
+    try:
+        with open(log, "a") as f:
+            f.write(text)
+        return True
+    except OSError:
+        return False
+
+
+def _failure(e: BaseException, rank: int) -> tuple[int, str]:
+    """(exit code, one line) for a worker's failure."""
+    from plait.train.checkpoint import CheckpointError, CheckpointWriteError
+
+    msg = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, KeyboardInterrupt):
+        return 130, f"rank {rank}: interrupted"
+    if isinstance(e, ValueError | CheckpointError):
+        return 2, msg
+    if isinstance(e, CheckpointWriteError):
+        return 1, msg
+    return 1, f"rank {rank}: {type(e).__name__}: {msg}"
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    out = Path(args.config).parent
-    status = out / "status"
-    status.mkdir(parents=True, exist_ok=True)
-    code = 0
+    log = _log_to(Path(args.config).parent / "logs" / f"rank-{rank}.log")
+    code, msg, store = 0, "", None
     try:
         import torch
 
+        from plait.train import liveness
         from plait.train.config import RunConfig
 
+        if args.liveness:  # the launcher's store: for the last word, and heartbeats below
+            store = liveness.connect(args.liveness)
         cfg = RunConfig.load(Path(args.config))
+        if store is not None:  # from a side thread, into the store only
+            beat = liveness.interval_for(liveness.stale_after(cfg.train.collective_timeout))
+            liveness.Heartbeat(
+                liveness.connect(args.liveness), rank=rank, interval=beat, pid=os.getpid()
+            ).start()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
         logging.basicConfig(level=logging.WARNING)
@@ -60,28 +111,29 @@ def main(argv=None) -> int:
         from plait.train.loop import train
 
         train(cfg, topo=topo)
-        (status / f"rank-{rank}.done").write_text("ok\n")
+        if store is not None:  # now, before a teardown that gloo has been seen to abort in
+            liveness.report(store, rank, code=0)
     except BaseException as e:  # noqa: BLE001 - every failure becomes one line for the user
-        from plait.train.checkpoint import CheckpointError
-
-        user_error = isinstance(e, ValueError | CheckpointError)
-        code = 2 if user_error else 1
-        logs = out / "logs"
-        logs.mkdir(exist_ok=True)
-        (logs / f"rank-{rank}.log").write_text(traceback.format_exc())
-        msg = (str(e).strip().splitlines() or [""])[0]
-        if isinstance(e, KeyboardInterrupt):
-            msg = f"rank {rank}: interrupted"
-        elif not user_error:
-            msg = f"rank {rank}: {type(e).__name__}: {msg}"
-        (status / f"rank-{rank}.error").write_text(json.dumps({"code": code, "message": msg}))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
+        code, msg = _failure(e, rank)
+        detail = traceback.format_exc()
+        if not _append(log, detail):
+            log = None
     finally:
         try:
             import torch.distributed as dist
 
             if code == 0 and dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - shutting down; the status file already says it all
+        except Exception:  # noqa: BLE001 - shutting down; the report says it all
+            pass
+        try:
+            if store is not None and code != 0:
+                from plait.train import liveness
+
+                liveness.report(store, rank, code=code, message=msg, log=log,
+                                detail=None if log else detail)  # fmt: skip
+        except Exception:  # noqa: BLE001 - the launcher is gone: the exit code is all there is
             pass
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,0 +1,168 @@
+"""Liveness of worker processes: heartbeats, a watchdog that names the rank that stopped,
+and each worker's last word, all through a store its supervisor hosts.
+
+Communication: none through process groups. Each worker's heartbeat thread increments one
+key of a ``TCPStore`` hosted by the supervising process (the launcher; the resilience
+coordinator later) every ``interval`` seconds, and the supervisor reads the keys. No
+collective is issued from the side thread, and the training thread's collectives are not
+touched, so nothing here can deadlock or reorder collectives under NCCL (DESIGN.md
+section 8). The store lives in the supervisor, which outlives the workers (section 7).
+
+Keys (``K`` a global rank)::
+
+    liveness/pid/K     the worker's process id, set once at start: from then on it is watched
+    liveness/beat/K    a counter, +1 per heartbeat
+    liveness/status/K  the worker's last word (JSON): {"code": 0} when its work completed,
+                       else the exit code, one line for the user, and where the detail is
+
+Why staleness names the right rank: a rank blocked in a collective, waiting for a hung
+peer, keeps beating (the wait releases the GIL); a frozen process (SIGSTOP, a machine
+swapping itself to death, a driver call that never returns while holding the GIL) does not.
+The watchdog times the counters with its own monotonic clock, so no two machines' clocks
+are ever compared, and a status ends the watch (a finished worker stops beating).
+
+Because the status travels through the store, a worker can report failures that leave no
+room on disk for a file (a full or read-only file system), and a report belongs to the run
+that hosts the store, never to another run on the same folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+PID, BEAT, STATUS = "liveness/pid/{}", "liveness/beat/{}", "liveness/status/{}"
+MIN_STALE_S = 3.0  # below this, a busy machine's scheduling jitter would look like a hang
+
+
+def stale_after(collective_timeout: float) -> float:
+    """Seconds without a heartbeat after which a rank is declared hung: the collective
+    timeout (a rank silent that long fails its peers' collectives anyway), at least
+    ``MIN_STALE_S``."""
+    return max(float(collective_timeout), MIN_STALE_S)
+
+
+def interval_for(stale_s: float) -> float:
+    """Heartbeat period: five beats within the staleness limit, at most one a second."""
+    return min(1.0, stale_s / 5)
+
+
+def host():
+    """A store for this machine's workers, on a free port of the loopback interface."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=30))  # fmt: skip
+
+
+def connect(address: str, *, timeout: float = 30.0):
+    """A client of the supervisor's store at ``HOST:PORT``."""
+    from torch.distributed import TCPStore
+
+    host_name, _, port = address.rpartition(":")
+    return TCPStore(host_name, int(port), is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+
+
+class Heartbeat:
+    """Worker side: a daemon thread that increments ``liveness/beat/K`` every ``interval``
+    seconds. Give it its own store client (a store client is one connection)."""
+
+    def __init__(self, store, *, rank: int, interval: float, pid: int):
+        self.store, self.rank, self.interval = store, rank, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="plait-heartbeat", daemon=True)
+        store.set(PID.format(rank), str(pid))
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(BEAT.format(self.rank), 1)
+            except Exception:  # noqa: BLE001 - the supervisor is gone: nobody to tell
+                return
+            self._stop.wait(self.interval)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Silence:
+    rank: int
+    pid: int
+    silent_s: float  # since its counter last moved, on the watchdog's clock
+
+
+class Watchdog:
+    """Supervisor side: finds the ranks whose heartbeat stopped for ``stale_s`` seconds.
+
+    ``poll()`` is one look (used by tests with a fake clock); ``start(on_silent)`` polls
+    from a thread and calls ``on_silent(Silence)`` once per silent rank."""
+
+    def __init__(self, store, *, ranks, stale_s: float, clock=time.monotonic):
+        self.store, self.ranks, self.stale_s, self.clock = store, list(ranks), stale_s, clock
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        self.silent: list[Silence] = []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def poll(self) -> list[Silence]:
+        now, found = self.clock(), []
+        done = {s.rank for s in self.silent}
+        for rank in self.ranks:
+            if rank in done or not self.store.check([PID.format(rank)]):
+                continue  # already reported, or not started yet
+            if self.store.check([STATUS.format(rank)]):
+                continue  # it has said its last word
+            beats = self.store.add(BEAT.format(rank), 0)
+            last = self._seen.get(rank)
+            if last is None or beats != last[0]:
+                self._seen[rank] = (beats, now)
+            elif now - last[1] >= self.stale_s:
+                pid = int(self.store.get(PID.format(rank)))
+                found.append(Silence(rank=rank, pid=pid, silent_s=now - last[1]))
+        self.silent += found
+        return found
+
+    def start(self, on_silent, *, every: float | None = None) -> Watchdog:
+        every = every or interval_for(self.stale_s) / 2
+
+        def run():
+            while not self._stop.wait(every):
+                try:
+                    silences = self.poll()
+                except Exception:  # noqa: BLE001 - store closing at shutdown
+                    return
+                for s in silences:
+                    on_silent(s)
+
+        self._thread = threading.Thread(target=run, name="plait-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def report(store, rank: int, *, code: int, message: str = "", log=None, detail=None) -> None:
+    """A worker's last word: code 0 when its work completed; else the exit code, one line
+    for the user, the log file holding the traceback (None when it could not be written)
+    and, in that case, the traceback itself."""
+    status = {"code": code, "message": message, "log": log and str(log), "detail": detail}
+    store.set(STATUS.format(rank), json.dumps(status))
+
+
+def reports(store, ranks) -> dict[int, dict]:
+    """The last words of the ``ranks`` that said one."""
+    return {
+        r: json.loads(store.get(STATUS.format(r))) for r in ranks if store.check([STATUS.format(r)])
+    }

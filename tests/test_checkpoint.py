@@ -1,0 +1,131 @@
+"""Checkpoint manifests, verification and fallback, in one process (no workers): every file
+of a checkpoint damaged in turn is found, named in one line, and skipped for the one before."""
+
+import struct
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.model.config import preset
+from plait.model.transformer import build_model
+from plait.topology import Topology
+from plait.train import checkpoint, manifest
+
+FILES = [".metadata", "__0_0.distcp", "meta.json", "rng-rank-0.pt", "manifest.json"]
+
+
+def _model(seed):
+    cfg = preset("tiny", n_layers=2, hidden=32, vocab_size=64, seq_len=8)
+    model = build_model(cfg, seed=seed)
+    state = {  # AdamW's state, as the data-parallel engine hands it to the checkpoint
+        name: {"step": torch.zeros(()), "exp_avg": torch.full_like(p, seed),
+               "exp_avg_sq": torch.zeros_like(p)}
+        for name, p in model.named_parameters()
+    }  # fmt: skip
+    return model, state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of steps 1 and 2 (different weights), written once; tests copy them."""
+    root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    for step in (1, 2):
+        model, state = _model(seed=step)
+        checkpoint.save(root, step, model=model, optim_state=state, meta={"m": step},
+                        topo=Topology.single())  # fmt: skip
+    return root
+
+
+@pytest.fixture
+def root(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved, tmp_path / "checkpoints")
+    return tmp_path / "checkpoints"
+
+
+def test_manifest_lists_every_file_and_is_written_last(saved):
+    step = saved / "step-00000002"
+    files = manifest.read(step)
+    on_disk = sorted(p.name for p in step.iterdir() if p.name != manifest.NAME)
+    assert sorted(files) == on_disk == sorted(f for f in FILES if f != manifest.NAME)
+    for name, entry in files.items():
+        assert entry["size"] == (step / name).stat().st_size
+        assert entry["sha256"] == manifest.digest(step / name)
+    assert not list(saved.glob("*.tmp")) and not list(step.glob(".manifest-rank-*"))
+    assert checkpoint.verify(step) is None
+    assert checkpoint.pick_resume(saved) == (step, f"resuming from step 2 ({step})")
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_truncated_file_is_named_and_skipped(root, name, capsys):
+    (root / "step-00000002" / name).write_bytes(b"")
+    problem = checkpoint.verify(root / "step-00000002")
+    assert name in problem, problem
+    path, note = checkpoint.pick_resume(root)
+    assert path == root / "step-00000001"
+    assert note.startswith("resuming from step 1") and f"skipped step-00000002: {name}" in note
+    # the explicit pick refuses it in one line naming the file
+    with pytest.raises(checkpoint.CheckpointError, match=f"--resume-from 2: .*{name}"):
+        checkpoint.pick_resume(root, 2)
+    # plait checkpoint verify: one line per checkpoint, exit 1
+    assert main(["checkpoint", "verify", str(root.parent)]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "step-00000001: ok" in lines[0], lines
+    assert "step-00000002: damaged" in lines[1] and name in lines[1], lines
+
+
+def test_flipped_bytes_refused_before_the_model_sees_them(root):
+    # finite junk in the middle of the shard: without the manifest it loads and trains
+    shard = root / "step-00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096 * 4] = struct.pack("<f", 3.0) * 4096
+    shard.write_bytes(data)
+    assert checkpoint.verify(root / "step-00000002", hashes=False) is None  # same size
+    problem = checkpoint.verify(root / "step-00000002")
+    assert problem.startswith("__0_0.distcp does not match its sha256"), problem
+    model, state = _model(seed=99)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(checkpoint.CheckpointError, match="step-00000002 is damaged: __0_0"):
+        checkpoint.load(root / "step-00000002", model=model, optim_state=state,
+                        topo=Topology.single())  # fmt: skip
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    path, note = checkpoint.pick_resume(root)
+    assert path.name == "step-00000001" and "does not match its sha256" in note
+    meta = checkpoint.load(path, model=model, optim_state=state, topo=Topology.single())
+    assert meta["m"] == 1 and meta["step"] == 1
+
+
+def test_resume_errors_name_what_exists(root):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"no checkpoint of step 7 .*steps there: 1, 2"
+    ):
+        checkpoint.pick_resume(root, 7)
+    for step in ("step-00000001", "step-00000002"):
+        (root / step / "rng-rank-0.pt").write_bytes(b"x")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in .* verifies"):
+        checkpoint.pick_resume(root)
+    with pytest.raises(checkpoint.CheckpointError, match="--resume: no checkpoint in"):
+        checkpoint.pick_resume(root.parent / "nothing")
+
+
+def test_verify_command_on_a_good_run_and_on_nothing(saved, tmp_path, capsys):
+    assert main(["checkpoint", "verify", str(saved)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2 and all(": ok (4 files" in line for line in out), out
+    assert main(["checkpoint", "verify", str(saved / "step-00000001")]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint there" in err[0]
+
+
+def test_split_deals_files_by_size():
+    files = {n: {"size": s, "sha256": ""} for n, s in [("a", 100), ("b", 60), ("c", 50), ("d", 1)]}
+    parts = manifest.split(files, 2)
+    assert parts == [["a", "d"], ["b", "c"]]
+    assert sorted(sum(parts, [])) == sorted(files)
+    assert manifest.split(files, 1) == [["a", "b", "c", "d"]]
