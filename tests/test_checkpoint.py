@@ -129,3 +129,33 @@ def test_split_deals_files_by_size():
     assert parts == [["a", "d"], ["b", "c"]]
     assert sorted(sum(parts, [])) == sorted(files)
     assert manifest.split(files, 1) == [["a", "b", "c", "d"]]
+
+
+def test_rng_round_trip_keeps_the_gpu_generator_without_a_gpu(monkeypatch):
+    """A checkpoint's RNG file holds the GPU generator of a GPU rank beside the CPU one,
+    and restores both (a resumed GPU run must not replay its dropout masks). The GPU's
+    generator is stood in for here, on a CUDA-free machine."""
+    gpu = torch.device("cuda", 3)
+    fake = {"state": torch.arange(8, dtype=torch.uint8)}
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state", lambda d: (calls.append(("get", d)), fake["state"].clone())[1]
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, d: calls.append(("set", d, s.clone()))
+    )
+    torch.manual_seed(5)
+    state = checkpoint.rng_state(gpu)
+    assert set(state) == {"torch", "cuda"} and torch.equal(state["cuda"], fake["state"])
+    expected = torch.rand(4)  # what the CPU generator draws next
+    torch.rand(100)
+    checkpoint.set_rng_state(state, gpu)
+    assert torch.equal(torch.rand(4), expected)
+    assert calls[0] == ("get", gpu) and calls[1][:2] == ("set", gpu)
+    assert torch.equal(calls[1][2], fake["state"])
+    # a CPU rank saves and restores the CPU generator only
+    calls.clear()
+    cpu_state = checkpoint.rng_state(torch.device("cpu"))
+    assert set(cpu_state) == {"torch"}
+    checkpoint.set_rng_state(state, torch.device("cpu"))
+    assert calls == []

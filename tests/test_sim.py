@@ -578,3 +578,17 @@ def test_cli_timeline_and_viz_schedule(tmp_path, capsys):
     assert "formula 0.188" in capsys.readouterr().out
     bad = p.parse_args(["schedule", "--schedule", "1f1b", "--vpp", "2", "-o", str(out)])
     assert viz_cli.run(bad) == 2
+
+
+def test_simulate_defaults_to_the_dtype_the_hardware_trains_in(capsys):
+    """A GPU is simulated in bf16 unless told otherwise (an fp32 default reported ~11
+    TFLOP/s of an A100 as MFU against its bf16 peak); a CPU in fp32."""
+    from plait.cli import main
+
+    base = ["simulate", "--model", "gpt3-1.3b", "--gpus", "8", "--tp", "2",
+            "--global-batch-size", "64", "--json"]  # fmt: skip
+    for gpu, want in (("a100-80gb", "bf16"), ("cpu", "fp32")):
+        assert main([*base, "--gpu", gpu]) == 0
+        assert json.loads(capsys.readouterr().out)["layout"]["dtype"] == want
+    assert main([*base, "--gpu", "a100-80gb", "--dtype", "fp32"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["dtype"] == "fp32"

@@ -237,3 +237,52 @@ def test_weight_decay_follows_the_parameter_not_its_shard():
     decay, no_decay = opt.param_groups
     assert decay["params"] == [shard] and decay["weight_decay"] == 0.1
     assert no_decay["params"] == [b] and no_decay["weight_decay"] == 0.0
+
+
+def test_workers_bind_their_gpu_or_use_gloo():
+    """On a GPU machine each worker takes the GPU of its local rank and binds the NCCL
+    group to it (``device_id``); on a CPU, gloo."""
+    from plait.train.worker import device_and_backend
+
+    device, backend, extra = device_and_backend(3, cuda=True)
+    assert device == torch.device("cuda", 3) and backend == "nccl"
+    assert extra == {"device_id": torch.device("cuda", 3)}
+    assert device_and_backend(3, cuda=False) == (torch.device("cpu"), "gloo", {})
+
+
+def test_gpu_peaks_by_name_and_a_one_line_error_for_unknown_gpus():
+    from plait.sim.devices import default_dtype, gpu_peak_tflops
+    from plait.sim.hardware import get_hardware
+    from plait.train.metrics import gpu_peak
+
+    names = {  # as torch.cuda.get_device_name reports them
+        "NVIDIA A100-SXM4-80GB": 312.0,
+        "NVIDIA A100-PCIE-40GB": 312.0,
+        "NVIDIA A10": 125.0,
+        "NVIDIA H100 80GB HBM3": 989.4,
+        "NVIDIA H100 PCIe": 756.0,
+        "NVIDIA H100 NVL": 835.0,
+        "NVIDIA H200": 989.4,
+        "NVIDIA B200": 2250.0,
+        "NVIDIA L4": 121.0,
+        "NVIDIA L40S": 362.05,
+    }
+    for name, bf16 in names.items():
+        assert gpu_peak_tflops(name, "bf16") == bf16, name
+    assert gpu_peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0
+    assert gpu_peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None
+    with pytest.raises(ValueError, match="--peak-tflops") as e:
+        gpu_peak("NVIDIA GeForce RTX 4090", "bf16")
+    assert "\n" not in str(e.value) and "RTX 4090" in str(e.value)
+    # the dtype a device trains in by default: the fastest, fp32 on a tie
+    assert default_dtype(get_hardware("a100-80gb").peak_flops) == "bf16"
+    assert default_dtype(get_hardware("v100").peak_flops) == "fp16"
+    assert default_dtype(get_hardware("cpu").peak_flops) == "fp32"
+
+
+def test_train_defaults_to_bf16_on_a_gpu(monkeypatch):
+    from plait import cli
+
+    assert cli._default_train_dtype() == ("bf16" if torch.cuda.is_available() else "fp32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli._default_train_dtype() == "bf16"

@@ -226,11 +226,15 @@ def cmd_train(args, parser) -> int:
     cfg = lock = None
     try:
         values = merged_values(args, parser, run=True)
+        values.setdefault("dtype", None)
+        if values["dtype"] is None:  # bf16 where GPUs want it, fp32 on a CPU
+            values["dtype"] = _default_train_dtype()
         cfg = build_run_config(values)
         if values.get("dry_run"):
             if cfg.train.resume:
                 _check_resume(cfg)
             return _dry_run(cfg)
+        _check_gpu_peak(cfg)
         from plait.train import run_folder
 
         # before anything is read from or written to the folder, and before the data
@@ -255,6 +259,23 @@ def cmd_train(args, parser) -> int:
             lock.release(remove_if_unused=True)
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _default_train_dtype() -> str:
+    import torch
+
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+def _check_gpu_peak(cfg) -> None:
+    """On a GPU plait has no peak for, ask for --peak-tflops now (MFU needs it), not from
+    every worker after the data is prepared."""
+    import torch
+
+    if torch.cuda.is_available() and not cfg.train.peak_tflops:
+        from plait.train.metrics import gpu_peak
+
+        gpu_peak(torch.cuda.get_device_name(0), cfg.layout.dtype)
 
 
 def _check_resume(cfg) -> None:

@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 
+from plait.sim.devices import default_dtype
 from plait.sim.hardware import BUILTIN, DEFAULT_GPU
 from plait.sim.runtime import DEFAULT_RUNTIME, PROFILES
 
@@ -163,7 +164,7 @@ def _request(values: dict, model, hw, tokens: float | None):
             )
     if G is None:
         raise ValueError("--global-batch-size (sequences) or --global-batch-tokens is required")
-    dtype = values.get("dtype") or next(d for d in ("bf16", "fp16", "fp32") if hw.peak_flops.get(d))
+    dtype = values.get("dtype") or default_dtype(hw.peak_flops)
     runtime = values.get("runtime") or DEFAULT_RUNTIME
     space_pins = {k: pins.get(k) for k in ("tp", "pp", "dp", "vpp", "schedule", "micro_batch_size",
                                            "zero", "recompute")}  # fmt: skip
@@ -229,7 +230,7 @@ def _budget(values: dict, model, hw):
         raise ValueError(f"--budget-gpu-days must be positive, got {budget:g}")
     if values.get("gpus") is None:
         raise ValueError("--budget-gpu-days needs --gpus (the devices the budget runs on)")
-    dtype = values.get("dtype") or next(d for d in ("bf16", "fp16", "fp32") if hw.peak_flops.get(d))
+    dtype = values.get("dtype") or default_dtype(hw.peak_flops)
     peak, n = hw.peak(dtype), values["gpus"]
     util, seen = 0.4, set()  # first guess of 6 N D / (devices x peak x time)
     for _ in range(6):

@@ -102,6 +102,10 @@ def _run_one(args: argparse.Namespace) -> int:
                 )
             values["dp"] = gpus // per_replica
     model = model_config(values)
+    if values.get("dtype") is None:  # GPUs train in bf16 (fp16 on a V100), CPUs in fp32
+        from plait.sim.devices import default_dtype
+
+        values["dtype"] = default_dtype(hw.peak_flops)
     layout = layout_config(values)
     runtime = args.runtime or DEFAULT_RUNTIME
     res = simulate(model, layout, hw, gpus, runtime=runtime, keep_timeline=bool(args.timeline))

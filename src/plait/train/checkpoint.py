@@ -3,8 +3,8 @@ file checked against a manifest before anything reaches the model.
 
 Layout of ``OUT/checkpoints/step-00000100/``: the DCP files (``.metadata``, ``*.distcp``)
 holding every parameter and its optimizer state under the parameter's global name, as the
-*full* (unsharded) tensor; ``meta.json`` (step, loss scale, model config); ``rng-rank-K.pt``
-per rank; and ``manifest.json``, the size and SHA-256 of every other file (``manifest.py``).
+*full* (unsharded) tensor; ``meta.json`` (step, loss scale, model config);
+``rng-rank-K.pt`` per rank (its CPU and GPU generators); and ``manifest.json``, the size and SHA-256 of every other file (``manifest.py``).
 Because tensors are stored whole and cut on load by the same sharding functions the runtime
 uses, a checkpoint loads into any layout: different dp, tp, pp or ZeRO stage. DCP writes
 each tensor once even when several ranks hold it.
@@ -175,7 +175,7 @@ def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep) -> Pa
     with warnings.catch_warnings():  # DCP warns that one process means no_dist; we know
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=writer, no_dist=not _dist())
-    torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-rank-{topo.rank}.pt")
+    torch.save(rng_state(topo.device), tmp / f"rng-rank-{topo.rank}.pt")
     manifest.fsync(tmp / f"rng-rank-{topo.rank}.pt")  # DCP fsyncs its own files
     mine = manifest.entries(tmp, [*writer.written, f"rng-rank-{topo.rank}.pt"])
     manifest.write_synced(tmp / f"{PART}{topo.rank}.json", json.dumps(mine).encode())
@@ -224,6 +224,22 @@ def _os_error(e: BaseException) -> OSError | None:
                 return inner
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
+
+
+def rng_state(device: torch.device) -> dict:
+    """This rank's random-number state: the CPU generator, and its GPU's when it has one
+    (dropout masks on a GPU come from there; a resumed run must not replay them)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what ``rng_state`` saved (a CPU run's file has no GPU state to restore)."""
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _root_cause(e: BaseException) -> str:
@@ -376,5 +392,5 @@ def load(
                 )
     rng = path / f"rng-rank-{topo.rank}.pt"
     if rng.exists():
-        torch.set_rng_state(torch.load(rng, weights_only=True)["torch"])
+        set_rng_state(torch.load(rng, weights_only=True), topo.device)
     return meta

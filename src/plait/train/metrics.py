@@ -13,14 +13,6 @@ from pathlib import Path
 
 import torch
 
-# Dense (non-sparse) peak TFLOP/s per device for the dtypes plait trains in.
-KNOWN_PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "V100": {"bf16": 125.0, "fp16": 125.0, "fp32": 15.7},
-}
-
 
 def _cache_dir() -> Path:
     return Path.home() / ".cache" / "plait"
@@ -41,15 +33,14 @@ def measure_cpu_peak_tflops(dtype: str = "fp32", size: int = 1024, seconds: floa
 
 
 def peak_tflops(device: torch.device, dtype: str, override: float | None = None) -> float:
-    """Peak TFLOP/s per device: ``--peak-tflops``, a known accelerator, or measured once on
-    this CPU (matmul, at the worker's thread count) and cached in ~/.cache/plait."""
+    """Peak TFLOP/s per device: ``--peak-tflops``, a GPU of ``sim.devices``' table by its
+    name, or measured once on this CPU (matmul, at the worker's thread count) and cached in
+    ~/.cache/plait. A GPU missing from the table is a ValueError asking for
+    ``--peak-tflops`` (one line): measuring a CPU matmul there would be meaningless."""
     if override:
         return float(override)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peaks in KNOWN_PEAK_TFLOPS.items():
-            if key in name:
-                return peaks[dtype]
+        return gpu_peak(torch.cuda.get_device_name(device), dtype)
     key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.get_num_threads()}|{dtype}"
     path = _cache_dir() / "peak_tflops.json"
     try:
@@ -66,6 +57,19 @@ def peak_tflops(device: torch.device, dtype: str, override: float | None = None)
         except OSError:
             pass
     return cache[key]
+
+
+def gpu_peak(name: str, dtype: str) -> float:
+    """Dense peak TFLOP/s of the GPU called ``name`` for ``dtype``, or a one-line error."""
+    from plait.sim.devices import KNOWN_GPUS, gpu_peak_tflops
+
+    peak = gpu_peak_tflops(name, dtype)
+    if peak is None:
+        raise ValueError(
+            f"--peak-tflops: plait has no {dtype} peak for the GPU {name!r} (it knows "
+            f"{KNOWN_GPUS}); give its dense {dtype} TFLOP/s per device with --peak-tflops"
+        )
+    return peak
 
 
 def peak_memory_bytes(device: torch.device) -> int:

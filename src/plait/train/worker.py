@@ -59,6 +59,19 @@ def _append(log: Path | None, text: str) -> bool:
         return False
 
 
+def device_and_backend(local_rank: int, *, cuda: bool):
+    """This worker's device, its process-group backend, and the extra arguments of
+    ``init_process_group``: on a GPU machine the GPU of the worker's local rank, NCCL,
+    and ``device_id`` (which binds the group to that GPU, so NCCL sets its communicators
+    up on it rather than guessing); else the CPU and gloo."""
+    import torch
+
+    if cuda:
+        device = torch.device("cuda", local_rank)
+        return device, "nccl", {"device_id": device}
+    return torch.device("cpu"), "gloo", {}
+
+
 def _failure(e: BaseException, rank: int) -> tuple[int, str]:
     """(exit code, one line) for a worker's failure."""
     from plait.train.checkpoint import CheckpointError, CheckpointWriteError
@@ -100,12 +113,13 @@ def main(argv=None) -> int:
 
         from plait.topology import Topology
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device, backend, bind = device_and_backend(local_rank, cuda=torch.cuda.is_available())
         timeout = datetime.timedelta(seconds=cfg.train.collective_timeout)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         if world > 1:
-            if device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **bind)
         lay = cfg.layout
         topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp, device=device, timeout=timeout)
         from plait.train.loop import train
