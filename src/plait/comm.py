@@ -149,21 +149,7 @@ def all_gather_into(
     """Every rank's ``t`` (same shape everywhere) into ``out`` = n x ``t.numel()`` elements,
     in axis order. With an axis of size 1, ``out`` is filled with ``t`` locally. Returns the
     work handle when ``async_op`` (wait on it before reading ``out``)."""
-    group = topo.group(axis)
-    if group is None:
-        out.view(-1).copy_(t.reshape(-1))
-        return None
-    check_device(topo, "all_gather", out, t)
-    topo.stats.record(_axis_name(axis), "all_gather", _nbytes(out))
-    return _guard(
-        topo,
-        "all_gather",
-        axis,
-        # flat views: the concatenated form, which every backend accepts
-        lambda: _all_gather_single(
-            out.view(-1), t.contiguous().view(-1), group=group, async_op=async_op
-        ),
-    )
+    return _single_tensor("all_gather", _all_gather_single, out, t, topo, axis, async_op)
 
 
 def reduce_scatter_into(
@@ -172,20 +158,20 @@ def reduce_scatter_into(
     """Sum ``t`` (n equal consecutive pieces) over ``axis`` and keep this rank's piece in
     ``out``. With an axis of size 1, ``out`` is ``t`` copied. Returns the work handle when
     ``async_op``."""
+    return _single_tensor("reduce_scatter", _reduce_scatter_single, out, t, topo, axis, async_op)
+
+
+def _single_tensor(op: str, fn, out, t, topo: Topology, axis, async_op: bool):
+    """An all-gather or reduce-scatter between one flat input and one flat output (the
+    concatenated form every backend accepts); counted bytes as the module docstring says."""
     group = topo.group(axis)
     if group is None:
         out.view(-1).copy_(t.reshape(-1))
         return None
-    check_device(topo, "reduce_scatter", out, t)
-    topo.stats.record(_axis_name(axis), "reduce_scatter", _nbytes(t))
-    return _guard(
-        topo,
-        "reduce_scatter",
-        axis,
-        lambda: _reduce_scatter_single(
-            out.view(-1), t.contiguous().view(-1), group=group, async_op=async_op
-        ),
-    )
+    check_device(topo, op, out, t)
+    topo.stats.record(_axis_name(axis), op, _nbytes(out if op == "all_gather" else t))
+    flat_out, flat_in = out.view(-1), t.contiguous().view(-1)
+    return _guard(topo, op, axis, lambda: fn(flat_out, flat_in, group=group, async_op=async_op))
 
 
 def all_gather(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:

@@ -235,25 +235,6 @@ def _with_comm(
     return items
 
 
-def batched(actions: Sequence[Action]) -> list[Item]:
-    """Every run of consecutive sends and receives in ``actions`` as one ``CommBatch``,
-    sends first (posting order does not matter inside a group, but a fixed one keeps
-    traces and tests readable)."""
-    out: list[Item] = []
-    run: list[Action] = []
-    for a in [*actions, None]:
-        if a is not None and not a.is_compute:
-            run.append(a)
-            continue
-        if run:
-            sends = [m for m in run if m.op in SEND_OPS]
-            out.append(CommBatch(tuple(sends + [m for m in run if m.op in RECV_OPS])))
-            run = []
-        if a is not None:
-            out.append(a)
-    return out
-
-
 def forward_only(*, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
     """Evaluation: every micro-batch through every chunk, in (micro-batch, stage) order."""
     _check_sizes("forward-only", num_ranks, num_microbatches, num_chunks)
@@ -608,7 +589,7 @@ class Timeline:
     """What each rank did when: ``events[rank]`` lists (action, start, end) in program
     order, compute and communication alike (a receive spans its wait)."""
 
-    events: list[list[tuple[Action, float, float]]] = field(default_factory=list)
+    events: list[list[tuple[Item, float, float]]] = field(default_factory=list)
 
     @property
     def num_ranks(self) -> int:
