@@ -23,7 +23,7 @@ from test_data_parallel import (
     assert_same_curve,
     engine_step,
     make_data,
-    reference_losses,
+    reference_metrics,
     resume_from,
     run_checks,
     run_config,
@@ -133,7 +133,7 @@ def _w4_cases(data, root):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero")
     data = make_data(root)
-    ref = {arch: reference_losses(data, root, arch) for arch in ("gpt2", "llama")}
+    ref = {arch: reference_metrics(data, root, arch) for arch in ("gpt2", "llama")}
     w2 = _w2_cases(data, root)
     w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
     w4 = _w4_cases(data, root)
@@ -219,8 +219,8 @@ def test_hybrid_sharding_counts(runs):
     assert h2["step bytes"][("dp", "all_gather")] == b[("dp", "reduce_scatter")]
 
 
-def _curve(result) -> list[float]:
-    return [m["loss"] for m in result["metrics"]]
+def _curve(result) -> list[dict]:
+    return result["metrics"]  # loss and grad_norm of every step (numerics.assert_same_run)
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
@@ -231,7 +231,7 @@ def test_every_layout_reproduces_the_single_process_curve(runs, world):
         ref = runs["ref"][cfg.model.arch]
         if name.startswith("resume"):
             continue
-        assert_same_curve(_curve(result), ref, name)
+        assert_same_curve(_curve(result), ref, name, cfg.model.arch)
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
