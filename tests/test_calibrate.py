@@ -7,15 +7,17 @@ import time
 
 import pytest
 
-from plait.calibrate import (
-    ELEMENTWISE,
-    PROBES,
-    elementwise_bytes,
+from plait.calibrate.fit import (
     fit_efficiency,
     fit_elementwise,
     fit_link,
     fit_optimizer,
     fit_probes,
+)
+from plait.calibrate.measure import (
+    ELEMENTWISE,
+    PROBES,
+    elementwise_bytes,
     gemm_shapes,
     message_sizes,
     probe_case,
@@ -24,7 +26,7 @@ from plait.layout import Layout
 from plait.model.config import preset
 from plait.sim import costs, simulate
 from plait.sim.hardware import Efficiency, Hardware, Link, load_hardware
-from plait.sim.plan import PlanRequest, search
+from plait.sim.search import PlanRequest, search
 
 
 def test_gemm_fit_recovers_the_efficiency_curve():
@@ -132,7 +134,7 @@ def test_quick_calibration_writes_a_valid_hardware_file(tmp_path):
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr
     assert elapsed < 30, f"plait calibrate --quick took {elapsed:.0f} s"
-    assert "wrote" in proc.stdout and "all_reduce" in proc.stdout
+    assert "wrote" in proc.stdout and "all_reduce" in proc.stdout, proc.stdout
     hw = load_hardware(path=out)
     assert isinstance(hw, Hardware) and hw.peak("fp32") > 1e8
     assert 0 < hw.efficiency.gemm_max <= 1 and 0 < hw.efficiency.attention <= 1

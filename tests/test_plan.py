@@ -13,7 +13,7 @@ from plait.layout import Layout
 from plait.model.config import ModelConfig, preset
 from plait.sim import get_hardware, simulate
 from plait.sim.hardware import GiB
-from plait.sim.plan import (
+from plait.sim.search import (
     PlanRequest,
     Space,
     _Bounds,

@@ -21,7 +21,7 @@ from plait.parallel.pipeline.schedules import (
     unit_cost,
 )
 from plait.sim import Hardware, Result, costs, get_hardware, pipeline, simulate
-from plait.sim import cli as sim_cli
+from plait.commands import simulate as sim_cli
 from plait.sim.hardware import BUILTIN, Link
 from plait.sim.runtime import PROFILES
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from plait.cli_args import layout_parent, model_parent
-from plait.sim import cli as sim_cli
+from plait.commands import simulate as sim_cli
 from plait.sim import runs, validate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """The layout search behind ``plait plan``: every valid layout of a model on a cluster,
 ranked by simulated step time, the ones that do not fit in memory rejected.
 
-    from plait.sim.plan import PlanRequest, search, space_for
+    from plait.sim.search import PlanRequest, search, space_for
     plan = search(PlanRequest(model=cfg, hardware=hw, n_devices=1024, global_batch_size=1536))
     plan.best.layout, plan.best.result.iter_time_s, plan.best.result.peak_mem_bytes
 
