@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 
 from plait.cli_args import layout_parent, model_parent
+from plait.commands import simulate as sim_cli
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig, preset
@@ -21,7 +22,6 @@ from plait.parallel.pipeline.schedules import (
     unit_cost,
 )
 from plait.sim import Hardware, Result, costs, get_hardware, pipeline, simulate
-from plait.commands import simulate as sim_cli
 from plait.sim.hardware import BUILTIN, Link
 from plait.sim.runtime import PROFILES
 

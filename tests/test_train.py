@@ -128,7 +128,7 @@ def test_fp16_skips_overflowing_steps(small_data, tmp_path, monkeypatch):
     assert all(skipped[:first_kept]) and first_kept >= 2
     # the scale recorded after each step: halved by every skipped step, kept otherwise
     # (it grows only after 200 clean steps)
-    for i, r in enumerate(recs):
+    for i in range(len(recs)):
         want = start / 2 ** sum(skipped[: i + 1])
         assert scales[i] == want, (i, scales[i], want)
     kept = [r["loss"] for r, s in zip(recs, skipped) if not s]
