@@ -117,8 +117,12 @@ def _w4_cases(data, root):
         )
         for z in (0, 1, 2, 3)
     }
-    for z in (2, 3):
-        cases[f"pp2-dp2-z{z}"] = run_config(data, root / f"pp-z{z}", dp=2, pp=2, zero=z)
+    # sharded gradients and parameters under pipeline schedules other than 1f1b (stage 1
+    # with 1f1b is resume-A's): zb-h1's split backward, gpipe's all-forwards-first
+    for z, sched in ((2, "zb-h1"), (3, "gpipe")):
+        cases[f"pp2-dp2-z{z}-{sched}"] = run_config(
+            data, root / f"pp-z{z}", dp=2, pp=2, zero=z, schedule=sched
+        )
         cases[f"hsdp4x2-z{z}"] = run_config(
             data, root / f"hsdp-z{z}", dp=4, zero=z, zero_shard_group=2
         )
