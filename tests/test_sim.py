@@ -592,3 +592,21 @@ def test_simulate_defaults_to_the_dtype_the_hardware_trains_in(capsys):
         assert json.loads(capsys.readouterr().out)["layout"]["dtype"] == want
     assert main([*base, "--gpu", "a100-80gb", "--dtype", "fp32"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["dtype"] == "fp32"
+
+
+def test_a_broken_command_module_raises_instead_of_printing_help(monkeypatch):
+    # An ImportError inside plait is a bug to see, not "print the help, exit 2".
+    import builtins
+
+    from plait import cli
+
+    real = builtins.__import__
+
+    def broken(name, *args, **kw):
+        if name == "plait.commands":
+            raise ImportError("plait.commands is broken")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(ImportError, match="broken"):
+        cli.main(["simulate", "--gpu", "a100-80gb"])
