@@ -20,7 +20,6 @@ it and meet the others at the next world barrier.
 
 from __future__ import annotations
 
-import math
 import socket
 import statistics
 import time
@@ -271,60 +270,76 @@ def probe_case(probe: tuple):
 
 def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]:
     """Seconds of one single-process training step of plait's own model for each of
-    ``PROBES`` (every other one when ``quick``), run the way ``plait train`` runs it: the
-    micro-batches through ``LocalRunner``, the data-parallel engine (flat gradient
-    buffers, also at dp 1), the global statistics, clipping and AdamW step of
-    ``train.loop.train``, on real next-token targets. Returns (steps, tails): rows
-    (probe, seconds) of the whole step, and of its part after the backward (gradient
-    norm, clipping, AdamW, zeroing; ``fit_optimizer``)."""
-    import functools
+    ``PROBES`` (every other one when ``quick``): ``train.loop.Trainer.step`` itself, as
+    ``plait train`` runs it (sampler, runner, gradient sync, global statistics, clipping,
+    AdamW, the step's metrics), on a corpus of random bytes. Returns (steps, tails): rows
+    (probe, seconds) of the whole step, and of its tail from the gradient norm to the
+    zeroed gradients (the engine's calls, timed where the trainer makes them;
+    ``fit.fit_optimizer``)."""
+    import itertools
+    import tempfile
+    from pathlib import Path
 
-    import torch
-
-    from plait.model.transformer import build_model
-    from plait.parallel.engine import DataParallelConfig, build_data_parallel
     from plait.topology import Topology
-    from plait.train import optim
-    from plait.train.config import TrainConfig
-    from plait.train.loop import LocalRunner, autocast_factory
+    from plait.train.config import RunConfig, TrainConfig
+    from plait.train.loop import Trainer
 
     out, tails = [], []
-    tcfg = TrainConfig()
-    topo = Topology.single(cfg.device)
-    for probe in PROBES[::2] if cfg.quick else PROBES:
-        model_cfg, layout = probe_case(probe)
-        seq, vocab = model_cfg.seq_len, model_cfg.vocab_size
-        batch, micro = layout.global_batch_size, layout.micro_batch_size
-        model = build_model(model_cfg, topo=topo, device=cfg.device)
-        engine = build_data_parallel(
-            model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
-            make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
-            owns_grad=functools.partial(optim.owns_grad, topo=topo),
-        )  # fmt: skip
-        runner = LocalRunner(model, autocast=autocast_factory("fp32", torch.device(cfg.device)))
-        rows = torch.randint(0, vocab, (batch, seq + 1), device=cfg.device)
-
-        tail = []
-
-        def step(engine=engine, runner=runner, rows=rows, micro=micro, batch=batch, seq=seq,
-                 tail=tail):  # fmt: skip
-            # as one iteration of train.loop.train
-            loss = runner.train_step(list(rows.split(micro)), loss_scale=1.0,
-                                     tokens_global=batch * seq)  # fmt: skip
-            engine.finish()
-            _sync(cfg.device)
-            t0 = time.perf_counter()
-            grad_sq, _ = optim.global_stats([engine.grad_sq_local(), loss], topo)
-            engine.scale_grads_(optim.clip_coef(math.sqrt(grad_sq), tcfg.grad_clip))
-            engine.step(tcfg.lr)
-            engine.zero_grad()
-            _sync(cfg.device)
-            tail.append(time.perf_counter() - t0)
-
-        sync()
-        out.append((probe, _median_time(step, cfg.device, min_s=0.0, reps=2 if cfg.quick else 3)))
-        tails.append((probe, statistics.median(tail[1:])))  # past the warm-up call
+    with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
+        data = _probe_corpus(Path(tmp))
+        tcfg = TrainConfig(steps=1 << 30, warmup=0, eval_every=0, progress=False,
+                           peak_tflops=1.0)  # fmt: skip
+        for probe in PROBES[::2] if cfg.quick else PROBES:
+            model_cfg, layout = probe_case(probe)
+            run = RunConfig(model=model_cfg, layout=layout, data=data, train=tcfg, out=tmp)
+            trainer = Trainer(run, topo=Topology.single(cfg.device))
+            tail = _time_tail(trainer.engine, cfg.device)
+            steps = itertools.count()
+            sync()
+            seconds = _median_time(lambda t=trainer, s=steps: t.step(next(s)), cfg.device,
+                                   min_s=0.0, reps=2 if cfg.quick else 3)  # fmt: skip
+            trainer.close()
+            out.append((probe, seconds))
+            tails.append((probe, statistics.median(tail[1:])))  # past the warm-up call
     return out, tails
+
+
+def _probe_corpus(root):
+    """Random bytes as text, tokenised once (the bytes tokenizer): enough tokens for any
+    probe's batches, so the trainer's sampler has data to read."""
+    import random
+
+    from plait.data import DataConfig, prepare
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghij klmnop") for _ in range(8)) for _ in range(64)]
+    (root / "corpus.txt").write_text(" ".join(rng.choice(words) for _ in range(60000)))
+    data = DataConfig(path=str(root / "corpus.txt"), tokenizer="bytes",
+                      cache_dir=str(root / "cache"))  # fmt: skip
+    prepare(data)
+    return data
+
+
+def _time_tail(engine, device: str) -> list[float]:
+    """Wrap the trainer's engine so that each step appends the seconds from its gradient
+    norm (``grad_sq_local``, the tail's first call) to its zeroed gradients
+    (``zero_grad``, the last): the list it returns fills as steps run."""
+    seconds, start = [], []
+    first, last = engine.grad_sq_local, engine.zero_grad
+
+    def grad_sq_local(*a, **k):
+        _sync(device)
+        start.append(time.perf_counter())
+        return first(*a, **k)
+
+    def zero_grad(*a, **k):
+        result = last(*a, **k)
+        _sync(device)
+        seconds.append(time.perf_counter() - start.pop())
+        return result
+
+    engine.grad_sq_local, engine.zero_grad = grad_sq_local, zero_grad
+    return seconds
 
 
 # -- communication -------------------------------------------------------------------------
