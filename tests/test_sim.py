@@ -610,3 +610,24 @@ def test_a_broken_command_module_raises_instead_of_printing_help(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", broken)
     with pytest.raises(ImportError, match="broken"):
         cli.main(["simulate", "--gpu", "a100-80gb"])
+
+
+def test_simulate_honours_pp_partition():
+    # balanced cuts by the blocks' and the head's FLOPs, as the runtime does: the same
+    # step as the explicit layout of that cut, and not the uniform one's
+    from plait.parallel.pipeline.partition import partition_layers, stage_costs_from_model
+
+    cfg = ModelConfig(n_layers=8, hidden=256, n_heads=4, vocab_size=32000, seq_len=256)
+    base = lay(pp=4, global_batch_size=16, dtype="fp32")
+    per_layer, first, last = stage_costs_from_model(cfg, cfg.seq_len)
+    cut = partition_layers(8, 4, method="balanced", layer_costs=per_layer, first_extra=first,
+                           last_extra=last)  # fmt: skip
+    counts = tuple(len(r) for r in cut)
+    assert counts != (2, 2, 2, 2)  # the vocabulary-sized head moves layers off the last stage
+    hw = get_hardware("a100-80gb")
+    balanced = simulate(cfg, base.replace(pp_partition="balanced"), hw)
+    explicit = simulate(cfg, base.replace(pp_layout=counts), hw)
+    uniform = simulate(cfg, base, hw)
+    assert balanced.iter_time_s == explicit.iter_time_s
+    assert balanced.iter_time_s < uniform.iter_time_s
+    assert balanced.peak_mem_bytes == explicit.peak_mem_bytes
