@@ -426,12 +426,16 @@ def _worker(rank: int, world: int, port: int, cfg: CalibrateConfig, queue) -> No
                     elems = max(n, nbytes // 4 // n * n)
                     full = torch.randn(elems, device=device)
                     part = torch.randn(elems // n, device=device)
-                    # the trainer's own calls (comm.py), on the group as a dp axis
+                    gathered, piece = torch.empty_like(full), torch.empty_like(part)
+                    # the trainer's own calls (comm.py; the flat forms the data-parallel
+                    # and ZeRO engines use), on the group as a dp axis
                     calls = {
                         "all_reduce": lambda f=full, t=topo: comm.all_reduce(f, topo=t, axis=DP),
-                        "all_gather": lambda p=part, t=topo: comm.all_gather(p, topo=t, axis=DP),
-                        "reduce_scatter": lambda f=full, t=topo: comm.reduce_scatter(
-                            f, topo=t, axis=DP
+                        "all_gather": lambda o=gathered, p=part, t=topo: comm.all_gather_into(
+                            o, p, topo=t, axis=DP
+                        ),
+                        "reduce_scatter": lambda o=piece, f=full, t=topo: comm.reduce_scatter_into(
+                            o, f, topo=t, axis=DP
                         ),
                     }
                     for op, call in calls.items():

@@ -13,8 +13,9 @@
   all come out of the schedule. The last stage also keeps, per micro-batch in flight,
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
   loss: T (2 h e + V / t (e + 4)) bytes (Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
-- ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
-  layer's full gradient before it is reduce-scattered.
+- ZeRO-3 keeps two gathered layers (the current one and the prefetched next, in the
+  weights' dtype: plait gathers bf16 values into its fp32 unit buffers) and one layer's
+  full gradient before it is reduce-scattered.
 - Framework overhead: the hardware entry's fixed ``framework_overhead_bytes``.
 """
 
@@ -117,8 +118,8 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     if layout.zero != 3:
         return 0.0
     layer = sizes.layer_params(cfg) / layout.tp
-    _, g_bytes, _ = runtime.state_bytes(layout.dtype)
-    return layer * (2 * runtime.param_comm_bytes(layout.dtype) + g_bytes)
+    w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)  # gathered into weight buffers
+    return layer * (2 * w_bytes + g_bytes)
 
 
 def memory_per_rank(

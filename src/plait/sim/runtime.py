@@ -46,6 +46,9 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``zero3_regather_recompute``: with full recomputation, the recomputed forward of a
   layer gathers its parameters again (DeepSpeed's hooks release them after every
   forward; FSDP's pre-backward unshard already holds them when the recomputation runs).
+- ``gather_in_compute_dtype``: ZeRO-3 gathers weights in the compute dtype under
+  bf16 / fp16 (plait, FSDP2's mixed-precision policy: half the bytes) while the fp32
+  masters stay sharded; otherwise in the stored weights' dtype.
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
@@ -78,6 +81,7 @@ class Runtime:
     gather_list_outputs: bool = False
     zero3_regather_recompute: bool = False
     zero3_reduce_per_microbatch: bool = True
+    gather_in_compute_dtype: bool = False
     pp_scatter_gather: bool = True
     description: str = dataclasses.field(default="", compare=False)
 
@@ -94,7 +98,10 @@ class Runtime:
         return 2
 
     def param_comm_bytes(self, dtype: str) -> int:
-        """Bytes per weight element in ZeRO all-gathers: the stored weights' dtype."""
+        """Bytes per weight element in ZeRO all-gathers: the stored weights' dtype, or the
+        compute dtype where the runtime gathers in it (``gather_in_compute_dtype``)."""
+        if dtype != "fp32" and self.gather_in_compute_dtype:
+            return 2
         return self.state_bytes(dtype)[0]
 
 
@@ -103,6 +110,7 @@ PROFILES: dict[str, Runtime] = {
         name="plait",
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
+        gather_in_compute_dtype=True,
         bucket_from_layout=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
@@ -161,6 +169,7 @@ PROFILES: dict[str, Runtime] = {
         grad_bucket_bytes=None,
         master_weights=False,
         grad_reduce_fp32=False,
+        gather_in_compute_dtype=True,
         description="PyTorch FSDP (e.g. llm-foundry): FlashAttention, prefetched "
         "all-gathers, sharded fp32 weights, low-precision reduce-scatter",
     ),
