@@ -20,11 +20,11 @@ collectives). What each worker measures:
 - sustained memory bandwidth (copies of a tensor much larger than the caches);
 - collectives through the backend the trainer uses (gloo on CPU, NCCL on CUDA), on
   groups of 2..``--procs`` of the worker processes: all-reduce, all-gather and
-  reduce-scatter (the calls ``comm.py`` makes) over message sizes from 1 KiB to 16 MiB,
-  and point-to-point transfers (``batch_isend_irecv`` ping-pong, half the round trip);
-- one training step of plait's own model as ``plait train`` runs it (runner, data-parallel
-  engine, global statistics, clipping, AdamW) in a few probe sizes (``PROBES``, unlike
-  the benchmarked ones), in a single process each;
+  reduce-scatter through ``comm.py`` itself (the trainer's calls) over message sizes from
+  1 KiB to 16 MiB, and point-to-point transfers (``comm.batch_p2p`` ping-pong, half the
+  round trip);
+- one training step of plait's own model: ``train.loop.Trainer.step`` itself, in a few
+  probe sizes (``PROBES``, unlike the benchmarked ones), in a single process each;
 - what a worker holds before any model exists (resident memory after importing torch
   and joining the process group): the framework overhead.
 
