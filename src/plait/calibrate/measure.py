@@ -270,7 +270,10 @@ def probe_case(probe: tuple):
 
 def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]:
     """Seconds of one single-process training step of plait's own model for each of
-    ``PROBES`` (every other one when ``quick``): ``train.loop.Trainer.step`` itself, as
+    ``PROBES`` (all of them also when ``quick``: two knobs are fitted to them, and only
+    probes from overhead-bound to compute-bound tell the two apart -- with the two small
+    ones alone the fit traded the GEMM level against the per-kernel time at random):
+    ``train.loop.Trainer.step`` itself, as
     ``plait train`` runs it (sampler, runner, gradient sync, global statistics, clipping,
     AdamW, the step's metrics), on a corpus of random bytes. Returns (steps, tails): rows
     (probe, seconds) of the whole step, and of its tail from the gradient norm to the
@@ -289,7 +292,7 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
         data = _probe_corpus(Path(tmp))
         tcfg = TrainConfig(steps=1 << 30, warmup=0, eval_every=0, progress=False,
                            peak_tflops=1.0)  # fmt: skip
-        for probe in PROBES[::2] if cfg.quick else PROBES:
+        for probe in PROBES:
             model_cfg, layout = probe_case(probe)
             run = RunConfig(model=model_cfg, layout=layout, data=data, train=tcfg, out=tmp)
             trainer = Trainer(run, topo=Topology.single(cfg.device))
