@@ -136,14 +136,14 @@ def fit_link(rows) -> dict:
     log error): one latency and bandwidth over every row, and one pair per operation
     (``Link.per_op``), which the simulator uses where it has one. Returns latency,
     bandwidth, per_op {op: (latency, bandwidth)} and residual (with the per-op pairs)."""
-    from plait.sim import costs
+    from plait.sim import collectives
     from plait.sim.hardware import Link
 
     fns = {
-        "all_reduce": lambda s, n, link: costs.all_reduce_time(s, n, link),
-        "all_gather": lambda s, n, link: costs.all_gather_time(s, n, link),
-        "reduce_scatter": lambda s, n, link: costs.reduce_scatter_time(s, n, link),
-        "p2p": lambda s, n, link: costs.p2p_time(s, link),
+        "all_reduce": lambda s, n, link: collectives.all_reduce_time(s, n, link),
+        "all_gather": lambda s, n, link: collectives.all_gather_time(s, n, link),
+        "reduce_scatter": lambda s, n, link: collectives.reduce_scatter_time(s, n, link),
+        "p2p": lambda s, n, link: collectives.p2p_time(s, link),
     }
 
     def fit(subset) -> tuple[float, float, float]:

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(hw, data: dict) -> str:
     """What was measured and fitted, as printed by ``plait calibrate``."""
-    from plait.sim import costs
+    from plait.sim import collectives
 
     eff, fit = hw.efficiency, data["fit"]
     lines = [
@@ -83,10 +83,12 @@ def summary(hw, data: dict) -> str:
         lines.append(f"link        latency {link.latency * 1e6:.1f} us, bandwidth "
                      f"{link.bandwidth / 1e9:.2f} GB/s: rms error {data['link']['residual']:.0%}")  # fmt: skip
         lines.append(f"{'op':<15}{'procs':>6}{'bytes':>10}{'measured':>12}{'fit':>12}")
-        fns = {"all_reduce": costs.all_reduce_time, "all_gather": costs.all_gather_time,
-               "reduce_scatter": costs.reduce_scatter_time}  # fmt: skip
+        fns = {"all_reduce": collectives.all_reduce_time, "all_gather": collectives.all_gather_time,
+               "reduce_scatter": collectives.reduce_scatter_time}  # fmt: skip
         for op, n, s, t in data["collectives"]:
-            pred = costs.p2p_time(s, link) if op == "p2p" else fns[op](s, n, link)  # per-op pair
+            pred = (
+                collectives.p2p_time(s, link) if op == "p2p" else fns[op](s, n, link)
+            )  # per-op pair
             lines.append(f"{op:<15}{n:>6}{s:>10}{t * 1e6:>10.0f}us{pred * 1e6:>10.0f}us")
     lines.append(f"overhead    {hw.framework_overhead_bytes / GiB:.2f} GiB per process; "
                  f"memory {hw.memory_bytes / GiB:.1f} GiB per process")  # fmt: skip
