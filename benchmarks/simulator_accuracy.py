@@ -1,8 +1,17 @@
-"""Does the performance model, calibrated on this machine, predict plait's own step times?
+"""Does the performance model predict runs it was not fitted on?
 
-    python benchmarks/simulator_accuracy.py                       # calibrate, then compare
+    python benchmarks/simulator_accuracy.py --published           # published runs only (~3 s)
+    python benchmarks/simulator_accuracy.py                       # both parts below
+    python benchmarks/simulator_accuracy.py --quick-calibration --only "single,dp2,tp2,pp2 1f1b,dp2 zero3"
     python benchmarks/simulator_accuracy.py --rounds 5 --json results.json
     python benchmarks/simulator_accuracy.py --hardware calibrated.yaml --only dp2,tp2
+
+Part 1, published runs (``plait.sim.validate``): every row of
+``../shared/data/published_runs.csv`` and ``benchmarks/data/published_runs_more.csv``,
+each source predicted with ``gemm_max`` fitted on the other sources only; prints the
+held-out error per source and per row.
+
+Part 2, this machine:
 
 1. ``plait calibrate --procs 4`` measures this machine into a hardware file at the start
    of every round (the host's speed drifts by tens of percent over minutes, so each
@@ -137,8 +146,35 @@ def plan_choice(hardware: str, work: Path, worlds) -> tuple[str, list[str], floa
     return best
 
 
+PUBLISHED = [
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "published_runs.csv",
+    Path(__file__).resolve().parent / "data" / "published_runs_more.csv",
+]
+
+
+def published(rows: bool = True) -> None:
+    """Part 1: leave-one-source-out predictions of the published runs."""
+    from plait.sim import validate
+
+    t0 = time.perf_counter()
+    report = validate.cross_validate([p for p in PUBLISHED if p.exists()])
+    print("published runs, each source predicted by a fit on the others (step time):")
+    print(validate.table(report))
+    if rows:
+        print(validate.rows_table(report))
+    bloom = [p for p in report.predictions if p.case.id.startswith("bloom_jz_181b")]
+    if bloom:
+        rho = validate.spearman([p.predicted_s for p in bloom], [p.case.measured_s for p in bloom])
+        print(f"BLOOM's sweep of one 181B model ({len(bloom)} layouts on 384 A100s): Spearman "
+              f"rank correlation of predicted and measured step times {rho:.2f}")  # fmt: skip
+    print(f"({len(report.skipped)} rows not compared: {', '.join(sorted(report.skipped))}; "
+          f"{time.perf_counter() - t0:.1f} s)\n")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--published", action="store_true", help="part 1 only (no training)")
+    ap.add_argument("--no-published", action="store_true", help="part 2 only")
     ap.add_argument("--hardware", help="one hardware file for every round (default: "
                     "plait calibrate --procs 4 before each round)")  # fmt: skip
     ap.add_argument("--quick-calibration", action="store_true", help="plait calibrate --quick")
@@ -150,6 +186,10 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated layout names")
     ap.add_argument("--no-plan", action="store_true", help="skip the plan check")
     args = ap.parse_args()
+    if not args.no_published:
+        published()
+        if args.published:
+            return 0
 
     from plait.sim.hardware import load_hardware
 

@@ -7,24 +7,26 @@ import time
 
 import pytest
 
-from plait.calibrate import (
-    ELEMENTWISE,
-    PROBES,
-    elementwise_bytes,
+from plait.calibrate.fit import (
     fit_efficiency,
     fit_elementwise,
     fit_link,
     fit_optimizer,
     fit_probes,
+)
+from plait.calibrate.measure import (
+    ELEMENTWISE,
+    PROBES,
+    elementwise_bytes,
     gemm_shapes,
     message_sizes,
     probe_case,
 )
 from plait.layout import Layout
 from plait.model.config import preset
-from plait.sim import costs, simulate
+from plait.sim import collectives, costs, simulate
 from plait.sim.hardware import Efficiency, Hardware, Link, load_hardware
-from plait.sim.plan import PlanRequest, search
+from plait.sim.search import PlanRequest, search
 
 
 def test_gemm_fit_recovers_the_efficiency_curve():
@@ -53,11 +55,11 @@ def test_link_fit_recovers_latency_and_bandwidth():
     for n in (2, 3, 4):
         for s in message_sizes(quick=False):
             rows += [
-                ("all_reduce", n, s, costs.all_reduce_time(s, n, truth)),
-                ("all_gather", n, s, costs.all_gather_time(s, n, truth)),
-                ("reduce_scatter", n, s, costs.reduce_scatter_time(s, n, truth)),
+                ("all_reduce", n, s, collectives.all_reduce_time(s, n, truth)),
+                ("all_gather", n, s, collectives.all_gather_time(s, n, truth)),
+                ("reduce_scatter", n, s, collectives.reduce_scatter_time(s, n, truth)),
             ]
-    rows += [("p2p", 2, s, costs.p2p_time(s, truth)) for s in message_sizes(quick=False)]
+    rows += [("p2p", 2, s, collectives.p2p_time(s, truth)) for s in message_sizes(quick=False)]
     fit = fit_link(rows)
     assert fit["latency"] == pytest.approx(80e-6, rel=0.1)
     assert fit["bandwidth"] == pytest.approx(1.5e9, rel=0.1)
@@ -72,9 +74,9 @@ def test_link_fit_gives_each_operation_its_own_pair():
         link = Link(bandwidth=b, latency=a)
         for n in (2, 4) if op != "p2p" else (2,):
             for s in message_sizes(quick=False):
-                t = {"all_reduce": costs.all_reduce_time, "all_gather": costs.all_gather_time,
-                     "reduce_scatter": costs.reduce_scatter_time,
-                     "p2p": lambda s, n, link: costs.p2p_time(s, link)}[op](s, n, link)  # fmt: skip
+                t = {"all_reduce": collectives.all_reduce_time, "all_gather": collectives.all_gather_time,
+                     "reduce_scatter": collectives.reduce_scatter_time,
+                     "p2p": lambda s, n, link: collectives.p2p_time(s, link)}[op](s, n, link)  # fmt: skip
                 rows.append((op, n, s, t))
     fit = fit_link(rows)
     assert fit["residual"] < 0.05
@@ -132,7 +134,7 @@ def test_quick_calibration_writes_a_valid_hardware_file(tmp_path):
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr
     assert elapsed < 30, f"plait calibrate --quick took {elapsed:.0f} s"
-    assert "wrote" in proc.stdout and "all_reduce" in proc.stdout
+    assert "wrote" in proc.stdout and "all_reduce" in proc.stdout, proc.stdout
     hw = load_hardware(path=out)
     assert isinstance(hw, Hardware) and hw.peak("fp32") > 1e8
     assert 0 < hw.efficiency.gemm_max <= 1 and 0 < hw.efficiency.attention <= 1

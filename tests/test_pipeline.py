@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from distributed import run_workers
+from numerics import assert_same_run, loss_tol
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -274,6 +276,9 @@ EXTRA = {
     "gpt2-pp4-gpipe": dict(pp_layout=(1, 3, 3, 1)),  # uneven
     "llama-pp4-1f1b": dict(pp_layout=(2, 2, 3, 1)),  # balanced (checked below)
     "llama-pp2-zb-h1": dict(recompute="full"),  # W after full recomputation
+    # --pp-partition balanced, cut by the runtime itself: 3 + 1 and 2 + 2 + 3 + 1 layers
+    "gpt2-pp2-gpipe": dict(pp_partition="balanced"),
+    "llama-pp4-zb-h1": dict(pp_partition="balanced"),
 }
 LAYOUTS = [
     *[
@@ -296,6 +301,8 @@ LAYOUTS = [
 ]
 LAYOUTS = [(n, a, ly, g, {**kw, **EXTRA.get(n, {})}) for n, a, ly, g, kw in LAYOUTS]
 CHECKPOINTED = "gpt2-pp2-1f1b"  # the run whose final checkpoint is loaded on one process
+# ...and the schedules whose saving differs (chunks, split backward, tp shards in stages)
+CHECKPOINTED_ALSO = ("gpt2-pp4-interleaved-1f1b", "llama-pp2-zb-h1", "gpt2-pp2tp2-vpp2")
 
 
 def _train_layouts(rank, world, runs):
@@ -308,7 +315,8 @@ def _train_layouts(rank, world, runs):
         lay = cfg.layout
         topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
         # Saving is checked on one run; skipping the others' final save saves ~1 s each.
-        checkpoint.save = save if name == CHECKPOINTED else lambda *a, **k: None
+        saved = name == CHECKPOINTED or name in CHECKPOINTED_ALSO
+        checkpoint.save = save if saved else lambda *a, **k: None
         train(cfg, topo=topo)
         counts[name] = {
             f"{a}.{o}": (n, topo.stats.bytes[(a, o)]) for (a, o), n in topo.stats.calls.items()
@@ -342,13 +350,17 @@ def pipeline_runs(data, tmp_path_factory):
     }
 
 
-def assert_matches(out, ref_out, what: str) -> None:
+def assert_matches(out, ref_out, what: str, cfg: RunConfig | None = None) -> None:
+    """Loss and gradient norm of every step, and the final validation loss, within the
+    float32 bounds of ``numerics`` (the last step's, for the validation loss)."""
     got, ref = metrics(out), metrics(ref_out)
     assert len(got) == len(ref) == STEPS, what
-    errs = [abs(g["loss"] - r["loss"]) / abs(r["loss"]) for g, r in zip(got, ref)]
-    assert errs[0] <= 1e-6, f"{what}: step 1 off by {errs[0]:.2e}"
-    assert max(errs) <= 1e-4, f"{what}: step {errs.index(max(errs)) + 1} off by {max(errs):.2e}"
-    assert abs(got[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-4 * ref[-1]["val_loss"], what
+    if cfg is None:  # a run config that was not kept: the same model as the reference's
+        cfg = RunConfig.from_dict(yaml.safe_load((Path(ref_out) / "config.yaml").read_text()))
+    tokens = cfg.layout.global_batch_size * cfg.model.seq_len
+    assert_same_run(got, ref, cfg.model, tokens, what)
+    tol = STEPS * loss_tol(cfg.model, tokens)
+    assert abs(got[-1]["val_loss"] - ref[-1]["val_loss"]) <= tol * ref[-1]["val_loss"], what
 
 
 def expected_sends(lay: Layout, cfg, pp_rank: int) -> tuple[int, int]:
@@ -373,7 +385,7 @@ def check(pipeline_runs, names) -> None:
     assert names
     for name in names:
         cfg, counts, ref = pipeline_runs[name]
-        assert_matches(cfg.out, ref, name)
+        assert_matches(cfg.out, ref, name, cfg)
         assert 0.0 <= metrics(cfg.out)[-1]["bubble_fraction"] < 1.0, name
         lay = cfg.layout
         for rank, per_rank in enumerate(counts):
@@ -458,3 +470,34 @@ def test_pp2_checkpoint_loads_on_one_process(pipeline_runs):
     got, want = final_weights(cfg.out), final_weights(ref)
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_checkpoints_saved_under_interleaving_zero_bubble_and_tp_load_on_one_process(
+    pipeline_runs,
+):
+    """A checkpoint written by interleaved chunks, by zb-h1 and by tp x pp stages loads into
+    one unsplit model with the single-process run's final weights, compared through the
+    loss they compute (AdamW turns near-zero gradients' rounding into weight differences
+    the loss does not see): within the curve's float32 bound at the last step."""
+    ids = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(5))
+    for name in CHECKPOINTED_ALSO:
+        cfg, _, ref = pipeline_runs[name]
+        losses = []
+        for out in (cfg.out, ref):
+            model = build_model(cfg.model, seed=123)
+            path = latest(Path(out) / "checkpoints")
+            load(path, model=model, optim_state=None, topo=Topology.single())
+            with torch.no_grad():
+                losses.append(model(ids[:, :-1], ids[:, 1:]).mean().item())
+        tokens = cfg.layout.global_batch_size * cfg.model.seq_len
+        tol = STEPS * loss_tol(cfg.model, tokens) + loss_tol(cfg.model, ids.numel())
+        assert abs(losses[0] - losses[1]) <= tol * abs(losses[1]), (name, losses)
+
+
+def test_balanced_partitions_ride_along_and_are_uneven():
+    for name in ("gpt2-pp2-gpipe", "llama-pp4-zb-h1"):
+        _, arch, layers, _, kw = next(x for x in LAYOUTS if x[0] == name)
+        lay = Layout(pp=kw["pp"], dp=kw["dp"], schedule=kw["schedule"])
+        parts = [len(r) for r in stage_layers(model_cfg(arch, layers), lay, method="balanced")]
+        assert kw["pp_partition"] == "balanced" and len(set(parts)) > 1, (name, parts)

@@ -13,7 +13,7 @@ from plait.layout import Layout
 from plait.model.config import ModelConfig, preset
 from plait.sim import get_hardware, simulate
 from plait.sim.hardware import GiB
-from plait.sim.plan import (
+from plait.sim.search import (
     PlanRequest,
     Space,
     _Bounds,
@@ -143,17 +143,25 @@ def run_cli(args, capsys, tmp_path):
     return captured.out, out
 
 
+# The simulator's held-out error on published runs (sim/validate.py, docs/performance-model.md
+# section 6): at most 10% on average; the bounds below allow that much around the papers'
+# figures.
+HELD_OUT = 0.10
+
+
 def test_gpt3_175b_on_1024_a100s_takes_about_34_days(capsys, tmp_path):
-    # Narayanan et al. 2021: 8 T P / (n X) with X = 140 TFLOP/s -> 34 days for 300B tokens,
-    # on Megatron-LM with full recomputation.
+    # Narayanan et al. 2021 estimate 34 days for 300B tokens from 8 T P / (n X) with X =
+    # 140 TFLOP/s, for a layout they did not optimise for 1024 GPUs; the plan searches
+    # every layout of their software (interleaving included), so it may only be faster --
+    # but not faster than the best any PTD-P run of theirs reached (171 TFLOP/s, Table 2).
     text, _ = run_cli(
         ["--model", "gpt3-175b", "--gpu", "a100-80gb", "--gpus", "1024", "--global-batch-size",
          "1536", "--tokens", "300B", "--runtime", "megatron-lm", "--recompute", "full",
          "--dtype", "fp16", "--json", "--top", "3"], capsys, tmp_path)  # fmt: skip
     best = json.loads(text)[0]
-    assert 34.5 / 1.15 <= best["train_days"] <= 34.5 * 1.15
     x = 8 * 300e9 * 174.6e9 / (1024 * best["train_days"] * 86400) / 1e12  # the paper's X
-    assert 140 / 1.15 <= x <= 140 * 1.15
+    assert 140 * (1 - HELD_OUT) <= x <= 171 * (1 + HELD_OUT)
+    assert best["train_days"] <= 34.5 * (1 + HELD_OUT)
     assert best["device_hours"] == pytest.approx(best["train_days"] * 24 * 1024)
 
 

@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 
 from plait.cli_args import layout_parent, model_parent
+from plait.commands import simulate as sim_cli
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig, preset
@@ -20,8 +21,7 @@ from plait.parallel.pipeline.schedules import (
     replay,
     unit_cost,
 )
-from plait.sim import Hardware, Result, costs, get_hardware, pipeline, simulate
-from plait.sim import cli as sim_cli
+from plait.sim import Hardware, Result, collectives, costs, get_hardware, pipeline, simulate
 from plait.sim.hardware import BUILTIN, Link
 from plait.sim.runtime import PROFILES
 
@@ -161,21 +161,21 @@ def test_alpha_beta_collectives():
     link = Link(bandwidth=100e9, latency=5e-6)
     n, S = 8, 1e9
     ring = 2 * (n - 1) * 5e-6 + 2 * (n - 1) / n * S / 100e9
-    assert costs.all_reduce_time(S, n, link) == pytest.approx(ring)
-    assert costs.all_gather_time(S, n, link) == pytest.approx(7 * 5e-6 + 7 / 8 * S / 100e9)
+    assert collectives.all_reduce_time(S, n, link) == pytest.approx(ring)
+    assert collectives.all_gather_time(S, n, link) == pytest.approx(7 * 5e-6 + 7 / 8 * S / 100e9)
     # small message on many ranks: the tree's log-depth latency wins
-    small = costs.all_reduce_time(1e3, 1024, link)
+    small = collectives.all_reduce_time(1e3, 1024, link)
     assert small == pytest.approx(2 * 10 * 5e-6 + 2 * 1e3 / 100e9)
-    assert costs.all_reduce_time(S, 1, link) == 0.0
+    assert collectives.all_reduce_time(S, 1, link) == 0.0
 
 
 def test_group_link_uses_nvlink_inside_a_node_and_rails_across():
     hw = A100
-    assert costs.group_link(hw, 8, 1) is hw.intra_node  # tp=8 in one node
-    assert costs.group_link(hw, 4, 2) is hw.intra_node  # dp=4 over tp=2
-    one_rail = costs.group_link(hw, 16, 8)  # dp across nodes, one member per node
+    assert collectives.group_link(hw, 8, 1) is hw.intra_node  # tp=8 in one node
+    assert collectives.group_link(hw, 4, 2) is hw.intra_node  # dp=4 over tp=2
+    one_rail = collectives.group_link(hw, 16, 8)  # dp across nodes, one member per node
     assert one_rail.bandwidth == hw.inter_node.bandwidth
-    four = costs.group_link(hw, 16, 2)  # 4 members per node drive 4 rails
+    four = collectives.group_link(hw, 16, 2)  # 4 members per node drive 4 rails
     assert four.bandwidth == pytest.approx(
         min(4 * hw.inter_node.bandwidth, hw.intra_node.bandwidth)
     )
@@ -194,11 +194,11 @@ def test_tp_collectives_per_layer():
     layout = lay(tp=8)
     rt = PROFILES["megatron-lm"]
     lc = costs.layer_cost(GPT3, layout, A100, rt)
-    ar = costs.all_reduce_time(2048 * GPT3.hidden * 2, 8, A100.intra_node)
+    ar = collectives.all_reduce_time(2048 * GPT3.hidden * 2, 8, A100.intra_node)
     assert lc.fwd_tp == pytest.approx(2 * ar)
     assert lc.bwd_tp == pytest.approx(2 * ar)
     sp = costs.layer_cost(GPT3, lay(tp=8, sequence_parallel=True), A100, rt)
-    ag = costs.all_gather_time(2048 * GPT3.hidden * 2, 8, A100.intra_node)
+    ag = collectives.all_gather_time(2048 * GPT3.hidden * 2, 8, A100.intra_node)
     assert sp.fwd_tp == pytest.approx(4 * ag)  # 2 all-gathers + 2 reduce-scatters
 
 
@@ -441,11 +441,11 @@ def test_zero1_reduces_gradients_as_the_runtime_does():
     ref = costs.dp_comm_time(1e6, z0, hw, plait_rt)["grad"]
     assert costs.dp_comm_time(1e6, z1, hw, plait_rt)["grad"] == pytest.approx(ref)
     assert costs.dp_comm_time(1e6, z1, hw, rs_rt)["grad"] == pytest.approx(
-        costs.reduce_scatter_time(4e6, 2, hw.intra_node)
+        collectives.reduce_scatter_time(4e6, 2, hw.intra_node)
     )
     gather = costs.dp_comm_time(1e6, z1, hw, plait_rt)["param"]
     copies = costs.stream_time(hw, 2 * 4e6 * 1.5)
-    assert gather == pytest.approx(costs.all_gather_time(4e6, 2, hw.intra_node) + copies)
+    assert gather == pytest.approx(collectives.all_gather_time(4e6, 2, hw.intra_node) + copies)
 
 
 def test_bucket_mb_of_the_layout_sets_plait_buckets():
@@ -469,10 +469,10 @@ def test_bucket_mb_of_the_layout_sets_plait_buckets():
 
 def test_per_operation_links_replace_the_shared_pair():
     link = cpu_host().intra_node
-    assert costs.all_gather_time(1e6, 2, link) == pytest.approx(2e-3 + 0.5e6 / 0.3e9)
-    assert costs.reduce_scatter_time(1e6, 2, link) == pytest.approx(1e-3 + 0.5e6 / 1e9)
-    assert costs.p2p_time(1e6, link) == pytest.approx(5e-4 + 1e6 / 2e9)
-    assert costs.all_reduce_time(1e6, 2, link) == pytest.approx(2e-3 + 1e6 / 1e9)
+    assert collectives.all_gather_time(1e6, 2, link) == pytest.approx(2e-3 + 0.5e6 / 0.3e9)
+    assert collectives.reduce_scatter_time(1e6, 2, link) == pytest.approx(1e-3 + 0.5e6 / 1e9)
+    assert collectives.p2p_time(1e6, link) == pytest.approx(5e-4 + 1e6 / 2e9)
+    assert collectives.all_reduce_time(1e6, 2, link) == pytest.approx(2e-3 + 1e6 / 1e9)
 
 
 def test_elementwise_bandwidth_and_kernel_overhead_enter_the_layer_cost():
@@ -592,3 +592,42 @@ def test_simulate_defaults_to_the_dtype_the_hardware_trains_in(capsys):
         assert json.loads(capsys.readouterr().out)["layout"]["dtype"] == want
     assert main([*base, "--gpu", "a100-80gb", "--dtype", "fp32"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["dtype"] == "fp32"
+
+
+def test_a_broken_command_module_raises_instead_of_printing_help(monkeypatch):
+    # An ImportError inside plait is a bug to see, not "print the help, exit 2".
+    import builtins
+
+    from plait import cli
+
+    real = builtins.__import__
+
+    def broken(name, *args, **kw):
+        if name == "plait.commands":
+            raise ImportError("plait.commands is broken")
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(ImportError, match="broken"):
+        cli.main(["simulate", "--gpu", "a100-80gb"])
+
+
+def test_simulate_honours_pp_partition():
+    # balanced cuts by the blocks' and the head's FLOPs, as the runtime does: the same
+    # step as the explicit layout of that cut, and not the uniform one's
+    from plait.parallel.pipeline.partition import partition_layers, stage_costs_from_model
+
+    cfg = ModelConfig(n_layers=8, hidden=256, n_heads=4, vocab_size=32000, seq_len=256)
+    base = lay(pp=4, global_batch_size=16, dtype="fp32")
+    per_layer, first, last = stage_costs_from_model(cfg, cfg.seq_len)
+    cut = partition_layers(8, 4, method="balanced", layer_costs=per_layer, first_extra=first,
+                           last_extra=last)  # fmt: skip
+    counts = tuple(len(r) for r in cut)
+    assert counts != (2, 2, 2, 2)  # the vocabulary-sized head moves layers off the last stage
+    hw = get_hardware("a100-80gb")
+    balanced = simulate(cfg, base.replace(pp_partition="balanced"), hw)
+    explicit = simulate(cfg, base.replace(pp_layout=counts), hw)
+    uniform = simulate(cfg, base, hw)
+    assert balanced.iter_time_s == explicit.iter_time_s
+    assert balanced.iter_time_s < uniform.iter_time_s
+    assert balanced.peak_mem_bytes == explicit.peak_mem_bytes

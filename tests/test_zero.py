@@ -23,7 +23,7 @@ from test_data_parallel import (
     assert_same_curve,
     engine_step,
     make_data,
-    reference_losses,
+    reference_metrics,
     resume_from,
     run_checks,
     run_config,
@@ -117,8 +117,12 @@ def _w4_cases(data, root):
         )
         for z in (0, 1, 2, 3)
     }
-    for z in (2, 3):
-        cases[f"pp2-dp2-z{z}"] = run_config(data, root / f"pp-z{z}", dp=2, pp=2, zero=z)
+    # sharded gradients and parameters under pipeline schedules other than 1f1b (stage 1
+    # with 1f1b is resume-A's): zb-h1's split backward, gpipe's all-forwards-first
+    for z, sched in ((2, "zb-h1"), (3, "gpipe")):
+        cases[f"pp2-dp2-z{z}-{sched}"] = run_config(
+            data, root / f"pp-z{z}", dp=2, pp=2, zero=z, schedule=sched
+        )
         cases[f"hsdp4x2-z{z}"] = run_config(
             data, root / f"hsdp-z{z}", dp=4, zero=z, zero_shard_group=2
         )
@@ -133,7 +137,7 @@ def _w4_cases(data, root):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero")
     data = make_data(root)
-    ref = {arch: reference_losses(data, root, arch) for arch in ("gpt2", "llama")}
+    ref = {arch: reference_metrics(data, root, arch) for arch in ("gpt2", "llama")}
     w2 = _w2_cases(data, root)
     w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
     w4 = _w4_cases(data, root)
@@ -219,8 +223,8 @@ def test_hybrid_sharding_counts(runs):
     assert h2["step bytes"][("dp", "all_gather")] == b[("dp", "reduce_scatter")]
 
 
-def _curve(result) -> list[float]:
-    return [m["loss"] for m in result["metrics"]]
+def _curve(result) -> list[dict]:
+    return result["metrics"]  # loss and grad_norm of every step (numerics.assert_same_run)
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
@@ -231,7 +235,7 @@ def test_every_layout_reproduces_the_single_process_curve(runs, world):
         ref = runs["ref"][cfg.model.arch]
         if name.startswith("resume"):
             continue
-        assert_same_curve(_curve(result), ref, name)
+        assert_same_curve(_curve(result), ref, name, cfg.model.arch)
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])

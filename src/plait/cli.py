@@ -497,23 +497,17 @@ def _add_simulate(sub):
     p = sub.add_parser("simulate", parents=[model_parent(), layout_parent()], allow_abbrev=False,
                        help="predict step time, MFU and memory of a layout")  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values")
-    try:
-        from plait.sim import cli as sim_cli
+    from plait.commands import simulate as sim_cli
 
-        sim_cli.add_arguments(p)
-    except ImportError:
-        sim_cli = None
+    sim_cli.add_arguments(p)
     return p, sim_cli
 
 
 def _add_viz(sub):
     p = sub.add_parser("viz", allow_abbrev=False, help="draw schedules, timelines and curves")
-    try:
-        from plait.viz import cli as viz_cli
+    from plait.viz import cli as viz_cli
 
-        viz_cli.add_arguments(p)
-    except ImportError:
-        viz_cli = None
+    viz_cli.add_arguments(p)
     return p, viz_cli
 
 
@@ -521,7 +515,7 @@ def _add_plan(sub):
     p = sub.add_parser("plan", parents=[model_parent(), layout_parent()], allow_abbrev=False,
                        help="rank every layout of a model on a cluster; write the best")  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values")
-    from plait import plan
+    from plait.commands import plan
 
     plan.add_arguments(p)
     return p
@@ -530,7 +524,7 @@ def _add_plan(sub):
 def _add_calibrate(sub):
     p = sub.add_parser("calibrate", allow_abbrev=False,
                        help="measure this machine; write a hardware file for simulate and plan")  # fmt: skip
-    from plait import calibrate
+    from plait.commands import calibrate
 
     calibrate.add_arguments(p)
     return p
@@ -592,24 +586,24 @@ def main(argv=None) -> int:
         return cmd_checkpoint_verify(args)
     if args.command == "info":
         return cmd_info(args, subs["info"])
-    if args.command == "simulate" and sim_cli is not None:
+    if args.command == "simulate":
         try:  # a config file's values where no flag is given
             args = argparse.Namespace(**{**vars(args), **merged_values(args, subs["simulate"])})
         except UserError as e:
             return _die("simulate", str(e))
         return sim_cli.run(args)
     if args.command == "plan":
-        from plait import plan
+        from plait.commands import plan
 
         try:
             return plan.run(args, merged_values(args, subs["plan"]))
         except UserError as e:
             return _die("plan", str(e))
     if args.command == "calibrate":
-        from plait import calibrate
+        from plait.commands import calibrate
 
         return calibrate.run(args)
-    if args.command == "viz" and viz_cli is not None:
+    if args.command == "viz":
         return viz_cli.run(args)
     parser.print_help()
     return 2

@@ -92,37 +92,8 @@ def hardware_flops_per_token(
     return flops
 
 
-def model_state_bytes(
-    n_params: int,
-    *,
-    dp: int = 1,
-    zero: int = 0,
-    param_bytes: int = 4,
-    grad_bytes: int = 4,
-    optim_bytes: int = 8,
-) -> float:
-    """Bytes of parameters, gradients and optimizer state held by one data-parallel rank.
-
-    As in Rajbhandari et al. 2020 (ZeRO), for ``n_params`` parameters replicated over
-    ``dp`` ranks: stage 0 keeps everything; stage 1 shards the optimizer state; stage 2
-    also the gradients; stage 3 also the parameters. Defaults are plait's: fp32 weights
-    and gradients (kept in fp32 also under bf16/fp16 autocast) and AdamW's two fp32
-    moments, 16 bytes per parameter in all.
-    """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {zero}")
-    p, g, o = param_bytes * n_params, grad_bytes * n_params, optim_bytes * n_params
-    if zero >= 1:
-        o /= dp
-    if zero >= 2:
-        g /= dp
-    if zero >= 3:
-        p /= dp
-    return p + g + o
-
-
 def model_state_breakdown(
-    n_params: int,
+    n_params: float,
     *,
     dp: int = 1,
     zero: int = 0,
@@ -131,14 +102,22 @@ def model_state_breakdown(
     grad_bytes: int = 4,
     optim_bytes: int = 8,
 ) -> dict[str, float]:
-    """``model_state_bytes`` in parts -- ``params``, ``grads``, ``optim`` on the device,
-    their sum ``device``, and ``host`` -- for what one rank holds.
+    """Bytes of parameters, gradients and optimizer state one data-parallel rank holds for
+    ``n_params`` parameters: ``params``, ``grads``, ``optim`` on the device, their sum
+    ``device``, and ``host``. The one ZeRO formula: the runtime's memory report, the
+    simulator and the planner all read it.
 
-    ``dp`` is the number of ranks a shard is spread over (``--zero-shard-group`` when
-    hybrid sharding, else ``--dp``). With ``offload_optimizer`` (ZeRO-Offload) the
-    optimizer state leaves the device for host memory, together with an fp32 master copy
-    of the rank's parameter shard that the CPU update works on.
+    As in Rajbhandari et al. 2020 (ZeRO), over ``dp`` ranks (``--zero-shard-group`` when
+    hybrid sharding, else ``--dp``): stage 0 keeps everything; stage 1 shards the
+    optimizer state; stage 2 also the gradients; stage 3 also the parameters. Defaults
+    are plait's: fp32 weights and gradients (kept in fp32 also under bf16/fp16 autocast)
+    and AdamW's two fp32 moments, 16 bytes per parameter in all. With
+    ``offload_optimizer`` (ZeRO-Offload) the optimizer state leaves the device for host
+    memory, together with an fp32 master copy of the rank's parameter shard that the CPU
+    update works on.
     """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {zero}")
     if offload_optimizer and zero == 0:
         raise ValueError("--offload-optimizer needs --zero 1, 2 or 3")
     shard = n_params / dp
@@ -150,6 +129,11 @@ def model_state_breakdown(
     out["device"] = out["params"] + out["grads"] + out["optim"]
     out["host"] = (optim_bytes + 4) * shard if offload_optimizer else 0.0
     return out
+
+
+def model_state_bytes(n_params: float, **kw) -> float:
+    """The device bytes of ``model_state_breakdown`` (same keywords)."""
+    return model_state_breakdown(n_params, **kw)["device"]
 
 
 def activation_bytes_per_layer(

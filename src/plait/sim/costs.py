@@ -34,13 +34,7 @@ Recomputation
     backward; ``selective`` reruns the attention core, which fused attention already does
     (so it costs nothing extra there).
 
-Collectives (alpha-beta, per rank; n ranks, S bytes of the full tensor, link (alpha, B))
-    ring all-reduce     2 (n-1) alpha + 2 (n-1)/n S / B
-    tree all-reduce     2 ceil(log2 n) alpha + 2 S / B        (the faster of the two is used)
-    all-gather / reduce-scatter (ring)   (n-1) alpha + (n-1)/n S / B
-    The link is the slowest the group spans (``group_link``): NVLink while the group fits
-    in a node; otherwise the network, where a group with k members per node drives k
-    rails at once (NCCL's multi-ring), capped by NVLink.
+Collectives: ``collectives.py`` (alpha-beta on the link the group spans).
 
 Tensor parallelism (Megatron): per layer, forward 2 all-reduces of T h e bytes (with
 sequence parallelism 2 all-gathers + 2 reduce-scatters of the same size), and the same
@@ -58,6 +52,14 @@ from dataclasses import dataclass
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
+from plait.sim.collectives import (
+    all_gather_time,
+    all_reduce_time,
+    group_link,
+    p2p_time,
+    reduce_scatter_time,
+    ring_latency,
+)
 from plait.sim.hardware import Hardware, Link
 from plait.sim.runtime import Runtime
 
@@ -69,6 +71,9 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LAYER_KERNELS = {"gpt2": (13, 6), "llama": (41, 7)}  # (forward kernels, linears)
 END_KERNELS = {"embedding": (3, 2), "head": (8, 8)}  # (forward, backward)
 LAYER_TENSORS = {"gpt2": 16, "llama": 9}  # parameter tensors of one block (plait.model)
+# Megatron-style blocks: fused QKV and (llama) fused gate/up; gpt2 with biases:
+# qkv, proj, fc1, fc2 (weight + bias each) and two LayerNorms (weight + bias)
+FUSED_LAYER_TENSORS = {"gpt2": 12, "llama": 6}
 FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal saving)
 
 # -- compute ------------------------------------------------------------------------------
@@ -94,58 +99,6 @@ def linear_times(hw: Hardware, dtype: str, m: float, n: float, k: float) -> tupl
 def stream_time(hw: Hardware, nbytes: float) -> float:
     """Seconds of a memory-bound framework kernel (elementwise, norm, loss, optimizer)."""
     return nbytes / hw.elementwise_bw
-
-
-# -- collectives --------------------------------------------------------------------------
-
-
-def group_link(hw: Hardware, size: int, stride: int) -> Link | None:
-    """The link a group of ``size`` ranks spaced ``stride`` apart communicates over.
-
-    Ranks fill nodes in order (``devices_per_node`` each). The group fits in a node when
-    it spans at most one node's worth of ranks: NVLink. Otherwise the network, with k =
-    the group's members per node each driving its own rail. 8 per node, tp=2, dp=16: the
-    dp groups have stride 2, 4 members per node, so they get 4 rails' bandwidth (capped
-    by NVLink). None for a group of one.
-    """
-    if size <= 1:
-        return None
-    dpn = hw.devices_per_node
-    if size * stride <= dpn:
-        return hw.intra_node
-    per_node = max(1, min(size, dpn // stride)) if stride < dpn else 1
-    bandwidth = min(hw.intra_node.bandwidth, per_node * hw.inter_node.bandwidth)
-    return Link(bandwidth=bandwidth, latency=hw.inter_node.latency)
-
-
-def all_reduce_time(nbytes: float, n: int, link: Link | None) -> float:
-    if n <= 1 or link is None or nbytes <= 0:
-        return 0.0
-    link = link.op("all_reduce")
-    a, b = link.latency, link.bandwidth
-    ring = 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b
-    tree = 2 * math.ceil(math.log2(n)) * a + 2 * nbytes / b
-    return min(ring, tree)
-
-
-def all_gather_time(nbytes: float, n: int, link: Link | None, op: str = "all_gather") -> float:
-    """All-gather whose *output* is ``nbytes`` (reduce-scatter of an ``nbytes`` input: the
-    same formula, with the link's reduce-scatter pair)."""
-    if n <= 1 or link is None or nbytes <= 0:
-        return 0.0
-    link = link.op(op)
-    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
-
-
-def reduce_scatter_time(nbytes: float, n: int, link: Link | None) -> float:
-    return all_gather_time(nbytes, n, link, op="reduce_scatter")
-
-
-def p2p_time(nbytes: float, link: Link | None) -> float:
-    if link is None or nbytes <= 0:
-        return 0.0
-    link = link.op("p2p")
-    return link.latency + nbytes / link.bandwidth
 
 
 # -- one transformer layer ----------------------------------------------------------------
@@ -200,7 +153,7 @@ def layer_cost(
         n_blk = max(1, math.ceil(s / FLASH_BLOCK))
         causal = (n_blk + 1) / (2 * n_blk)
         flops = 4.0 * T * s * a_t * d * causal
-        rate = hw.peak(dtype) * hw.efficiency.attention
+        rate = hw.peak(dtype) * hw.efficiency.attention_rate(runtime.attention_native)
         attn_fwd, attn_bwd, attn_re = flops / rate, 2.5 * flops / rate, 0.0
         softmax_elems = 0.0
     else:
@@ -322,12 +275,18 @@ def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
 # -- pipeline -----------------------------------------------------------------------------
 
 
-def pp_message_time(cfg: ModelConfig, layout: Layout, hw: Hardware, link: Link | None) -> float:
-    """One activation (or its gradient) between consecutive stages: each tp rank sends
-    its 1/t slice over ``link``; without sequence parallelism the receiver all-gathers
-    the slices over NVLink (the scatter/gather optimisation of Narayanan et al. 2021)."""
+def pp_message_time(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, link: Link | None, runtime: Runtime
+) -> float:
+    """One activation (or its gradient) between consecutive stages. With the runtime's
+    ``pp_scatter_gather`` each tp rank sends its 1/t slice over ``link`` and, without
+    sequence parallelism, the receiver all-gathers the slices over NVLink (Narayanan et
+    al. 2021); otherwise every tp rank sends the whole activation (each over its own
+    share of the link, as ``link`` is per device)."""
     t = layout.tp
     nbytes = layout.micro_batch_size * cfg.seq_len * cfg.hidden * ACT_BYTES[layout.dtype]
+    if not runtime.pp_scatter_gather:
+        return p2p_time(nbytes / (t if layout.sequence_parallel else 1), link)
     time = p2p_time(nbytes / t, link)
     if t > 1 and not layout.sequence_parallel:
         time += all_gather_time(nbytes, t, group_link(hw, t, 1))
@@ -390,18 +349,42 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
 
 
 def zero3_layer_comm(
-    layer_params: float, layout: Layout, hw: Hardware, runtime: Runtime
+    cfg: ModelConfig, layer_params: float, layout: Layout, hw: Hardware, runtime: Runtime
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of ZeRO-3's per-layer, per-micro-batch traffic: gather
-    the weights before the forward, again before the backward, reduce-scatter the
-    gradients after it (over the shard group)."""
+    """(forward, backward) seconds of ZeRO-3's per-layer traffic in one micro-batch:
+    gather the weights before the forward, again before the backward (and once more for a
+    recomputed forward where the runtime re-gathers), reduce-scatter the gradients after
+    it (every micro-batch, or only in the last where the runtime accumulates them
+    unsharded: then 1/m of it per micro-batch), over the shard group.
+
+    A runtime that gathers per parameter tensor pays the ring latency once per tensor
+    (``collectives.ring_latency``: milliseconds at thousands of ranks), and one that
+    gathers into a list of per-rank outputs launches one copy kernel per rank
+    (``Hardware.kernel_launch``)."""
     if layout.zero != 3:
         return 0.0, 0.0
     shard, _ = dp_groups(layout)
     link = group_link(hw, shard, layout.tp)
-    ag = all_gather_time(layer_params * runtime.param_comm_bytes(layout.dtype), shard, link)
-    rs = reduce_scatter_time(layer_params * runtime.grad_comm_bytes(layout.dtype), shard, link)
-    return ag, ag + rs
+    calls = layer_tensors(cfg, runtime) if runtime.zero3_gather_per_tensor else 1
+
+    def collective(nbytes: float, op: str) -> float:
+        t = all_gather_time(nbytes, shard, link, op) + (calls - 1) * ring_latency(shard, link, op)
+        if runtime.gather_list_outputs and shard > 1:
+            t += calls * shard * hw.launch_s
+        return t
+
+    ag = collective(layer_params * runtime.param_comm_bytes(layout.dtype), "all_gather")
+    rs = collective(layer_params * runtime.grad_comm_bytes(layout.dtype), "reduce_scatter")
+    if not runtime.zero3_reduce_per_microbatch:
+        rs /= layout.num_microbatches
+    regather = layout.recompute == "full" and runtime.zero3_regather_recompute
+    return ag, ag * (2 if regather else 1) + rs
+
+
+def layer_tensors(cfg: ModelConfig, runtime: Runtime) -> int:
+    """Parameter tensors of one block: plait's model (``LAYER_TENSORS``, separate q, k, v)
+    or the fused-QKV blocks of the other runtimes (``FUSED_LAYER_TENSORS``)."""
+    return (LAYER_TENSORS if runtime.name == "plait" else FUSED_LAYER_TENSORS)[cfg.arch]
 
 
 def stage_tensors(cfg: ModelConfig, layers: int, first: bool, last: bool) -> int:

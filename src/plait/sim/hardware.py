@@ -82,8 +82,12 @@ class Efficiency:
     output tile's prologue and epilogue, amortised over a main loop as long as the
     reduction length k (a reduction of ``gemm_half_k`` runs at half speed), and each
     launch with its tail wave (a GEMM of ``gemm_half_flops`` FLOPs runs at half speed).
-    ``attention`` is the fraction of peak that fused (flash) attention kernels reach on
-    the FLOPs they execute. All four are fitted by ``plait calibrate`` from a sweep of
+    ``attention`` is the fraction of peak that fused (flash) attention kernels of the
+    FlashAttention-2 generation reach on the FLOPs they execute, and
+    ``attention_native`` what kernels written for the device's newest instructions reach
+    (FlashAttention-3 and cuDNN 9 on Hopper's TMA and warpgroup MMA; None: no such
+    kernel, ``attention`` applies); a runtime says which it uses
+    (``runtime.Runtime.attention_native``). All four are fitted by ``plait calibrate`` from a sweep of
     matmul and attention shapes, or from published runs (docs/performance-model.md).
     """
 
@@ -91,10 +95,17 @@ class Efficiency:
     gemm_half_k: float
     gemm_half_flops: float
     attention: float
+    attention_native: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.gemm_max <= 1 or not 0 < self.attention <= 1:
             raise ValueError("efficiency: gemm_max and attention must be in (0, 1]")
+        if self.attention_native is not None and not 0 < self.attention_native <= 1:
+            raise ValueError("efficiency: attention_native must be in (0, 1]")
+
+    def attention_rate(self, native: bool) -> float:
+        """Fraction of peak of the runtime's attention kernels (class docstring)."""
+        return self.attention_native if native and self.attention_native else self.attention
         if self.gemm_half_flops < 0 or self.gemm_half_k < 0:
             raise ValueError("efficiency: gemm_half_k and gemm_half_flops must be >= 0")
 
@@ -174,6 +185,9 @@ class Hardware:
     # host seconds per parameter tensor per optimizer step (per-tensor loops of AdamW,
     # the gradient norm and clipping, where no multi-tensor kernel fuses them)
     optimizer_tensor_overhead: float = 0.0
+    # host seconds to launch one kernel outside the model's own stream of work (the
+    # per-rank copies of a list all-gather); None: op_overhead (a CPU worker's dispatch)
+    kernel_launch: float | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +208,11 @@ class Hardware:
     def elementwise_bw(self) -> float:
         """Bytes/s of elementwise, normalisation, loss and optimizer kernels."""
         return self.elementwise_bandwidth or self.memory_bandwidth
+
+    @property
+    def launch_s(self) -> float:
+        """Host seconds per launched kernel (``kernel_launch``, else ``op_overhead``)."""
+        return self.op_overhead if self.kernel_launch is None else self.kernel_launch
 
     @property
     def compute_slots(self) -> int:
@@ -232,6 +251,7 @@ class Hardware:
             "compute_slots_per_node",
             "op_overhead",
             "optimizer_tensor_overhead",
+            "kernel_launch",
         }
         missing = sorted(
             f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional
@@ -252,8 +272,9 @@ class Hardware:
             ):
                 d[name] = float(d[name])
             d["devices_per_node"] = int(d["devices_per_node"])
-            if d.get("elementwise_bandwidth") is not None:
-                d["elementwise_bandwidth"] = float(d["elementwise_bandwidth"])
+            for name in ("elementwise_bandwidth", "kernel_launch"):
+                if d.get(name) is not None:
+                    d[name] = float(d[name])
             for name in ("op_overhead", "optimizer_tensor_overhead"):
                 d[name] = float(d.get(name) or 0.0)
             if d.get("compute_slots_per_node") is not None:
@@ -297,34 +318,57 @@ def _floats(d) -> dict:
 
 # -- built-in entries ---------------------------------------------------------------------
 #
-# Peak FLOP/s, memory and bandwidth are NVIDIA data-sheet figures (dense, no sparsity).
-# Sustained memory bandwidth is taken as 90% of the data sheet (STREAM-like copies reach
-# 88-93% on these parts). Link bandwidths are NCCL bus bandwidths for large messages:
-# NVSwitch all-reduce ~80% of the per-direction NVLink figure (DGX A100 ~240 GB/s of
-# 300; DGX H100 ~360 GB/s of 450); the network is one rail per GPU, ~95% of its line rate
-# (HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s). Latencies are per ring step.
+# Every figure is a physical quantity with its source, except ``gemm_max`` (below):
 #
-# The efficiency curves of a100-* and h100-sxm are calibrated on
-# ../shared/data/published_runs.csv (docs/performance-model.md shows the fit);
-# gemm_half_flops comes from cuBLAS size sweeps (a 1024^3 GEMM runs at about two thirds
-# of a large one on A100, a bit under half on H100). V100 and H200 reuse the curve of the
-# closest calibrated part, which the docs flag as an extrapolation.
+# - Peak FLOP/s, memory and bandwidth: NVIDIA data sheets (dense, no sparsity). Sustained
+#   memory bandwidth is 90% of the data sheet (STREAM-like copies reach 88-93% on these
+#   parts).
+# - Link bandwidths are NCCL bus bandwidths for large messages: NVSwitch ~80% of the
+#   per-direction NVLink figure (DGX A100 ~240 GB/s of 300; DGX H100 ~360 GB/s of 450);
+#   the network is one rail per GPU at ~95% of its line rate (HDR 200 Gb/s = 25 GB/s, NDR
+#   400 Gb/s = 50 GB/s; NCCL's tuning model likewise multiplies its per-channel network
+#   speed by the channel count, one per NIC).
+# - Latencies are per ring hop, NCCL's own tuning model (``src/graph/tuning.cc``,
+#   ``hwLat``, ring with the Simple protocol): 3.4 us over NVLink, 9.6 us over the
+#   network; a ring's latency is the sum over its hops (``collectives.py``).
+# - ``kernel_launch``: ~5 us of host time per kernel launched through PyTorch (C++
+#   dispatch plus the CUDA launch, "a few microseconds per kernel" in NVIDIA's CUDA
+#   Graphs introduction, 2019); it prices only streams of tiny kernels that the host
+#   cannot issue ahead of the device (``runtime.Runtime.gather_list_outputs``).
+# - Efficiency: ``attention`` is FlashAttention-2's forward + backward throughput in the
+#   causal, head-size-128 benchmarks of Dao (2023): ~170 TFLOP/s of 312 on A100
+#   (0.55), ~300 of 989 on H100 (0.30; FlashAttention-2 does not use Hopper's TMA and
+#   warpgroup instructions). ``attention_native`` on H100 is FlashAttention-3's (Shah et
+#   al. 2024: causal head-size-128 forward ~600 TFLOP/s, backward 1.5-1.75x FA2's ~300,
+#   so ~500 TFLOP/s over forward + backward: 0.50), matched by cuDNN 9's fused attention
+#   that Transformer Engine calls. ``gemm_half_flops`` comes from cuBLAS size sweeps (a 1024^3
+#   GEMM runs at about two thirds of a large one on A100, a bit under half on H100);
+#   ``gemm_half_k`` is a tile's pipeline fill and epilogue in reduction elements (two
+#   64-deep stages plus the output write: ~200 on A100; H100's larger tiles ~256).
+# - ``gemm_max``, the fraction of the dense peak large GEMMs sustain through a training
+#   step (clocks under the power limit included), is fitted per GPU type on the
+#   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
+#   others; docs/performance-model.md). V100 and H200 reuse the closest fitted part.
 
-_A100_EFF = Efficiency(gemm_max=0.64, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
-_H100_EFF = Efficiency(gemm_max=0.62, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.15)
+_A100_EFF = Efficiency(gemm_max=0.68, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_H100_EFF = Efficiency(gemm_max=0.60, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
+                       attention_native=0.50)  # fmt: skip
+_NVLINK_HOP, _NETWORK_HOP, _LAUNCH = 3.4e-6, 9.6e-6, 5e-6
 
 _DGX_A100 = dict(
     devices_per_node=8,
-    intra_node=Link(bandwidth=240e9, latency=5e-6),
-    inter_node=Link(bandwidth=24e9, latency=10e-6),
+    intra_node=Link(bandwidth=240e9, latency=_NVLINK_HOP),
+    inter_node=Link(bandwidth=24e9, latency=_NETWORK_HOP),
+    kernel_launch=_LAUNCH,
     pcie_bandwidth=25e9,  # PCIe 4.0 x16
     host_memory_bandwidth=150e9,
     framework_overhead_bytes=2 * GiB,
 )
 _DGX_H100 = dict(
     devices_per_node=8,
-    intra_node=Link(bandwidth=360e9, latency=5e-6),
-    inter_node=Link(bandwidth=47e9, latency=10e-6),
+    intra_node=Link(bandwidth=360e9, latency=_NVLINK_HOP),
+    inter_node=Link(bandwidth=47e9, latency=_NETWORK_HOP),
+    kernel_launch=_LAUNCH,
     pcie_bandwidth=50e9,  # PCIe 5.0 x16
     host_memory_bandwidth=250e9,
     framework_overhead_bytes=2 * GiB,
@@ -341,8 +385,9 @@ BUILTIN: dict[str, Hardware] = {
         efficiency=Efficiency(
             gemm_max=0.64, gemm_half_k=128, gemm_half_flops=0.5e9, attention=0.30
         ),
-        intra_node=Link(bandwidth=130e9, latency=6e-6),
-        inter_node=Link(bandwidth=11.5e9, latency=12e-6),
+        intra_node=Link(bandwidth=130e9, latency=_NVLINK_HOP),
+        inter_node=Link(bandwidth=11.5e9, latency=_NETWORK_HOP),
+        kernel_launch=_LAUNCH,
         pcie_bandwidth=12e9,
         host_memory_bandwidth=100e9,
         framework_overhead_bytes=1.5 * GiB,

@@ -4,7 +4,7 @@
   embedding on the first virtual stage and the head on the last; a tied embedding is held
   on both ends when they are different ranks) times the runtime's bytes per parameter
   for weights, gradients and AdamW state, sharded per ZeRO stage over the shard group
-  (``sizes.model_state_bytes``). An offloaded optimizer keeps its state on the host.
+  (``sizes.model_state_breakdown``). An offloaded optimizer keeps its state on the host.
 - Activations: ``sizes.activation_bytes_per_layer`` (Korthikanti et al. 2022) per layer
   and micro-batch, times the layers of each chunk, held from a micro-batch's F to its B
   (from BI to W, zero-bubble schedules keep the weight-gradient inputs: the inputs of
@@ -13,8 +13,9 @@
   all come out of the schedule. The last stage also keeps, per micro-batch in flight,
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
   loss: T (2 h e + V / t (e + 4)) bytes (Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
-- ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
-  layer's full gradient before it is reduce-scattered.
+- ZeRO-3 keeps two gathered layers (the current one and the prefetched next, in the
+  weights' dtype: plait gathers bf16 values into its fp32 unit buffers) and one layer's
+  full gradient before it is reduce-scattered.
 - Framework overhead: the hardware entry's fixed ``framework_overhead_bytes``.
 """
 
@@ -111,6 +112,16 @@ def chunk_activation_bytes(
     return held, min(layers * w_keep, held)
 
 
+def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """ZeRO-3's working buffers on one device: two gathered layers (the current one and
+    the prefetched next) and one layer's full gradient before its reduce-scatter."""
+    if layout.zero != 3:
+        return 0.0
+    layer = sizes.layer_params(cfg) / layout.tp
+    w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)  # gathered into weight buffers
+    return layer * (2 * w_bytes + g_bytes)
+
+
 def memory_per_rank(
     cfg: ModelConfig,
     layout: Layout,
@@ -155,15 +166,11 @@ def memory_per_rank(
 
     out = []
     for rank in range(p):
-        n = params[rank]
-        w = w_bytes * n / (shard if zero >= 3 else 1)
-        g = g_bytes * n / (shard if zero >= 2 else 1)
-        o = o_bytes * n / (shard if zero >= 1 else 1)
-        if layout.offload_optimizer:
-            o = 0.0
-        buffers = 0.0
-        if zero == 3:
-            layer = sizes.layer_params(cfg) / layout.tp
-            buffers = layer * (2 * runtime.param_comm_bytes(layout.dtype) + g_bytes)
+        state = sizes.model_state_breakdown(
+            params[rank], dp=shard, zero=zero, offload_optimizer=layout.offload_optimizer,
+            param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
+        )  # fmt: skip
+        w, g, o = state["params"], state["grads"], state["optim"]
+        buffers = zero3_buffer_bytes(cfg, layout, runtime)
         out.append(Memory(rank, w, g, o, act[rank], buffers, overhead))
     return out

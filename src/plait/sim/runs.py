@@ -21,21 +21,34 @@ Reading a row
       as named (default bf16).
     - zero: a leading digit is the stage; "FSDP"/"FULL_SHARD"/"HSDP" is 3,
       "SHARD_GRAD_OP" is 2.
-    - Unknown ("?") knobs are set as the published runs were tuned: ``zero ?`` is 1 (a
-      sharded optimizer costs no time and saves memory); ``mbs``, ``vpp``, ``recompute``
-      and ``sp`` take, among mbs in {1, 2, 4, 8}, vpp in {1} and the divisors of the
-      layers per stage, recompute in {none, selective, full} and sp in {off, on}
-      (tp > 1), the combination this model predicts fastest among those that fit in
-      memory (the least memory if none fits). ``pred_layout`` records the choice.
+    - Unknown ("?") fields take what the source's framework does when it is not told
+      (``UNKNOWN_DEFAULTS``: its default, or for a flag without one the value its own
+      published runs and example scripts use), then what the row's notes imply
+      (``IMPLIED``: Megatron's ``--tp-comm-overlap`` needs sequence parallelism,
+      ``--overlap-param-gather`` the distributed optimizer). Never the fastest choice:
+      a validation must not tune the run it predicts. ``pred_layout`` records the
+      layout simulated, ``pred_note`` what was assumed.
+    - pp may carry the partition as its comment: "12 (partition type:transformer|embedding)"
+      is Megatron-DeepSpeed's ``--pp-partition-method``, which counts each embedding copy
+      as one layer slot (BLOOM), so the first and last stages get a layer fewer; without
+      it stages hold the framework's uniform split (``partition.py``'s ``uniform``).
 
     gpu -> hardware: "H200" h200, "H100" h100-sxm, "A100" with "40" a100-40gb, other
     "A100" a100-80gb, "V100" v100 (a ``hardware`` column naming a built-in or a YAML
-    file wins).
+    file wins). A fabric other than the DGX one named in the gpu text replaces the
+    network: "Omni-Path, 4 links/node" is 4 x 100 Gb/s per node shared by its devices
+    (``fabric_for``).
 
     source -> runtime profile (``runtime.py``; a ``runtime`` column wins): Megatron-Core
-    or the Megatron-LM README's H100 tables -> megatron-core; Narayanan et al. SC21
-    (Megatron-LM PTD-P) -> megatron-lm; BigScience / Megatron-DeepSpeed ->
-    megatron-deepspeed; llm-foundry / FSDP -> fsdp; anything else -> plait.
+    or the Megatron-LM README's H100 tables -> megatron-core; a DeepSpeed ZeRO-3
+    baseline -> deepspeed-zero3; Narayanan et al. SC21 (Megatron-LM PTD-P) and
+    Korthikanti et al. 2022 -> megatron-lm; BigScience / Megatron-DeepSpeed ->
+    megatron-deepspeed; llm-foundry / FSDP / torchtitan -> fsdp; anything else -> plait.
+
+Sources
+    ``source_key`` names a row's source for validation (the ``source`` column up to its
+    first parenthesis): rows of one paper or repository share it, whatever table they
+    come from; ``sim/validate.py`` leaves one source out at a time.
 
 FLOP conventions
     ``tflops_gpu`` is compared in the source's own convention: hardware FLOPs (with
@@ -48,7 +61,7 @@ FLOP conventions
 from __future__ import annotations
 
 import csv
-import itertools
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -82,14 +95,37 @@ MEASURED = {  # measured column -> prediction it is compared with
     "iter_s": "pred_iter_s",
 }
 REQUIRED = ("layers", "hidden", "heads", "seq", "vocab", "gpu", "n_gpus", "tp", "pp", "gbs_seqs")
-MBS_CHOICES = (1, 2, 4, 8)
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
-_SOURCE_RUNTIME = (  # (regex on the source column, runtime profile)
+_SOURCE_RUNTIME = (  # (regex on the source column, runtime profile), first match wins
     (r"megatron-core|megatron-lm readme", "megatron-core"),
-    (r"sc21|ptd-p", "megatron-lm"),
+    (r"deepspeed zero-3", "deepspeed-zero3"),
+    (r"sc21|ptd-p|korthikanti", "megatron-lm"),
     (r"bigscience|megatron-deepspeed", "megatron-deepspeed"),
-    (r"llm-foundry|mosaic|fsdp", "fsdp"),
+    (r"llm-foundry|mosaic|fsdp|torchtitan", "fsdp"),
+)
+
+# What each framework does with a field its user did not set, for the fields a source may
+# leave unknown. Megatron's --micro-batch-size has no default: 1 is what the sources'
+# own reported runs use (SC21 Table 2's PTD-P rows, Korthikanti et al. Table 3's large
+# models) and Megatron's GPT-3 175B example script passes. Interleaving needs
+# --num-layers-per-virtual-pipeline-stage (off by default); activation recomputation
+# (--recompute-granularity, --checkpoint-activations), --sequence-parallel and the
+# distributed optimizer are off by default in Megatron-LM, Megatron-Core and
+# Megatron-DeepSpeed; FSDP shards fully by default; plait's defaults are Layout's.
+UNKNOWN_DEFAULTS: dict[str, dict] = {
+    "megatron-lm": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
+    "megatron-core": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
+    "megatron-deepspeed": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
+    "deepspeed-zero3": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
+    "fsdp": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
+    "plait": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
+}
+# Flags named in a row's notes that force an unknown field (Megatron-Core refuses the
+# first without --sequence-parallel, the second without --use-distributed-optimizer).
+IMPLIED = (
+    (r"tp-comm-overlap", "sp", True),
+    (r"overlap-param-gather", "zero", 1),
 )
 
 
@@ -100,11 +136,13 @@ class RowError(ValueError):
 @dataclass(frozen=True)
 class RowSpec:
     model: ModelConfig
-    layouts: tuple[Layout, ...]  # candidates (one unless some knob was "?")
+    layout: Layout
     hardware: Hardware
     runtime: str
     convention: str  # "model" or "hardware"
     n_gpus: int
+    source: str  # source_key
+    assumed: tuple[str, ...] = ()  # unknown fields and what they were taken as
 
 
 # -- reading fields -----------------------------------------------------------------------
@@ -217,8 +255,66 @@ def convention_for(row: dict) -> str:
     return "model"
 
 
+def source_key(row: dict) -> str:
+    """The source a row comes from, for leaving it out (module docstring)."""
+    return _raw(row, "source").split("(")[0].strip() or _raw(row, "id")
+
+
+def fabric_for(row: dict, hw: Hardware) -> Hardware:
+    """``hw`` with the network the gpu text names, if not a DGX rail per device:
+    "Omni-Path, N links/node" is N x 100 Gb/s per node (Intel OPA 100 series), shared by
+    the node's devices, at the 95% of line rate the built-in networks assume."""
+    gpu = _raw(row, "gpu")
+    m = re.search(r"omni-?path\D*(\d+) links?/node", gpu, re.I)
+    if not m:
+        return hw
+    links = int(m.group(1))
+    per_device = 0.95 * links * 100e9 / 8 / hw.devices_per_node
+    inter = dataclasses.replace(hw.inter_node, bandwidth=per_device)
+    return hw.replace(
+        name=f"{hw.name}-opa{links}", inter_node=inter,
+        description=f"{hw.description}; network: {links} x 100 Gb/s Omni-Path per node",
+    )  # fmt: skip
+
+
+def _partition(row: dict, layers: int, pp: int) -> tuple[int, ...] | None:
+    """Layers per stage from the pp column's comment (module docstring), else None."""
+    if "transformer|embedding" not in _raw(row, "pp"):
+        return None
+    slots = layers + 2  # each embedding copy takes one layer's slot
+    base, extra = divmod(slots, pp)
+    counts = [base + (s < extra) for s in range(pp)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    if min(counts) < 1:
+        raise RowError(f"pp {pp}: the embedding-slot partition leaves a stage without layers")
+    return tuple(counts)
+
+
+def _filled(row: dict, runtime: str, tp: int) -> tuple[dict, list[str]]:
+    """mbs, vpp, sp, zero and recompute of the row, unknowns filled (module docstring),
+    and a note per filled field."""
+    given = {"mbs": _int(row, "mbs", 1), "vpp": _int(row, "vpp", 1), "zero": _zero(row),
+             "recompute": _recompute(row)}  # fmt: skip
+    sp = _int(row, "sp", 0)
+    given["sp"] = None if sp is None else bool(sp)
+    defaults = UNKNOWN_DEFAULTS.get(runtime, UNKNOWN_DEFAULTS["plait"])
+    notes, out = [], dict(given)
+    for key, value in given.items():
+        if value is not None:
+            continue
+        out[key] = defaults[key]
+        for pattern, field, implied in IMPLIED:
+            if field == key and re.search(pattern, _raw(row, "notes"), re.I):
+                out[key] = implied
+        if key == "sp" and tp == 1:
+            out[key] = False
+        notes.append(f"{key} ?={out[key]}")
+    return out, notes
+
+
 def row_spec(row: dict) -> RowSpec:
-    """Model, candidate layouts, hardware and runtime of one row (module doc)."""
+    """Model, layout, hardware and runtime of one row (module doc)."""
     missing = [c for c in REQUIRED if not _raw(row, c) or _unknown(row, c)]
     if missing:
         raise RowError(f"incomplete configuration: no {', '.join(missing)}")
@@ -248,68 +344,30 @@ def row_spec(row: dict) -> RowSpec:
         dp = n_gpus // (tp * pp)
     if tp * pp * dp != n_gpus:
         raise RowError(f"tp {tp} x pp {pp} x dp {dp} != n_gpus {n_gpus}")
-    gbs = _int(row, "gbs_seqs")
-    base = dict(dp=dp, tp=tp, pp=pp, global_batch_size=gbs, dtype=_dtype(row))
-
-    mbs = _int(row, "mbs", 1)
-    vpp = _int(row, "vpp", 1)
-    sp = _int(row, "sp", 0)
-    zero = _zero(row)
-    recompute = _recompute(row)
-    per_dp = gbs // dp
-    mbs_opts = [mbs] if mbs else [b for b in MBS_CHOICES if per_dp % b == 0] or [1]
-    per_stage = layers // pp if layers % pp == 0 else 1
-    vpp_opts = [vpp] if vpp else [1] + [v for v in range(2, per_stage + 1) if per_stage % v == 0]
-    sp_opts = [bool(sp)] if sp is not None else ([False, True] if tp > 1 else [False])
-    rc_opts = [recompute] if recompute else list(RECOMPUTE_CHOICES)
-    layouts = []
-    for b, v, s, rc in itertools.product(mbs_opts, vpp_opts, sp_opts, rc_opts):
-        if (v > 1 and pp == 1) or gbs % (b * dp):
-            continue
-        if v > 1 and (gbs // (b * dp)) % pp:
-            continue
-        try:
-            layout = Layout(
-                **base,
-                micro_batch_size=b,
-                vpp=v,
-                schedule="interleaved-1f1b" if v > 1 else "1f1b",
-                sequence_parallel=s,
-                recompute=rc,
-                zero=1 if zero is None else zero,
-            )
-            layout.check_model(model)
-        except ValueError:
-            continue
-        layouts.append(layout)
-    if not layouts:
-        raise RowError("no layout of this row is valid (check tp, pp, dp and the batch)")
+    runtime = runtime_for(row)
+    knobs, assumed = _filled(row, runtime, tp)
+    vpp = knobs["vpp"]
+    try:
+        layout = Layout(
+            dp=dp, tp=tp, pp=pp, vpp=vpp, global_batch_size=_int(row, "gbs_seqs"),
+            micro_batch_size=knobs["mbs"], dtype=_dtype(row),
+            schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
+            sequence_parallel=knobs["sp"], recompute=knobs["recompute"], zero=knobs["zero"],
+            pp_layout=_partition(row, layers, pp) if vpp == 1 else None,
+        )  # fmt: skip
+        layout.check_model(model)
+    except ValueError as e:
+        raise RowError(str(e)) from None
     return RowSpec(
-        model, tuple(layouts), hardware_for(row), runtime_for(row), convention_for(row), n_gpus
-    )
+        model, layout, fabric_for(row, hardware_for(row)), runtime, convention_for(row),
+        n_gpus, source_key(row), tuple(assumed),
+    )  # fmt: skip
 
 
-def best_result(spec: RowSpec, margin: float = 0.03) -> tuple[Layout, Result]:
-    """The candidate predicted fastest among those that fit (else the least memory).
-
-    All candidates are first ranked with the closed-form pipeline (``exact=False``);
-    those within ``margin`` of the best (at most three) are then simulated by replaying
-    their schedules, and the fastest that fits wins."""
-
-    def run(layout: Layout, exact: bool) -> tuple[Layout, Result]:
-        res = simulate(spec.model, layout, spec.hardware, runtime=spec.runtime, exact=exact)
-        return layout, res
-
-    if len(spec.layouts) == 1:
-        return run(spec.layouts[0], True)
-    quick = [run(layout, False) for layout in spec.layouts]
-    fitting = sorted((lr for lr in quick if lr[1].fits), key=lambda lr: lr[1].iter_time_s)
-    if not fitting:
-        return run(min(quick, key=lambda lr: lr[1].peak_mem_bytes)[0], True)
-    cutoff = fitting[0][1].iter_time_s * (1 + margin)
-    exact = [run(layout, True) for layout, r in fitting[:3] if r.iter_time_s <= cutoff]
-    fit_exact = [lr for lr in exact if lr[1].fits] or exact
-    return min(fit_exact, key=lambda lr: lr[1].iter_time_s)
+def simulate_row(spec: RowSpec, *, exact: bool = True, hardware: Hardware | None = None) -> Result:
+    """``simulate`` of the row's layout (on ``hardware`` instead of the row's, if given)."""
+    hw = spec.hardware if hardware is None else hardware
+    return simulate(spec.model, spec.layout, hw, runtime=spec.runtime, exact=exact)
 
 
 def describe_layout(layout: Layout) -> str:
@@ -327,7 +385,7 @@ def predict_row(row: dict) -> dict:
         out[col] = ""
     try:
         spec = row_spec(row)
-        layout, res = best_result(spec)
+        layout, res = spec.layout, simulate_row(spec)
     except ValueError as e:  # RowError, or a layout / hardware the simulator refuses
         out["pred_note"] = str(e)
         return out
@@ -344,7 +402,9 @@ def predict_row(row: dict) -> dict:
         pred_runtime=spec.runtime,
         pred_hardware=spec.hardware.name,
         flops_convention=spec.convention,
-        pred_note="" if res.fits else "does not fit in device memory",
+        pred_note="; ".join(
+            ([] if res.fits else ["does not fit in device memory"]) + list(spec.assumed)
+        ),
     )
     for measured, pred in MEASURED.items():
         meas = _float(row, measured)
@@ -401,4 +461,4 @@ def accuracy(rows: list[dict], column: str = "tflops_gpu") -> dict:
     }
 
 
-__all__ = ["PROFILES", "accuracy", "predict_file", "predict_row", "row_spec"]
+__all__ = ["PROFILES", "accuracy", "predict_file", "predict_row", "row_spec", "simulate_row"]

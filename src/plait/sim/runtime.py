@@ -11,6 +11,9 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   s x s score matrix in device memory, causal blocks skipped, the backward recomputes
   the scores (2.5x the forward's FLOPs). Otherwise attention is two batched GEMMs plus
   a softmax that streams the s x s scores through memory, and stores them.
+- ``attention_native``: the fused attention kernels are the device's newest generation
+  (Transformer Engine's cuDNN attention, FlashAttention-3 on Hopper) rather than
+  FlashAttention-2's (``Efficiency.attention_native``).
 - ``overlap_grad_reduce``: the data-parallel gradient reduction runs bucket by bucket
   during the last micro-batch's backward (PyTorch DDP, Megatron-Core
   ``--overlap-grad-reduce``); otherwise after the rank's last backward.
@@ -31,6 +34,28 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``zero1_grad_all_reduce``: ZeRO stage 1 all-reduces whole gradients, as ZeRO-0 does,
   and each rank updates its shard from them (plait: stage 1 shards only the optimizer
   state); otherwise stage 1 reduce-scatters them as stage 2 does.
+- ``zero3_gather_per_tensor``: ZeRO-3 issues one all-gather (and one reduce-scatter) per
+  parameter tensor, each paying the ring's latency, instead of one per layer (FSDP's
+  flat parameter per wrapped block, plait's per unit). DeepSpeed's ZeRO-3 (2021,
+  ``partition_parameters.py``: ``_allgather_param`` / ``_allgather_params_coalesced``
+  launch a ``dist.all_gather`` per parameter).
+- ``gather_list_outputs``: those gathers write a list of one output per rank (DeepSpeed's
+  ``dist.all_gather(partitions, ...)`` into narrow views of a flat buffer, before
+  ``all_gather_into_tensor`` existed): the backend copies each rank's piece out
+  separately, one kernel per rank launched by the host (``Hardware.kernel_launch``).
+- ``zero3_regather_recompute``: with full recomputation, the recomputed forward of a
+  layer gathers its parameters again (DeepSpeed's hooks release them after every
+  forward; FSDP's pre-backward unshard already holds them when the recomputation runs).
+- ``gather_in_compute_dtype``: ZeRO-3 gathers weights in the compute dtype under
+  bf16 / fp16 (plait, FSDP2's mixed-precision policy: half the bytes) while the fp32
+  masters stay sharded; otherwise in the stored weights' dtype.
+- ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
+  micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
+  reduce-scatters in the last micro-batch only.
+- ``pp_scatter_gather``: each tensor-parallel rank sends 1/t of a stage boundary's
+  activation and the receiver all-gathers (Megatron-LM, Narayanan et al. 2021);
+  otherwise every tensor-parallel rank sends the whole activation (DeepSpeed's pipeline
+  engine, used by Megatron-DeepSpeed).
 """
 
 from __future__ import annotations
@@ -43,6 +68,7 @@ from dataclasses import dataclass
 class Runtime:
     name: str
     flash_attention: bool = True
+    attention_native: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
@@ -51,6 +77,12 @@ class Runtime:
     master_weights: bool = False
     grad_reduce_fp32: bool = True
     zero1_grad_all_reduce: bool = False
+    zero3_gather_per_tensor: bool = False
+    gather_list_outputs: bool = False
+    zero3_regather_recompute: bool = False
+    zero3_reduce_per_microbatch: bool = True
+    gather_in_compute_dtype: bool = False
+    pp_scatter_gather: bool = True
     description: str = dataclasses.field(default="", compare=False)
 
     def state_bytes(self, dtype: str) -> tuple[int, int, int]:
@@ -66,7 +98,10 @@ class Runtime:
         return 2
 
     def param_comm_bytes(self, dtype: str) -> int:
-        """Bytes per weight element in ZeRO all-gathers: the stored weights' dtype."""
+        """Bytes per weight element in ZeRO all-gathers: the stored weights' dtype, or the
+        compute dtype where the runtime gathers in it (``gather_in_compute_dtype``)."""
+        if dtype != "fp32" and self.gather_in_compute_dtype:
+            return 2
         return self.state_bytes(dtype)[0]
 
 
@@ -74,6 +109,8 @@ PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
         zero1_grad_all_reduce=True,
+        zero3_reduce_per_microbatch=False,
+        gather_in_compute_dtype=True,
         bucket_from_layout=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
@@ -93,12 +130,28 @@ PROFILES: dict[str, Runtime] = {
         overlap_grad_reduce=False,
         master_weights=True,
         grad_reduce_fp32=True,
+        pp_scatter_gather=False,
         description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
-        "with fp32 gradient accumulation, reduction after the pipeline flush",
+        "with fp32 gradient accumulation, reduction after the pipeline flush, DeepSpeed's "
+        "pipeline engine sending whole activations from every tensor-parallel rank",
+    ),
+    "deepspeed-zero3": Runtime(
+        name="deepspeed-zero3",
+        flash_attention=False,
+        overlap_grad_reduce=False,
+        master_weights=True,
+        grad_reduce_fp32=False,
+        zero3_gather_per_tensor=True,
+        gather_list_outputs=True,
+        zero3_regather_recompute=True,
+        description="DeepSpeed ZeRO-3 (2021, the baseline of Narayanan et al. SC21): one "
+        "all-gather per parameter tensor into a list of per-rank outputs, again for the "
+        "recomputed forward, fp16 gradients reduce-scattered per micro-batch",
     ),
     "megatron-core": Runtime(
         name="megatron-core",
         flash_attention=True,
+        attention_native=True,
         overlap_grad_reduce=True,
         overlap_param_gather=True,
         overlap_tp_comm=True,
@@ -116,6 +169,7 @@ PROFILES: dict[str, Runtime] = {
         grad_bucket_bytes=None,
         master_weights=False,
         grad_reduce_fp32=False,
+        gather_in_compute_dtype=True,
         description="PyTorch FSDP (e.g. llm-foundry): FlashAttention, prefetched "
         "all-gathers, sharded fp32 weights, low-precision reduce-scatter",
     ),

@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 from plait.layout import Layout
 from plait.model.config import ModelConfig
-from plait.parallel.pipeline.partition import partition_layers
+from plait.parallel.pipeline.partition import partition_layers, stage_costs_from_model
 from plait.parallel.pipeline.schedules import ScheduleError, Timeline, bubble_formula
-from plait.sim import costs, pipeline
+from plait.sim import costs, pipeline, step
 from plait.sim.hardware import Hardware
 from plait.sim.memory import Memory, memory_per_rank, stage_params
 from plait.sim.pipeline import compile_schedule
@@ -164,11 +164,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
     peak = hw.peak(layout.dtype)  # raises if the dtype has no fast path
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     S = p * v
-    method = "explicit" if layout.pp_layout else "uniform"
-    stage_layers = [
-        len(r)
-        for r in partition_layers(model.n_layers, S, method=method, explicit=layout.pp_layout)
-    ]
+    stage_layers = layers_per_stage(model, layout)
     compiled = None
     if exact:
         try:
@@ -177,13 +173,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
             raise ValueError(str(e)) from None
 
     cost, split = _action_costs(model, layout, hw, rt, stage_layers)
-    p2p = tuple(
-        (
-            costs.pp_message_time(model, layout, hw, costs.pp_boundary_link(hw, layout, r, nxt)),
-            costs.pp_message_time(model, layout, hw, costs.pp_boundary_link(hw, layout, r, prv)),
-        )
-        for r, nxt, prv in ((r, (r + 1) % p, (r - 1) % p) for r in range(p))
-    )
+    p2p = step.stage_messages(model, layout, hw, rt)
     if compiled is not None:
         rep = pipeline.run(compiled, cost, p2p, record=keep_timeline)
     else:
@@ -200,10 +190,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
     chunk_params = [[stage_params(model, layout, *chunk) for chunk in row] for row in chunks]
     params = [sum(row) for row in chunk_params]
     tensors = [sum(costs.stage_tensors(model, *chunk) for chunk in row) for row in chunks]
-    tied_sync = 0.0
-    if model.tied_embeddings and p > 1:  # first and last stage sum their embedding copies
-        nbytes = model.vocab_size * model.hidden / layout.tp * rt.grad_comm_bytes(layout.dtype)
-        tied_sync = costs.all_reduce_time(nbytes, 2, costs.pp_boundary_link(hw, layout, 0, p - 1))
+    tied_sync = step.tied_sync(model, layout, hw, rt)
     finish, gathers, dp_work = [], [], []
     extras = {r: [("p2p", a, b) for a, b in spans] for r, spans in rep.transfer_waits.items()}
     for r in range(p):
@@ -224,20 +211,14 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
         dp_work.append(t_grad + dp["param"])
         if finish[r] > ends[r]:
             extras.setdefault(r, []).append(("dp_comm", ends[r], finish[r]))
-    # the loss and gradient-norm scalars: one all-reduce over every rank, a sync point
-    world = layout.world_size
-    stats = costs.all_reduce_time(24, world, costs.group_link(hw, world, 1)) if world > 1 else 0.0
+    stats = step.stats_time(layout, hw)
     step_sync = max(finish) + stats
     if stats:
         for r in range(p):
             extras.setdefault(r, []).append(("dp_comm", step_sync - stats, step_sync))
     opts = [costs.optimizer_time(n, layout, hw, rt, k) for n, k in zip(params, tensors)]
     opt = max(opts)
-    gather = 0.0
-    for r, t_ag in enumerate(gathers):
-        if rt.overlap_param_gather:  # behind the next step's first forward
-            t_ag = max(0.0, t_ag - cost[r][0][0])
-        gather = max(gather, t_ag)
+    gather = max(step.exposed_weight_gather(t, cost[r][0][0], rt) for r, t in enumerate(gathers))
     iter_time = step_sync + opt + gather
     for r in range(p):
         extras.setdefault(r, []).append(("optimizer", step_sync, step_sync + opt))
@@ -291,6 +272,23 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
     )
 
 
+def layers_per_stage(model: ModelConfig, layout: Layout) -> list[int]:
+    """Layers of every virtual stage, as the runtime cuts them: ``--pp-layout`` if given,
+    else ``--pp-partition`` -- ``uniform``, or ``balanced`` by the FLOP costs the runtime's
+    partitioner reads (``partition.stage_costs_from_model``: blocks and the head on the
+    last stage; the same call as ``parallel/pipeline/stage.py``'s ``stage_layers``)."""
+    S = layout.num_stages
+    if layout.pp_layout is not None:
+        parts = partition_layers(model.n_layers, S, method="explicit", explicit=layout.pp_layout)
+    elif layout.pp_partition == "balanced":
+        per_layer, first, last = stage_costs_from_model(model, model.seq_len)
+        parts = partition_layers(model.n_layers, S, method="balanced", layer_costs=per_layer,
+                                 first_extra=first, last_extra=last)  # fmt: skip
+    else:
+        parts = partition_layers(model.n_layers, S, method="uniform")
+    return [len(r) for r in parts]
+
+
 def _formula_pipeline(layout, cost, p2p):
     """Closed-form stand-in for the replay (``exact=False``), without a timeline."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
@@ -310,15 +308,9 @@ def _action_costs(model, layout, hw, rt, stage_layers):
     [chunk]`` = (compute, exposed tp, exposed ZeRO-3) seconds of F + B together."""
     p, v = layout.pp, layout.vpp
     S = p * v
-    lc = costs.layer_cost(model, layout, hw, rt)
+    layer = step.layer_step(model, layout, hw, rt)
     emb = costs.embedding_cost(model, layout, hw)
     head = costs.head_cost(model, layout, hw)
-    z3_fwd, z3_bwd = costs.zero3_layer_comm(
-        stage_params(model, layout, 1, False, False), layout, hw, rt
-    )
-    if rt.overlap_param_gather:  # prefetched behind the layer's own compute
-        z3_fwd = max(0.0, z3_fwd - lc.fwd)
-        z3_bwd = max(0.0, z3_bwd - lc.bwd_input - lc.bwd_weight - lc.recompute)
     none = costs.EndCost()
     cost, split = [], []
     for rank in range(p):
@@ -328,15 +320,13 @@ def _action_costs(model, layout, hw, rt, stage_layers):
             n = stage_layers[stage]
             e = emb if stage == 0 else none
             hd = head if stage == S - 1 else none
-            f_comp = n * lc.fwd + e.fwd + hd.fwd
-            f_tp = n * lc.fwd_tp + e.fwd_tp + hd.fwd_tp
-            bi_comp = n * (lc.bwd_input + lc.recompute) + hd.bwd_input
-            bi_tp = n * (lc.bwd_tp + lc.recompute_tp) + hd.bwd_tp
-            w_comp = n * lc.bwd_weight + e.bwd_weight + hd.bwd_weight
-            zf, zb = n * z3_fwd, n * z3_bwd
-            bi = bi_comp + bi_tp + zb
-            row.append((f_comp + f_tp + zf, bi + w_comp, bi, w_comp))
-            parts.append((f_comp + bi_comp + w_comp, f_tp + bi_tp, zf + zb))
+            f = n * layer.fwd + e.fwd + e.fwd_tp + hd.fwd + hd.fwd_tp
+            bi = n * layer.bwd_input + hd.bwd_input + hd.bwd_tp
+            w = n * layer.bwd_weight + e.bwd_weight + hd.bwd_weight
+            row.append((f, bi + w, bi, w))
+            comp, tp, z3 = (n * x for x in layer.parts)
+            comp += e.fwd + hd.fwd + hd.bwd_input + e.bwd_weight + hd.bwd_weight
+            parts.append((comp, tp + e.fwd_tp + hd.fwd_tp + hd.bwd_tp, z3))
         cost.append(tuple(row))
         split.append(parts)
     return tuple(cost), split

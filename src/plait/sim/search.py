@@ -1,7 +1,7 @@
 """The layout search behind ``plait plan``: every valid layout of a model on a cluster,
 ranked by simulated step time, the ones that do not fit in memory rejected.
 
-    from plait.sim.plan import PlanRequest, search, space_for
+    from plait.sim.search import PlanRequest, search, space_for
     plan = search(PlanRequest(model=cfg, hardware=hw, n_devices=1024, global_batch_size=1536))
     plan.best.layout, plan.best.result.iter_time_s, plan.best.result.peak_mem_bytes
 
@@ -62,11 +62,11 @@ recomputation) against the same dense peak. Sparse peaks would halve every utili
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from functools import cache
 from typing import NamedTuple
 
 import numpy as np
@@ -74,13 +74,17 @@ import numpy as np
 from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
-from plait.parallel.pipeline.partition import partition_layers
 from plait.parallel.pipeline.schedules import bubble_formula, in_flight_bound
-from plait.sim import costs
+from plait.sim import costs, step
 from plait.sim.hardware import Hardware
-from plait.sim.memory import chunk_activation_bytes, last_stage_buffers, stage_params
+from plait.sim.memory import (
+    chunk_activation_bytes,
+    last_stage_buffers,
+    stage_params,
+    zero3_buffer_bytes,
+)
 from plait.sim.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
-from plait.sim.simulate import Result, simulate
+from plait.sim.simulate import Result, layers_per_stage, simulate
 
 GiB = 2**30
 SLACK = 0.995  # the time bound is taken this much lower (module docstring)
@@ -349,54 +353,65 @@ def make_layout(c: Candidate, req: PlanRequest) -> Layout:
 # -- bounds --------------------------------------------------------------------------------
 
 
+def _memo(method):
+    """Cache a ``_Bounds`` method's results per instance, keyed by its arguments (the
+    few layout axes each figure depends on)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def cached(self, *args):
+        table = self._memo_tables.setdefault(name, {})
+        if args not in table:
+            table[args] = method(self, *args)
+        return table[args]
+
+    return cached
+
+
 class _Bounds:
     """Lower bounds on a candidate's closed-form step time and on its peak memory, from
-    figures cached by the few axes each depends on (module docstring). Per-rank figures
-    are numpy vectors over the pipeline ranks."""
+    figures cached by the few axes each depends on (module docstring), each composed of
+    the simulator's own terms (``step.py``, ``costs.py``, ``memory.py``,
+    ``sizes.model_state_breakdown``). Per-rank figures are numpy vectors over the
+    pipeline ranks."""
 
     def __init__(self, req: PlanRequest):
         self.req, self.cfg, self.hw = req, req.model, req.hardware
         self.rt: Runtime = get_runtime(req.runtime)
-        w_b, g_b, o_b = self.rt.state_bytes(req.dtype)
-        self.state_bytes = (w_b, g_b, o_b)
-        self.z3_buffer = sizes.layer_params(self.cfg) * (
-            2 * self.rt.param_comm_bytes(req.dtype) + g_b
-        )
-        for name in ("proto", "layer", "ranks", "work", "links", "hop", "dp_times", "act"):
-            setattr(self, name, cache(getattr(self, "_" + name)))
+        self._memo_tables: dict[str, dict] = {}
 
-    def _proto(self, tp, pp, dp, mbs, sp, recompute, zero) -> Layout:
+    @_memo
+    def proto(self, tp, pp, dp, mbs, sp, recompute, zero) -> Layout:
         """A layout with these fields, for the cost functions (batch: one micro-batch)."""
         return Layout(
             dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=mbs * dp,
             sequence_parallel=sp, recompute=recompute, zero=zero, dtype=self.req.dtype,
         )  # fmt: skip
 
-    def _layer(self, tp, mbs, sp, recompute):
-        """Per layer (F, B) seconds; embedding and head (F, B); activation bytes of a layer
-        and of the head per micro-batch; the layer's cost object."""
-        lay = self.proto(tp, 1, 1, mbs, sp, recompute, 0)
-        lc = costs.layer_cost(self.cfg, lay, self.hw, self.rt)
+    @_memo
+    def layer(self, tp, mbs, sp, recompute, z3_dp):
+        """One layer's ``step.LayerStep`` (``z3_dp``: the ZeRO-3 shard group, 0 for none);
+        embedding and head (F, B); activation bytes of a layer and of the head."""
+        lay = self.proto(tp, 1, z3_dp or 1, mbs, sp, recompute, 3 if z3_dp else 0)
+        if z3_dp:  # ZeRO-3's gradient reduction may spread over the step's micro-batches
+            lay = lay.replace(global_batch_size=self.req.global_batch_size)
         e = costs.embedding_cost(self.cfg, lay, self.hw)
         h = costs.head_cost(self.cfg, lay, self.hw)
-        f = lc.fwd + lc.fwd_tp
-        b = lc.bwd_input + lc.recompute + lc.bwd_tp + lc.recompute_tp + lc.bwd_weight
-        ends = (
-            e.fwd + e.fwd_tp,
-            e.bwd_weight,
-            h.fwd + h.fwd_tp,
-            h.bwd_input + h.bwd_tp + h.bwd_weight,
-        )
+        ends = (e.fwd + e.fwd_tp, e.bwd_weight, h.fwd + h.fwd_tp,
+                h.bwd_input + h.bwd_tp + h.bwd_weight)  # fmt: skip
         held = chunk_activation_bytes(self.cfg, lay, self.rt, 1)[0]
-        return f, b, ends, held, last_stage_buffers(self.cfg, lay), lc
+        layer = step.layer_step(self.cfg, lay, self.hw, self.rt)
+        return layer, ends, held, last_stage_buffers(self.cfg, lay)
 
-    def _ranks(self, tp, pp, vpp):
+    @_memo
+    def ranks(self, tp, pp, vpp):
         """Per pipeline rank: layers in all, in chunk 0, in the smallest chunk, whether it
         holds the first / last stage, layers of the last stage, parameters (one tp rank)."""
         S = pp * vpp
-        counts = [len(r) for r in partition_layers(self.cfg.n_layers, S)]
+        lay = self.proto(tp, pp, 1, 1, False, "none", 0)
+        staged = Layout(tp=tp, pp=pp, vpp=vpp, schedule=_schedule_of(vpp), global_batch_size=pp)
+        counts = layers_per_stage(self.cfg, staged)  # the planner's layouts cut uniformly
         rows = [[counts[c * pp + r] for c in range(vpp)] for r in range(pp)]
-        lay = self.proto(tp, 1, 1, 1, False, "none", 0)
         params = [
             sum(stage_params(self.cfg, lay, n, c * pp + r == 0, c * pp + r == S - 1)
                 for c, n in enumerate(row))
@@ -410,60 +425,55 @@ class _Bounds:
             np.array(params),
         )  # fmt: skip
 
-    def _work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp):
+    @_memo
+    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp):
         """(busiest rank's F + B of one micro-batch; per rank the F of its first chunk; per
-        rank its B, with one chunk per rank) as ``simulate`` adds them; ``z3_dp`` is the
-        ZeRO-3 shard group (0: no ZeRO-3)."""
-        f, b, (fe, be, fh, bh), _, _, lc = self.layer(tp, mbs, sp, recompute)
-        if z3_dp:
-            lay = self.proto(tp, 1, z3_dp, mbs, sp, recompute, 3)
-            z3f, z3b = costs.zero3_layer_comm(
-                stage_params(self.cfg, lay, 1, False, False), lay, self.hw, self.rt
-            )
-            if self.rt.overlap_param_gather:
-                z3f = max(0.0, z3f - lc.fwd)
-                z3b = max(0.0, z3b - lc.bwd_input - lc.bwd_weight - lc.recompute)
-            f, b = f + z3f, b + z3b
+        rank its B, with one chunk per rank), summed as ``simulate._action_costs`` does."""
+        layer, (fe, be, fh, bh), _, _ = self.layer(tp, mbs, sp, recompute, z3_dp)
+        f, b = layer.fwd, layer.bwd
         layers, chunk0, _, first, last, _, _ = self.ranks(tp, pp, vpp)
         total = layers * (f + b) + first * (fe + be) + last * (fh + bh)
         fwd0 = chunk0 * f + first * fe + (last * fh if vpp == 1 else 0.0)
         return float(total.max()), fwd0, layers * b + first * be + last * bh
 
-    def _links(self, tp, pp, dp):
-        """The links between consecutive pipeline ranks (ring order, as ``simulate``)."""
-        lay = self.proto(tp, pp, dp, 1, False, "none", 0)
-        return frozenset(costs.pp_boundary_link(self.hw, lay, r, (r + d) % pp)
-                         for r in range(pp) for d in (1, -1))  # fmt: skip
-
-    def _hop(self, tp, pp, dp, mbs, sp):
+    @_memo
+    def hop(self, tp, pp, dp, mbs, sp):
         """The slowest stage-to-stage message (the closed form's fill is 2 (S - 1) of them)."""
         lay = self.proto(tp, pp, dp, mbs, sp, "none", 0)
-        return max(costs.pp_message_time(self.cfg, lay, self.hw, link)
-                   for link in self.links(tp, pp, dp))  # fmt: skip
+        return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw, self.rt))
 
-    def _dp_times(self, tp, pp, vpp, dp, zero):
+    @_memo
+    def dp_times(self, tp, pp, vpp, dp, zero):
         """Per rank (gradient reduction, weight gather) seconds; optimizer seconds."""
         lay = self.proto(tp, pp, dp, 1, False, "none", zero)
         params = self.ranks(tp, pp, vpp)[-1]
-        tied = 0.0
-        if self.cfg.tied_embeddings and pp > 1:
-            nbytes = self.cfg.vocab_size * self.cfg.hidden / tp * self.rt.grad_comm_bytes(lay.dtype)
-            tied = costs.all_reduce_time(nbytes, 2, costs.pp_boundary_link(self.hw, lay, 0, pp - 1))
+        tied = step.tied_sync(self.cfg, lay, self.hw, self.rt)
         times = {n: costs.dp_comm_time(n, lay, self.hw, self.rt) for n in set(params.tolist())}
         grad = np.array([times[n]["grad"] + (tied if r in (0, pp - 1) else 0.0)
                          for r, n in enumerate(params.tolist())])  # fmt: skip
         gather = np.array([times[n]["param"] for n in params.tolist()])
         return grad, gather, costs.optimizer_time(float(params.max()), lay, self.hw, self.rt)
 
-    def _act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m):
+    @_memo
+    def act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m):
         """Per rank, activation bytes held at some instant of the schedule (module doc)."""
-        *_, held, head, _ = self.layer(tp, mbs, sp, recompute)
+        _, _, held, head = self.layer(tp, mbs, sp, recompute, 0)
         _, _, smallest, _, last, last_layers, _ = self.ranks(tp, pp, vpp)
         flight = np.array([
             in_flight_bound(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vpp, rank=r)
             for r in range(pp)
         ], float)  # fmt: skip
         return np.maximum(flight * smallest * held, last * (last_layers * held + head))
+
+    @_memo
+    def state(self, tp, dp, zero):
+        """Model-state bytes per parameter on a device, and ZeRO-3's layer buffers."""
+        w_b, g_b, o_b = self.rt.state_bytes(self.req.dtype)
+        per_param = sizes.model_state_breakdown(
+            1.0, dp=dp if zero else 1, zero=zero, param_bytes=w_b, grad_bytes=g_b, optim_bytes=o_b
+        )["device"]
+        lay = self.proto(tp, 1, dp, 1, False, "none", zero)
+        return per_param, zero3_buffer_bytes(self.cfg, lay, self.rt)
 
     def time(self, c: Candidate) -> float:
         """A lower bound on ``simulate(exact=False).iter_time_s`` (module docstring)."""
@@ -482,28 +492,24 @@ class _Bounds:
         elif c.vpp == 1:  # streamed during the backward, the rest after it
             layers = self.ranks(c.tp, c.pp, c.vpp)[0]
             pipe += float(np.maximum(grad - bwd, grad / layers).max(initial=0.0))
-        if self.rt.overlap_param_gather:
-            gather = np.maximum(gather - fwd0, 0.0)
-        return SLACK * (pipe + opt + float(gather.max()))
+        exposed = max(step.exposed_weight_gather(float(t), float(f), self.rt)
+                      for t, f in zip(gather, fwd0))  # fmt: skip
+        return SLACK * (pipe + opt + exposed)
 
     def memory(self, c: Candidate) -> float:
         """A lower bound on the peak bytes per device, closed form or replayed (module
         docstring): the fullest pipeline rank."""
         params = self.ranks(c.tp, c.pp, c.vpp)[-1]
-        w_b, g_b, o_b = self.state_bytes
-        shard = c.dp if c.zero else 1
-        per_param = (
-            w_b / (shard if c.zero >= 3 else 1)
-            + g_b / (shard if c.zero >= 2 else 1)
-            + o_b / (shard if c.zero >= 1 else 1)
-        )
+        per_param, z3_buffers = self.state(c.tp, c.dp, c.zero)
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         act = self.act(c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
                        c.schedule, m)  # fmt: skip
-        fixed = self.hw.framework_overhead_bytes
-        if c.zero == 3:
-            fixed += self.z3_buffer / c.tp
+        fixed = self.hw.framework_overhead_bytes + z3_buffers
         return float((params * per_param + act).max()) + fixed
+
+
+def _schedule_of(vpp: int) -> str:
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
 
 
 # -- the search ----------------------------------------------------------------------------

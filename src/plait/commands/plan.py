@@ -10,7 +10,7 @@ predicted step time, and write the winner as a ``plait train --config`` file.
     plait plan --hardware calibrated.yaml --gpus 4 --model tiny --global-batch-size 16
 
 The search space and the method (exhaustive best-first branch and bound over the
-simulator's closed form, winners replayed exactly) are described in ``sim/plan.py``.
+simulator's closed form, winners replayed exactly) are described in ``sim/search.py``.
 Every layout flag (``--tp 8``, ``--schedule 1f1b``, ``--zero 1``) pins that axis;
 ``--runtime`` narrows the space to what that software can run. ``plait.cli`` builds the
 parser from ``cli_args.model_parent()``, ``layout_parent()`` and ``add_arguments`` below,
@@ -44,7 +44,7 @@ SIZE_KEYS = {  # ModelConfig field -> plait train flag
 
 
 def config_text(entry, model, preset_name: str | None, header: str) -> str:
-    """The ``plait train --config`` YAML of ``entry`` (a ``sim.plan.Entry``) for ``model``:
+    """The ``plait train --config`` YAML of ``entry`` (a ``sim.search.Entry``) for ``model``:
     flat keys named like the flags; the model as its preset name plus the sizes that
     differ from it (every size when there is no preset)."""
     import yaml
@@ -130,10 +130,10 @@ def run(args: argparse.Namespace, values: dict | None = None) -> int:
 
 
 def _request(values: dict, model, hw, tokens: float | None):
-    """The ``sim.plan.PlanRequest`` the flag values describe."""
+    """The ``sim.search.PlanRequest`` the flag values describe."""
     from plait.cli_args import LAYOUT_FLAGS
     from plait.layout import DEFAULT_BUCKET_MB
-    from plait.sim.plan import PlanRequest, space_for
+    from plait.sim.search import PlanRequest, space_for
 
     # not searched: fine at their defaults (as a run's config.yaml holds them)
     fixed = {"pp_layout": None, "zero_shard_group": None, "offload_optimizer": False,
@@ -184,7 +184,7 @@ def _request(values: dict, model, hw, tokens: float | None):
 def _run(args: argparse.Namespace, values: dict) -> int:
     from plait.cli_args import model_config
     from plait.sim.hardware import load_hardware
-    from plait.sim.plan import search
+    from plait.sim.search import search
 
     hw = load_hardware(values.get("gpu"), values.get("hardware"))
     tokens = parse_count(values["tokens"], "--tokens") if values.get("tokens") else None
@@ -223,7 +223,7 @@ def _budget(values: dict, model, hw):
     utilisation its own best plan reaches: size -> plan -> utilisation -> size, a few
     rounds until they agree (sizes come in steps, so they may settle a step apart)."""
     from plait.model import sizes
-    from plait.sim.plan import chinchilla_model, search
+    from plait.sim.search import chinchilla_model, search
 
     budget = values["budget_gpu_days"]
     if budget <= 0:
@@ -248,7 +248,7 @@ def _budget(values: dict, model, hw):
 
 def _budget_lines(plan, budget: float) -> list[str]:
     from plait.model import sizes
-    from plait.sim.plan import TOKENS_PER_PARAM
+    from plait.sim.search import TOKENS_PER_PARAM
 
     req, cfg = plan.request, plan.request.model
     n_params, best = sizes.num_params(cfg), plan.best
@@ -280,9 +280,9 @@ def _header(plan, name: str | None) -> str:
 
 
 def report(plan, name: str | None = None) -> str:
-    """The table and summary lines ``plait plan`` prints for a ``sim.plan.Plan``."""
+    """The table and summary lines ``plait plan`` prints for a ``sim.search.Plan``."""
     from plait.model import sizes
-    from plait.sim.plan import simple_estimate
+    from plait.sim.search import simple_estimate
 
     req, cfg, hw = plan.request, plan.request.model, plan.request.hardware
     peak = hw.peak(req.dtype)

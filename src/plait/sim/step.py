@@ -1,0 +1,114 @@
+"""The parts one training step is made of, as ``simulate`` adds them up.
+
+Each function here is one term of the step (``simulate.py``'s docstring has the whole
+timeline) for one device: a layer's micro-batch with its exposed tensor-parallel and
+ZeRO-3 communication, the messages between pipeline stages, the tied embedding's
+gradient exchange, the loss / gradient-norm all-reduce, and how much of a weight
+all-gather the next step's first forward hides. ``simulate`` composes them over the
+schedule; the planner's lower bounds (``plan.py``) compose the same functions over the
+busiest rank, so a bound can never disagree with the simulator about what a term costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.layout import Layout
+from plait.model.config import ModelConfig
+from plait.sim import collectives, costs
+from plait.sim.hardware import Hardware
+from plait.sim.memory import stage_params
+from plait.sim.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One layer and micro-batch on one device: ``costs.LayerCost`` plus the exposed part
+    of ZeRO-3's gathers and reduce-scatter (``zero3_fwd``, ``zero3_bwd``)."""
+
+    cost: costs.LayerCost
+    zero3_fwd: float
+    zero3_bwd: float
+
+    @property
+    def fwd(self) -> float:
+        """F: compute, exposed tp collectives, exposed ZeRO-3 gather."""
+        return self.cost.fwd + self.cost.fwd_tp + self.zero3_fwd
+
+    @property
+    def bwd_input(self) -> float:
+        """BI: input gradients, recomputation, their tp collectives, exposed ZeRO-3."""
+        c = self.cost
+        return c.bwd_input + c.recompute + c.bwd_tp + c.recompute_tp + self.zero3_bwd
+
+    @property
+    def bwd_weight(self) -> float:
+        return self.cost.bwd_weight
+
+    @property
+    def bwd(self) -> float:
+        return self.bwd_input + self.bwd_weight
+
+    @property
+    def parts(self) -> tuple[float, float, float]:
+        """(compute, exposed tp, exposed ZeRO-3) seconds of F + B together."""
+        c = self.cost
+        compute = c.fwd + c.bwd_input + c.recompute + c.bwd_weight
+        return compute, c.fwd_tp + c.bwd_tp + c.recompute_tp, self.zero3_fwd + self.zero3_bwd
+
+
+def layer_step(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> LayerStep:
+    """A layer's micro-batch with ZeRO-3's traffic (``costs.zero3_layer_comm``), hidden
+    behind the layer's own compute where the runtime prefetches the gathers."""
+    lc = costs.layer_cost(model, layout, hw, rt)
+    z3_fwd, z3_bwd = costs.zero3_layer_comm(
+        model, stage_params(model, layout, 1, False, False), layout, hw, rt
+    )
+    if rt.overlap_param_gather:
+        z3_fwd = max(0.0, z3_fwd - lc.fwd)
+        z3_bwd = max(0.0, z3_bwd - lc.bwd_input - lc.bwd_weight - lc.recompute)
+    return LayerStep(lc, z3_fwd, z3_bwd)
+
+
+def stage_messages(
+    model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime
+) -> tuple[tuple[float, float], ...]:
+    """Per pipeline rank: seconds of an activation sent to the next stage and of a
+    gradient sent to the previous one (``costs.pp_message_time`` on the link between
+    them; the ring wraps around for interleaved chunks)."""
+    p = layout.pp
+    return tuple(
+        tuple(
+            costs.pp_message_time(
+                model, layout, hw, costs.pp_boundary_link(hw, layout, r, peer), rt
+            )
+            for peer in ((r + 1) % p, (r - 1) % p)
+        )
+        for r in range(p)
+    )
+
+
+def tied_sync(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> float:
+    """The first and last stages' all-reduce of a tied embedding's gradient copies."""
+    p = layout.pp
+    if not model.tied_embeddings or p == 1:
+        return 0.0
+    nbytes = model.vocab_size * model.hidden / layout.tp * rt.grad_comm_bytes(layout.dtype)
+    return collectives.all_reduce_time(nbytes, 2, costs.pp_boundary_link(hw, layout, 0, p - 1))
+
+
+def stats_time(layout: Layout, hw: Hardware) -> float:
+    """The loss and gradient-norm scalars (24 bytes) all-reduced over every rank: a sync
+    point before the optimizer step."""
+    world = layout.world_size
+    if world == 1:
+        return 0.0
+    return collectives.all_reduce_time(24, world, collectives.group_link(hw, world, 1))
+
+
+def exposed_weight_gather(seconds: float, first_forward: float, rt: Runtime) -> float:
+    """The part of the ZeRO-1/2 weight all-gather the step waits for: all of it, or what
+    outlasts the next step's first forward where the runtime overlaps the two."""
+    if rt.overlap_param_gather:
+        return max(0.0, seconds - first_forward)
+    return seconds

@@ -1,0 +1,70 @@
+"""The numerics gate of DESIGN.md section 3 -- every layout trains the single-process
+curve -- with its tolerances derived, not tuned to one machine.
+
+A layout computes the same function as the single process; in float32 only the order
+of summation differs (the CPU's vector width, thread count, how collectives combine
+partial sums). Higham's bound for a float32 sum of n terms, in any order, is
+(n - 1) u times the sum of the terms' magnitudes, u = 2^-24. A loss is a chain of such
+sums -- per layer: the q/k/v and output projections (h terms), attention scores (the head
+size), the softmax's normaliser and the weighted values (the sequence), the MLP (h, then
+the FFN width); then the head (h), the log-sum-exp over the vocabulary, and the mean over
+the step's tokens -- so its relative error is at most u times the sum of those lengths
+(``loss_tol``; ~1e-4 for the test models). A gradient norm adds the backward's chain
+(the same lengths, plus the step's tokens that every weight gradient sums over) and the
+sum of squares over the parameters (cascade-summed per tensor: log2 of its size, then one
+term per tensor), ``grad_norm_tol``.
+
+After step 1 the weights differ by what the optimizer made of those differences. AdamW
+moves every weight by at most ~lr per step whatever its gradient, so an earlier step's
+rounding cannot grow faster than the steps add their own: the curve over ``n`` steps is
+held to ``n`` times the step-1 bound (``assert_same_run``).
+
+Both columns are compared: a gradient mis-scaled by a constant is invisible in the loss
+(AdamW divides it out, clipping rescales it) but not in ``grad_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from plait.model.config import ModelConfig
+
+U32 = 2.0**-24
+
+
+def forward_chain(cfg: ModelConfig, tokens: int) -> int:
+    """Sum of the reduction lengths on the forward's longest chain (module docstring)."""
+    s = cfg.seq_len
+    per_layer = 2 * cfg.hidden + cfg.head_dim + 2 * s + cfg.hidden + cfg.ffn_hidden
+    return cfg.n_layers * per_layer + cfg.hidden + cfg.vocab_size + tokens
+
+
+def loss_tol(cfg: ModelConfig, tokens: int) -> float:
+    """Relative bound on a step's loss difference between layouts (float32)."""
+    return forward_chain(cfg, tokens) * U32
+
+
+def grad_norm_tol(cfg: ModelConfig, tokens: int) -> float:
+    """Relative bound on a step's gradient-norm difference between layouts (float32):
+    forward and backward chains, every weight gradient's sum over the tokens, and the
+    sum of squares (cascade-summed per tensor, then one term per tensor)."""
+    biggest = max(cfg.vocab_size, cfg.ffn_hidden) * cfg.hidden
+    tensors = 20 * cfg.n_layers + 4  # generous: plait's blocks hold 9 (llama) or 16 (gpt2)
+    squares = math.log2(biggest) + tensors
+    chain = 2 * forward_chain(cfg, tokens) + cfg.n_layers * tokens + squares
+    return chain * U32
+
+
+def assert_same_run(got: list[dict], ref: list[dict], cfg: ModelConfig, tokens: int, what=""):
+    """``loss`` and ``grad_norm`` of every step of ``got`` (metrics.jsonl records) against
+    the single-process ``ref``: step n within n times the step-1 bounds."""
+    assert len(got) == len(ref), f"{what}: {len(got)} steps vs {len(ref)}"
+    bounds = {"loss": loss_tol(cfg, tokens), "grad_norm": grad_norm_tol(cfg, tokens)}
+    for i, (g, r) in enumerate(zip(got, ref), start=1):
+        step = g.get("step", i)  # a resumed run continues the count
+        for key, tol in bounds.items():
+            a, b = g[key], r[key]
+            assert abs(a - b) <= step * tol * abs(b), (
+                f"{what}: step {step} {key} {a} vs {b} (relative {abs(a - b) / abs(b):.2e}, "
+                f"bound {step * tol:.2e})"
+            )
