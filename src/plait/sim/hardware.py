@@ -374,11 +374,20 @@ _DGX_H100 = dict(
     framework_overhead_bytes=2 * GiB,
 )
 
+def gpu_peak_flops(device_name: str) -> PeakFlops:
+    """The peaks of ``sim.devices``' table (the trainer's MFU uses the same), in FLOP/s:
+    fp32 is an fp32 matmul as plait runs it (TF32 tensor cores from Ampere on)."""
+    from plait.sim.devices import gpu_peak_tflops
+
+    peaks = {d: gpu_peak_tflops(device_name, d) for d in ("fp32", "bf16", "fp16")}
+    return PeakFlops(**{d: v * 1e12 if v is not None else None for d, v in peaks.items()})
+
+
 BUILTIN: dict[str, Hardware] = {
     "v100": Hardware(
         name="v100",
         description="NVIDIA V100 SXM2 32GB, 8 per node (NVLink 2), 100 Gb/s EDR per GPU",
-        peak_flops=PeakFlops(fp32=15.7e12, fp16=125e12),
+        peak_flops=gpu_peak_flops("Tesla V100-SXM2-32GB"),
         memory_bytes=32 * GiB,
         memory_bandwidth=0.9 * 900e9,
         devices_per_node=8,
@@ -395,7 +404,7 @@ BUILTIN: dict[str, Hardware] = {
     "a100-40gb": Hardware(
         name="a100-40gb",
         description="NVIDIA A100 SXM4 40GB, DGX A100 (8 per node, NVSwitch, 8x HDR 200 Gb/s)",
-        peak_flops=PeakFlops(fp32=19.5e12, bf16=312e12, fp16=312e12),
+        peak_flops=gpu_peak_flops("NVIDIA A100-SXM4-40GB"),
         memory_bytes=40 * GiB,
         memory_bandwidth=0.9 * 1555e9,
         efficiency=_A100_EFF,
@@ -404,7 +413,7 @@ BUILTIN: dict[str, Hardware] = {
     "a100-80gb": Hardware(
         name="a100-80gb",
         description="NVIDIA A100 SXM4 80GB, DGX A100 (8 per node, NVSwitch, 8x HDR 200 Gb/s)",
-        peak_flops=PeakFlops(fp32=19.5e12, bf16=312e12, fp16=312e12),
+        peak_flops=gpu_peak_flops("NVIDIA A100-SXM4-80GB"),
         memory_bytes=80 * GiB,
         memory_bandwidth=0.9 * 2039e9,
         efficiency=_A100_EFF,
@@ -413,7 +422,7 @@ BUILTIN: dict[str, Hardware] = {
     "h100-sxm": Hardware(
         name="h100-sxm",
         description="NVIDIA H100 SXM5 80GB, DGX H100 (8 per node, NVSwitch, 8x NDR 400 Gb/s)",
-        peak_flops=PeakFlops(fp32=66.9e12, bf16=989.4e12, fp16=989.4e12),
+        peak_flops=gpu_peak_flops("NVIDIA H100 80GB HBM3"),
         memory_bytes=80 * GiB,
         memory_bandwidth=0.9 * 3350e9,
         efficiency=_H100_EFF,
@@ -422,7 +431,7 @@ BUILTIN: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200",
         description="NVIDIA H200 SXM 141GB, HGX H200 (8 per node, NVSwitch, 8x NDR 400 Gb/s)",
-        peak_flops=PeakFlops(fp32=66.9e12, bf16=989.4e12, fp16=989.4e12),
+        peak_flops=gpu_peak_flops("NVIDIA H200"),
         memory_bytes=141e9,
         memory_bandwidth=0.9 * 4800e9,
         efficiency=_H100_EFF,
