@@ -71,6 +71,7 @@ from plait.parallel.data_parallel import (
     DataParallelConfig,
     GradReducer,
     adamw_zero_state,
+    frozen_bytes,
     model_chunks,
     sq_sum,
     tensor_bytes,
@@ -604,6 +605,7 @@ class ZeroDataParallel:
 
     def model_state_bytes(self) -> dict[str, int]:
         params = self.units.nbytes() if self.units else tensor_bytes(p for _, p in self.named)
+        params += frozen_bytes(self.model)  # a LoRA run's base (stage 3: still whole)
         optim = self.optimizer.nbytes()
         # gradients as of the last finish(): they are freed between steps
         out = {"params": params, "grads": self.grads.grad_bytes, "optim": optim["device"]}
