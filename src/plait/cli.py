@@ -72,6 +72,10 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
         )  # fmt: skip
         for section in ("layout", "train"):
             flat.update(raw.get(section) or {})
+        lora, qat = raw.get("lora") or {}, raw.get("qat") or {}
+        flat.update(lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"),
+                    lora_targets=",".join(lora.get("targets") or []) or None,
+                    qat=qat.get("dtype"), quant_group_size=qat.get("group_size"))  # fmt: skip
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
@@ -128,6 +132,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU")
     g.add_argument("--collective-timeout", type=float, help="seconds")
     g.add_argument("--trace", action="store_true", default=None)
+    g.add_argument("--tensorboard", action="store_true", default=None,
+                   help="TensorBoard event files beside metrics.jsonl")  # fmt: skip
     g.add_argument("--threads", type=int, help="torch threads per worker")
     g.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each transformer block (first steps pay the compile)")  # fmt: skip
@@ -147,6 +153,16 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    "safetensors); the model's sizes come from it")  # fmt: skip
     g.add_argument("--dry-run", action="store_true", default=None,
                    help="validate, build the model on the meta device, and stop")  # fmt: skip
+    g = p.add_argument_group("fine-tuning and quantisation")
+    g.add_argument("--lora-rank", type=int, metavar="R",
+                   help="train LoRA adapters of rank R; the base weights stay frozen")  # fmt: skip
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale A / R (A = R)")
+    g.add_argument("--lora-targets", metavar="LIST",
+                   help="layers with adapters, from q,k,v,o,up,down,gate (default q,v)")  # fmt: skip
+    g.add_argument("--qat", choices=("int8", "int4"),
+                   help="quantisation-aware training of the block linear layers")  # fmt: skip
+    g.add_argument("--quant-group-size", type=int, metavar="G",
+                   help="int4: input features per scale (default 32)")  # fmt: skip
     g = p.add_argument_group("multi-node (torchrun rendezvous)")
     g.add_argument("--nnodes", type=int)
     g.add_argument("--node-rank", type=int)
@@ -198,8 +214,28 @@ def build_run_config(values: dict):
                         f"does not suit the tokenizer: {e}") from None  # fmt: skip
     out = values.get("out") or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
     return RunConfig(
-        model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out)
-    )
+        model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out),
+        **finetune_configs(values),
+    )  # fmt: skip
+
+
+def finetune_configs(values: dict) -> dict:
+    """``lora`` and ``qat`` of a RunConfig from the flags (ValueError on bad ones)."""
+    from plait.model.lora import LoRAConfig
+    from plait.model.quant import QuantConfig
+
+    out = {}
+    if values.get("lora_rank") is not None:
+        lora = {"rank": values["lora_rank"], "alpha": values.get("lora_alpha")}
+        if values.get("lora_targets"):
+            lora["targets"] = values["lora_targets"]
+        out["lora"] = LoRAConfig(**lora)
+    elif values.get("lora_alpha") is not None or values.get("lora_targets"):
+        raise ValueError("--lora-alpha and --lora-targets need --lora-rank")
+    if values.get("qat"):
+        group = values.get("quant_group_size")
+        out["qat"] = QuantConfig(dtype=values["qat"], **({"group_size": group} if group else {}))
+    return out
 
 
 def _hf_model(values: dict):
@@ -397,29 +433,18 @@ def _report(cfg) -> None:
 
 
 def cmd_export(args) -> int:
-    """``plait export --run DIR --out HF_DIR``: the newest checkpoint as a Hugging Face
-    model folder (config.json + model.safetensors)."""
-    from plait.data import DataError, prepare
-    from plait.generate import load_model
-    from plait.model import hf
+    """``plait export --run DIR``: the newest checkpoint as a Hugging Face model folder
+    (``plait.export``: merged LoRA, PEFT adapter, quantised)."""
+    from plait.export import ExportOptions, export
     from plait.train import checkpoint
 
-    run = Path(args.run)
     try:
-        cfg, path, model = load_model(run)
-        out = Path(args.out or run / "hf")
-        hf.save(out, dict(model.named_parameters()), cfg.model)
-        files = ["config.json", hf.WEIGHTS]
-        try:  # the run's tokenizer, from its token cache (rebuilt if the cache is gone)
-            if hf.save_tokenizer(out, prepare(cfg.data).tokenizer, cfg.model):
-                files += ["tokenizer.json", "tokenizer_config.json"]
-            else:
-                files.append("no tokenizer file (--tokenizer bytes: ids are UTF-8 bytes)")
-        except DataError as e:
-            files.append(f"no tokenizer ({str(e).splitlines()[0]})")
+        opts = ExportOptions(merge_lora=bool(args.merge_lora), adapter=bool(args.adapter),
+                             quantize=args.quantize, group_size=args.quant_group_size)  # fmt: skip
+        out, notes = export(Path(args.run), Path(args.out) if args.out else None, opts)
     except (UserError, ValueError, OSError, checkpoint.CheckpointError) as e:
         return _die("export", str(e).strip().splitlines()[0])
-    print(f"wrote {out} ({cfg.model.arch}, {path.name}): {', '.join(files)}")
+    print(f"wrote {out} ({notes[0]}): " + ", ".join(notes[1:]))
     return 0
 
 
@@ -545,6 +570,16 @@ def make_parser():
                          help="write a run's newest checkpoint as a Hugging Face model folder")  # fmt: skip
     exp.add_argument("--run", required=True, help="run folder written by plait train")
     exp.add_argument("--out", help="folder to write (default RUN/hf)")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA run: fold the adapters into the weights")  # fmt: skip
+    exp.add_argument("--adapter", action="store_true",
+                     help="a LoRA run: the base model, and the adapter in PEFT's format in "
+                     "OUT/adapter")  # fmt: skip
+    exp.add_argument("--quantize", choices=("int8", "int4"),
+                     help="weight-only quantisation of the block linears (torchao); reports "
+                     "the validation perplexity change")  # fmt: skip
+    exp.add_argument("--quant-group-size", type=int, metavar="G",
+                     help="int4: input features per scale (default: the run's, else 32)")  # fmt: skip
     ckpt = sub.add_parser("checkpoint", allow_abbrev=False, help="check a run's checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="action", metavar="ACTION", required=True)
     verify = ckpt_sub.add_parser("verify", allow_abbrev=False,
