@@ -54,7 +54,10 @@ def model_cfg(arch: str):
                   **({"n_kv_heads": 1} if arch == "llama" else {}))  # fmt: skip
 
 
-def run_config(data, out: Path, arch: str, *, lora=None, qat=None, lr=2e-2, **layout) -> RunConfig:
+def run_config(
+    data, out: Path, arch: str, *, lora=None, qat=None, lr=2e-2, seen=False, **layout
+) -> RunConfig:
+    """``seen``: record traces (pipelines) and TensorBoard events, for the report."""
     dp = layout.get("dp", 1)
     Path(out).mkdir(parents=True, exist_ok=True)
     return RunConfig(
@@ -69,7 +72,9 @@ def run_config(data, out: Path, arch: str, *, lora=None, qat=None, lr=2e-2, **la
             eval_batches=1,
             progress=False,
             peak_tflops=1.0,
-        ),  # fmt: skip
+            trace=seen and layout.get("pp", 1) > 1,
+            tensorboard=seen,
+        ),
         out=str(out),
         lora=lora,
         qat=qat,
@@ -82,8 +87,9 @@ LAYOUTS = {
     "lora-tp2-sp": ("llama", LoRAConfig(rank=4, alpha=8, targets=ALL), None,
                     dict(tp=2, sequence_parallel=True)),
     # pp: the tied embedding frozen on both ends; the zero-bubble split backward
+    # (and its traces, TensorBoard events and the report drawn from them)
     "lora-pp2-zb": ("gpt2", LoRAConfig(rank=4, targets="q,v,o,up,down"), None,
-                    dict(pp=2, schedule="zb-h1")),
+                    dict(pp=2, schedule="zb-h1", seen=True)),
     # dp with ZeRO-3: adapters sharded, reduce-scattered; the base never
     "lora-dp2-z3": ("llama", LoRAConfig(rank=8, alpha=16, targets="q,v,o,down"), None,
                     dict(dp=2, zero=3)),
@@ -151,6 +157,9 @@ def runs(data, tmp_path_factory):
     cfgs = {n: run_config(data, root / n, a, lora=lo, qat=q, **lay)
             for n, (a, lo, q, lay) in LAYOUTS.items()}  # fmt: skip
     lrs = {n: {"lr": lay["lr"]} if "lr" in lay else {} for n, (_, _, _, lay) in LAYOUTS.items()}
+    # (the references record nothing: what is drawn is the parallel run)
+    for cfg in cfgs.values():
+        cfg.save(Path(cfg.out) / "config.yaml")  # what the launcher writes
     counts = run_workers(2, _train_all, list(cfgs.items()), timeout=300)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -251,3 +260,79 @@ def test_zero3_reduces_and_holds_only_adapter_state(runs):
         n_adapter = sum(p.numel() for p in adapters)
         # base whole (4 bytes each) + adapter shards + adapter gradient shards + 2 moments
         assert r["state"] == pytest.approx(4 * frozen + 16 * n_adapter / 2, rel=0.02)
+
+
+# --- seeing a run: TensorBoard, the report, the recorded timeline ---------------------------
+
+
+def _ink(png: Path) -> float:
+    """Fraction of pixels that are not (near) white: 0 for a blank image."""
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)[..., :3]
+    return float((img.min(axis=-1) < 0.9).mean())
+
+
+@pytest.mark.slow
+def test_tensorboard_events_hold_every_metric(runs):
+    """TensorBoard's own reader finds a scalar per numeric metric, per step, with the
+    values of metrics.jsonl (stored as float32)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = runs["lora-pp2-zb"][0]
+    acc = EventAccumulator(cfg.out)
+    acc.Reload()
+    recs = metrics(cfg.out)
+    numeric = {k for r in recs for k, v in r.items()
+               if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"}  # fmt: skip
+    assert {"loss", "val_loss", "mfu", "bubble_fraction"} <= numeric
+    assert numeric <= set(acc.Tags()["scalars"])
+    for key in numeric:
+        got = [(e.step, e.value) for e in acc.Scalars(key)]
+        want = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        assert [s for s, _ in got] == [s for s, _ in want], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key
+
+
+@pytest.mark.slow
+def test_report_is_one_self_contained_page(runs, capsys):
+    """``plait report``: one HTML file that needs nothing else (images inline, no script,
+    no external link or stylesheet), with the curves, memory and collectives per rank, the
+    recorded pipeline step and the config; and a PNG of the charts that is not blank."""
+    import re
+
+    from plait.cli import main
+
+    cfg = runs["lora-pp2-zb"][0]
+    assert main(["report", cfg.out]) == 0
+    page = (Path(cfg.out) / "report.html").read_text()
+    links = re.findall(r"(?:src|href)\s*=\s*[\"']([^\"']+)", page)
+    assert len(links) == 2 and all(x.startswith("data:image/png;base64,") for x in links)
+    assert "<script" not in page.lower() and "url(" not in page and "@import" not in page
+    for needle in ("Pipeline timeline", "Memory per rank", "pp.send", "lora:", "zb-h1"):
+        assert needle in page, needle
+    assert _ink(Path(cfg.out) / "report.png") > 0.05
+    assert "report.html" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_recorded_timeline_and_the_simulated_one(runs, tmp_path):
+    """``plait viz timeline RUN --compare``: the recorded step holds the schedule's compute
+    actions on each rank, in order, and is drawn above the simulator's step."""
+    from plait.cli import main
+    from plait.parallel.pipeline.schedules import build_schedule
+    from plait.viz.recorded import recorded_step
+
+    cfg = runs["lora-pp2-zb"][0]
+    timeline, extras, info = recorded_step(Path(cfg.out))
+    assert info["step"] == STEPS
+    schedule = build_schedule("zb-h1", num_ranks=2, num_microbatches=cfg.layout.num_microbatches)
+    for r in range(2):
+        got = [a for a, _, _ in timeline.events[r] if a.is_compute]
+        assert got == [a for a in schedule[r] if a.is_compute]
+    assert any(extras.values())  # receives: time waiting on messages
+    out = tmp_path / "t.png"
+    assert main(["viz", "timeline", cfg.out, "--compare", "-o", str(out)]) == 0
+    assert _ink(out) > 0.03
+    no_traces = runs["lora-dp2-z3"][0].out
+    assert main(["viz", "timeline", no_traces, "-o", str(out)]) == 2

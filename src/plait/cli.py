@@ -4,6 +4,7 @@
     plait generate --run DIR    sample text from a trained run
     plait export --run DIR      the newest checkpoint as a Hugging Face model folder
     plait checkpoint verify DIR check a run's checkpoints against their manifests
+    plait report RUN            one self-contained HTML page (and a PNG) about a run
     plait info [flags]          parameters, FLOPs per token and memory of a model and layout
     plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
     plait plan [flags]          rank every layout of a model on a cluster; write the best
@@ -479,6 +480,17 @@ def cmd_checkpoint_verify(args) -> int:
     return 1 if damaged else 0
 
 
+def cmd_report(args) -> int:
+    from plait.viz.report import write_report
+
+    try:
+        page, png = write_report(Path(args.run), args.out)
+    except (ValueError, OSError) as e:
+        return _die("report", str(e).strip().splitlines()[0])
+    print(f"wrote {page} and {png}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from plait.generate import generate_text
 
@@ -587,6 +599,10 @@ def make_parser():
     verify.add_argument(
         "dir", metavar="DIR", help="a run folder, its checkpoints/ or a step-N folder"
     )
+    rep = sub.add_parser("report", allow_abbrev=False,
+                         help="one self-contained HTML page (and a PNG) about a run")  # fmt: skip
+    rep.add_argument("run", metavar="RUN", help="run folder written by plait train")
+    rep.add_argument("--out", help="HTML file to write (default RUN/report.html)")
     info = sub.add_parser("info", parents=[model_parent(), layout_parent()], allow_abbrev=False,
                           help="sizes, FLOPs and memory of a model")  # fmt: skip
     info.add_argument("--config", help="YAML or TOML file of flag values")
@@ -619,6 +635,8 @@ def main(argv=None) -> int:
         return cmd_export(args)
     if args.command == "checkpoint":
         return cmd_checkpoint_verify(args)
+    if args.command == "report":
+        return cmd_report(args)
     if args.command == "info":
         return cmd_info(args, subs["info"])
     if args.command == "simulate":
