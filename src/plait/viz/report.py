@@ -20,6 +20,8 @@ import json
 import math
 from pathlib import Path
 
+import yaml
+
 GiB = 2**30
 
 
@@ -33,7 +35,8 @@ def read_run(run: Path) -> dict:
         raise ValueError(f"{run}/metrics.jsonl is empty: the run has not finished a step")
     ranks = [json.loads(p.read_text()) for p in (run / "ranks").glob("rank-*.json")]
     config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
-    return {"metrics": metrics, "ranks": sorted(ranks, key=lambda r: r["rank"]), "config": config}
+    return {"metrics": metrics, "ranks": sorted(ranks, key=lambda r: r["rank"]), "config": config,
+            "config_dict": yaml.safe_load(config) if config else {}}  # fmt: skip
 
 
 def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -146,6 +149,18 @@ def _summary(data: dict) -> list[tuple[str, str]]:
         ("MFU (median)", f"{100 * mfu[len(mfu) // 2]:.2f}%"),
         ("peak memory (max over ranks)", f"{last['peak_mem_bytes'] / GiB:.3f} GiB"),
     ]  # fmt: skip
+    cfg = data.get("config_dict") or {}
+    lay = cfg.get("layout") or {}
+    if lay:
+        rows.append(("layout", f"dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} ({lay['schedule']}), "
+                     f"zero {lay['zero']}, {lay['dtype']}, recompute {lay['recompute']}"))  # fmt: skip
+    if cfg.get("lora"):
+        lo = cfg["lora"]
+        rows.append(
+            ("LoRA", f"rank {lo['rank']}, alpha {lo['alpha']}, on {','.join(lo['targets'])}")
+        )
+    if cfg.get("qat"):
+        rows.append(("quantisation-aware training", cfg["qat"]["dtype"]))
     return rows
 
 
@@ -181,6 +196,7 @@ def write_report(run: Path, out_html: Path | None = None, out_png: Path | None =
     data = read_run(run)
     out_html = Path(out_html or run / "report.html")
     out_png = Path(out_png or out_html.with_suffix(".png"))
+    out_html.parent.mkdir(parents=True, exist_ok=True)
     png = _png(charts(data))
     out_png.write_bytes(png)
     mem, comm = _rank_rows(data["ranks"])
