@@ -224,3 +224,70 @@ def test_resume_continues_the_lora_curve(lora_run, data, tmp_path):
     assert [r["step"] for r in again] == list(range(1, 7))
     for a, b in zip(again[3:], full[3:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+# --- memory: what the runtime holds, the formula, the simulator, plait info --------------
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_model_state_of_a_lora_run_matches_the_formula(zero):
+    """One process: the engine's measured parameters + gradients + AdamW state of a LoRA
+    model equals ``sizes.model_state_breakdown`` with the base as frozen parameters."""
+    import functools
+
+    from plait.model.sizes import model_state_breakdown
+    from plait.parallel.engine import DataParallelConfig, build_data_parallel
+    from plait.train import optim
+    from plait.train.config import TrainConfig
+
+    cfg, lcfg = CASES["llama-gqa"], LoRAConfig(rank=4, targets="q,v,o,down")
+    topo = Topology.single()
+    model = build_model(cfg, seed=0)
+    apply_lora(model, lcfg, arch=cfg.arch, seed=0)
+    engine = build_data_parallel(
+        model, topo=topo, cfg=DataParallelConfig(zero=zero),
+        make_optimizer=functools.partial(optim.build_adamw, cfg=TrainConfig()),
+        owns_grad=functools.partial(optim.owns_grad, topo=topo),
+    )  # fmt: skip
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1], ids[:, 1:]).mean().backward()
+    engine.finish()
+    engine.step(1e-3)  # AdamW's state exists from its first step (stage 0 creates it then)
+    got = engine.model_state_bytes()
+    n = lora.num_adapter_params(cfg, lcfg)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    want = model_state_breakdown(n, zero=zero, frozen_params=base)
+    assert got["grads"] == want["grads"] and got["params"] == want["params"]
+    # AdamW's state: two moments per adapter element, plus a scalar step per tensor
+    assert got["optim"] - want["optim"] == 4 * sum(p.requires_grad for p in model.parameters())
+    engine.close()
+
+
+def test_simulator_and_info_count_the_frozen_base():
+    """``plait simulate`` / ``plait info`` with --lora-rank: weights of base + adapters,
+    gradients and AdamW state of the adapters only (tp 2: each rank's split of them)."""
+    from plait.layout import Layout
+    from plait.sim.hardware import get_hardware
+    from plait.sim.simulate import simulate
+
+    cfg = CASES["llama-gqa"].replace(n_layers=4)
+    lcfg = LoRAConfig(rank=8, targets="q,k,v,o,up,down,gate")
+    lay = Layout(tp=2, dp=2, global_batch_size=8)
+    full = simulate(cfg, lay, get_hardware("cpu")).memory
+    tuned = simulate(cfg, lay, get_hardware("cpu"), lora=lcfg).memory
+    adapters = cfg.n_layers * lora.adapter_params_per_layer(cfg, lcfg, tp=2)
+    assert tuned.grads == pytest.approx(4 * adapters)
+    assert tuned.optimizer == pytest.approx(8 * adapters)
+    assert tuned.weights == pytest.approx(full.weights + 4 * adapters)
+    assert tuned.activations == full.activations
+
+
+def test_info_prints_what_lora_trains(capsys):
+    from plait.model.config import preset
+
+    assert main(["info", "--model", "tiny", "--lora-rank", "8", "--lora-targets", "q,v"]) == 0
+    out = capsys.readouterr().out
+    t = lora.num_adapter_params(preset("tiny"), LoRAConfig(rank=8))
+    assert f"trainable            {t:,}" in out and "gradients 0.000" in out
+    assert main(["info", "--lora-targets", "q"]) == 2
+    assert "need --lora-rank" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from plait.cli_args import layout_parent, model_config, model_parent
+from plait.cli_args import layout_parent, lora_parent, model_config, model_parent
 
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
               "val_fraction": "val_fraction"}  # fmt: skip
@@ -114,7 +114,7 @@ def merged_values(
 
 def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "train", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+        "train", parents=[model_parent(), layout_parent(), lora_parent()], allow_abbrev=False,
         help="train a model", description="Train a model (starts dp x tp x pp workers).",
     )  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values (flags override it)")
@@ -154,12 +154,7 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    "safetensors); the model's sizes come from it")  # fmt: skip
     g.add_argument("--dry-run", action="store_true", default=None,
                    help="validate, build the model on the meta device, and stop")  # fmt: skip
-    g = p.add_argument_group("fine-tuning and quantisation")
-    g.add_argument("--lora-rank", type=int, metavar="R",
-                   help="train LoRA adapters of rank R; the base weights stay frozen")  # fmt: skip
-    g.add_argument("--lora-alpha", type=float, metavar="A", help="adapter scale A / R (A = R)")
-    g.add_argument("--lora-targets", metavar="LIST",
-                   help="layers with adapters, from q,k,v,o,up,down,gate (default q,v)")  # fmt: skip
+    g = p.add_argument_group("quantisation-aware training")
     g.add_argument("--qat", choices=("int8", "int4"),
                    help="quantisation-aware training of the block linear layers")  # fmt: skip
     g.add_argument("--quant-group-size", type=int, metavar="G",
@@ -222,17 +217,12 @@ def build_run_config(values: dict):
 
 def finetune_configs(values: dict) -> dict:
     """``lora`` and ``qat`` of a RunConfig from the flags (ValueError on bad ones)."""
-    from plait.model.lora import LoRAConfig
+    from plait.cli_args import lora_config
     from plait.model.quant import QuantConfig
 
     out = {}
-    if values.get("lora_rank") is not None:
-        lora = {"rank": values["lora_rank"], "alpha": values.get("lora_alpha")}
-        if values.get("lora_targets"):
-            lora["targets"] = values["lora_targets"]
-        out["lora"] = LoRAConfig(**lora)
-    elif values.get("lora_alpha") is not None or values.get("lora_targets"):
-        raise ValueError("--lora-alpha and --lora-targets need --lora-rank")
+    if (lora := lora_config(values)) is not None:
+        out["lora"] = lora
     if values.get("qat"):
         group = values.get("quant_group_size")
         out["qat"] = QuantConfig(dtype=values["qat"], **({"group_size": group} if group else {}))
@@ -395,16 +385,29 @@ def _dry_run(cfg) -> int:
     return 0
 
 
-def _state_bytes(n_params: int, lay) -> float:
+def _state_bytes(n_params: int, lay, model=None, lora=None) -> float:
     """Model-state bytes on one device: ZeRO stage, hybrid sharding and offload included."""
+    return _state(n_params, lay, model, lora)["device"]
+
+
+def _state(n_params: int, lay, model=None, lora=None) -> dict:
+    """``sizes.model_state_breakdown`` for one rank; with LoRA the base counts as frozen."""
     from plait.model.sizes import model_state_breakdown
 
+    per_rank = n_params / (lay.tp * lay.pp)
+    trainable, frozen = per_rank, 0.0
+    if lora is not None:
+        from plait.model.lora import adapter_params_per_layer
+
+        trainable = model.n_layers / lay.pp * adapter_params_per_layer(model, lora, lay.tp)
+        frozen = per_rank
     return model_state_breakdown(
-        round(n_params / (lay.tp * lay.pp)),
+        round(trainable),
         dp=lay.zero_shard_group or lay.dp,
         zero=lay.zero,
         offload_optimizer=lay.offload_optimizer,
-    )["device"]
+        frozen_params=round(frozen),
+    )
 
 
 def _report(cfg) -> None:
@@ -506,14 +509,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args, parser) -> int:
-    from plait.cli_args import layout_config
-    from plait.model.sizes import model_flops_per_token, num_params
+    from plait.cli_args import layout_config, lora_config
+    from plait.model.sizes import activation_bytes_per_layer, model_flops_per_token, num_params
 
     try:
         values = merged_values(args, parser)
         model = model_config(values)
         layout = layout_config(values)
         layout.check_model(model)
+        lora = lora_config(values)
+        if lora is not None:
+            lora.check_model(model)
     except (UserError, ValueError) as e:
         return _die("info", str(e).strip().splitlines()[0])
     n = num_params(model)
@@ -521,17 +527,43 @@ def cmd_info(args, parser) -> int:
     for k, v in model.to_dict().items():
         print(f"  {k:<12} {v}")
     print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
-    print(f"FLOPs per token      {model_flops_per_token(model):.4g} (training, model FLOPs)")
+    flops = model_flops_per_token(model)
+    if lora is not None:
+        from plait.model.lora import model_flops_per_token as lora_flops
+        from plait.model.lora import num_adapter_params
+
+        flops = lora_flops(model, lora)
+        t = num_adapter_params(model, lora)
+        print(f"trainable            {t:,} ({t / n:.2%}): LoRA r={lora.rank} on "
+              f"{','.join(lora.targets)}, base frozen")  # fmt: skip
+    print(f"FLOPs per token      {flops:.4g} (training, model FLOPs)")
+    st = _state(n, layout, model, lora)
+    gib = 2**30
     print(
-        f"model state per rank {_state_bytes(n, layout) / 2**30:.3f} GiB on the device "
-        f"(fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} dp={layout.dp} "
-        f"zero={layout.zero})"
+        f"model state per rank {st['device'] / gib:.3f} GiB on the device: weights "
+        f"{st['params'] / gib:.3f}, gradients {st['grads'] / gib:.3f}, optimizer "
+        f"{st['optim'] / gib:.3f} (fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} "
+        f"dp={layout.dp} zero={layout.zero}"
+        + (", LoRA" if lora else "")
+        + ")"
+        + (f"; host {st['host'] / gib:.3f}" if st["host"] else "")
+    )
+    act = activation_bytes_per_layer(
+        model, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+        act_bytes=4 if layout.dtype == "fp32" else 2,
+    ) * model.n_layers / layout.pp  # fmt: skip
+    print(
+        f"activations per rank {act / gib:.3f} GiB per micro-batch in flight "
+        f"({layout.micro_batch_size} x {model.seq_len} tokens, {layout.dtype}, "
+        f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
     )
     return 0
 
 
 def _add_simulate(sub):
-    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent(), lora_parent()],
+                       allow_abbrev=False,
                        help="predict step time, MFU and memory of a layout")  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values")
     from plait.commands import simulate as sim_cli
@@ -603,7 +635,8 @@ def make_parser():
                          help="one self-contained HTML page (and a PNG) about a run")  # fmt: skip
     rep.add_argument("run", metavar="RUN", help="run folder written by plait train")
     rep.add_argument("--out", help="HTML file to write (default RUN/report.html)")
-    info = sub.add_parser("info", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+    info = sub.add_parser("info", parents=[model_parent(), layout_parent(), lora_parent()],
+                          allow_abbrev=False,
                           help="sizes, FLOPs and memory of a model")  # fmt: skip
     info.add_argument("--config", help="YAML or TOML file of flag values")
     simulate, sim_cli = _add_simulate(sub)

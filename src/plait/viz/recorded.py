@@ -6,15 +6,16 @@ simulator's timeline of the same model and layout to put beside it.
     sim, sim_extras, sim_info = simulated_step(run, hardware)  # plait simulate's
 
 A recorded step holds one row per pipeline rank, read from the ranks with dp and tp
-coordinates 0 (their replicas run the same schedule). Receives are drawn as time spent
-waiting on a message ("p2p"), as the simulator draws a transfer still in flight.
+coordinates 0 (their replicas run the same schedule). The executor's waits for messages
+are drawn as time spent waiting on a message ("p2p"), as the simulator draws a transfer
+still in flight.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from plait.parallel.pipeline.schedules import RECV_OPS, Timeline
+from plait.parallel.pipeline.schedules import Timeline
 from plait.topology import rank_of
 from plait.viz.trace import read_trace, timeline_from_traces
 
@@ -56,14 +57,29 @@ def recorded_step(run: Path, step: int | None = None) -> tuple[Timeline, dict, d
     if step not in steps:
         raise ValueError(f"--step {step}: recorded steps are {steps[0]} .. {steps[-1]}")
     timeline = timeline_from_traces(paths, step=step)
-    extras = {
-        rank: [("p2p", s, e) for a, s, e in events if a.op in RECV_OPS and e > s]
-        for rank, events in enumerate(timeline.events)
-    }
+    extras = _waits(paths, step)
     cfg = run_config(run)
     info = {"step": step, "makespan_s": timeline.makespan, "bubble": timeline.bubble_fraction(),
             "layout": cfg.layout, "model": cfg.model}  # fmt: skip
     return timeline, extras, info
+
+
+def _waits(paths: list[Path], step: int) -> dict[int, list[tuple[str, float, float]]]:
+    """Per rank, the executor's waits for messages ("wait" events) during ``step``, in
+    seconds on the axis of ``timeline_from_traces`` (its first action is 0)."""
+    ranks = [read_trace(p) for p in paths]
+    origin = min(e["ts"] for events in ranks for e in events
+                 if e.get("cat") in ("compute", "comm") and e["args"].get("step") == step)  # fmt: skip
+    out = {}
+    for r, events in enumerate(ranks):
+        span = next(e for e in events if e.get("cat") == "step" and e["args"]["step"] == step)
+        lo, hi = span["ts"], span["ts"] + span["dur"]
+        out[r] = [
+            ("p2p", (e["ts"] - origin) / 1e6, (e["ts"] + e["dur"] - origin) / 1e6)
+            for e in events
+            if e.get("cat") == "wait" and lo <= e["ts"] <= hi and e["dur"] > 0
+        ]
+    return out
 
 
 def simulated_step(run: Path, hardware) -> tuple[Timeline, dict, dict]:
