@@ -144,7 +144,8 @@ class LoRA(nn.Module):
             raise TypeError(f"LoRA needs a parallel linear layer, got {type(layer).__name__}")
 
     def forward(self, x):  # (..., in or in/t) -> (..., out/t or out)
-        return F.linear(F.linear(x, self.A), self.B) * self.scale
+        # scaled at rank r, not at the output width: one (..., out) temporary fewer
+        return F.linear(F.linear(x, self.A) * self.scale, self.B)
 
 
 def init_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
