@@ -33,7 +33,9 @@ clamping stops them, as torchao's fake quantisation does.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,12 +90,28 @@ class QuantConfig:
 
     def torchao(self):
         """The equivalent torchao post-training config."""
-        from torchao.quantization import IntxWeightOnlyConfig
-        from torchao.quantization.granularity import PerAxis, PerGroup
+        with _quiet_import():
+            from torchao.quantization import IntxWeightOnlyConfig
+            from torchao.quantization.granularity import PerAxis, PerGroup
 
         if self.dtype == "int8":
             return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
         return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(self.group_size))
+
+
+@contextlib.contextmanager
+def _quiet_import():
+    """Import torchao without its start-up warnings on machines without its GPU kernels
+    (it tries to load CUDA libraries, and registers enums with torch's pytree)."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # --- quantisation-aware training ----------------------------------------------------------
@@ -125,7 +143,8 @@ class FakeQuant:
             return (absmax / half_range).clamp(min=torch.finfo(torch.float32).eps)
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        from torchao.quantization.quant_primitives import _fake_quantize_affine
+        with _quiet_import():
+            from torchao.quantization.quant_primitives import _fake_quantize_affine
 
         scale = self.scales(w)
         group = w.shape[1] // scale.shape[1]
@@ -154,7 +173,8 @@ def apply_qat(model: nn.Module, cfg: QuantConfig) -> list[str]:
 def quantize_model(model: nn.Module, cfg: QuantConfig) -> list[str]:
     """Replace the block linear weights of a whole (tp = 1) model by torchao's quantised
     tensors (``torchao.quantization.quantize_``); they then compute with them."""
-    from torchao.quantization import quantize_
+    with _quiet_import():
+        from torchao.quantization import quantize_
 
     names = set(quantized_layers(model))
     quantize_(model, cfg.torchao(), filter_fn=lambda m, fqn: fqn in names)
@@ -222,7 +242,9 @@ def load_quantized(folder: str | Path) -> tuple[ModelConfig, nn.Module]:
     """(config, whole plait model) from ``save_quantized``'s folder; the quantised layers
     hold torchao ``IntxUnpackedToInt8Tensor`` weights again."""
     from safetensors.torch import load_file
-    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    with _quiet_import():
+        from torchao.quantization import IntxUnpackedToInt8Tensor
 
     from plait.model import hf
     from plait.model.transformer import build_model
