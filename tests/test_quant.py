@@ -191,3 +191,21 @@ def test_qat_model_is_what_the_int4_export_computes(data, tmp_path):
     assert meta["val_loss"]["quantized"] == pytest.approx(last["val_loss"], rel=1e-6)
     assert meta["val_loss"]["float"] != pytest.approx(last["val_loss"], rel=1e-6)
     assert dataclasses.asdict(QuantConfig(dtype="int4"))["group_size"] == 32
+
+
+def test_quant_flags_that_do_not_fit_are_one_line(tmp_path):
+    from plait.cli import build_run_config, read_config_file
+
+    with pytest.raises(ValueError, match="--quant-group-size applies to --qat int4"):
+        build_run_config({"qat": "int8", "quant_group_size": 16})
+    for scheme in ("int8", "int4"):  # a run's config.yaml feeds the flags back
+        cfg = build_run_config({"qat": scheme, "arch": "llama", "out": str(tmp_path)})
+        cfg.save(tmp_path / "config.yaml")
+        again = build_run_config(read_config_file(str(tmp_path / "config.yaml")))
+        assert again.qat == cfg.qat
+
+
+def test_export_refuses_a_group_size_without_int4(trained, tmp_path, capsys):
+    args = ["export", "--run", str(trained), "--quantize", "int8", "--quant-group-size", "16"]
+    assert main([*args, "--out", str(tmp_path / "x")]) == 2
+    assert "--quant-group-size applies to --quantize int4" in capsys.readouterr().err

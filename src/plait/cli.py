@@ -76,7 +76,8 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
         lora, qat = raw.get("lora") or {}, raw.get("qat") or {}
         flat.update(lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"),
                     lora_targets=",".join(lora.get("targets") or []) or None,
-                    qat=qat.get("dtype"), quant_group_size=qat.get("group_size"))  # fmt: skip
+                    qat=qat.get("dtype"),
+                    quant_group_size=qat.get("group_size") if qat.get("dtype") == "int4" else None)  # fmt: skip
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
@@ -223,6 +224,8 @@ def finetune_configs(values: dict) -> dict:
     out = {}
     if (lora := lora_config(values)) is not None:
         out["lora"] = lora
+    if values.get("quant_group_size") is not None and values.get("qat") != "int4":
+        raise ValueError("--quant-group-size applies to --qat int4")
     if values.get("qat"):
         group = values.get("quant_group_size")
         out["qat"] = QuantConfig(dtype=values["qat"], **({"group_size": group} if group else {}))

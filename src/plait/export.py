@@ -43,6 +43,8 @@ class ExportOptions:
             )
         if self.adapter and self.quantize:
             raise ExportError("--quantize with --adapter: quantise a merged model (--merge-lora)")
+        if self.group_size is not None and self.quantize != "int4":
+            raise ExportError("--quant-group-size applies to --quantize int4")
 
 
 def val_loss(model, pairs) -> tuple[float, int]:

@@ -241,11 +241,13 @@ class Trainer:
         t0 = time.perf_counter()
         lr = optim.lr_at(step, tcfg)
         batch = self.sampler.local_batch(step, dp_rank=topo.dp_rank, dp=layout.dp)
+        # the global mean over the targets that take a loss (all, unless masked; a batch
+        # without any answer token trains nothing)
+        loss_tokens = self.sampler.target_count(step)
         loss_share = runner.train_step(
             _split([t.to(topo.device) for t in batch], layout.micro_batch_size),
             loss_scale=scaler.scale,
-            # the global mean over the targets that take a loss (all, unless masked)
-            tokens_global=self.sampler.target_count(step),
+            tokens_global=max(loss_tokens, 1),
         )
         self.tp_grad_sync.finish()
         engine.finish()
@@ -282,6 +284,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "tokens": self.tokens_per_step,
+            **({"loss_tokens": loss_tokens} if loss_tokens != self.tokens_per_step else {}),
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": flops_per_s / 1e12,
@@ -308,7 +311,7 @@ class Trainer:
             mine = [t.chunk(layout.dp)[topo.dp_rank].to(topo.device) for t in (inputs, targets)]
             share = self.runner.eval_step(
                 _split(mine, layout.micro_batch_size),
-                tokens_global=int((targets != IGNORE_INDEX).sum()),
+                tokens_global=max(int((targets != IGNORE_INDEX).sum()), 1),
             )
             if self.reports_loss:
                 total = total + share
