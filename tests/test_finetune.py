@@ -266,6 +266,33 @@ def test_zero3_shards_the_base_and_reduces_only_adapters(runs):
         assert gathered >= STEPS * 2 * 4 * sum(frozen) * 0.5
 
 
+@pytest.mark.slow
+def test_tp_sums_the_replicated_factors_once_per_step(runs):
+    """LoRA under tp 2 (sequence parallel): besides the cross-entropy's two all-reduces per
+    micro-batch, one all-reduce per step carries exactly the adapters' tp-partial factors
+    (A beside column-parallel layers, B beside row-parallel ones) and the replicated key /
+    value B's slots -- the frozen norms, which sequence parallelism would otherwise sum,
+    are not in it."""
+    from plait.model.lora import apply_lora
+    from plait.parallel.tensor import TPGradSync, shard_spec
+
+    cfg, per_rank, _ = runs["lora-tp2-sp"]
+    for tp_rank, r in enumerate(per_rank):
+        topo = Topology(tp=2, rank=tp_rank)
+        model = build_model(cfg.model, topo=topo, sequence_parallel=True, device="meta")
+        apply_lora(model, cfg.lora, arch=cfg.model.arch, seed=0)
+        sync = TPGradSync(list(model.parameters()), topo=topo)
+        assert sync.partial and all(".lora." in n for n, p in model.named_parameters()
+                                    if any(p is q for q in sync.partial))  # fmt: skip
+        numel = sum(p.numel() for p in sync.partial)
+        numel += sum(2 // shard_spec(p).replicas * p.numel() for p in sync.replicated_kv)
+        mb, tokens = 2, cfg.layout.micro_batch_size * cfg.model.seq_len  # per step, per mb
+        ce_calls = 2 * mb * (STEPS + 1)  # training and the one evaluation batch
+        calls, nbytes = r["comm"]["tp.all_reduce"]
+        assert calls == ce_calls + STEPS
+        assert nbytes == ce_calls // 2 * 12 * tokens + STEPS * 4 * numel
+
+
 # --- seeing a run: TensorBoard, the report, the recorded timeline ---------------------------
 
 
