@@ -93,6 +93,9 @@ LAYOUTS = {
     # dp with ZeRO-3: adapters sharded, reduce-scattered; the base never
     "lora-dp2-z3": ("llama", LoRAConfig(rank=8, alpha=16, targets="q,v,o,down"), None,
                     dict(dp=2, zero=3)),
+    # ZeRO-1 and -2: the adapters' gradients and AdamW state sharded, the base held whole
+    "lora-dp2-z1": ("llama", LoRAConfig(rank=4, targets="q,k,o,gate"), None, dict(dp=2, zero=1)),
+    "lora-dp2-z2": ("gpt2", LoRAConfig(rank=4, targets="v,up,down"), None, dict(dp=2, zero=2)),
     # QAT int8: a row-parallel channel's scale from both tp shards (all-reduce MAX)
     "qat8-tp2": ("llama", None, QuantConfig(dtype="int8"), dict(tp=2, lr=3e-3)),
 }  # fmt: skip
