@@ -238,16 +238,7 @@ def model_flops_per_token(model_cfg: ModelConfig, cfg: LoRAConfig, seq_len: int 
     see no trainable input skip even the input gradient; not counted.)"""
     from plait.model import sizes
 
-    dense = (
-        sizes.model_flops_per_token(model_cfg, seq_len)
-        - 12
-        * model_cfg.n_layers
-        * (model_cfg.seq_len if seq_len is None else seq_len)
-        * model_cfg.hidden
-    )
-    frozen = dense / 6.0  # matmul weights, logits included
-    return (
-        4.0 * frozen
-        + 6.0 * num_adapter_params(model_cfg, cfg)
-        + (sizes.model_flops_per_token(model_cfg, seq_len) - dense)
-    )
+    s = model_cfg.seq_len if seq_len is None else seq_len
+    attention = 12 * model_cfg.n_layers * s * model_cfg.hidden
+    frozen = (sizes.model_flops_per_token(model_cfg, s) - attention) / 6  # matmul weights
+    return 4.0 * frozen + 6.0 * num_adapter_params(model_cfg, cfg) + attention
