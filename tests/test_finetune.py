@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_workers
+from numerics import assert_same_run, loss_tol
 
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
@@ -193,23 +194,29 @@ def final_state(cfg: RunConfig, out) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(runs, name):
-    """LoRA: every step within 1e-5 relative -- fp32 sums in another order (~1e-7 per
-    reduction) compounded over 10 AdamW steps of the few trained parameters stay well
-    below it (measured < 1e-7). QAT: step 1 within 1e-6 (the same scales and fake-quantised
-    weights in every layout, checked exactly below); later steps within 1e-3, because
-    rounding is discontinuous: a weight that a 1e-7 summation-order difference moves
-    across a rounding boundary changes by a whole quantisation step (measured: <= 1e-4
-    over these 10 steps, up to 3e-2 after 20 steps at a 7x higher learning rate)."""
+    """The numerics gate (``numerics.assert_same_run``: loss and gradient norm of step n
+    within n times the float32 summation bound, derived from the model's reduction
+    lengths). LoRA is held to it at every step (measured: under 1e-7 relative, below the
+    1e-5 the issue asks for; 1e-5 itself is not derivable -- the bound for these models is
+    ~6e-5 at step 1). QAT is held to it at step 1 (the same scales and fake-quantised
+    weights in every layout, checked exactly below), later steps to 1e-3: rounding is
+    discontinuous, so a weight that a 1e-7 summation-order difference moves across a
+    rounding boundary changes by a whole quantisation step (measured: <= 1e-4 over these
+    10 steps, up to 3e-2 after 20 steps at a 7x higher learning rate)."""
     cfg, _, ref = runs[name]
     got, want = metrics(cfg.out), metrics(ref)
     assert len(got) == len(want) == STEPS
     assert want[-1]["loss"] < want[0]["loss"] - 0.05, "the reference must learn something"
-    qat = cfg.qat is not None
-    for g, w in zip(got, want):
-        rel = (1e-6 if g["step"] == 1 else 1e-3) if qat else 1e-5
-        assert g["loss"] == pytest.approx(w["loss"], rel=rel), (name, g["step"])
-    assert got[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-5), name
-    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=1e-3 if qat else 1e-5)
+    tokens = cfg.layout.global_batch_size * cfg.model.seq_len  # the masked mean has fewer
+    if cfg.qat is None:
+        assert_same_run(got, want, cfg.model, tokens, name)
+        tol = STEPS * loss_tol(cfg.model, tokens)
+    else:
+        assert_same_run(got[:1], want[:1], cfg.model, tokens, name)
+        for g, w in zip(got[1:], want[1:]):
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-3), (name, g["step"])
+        tol = 1e-3
+    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=tol), name
 
 
 @pytest.mark.slow
