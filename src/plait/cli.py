@@ -4,6 +4,7 @@
     plait generate --run DIR    sample text from a trained run
     plait export --run DIR      the newest checkpoint as a Hugging Face model folder
     plait checkpoint verify DIR check a run's checkpoints against their manifests
+    plait report RUN            one self-contained HTML page (and a PNG) about a run
     plait info [flags]          parameters, FLOPs per token and memory of a model and layout
     plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
     plait plan [flags]          rank every layout of a model on a cluster; write the best
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from plait.cli_args import layout_parent, model_config, model_parent
+from plait.cli_args import layout_parent, lora_parent, model_config, model_parent
 
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
               "val_fraction": "val_fraction"}  # fmt: skip
@@ -72,6 +73,11 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
         )  # fmt: skip
         for section in ("layout", "train"):
             flat.update(raw.get(section) or {})
+        lora, qat = raw.get("lora") or {}, raw.get("qat") or {}
+        flat.update(lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"),
+                    lora_targets=",".join(lora.get("targets") or []) or None,
+                    qat=qat.get("dtype"),
+                    quant_group_size=qat.get("group_size") if qat.get("dtype") == "int4" else None)  # fmt: skip
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
@@ -109,7 +115,7 @@ def merged_values(
 
 def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "train", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+        "train", parents=[model_parent(), layout_parent(), lora_parent()], allow_abbrev=False,
         help="train a model", description="Train a model (starts dp x tp x pp workers).",
     )  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values (flags override it)")
@@ -128,6 +134,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU")
     g.add_argument("--collective-timeout", type=float, help="seconds")
     g.add_argument("--trace", action="store_true", default=None)
+    g.add_argument("--tensorboard", action="store_true", default=None,
+                   help="TensorBoard event files beside metrics.jsonl")  # fmt: skip
     g.add_argument("--threads", type=int, help="torch threads per worker")
     g.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each transformer block (first steps pay the compile)")  # fmt: skip
@@ -147,6 +155,11 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    "safetensors); the model's sizes come from it")  # fmt: skip
     g.add_argument("--dry-run", action="store_true", default=None,
                    help="validate, build the model on the meta device, and stop")  # fmt: skip
+    g = p.add_argument_group("quantisation-aware training")
+    g.add_argument("--qat", choices=("int8", "int4"),
+                   help="quantisation-aware training of the block linear layers")  # fmt: skip
+    g.add_argument("--quant-group-size", type=int, metavar="G",
+                   help="int4: input features per scale (default 32)")  # fmt: skip
     g = p.add_argument_group("multi-node (torchrun rendezvous)")
     g.add_argument("--nnodes", type=int)
     g.add_argument("--node-rank", type=int)
@@ -198,8 +211,25 @@ def build_run_config(values: dict):
                         f"does not suit the tokenizer: {e}") from None  # fmt: skip
     out = values.get("out") or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
     return RunConfig(
-        model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out)
-    )
+        model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out),
+        **finetune_configs(values),
+    )  # fmt: skip
+
+
+def finetune_configs(values: dict) -> dict:
+    """``lora`` and ``qat`` of a RunConfig from the flags (ValueError on bad ones)."""
+    from plait.cli_args import lora_config
+    from plait.model.quant import QuantConfig
+
+    out = {}
+    if (lora := lora_config(values)) is not None:
+        out["lora"] = lora
+    if values.get("quant_group_size") is not None and values.get("qat") != "int4":
+        raise ValueError("--quant-group-size applies to --qat int4")
+    if values.get("qat"):
+        group = values.get("quant_group_size")
+        out["qat"] = QuantConfig(dtype=values["qat"], **({"group_size": group} if group else {}))
+    return out
 
 
 def _hf_model(values: dict):
@@ -358,16 +388,29 @@ def _dry_run(cfg) -> int:
     return 0
 
 
-def _state_bytes(n_params: int, lay) -> float:
+def _state_bytes(n_params: int, lay, model=None, lora=None) -> float:
     """Model-state bytes on one device: ZeRO stage, hybrid sharding and offload included."""
+    return _state(n_params, lay, model, lora)["device"]
+
+
+def _state(n_params: int, lay, model=None, lora=None) -> dict:
+    """``sizes.model_state_breakdown`` for one rank; with LoRA the base counts as frozen."""
     from plait.model.sizes import model_state_breakdown
 
+    per_rank = n_params / (lay.tp * lay.pp)
+    trainable, frozen = per_rank, 0.0
+    if lora is not None:
+        from plait.model.lora import adapter_params_per_layer
+
+        trainable = model.n_layers / lay.pp * adapter_params_per_layer(model, lora, lay.tp)
+        frozen = per_rank
     return model_state_breakdown(
-        round(n_params / (lay.tp * lay.pp)),
+        round(trainable),
         dp=lay.zero_shard_group or lay.dp,
         zero=lay.zero,
         offload_optimizer=lay.offload_optimizer,
-    )["device"]
+        frozen_params=round(frozen),
+    )
 
 
 def _report(cfg) -> None:
@@ -397,29 +440,18 @@ def _report(cfg) -> None:
 
 
 def cmd_export(args) -> int:
-    """``plait export --run DIR --out HF_DIR``: the newest checkpoint as a Hugging Face
-    model folder (config.json + model.safetensors)."""
-    from plait.data import DataError, prepare
-    from plait.generate import load_model
-    from plait.model import hf
+    """``plait export --run DIR``: the newest checkpoint as a Hugging Face model folder
+    (``plait.export``: merged LoRA, PEFT adapter, quantised)."""
+    from plait.export import ExportOptions, export
     from plait.train import checkpoint
 
-    run = Path(args.run)
     try:
-        cfg, path, model = load_model(run)
-        out = Path(args.out or run / "hf")
-        hf.save(out, dict(model.named_parameters()), cfg.model)
-        files = ["config.json", hf.WEIGHTS]
-        try:  # the run's tokenizer, from its token cache (rebuilt if the cache is gone)
-            if hf.save_tokenizer(out, prepare(cfg.data).tokenizer, cfg.model):
-                files += ["tokenizer.json", "tokenizer_config.json"]
-            else:
-                files.append("no tokenizer file (--tokenizer bytes: ids are UTF-8 bytes)")
-        except DataError as e:
-            files.append(f"no tokenizer ({str(e).splitlines()[0]})")
+        opts = ExportOptions(merge_lora=bool(args.merge_lora), adapter=bool(args.adapter),
+                             quantize=args.quantize, group_size=args.quant_group_size)  # fmt: skip
+        out, notes = export(Path(args.run), Path(args.out) if args.out else None, opts)
     except (UserError, ValueError, OSError, checkpoint.CheckpointError) as e:
         return _die("export", str(e).strip().splitlines()[0])
-    print(f"wrote {out} ({cfg.model.arch}, {path.name}): {', '.join(files)}")
+    print(f"wrote {out} ({notes[0]}): " + ", ".join(notes[1:]))
     return 0
 
 
@@ -454,6 +486,17 @@ def cmd_checkpoint_verify(args) -> int:
     return 1 if damaged else 0
 
 
+def cmd_report(args) -> int:
+    from plait.viz.report import write_report
+
+    try:
+        page, png = write_report(Path(args.run), args.out)
+    except (ValueError, OSError) as e:
+        return _die("report", str(e).strip().splitlines()[0])
+    print(f"wrote {page} and {png}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from plait.generate import generate_text
 
@@ -469,14 +512,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args, parser) -> int:
-    from plait.cli_args import layout_config
-    from plait.model.sizes import model_flops_per_token, num_params
+    from plait.cli_args import layout_config, lora_config
+    from plait.model.sizes import activation_bytes_per_layer, model_flops_per_token, num_params
 
     try:
         values = merged_values(args, parser)
         model = model_config(values)
         layout = layout_config(values)
         layout.check_model(model)
+        lora = lora_config(values)
+        if lora is not None:
+            lora.check_model(model)
     except (UserError, ValueError) as e:
         return _die("info", str(e).strip().splitlines()[0])
     n = num_params(model)
@@ -484,17 +530,43 @@ def cmd_info(args, parser) -> int:
     for k, v in model.to_dict().items():
         print(f"  {k:<12} {v}")
     print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
-    print(f"FLOPs per token      {model_flops_per_token(model):.4g} (training, model FLOPs)")
+    flops = model_flops_per_token(model)
+    if lora is not None:
+        from plait.model.lora import model_flops_per_token as lora_flops
+        from plait.model.lora import num_adapter_params
+
+        flops = lora_flops(model, lora)
+        t = num_adapter_params(model, lora)
+        print(f"trainable            {t:,} ({t / n:.2%}): LoRA r={lora.rank} on "
+              f"{','.join(lora.targets)}, base frozen")  # fmt: skip
+    print(f"FLOPs per token      {flops:.4g} (training, model FLOPs)")
+    st = _state(n, layout, model, lora)
+    gib = 2**30
     print(
-        f"model state per rank {_state_bytes(n, layout) / 2**30:.3f} GiB on the device "
-        f"(fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} dp={layout.dp} "
-        f"zero={layout.zero})"
+        f"model state per rank {st['device'] / gib:.3f} GiB on the device: weights "
+        f"{st['params'] / gib:.3f}, gradients {st['grads'] / gib:.3f}, optimizer "
+        f"{st['optim'] / gib:.3f} (fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} "
+        f"dp={layout.dp} zero={layout.zero}"
+        + (", LoRA" if lora else "")
+        + ")"
+        + (f"; host {st['host'] / gib:.3f}" if st["host"] else "")
+    )
+    act = activation_bytes_per_layer(
+        model, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+        act_bytes=4 if layout.dtype == "fp32" else 2,
+    ) * model.n_layers / layout.pp  # fmt: skip
+    print(
+        f"activations per rank {act / gib:.3f} GiB per micro-batch in flight "
+        f"({layout.micro_batch_size} x {model.seq_len} tokens, {layout.dtype}, "
+        f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
     )
     return 0
 
 
 def _add_simulate(sub):
-    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent(), lora_parent()],
+                       allow_abbrev=False,
                        help="predict step time, MFU and memory of a layout")  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values")
     from plait.commands import simulate as sim_cli
@@ -545,6 +617,16 @@ def make_parser():
                          help="write a run's newest checkpoint as a Hugging Face model folder")  # fmt: skip
     exp.add_argument("--run", required=True, help="run folder written by plait train")
     exp.add_argument("--out", help="folder to write (default RUN/hf)")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA run: fold the adapters into the weights")  # fmt: skip
+    exp.add_argument("--adapter", action="store_true",
+                     help="a LoRA run: the base model, and the adapter in PEFT's format in "
+                     "OUT/adapter")  # fmt: skip
+    exp.add_argument("--quantize", choices=("int8", "int4"),
+                     help="weight-only quantisation of the block linears (torchao); reports "
+                     "the validation perplexity change")  # fmt: skip
+    exp.add_argument("--quant-group-size", type=int, metavar="G",
+                     help="int4: input features per scale (default: the run's, else 32)")  # fmt: skip
     ckpt = sub.add_parser("checkpoint", allow_abbrev=False, help="check a run's checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="action", metavar="ACTION", required=True)
     verify = ckpt_sub.add_parser("verify", allow_abbrev=False,
@@ -552,7 +634,12 @@ def make_parser():
     verify.add_argument(
         "dir", metavar="DIR", help="a run folder, its checkpoints/ or a step-N folder"
     )
-    info = sub.add_parser("info", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+    rep = sub.add_parser("report", allow_abbrev=False,
+                         help="one self-contained HTML page (and a PNG) about a run")  # fmt: skip
+    rep.add_argument("run", metavar="RUN", help="run folder written by plait train")
+    rep.add_argument("--out", help="HTML file to write (default RUN/report.html)")
+    info = sub.add_parser("info", parents=[model_parent(), layout_parent(), lora_parent()],
+                          allow_abbrev=False,
                           help="sizes, FLOPs and memory of a model")  # fmt: skip
     info.add_argument("--config", help="YAML or TOML file of flag values")
     simulate, sim_cli = _add_simulate(sub)
@@ -584,6 +671,8 @@ def main(argv=None) -> int:
         return cmd_export(args)
     if args.command == "checkpoint":
         return cmd_checkpoint_verify(args)
+    if args.command == "report":
+        return cmd_report(args)
     if args.command == "info":
         return cmd_info(args, subs["info"])
     if args.command == "simulate":

@@ -101,3 +101,31 @@ def layout_config(values: dict) -> Layout:
     if "pp_layout" in fields:
         fields["pp_layout"] = tuple(fields["pp_layout"])
     return Layout(**fields)
+
+
+def lora_parent() -> argparse.ArgumentParser:
+    """LoRA fine-tuning flags (``train``, ``info``, ``simulate``): base frozen, adapters
+    trained -- what changes the model state a rank holds."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    g = p.add_argument_group("LoRA fine-tuning")
+    g.add_argument("--lora-rank", type=int, metavar="R", default=None,
+                   help="train LoRA adapters of rank R; the base weights stay frozen")  # fmt: skip
+    g.add_argument("--lora-alpha", type=float, metavar="A", default=None,
+                   help="adapter scale A / R (default A = R)")  # fmt: skip
+    g.add_argument("--lora-targets", metavar="LIST", default=None,
+                   help="layers with adapters, from q,k,v,o,up,down,gate (default q,v)")  # fmt: skip
+    return p
+
+
+def lora_config(values: dict):
+    """LoRAConfig from the flags, or None without --lora-rank (ValueError on bad ones)."""
+    from plait.model.lora import LoRAConfig
+
+    if values.get("lora_rank") is None:
+        if values.get("lora_alpha") is not None or values.get("lora_targets"):
+            raise ValueError("--lora-alpha and --lora-targets need --lora-rank")
+        return None
+    lora = {"rank": values["lora_rank"], "alpha": values.get("lora_alpha")}
+    if values.get("lora_targets"):
+        lora["targets"] = values["lora_targets"]
+    return LoRAConfig(**lora)

@@ -27,6 +27,14 @@ def load_model(run: Path):
     if "skipped" in note:
         logging.getLogger("plait").warning("plait: %s", note.replace("resuming", "loading", 1))
     model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.lora:  # the checkpoint holds the adapters beside the frozen base
+        from plait.model.lora import apply_lora
+
+        apply_lora(model, cfg.lora, arch=cfg.model.arch, seed=cfg.train.seed)
+    if cfg.qat:  # the model as trained: its block weights fake-quantised
+        from plait.model.quant import apply_qat
+
+        apply_qat(model, cfg.qat)
     checkpoint.load(path, model=model, optim_state=None, topo=Topology.single(), verified=True)
     model.eval()
     return cfg, path, model

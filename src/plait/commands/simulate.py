@@ -108,7 +108,13 @@ def _run_one(args: argparse.Namespace) -> int:
         values["dtype"] = default_dtype(hw.peak_flops)
     layout = layout_config(values)
     runtime = args.runtime or DEFAULT_RUNTIME
-    res = simulate(model, layout, hw, gpus, runtime=runtime, keep_timeline=bool(args.timeline))
+    from plait.cli_args import lora_config
+
+    lora = lora_config(values)  # a frozen base: its weights held, adapters trained
+    if lora is not None:
+        lora.check_model(model)
+    res = simulate(model, layout, hw, gpus, runtime=runtime, keep_timeline=bool(args.timeline),
+                   lora=lora)  # fmt: skip
     if args.timeline:
         from plait.viz.timeline import draw_timeline
 

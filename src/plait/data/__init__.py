@@ -10,7 +10,13 @@ One idea per file: ``corpus`` finds the documents, ``tokenizer`` turns text into
 """
 
 from plait.data.corpus import DataError
-from plait.data.sampler import GlobalBatchSampler, val_batches
+from plait.data.sampler import (
+    IGNORE_INDEX,
+    GlobalBatchSampler,
+    inputs_targets,
+    val_batches,
+    val_pairs,
+)
 from plait.data.tokenizer import ByteTokenizer, HFTokenizer
 from plait.data.tokens import DataConfig, Dataset, prepare
 
@@ -20,7 +26,10 @@ __all__ = [
     "DataError",
     "Dataset",
     "GlobalBatchSampler",
+    "IGNORE_INDEX",
     "HFTokenizer",
+    "inputs_targets",
     "prepare",
     "val_batches",
+    "val_pairs",
 ]

@@ -9,7 +9,9 @@
 - a text file: one document.
 - a folder: every text file under it (``TEXT_SUFFIXES``, plus JSON Lines files), one
   document per file (per line for JSON Lines). Hidden folders and ``__pycache__`` are skipped.
-- a JSON Lines file (``JSONL_SUFFIXES``): one document per line, taken from its "text" field.
+- a JSON Lines file (``JSONL_SUFFIXES``): one document per line, taken from its "text" field;
+  or instruction data (``prompt`` / ``completion`` or chat ``messages`` records), whose loss
+  is taken on the answers only (``instruct.py``).
 
 Files are visited in sorted relative-path order, so the token stream, and therefore every
 batch, is the same on every machine that holds the same files.
@@ -58,6 +60,7 @@ class Corpus:
     root: Path  # the folder (stdlib, folder) or the file itself
     files: tuple[Path, ...]  # absolute paths, in document order
     user_path: str | None = None  # --data exactly as given, for messages
+    instruct: bool = False  # instruction examples (instruct.py), not documents
 
     def identity(self) -> dict:
         """What the token cache is keyed on.
@@ -71,13 +74,23 @@ class Corpus:
         """
         if self.kind == "file" and self.root.stat().st_size <= CONTENT_HASH_LIMIT:
             digest = hashlib.sha256(self.root.read_bytes()).hexdigest()
-            return {"kind": "file", "format": _format(self.root), "sha256": digest}
+            out = {"kind": "file", "format": _format(self.root), "sha256": digest}
+            if self.instruct:  # the rendering is part of what the tokens are
+                from plait.data.instruct import TEMPLATE
+
+                out["instruct"] = TEMPLATE
+            return out
         listing = []
         for f in self.files:
             st = f.stat()
             rel = f.name if self.kind == "file" else f.relative_to(self.root).as_posix()
             listing.append([rel, st.st_size, st.st_mtime_ns])
-        return {"kind": self.kind, "root": str(self.root), "files": listing}
+        out = {"kind": self.kind, "root": str(self.root), "files": listing}
+        if self.instruct:
+            from plait.data.instruct import TEMPLATE
+
+            out["instruct"] = TEMPLATE
+        return out
 
     def display(self, f: Path) -> str:
         """How messages name one file: as the user would type it."""
@@ -93,6 +106,12 @@ class Corpus:
         Binary files inside a folder are skipped and bytes that are not UTF-8 are replaced
         (one odd file should not stop a run); ``log`` hears how many of each, if any.
         """
+        if self.instruct:
+            from plait.data import instruct
+
+            for ex in self.examples():
+                yield instruct.text(ex)
+            return
         skipped, replaced = [], 0
         for f in self.files:
             if _format(f) == "jsonl":
@@ -119,6 +138,13 @@ class Corpus:
         if log and replaced:
             log(f"data: {replaced} file(s) in {self.label} had bytes that are not UTF-8 (replaced)")
 
+    def examples(self):
+        """Instruction examples as (text, trained) segments (``instruct.py``)."""
+        from plait.data import instruct
+
+        for f in self.files:
+            yield from instruct.examples(f, self.display(f))
+
 
 def find_corpus(path: str | None) -> Corpus:
     """Resolve ``--data`` (None: the embedded corpus) to a Corpus, or raise DataError."""
@@ -140,7 +166,12 @@ def find_corpus(path: str | None) -> Corpus:
         raise DataError(f"--data {path}: not a regular file or folder")
     if p.stat().st_size == 0:
         raise DataError(f"--data {path}: the file is empty")
-    return Corpus(f"--data {path}", "file", p, (p,), path)
+    instruct = False
+    if _format(p) == "jsonl":
+        from plait.data.instruct import first_record, is_instruction
+
+        instruct = is_instruction(first_record(p))
+    return Corpus(f"--data {path}", "file", p, (p,), path, instruct=instruct)
 
 
 def stdlib_root() -> Path:
@@ -179,6 +210,13 @@ def _jsonl_documents(f: Path, shown: str) -> Iterator[str]:
                     'per line like {"text": "..."}'
                 ) from None
             if not isinstance(record, dict) or "text" not in record:
+                from plait.data.instruct import is_instruction
+
+                if is_instruction(record):
+                    raise DataError(
+                        f"--data {shown} line {n}: an instruction record; pass that .jsonl "
+                        "file itself as --data (instruction data is one file)"
+                    )
                 raise DataError(
                     f'--data {shown} line {n}: no \'text\' field; expected {{"text": "..."}}'
                 )

@@ -12,6 +12,13 @@ Worked example: 1,000 tokens, seq_len 99 -> windows 0..9 (window 9 is tokens 891
 With G = 4, step 0 takes perm0[0:4], step 1 perm0[4:8], step 2 perm0[8:10] + perm1[0:2].
 
 Resuming is therefore just the step number: there is no iterator state to checkpoint.
+
+Loss masks (instruction data, ``instruct.py``): a stream may come with a 0/1 ``mask`` of
+the same length, 1 where a token is a target the loss is taken on (a completion token).
+``local_batch`` then returns the targets with ``IGNORE_INDEX`` wherever the mask is 0,
+and ``target_count(step)`` is the number of targets the whole global batch takes a loss
+on: every rank computes it from the same windows, so the global mean over unmasked
+tokens needs no communication (without a mask it is global_batch * seq_len).
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import numpy as np
 import torch
 
 from plait.data.corpus import DataError
+
+# Targets that take no loss: PyTorch's cross-entropy default, and ``parallel.tensor``'s.
+IGNORE_INDEX = -100
 
 
 class GlobalBatchSampler:
@@ -36,6 +46,7 @@ class GlobalBatchSampler:
         global_batch: int,
         seed: int,
         name: str = "--data",
+        mask: np.ndarray | None = None,
     ):
         _check_positive(seq_len=seq_len, global_batch=global_batch)
         if seed < 0:
@@ -45,7 +56,7 @@ class GlobalBatchSampler:
                 f"{name}: the training split has {len(tokens):,} tokens but a step needs "
                 f"seq_len+1 = {seq_len + 1}; use more text or a smaller --seq-len"
             )
-        self.tokens = tokens
+        self.tokens, self.mask = tokens, mask
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
@@ -84,6 +95,23 @@ class GlobalBatchSampler:
         rows = self.global_batch // dp
         return self._gather(self.window_ids(step)[dp_rank * rows : (dp_rank + 1) * rows])
 
+    def local_batch(self, step: int, *, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), (G/dp, T) each, of this dp rank's rows of step ``step``;
+        targets hold ``IGNORE_INDEX`` where the mask (if any) says no loss."""
+        rows = self.local(step, dp_rank=dp_rank, dp=dp)
+        if self.mask is None:
+            return with_targets(rows, None)
+        per = self.global_batch // dp
+        ids = self.window_ids(step)[dp_rank * per : (dp_rank + 1) * per]
+        return with_targets(rows, _windows(self.mask, ids * self.seq_len, self.seq_len + 1))
+
+    def target_count(self, step: int) -> int:
+        """Targets of step ``step``'s whole global batch that take a loss (module doc)."""
+        if self.mask is None:
+            return self.global_batch * self.seq_len
+        starts = self.window_ids(step) * self.seq_len + 1  # a window's targets: tokens 1..T
+        return int(_windows(self.mask, starts, self.seq_len).sum())
+
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a step spans at most two epochs unless G > windows
@@ -117,6 +145,42 @@ def val_batches(
     ids = np.arange(total, dtype=np.int64) * num_windows // total
     rows = _windows(tokens, ids * seq_len, seq_len + 1)
     return list(rows.split(batch))
+
+
+def val_pairs(
+    tokens: np.ndarray,
+    mask: np.ndarray | None,
+    *,
+    seq_len: int,
+    batch: int,
+    num_batches: int,
+    name: str = "--data",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``val_batches`` as (inputs, targets) pairs, masked like ``local_batch``."""
+    rows = val_batches(tokens, seq_len=seq_len, batch=batch, num_batches=num_batches, name=name)
+    if mask is None:
+        return [with_targets(r, None) for r in rows]
+    masks = val_batches(mask, seq_len=seq_len, batch=batch, num_batches=num_batches, name=name)
+    return [with_targets(r, m) for r, m in zip(rows, masks)]
+
+
+def with_targets(
+    rows: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of windows (B, T+1); ``mask`` (B, T+1) marks the tokens that are
+    targets (0: ``IGNORE_INDEX``)."""
+    targets = rows[:, 1:]
+    if mask is not None:
+        targets = targets.masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
+    return rows[:, :-1], targets
+
+
+def inputs_targets(mb) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch as (inputs, targets): either windows (B, T+1) of the token stream
+    (every next token a target) or an (inputs, targets) pair from ``local_batch``."""
+    if isinstance(mb, torch.Tensor):
+        return mb[:, :-1], mb[:, 1:]
+    return mb
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:

@@ -6,6 +6,8 @@ process or any other, memory-maps the result:
     cache_dir/<fingerprint>/
         tokenizer.json   the trained (or copied) tokenizer
         tokens.bin       every document's ids followed by the end-of-text id, back to back
+        mask.bin         instruction data only: one uint8 per token, 1 where the loss is
+                         taken (``instruct.py``)
         meta.json        written last: its presence means the folder is complete
         .lock            flock'ed while one process builds; the others wait, then reuse
 
@@ -107,6 +109,8 @@ class Dataset:
     fingerprint: str
     source: str  # how messages name the data, e.g. "--data books/"; pass as name= to samplers
     num_documents: int
+    train_mask: np.ndarray | None = None  # instruction data: 1 where the loss is taken
+    val_mask: np.ndarray | None = None
 
 
 def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None) -> Dataset:
@@ -162,6 +166,8 @@ def _complete(folder: Path) -> bool:
     try:
         meta = json.loads((folder / "meta.json").read_text())
         expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+        if meta.get("mask") and (folder / "mask.bin").stat().st_size != meta["num_tokens"]:
+            return False
         return (folder / "tokenizer.json").is_file() and (
             folder / "tokens.bin"
         ).stat().st_size == expected
@@ -201,10 +207,21 @@ def _build(folder: Path, corpus: Corpus, cfg: DataConfig, log: Callable[[str], N
     start = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
     counts = {}
-    _write_atomically(
-        folder / "tokens.bin",
-        lambda tmp: counts.update(_tokenise(corpus, tokenizer, dtype, tmp, log)),
-    )
+    if corpus.instruct:  # the mask first: meta.json, written last, vouches for both
+        _write_atomically(
+            folder / "mask.bin",
+            lambda mask_tmp: _write_atomically(
+                folder / "tokens.bin",
+                lambda tmp: counts.update(
+                    _tokenise_examples(corpus, tokenizer, dtype, tmp, mask_tmp)
+                ),
+            ),
+        )
+    else:
+        _write_atomically(
+            folder / "tokens.bin",
+            lambda tmp: counts.update(_tokenise(corpus, tokenizer, dtype, tmp, log)),
+        )
     if counts["num_documents"] == 0:
         (folder / "tokens.bin").unlink()
         raise DataError(f"{corpus.label}: no text found (every document is empty)")
@@ -219,6 +236,7 @@ def _build(folder: Path, corpus: Corpus, cfg: DataConfig, log: Callable[[str], N
         "vocab_size": tokenizer.vocab_size,
         "eot_id": tokenizer.eot_id,
         "dtype": np.dtype(dtype).name,
+        "mask": corpus.instruct,
         **counts,
     }
     _write_atomically(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
@@ -268,6 +286,34 @@ def _tokenise(
     return {"num_tokens": num_tokens, "num_documents": num_documents, "num_chars": num_chars}
 
 
+def _tokenise_examples(corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: Path,
+                       mask_out: Path) -> dict[str, int]:  # fmt: skip
+    """Instruction examples: their ids to ``out`` and their loss mask to ``mask_out``."""
+    from plait.data import instruct
+
+    num_tokens = num_chars = num_documents = num_trained = 0
+    with open(out, "wb") as f, open(mask_out, "wb") as m:
+        batch = []
+        for ex in [*corpus.examples(), None]:  # None: flush the last batch
+            if ex is not None:
+                batch.append(ex)
+                num_chars += len(instruct.text(ex))
+                if len(batch) < 1024:
+                    continue
+            for ids, mask in instruct.encode(tokenizer, batch):
+                ids.astype(dtype).tofile(f)
+                mask.tofile(m)
+                num_tokens += len(ids)
+                num_trained += int(mask.sum())
+                num_documents += 1
+            batch = []
+        for fh in (f, m):
+            fh.flush()
+            os.fsync(fh.fileno())
+    return {"num_tokens": num_tokens, "num_documents": num_documents, "num_chars": num_chars,
+            "num_trained_tokens": num_trained}  # fmt: skip
+
+
 def _batches(documents: Iterator[str]) -> Iterator[list[tuple[str, bool]]]:
     """Group documents into batches of about BATCH_CHARS; each item is (piece, is_last_piece)."""
     batch, size = [], 0
@@ -308,6 +354,9 @@ def _open(folder: Path, corpus: Corpus, cfg: DataConfig) -> Dataset:
         folder / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["num_tokens"],)
     )
     cut = split_point(tokens, cfg.val_fraction, tokenizer.eot_id)
+    mask = None
+    if meta.get("mask"):
+        mask = np.memmap(folder / "mask.bin", dtype=np.uint8, mode="r", shape=(meta["num_tokens"],))
     return Dataset(
         tokenizer=tokenizer,
         train=tokens[:cut],
@@ -316,6 +365,8 @@ def _open(folder: Path, corpus: Corpus, cfg: DataConfig) -> Dataset:
         fingerprint=folder.name,
         source=corpus.label,
         num_documents=meta["num_documents"],
+        train_mask=None if mask is None else mask[:cut],
+        val_mask=None if mask is None else mask[cut:],
     )
 
 

@@ -101,6 +101,7 @@ def model_state_breakdown(
     param_bytes: int = 4,
     grad_bytes: int = 4,
     optim_bytes: int = 8,
+    frozen_params: float = 0,
 ) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state one data-parallel rank holds for
     ``n_params`` parameters: ``params``, ``grads``, ``optim`` on the device, their sum
@@ -115,6 +116,10 @@ def model_state_breakdown(
     ``offload_optimizer`` (ZeRO-Offload) the optimizer state leaves the device for host
     memory, together with an fp32 master copy of the rank's parameter shard that the CPU
     update works on.
+
+    ``frozen_params`` (a LoRA run's base; ``n_params`` then counts the adapters): held as
+    weights -- sharded under stage 3, as the runtime does -- with no gradient and no
+    optimizer state.
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0, 1, 2 or 3, got {zero}")
@@ -122,7 +127,8 @@ def model_state_breakdown(
         raise ValueError("--offload-optimizer needs --zero 1, 2 or 3")
     shard = n_params / dp
     out = {
-        "params": param_bytes * (shard if zero >= 3 else n_params),
+        "params": param_bytes * (shard if zero >= 3 else n_params)
+        + param_bytes * (frozen_params / dp if zero >= 3 else frozen_params),
         "grads": grad_bytes * (shard if zero >= 2 else n_params),
         "optim": 0.0 if offload_optimizer else optim_bytes * (shard if zero >= 1 else n_params),
     }

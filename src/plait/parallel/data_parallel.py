@@ -279,6 +279,12 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def frozen_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters nothing trains (a LoRA run's base): held, no gradient, no
+    optimizer state."""
+    return tensor_bytes(p for p in model.parameters() if not p.requires_grad)
+
+
 def sq_sum(tensors) -> torch.Tensor | float:
     """Sum of squares of ``tensors``, a float64 scalar on their device (per-tensor norms
     first, as the single-process reference clips); 0.0 when there is nothing to sum.
@@ -357,7 +363,7 @@ class DataParallel:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients (as of the last ``finish()``:
         they are freed between steps) and optimizer state."""
-        params = tensor_bytes(p for _, p in self.named)
+        params = tensor_bytes(p for _, p in self.named) + frozen_bytes(self.model)
         states = [t for s in self.optimizer.state.values() for t in s.values()]
         out = {"params": params, "grads": self.grads.grad_bytes, "optim": tensor_bytes(states)}
         out["total"] = sum(out.values())

@@ -25,7 +25,8 @@ line below moves b*s*h*e counted bytes per call):
 - per optimizer step (``TPGradSync.finish``): 1 all-reduce of 4*(R + K) bytes, R the
   tp-replicated parameters that saw only a sequence shard (sequence parallelism: norms,
   row-parallel biases, learned positions) and K the full size of the key/value weights that
-  are replicated because there are fewer key/value heads than tp ranks. Nothing when both
+  are replicated because there are fewer key/value heads than tp ranks; with LoRA adapters
+  (``model/lora.py``) R also holds each adapter's tp-replicated factor. Nothing when all
   are empty.
 - with t == 1 nothing is issued; ``--recompute full`` repeats the forward's collectives
   inside the backward.
@@ -59,6 +60,7 @@ from plait import comm
 from plait.topology import Axis, Topology
 
 SEQ_DIM = 1  # sequence parallelism splits activations (B, T, C) along T
+IGNORE_INDEX = -100  # a target that takes no loss: F.cross_entropy's default (data.sampler's)
 
 
 @dataclass(frozen=True)
@@ -313,12 +315,37 @@ def mark_sequence_parallel(p: nn.Parameter) -> nn.Parameter:
     return p
 
 
+def mark_tp_partial(p: nn.Parameter) -> nn.Parameter:
+    """Flag a tp-replicated parameter whose gradient each tp rank computes only a part of
+    (a LoRA factor beside a split weight, ``model/lora.py``): ``TPGradSync`` sums it."""
+    p.tp_partial = True
+    return p
+
+
+def _is_partial(p: torch.Tensor) -> bool:
+    return getattr(p, "sequence_parallel", False) or getattr(p, "tp_partial", False)
+
+
+def _weight(layer: nn.Module) -> torch.Tensor:
+    """The weight a parallel linear layer multiplies by.
+
+    Two optional strategies are attached to a built layer by the modules that own them,
+    rather than as constructor flags: ``weight_quant`` (``model/quant.py``, quantisation-
+    aware training) maps this rank's weight shard to its fake-quantised value, and
+    ``lora`` (``model/lora.py``) is a module whose output, computed from the same input
+    as the layer, is added to the layer's (still partial, for a row-parallel layer)
+    product. Neither adds a collective to the forward or backward.
+    """
+    return layer.weight if layer.weight_quant is None else layer.weight_quant(layer.weight)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output features: each tp rank computes its slice of y.
 
     ``sequence_parallel``: x arrives as a sequence shard and is all-gathered (else f).
     ``gather_output``: all-gather y's slices into the full y (else y stays split).
     ``spec``: how the weight rows split (key/value replication, vocabulary padding).
+    ``lora`` / ``weight_quant``: see ``_weight`` (set after construction, default None).
     """
 
     def __init__(
@@ -345,6 +372,7 @@ class ColumnParallelLinear(nn.Module):
         local_out = local_size(out_features, self.spec, topo.tp)
         self.weight = set_shard(nn.Parameter(torch.empty(local_out, in_features)), self.spec)
         self.bias = set_shard(nn.Parameter(torch.empty(local_out)), self.spec) if bias else None
+        self.lora, self.weight_quant = None, None  # see _weight
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return enter_tp(x, self.topo, self.sequence_parallel)
@@ -352,7 +380,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x, *, entered: bool = False):  # (..., in) -> (..., out / tp)
         """``entered=True``: x already went through ``self.enter`` -- several column-parallel
         layers reading one input (q, k, v) share one f / all-gather."""
-        y = F.linear(x if entered else self.enter(x), self.weight, self.bias)
+        x = x if entered else self.enter(x)
+        y = F.linear(x, _weight(self), self.bias)
+        if self.lora is not None:  # this rank's slice of the low-rank update
+            y = y + self.lora(x)
         if self.gather_output:
             y = gather_from_tp(y, self.topo)
             if y.shape[-1] != self.out_features:  # drop the vocabulary padding
@@ -363,7 +394,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split by input features; x arrives already split, the partial
     products are summed across tp (g; with sequence parallelism a reduce-scatter into
-    sequence shards), then the replicated bias is added."""
+    sequence shards), then the replicated bias is added. ``lora`` / ``weight_quant``: see
+    ``_weight``."""
 
     def __init__(
         self,
@@ -383,9 +415,13 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if self.bias is not None and sequence_parallel and topo.tp > 1:
             mark_sequence_parallel(self.bias)
+        self.lora, self.weight_quant = None, None  # see _weight
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
-        y = leave_tp(F.linear(x, self.weight), self.topo, self.sequence_parallel)
+        y = F.linear(x, _weight(self))
+        if self.lora is not None:  # a partial sum like the product: reduced with it
+            y = y + self.lora(x)
+        y = leave_tp(y, self.topo, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
@@ -460,14 +496,16 @@ def vocab_parallel_cross_entropy(
     """Per-token loss (N,) in float32 from vocabulary-split logits (N, V/tp).
 
     ``valid_vocab``: the real vocabulary size when the model's is padded for tp; padded
-    entries are excluded.
+    entries are excluded. A target equal to ``IGNORE_INDEX`` (instruction data's context
+    tokens) has loss 0 and no gradient, as in ``F.cross_entropy``.
     """
     local_v = logits.shape[-1]
     if topo.tp == 1 and (valid_vocab is None or valid_vocab >= local_v):
-        return F.cross_entropy(logits.float(), targets, reduction="none")
-    return _VocabParallelCrossEntropy.apply(
+        return F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=IGNORE_INDEX)
+    loss = _VocabParallelCrossEntropy.apply(
         logits, targets, topo, topo.tp_rank * local_v, valid_vocab
     )
+    return loss.masked_fill(targets == IGNORE_INDEX, 0.0)  # its gradient is then 0 too
 
 
 # --- gradients that tp ranks hold only in part ----------------------------------------------
@@ -477,7 +515,8 @@ class TPGradSync:
     """Completes, over tp, the gradients each tp rank computes only a part of:
 
     - parameters marked by ``mark_sequence_parallel`` (replicated, but under sequence
-      parallelism each rank saw only its sequence shard): summed over tp;
+      parallelism each rank saw only its sequence shard) or by ``mark_tp_partial`` (a
+      LoRA factor beside a split weight): summed over tp;
     - key/value weights replicated because there are fewer key/value heads than tp ranks
       (``ShardSpec.replicas > 1``): each copy got the gradient of its own rank's query heads
       only, so the copies of one head are summed. Rather than a process group per replica
@@ -493,7 +532,7 @@ class TPGradSync:
     def __init__(self, params, *, topo: Topology):
         self.topo = topo
         params = [p for p in params if p.requires_grad]
-        self.partial = [p for p in params if getattr(p, "sequence_parallel", False)]
+        self.partial = [p for p in params if _is_partial(p)]
         self.replicated_kv = [p for p in params if shard_spec(p).replicas > 1]
 
     @property

@@ -17,7 +17,8 @@ reduce-scatter its input):
   each of the reduce-scatter and the all-gather.
 - stage 3: one all-gather per unit (the embedding, each transformer block, the final norm
   and head) before its forward and again before its backward, every micro-batch: 8mN
-  bytes per step; the next unit's gather is issued (prefetched) when a unit starts, and a
+  bytes per step (8m(N + F) with F frozen parameters -- a LoRA run's base, which is sharded
+  and gathered like the rest but has no gradient to reduce and no optimizer state); the next unit's gather is issued (prefetched) when a unit starts, and a
   unit's full parameters are freed after its forward and after its backward. Gradients:
   one reduce-scatter per unit in the last micro-batch's backward, 4N bytes (HSDP: + an
   all-reduce of 4N/d). Nothing after the step.
@@ -71,6 +72,7 @@ from plait.parallel.data_parallel import (
     DataParallelConfig,
     GradReducer,
     adamw_zero_state,
+    frozen_bytes,
     model_chunks,
     sq_sum,
     tensor_bytes,
@@ -256,7 +258,14 @@ class Unit:
         self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
         self.gathered = False
         self.pending: Gather | None = None
+        self.trainable = [p for p in params if p.requires_grad]  # their gradients free it
         self.fired = 0
+        # With frozen parameters (LoRA), the trainable gradients may all be in while the
+        # frozen weights still carry the input gradient: then the unit also waits for the
+        # gradient of its input (if that needs one) before it is freed.
+        self.frozen = len(self.trainable) < len(params)
+        self.grads_in = False
+        self.waits_input = False
         self.next_forward: Unit | None = None
         self.next_backward: Unit | None = None
 
@@ -267,9 +276,11 @@ def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Mod
     A ``Transformer`` chunk: one unit per block; the other parameters (embedding, final
     norm, head, a tied embedding copy) form one more, entered at the embedding (or, on a
     chunk without one, at the final norm) and left when the chunk returns -- a tied
-    embedding is used at both ends. Any other module: one unit for all of it.
+    embedding is used at both ends. Any other module: one unit for all of it. Frozen
+    parameters (a LoRA run's base) belong to units too: sharding them is what ZeRO-3
+    offers fine-tuning; only their gradients and optimizer state do not exist.
     """
-    params = [(name, p) for name, p in chunk.named_parameters() if p.requires_grad]
+    params = list(chunk.named_parameters())
     blocks = getattr(chunk, "blocks", None)
     if blocks is None:
         return [(Unit("chunk", [p for _, p in params], n=n, rank=rank), chunk, chunk)]
@@ -281,7 +292,7 @@ def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Mod
         exit_ = chunk if post else chunk.embed
         out.append((Unit("rest", rest, n=n, rank=rank), entry, exit_))
     for key, block in blocks.items():
-        ps = [p for p in block.parameters() if p.requires_grad]
+        ps = list(block.parameters())
         if ps:
             out.append((Unit(f"blocks.{key}", ps, n=n, rank=rank), block, block))
     return out
@@ -319,7 +330,7 @@ class ParamUnits:
                     exit_.register_forward_hook(weak_method(self, "_forward_post", i)),
                 ]
                 hook = weak_method(self, "_grad_ready", i)
-                for p in unit.params:
+                for p in unit.trainable:
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     @property
@@ -361,6 +372,10 @@ class ParamUnits:
         unit = self.units[i]
         self.gather(unit)
         self.prefetch(unit.next_forward)
+        x = args[0] if args else None
+        if unit.frozen and isinstance(x, torch.Tensor) and x.requires_grad and not _in_backward():
+            unit.waits_input = True
+            x.register_hook(weak_method(self, "_input_grad", i))
 
     def _forward_post(self, i: int, module, args, output) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad:
@@ -370,15 +385,39 @@ class ParamUnits:
 
     def _backward_pre(self, i: int, grad) -> None:
         unit = self.units[i]
+        self.free_frozen(but=unit)  # a frozen unit's backward ends where the next begins
         self.gather(unit)
         self.prefetch(unit.next_backward)
 
     def _grad_ready(self, i: int, _param) -> None:
         unit = self.units[i]
         unit.fired += 1
-        if unit.fired == len(unit.params):  # this micro-batch's backward is done with it
+        if unit.fired == len(unit.trainable):  # this micro-batch's backward is done with it
             unit.fired = 0
+            unit.grads_in = True
+            self._release(unit)
+
+    def _input_grad(self, i: int, _grad) -> None:
+        unit = self.units[i]
+        unit.waits_input = False
+        self._release(unit)
+
+    def _release(self, unit: Unit) -> None:
+        if unit.grads_in and not unit.waits_input:
+            unit.grads_in = False
             self.free(unit)
+
+    def free_frozen(self, but: Unit | None = None) -> None:
+        """Free the gathered units no gradient frees: all frozen ones (``but`` aside) and,
+        at the end of the backward (``but`` None), any with frozen parameters."""
+        for unit in self.units:
+            if (
+                unit.gathered
+                and unit is not but
+                and (not unit.trainable or but is None and unit.frozen)
+            ):
+                unit.grads_in = unit.waits_input = False
+                self.free(unit)
 
     @contextlib.contextmanager
     def full_params(self, *, writeback: bool):
@@ -509,8 +548,8 @@ class ZeroDataParallel:
             offload=cfg.offload_optimizer, device=topo.device,
         )  # fmt: skip
         # How parameters (stages 1-2) and optimizer state are gathered: by gradient bucket,
-        # or by unit for stage 3.
-        groups = [u.params for u in self.units.units] if self.units else [
+        # or by unit for stage 3 (its trainable parameters: only they have state).
+        groups = [u.trainable for u in self.units.units if u.trainable] if self.units else [
             b.params for b in self.grads.buckets
         ]  # fmt: skip
         self.gather_groups = [
@@ -521,6 +560,8 @@ class ZeroDataParallel:
 
     def finish(self) -> None:
         self.grads.finish()
+        if self.units is not None:
+            self.units.free_frozen()
 
     def grad(self, p: nn.Parameter) -> torch.Tensor:
         """This rank's piece of ``p``'s reduced gradient (after ``finish()``)."""
@@ -604,6 +645,8 @@ class ZeroDataParallel:
 
     def model_state_bytes(self) -> dict[str, int]:
         params = self.units.nbytes() if self.units else tensor_bytes(p for _, p in self.named)
+        if self.units is None:  # a LoRA run's base, held whole (stage 3: in the units)
+            params += frozen_bytes(self.model)
         optim = self.optimizer.nbytes()
         # gradients as of the last finish(): they are freed between steps
         out = {"params": params, "grads": self.grads.grad_bytes, "optim": optim["device"]}

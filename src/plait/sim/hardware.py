@@ -374,6 +374,7 @@ _DGX_H100 = dict(
     framework_overhead_bytes=2 * GiB,
 )
 
+
 def gpu_peak_flops(device_name: str) -> PeakFlops:
     """The peaks of ``sim.devices``' table (the trainer's MFU uses the same), in FLOP/s:
     fp32 is an fp32 matmul as plait runs it (TF32 tensor cores from Ampere on)."""

@@ -129,16 +129,19 @@ def memory_per_rank(
     stage_layers: list[int],
     overhead: float,
     compiled: Compiled | None,
+    lora=None,
 ) -> list[Memory]:
     """Memory of one device on each pipeline rank (all dp / tp peers are alike). Without
     a compiled schedule, each rank holds ``schedules.in_flight_bound`` micro-batches of
-    its average chunk (exact for even stages)."""
+    its average chunk (exact for even stages). ``lora`` (a ``LoRAConfig``): the base is
+    frozen -- weights only, sharded under ZeRO-3 -- and the adapters carry gradients and
+    optimizer state (their activations are not added)."""
     p, v = layout.pp, layout.vpp
     last_stage = p * v - 1
     w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
     shard, _ = dp_groups(layout)
     zero = layout.zero
-    weights, heads, params = [], [], []
+    weights, heads, params, adapters = [], [], [], []
     head = last_stage_buffers(cfg, layout)
     for rank in range(p):
         row, n = [], 0.0
@@ -151,6 +154,11 @@ def memory_per_rank(
         weights.append(tuple(row))
         heads.append(head if rank == last_stage % p else 0.0)
         params.append(n)
+        if lora is not None:
+            from plait.model.lora import adapter_params_per_layer
+
+            layers_here = sum(stage_layers[c * p + rank] for c in range(v))
+            adapters.append(layers_here * adapter_params_per_layer(cfg, lora, layout.tp))
     if compiled is not None:
         act = peak_held(compiled, tuple(weights))
     else:
@@ -166,11 +174,17 @@ def memory_per_rank(
 
     out = []
     for rank in range(p):
-        state = sizes.model_state_breakdown(
-            params[rank], dp=shard, zero=zero, offload_optimizer=layout.offload_optimizer,
+        n = params[rank]
+        state = sizes.model_state_breakdown(  # LoRA: adapters trained, the base frozen
+            adapters[rank] if lora is not None else n, dp=shard, zero=zero,
+            offload_optimizer=layout.offload_optimizer,
             param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
+            frozen_params=n if lora is not None else 0,
         )  # fmt: skip
         w, g, o = state["params"], state["grads"], state["optim"]
         buffers = zero3_buffer_bytes(cfg, layout, runtime)
+        if lora is not None and buffers:  # a layer's gradient awaiting its reduce-scatter
+            layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
+            buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
         out.append(Memory(rank, w, g, o, act[rank], buffers, overhead))
     return out

@@ -112,11 +112,15 @@ def simulate(
     runtime: Runtime | str = DEFAULT_RUNTIME,
     keep_timeline: bool = False,
     exact: bool = True,
+    lora=None,
 ) -> Result:
     """Simulate one optimizer step. Raises ValueError (one actionable line) when the layout
     cannot run the model or the hardware lacks the dtype; a layout that does not fit in
     memory still gets a time, with ``fits`` False. ``n_devices``, when given, must equal
     dp x tp x pp. ``keep_timeline`` keeps the replayed per-rank events for drawing.
+
+    ``lora`` (a ``LoRAConfig``): the memory of fine-tuning adapters over a frozen base
+    (``memory.memory_per_rank``); the step's compute is still that of full training.
 
     ``exact=False`` skips the replay: the pipeline takes m times the busiest rank's work
     times (1 + ``schedules.bubble_formula``) plus one fill of transfers, and memory
@@ -124,7 +128,7 @@ def simulate(
     thousands of actions, equal to the replay for even stages and free transfers; for
     ranking many candidates before simulating the best exactly."""
     rt = get_runtime(runtime) if isinstance(runtime, str) else runtime
-    res = _simulate(model, layout, hardware, n_devices, rt, keep_timeline, exact)
+    res = _simulate(model, layout, hardware, n_devices, rt, keep_timeline, exact, lora)
     on_node = min(layout.world_size, hardware.devices_per_node)
     if on_node <= hardware.compute_slots:
         return res
@@ -137,7 +141,7 @@ def simulate(
             break
         share = new
         res = _simulate(model, layout, _slowed(hardware, share), n_devices, rt, keep_timeline,
-                        exact)  # fmt: skip
+                        exact, lora)  # fmt: skip
     return dataclasses.replace(res, mfu=res.mfu / share, hfu=res.hfu / share, time_sharing=share)
 
 
@@ -154,7 +158,7 @@ def _slowed(hw: Hardware, f: float) -> Hardware:
     )
 
 
-def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
+def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None) -> Result:
     layout.check_model(model)
     if n_devices is not None and n_devices != layout.world_size:
         raise ValueError(
@@ -240,7 +244,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact) -> Result:
         "optimizer": opt,
     }
 
-    memory = memory_per_rank(model, layout, rt, stage_layers, hw.framework_overhead_bytes, compiled)
+    memory = memory_per_rank(model, layout, rt, stage_layers, hw.framework_overhead_bytes, compiled,
+                             lora=lora)  # fmt: skip
     fullest = max(memory, key=lambda mem: mem.total)
     model_flops, hw_flops = costs.flops_per_step(model, layout)
     n = layout.world_size

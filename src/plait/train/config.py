@@ -14,6 +14,8 @@ import yaml
 from plait.data import DataConfig
 from plait.layout import Layout
 from plait.model.config import ModelConfig
+from plait.model.lora import LoRAConfig
+from plait.model.quant import QuantConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +43,7 @@ class TrainConfig:
     resume_from: int | None = None  # continue from this step's checkpoint (implies resume)
     init_hf: str | None = None  # start from a Hugging Face model folder's weights
     compile: bool = False  # torch.compile each transformer block
+    tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -67,6 +70,19 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     out: str
+    lora: LoRAConfig | None = None  # fine-tune low-rank adapters, base frozen
+    qat: QuantConfig | None = None  # quantisation-aware training of the block linears
+
+    def __post_init__(self) -> None:
+        if self.lora is not None:
+            self.lora.check_model(self.model)
+            if self.qat is not None:
+                raise ValueError(
+                    "--qat with --lora-rank: QAT trains the weights that will be quantised "
+                    "and LoRA freezes them; use one of the two"
+                )
+        if self.qat is not None:
+            self.qat.check_model(self.model, tp=self.layout.tp)
 
     def to_dict(self) -> dict:
         return {
@@ -75,6 +91,8 @@ class RunConfig:
             "data": dataclasses.asdict(self.data),
             "train": dataclasses.asdict(self.train),
             "out": self.out,
+            "lora": self.lora.to_dict() if self.lora else None,
+            "qat": dataclasses.asdict(self.qat) if self.qat else None,
         }
 
     @classmethod
@@ -88,6 +106,8 @@ class RunConfig:
             data=DataConfig(**d["data"]),
             train=TrainConfig(**d["train"]),
             out=d["out"],
+            lora=LoRAConfig(**d["lora"]) if d.get("lora") else None,
+            qat=QuantConfig(**d["qat"]) if d.get("qat") else None,
         )
 
     def save(self, path: Path) -> None:

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from plait.data import GlobalBatchSampler, prepare, val_batches
+from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
+from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
@@ -41,7 +42,13 @@ from plait.parallel.tensor import TPGradSync
 from plait.topology import Topology
 from plait.train import checkpoint, optim
 from plait.train.config import RunConfig
-from plait.train.metrics import MetricsWriter, Progress, peak_memory_bytes, peak_tflops
+from plait.train.metrics import (
+    MetricsWriter,
+    Progress,
+    peak_memory_bytes,
+    peak_tflops,
+    write_rank_summary,
+)
 
 log = logging.getLogger("plait.train")
 
@@ -56,10 +63,11 @@ class LocalRunner:
         """Forward and backward over the micro-batches; gradients accumulate in ``.grad``.
         Returns this rank's share of the global mean loss, a float64 scalar on the device
         (summed there: reading it per micro-batch would stall the host)."""
-        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].device)
-        for mb in micro_batches:  # (B, T+1)
+        device = inputs_targets(micro_batches[0])[0].device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for mb in micro_batches:  # (B, T+1) windows, or (inputs, targets) (B, T) each
             with self.autocast():
-                token_loss = self.model(mb[:, :-1], mb[:, 1:])  # (B*T,)
+                token_loss = self.model(*inputs_targets(mb))  # (B*T,)
             loss = token_loss.sum() / tokens_global
             (loss * loss_scale).backward()
             total += loss.detach()
@@ -67,10 +75,11 @@ class LocalRunner:
 
     @torch.no_grad()
     def eval_step(self, micro_batches, *, tokens_global: int):
-        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].device)
+        device = inputs_targets(micro_batches[0])[0].device
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for mb in micro_batches:
             with self.autocast():
-                total += self.model(mb[:, :-1], mb[:, 1:]).sum() / tokens_global
+                total += self.model(*inputs_targets(mb)).sum() / tokens_global
         return total
 
 
@@ -82,8 +91,11 @@ def autocast_factory(dtype: str, device: torch.device):
     return lambda: torch.autocast(device_type=device.type, dtype=torch_dtype)
 
 
-def _split(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    return list(rows.split(micro_batch_size))
+def _split(batch, micro_batch_size: int) -> list:
+    """Micro-batches of rows (B, T+1), or of an (inputs, targets) pair."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(micro_batch_size))
+    return list(zip(*(t.split(micro_batch_size) for t in batch)))
 
 
 class Trainer:
@@ -113,9 +125,11 @@ class Trainer:
             global_batch=layout.global_batch_size,
             seed=tcfg.seed,
             name=data.source,
+            mask=data.train_mask,  # instruction data: loss on the answers only
         )
-        self.val_set = val_batches(
+        self.val_set = val_pairs(
             data.val,
+            data.val_mask,
             seq_len=model_cfg.seq_len,
             batch=layout.global_batch_size,
             num_batches=tcfg.eval_batches,
@@ -140,6 +154,10 @@ class Trainer:
             from plait.model import hf
 
             hf.load_into(model, hf.load(tcfg.init_hf)[1], topo)
+        if cfg.lora:  # base frozen, adapters beside the targeted layers (model/lora.py)
+            lora.apply_lora(model, cfg.lora, arch=model_cfg.arch, seed=tcfg.seed)
+        if cfg.qat:  # fake-quantised block linears (model/quant.py)
+            quant.apply_qat(model, cfg.qat)
         if tcfg.compile:
             compile_blocks(model)
         self.model = model
@@ -173,7 +191,11 @@ class Trainer:
         # Ranks that report the loss: the last pipeline stage, one per tp group.
         self.reports_loss = topo.is_last_stage and topo.tp_rank == 0
         self.tokens_per_step = layout.global_batch_size * model_cfg.seq_len
-        self.flops_per_token = model_flops_per_token(model_cfg, model_cfg.seq_len)
+        self.flops_per_token = (
+            lora.model_flops_per_token(model_cfg, cfg.lora)
+            if cfg.lora
+            else model_flops_per_token(model_cfg, model_cfg.seq_len)
+        )
         self.peak_flops = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
 
     # -- restore and save --------------------------------------------------------------
@@ -218,11 +240,14 @@ class Trainer:
         engine, runner, scaler = self.engine, self.runner, self.scaler
         t0 = time.perf_counter()
         lr = optim.lr_at(step, tcfg)
-        rows = self.sampler.local(step, dp_rank=topo.dp_rank, dp=layout.dp).to(topo.device)
+        batch = self.sampler.local_batch(step, dp_rank=topo.dp_rank, dp=layout.dp)
+        # the global mean over the targets that take a loss (all, unless masked; a batch
+        # without any answer token trains nothing)
+        loss_tokens = self.sampler.target_count(step)
         loss_share = runner.train_step(
-            _split(rows, layout.micro_batch_size),
+            _split([t.to(topo.device) for t in batch], layout.micro_batch_size),
             loss_scale=scaler.scale,
-            tokens_global=self.tokens_per_step,
+            tokens_global=max(loss_tokens, 1),
         )
         self.tp_grad_sync.finish()
         engine.finish()
@@ -259,6 +284,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
             "tokens": self.tokens_per_step,
+            **({"loss_tokens": loss_tokens} if loss_tokens != self.tokens_per_step else {}),
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": flops_per_s / 1e12,
@@ -281,10 +307,11 @@ class Trainer:
         layout, topo = self.cfg.layout, self.topo
         total = 0.0
         self.model.eval()
-        for batch in self.val_set:
-            rows = batch.chunk(layout.dp)[topo.dp_rank].to(topo.device)
+        for inputs, targets in self.val_set:
+            mine = [t.chunk(layout.dp)[topo.dp_rank].to(topo.device) for t in (inputs, targets)]
             share = self.runner.eval_step(
-                _split(rows, layout.micro_batch_size), tokens_global=batch.numel() - len(batch)
+                _split(mine, layout.micro_batch_size),
+                tokens_global=max(int((targets != IGNORE_INDEX).sum()), 1),
             )
             if self.reports_loss:
                 total = total + share
@@ -306,6 +333,7 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         trainer.out / "metrics.jsonl",
         enabled=is_logger,
         truncate_after=start_step if tcfg.resume else None,
+        tensorboard=tcfg.tensorboard,
     )
     progress = Progress(
         tcfg.steps, start_step, enabled=is_logger and tcfg.progress, log_every=tcfg.log_every
@@ -324,5 +352,8 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         if done == tcfg.steps or (tcfg.save_every and done % tcfg.save_every == 0):
             trainer.save(done)
     progress.close()
+    metrics.close()
+    write_rank_summary(trainer.out, topo=topo, model_state=trainer.engine.model_state_bytes(),
+                       steps=tcfg.steps - start_step)  # fmt: skip
     trainer.close()
     return last

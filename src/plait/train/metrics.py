@@ -80,11 +80,30 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per step to ``metrics.jsonl`` (rank 0 only); with
+    ``tensorboard``, also every numeric key as a TensorBoard scalar (tag = the key, x = the
+    step) in an event file beside it, which ``tensorboard --logdir`` reads. On resume the
+    event file of the new process purges the steps past the checkpoint, as the JSON file
+    is cut back."""
 
-    def __init__(self, path: Path, *, enabled: bool, truncate_after: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        enabled: bool,
+        truncate_after: int | None = None,
+        tensorboard: bool = False,
+    ):
         self.enabled = enabled
         self.path = Path(path)
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # the tensorboard package is missing
+                raise ValueError(f"--tensorboard needs the tensorboard package ({e})") from None
+            purge = None if truncate_after is None else truncate_after + 1
+            self.tb = SummaryWriter(log_dir=str(self.path.parent), purge_step=purge)
         if enabled and truncate_after is not None and self.path.exists():
             # On resume, drop records past the checkpoint so the file has one line per step.
             keep = [
@@ -100,6 +119,42 @@ class MetricsWriter:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()  # readable while the run goes on
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def write_rank_summary(out: Path, *, topo, model_state: dict, steps: int) -> Path:
+    """``OUT/ranks/rank-K.json``, written by every rank at the end of its run: its place in
+    the grid, peak memory, model-state bytes and the collectives it issued per axis
+    (calls and bytes as ``comm.py`` counts them, over this process's ``steps`` steps,
+    evaluation and checkpoints included). ``plait report`` reads them."""
+    folder = Path(out) / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    comm = {
+        f"{axis}.{op}": {"calls": n, "bytes": topo.stats.bytes[(axis, op)]}
+        for (axis, op), n in sorted(topo.stats.calls.items())
+    }
+    record = {
+        "rank": topo.rank,
+        "pp": topo.pp_rank, "dp": topo.dp_rank, "tp": topo.tp_rank,
+        "peak_mem_bytes": peak_memory_bytes(topo.device),
+        "model_state_bytes": model_state,
+        "steps": steps,
+        "comm": comm,
+    }  # fmt: skip
+    path = folder / f"rank-{topo.rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+    return path
 
 
 class Progress:

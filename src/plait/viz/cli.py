@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 SUBCOMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
 
@@ -102,3 +103,51 @@ def run_schedule(args: argparse.Namespace) -> int:
 
 
 register("schedule", add_schedule, run_schedule, "draw a pipeline schedule with unit costs")
+
+
+# -- plait viz timeline ---------------------------------------------------------------------
+
+
+def add_timeline(p: argparse.ArgumentParser) -> None:
+    from plait.sim.hardware import BUILTIN
+
+    p.add_argument("run", metavar="RUN", help="run folder of plait train --trace (--pp > 1)")
+    p.add_argument("--step", type=int, default=None, help="recorded step (default: the last)")
+    p.add_argument("--compare", action="store_true",
+                   help="the simulator's timeline of the same layout below it")  # fmt: skip
+    p.add_argument("--hardware", metavar="FILE", default=None,
+                   help="hardware spec for --compare (e.g. from plait calibrate)")  # fmt: skip
+    p.add_argument("--gpu", choices=list(BUILTIN), default=None,
+                   help="built-in hardware for --compare (default cpu)")  # fmt: skip
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="PNG, SVG or PDF")
+
+
+def run_timeline(args: argparse.Namespace) -> int:
+    """Draw a recorded step per pipeline rank like ``viz schedule`` draws a schedule;
+    ``--compare`` draws the simulated step of the same layout under it."""
+    from plait.viz.recorded import recorded_step, simulated_step
+    from plait.viz.timeline import draw_timelines
+
+    try:
+        timeline, extras, info = recorded_step(args.run, args.step)
+        lay = info["layout"]
+        what = f"pp={lay.pp} dp={lay.dp} tp={lay.tp} {lay.schedule}, {lay.num_microbatches} micro-batches"
+        name = Path(args.run).resolve().name
+        panels = [(timeline, extras, f"recorded step {info['step']} of {name}: {what} - "
+                   f"{info['makespan_s'] * 1e3:.4g} ms, bubble {info['bubble']:.3f}")]  # fmt: skip
+        if args.compare:
+            from plait.sim.hardware import load_hardware
+
+            hw = load_hardware(args.gpu or ("cpu" if not args.hardware else None), args.hardware)
+            sim, sim_extras, sinfo = simulated_step(args.run, hw)
+            panels.append((sim, sim_extras, f"simulated on {sinfo['hardware']}: "
+                           f"{sinfo['iter_time_s'] * 1e3:.4g} ms per step, bubble "
+                           f"{sinfo['bubble']:.3f}"))  # fmt: skip
+        draw_timelines(panels, args.out, unit="ms")
+    except ValueError as e:
+        return fail(str(e))
+    print(f"wrote {args.out}: " + "; ".join(t for _, _, t in panels))
+    return 0
+
+
+register("timeline", add_timeline, run_timeline, "draw a run's recorded pipeline step")

@@ -48,20 +48,59 @@ def draw_timeline(
     "dp_comm" or "optimizer" to ``path`` (PNG, SVG or PDF by suffix). ``unit`` labels
     the time axis ("s", "ms", or any text for unscaled units). Raises ValueError if the
     file cannot be written."""
+    return draw_timelines([(timeline, extras, title)], path, unit=unit)
+
+
+def draw_timelines(
+    panels: list[tuple[Timeline, dict | None, str | None]],
+    path: str | Path,
+    *,
+    unit: str = "s",
+    shared_axis: bool = False,
+) -> Path:
+    """Several timelines (timeline, extras, title) one above the other in one figure,
+    e.g. a recorded step above the simulator's prediction of it; ``shared_axis`` puts
+    them on one time scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     path = Path(path)
-    extras = extras or {}
+    spans = [_span(t, x or {}) for t, x, _ in panels]
+    width = max(
+        min(24.0, max(8.0, 0.12 * sum(1 for a, *_ in t.events[0] if a.is_compute)))
+        for t, _, _ in panels
+    )
+    heights = [0.5 * t.num_ranks + 1.6 for t, _, _ in panels]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(width, sum(heights)), squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )  # fmt: skip
+    for ax, (timeline, extras, title), span in zip(axes[:, 0], panels, spans):
+        _draw_on(ax, timeline, extras or {}, unit, max(spans) if shared_axis else span)
+        if title:
+            ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=150)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot write {path}: {e}") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _span(timeline: Timeline, extras: dict) -> float:
+    return max([timeline.makespan] + [e for spans in extras.values() for _, _, e in spans])
+
+
+def _draw_on(ax, timeline: Timeline, extras: dict, unit: str, span: float) -> None:
+    from matplotlib.patches import Patch
+
     scale = {"s": 1.0, "ms": 1e3}.get(unit, 1.0)
     p = timeline.num_ranks
-    span = max([timeline.makespan] + [e for spans in extras.values() for _, _, e in spans])
     span = span * scale or 1.0
-    width = min(24.0, max(8.0, 0.12 * sum(1 for a, *_ in timeline.events[0] if a.is_compute)))
-    fig, ax = plt.subplots(figsize=(width, 0.5 * p + 1.6))
     used: dict[str, str] = {}
     for rank, events in enumerate(timeline.events):
         y = p - 1 - rank  # rank 0 on top
@@ -136,13 +175,3 @@ def draw_timeline(
         frameon=False,
         fontsize=8,
     )
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=150)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot write {path}: {e}") from None
-    finally:
-        plt.close(fig)
-    return path

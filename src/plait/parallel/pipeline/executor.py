@@ -65,6 +65,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from plait import comm
+from plait.data.sampler import inputs_targets
 from plait.layout import Layout
 from plait.parallel.pipeline.schedules import (
     SEND_OPS,
@@ -437,16 +438,16 @@ class PipelineRunner:
     def _forward(self, a: Action, st: _Step) -> None:
         key = (a.microbatch, a.chunk)
         chunk = self.stage.chunks[a.chunk]
-        mb = st.micro_batches[a.microbatch]  # (B, T+1)
+        inputs, targets = inputs_targets(st.micro_batches[a.microbatch])  # (B, T) each
         if self._is_first(a.chunk):
-            x = mb[:, :-1]
+            x = inputs
         else:
             x = st.received.pop(("act", *key))
             if st.train:
                 x.requires_grad_(True)
                 st.inputs[key] = x
         with self.autocast():
-            out = chunk(x, mb[:, 1:]) if self._is_last(a.chunk) else chunk(x)
+            out = chunk(x, targets) if self._is_last(a.chunk) else chunk(x)
         if self._is_last(a.chunk):  # out: per-token loss (B*T,)
             loss = out.sum() / st.tokens_global
             st.losses.append(loss.detach())

@@ -99,10 +99,12 @@ class PipelineStage(nn.Module):
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
-        """The token embedding when this rank holds one of the two tied copies, else None."""
+        """The token embedding when this rank holds one of the two tied copies and trains
+        it (a frozen one, under LoRA, has no gradient to exchange), else None."""
         first, last = 0 in self.stages, self.num_stages - 1 in self.stages
         if self.chunks[0].cfg.tied_embeddings and (first or last) and hasattr(self, "embed"):
-            return self.embed.tokens.weight
+            w = self.embed.tokens.weight
+            return w if w.requires_grad else None
         return None
 
 

@@ -1,0 +1,134 @@
+"""Instruction data: examples whose loss is taken on the answer only.
+
+``--data FILE.jsonl`` whose first record has one of these shapes (every line must then
+have it too) is instruction data rather than documents:
+
+    {"prompt": "def add(a, b):\\n", "completion": "    return a + b\\n"}
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                  {"role": "assistant", "content": "..."}, ...]}
+
+An example is a list of segments (text, trained). Rendering (``TEMPLATE``, version 1):
+
+- prompt / completion: the prompt, then the completion, concatenated as they are (write
+  the separator you want into the prompt); the completion is trained.
+- messages: each message as ``<|ROLE|>\\n`` + content + ``\\n``; an assistant message's
+  content and its newline are trained, everything else (headers, system and user turns)
+  is context.
+
+Each segment is tokenised on its own (a BPE merge never straddles a prompt / completion
+boundary, so the boundary between context and targets is exact), and the example ends
+with the end-of-text token, trained when the example's last segment is (the model learns
+to stop). Examples follow one another in the token stream like documents; the loss
+mask (1 = the token is a target the loss is taken on) is stored beside the tokens
+(``tokens.py``) and the sampler turns it into ignored targets (``sampler.py``). Packing
+several examples into one window is what the pretraining stream does with documents:
+attention is causal across the whole window, as in GPT-style packing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from plait.data.corpus import DataError
+
+TEMPLATE = 1  # bump when the rendering changes (it is part of the token cache's key)
+ROLES = ("system", "user", "assistant")
+
+Segments = list[tuple[str, bool]]
+
+
+def is_instruction(record) -> bool:
+    """Whether a JSON Lines record is an instruction example (not a ``text`` document)."""
+    return (
+        isinstance(record, dict)
+        and "text" not in record
+        and ("messages" in record or "prompt" in record or "completion" in record)
+    )
+
+
+def first_record(path: Path):
+    """The first non-empty line of a JSON Lines file, parsed (None if it is not JSON)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    return None
+    return None
+
+
+def segments(record, where: str) -> Segments:
+    """The (text, trained) segments of one example; DataError naming ``where`` if bad."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with prompt/completion or messages")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+        out: Segments = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: messages[{i}] needs a string 'content'")
+            role = m.get("role")
+            if role not in ROLES:
+                raise DataError(
+                    f"{where}: messages[{i}] role {role!r}; use one of {', '.join(ROLES)}"
+                )
+            trained = role == "assistant"
+            out.append((f"<|{role}|>\n", False))
+            out.append((m["content"] + "\n", trained))
+        if not any(t for _, t in out):
+            raise DataError(f"{where}: no assistant message, so nothing to train on")
+        return out
+    for key in ("prompt", "completion"):
+        if not isinstance(record.get(key), str):
+            raise DataError(
+                f"{where}: {key!r} missing or not a string; expected "
+                '{"prompt": "...", "completion": "..."} or {"messages": [...]}'
+            )
+    if not record["completion"]:
+        raise DataError(f"{where}: empty 'completion', so nothing to train on")
+    return [(record["prompt"], False), (record["completion"], True)]
+
+
+def examples(path: Path, shown: str) -> Iterator[Segments]:
+    """Every example of an instruction JSON Lines file, in file order."""
+    with open(path, encoding="utf-8-sig", errors="replace") as lines:
+        for n, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"--data {shown} line {n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
+            yield segments(record, where)
+
+
+def encode(tokenizer, batch: list[Segments]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, mask) of each example: segments tokenised separately (one batch call), then
+    the end-of-text token (module docstring); mask is uint8, 1 on trained tokens."""
+    pieces = [text for ex in batch for text, _ in ex]
+    encoded = iter(tokenizer.encode_batch(pieces))
+    out = []
+    for ex in batch:
+        ids, mask = [], []
+        for _, trained in ex:
+            part = np.asarray(next(encoded), dtype=np.uint32)
+            ids.append(part)
+            mask.append(np.full(len(part), trained, dtype=np.uint8))
+        if tokenizer.eot_id is not None:
+            ids.append(np.array([tokenizer.eot_id], dtype=np.uint32))
+            mask.append(np.array([ex[-1][1]], dtype=np.uint8))
+        out.append((np.concatenate(ids), np.concatenate(mask)))
+    return out
+
+
+def text(ex: Segments) -> str:
+    """The example as plain text (what a tokenizer is trained on)."""
+    return "".join(t for t, _ in ex)

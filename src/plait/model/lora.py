@@ -1,0 +1,244 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): the base
+weights are frozen and each targeted linear layer learns a low-rank update,
+y = x W^T + (alpha / r) x A^T B^T, with A (r, in) and B (out, r).
+
+Communication (axis tp, t = tp size; r the rank, per targeted layer): none in the forward
+or backward beyond the base layer's own. A column-parallel layer's adapter reads the
+input the layer already entered (its f or sequence all-gather); a row-parallel layer's
+adapter output is a partial sum like the layer's product and is reduced with it by the
+same g (or reduce-scatter). Per optimizer step the factor that is replicated over tp has
+a gradient each tp rank holds only a part of; ``TPGradSync``'s one all-reduce sums it: 4 r
+in bytes (A) per column-parallel target and 4 out r bytes (B) per row-parallel one. Over
+dp only the adapters' gradients are reduced (the frozen base has none), so the
+data-parallel bytes of ``data_parallel.py`` / ``zero.py`` apply with N = adapter
+parameters. Nothing here issues a collective itself, so nothing can deadlock under NCCL.
+
+How the factors are split, to match the base layer (``tensor.py``):
+
+| base layer | A (r, in) | B (out, r) | replicated factor's gradient |
+|---|---|---|---|
+| column-parallel (q, k, v, up, gate) | replicated | rows, as the weight | A: summed over tp |
+| row-parallel (o, down) | columns, as the weight | replicated | B: summed over tp |
+
+Why it is exact: for a column-parallel layer each rank computes its rows of B A x (its
+slice of the output) from the whole A; A's gradient is the sum over the ranks' slices.
+For a row-parallel layer x A^T = sum over ranks of x_r A_r^T, so B (A_r x_r) summed by
+the layer's g is B A x, and B's gradient is the sum of the ranks' parts. Key/value
+weights replicated because there are fewer kv heads than tp ranks give B the same
+``ShardSpec(replicas=...)``, so ``TPGradSync`` sums those copies as it does the base's.
+
+Initialisation follows PEFT's default: A uniform in +-1/sqrt(in) (Kaiming-uniform with
+a = sqrt(5)), B zero, so training starts from the base model exactly. A's full value
+depends only on (seed, parameter name), cut with ``tp_shard``: every layout starts alike.
+
+Names: the adapter of ``blocks.3.attn.q`` is ``blocks.3.attn.q.lora.A`` / ``.lora.B``;
+base weights keep their names, so checkpoints and Hugging Face export see the base model
+unchanged plus the adapters (``model/peft.py`` writes them in PEFT's format).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.model.config import ModelConfig
+from plait.parallel.tensor import (
+    REPLICATED,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    mark_tp_partial,
+    set_shard,
+    shard_spec,
+    tp_shard,
+)
+
+# --lora-targets names -> the module of a block, per flavour. "up"/"down" are the MLP's
+# first and second GEMM (GPT-2's fc / proj); only LLaMA's SwiGLU has a "gate".
+TARGETS: dict[str, dict[str, str]] = {
+    "q": {"gpt2": "attn.q", "llama": "attn.q"},
+    "k": {"gpt2": "attn.k", "llama": "attn.k"},
+    "v": {"gpt2": "attn.v", "llama": "attn.v"},
+    "o": {"gpt2": "attn.o", "llama": "attn.o"},
+    "up": {"gpt2": "mlp.fc", "llama": "mlp.up"},
+    "down": {"gpt2": "mlp.proj", "llama": "mlp.down"},
+    "gate": {"llama": "mlp.gate"},
+}
+_ADAPTER = re.compile(r"\.lora\.(A|B)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """``--lora-rank R --lora-alpha A --lora-targets q,v``: adapters of rank ``rank``
+    scaled by ``alpha / rank`` on the listed linear layers of every block."""
+
+    rank: int
+    alpha: float | None = None  # None: equal to rank (scale 1, PEFT's default pairing 8/8)
+    targets: tuple[str, ...] = ("q", "v")  # PEFT's default for LLaMA, and the LoRA paper's
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(self.targets.split(",")))
+        object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets if t.strip()))
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"--lora-rank must be a positive integer (e.g. 8), got {self.rank}")
+        if self.alpha is None:
+            object.__setattr__(self, "alpha", float(self.rank))
+        if not self.alpha > 0:
+            raise ValueError(f"--lora-alpha must be positive (e.g. 16), got {self.alpha}")
+        if not self.targets:
+            raise ValueError(f"--lora-targets is empty; choose from {','.join(TARGETS)}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(
+                f"--lora-targets {unknown[0]!r} is unknown; choose from {','.join(TARGETS)}"
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"--lora-targets {','.join(self.targets)} names a layer twice")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """ValueError (one line) if a target does not exist in ``cfg``'s flavour."""
+        for t in self.targets:
+            if cfg.arch not in TARGETS[t]:
+                have = ",".join(k for k, v in TARGETS.items() if cfg.arch in v)
+                raise ValueError(
+                    f"--lora-targets {t}: the {cfg.arch} block has no such layer (it has {have})"
+                )
+
+    def modules(self, arch: str) -> dict[str, str]:
+        """Block-relative module path -> target name, e.g. {"attn.q": "q"}."""
+        return {TARGETS[t][arch]: t for t in self.targets}
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+
+class LoRA(nn.Module):
+    """The low-rank update of one parallel linear layer, split to match it (module doc).
+    ``forward(x)`` takes the input the layer multiplies by (its local slice for a
+    row-parallel layer) and returns this rank's part of ``scale * B A x``."""
+
+    def __init__(self, layer: nn.Module, *, rank: int, scale: float):
+        super().__init__()
+        out_local, in_local = layer.weight.shape
+        self.scale = scale
+        with torch.device(layer.weight.device):
+            a = nn.Parameter(torch.empty(rank, in_local, dtype=layer.weight.dtype))
+            b = nn.Parameter(torch.empty(out_local, rank, dtype=layer.weight.dtype))
+        if isinstance(layer, ColumnParallelLinear):
+            self.A = mark_tp_partial(set_shard(a, REPLICATED))
+            self.B = set_shard(b, shard_spec(layer.weight))
+        elif isinstance(layer, RowParallelLinear):
+            self.A = set_shard(a, ShardSpec(dim=1))
+            self.B = mark_tp_partial(set_shard(b, REPLICATED))
+        else:
+            raise TypeError(f"LoRA needs a parallel linear layer, got {type(layer).__name__}")
+
+    def forward(self, x):  # (..., in or in/t) -> (..., out/t or out)
+        # scaled at rank r, not at the output width: one (..., out) temporary fewer
+        return F.linear(F.linear(x, self.A) * self.scale, self.B)
+
+
+def init_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Full initial value of adapter parameter ``name`` (``....lora.A`` or ``.B``)."""
+    from plait.model.transformer import _param_seed
+
+    if name.endswith(".B"):
+        return torch.zeros(shape)
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on (r, in)
+    g = torch.Generator().manual_seed(_param_seed(seed, name))
+    return torch.rand(shape, generator=g) * (2 * bound) - bound
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: int) -> list[str]:
+    """Freeze every parameter of ``model`` (a whole model, a chunk or a pipeline stage,
+    with global names) and attach initialised adapters to the targeted layers of its
+    blocks. Returns the adapted module names. Call it after loading base weights."""
+    from plait.parallel.tensor import full_shape
+
+    wanted = cfg.modules(arch)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapted = []
+    for name, module in list(model.named_modules()):
+        m = re.fullmatch(r"blocks\.\d+\.(.+)", name)
+        if not m or m.group(1) not in wanted or getattr(module, "lora", None) is not None:
+            continue
+        module.lora = LoRA(module, rank=cfg.rank, scale=cfg.scale)
+        topo = module.topo
+        with torch.no_grad():
+            for key, p in module.lora.named_parameters():
+                full = init_adapter(
+                    f"{name}.lora.{key}", full_shape(p.shape, shard_spec(p), topo.tp), seed
+                )
+                p.copy_(tp_shard(full, shard_spec(p), tp_rank=topo.tp_rank, tp=topo.tp))
+        adapted.append(name)
+    if not adapted:
+        raise ValueError(f"--lora-targets {','.join(cfg.targets)}: no such layer in this model")
+    return adapted
+
+
+def is_adapter(name: str) -> bool:
+    return _ADAPTER.search(name) is not None
+
+
+def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The frozen base weights of a full state dict (adapters left out)."""
+    return {k: v for k, v in state.items() if not is_adapter(k)}
+
+
+def merged_state(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, torch.Tensor]:
+    """Full tensors with every adapter folded into its weight: W + (alpha / r) B A."""
+    out = base_state(state)
+    for key in state:
+        if key.endswith(".lora.A"):
+            layer = key[: -len(".lora.A")]
+            a, b = state[key].detach(), state[f"{layer}.lora.B"].detach()
+            w = out[f"{layer}.weight"].detach()
+            out[f"{layer}.weight"] = w + (b.double() @ a.double() * cfg.scale).to(w.dtype)
+    return out
+
+
+def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 1) -> float:
+    """Adapter parameters one tp rank holds per transformer block (A replicated beside a
+    column-parallel layer, B beside a row-parallel one; module doc)."""
+    h, f, kv, r = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.kv_dim, cfg.rank
+    shapes = {  # target -> (in, out, column-parallel?)
+        "q": (h, h, True), "k": (h, kv, True), "v": (h, kv, True), "o": (h, h, False),
+        "up": (h, f, True), "gate": (h, f, True), "down": (f, h, False),
+    }  # fmt: skip
+    n = 0.0
+    for t in cfg.targets:
+        i, o, column = shapes[t]
+        if t in ("k", "v") and kv < tp * model_cfg.head_dim:  # kv heads replicated over tp
+            o_local = model_cfg.head_dim * max(1, model_cfg.n_kv_heads // tp)
+            n += r * i + o_local * r
+        else:
+            n += r * i + o * r / tp if column else r * i / tp + o * r
+    return n
+
+
+def num_adapter_params(model_cfg: ModelConfig, cfg: LoRAConfig) -> int:
+    return int(model_cfg.n_layers * adapter_params_per_layer(model_cfg, cfg))
+
+
+def model_flops_per_token(model_cfg: ModelConfig, cfg: LoRAConfig, seq_len: int | None = None):
+    """Training FLOPs per token with frozen base weights: each frozen weight costs 4 per
+    token (forward and the input gradient; no weight gradient), each adapter weight 6;
+    attention as in ``sizes.model_flops_per_token``. (The first block's frozen layers that
+    see no trainable input skip even the input gradient; not counted.)"""
+    from plait.model import sizes
+
+    s = model_cfg.seq_len if seq_len is None else seq_len
+    attention = 12 * model_cfg.n_layers * s * model_cfg.hidden
+    frozen = (sizes.model_flops_per_token(model_cfg, s) - attention) / 6  # matmul weights
+    return 4.0 * frozen + 6.0 * num_adapter_params(model_cfg, cfg) + attention
