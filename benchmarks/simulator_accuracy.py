@@ -110,21 +110,6 @@ def predict(run: str, hw) -> float:
     return simulate(cfg.model, cfg.layout, hw).iter_time_s
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=x.__getitem__)
-        r = [0.0] * len(x)
-        for i, j in enumerate(order):
-            r[j] = float(i)
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    if n < 2:
-        return float("nan")
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
-
-
 def plan_choice(hardware: str, work: Path, worlds) -> tuple[str, list[str], float]:
     """The fastest predicted plan over the process counts: (label, train flags, seconds)."""
     best = None
@@ -249,7 +234,9 @@ def main() -> int:
               f"   ({lo:.3f}..{hi:.3f}, {x['samples']} steps)")  # fmt: skip
     bench = [x for x in rows if not x["plan"]]
     errors = [abs(x["predicted"] / x["measured"] - 1) for x in bench]
-    rho = spearman([x["predicted"] for x in bench], [x["measured"] for x in bench])
+    from plait.sim import validate
+
+    rho = validate.spearman([x["predicted"] for x in bench], [x["measured"] for x in bench])
     print(f"mean absolute error {statistics.mean(errors):.0%}, {sum(e <= 0.2 for e in errors)} of "
           f"{len(bench)} within 20%, worst {max(errors):.0%}; Spearman rank correlation "
           f"{rho:.2f}")  # fmt: skip
