@@ -78,6 +78,10 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
                     lora_targets=",".join(lora.get("targets") or []) or None,
                     qat=qat.get("dtype"),
                     quant_group_size=qat.get("group_size") if qat.get("dtype") == "int4" else None)  # fmt: skip
+        res = dict(raw.get("resilience") or {})
+        if "respawn" in res:
+            res["no_respawn"] = not res.pop("respawn")
+        flat.update(res)
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
@@ -160,6 +164,24 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    help="quantisation-aware training of the block linear layers")  # fmt: skip
     g.add_argument("--quant-group-size", type=int, metavar="G",
                    help="int4: input features per scale (default 32)")  # fmt: skip
+    g = p.add_argument_group("resilience (docs/resilience.md)")
+    g.add_argument("--fault-tolerance", type=int, metavar="F",
+                   help="keep F+1 copies of every layer and survive F dead workers in place")  # fmt: skip
+    g.add_argument("--heartbeat-timeout", type=float, metavar="S",
+                   help="seconds without a heartbeat before a worker counts as hung")  # fmt: skip
+    g.add_argument("--inject-failure", metavar="STEP:WORKER[:stop],...",
+                   help="kill (or SIGSTOP) these workers during these steps")  # fmt: skip
+    g.add_argument(
+        "--chaos-every", type=int, metavar="K", help="kill a random worker every K steps"
+    )
+    g.add_argument("--chaos-signal", choices=("kill", "stop"), help="what --chaos-every sends")
+    g.add_argument("--chaos-seed", type=int)
+    g.add_argument("--no-respawn", action="store_true", default=None,
+                   help="do not start a new worker in place of a dead one")  # fmt: skip
+    g.add_argument("--verify-replicas", action="store_true", default=None,
+                   help="at the end, check that every replica of every tensor is equal")  # fmt: skip
+    g.add_argument("--async-checkpoint", action="store_true", default=None,
+                   help="write checkpoints from a side thread, atomically")  # fmt: skip
     g = p.add_argument_group("multi-node (torchrun rendezvous)")
     g.add_argument("--nnodes", type=int)
     g.add_argument("--node-rank", type=int)
@@ -210,9 +232,13 @@ def build_run_config(values: dict):
         raise UserError(f"--init-hf {values['init_hf']}: its {model.vocab_size}-token vocabulary "
                         f"does not suit the tokenizer: {e}") from None  # fmt: skip
     out = values.get("out") or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    from plait.resilience.config import check_layout, from_values
+
+    resilience = from_values(values)
+    check_layout(resilience, layout, nnodes=values.get("nnodes") or 1)
     return RunConfig(
         model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out),
-        **finetune_configs(values),
+        resilience=resilience, **finetune_configs(values),
     )  # fmt: skip
 
 
