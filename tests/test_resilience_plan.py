@@ -183,3 +183,23 @@ def test_config_checks():
         ResilienceConfig(chaos_every=3)
     cfg = ResilienceConfig(fault_tolerance=2, inject_failure=parse_injections("3:1:stop"))
     assert ResilienceConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_availability_model_orders_the_strategies_as_failures_grow():
+    from plait.resilience.availability import Assumptions, Model
+    from plait.sim import get_hardware
+
+    m = Model(preset("gpt3-1.3b"), Layout(dp=4, tp=2, pp=4, micro_batch_size=1,
+              global_batch_size=64, dtype="bf16"), get_hardware("h100-sxm"), Assumptions())  # fmt: skip
+    assert m.capacity(0) == 1.0 and 0 < m.capacity(1.5) < m.capacity(1) < 1.0
+    points = [m.point(h * 3600) for h in (6, 1, 1 / 6)]
+    for p in points:
+        assert 0 <= p.checkpoint <= 1 and 0 <= p.in_place <= 1 and 0 <= p.redundant <= 1
+    # more failures cost every strategy; in place loses least, checkpoints most
+    for attr in ("checkpoint", "in_place", "redundant"):
+        assert getattr(points[0], attr) > getattr(points[-1], attr)
+    assert (
+        points[-1].in_place > points[-1].redundant and points[-1].in_place > points[-1].checkpoint
+    )
+    # redundant computation pays its extra forward even without failures
+    assert m.rc_step_s > m.step_s

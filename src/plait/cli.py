@@ -78,16 +78,16 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
                     lora_targets=",".join(lora.get("targets") or []) or None,
                     qat=qat.get("dtype"),
                     quant_group_size=qat.get("group_size") if qat.get("dtype") == "int4" else None)  # fmt: skip
-        res = dict(raw.get("resilience") or {})
-        if "respawn" in res:
-            res["no_respawn"] = not res.pop("respawn")
-        flat.update(res)
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
                         cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"))  # fmt: skip
             if "out" in raw:
                 flat["out"] = raw["out"]
+            res = dict(raw.get("resilience") or {})  # a run's, like its data and folder
+            if "respawn" in res:
+                res["no_respawn"] = not res.pop("respawn")
+            flat.update(res)
         flat.pop("resume", None)
         flat.pop("resume_from", None)
         return {k: v for k, v in flat.items() if v is not None}

@@ -69,7 +69,8 @@ class Chaos:
             if inj.step not in delays:
                 delays[inj.step] = self.rng.uniform(0.0, max(seen[2], 0.0))
             self.armed.append(Shot(inj.worker, inj.signal, now + delays[inj.step], inj.step))
-        if self.cfg.chaos_every and members and progress and copies > self.cfg.fault_tolerance:
+        random_ok = not self.armed and copies > self.cfg.fault_tolerance  # one at a time
+        if self.cfg.chaos_every and members and progress and random_ok:
             running = max(p[0] for w, p in progress.items() if w in members)
             if running >= self.next_step:
                 victim = self.rng.choice(sorted(members))

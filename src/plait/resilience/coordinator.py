@@ -205,7 +205,10 @@ class Coordinator:
                 if not self.procs[shot.worker].dead:
                     self.log("chaos", worker=shot.worker, signal=shot.signal, step=shot.step)
                     self.send(shot.worker, shot.signal)
-                    if shot.signal == "stop":
+                    if shot.signal == "kill":  # the failure starts now, not when it is seen
+                        self.note_failure(time.time(), f"worker {shot.worker} died (SIGKILL)"
+                                          f"{self._during(shot.worker)}")  # fmt: skip
+                    else:
                         self.note_failure(time.time(), f"worker {shot.worker} hung (SIGSTOP)"
                                           f"{self._during(shot.worker)}")  # fmt: skip
         left = protocol.reports(self.store, self.gen, self.members())
@@ -321,8 +324,10 @@ class Coordinator:
              "keep": {str(w): sorted(current[w] & plan.units_of(w)) for w in current
                       if w in plan.members},
              "start": "transfer", "rollforward": last, "last": last, "why": why,
-             "t_failure": when, "t_detect": min((r["t"] for r in left.values()), default=time.time()),
-             "redone": int(bool(self.failure) and not leaders)}  # fmt: skip
+             "t_failure": when,
+             "t_detect": min((r.get("t_error", r["t"]) for r in left.values()), default=time.time()),
+             # the step in flight when a worker that was in it has no later step applied
+             "redone": int(any(r.get("in_step") and r["done"] == resume for r in left.values()))}  # fmt: skip
         if missing:
             from plait.train.checkpoint import latest
 
@@ -337,7 +342,9 @@ class Coordinator:
             d.update(start="checkpoint", moves=[], keep={}, rollforward=None, last=None,
                      redone=resume - step)  # fmt: skip
         self.log("decision", gen=self.gen + 1, plan=plan.describe(), start=d["start"], step=resume,
-                 why=why, redone=d["redone"], moves=len(moves))  # fmt: skip
+                 why=why, redone=d["redone"], moves=len(moves), t_failure=when,
+                 reports={w: {k: r.get(k) for k in ("t_error", "t", "drop_s", "abort_s", "gc_s", "alive_groups", "why")}
+                          for w, r in left.items()})  # fmt: skip
         self.plan = plan
         return d
 

@@ -124,6 +124,8 @@ class Worker:
         self.held = Held()
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         self.saver = None  # --async-checkpoint: this generation's writer
+        self.t_error = 0.0
+        self.in_step = False
 
     def run(self) -> str:
         """Train until the run is finished; returns "finished" or the coordinator's reason
@@ -159,7 +161,7 @@ class Worker:
         except BaseException as e:  # noqa: BLE001 - a failure of communication, or re-raised
             if not is_comm_failure(e):
                 raise
-            why = _line(e)
+            why, self.t_error = _line(e), time.time()
         return self._leave(gen, d["gen"], why)  # out of the except: the traceback is gone
 
     def _roll_forward(self, rf: dict | None) -> None:
@@ -217,21 +219,26 @@ class Worker:
             self.saver.abandon()
             self.saver.wait()
             self.saver = None
-        if gen is not None:
-            gen.drop()
-        else:
-            abort_partial()
+        t_drop = time.time()
+        alive = gen.drop() if gen is not None else abort_partial()
         tr = held.trainer
         if tr is not None and tr.stats is not None and tr.stats[0] == held.done:
             held.done += 1  # the statistics came back, so the update was applied
+            self.in_step = False  # and that step's work is kept
         report = {
             "done": held.done,
             "units": sorted(held.units),
             "reduced": bool(engine is not None and engine.reduced),
             "stats": list(tr.stats) if tr is not None and tr.stats is not None else None,
             "why": why or "left at a step boundary",
+            "in_step": self.in_step,
+            "t_error": self.t_error if why else t_drop,  # when it saw the failure
+            "drop_s": time.time() - t_drop,
+            "alive_groups": alive,  # of the dropped generation, still referenced (0)
+            **(getattr(gen, "drop_times", None) or {}),
         }
         protocol.report_left(self.store, number, self.worker, report)
+        self.in_step = False
         return "left"
 
     # -- the steps of a generation ---------------------------------------------------
@@ -266,7 +273,9 @@ class Worker:
             if self._boundary(gen):
                 return self._leave(gen, d["gen"], None)
             self._progress(step + 1, "step")
+            self.in_step = True  # a failure from here on loses this step's work
             rec = trainer.step(step)
+            self.in_step = False
             self.held.done = done = step + 1
             rec.update(world_size=gen.world, pipelines=len(plan.pipelines), generation=d["gen"])
             rec["recovery_s"] = recovery if step == start and recovery is not None else 0.0

@@ -19,7 +19,8 @@ sender], ...], "keep": {W: [units]}, "fallback": bool, "rollforward": {...} | nu
 or ``{"gen": G, "stop": "finished" | "<one line>"}``. A report: ``{"done": steps whose
 update this worker applied, "units": [units it holds], "reduced": whether its gradients
 of step ``done`` are reduced, "stats": [step, |g|^2, loss] of its last step or null,
-"why": "<what it saw>", "t": wall time}``.
+"in_step": whether it was inside a step, "why": "<what it saw>", "t_error": when it saw
+it, "t": wall time, and how long dropping the generation took}``.
 
 Times are wall-clock seconds of the one machine the run is on (multi-node runs are not
 covered yet), used only for the recovery log line.
