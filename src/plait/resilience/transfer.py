@@ -1,9 +1,11 @@
 """State copy when a generation forms: every unit a worker now holds, parameters *and*
 AdamW moments, from its own previous trainer or from a surviving replica.
 
-Communication (axis "world": the generation's world group): one batched point-to-point
-call per rank (``comm.batch_p2p``: one ``batch_isend_irecv``, one NCCL group) holding
-every send and every receive of that rank -- for each unit moved, its parameters, then
+Communication (axis "world": the generation's world group): a barrier (it brings NCCL's
+communicator up with every member: the first batched point-to-point call on a
+communicator must involve all of its ranks, and a rank with nothing to move posts no
+batch at all), then one batched point-to-point call per rank (``comm.batch_p2p``: one
+``batch_isend_irecv``, one NCCL group) holding every send and every receive of that rank -- for each unit moved, its parameters, then
 each one's ``exp_avg`` and ``exp_avg_sq``, 12 bytes per parameter in fp32 -- then one
 world all-reduce (MAX) of three numbers: the loss scale, its clean-step count and
 AdamW's step count, which every survivor holds alike and a new worker does not.
@@ -77,9 +79,11 @@ def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
                     ops.append(("recv", t, peer))
                     received += t.numel() * t.element_size()
         topo = gen.world_topology()
-        comm.wait(
-            comm.batch_p2p(ops, topo=topo, axis="world"), topo=topo, what="state copy", axis="world"
-        )
+        # NCCL: the first batched point-to-point call on a communicator must involve all
+        # of its ranks; a barrier brings the world's up with every member first
+        comm.barrier(topo=topo, axis="world")
+        works = comm.batch_p2p(ops, topo=topo, axis="world")
+        comm.wait(works, topo=topo, what="state copy", axis="world")
         agree_counters(gen, new, old)
     return received
 
