@@ -4,7 +4,9 @@ with real kills (SIGKILL and SIGSTOP) against the failure-free run.
 
 The reference for every curve is the plain (non-resilient) ``--dp 2 --pp 2`` run of the
 same model: float32, so layouts and splits of the batch differ only in summation order
-(DESIGN.md section 3: 20 steps within 1e-4)."""
+(DESIGN.md section 3: 20 steps within 1e-4). The learning rate is constant after the
+warm-up (``--min-lr-ratio 1``), so a shorter run's curve is a prefix of the reference's
+(a cosine schedule depends on ``--steps``)."""
 
 import datetime
 import hashlib
@@ -146,7 +148,7 @@ def test_generations_replica_engine_and_state_copy_match_one_process(corpus, tmp
 TINY = [
     "--model", "tiny", "--layers", str(LAYERS), "--hidden", "32", "--heads", "2",
     "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "1", "--lr", "3e-3",
-    "--warmup", "2", "--eval-every", "0", "--eval-batches", "1", "--tokenizer", "bytes",
+    "--warmup", "2", "--min-lr-ratio", "1", "--eval-every", "0", "--eval-batches", "1", "--tokenizer", "bytes",
     "--threads", "1", "--dp", "2", "--pp", "2",
 ]  # fmt: skip
 
@@ -174,32 +176,18 @@ def same_curve(run: Path, ref: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """The failure-free run (plain dp 2 x pp 2, not resilient), 30 steps."""
+    """The failure-free run (plain dp 2 x pp 2, not resilient), 30 steps: a shorter run's
+    curve is its prefix (constant learning rate after the warm-up)."""
     out = tmp_path_factory.mktemp("ref") / "run"
     plait_train(corpus, out, "--steps", 30, "--no-progress")
     return records(out)
 
 
-def test_a_killed_worker_the_run_goes_on_with_the_same_curve(corpus, reference, tmp_path):
-    rng = random.Random()
-    step, worker = rng.randrange(2, 19), rng.randrange(4)
-    out = tmp_path / "run"
-    proc = plait_train(corpus, out, "--steps", 20, "--fault-tolerance", 1, "--inject-failure",
-                       f"{step}:{worker}", "--save-every", 10, "--verify-replicas",
-                       "--heartbeat-timeout", 3, "--no-progress")  # fmt: skip
-    where = f"(worker {worker} killed in step {step})"
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation 1:")]
-    assert len(lines) == 1 and f"worker {worker} died (SIGKILL)" in lines[0], proc.stdout + where
-    same_curve(out, reference[:20])
-    recs = records(out)
-    assert min(r["world_size"] for r in recs) == 3, where
-    assert max(r["recovery_s"] for r in recs) > 0, where
-    assert "plait: replicas verified:" in proc.stdout, proc.stdout
-
-
-def test_a_hang_found_by_heartbeat_a_rejoin_and_a_kill_during_a_checkpoint_write(
+def test_a_hang_found_by_heartbeat_and_a_kill_during_a_checkpoint_write(
     corpus, reference, tmp_path
 ):
+    """(Rejoins are the next test's: here the 30 steps may end before a replacement has
+    started.)"""
     out = tmp_path / "run"
     proc = plait_train(corpus, out, "--steps", 30, "--fault-tolerance", 1, "--inject-failure",
                        "3:0:stop,24:3:save", "--heartbeat-timeout", 3, "--save-every", 12,
@@ -207,11 +195,13 @@ def test_a_hang_found_by_heartbeat_a_rejoin_and_a_kill_during_a_checkpoint_write
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
     hung = next(x for x in lines if "worker 0 hung (SIGSTOP)" in x)
     detected = float(hung.split("detected +")[1].split(" s")[0])
-    assert 3.0 <= detected < 8.0, hung  # the heartbeat timeout, not the collective timeout
-    assert any("joined" in x for x in lines), lines  # the replacement came back
+    # the heartbeat timeout, not the collective timeout: the last beat came up to one
+    # heartbeat period before the SIGSTOP
+    from plait.train.liveness import interval_for
+
+    assert 3.0 - interval_for(3.0) <= detected < 8.0, hung
     same_curve(out, reference)
-    worlds = [r["world_size"] for r in records(out)]
-    assert 3 in worlds and worlds[worlds.index(3) :].count(4) > 0, worlds
+    assert 3 in [r.get("world_size") for r in records(out)]
     events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
     assert any(e["event"] == "chaos" and e["step"] == 24 and e["worker"] == 3 for e in events)
     from plait.train import checkpoint
@@ -223,16 +213,55 @@ def test_a_hang_found_by_heartbeat_a_rejoin_and_a_kill_during_a_checkpoint_write
     assert "plait: replicas verified:" in proc.stdout
 
 
-def test_ten_kills_in_a_row(corpus, reference, tmp_path):
+def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, micro: int):
+    """The failure-free curve of one process (DESIGN.md section 3: every layout reproduces
+    it), in this process: no start-up of its own."""
+    cfg = RunConfig(
+        model=preset("tiny", n_layers=LAYERS, hidden=32, n_heads=2, seq_len=32, vocab_size=256),
+        layout=Layout(global_batch_size=batch, micro_batch_size=micro),
+        data=corpus,
+        train=TrainConfig(
+            steps=steps,
+            lr=3e-3,
+            warmup=2,
+            min_lr_ratio=1.0,
+            eval_every=0,
+            eval_batches=1,
+            progress=False,
+        ),  # fmt: skip
+        out=str(out),
+    )
+    trainer = Trainer(cfg, topo=Topology.single())
+    return [trainer.step(s) for s in range(steps)]
+
+
+def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
+    """Random SIGKILLs of a --dp 2 --pp 2 run (the first one at a random step of the
+    4-worker grid), at least ten, while replacements rejoin: every step once, the curve of
+    the failure-free run. Steps carry 64 rows so that the run lasts long enough for
+    replacements to start (each cycle of up to three kills waits for them) in ~160 steps,
+    where float32 summation-order drift stays far below 1e-4."""
+    steps, batch, micro = 160, 64, 4
+    ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"
-    proc = plait_train(corpus, out, "--steps", 24, "--fault-tolerance", 1, "--chaos-every", 2,
+    proc = plait_train(corpus, out, "--steps", steps, "--global-batch-size", batch,
+                       "--micro-batch-size", micro, "--fault-tolerance", 1, "--chaos-every", 2,
                        "--chaos-seed", random.randrange(1000), "--heartbeat-timeout", 3,
                        "--verify-replicas", "--no-progress")  # fmt: skip
     events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
     kills = [e for e in events if e["event"] == "chaos"]
     assert len(kills) >= 10, kills
-    same_curve(out, reference[:24])
-    assert "plait: replicas verified:" in proc.stdout
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    first = kills[0]["worker"]
+    assert f"generation 1: worker {first} died (SIGKILL)" in lines[0], lines
+    assert sum("died (SIGKILL)" in x for x in lines) == len(kills), lines  # each recovered
+    assert any("joined" in x for x in lines), lines
+    same_curve(out, ref)
+    recs = records(out)
+    worlds = [r["world_size"] for r in recs if "world_size" in r]  # not the gap fillers
+    assert worlds[0] == 4 and any(b > a for a, b in zip(worlds, worlds[1:])), worlds  # rejoins
+    assert max(r.get("recovery_s", 0) for r in recs) > 0
+    assert "plait: replicas verified:" in proc.stdout, proc.stdout
 
 
 def test_more_than_f_failures_fall_back_to_the_checkpoint(corpus, reference, tmp_path):

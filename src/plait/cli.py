@@ -127,6 +127,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int)
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)
+    g.add_argument("--min-lr-ratio", type=float, metavar="R",
+                   help="the cosine decays to lr * R at the last step (default 0.1; 1: constant)")  # fmt: skip
     g.add_argument("--seed", type=int)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--grad-clip", type=float)

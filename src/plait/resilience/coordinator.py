@@ -201,7 +201,7 @@ class Coordinator:
         if self.gen >= 0 and self.chaos.enabled:
             reforming = self.failure is not None or self.requested
             for shot in self.chaos.tick(self.progress(), set(self.members()), time.monotonic(),
-                                        copies=0 if reforming else len(self.plan.pipelines)):  # fmt: skip
+                                        copies=0 if reforming else self.copies()):  # fmt: skip
                 if not self.procs[shot.worker].dead:
                     self.log("chaos", worker=shot.worker, signal=shot.signal, step=shot.step)
                     self.send(shot.worker, shot.signal)
@@ -215,6 +215,15 @@ class Coordinator:
         if left and self.failure is None and not self.requested:
             first = min(left.values(), key=lambda r: r["t"])
             self.note_failure(first["t"], f"a worker saw: {first['why']}")
+
+    def copies(self) -> int:
+        """Pipelines of the generation whose workers all train in it: a worker reports
+        progress only once its state copy is done (``publish`` clears the keys), so a
+        pipeline of a worker still receiving holds no copy yet."""
+        return sum(
+            all(self.store.check([protocol.PROGRESS.format(w)]) for w in p.workers)
+            for p in self.plan.pipelines
+        )
 
     def _during(self, w: int) -> str:
         p = self.last_progress.get(w)
@@ -371,6 +380,9 @@ class Coordinator:
 
     def publish(self, decision: dict) -> None:
         self.gen += 1
+        if "plan" in decision:  # progress starts afresh: a key now means "copied and training"
+            for w in self.procs:
+                self.store.delete_key(protocol.PROGRESS.format(w))
         protocol.publish(self.store, {"gen": self.gen, **decision})
 
     def _wait_exit(self, grace: float = 10.0) -> None:

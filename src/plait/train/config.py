@@ -53,6 +53,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
