@@ -238,10 +238,10 @@ def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, mic
 def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     """Random SIGKILLs of a --dp 2 --pp 2 run (the first one at a random step of the
     4-worker grid), at least ten, while replacements rejoin: every step once, the curve of
-    the failure-free run. Steps carry 64 rows so that the run lasts long enough for
-    replacements to start (each cycle of up to three kills waits for them) in ~160 steps,
+    the failure-free run. Steps carry 128 rows so that the run lasts long enough for
+    replacements to start (each cycle of up to three kills waits for them) in ~120 steps,
     where float32 summation-order drift stays far below 1e-4."""
-    steps, batch, micro = 160, 64, 4
+    steps, batch, micro = 120, 128, 8
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"
     proc = plait_train(corpus, out, "--steps", steps, "--global-batch-size", batch,
