@@ -450,11 +450,14 @@ def _report(cfg) -> None:
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     last = records[-1] if records else {}
+    # speed from the last step that measured it (a resilient run's step completed during
+    # a failure is recorded from the survivors' statistics, without timings)
+    timed = next((r for r in reversed(records) if "tokens_per_s" in r), None)
     if last:
         print(
             f"plait: done: step {last['step']}, train loss {last['loss']:.4f}"
             + (f", validation loss {val[-1]:.4f}" if val else "")
-            + f", {last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.1%}"
+            + (f", {timed['tokens_per_s']:,.0f} tokens/s, MFU {timed['mfu']:.1%}" if timed else "")
         )
     try:
         text = generate_text(out, "def ", max_new_tokens=80)
