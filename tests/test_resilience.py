@@ -2,8 +2,9 @@
 one group of workers (no coordinator), then ``plait train --fault-tolerance`` end to end
 with real kills (SIGKILL and SIGSTOP) against the failure-free run.
 
-The reference for every curve is the plain (non-resilient) ``--dp 2 --pp 2`` run of the
-same model: float32, so layouts and splits of the batch differ only in summation order
+The reference for every curve is the failure-free run of the same model in one process
+(DESIGN.md section 3: every layout reproduces it; computed in the test process, so it costs
+no start-up): float32, so layouts and splits of the batch differ only in summation order
 (DESIGN.md section 3: 20 steps within 1e-4). The learning rate is constant after the
 warm-up (``--min-lr-ratio 1``), so a shorter run's curve is a prefix of the reference's
 (a cosine schedule depends on ``--steps``)."""
@@ -148,8 +149,8 @@ def test_generations_replica_engine_and_state_copy_match_one_process(corpus, tmp
 TINY = [
     "--model", "tiny", "--layers", str(LAYERS), "--hidden", "32", "--heads", "2",
     "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "1", "--lr", "3e-3",
-    "--warmup", "2", "--min-lr-ratio", "1", "--eval-every", "0", "--eval-batches", "1", "--tokenizer", "bytes",
-    "--threads", "1", "--dp", "2", "--pp", "2",
+    "--warmup", "2", "--min-lr-ratio", "1", "--eval-every", "0", "--eval-batches", "1",
+    "--tokenizer", "bytes", "--threads", "1", "--dp", "2", "--pp", "2",
 ]  # fmt: skip
 
 
@@ -174,13 +175,33 @@ def same_curve(run: Path, ref: list[dict]) -> None:
             assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4, a["step"]
 
 
+def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, micro: int):
+    """The failure-free curve of one process (DESIGN.md section 3: every layout reproduces
+    it), in this process: no start-up of its own."""
+    cfg = RunConfig(
+        model=preset("tiny", n_layers=LAYERS, hidden=32, n_heads=2, seq_len=32, vocab_size=256),
+        layout=Layout(global_batch_size=batch, micro_batch_size=micro),
+        data=corpus,
+        train=TrainConfig(
+            steps=steps,
+            lr=3e-3,
+            warmup=2,
+            min_lr_ratio=1.0,
+            eval_every=0,
+            eval_batches=1,
+            progress=False,
+        ),  # fmt: skip
+        out=str(out),
+    )
+    trainer = Trainer(cfg, topo=Topology.single())
+    return [trainer.step(s) for s in range(steps)]
+
+
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """The failure-free run (plain dp 2 x pp 2, not resilient), 30 steps: a shorter run's
-    curve is its prefix (constant learning rate after the warm-up)."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    plait_train(corpus, out, "--steps", 30, "--no-progress")
-    return records(out)
+    """The failure-free curve, 30 steps of 8 rows, from one process (``single_process``): a
+    shorter run's curve is its prefix (constant learning rate after the warm-up)."""
+    return single_process(corpus, tmp_path_factory.mktemp("ref"), steps=30, batch=8, micro=1)
 
 
 def test_a_hang_found_by_heartbeat_and_a_kill_during_a_checkpoint_write(
@@ -213,28 +234,6 @@ def test_a_hang_found_by_heartbeat_and_a_kill_during_a_checkpoint_write(
     assert "plait: replicas verified:" in proc.stdout
 
 
-def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, micro: int):
-    """The failure-free curve of one process (DESIGN.md section 3: every layout reproduces
-    it), in this process: no start-up of its own."""
-    cfg = RunConfig(
-        model=preset("tiny", n_layers=LAYERS, hidden=32, n_heads=2, seq_len=32, vocab_size=256),
-        layout=Layout(global_batch_size=batch, micro_batch_size=micro),
-        data=corpus,
-        train=TrainConfig(
-            steps=steps,
-            lr=3e-3,
-            warmup=2,
-            min_lr_ratio=1.0,
-            eval_every=0,
-            eval_batches=1,
-            progress=False,
-        ),  # fmt: skip
-        out=str(out),
-    )
-    trainer = Trainer(cfg, topo=Topology.single())
-    return [trainer.step(s) for s in range(steps)]
-
-
 def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     """Random SIGKILLs of a --dp 2 --pp 2 run (the first one at a random step of the
     4-worker grid), at least ten, while replacements rejoin: every step once, the curve of
@@ -265,10 +264,17 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
 
 
 def test_more_than_f_failures_fall_back_to_the_checkpoint(corpus, reference, tmp_path):
+    """Checkpoints written asynchronously (--async-checkpoint): the restart loads one."""
     out = tmp_path / "run"
     # workers 0 and 1 hold the first stage of both pipelines: no copy of it is left
     proc = plait_train(corpus, out, "--steps", 12, "--fault-tolerance", 1, "--inject-failure",
-                       "7:0,7:1", "--save-every", 4, "--heartbeat-timeout", 3, "--no-progress")  # fmt: skip
+                       "7:0,7:1", "--save-every", 4, "--heartbeat-timeout", 3,
+                       "--async-checkpoint", "--no-progress")  # fmt: skip
     line = next(x for x in proc.stdout.splitlines() if "is left" in x)
     assert "(more than --fault-tolerance 1 failures); restarting from step-00000004" in line
     same_curve(out, reference[:12])
+    from plait.train import checkpoint
+
+    ckpts = checkpoint.checkpoint_dirs(out / "checkpoints")
+    assert [c.name for c in ckpts] == [f"step-{s:08d}" for s in (8, 12)]  # keeps 2
+    assert all(checkpoint.verify(c) is None for c in ckpts)

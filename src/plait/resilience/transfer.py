@@ -5,10 +5,11 @@ Communication (axis "world": the generation's world group): a barrier (it brings
 communicator up with every member: the first batched point-to-point call on a
 communicator must involve all of its ranks, and a rank with nothing to move posts no
 batch at all), then one batched point-to-point call per rank (``comm.batch_p2p``: one
-``batch_isend_irecv``, one NCCL group) holding every send and every receive of that rank -- for each unit moved, its parameters, then
-each one's ``exp_avg`` and ``exp_avg_sq``, 12 bytes per parameter in fp32 -- then one
-world all-reduce (MAX) of three numbers: the loss scale, its clean-step count and
-AdamW's step count, which every survivor holds alike and a new worker does not.
+``batch_isend_irecv``, one NCCL group) holding every send and every receive of that rank
+-- for each unit moved, its parameters, then each one's ``exp_avg`` and ``exp_avg_sq``,
+12 bytes per parameter in fp32 -- then one world all-reduce (MAX) of three numbers: the
+loss scale, its clean-step count and AdamW's step count, which every survivor holds alike
+and a new worker does not.
 
 Why it cannot deadlock under NCCL: the moves are one list in the decision every member
 read from the store, and every rank walks it in the same order, posting a send where it
