@@ -90,8 +90,11 @@ def kills(args) -> dict:
         recs, ref, events = _records(tmp / "chaos"), _records(tmp / "ref"), _events(tmp / "chaos")
     shots = [e for e in events if e["event"] == "chaos"]
     decisions = {e["gen"]: e for e in events if e["event"] == "decision"}
+    # steps completed during a failure are recorded from a survivor's statistics, without
+    # a generation or timings: every step once counts them, the timings do not
+    timed = [r for r in recs if "generation" in r]
     first_step = {}  # generation -> its first record (its recovery_s: failure -> resumed)
-    for r in recs:
+    for r in timed:
         first_step.setdefault(r["generation"], r)
     failures = [g for g, d in decisions.items() if "joined" not in d["why"]]
     joins = [g for g, d in decisions.items() if "joined" in d["why"]]
@@ -99,11 +102,11 @@ def kills(args) -> dict:
     join_s = [first_step[g]["recovery_s"] for g in joins if g in first_step]
     # throughput: steps that are not a generation's first (which includes its recovery)
     firsts = {id(r) for r in first_step.values()}
-    before = [r["tokens_per_s"] for r in recs if r["generation"] == 0 and id(r) not in firsts
+    before = [r["tokens_per_s"] for r in timed if r["generation"] == 0 and id(r) not in firsts
               and r["step"] > 2]  # fmt: skip
     by_world: dict[int, list[float]] = {}
-    for r in recs:
-        if r["generation"] > 0 and id(r) not in firsts and "completed_during_failure" not in r:
+    for r in timed:
+        if r["generation"] > 0 and id(r) not in firsts:
             by_world.setdefault(r["world_size"], []).append(r["tokens_per_s"])
     ref_loss = {r["step"]: r["loss"] for r in ref}
     diffs = [abs(r["loss"] - ref_loss[r["step"]]) for r in recs]
@@ -119,6 +122,7 @@ def kills(args) -> dict:
         "rejoins": len(join_s),
         "rejoin_median_s": statistics.median(join_s) if join_s else None,
         "steps_redone": sum(decisions[g]["redone"] for g in failures),
+        "steps_rolled_forward": len(recs) - len(timed),
         "fallbacks": sum(d["start"] == "checkpoint" for d in decisions.values()),
         "every_step_once": [r["step"] for r in recs] == list(range(1, steps + 1)),
         "max_loss_diff_vs_failure_free": max(diffs),
@@ -202,7 +206,8 @@ def write_results(k: dict | None, s: dict | None) -> None:
                   f"- recovery (kill -> first step of the new generation): median "
                   f"{k['recovery_median_s']:.2f} s, worst {k['recovery_worst_s']:.2f} s "
                   f"(all: {k['recovery_all_s']})",
-                  f"- steps redone: {k['steps_redone']} in all; every step 1..{k['steps']} "
+                  f"- steps redone: {k['steps_redone']} in all; steps a survivor completed "
+                  f"(rolled forward): {k['steps_rolled_forward']}; every step 1..{k['steps']} "
                   f"recorded exactly once: {k['every_step_once']}",
                   f"- loss vs the failure-free run: first 20 steps within "
                   f"{k['first20_loss_diff']:.1e}, all steps within "
