@@ -84,6 +84,10 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
                         cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"))  # fmt: skip
             if "out" in raw:
                 flat["out"] = raw["out"]
+            res = dict(raw.get("resilience") or {})  # a run's, like its data and folder
+            if "respawn" in res:
+                res["no_respawn"] = not res.pop("respawn")
+            flat.update(res)
         flat.pop("resume", None)
         flat.pop("resume_from", None)
         return {k: v for k, v in flat.items() if v is not None}
@@ -123,6 +127,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int)
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)
+    g.add_argument("--min-lr-ratio", type=float, metavar="R",
+                   help="the cosine decays to lr * R at the last step (default 0.1; 1: constant)")  # fmt: skip
     g.add_argument("--seed", type=int)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--grad-clip", type=float)
@@ -160,6 +166,24 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    help="quantisation-aware training of the block linear layers")  # fmt: skip
     g.add_argument("--quant-group-size", type=int, metavar="G",
                    help="int4: input features per scale (default 32)")  # fmt: skip
+    g = p.add_argument_group("resilience (docs/resilience.md)")
+    g.add_argument("--fault-tolerance", type=int, metavar="F",
+                   help="keep F+1 copies of every layer and survive F dead workers in place")  # fmt: skip
+    g.add_argument("--heartbeat-timeout", type=float, metavar="S",
+                   help="seconds without a heartbeat before a worker counts as hung")  # fmt: skip
+    g.add_argument("--inject-failure", metavar="STEP:WORKER[:stop],...",
+                   help="kill (or SIGSTOP) these workers during these steps")  # fmt: skip
+    g.add_argument(
+        "--chaos-every", type=int, metavar="K", help="kill a random worker every K steps"
+    )
+    g.add_argument("--chaos-signal", choices=("kill", "stop"), help="what --chaos-every sends")
+    g.add_argument("--chaos-seed", type=int)
+    g.add_argument("--no-respawn", action="store_true", default=None,
+                   help="do not start a new worker in place of a dead one")  # fmt: skip
+    g.add_argument("--verify-replicas", action="store_true", default=None,
+                   help="at the end, check that every replica of every tensor is equal")  # fmt: skip
+    g.add_argument("--async-checkpoint", action="store_true", default=None,
+                   help="write checkpoints from a side thread, atomically")  # fmt: skip
     g = p.add_argument_group("multi-node (torchrun rendezvous)")
     g.add_argument("--nnodes", type=int)
     g.add_argument("--node-rank", type=int)
@@ -210,9 +234,13 @@ def build_run_config(values: dict):
         raise UserError(f"--init-hf {values['init_hf']}: its {model.vocab_size}-token vocabulary "
                         f"does not suit the tokenizer: {e}") from None  # fmt: skip
     out = values.get("out") or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    from plait.resilience.config import check_layout, from_values
+
+    resilience = from_values(values)
+    check_layout(resilience, layout, nnodes=values.get("nnodes") or 1)
     return RunConfig(
         model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out),
-        **finetune_configs(values),
+        resilience=resilience, **finetune_configs(values),
     )  # fmt: skip
 
 
@@ -422,11 +450,14 @@ def _report(cfg) -> None:
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     last = records[-1] if records else {}
+    # speed from the last step that measured it (a resilient run's step completed during
+    # a failure is recorded from the survivors' statistics, without timings)
+    timed = next((r for r in reversed(records) if "tokens_per_s" in r), None)
     if last:
         print(
             f"plait: done: step {last['step']}, train loss {last['loss']:.4f}"
             + (f", validation loss {val[-1]:.4f}" if val else "")
-            + f", {last['tokens_per_s']:,.0f} tokens/s, MFU {last['mfu']:.1%}"
+            + (f", {timed['tokens_per_s']:,.0f} tokens/s, MFU {timed['mfu']:.1%}" if timed else "")
         )
     try:
         text = generate_text(out, "def ", max_new_tokens=80)

@@ -14,7 +14,16 @@ tp=2, pp=2, dp=2:
 
 ``Topology`` is built once per worker and passed by keyword. It is immutable; after a
 failure a new one is built (on a new store prefix), never patched. Process groups live
-here and nowhere else.
+here and nowhere else. The world group is a group of its own (``new_group`` over every
+rank), not the default group, so that everything a topology does runs on groups it
+created: a resilient run builds each generation's default group on the store prefix
+``gen{G}`` (``plait.resilience.generation``) and the same code runs on it.
+
+Grids and pipelines that differ. A regular run is the grid above. A resilient run after
+a failure may hold pipelines of different lengths (``plait.resilience``: templates);
+such a topology names this rank's place explicitly (``place``: pipeline rank, pipeline
+index, tp rank) and the number of ranks (``world``), and ``pp`` is the length of this
+rank's own pipeline, ``dp`` the number of pipelines.
 """
 
 from __future__ import annotations
@@ -96,6 +105,10 @@ class Topology:
     device: torch.device = torch.device("cpu")
     stats: CommStats = field(default_factory=CommStats)
     timeout: datetime.timedelta | None = None  # of every group built here (``build``)
+    # Not a grid (module docstring): this rank's (pp_rank, dp_rank, tp_rank), and the
+    # number of ranks. None: read off the grid.
+    place: tuple[int, int, int] | None = None
+    world: int | None = None
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Topology:
@@ -139,6 +152,8 @@ class Topology:
                     group_ranks[axis] = ranks
                     if pg is not None:
                         groups[axis] = pg
+        # the world as a group of its own: communication never uses the default group
+        world_group = dist.new_group(list(range(world)), timeout=timeout) if world > 1 else None
         return cls(
             pp=pp,
             dp=dp,
@@ -146,7 +161,7 @@ class Topology:
             rank=rank,
             groups=groups,
             group_ranks=group_ranks,
-            world_group=dist.group.WORLD if world > 1 else None,
+            world_group=world_group,
             device=resolve_device(device),
             timeout=timeout,
         )
@@ -201,12 +216,14 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.world if self.world is not None else self.pp * self.dp * self.tp
 
     def size(self, axis: Axis) -> int:
         return {Axis.PP: self.pp, Axis.DP: self.dp, Axis.TP: self.tp}[axis]
 
     def coord(self, axis: Axis) -> int:
+        if self.place is not None:
+            return dict(zip((Axis.PP, Axis.DP, Axis.TP), self.place))[axis]
         return coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)[axis]
 
     def group(self, axis: Axis):

@@ -98,12 +98,26 @@ class GlobalBatchSampler:
     def local_batch(self, step: int, *, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), (G/dp, T) each, of this dp rank's rows of step ``step``;
         targets hold ``IGNORE_INDEX`` where the mask (if any) says no loss."""
-        rows = self.local(step, dp_rank=dp_rank, dp=dp)
-        if self.mask is None:
-            return with_targets(rows, None)
+        if dp < 1 or self.global_batch % dp:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch} is not divisible by --dp {dp}"
+            )
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
         per = self.global_batch // dp
-        ids = self.window_ids(step)[dp_rank * per : (dp_rank + 1) * per]
-        return with_targets(rows, _windows(self.mask, ids * self.seq_len, self.seq_len + 1))
+        return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
+
+    def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of rows [lo, hi) of step ``step``, gathering only those: a
+        pipeline's share when the shares differ (a resilient run's pipelines take rows by
+        their speed); targets masked as in ``local_batch``."""
+        if not 0 <= lo <= hi <= self.global_batch:
+            raise ValueError(f"rows [{lo}, {hi}) outside a global batch of {self.global_batch}")
+        ids = self.window_ids(step)[lo:hi]
+        mask = (
+            None if self.mask is None else _windows(self.mask, ids * self.seq_len, self.seq_len + 1)
+        )
+        return with_targets(self._gather(ids), mask)
 
     def target_count(self, step: int) -> int:
         """Targets of step ``step``'s whole global batch that take a loss (module doc)."""

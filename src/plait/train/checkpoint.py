@@ -21,7 +21,8 @@ with its size and digest. ``pick_resume`` takes the newest checkpoint that verif
 in one line which ones it skipped and why.
 
 Communication: ``save`` issues three world barriers around DCP's own collectives (planning
-and the final gather of write results, all on DCP's default group); every rank calls it at
+and the final gather of write results), all on the topology's world group (never the
+default group: a resilient run's generations each build their own); every rank calls it at
 the same step, so the order is the same everywhere. ``verify`` and ``pick_resume`` with a
 multi-rank ``topo`` issue world all-reduces of small int64 tensors on ``topo.device`` (the
 candidate step; the manifest's file count; one (kind, size) row per file): each rank reads
@@ -174,7 +175,8 @@ def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep) -> Pa
     writer = _Writer(tmp)
     with warnings.catch_warnings():  # DCP warns that one process means no_dist; we know
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=writer, no_dist=not _dist())
+        dcp.save(state, storage_writer=writer, process_group=topo.world_group,
+                 no_dist=not _dist())  # fmt: skip
     torch.save(rng_state(topo.device), tmp / f"rng-rank-{topo.rank}.pt")
     manifest.fsync(tmp / f"rng-rank-{topo.rank}.pt")  # DCP fsyncs its own files
     mine = manifest.entries(tmp, [*writer.written, f"rng-rank-{topo.rank}.pt"])
@@ -373,7 +375,8 @@ def load(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, checkpoint_id=str(path), no_dist=not _dist())
+            dcp.load(targets, checkpoint_id=str(path), process_group=topo.world_group,
+                     no_dist=not _dist())  # fmt: skip
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         first = _root_cause(e)
         raise CheckpointError(

@@ -117,6 +117,10 @@ def _kill(silence) -> None:
 
 def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint=None) -> None:
     """Run the workers of this node; raise LaunchError with one line if any failed."""
+    if cfg.resilience.enabled:  # the coordinator starts and replaces the workers itself
+        from plait.resilience.coordinator import coordinate
+
+        return coordinate(cfg)
     from torch.distributed.run import get_args_parser, run
 
     from plait.train import liveness

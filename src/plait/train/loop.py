@@ -4,9 +4,12 @@ which drives it from the first step to the last.
 ``Trainer.build``: topology -> data -> model -> parallelize -> optimizer -> runner.
 ``Trainer.restore``: the newest checkpoint, when resuming. ``Trainer.step``: one optimizer
 step, top to bottom (forward/backward over micro-batches, gradient sync, global norm,
-clip, update), returning its metrics record. ``evaluate`` and ``save`` are the other two
-things a run does. Keeping the parallel state in one object means a failure handler can
-build it again on a new ``Topology`` instead of ending the process.
+then ``update``: clip and step), returning its metrics record. ``evaluate`` and ``save``
+are the other two things a run does. Keeping the parallel state in one object means a
+failure handler can build it again on a new ``Topology`` instead of ending the process
+(``plait.resilience``): given a ``Part`` -- the layout of this rank's own pipeline, the
+rows of each global batch it takes, and the engine that synchronises pipelines that
+differ -- ``build`` places the rank in such a run; without one it reads ``cfg.layout``.
 
 Runs inside every worker process (``plait.train.worker``); the launcher has already
 validated the config and prepared the data, so errors here are unexpected ones.
@@ -27,11 +30,14 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
+from plait.layout import Layout
 from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks
@@ -98,19 +104,35 @@ def _split(batch, micro_batch_size: int) -> list:
     return list(zip(*(t.split(micro_batch_size) for t in batch)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """This rank's part of a run whose pipelines differ (``plait.resilience``): its own
+    pipeline's ``layout`` (stages, micro-batches; dp 1), the rows [lo, hi) of every
+    global batch that pipeline takes, and ``make_engine``, called as
+    ``build_data_parallel`` is. The run's global batch (``cfg.layout``) still sets the
+    sampler and the loss's denominator, so any split of the rows gives the same step."""
+
+    layout: Layout
+    rows: tuple[int, int]
+    make_engine: Callable
+
+
 class Trainer:
     """One worker's share of a run (module docstring)."""
 
-    def __init__(self, cfg: RunConfig, *, topo: Topology):
+    def __init__(self, cfg: RunConfig, *, topo: Topology, part: Part | None = None):
         self.cfg = cfg
-        self.build(topo)
+        self.build(topo, part=part)
 
     # -- build ---------------------------------------------------------------------------
 
-    def build(self, topo: Topology) -> None:
-        """Data, model, parallel engines and runner for this worker's place in ``topo``."""
-        cfg, model_cfg, layout, tcfg = self.cfg, self.cfg.model, self.cfg.layout, self.cfg.train
-        self.topo = topo
+    def build(self, topo: Topology, *, part: Part | None = None) -> None:
+        """Data, model, parallel engines and runner for this worker's place in ``topo``
+        (and in ``part``, when the run's pipelines differ: module docstring)."""
+        cfg, model_cfg, tcfg = self.cfg, self.cfg.model, self.cfg.train
+        layout = part.layout if part is not None else cfg.layout
+        self.topo, self.layout, self.part = topo, layout, part
+        self.stats = None  # (step, |g|^2, loss) once a step's statistics are reduced
         self.out = Path(cfg.out)
         torch.manual_seed(tcfg.seed)
         if topo.device.type == "cuda":  # fp32 matmuls on tensor cores (TF32)
@@ -122,7 +144,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(
             data.train,
             seq_len=model_cfg.seq_len,
-            global_batch=layout.global_batch_size,
+            global_batch=cfg.layout.global_batch_size,
             seed=tcfg.seed,
             name=data.source,
             mask=data.train_mask,  # instruction data: loss on the answers only
@@ -131,7 +153,7 @@ class Trainer:
             data.val,
             data.val_mask,
             seq_len=model_cfg.seq_len,
-            batch=layout.global_batch_size,
+            batch=cfg.layout.global_batch_size,
             num_batches=tcfg.eval_batches,
             name=data.source,
         )
@@ -167,7 +189,8 @@ class Trainer:
         deferred = self.tp_grad_sync.partial + self.tp_grad_sync.replicated_kv
         if getattr(model, "tied_copy", None) is not None:
             deferred.append(model.tied_copy)
-        self.engine = build_data_parallel(  # dp gradient sync, ZeRO sharding, the optimizer
+        make_engine = part.make_engine if part is not None else build_data_parallel
+        self.engine = make_engine(  # dp gradient sync, ZeRO sharding, the optimizer
             model,
             topo=topo,
             cfg=DataParallelConfig.from_layout(layout),
@@ -190,7 +213,7 @@ class Trainer:
         self.scaler = optim.LossScaler(enabled=layout.dtype == "fp16")
         # Ranks that report the loss: the last pipeline stage, one per tp group.
         self.reports_loss = topo.is_last_stage and topo.tp_rank == 0
-        self.tokens_per_step = layout.global_batch_size * model_cfg.seq_len
+        self.tokens_per_step = cfg.layout.global_batch_size * model_cfg.seq_len
         self.flops_per_token = (
             lora.model_flops_per_token(model_cfg, cfg.lora)
             if cfg.lora
@@ -234,13 +257,22 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------
 
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch: its dp share, or its pipeline's (``Part``)."""
+        if self.part is not None:
+            return batch[self.part.rows[0] : self.part.rows[1]]
+        return batch.chunk(self.layout.dp)[self.topo.dp_rank]
+
     def step(self, step: int) -> dict:
         """Optimizer step ``step`` (from 0); returns its metrics record."""
-        topo, layout, tcfg = self.topo, self.cfg.layout, self.cfg.train
+        topo, layout = self.topo, self.layout
         engine, runner, scaler = self.engine, self.runner, self.scaler
         t0 = time.perf_counter()
-        lr = optim.lr_at(step, tcfg)
-        batch = self.sampler.local_batch(step, dp_rank=topo.dp_rank, dp=layout.dp)
+        lr = optim.lr_at(step, self.cfg.train)
+        if self.part is not None:
+            batch = self.sampler.rows(step, *self.part.rows)
+        else:
+            batch = self.sampler.local_batch(step, dp_rank=topo.dp_rank, dp=layout.dp)
         # the global mean over the targets that take a loss (all, unless masked; a batch
         # without any answer token trains nothing)
         loss_tokens = self.sampler.target_count(step)
@@ -253,26 +285,13 @@ class Trainer:
         engine.finish()
         # this rank's share of |g|^2 (its shard, or 0 if a replica) and of the loss
         stats = [engine.grad_sq_local(), loss_share if self.reports_loss else 0.0]
-        if layout.pp > 1:  # measured bubble fraction, averaged over ranks (executor.py)
-            stats.append(runner.bubble_fraction / topo.world_size)
+        # measured bubble fraction, averaged over ranks (executor.py); the same number of
+        # statistics on every rank, also where pipelines differ (Part)
+        if layout.pp > 1 or self.part is not None:
+            stats.append(getattr(runner, "bubble_fraction", 0.0) / topo.world_size)
         grad_sq_sum, loss, *bubble = optim.global_stats(stats, topo)
-        grad_norm = (
-            math.sqrt(grad_sq_sum) / scaler.scale if math.isfinite(grad_sq_sum) else math.inf
-        )
-        found_inf = not math.isfinite(grad_norm)
-        if found_inf and not scaler.enabled:
-            raise FloatingPointError(
-                f"step {step + 1}: gradients are not finite (loss {loss:.4g}); "
-                "lower --lr or use --dtype fp32"
-            )
-        if not found_inf:
-            if scaler.scale != 1.0:
-                engine.scale_grads_(1 / scaler.scale)
-            if tcfg.grad_clip:
-                engine.scale_grads_(optim.clip_coef(grad_norm, tcfg.grad_clip))
-            engine.step(lr)
-        scaler.update(found_inf)
-        engine.zero_grad()
+        self.stats = (step, grad_sq_sum, loss)
+        grad_norm, found_inf = self.update(step, grad_sq_sum, loss)
         step_time = time.perf_counter() - t0
 
         tokens_per_s = self.tokens_per_step / step_time
@@ -302,13 +321,39 @@ class Trainer:
             rec["skipped"] = found_inf
         return rec
 
+    def update(self, step: int, grad_sq_sum: float, loss: float) -> tuple[float, bool]:
+        """Step ``step``'s update once its statistics are reduced: unscale (fp16), clip to
+        the global norm, step (skipped on an fp16 overflow), free the gradients. Returns
+        (grad norm, overflowed). No communication of its own (the engine's step gathers
+        under ZeRO 1-2); recovery calls it on a rank whose gradients were reduced when it
+        lost the statistics' all-reduce (``plait.resilience``)."""
+        engine, scaler, tcfg = self.engine, self.scaler, self.cfg.train
+        grad_norm = (
+            math.sqrt(grad_sq_sum) / scaler.scale if math.isfinite(grad_sq_sum) else math.inf
+        )
+        found_inf = not math.isfinite(grad_norm)
+        if found_inf and not scaler.enabled:
+            raise FloatingPointError(
+                f"step {step + 1}: gradients are not finite (loss {loss:.4g}); "
+                "lower --lr or use --dtype fp32"
+            )
+        if not found_inf:
+            if scaler.scale != 1.0:
+                engine.scale_grads_(1 / scaler.scale)
+            if tcfg.grad_clip:
+                engine.scale_grads_(optim.clip_coef(grad_norm, tcfg.grad_clip))
+            engine.step(optim.lr_at(step, tcfg))
+        scaler.update(found_inf)
+        engine.zero_grad()
+        return grad_norm, found_inf
+
     def evaluate(self) -> float:
         """Mean loss over the validation batches (every rank calls it)."""
-        layout, topo = self.cfg.layout, self.topo
+        layout, topo = self.layout, self.topo
         total = 0.0
         self.model.eval()
         for inputs, targets in self.val_set:
-            mine = [t.chunk(layout.dp)[topo.dp_rank].to(topo.device) for t in (inputs, targets)]
+            mine = [self._rows(t).to(topo.device) for t in (inputs, targets)]
             share = self.runner.eval_step(
                 _split(mine, layout.micro_batch_size),
                 tokens_global=max(int((targets != IGNORE_INDEX).sum()), 1),

@@ -1,5 +1,7 @@
 """Entry point of one worker process, started by the launcher through torchrun:
-``python -m plait.train.worker --config OUT/config.yaml --liveness HOST:PORT``.
+``python -m plait.train.worker --config OUT/config.yaml --liveness HOST:PORT``; under
+``--fault-tolerance`` started by the resilience coordinator instead (RANK is then the
+worker's id) and run by ``plait.resilience.elastic``.
 
 The worker's stderr goes to ``OUT/logs/rank-K.log`` (appended): torch's warnings, C++ log
 lines and tracebacks stay there, the terminal gets only the launcher's one line (and rank
@@ -102,7 +104,9 @@ def main(argv=None) -> int:
             store = liveness.connect(args.liveness)
         cfg = RunConfig.load(Path(args.config))
         if store is not None:  # from a side thread, into the store only
-            beat = liveness.interval_for(liveness.stale_after(cfg.train.collective_timeout))
+            stale = (cfg.resilience.heartbeat_timeout if cfg.resilience.enabled
+                     else liveness.stale_after(cfg.train.collective_timeout))  # fmt: skip
+            beat = liveness.interval_for(stale)
             liveness.Heartbeat(
                 liveness.connect(args.liveness), rank=rank, interval=beat, pid=os.getpid()
             ).start()
@@ -118,13 +122,18 @@ def main(argv=None) -> int:
         timeout = datetime.timedelta(seconds=cfg.train.collective_timeout)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if world > 1:
-            dist.init_process_group(backend=backend, timeout=timeout, **bind)
-        lay = cfg.layout
-        topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp, device=device, timeout=timeout)
-        from plait.train.loop import train
+        if cfg.resilience.enabled:  # generations of groups from the coordinator's store
+            from plait.resilience import elastic
 
-        train(cfg, topo=topo)
+            elastic.run(cfg, address=args.liveness, store=store, worker=rank, device=device)
+        else:
+            if world > 1:
+                dist.init_process_group(backend=backend, timeout=timeout, **bind)
+            lay = cfg.layout
+            topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp, device=device, timeout=timeout)
+            from plait.train.loop import train
+
+            train(cfg, topo=topo)
         if store is not None:  # now, before a teardown that gloo has been seen to abort in
             liveness.report(store, rank, code=0)
     except BaseException as e:  # noqa: BLE001 - every failure becomes one line for the user

@@ -1,0 +1,150 @@
+"""Asynchronous checkpoints (``--async-checkpoint``): the same folder, DCP files and manifest
+as ``checkpoint.save`` writes, written by a side thread on each rank that issues no
+collective, so training goes on while the files are written.
+
+Communication: none through process groups (so a side thread may do it: DESIGN.md section
+8). The training thread copies this rank's share of the state to host memory and returns.
+Each tensor is written by exactly one rank -- its holder in the first pipeline, the same
+rank that counts it in the gradient norm -- so no planning collective is needed to
+deduplicate. The side thread runs the steps of ``dcp.save`` without its collectives: its
+local plan, the file prefix ``__{rank}_`` the global plan would give it, the writes
+(fsynced), then hashes its files into ``.manifest-rank-K.json`` and posts its plan and
+write results to the coordinator's store. Rank 0's thread waits for every rank's post,
+builds DCP's ``.metadata`` from the plans, and commits as every checkpoint is committed
+(``checkpoint._commit``: ``meta.json``, the manifest last, the folder renamed).
+
+Atomic as the synchronous path: until the rename there is only ``step-N.tmp``. A rank that
+dies mid-write leaves it so; rank 0 gives up when its generation is dropped (or after the
+collective timeout), and the previous checkpoint stays the newest. One write is in flight
+per worker: a save waits for the previous one. Loading needs nothing new
+(``checkpoint.load`` reads any DCP folder; ``verify`` checks the manifest).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from plait.train import checkpoint, manifest
+
+POST = "ft/ckpt/{}/{}/{}"  # generation, step, rank: pickled (local plan, write results)
+
+
+class AsyncSaver:
+    """One worker's asynchronous checkpoint writer for one generation."""
+
+    def __init__(self, *, store, generation: int, rank: int, world: int, root: Path,
+                 keep: int, timeout: float):  # fmt: skip
+        self.store, self.generation, self.rank, self.world = store, generation, rank, world
+        self.root, self.keep, self.timeout = Path(root), keep, timeout
+        self._thread: threading.Thread | None = None
+        self._abandon = threading.Event()
+        self.error: BaseException | None = None
+        self.committed: list[int] = []
+
+    def save(self, step: int, state: dict[str, torch.Tensor], meta: dict) -> None:
+        """Hand ``state`` (this rank's tensors, by DCP key) over to the side thread."""
+        self.wait()
+        staged = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # host copies
+        rng = torch.get_rng_state()
+        self._thread = threading.Thread(
+            target=self._run, args=(step, staged, meta, rng), name="plait-ckpt", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def abandon(self) -> None:
+        """The generation is dropped: stop waiting for posts that will not come."""
+        self._abandon.set()
+
+    def _run(self, step: int, state, meta: dict, rng) -> None:
+        tmp = self.root / f"step-{step:08d}.tmp"
+        try:
+            self._write(tmp, step, state, rng)
+            if self.rank == 0:
+                self._commit(tmp, step, meta)
+        except BaseException as e:  # noqa: BLE001 - a side thread: kept for the caller
+            self.error = e
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _write(self, tmp: Path, step: int, state, rng) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        writer = FileSystemWriter(str(tmp))
+        planner = DefaultSavePlanner(flatten_state_dict=False)
+        planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=self.rank == 0)
+        writer.set_up_storage_writer(self.rank == 0)
+        plan = writer.prepare_local_plan(planner.create_local_plan())
+        final = planner.finish_plan(
+            type(plan)(
+                items=plan.items,
+                storage_data=_StoragePrefix(f"__{self.rank}_"),
+                planner_data=plan.planner_data,
+            )  # fmt: skip
+        )
+        future = writer.write_data(final, planner)
+        future.wait()
+        results = future.value()
+        rng_name = f"rng-rank-{self.rank}.pt"
+        torch.save({"torch": rng}, tmp / rng_name)
+        manifest.fsync(tmp / rng_name)
+        names = [r.storage_data.relative_path for r in results] + [rng_name]
+        part = json.dumps(manifest.entries(tmp, names)).encode()
+        manifest.write_synced(tmp / f"{checkpoint.PART}{self.rank}.json", part)
+        post = base64.b64encode(pickle.dumps((plan, results)))
+        self.store.set(POST.format(self.generation, step, self.rank), post)
+
+    def _commit(self, tmp: Path, step: int, meta: dict) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        keys = [POST.format(self.generation, step, r) for r in range(self.world)]
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check(keys):
+            if self._abandon.is_set() or time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint step {step}: not every rank wrote its share")
+            time.sleep(0.01)
+        posts = [pickle.loads(base64.b64decode(self.store.get(k))) for k in keys]
+        planner = DefaultSavePlanner(flatten_state_dict=False)
+        _, metadata = planner.create_global_plan([p for p, _ in posts])
+        writer = FileSystemWriter(str(tmp))
+        writer.set_up_storage_writer(True)
+        writer.finish(metadata=metadata, results=[r for _, r in posts])
+        final = self.root / f"step-{step:08d}"
+        checkpoint._commit(tmp, final, {**meta, "step": step}, world=self.world)
+        for stale in self.root.glob("step-*.tmp"):
+            if stale.name < tmp.name:
+                shutil.rmtree(stale, ignore_errors=True)
+        for old in checkpoint.checkpoint_dirs(self.root)[: -self.keep] if self.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        self.committed.append(step)
+
+
+def owned_state(trainer) -> dict[str, torch.Tensor]:
+    """This rank's share of a checkpoint's state: the tensors it writes (module docstring),
+    under ``checkpoint.full_state``'s keys."""
+    owned = {id(p) for p in trainer.engine.counted}
+    optim = trainer.engine.optim_state(template=True)
+    state = {}
+    for name, p in trainer.model.named_parameters():
+        if id(p) not in owned:
+            continue
+        state[f"model/{name}"] = p.detach()
+        for key, t in optim.get(name, {}).items():
+            state[f"optim/{name}/{key}"] = t if t.dim() else t.reshape(1)
+    return state

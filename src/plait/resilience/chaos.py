@@ -1,0 +1,83 @@
+"""Failures on purpose, for tests and demonstrations: ``--inject-failure STEP:WORKER[:stop]``
+and ``--chaos-every K`` pick which real worker process the coordinator kills (SIGKILL: a
+crash) or freezes (SIGSTOP: a hang, which only the heartbeat finds), and when.
+
+Communication: none (the coordinator reads the workers' progress from the store and sends
+the signal itself).
+
+A kill lands inside the step, not at its start: after a delay drawn uniformly from
+[0, the worker's last step time), so that over many kills every phase of a step -- the
+forward, the pipeline messages, the gradient all-reduce, the statistics, the update, a
+checkpoint being written -- gets hit. Draws come from ``random.Random(seed)``: a run with
+the same seed and the same timings kills alike.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from plait.resilience.config import ResilienceConfig
+
+
+@dataclass
+class Shot:
+    worker: int
+    signal: str  # "kill" | "stop"
+    at: float  # monotonic time to fire
+    step: int
+
+
+@dataclass
+class Chaos:
+    cfg: ResilienceConfig
+    rng: random.Random = field(init=False)
+    pending: list = field(default_factory=list)  # injections not fired yet
+    next_step: int = 0  # --chaos-every: the step at which the next random kill is due
+    armed: list = field(default_factory=list)  # Shots waiting for their time
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.cfg.chaos_seed)
+        self.pending = sorted(self.cfg.inject_failure, key=lambda i: (i.step, i.worker))
+        self.next_step = self.cfg.chaos_every
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.pending or self.cfg.chaos_every or self.armed)
+
+    def tick(
+        self, progress: dict[int, tuple], members, now: float, *, copies: int = 0
+    ) -> list[Shot]:
+        """Shots to fire now. ``progress``: worker -> (step it runs, when it started it,
+        its previous step's duration, "step" or "save"), from the store; ``members``:
+        workers training; ``copies``: pipelines of the generation. Injections of one step
+        share one delay: they land together. A random kill (``--chaos-every``) waits while
+        the run holds fewer than F + 1 copies of its layers, so that each is survivable in
+        place (replacements rejoin meanwhile); injections fire regardless."""
+        delays: dict[int, float] = {}
+        for inj in list(self.pending):
+            seen = progress.get(inj.worker)
+            if seen is None or inj.worker not in members or seen[0] < inj.step:
+                continue
+            if inj.signal == "save":
+                if seen[0] == inj.step and seen[3] != "save":
+                    continue  # not writing it yet
+                self.pending.remove(inj)
+                self.armed.append(Shot(inj.worker, "kill", now, inj.step))
+                continue
+            self.pending.remove(inj)
+            if inj.step not in delays:
+                delays[inj.step] = self.rng.uniform(0.0, max(seen[2], 0.0))
+            self.armed.append(Shot(inj.worker, inj.signal, now + delays[inj.step], inj.step))
+        random_ok = not self.armed and copies > self.cfg.fault_tolerance  # one at a time
+        if self.cfg.chaos_every and members and progress and random_ok:
+            running = max(p[0] for w, p in progress.items() if w in members)
+            if running >= self.next_step:
+                victim = self.rng.choice(sorted(members))
+                self.next_step = running + self.cfg.chaos_every
+                last = progress[victim][2] if victim in progress else 0.0
+                delay = self.rng.uniform(0.0, max(last, 0.0))
+                self.armed.append(Shot(victim, self.cfg.chaos_signal, now + delay, running))
+        fire = [s for s in self.armed if s.at <= now]
+        self.armed = [s for s in self.armed if s.at > now]
+        return fire

@@ -1,0 +1,166 @@
+"""The resilience settings of a run (``--fault-tolerance`` and friends), and the checks that
+a layout can be run resiliently. Owned by ``plait.resilience``; carried by ``RunConfig``.
+
+Communication: none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MIN_HEARTBEAT_S = 3.0  # below this, a busy machine's scheduling jitter would look like a hang
+SIGNALS = ("kill", "stop")  # SIGKILL (a crash), SIGSTOP (a hang, found by the heartbeat)
+KINDS = (*SIGNALS, "save")  # save: SIGKILL while it writes the checkpoint of that step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Injection:
+    """Kill worker ``worker`` during step ``step`` (1-based, as in metrics.jsonl): SIGKILL
+    at a random point of the step, SIGSTOP (``stop``), or SIGKILL while it writes that
+    step's checkpoint (``save``)."""
+
+    step: int
+    worker: int
+    signal: str = "kill"
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"--inject-failure {self}: the step must be >= 1")
+        if self.worker < 0:
+            raise ValueError(f"--inject-failure {self}: the worker must be >= 0")
+        if self.signal not in KINDS:
+            raise ValueError(f"--inject-failure {self}: {self.signal!r}; use kill, stop or save")
+
+    def __str__(self) -> str:
+        return f"{self.step}:{self.worker}" + (f":{self.signal}" if self.signal != "kill" else "")
+
+
+def parse_injections(text: str) -> tuple[Injection, ...]:
+    """``"5:1,9:3:stop,10:0:save"`` -> kill worker 1 in step 5, stop worker 3 in step 9,
+    kill worker 0 while it writes the checkpoint of step 10."""
+    out = []
+    for item in filter(None, (x.strip() for x in str(text).split(","))):
+        parts = item.split(":")
+        try:
+            step, worker = int(parts[0]), int(parts[1])
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"--inject-failure {item!r}: expected STEP:WORKER[:stop|:save], e.g. 5:1 or 9:3:stop"
+            ) from None
+        if len(parts) > 3:
+            raise ValueError(f"--inject-failure {item!r}: expected STEP:WORKER[:stop|:save]")
+        out.append(
+            Injection(step=step, worker=worker, signal=parts[2] if len(parts) == 3 else "kill")
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResilienceConfig:
+    """``fault_tolerance`` F > 0: the run keeps at least F + 1 copies of every layer (as
+    F + 1 or more pipelines) and survives F workers dying at once in place; 0: a failure
+    ends the run (the launcher's liveness and checkpoints still apply)."""
+
+    fault_tolerance: int = 0
+    heartbeat_timeout: float = 10.0  # seconds without a heartbeat: the worker is hung
+    inject_failure: tuple[Injection, ...] = ()
+    chaos_every: int = 0  # kill a random worker every K steps (0: never)
+    chaos_signal: str = "kill"
+    chaos_seed: int = 0
+    respawn: bool = True  # start a new worker for each dead one; it joins at a step boundary
+    async_checkpoint: bool = False  # write checkpoints from a side thread (no collectives)
+    verify_replicas: bool = False  # at the end, check every replica of every tensor is equal
+
+    def __post_init__(self) -> None:
+        if self.fault_tolerance < 0:
+            raise ValueError(f"--fault-tolerance must be >= 0, got {self.fault_tolerance}")
+        if self.heartbeat_timeout < MIN_HEARTBEAT_S:
+            raise ValueError(
+                f"--heartbeat-timeout {self.heartbeat_timeout:g}: use at least "
+                f"{MIN_HEARTBEAT_S:g} s (shorter, a busy machine's pauses look like hangs)"
+            )
+        if self.chaos_every < 0:
+            raise ValueError(f"--chaos-every must be >= 0, got {self.chaos_every}")
+        if self.chaos_signal not in SIGNALS:
+            raise ValueError(f"--chaos-signal {self.chaos_signal!r}: use kill or stop")
+        if (self.inject_failure or self.chaos_every) and not self.fault_tolerance:
+            raise ValueError(
+                "--inject-failure and --chaos-every kill workers; they need "
+                "--fault-tolerance F >= 1 for the run to survive"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.fault_tolerance > 0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["inject_failure"] = ",".join(map(str, self.inject_failure))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ResilienceConfig:
+        d = dict(d or {})
+        if isinstance(d.get("inject_failure"), str):
+            d["inject_failure"] = parse_injections(d["inject_failure"])
+        return cls(**d)
+
+
+FLAGS = {  # flag dest -> ResilienceConfig field
+    "fault_tolerance": "fault_tolerance",
+    "heartbeat_timeout": "heartbeat_timeout",
+    "inject_failure": "inject_failure",
+    "chaos_every": "chaos_every",
+    "chaos_signal": "chaos_signal",
+    "chaos_seed": "chaos_seed",
+    "async_checkpoint": "async_checkpoint",
+    "verify_replicas": "verify_replicas",
+}
+
+
+def from_values(values: dict) -> ResilienceConfig:
+    """ResilienceConfig from merged flag values (config file and flags)."""
+    fields = {f: values[k] for k, f in FLAGS.items() if values.get(k) is not None}
+    if isinstance(fields.get("inject_failure"), str):
+        fields["inject_failure"] = parse_injections(fields["inject_failure"])
+    if values.get("no_respawn"):
+        fields["respawn"] = False
+    return ResilienceConfig(**fields)
+
+
+def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
+    """Raise ValueError (one line naming the flag) when ``layout`` cannot run with
+    ``--fault-tolerance``: the unit of failure is one worker holding one pipeline stage."""
+    if not res.enabled:
+        if res.async_checkpoint:
+            raise ValueError("--async-checkpoint needs --fault-tolerance F >= 1 (its runtime)")
+        return
+    f = res.fault_tolerance
+    if layout.dp < f + 1:
+        raise ValueError(
+            f"--fault-tolerance {f} keeps F+1 = {f + 1} copies of every layer, one per "
+            f"pipeline, but --dp {layout.dp} gives {layout.dp} pipelines; use --dp >= {f + 1}"
+        )
+    if layout.tp != 1:
+        raise ValueError(
+            "--fault-tolerance needs --tp 1: a worker is the unit that fails and is replaced "
+            "(tensor-parallel groups failing as one are not covered yet)"
+        )
+    if layout.vpp != 1:
+        raise ValueError("--fault-tolerance needs --vpp 1: templates give each worker one stage")
+    if layout.zero:
+        raise ValueError(
+            f"--fault-tolerance with --zero {layout.zero}: a resilient run keeps whole replicas "
+            "of every stage so that any survivor can hand its state over; use --zero 0"
+        )
+    if layout.pp_layout is not None:
+        raise ValueError(
+            "--fault-tolerance plans the stages itself (templates balanced by the simulator's "
+            "costs); drop --pp-layout"
+        )
+    if nnodes != 1:
+        raise ValueError(
+            "--fault-tolerance runs on one node for now (the coordinator starts every "
+            "worker itself); use --nnodes 1"
+        )

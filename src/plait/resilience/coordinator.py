@@ -1,0 +1,438 @@
+"""The coordinator of a resilient run: a loop in the launcher process (a process that never
+dies while the run lives: DESIGN.md section 7) that hosts the store, starts the workers,
+watches them, and decides each generation.
+
+Communication: none through process groups. The store it hosts carries the liveness keys
+(``train/liveness.py``) and the resilience protocol (``protocol.py``).
+
+What it does, every 20 ms:
+
+- **Liveness.** A worker is dead when its process exits without its last word (a signal,
+  an out-of-memory kill, a crash of the interpreter), or when its heartbeat stopped for
+  ``--heartbeat-timeout`` seconds (then it is killed: a hung process must not come back
+  and write). A worker whose last word is an error (bad input, a bug, gradients that are
+  not finite) ends the run with that line, as a failure no re-forming would cure.
+- **Chaos.** ``--inject-failure`` / ``--chaos-every`` (``chaos.py``): SIGKILL or SIGSTOP to
+  real worker processes.
+- **Re-forming.** On a death, or when a worker reports it left the generation, it waits
+  for every living member to report (each drops the broken generation at once, so a peer
+  waiting in a collective fails within milliseconds; one that still has not reported
+  after the heartbeat timeout is killed), then decides the next generation
+  (``decide``): where the run is (the most steps any survivor applied), who rolls
+  forward, the template combination for the workers it has (``templates.choose``), who
+  holds what (``plan.make_plan``), who sends what to whom (``plan.sources``) -- or, when
+  some unit has no copy left, a restart from the newest checkpoint.
+- **Rejoining.** Each dead worker is replaced by a new process (``--no-respawn`` turns this
+  off); when it is ready the coordinator asks the members to leave at the next step
+  boundary (``ft/request``) and forms a generation that includes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.resilience import protocol
+from plait.resilience.chaos import Chaos
+from plait.resilience.plan import grid_plan, make_plan, sources
+from plait.resilience.templates import build_templates, choose
+from plait.train import liveness
+from plait.train.config import RunConfig
+from plait.train.launch import LaunchError
+
+POLL_S = 0.02
+READY_TIMEOUT_S = 300.0  # a worker must start (import torch, connect) within this
+
+
+@dataclass
+class Proc:
+    worker: int
+    popen: subprocess.Popen
+    ready: bool = False
+    dead: bool = False
+    finished: bool = False
+    signal: str | None = None  # what chaos sent it
+
+
+def hardware_for(device_type: str):
+    """The simulator's entry for this machine's devices (templates are timed on it)."""
+    from plait.sim import get_hardware
+
+    if device_type != "cuda":
+        return get_hardware("cpu")
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    for key, entry in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"),
+                       ("V100", "v100")):  # fmt: skip
+        if key in name:
+            return get_hardware(entry)
+    return get_hardware("h100-sxm")
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig):
+        import torch
+
+        self.cfg, self.res = cfg, cfg.resilience
+        self.out = Path(cfg.out)
+        self.store = liveness.host()
+        self.address = f"127.0.0.1:{self.store.port}"
+        lay = cfg.layout
+        self.world = lay.world_size
+        self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.rows, self.mbs = lay.global_batch_size, lay.micro_batch_size
+        hw = hardware_for("cuda" if self.gpus else "cpu")
+        max_nodes = max(lay.pp, self.world // (self.res.fault_tolerance + 1))
+        every = build_templates(cfg.model, lay, hw, max_nodes=max_nodes, rows=self.rows // lay.dp)
+        # those that fit in memory, and the user's own (it runs, whatever the model says)
+        self.templates = {s: t for s, t in every.items() if t.fits or s == lay.pp}
+        self.procs: dict[int, Proc] = {}
+        self.next_worker = 0
+        self.gen, self.plan = -1, None
+        self.chaos = Chaos(self.res)
+        self.dog = liveness.Watchdog(self.store, ranks=[], stale_s=self.res.heartbeat_timeout)
+        self.events = open(self.out / "logs" / "coordinator.jsonl", "a")  # noqa: SIM115
+        self.failure: tuple[float, str] | None = None  # (when, what) of the first evidence
+        self.requested = False
+        self.last_progress: dict[int, tuple[int, float, float]] = {}
+
+    # -- processes -------------------------------------------------------------------
+
+    def spawn(self) -> int:
+        w = self.next_worker
+        self.next_worker += 1
+        env = {**os.environ, "RANK": str(w), "LOCAL_RANK": str(w % max(self.gpus, 1)),
+               "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+        cmd = [sys.executable, "-m", "plait.train.worker", "--config",
+               str(self.out / "config.yaml"), "--liveness", self.address]  # fmt: skip
+        self.procs[w] = Proc(w, subprocess.Popen(cmd, env=env))
+        self.dog.ranks.append(w)
+        self.log("spawn", worker=w, pid=self.procs[w].popen.pid)
+        return w
+
+    def send(self, w: int, sig: str) -> None:
+        p = self.procs[w]
+        p.signal = p.signal or sig
+        try:
+            os.kill(p.popen.pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+
+    def log(self, event: str, **kw) -> None:
+        self.events.write(json.dumps({"event": event, "t": time.time(), **kw}) + "\n")
+        self.events.flush()
+
+    def members(self) -> list[int]:
+        return self.plan.members if self.plan is not None else []
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        for _ in range(self.world):
+            self.spawn()
+        lay = self.cfg.layout
+        self.plan = grid_plan(dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
+                              micro_batch=self.mbs, n_layers=self.cfg.model.n_layers,
+                              tied=self.cfg.model.tied_embeddings)  # fmt: skip
+        sizes = ", ".join(f"{s}: {'+'.join(str(b - a) for a, b in t.stages)}"
+                          for s, t in sorted(self.templates.items()))  # fmt: skip
+        print(f"plait: fault tolerance {self.res.fault_tolerance}: pipeline templates by "
+              f"stages (layers each) {sizes}", flush=True)  # fmt: skip
+        self.publish({"plan": self.plan.to_json(), "step": 0, "moves": [], "keep": {},
+                      "current": [], "start": "checkpoint" if self.cfg.train.resume else "fresh",
+                      "why": "start", "redone": 0})  # fmt: skip
+        while True:
+            now = time.time()
+            self.watch(now)
+            if self.all_finished():
+                self.publish({"stop": "finished"})
+                if self.res.verify_replicas:
+                    self.verify_replicas()
+                return
+            if self.failure is not None or self.requested:
+                if self.reform():
+                    continue
+            elif self.grows():
+                self.store.add(
+                    protocol.REQUEST, self.gen + 1 - int(self.store.add(protocol.REQUEST, 0))
+                )
+                self.requested, self.request_t = True, now
+            time.sleep(POLL_S)
+
+    def watch(self, now: float) -> None:
+        """Exits, silences, chaos, and reports of members that left the generation."""
+        for w, p in list(self.procs.items()):
+            if p.dead or p.finished or p.popen.poll() is None:
+                if not p.ready and not p.dead and self.store.check([protocol.READY.format(w)]):
+                    p.ready = True
+                continue
+            word = liveness.reports(self.store, [w]).get(w)
+            if word is not None and word["code"] == 0:
+                p.finished = True
+                continue
+            if word is not None:  # an error no re-forming cures: the run ends with it
+                raise self.fatal(word)
+            p.dead = True
+            if w in self.dog.ranks:
+                self.dog.ranks.remove(w)
+            how = _signal_name(p.popen.returncode)
+            if p.signal in ("stop", "hung"):
+                how = "no heartbeat: killed by the watchdog"
+            what = f"worker {w} died ({how})"
+            self.log("death", worker=w, returncode=p.popen.returncode, signal=p.signal)
+            if w in self.members():
+                self.note_failure(now, what + self._during(w))
+            if self.res.respawn and not self.all_finished_soon():
+                self.spawn()
+        for s in self.dog.poll():
+            if self.procs[s.rank].dead:
+                continue
+            self.log("silent", worker=s.rank, silent_s=s.silent_s)
+            self.procs[s.rank].signal = self.procs[s.rank].signal or "hung"
+            os.kill(s.pid, signal.SIGKILL)
+        if self.gen >= 0 and self.chaos.enabled:
+            reforming = self.failure is not None or self.requested
+            for shot in self.chaos.tick(self.progress(), set(self.members()), time.monotonic(),
+                                        copies=0 if reforming else self.copies()):  # fmt: skip
+                if not self.procs[shot.worker].dead:
+                    self.log("chaos", worker=shot.worker, signal=shot.signal, step=shot.step)
+                    self.send(shot.worker, shot.signal)
+                    if shot.signal == "kill":  # the failure starts now, not when it is seen
+                        self.note_failure(time.time(), f"worker {shot.worker} died (SIGKILL)"
+                                          f"{self._during(shot.worker)}")  # fmt: skip
+                    else:
+                        self.note_failure(time.time(), f"worker {shot.worker} hung (SIGSTOP)"
+                                          f"{self._during(shot.worker)}")  # fmt: skip
+        left = protocol.reports(self.store, self.gen, self.members())
+        if left and self.failure is None and not self.requested:
+            first = min(left.values(), key=lambda r: r["t"])
+            self.note_failure(first["t"], f"a worker saw: {first['why']}")
+
+    def copies(self) -> int:
+        """Pipelines of the generation whose workers all train in it: a worker reports
+        progress only once its state copy is done (``publish`` clears the keys), so a
+        pipeline of a worker still receiving holds no copy yet."""
+        return sum(
+            all(self.store.check([protocol.PROGRESS.format(w)]) for w in p.workers)
+            for p in self.plan.pipelines
+        )
+
+    def _during(self, w: int) -> str:
+        p = self.last_progress.get(w)
+        return f" during step {p[0]}" if p else ""
+
+    def note_failure(self, when: float, what: str) -> None:
+        if self.failure is None or when < self.failure[0]:
+            self.failure = (when, what)
+
+    def progress(self) -> dict[int, tuple[int, float, float]]:
+        out = {}
+        for w in self.members():
+            key = protocol.PROGRESS.format(w)
+            if not self.store.check([key]):
+                continue
+            step, t, phase = self.store.get(key).decode().split()
+            step, t = int(step), float(t)
+            prev = self.last_progress.get(w)
+            if prev is not None and prev[0] == step:
+                out[w] = (*prev[:3], phase)
+            else:  # a new step: the previous one took t - its start
+                out[w] = (step, t, t - prev[1] if prev is not None else 0.0, phase)
+        self.last_progress.update(out)
+        return out
+
+    def grows(self) -> bool:
+        """Whether the workers ready to join would make a larger combination (a spare that
+        no template can use waits)."""
+        joiners = self.joiners()
+        if not joiners:
+            return False
+        sizes = choose(len(self.members()) + len(joiners), self.templates,
+                       min_pipelines=self.res.fault_tolerance + 1,
+                       max_pipelines=self.rows // self.mbs)  # fmt: skip
+        return sizes is not None and sum(sizes) > len(self.members())
+
+    def joiners(self) -> list[int]:
+        return [
+            w for w, p in self.procs.items() if p.ready and not p.dead and w not in self.members()
+        ]
+
+    def all_finished(self) -> bool:
+        return bool(self.members()) and all(self.procs[w].finished or self.procs[w].dead
+                                            for w in self.members()) and any(
+            self.procs[w].finished for w in self.members())  # fmt: skip
+
+    def all_finished_soon(self) -> bool:
+        return any(self.procs[w].finished for w in self.members())
+
+    # -- re-forming --------------------------------------------------------------------
+
+    def reform(self) -> bool:
+        """Once every living member reported leaving, decide and publish the next
+        generation. True when it did."""
+        living = [w for w in self.members() if not self.procs[w].dead]
+        if any(self.procs[w].finished for w in self.members()):
+            self.publish({"stop": "finished"})  # the last checkpoint is committed: done
+            self._wait_exit()
+            raise _Finished
+        left = protocol.reports(self.store, self.gen, living)
+        started = self.failure[0] if self.failure else self.request_t
+        if len(left) < len(living):
+            if time.time() - started < self.res.heartbeat_timeout + 5:
+                return False
+            for w in set(living) - set(left):  # blocked although its peers dropped: stop it
+                self.log("unresponsive", worker=w)
+                self.send(w, "kill")
+            return False
+        decision = self.decide(left)
+        if decision is None:
+            return False
+        self.publish(decision)
+        self.failure, self.requested = None, False
+        return True
+
+    def decide(self, left: dict[int, dict]) -> dict | None:
+        res, cfg = self.res, self.cfg
+        resume = max((r["done"] for r in left.values()), default=0)
+        leaders = [r for r in left.values() if r["done"] == resume and r["stats"]
+                   and r["stats"][0] == resume - 1]  # fmt: skip
+        last = None
+        if leaders:
+            step, sq, loss = leaders[0]["stats"]
+            last = {"step": step, "grad_sq_sum": sq, "loss": loss}
+        current = {}
+        for w, r in left.items():
+            if r["done"] == resume or (last and r["done"] == resume - 1 and r["reduced"]):
+                current[w] = frozenset(r["units"])
+        candidates = sorted(set(left) | set(self.joiners()))
+        sizes = choose(len(candidates), self.templates, min_pipelines=res.fault_tolerance + 1,
+                       max_pipelines=self.rows // self.mbs)  # fmt: skip
+        if sizes is None:
+            if any(not p.ready and not p.dead for p in self.procs.values()):
+                return None  # replacements are starting: wait for them
+            raise LaunchError(f"{len(candidates)} workers left, too few for the smallest "
+                              f"pipeline template ({min(self.templates)} workers)")  # fmt: skip
+        holdings = {w: current.get(w, frozenset()) for w in candidates}
+        plan = make_plan(sizes, self.templates, holdings=holdings, rows=self.rows,
+                         micro_batch=self.mbs, n_layers=cfg.model.n_layers,
+                         tied=cfg.model.tied_embeddings)  # fmt: skip
+        moves, missing = sources(plan, {w: h for w, h in holdings.items() if h})
+        why = self.failure[1] if self.failure else (
+            "worker(s) " + ", ".join(map(str, sorted(set(plan.members) - set(self.members()))))
+            + " joined")  # fmt: skip
+        when = self.failure[0] if self.failure else self.request_t
+        d = {"plan": plan.to_json(), "step": resume, "moves": moves, "current": sorted(current),
+             "keep": {str(w): sorted(current[w] & plan.units_of(w)) for w in current
+                      if w in plan.members},
+             "start": "transfer", "rollforward": last, "last": last, "why": why,
+             "t_failure": when,
+             "t_detect": min((r.get("t_error", r["t"]) for r in left.values()), default=time.time()),
+             # the step in flight when a worker that was in it has no later step applied
+             "redone": int(any(r.get("in_step") and r["done"] == resume for r in left.values()))}  # fmt: skip
+        if missing:
+            from plait.train.checkpoint import latest
+
+            ckpt = latest(self.out / "checkpoints")
+            if ckpt is None:
+                raise LaunchError(f"{why}: no copy of {', '.join(missing)} is left and there is "
+                                  "no checkpoint to restart from (use --save-every N)")  # fmt: skip
+            step = int(ckpt.name.removeprefix("step-"))
+            print(f"plait: {why}: no copy of {', '.join(missing)} is left (more than "
+                  f"--fault-tolerance {res.fault_tolerance} failures); restarting from "
+                  f"{ckpt.name}, redoing steps {step + 1}-{resume}", flush=True)  # fmt: skip
+            d.update(start="checkpoint", moves=[], keep={}, rollforward=None, last=None,
+                     redone=resume - step)  # fmt: skip
+        self.log("decision", gen=self.gen + 1, plan=plan.describe(), start=d["start"], step=resume,
+                 why=why, redone=d["redone"], moves=len(moves), t_failure=when,
+                 reports={w: {k: r.get(k) for k in ("t_error", "t", "drop_s", "abort_s", "gc_s", "alive_groups", "why")}
+                          for w, r in left.items()})  # fmt: skip
+        self.plan = plan
+        return d
+
+    def verify_replicas(self) -> None:
+        """Every tensor (parameters, AdamW moments and step) bitwise equal on every worker
+        holding it, from the fingerprints the workers wrote as they finished."""
+        prints = {}
+        for w in self.members():
+            path = self.out / "logs" / f"replica-{w}.json"
+            if path.exists():
+                prints[w] = json.loads(path.read_text())
+        holders: dict[str, dict[str, list[int]]] = {}
+        for w, fp in sorted(prints.items()):
+            for name, digest in fp.items():
+                holders.setdefault(name, {}).setdefault(digest, []).append(w)
+        for name, by_digest in sorted(holders.items()):
+            if len(by_digest) > 1:
+                groups = " vs ".join(str(ws) for ws in by_digest.values())
+                raise LaunchError(f"--verify-replicas: {name} differs between workers {groups}")
+        copies = [sum(len(ws) for ws in d.values()) for d in holders.values()]
+        print(f"plait: replicas verified: {len(holders)} tensors on {len(prints)} workers, each "
+              f"bitwise equal on its {min(copies, default=0)}-{max(copies, default=0)} holders",
+              flush=True)  # fmt: skip
+
+    def publish(self, decision: dict) -> None:
+        self.gen += 1
+        if "plan" in decision:  # progress starts afresh: a key now means "copied and training"
+            for w in self.procs:
+                self.store.delete_key(protocol.PROGRESS.format(w))
+        protocol.publish(self.store, {"gen": self.gen, **decision})
+
+    def _wait_exit(self, grace: float = 10.0) -> None:
+        deadline = time.time() + grace
+        for p in self.procs.values():
+            try:
+                p.popen.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+    def fatal(self, word: dict) -> LaunchError:
+        log = word.get("log")
+        where = f" (details in {log})" if log and Path(log).is_file() else ""
+        return LaunchError(word["message"] + where, code=word["code"], detail=word.get("detail"))
+
+    def shutdown(self) -> None:
+        for p in self.procs.values():
+            if p.popen.poll() is None:
+                try:
+                    os.kill(p.popen.pid, signal.SIGCONT)
+                    p.popen.terminate()
+                except ProcessLookupError:
+                    pass
+        self._wait_exit(5.0)
+        self.events.close()
+
+
+class _Finished(Exception):
+    pass
+
+
+def _signal_name(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def coordinate(cfg: RunConfig) -> None:
+    """Run a resilient training run to its end; raise LaunchError with one line if it
+    cannot go on."""
+    (Path(cfg.out) / "logs").mkdir(parents=True, exist_ok=True)
+    coord = Coordinator(cfg)
+    try:
+        coord.run()
+        coord._wait_exit()
+    except _Finished:
+        pass
+    finally:
+        coord.shutdown()

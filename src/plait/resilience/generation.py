@@ -1,0 +1,198 @@
+"""One generation of a resilient run: its process groups, built on the coordinator's store
+under the prefix ``gen{G}``, this worker's ``Topology`` in the generation's plan, and the
+drop of all of it when a peer fails.
+
+Communication. ``Generation(...)`` is collective over the generation's members: every
+member calls ``init_process_group`` on ``PrefixStore(f"gen{G}", store)`` (a rendezvous
+through the store), then creates the same groups in the same order -- the world, each
+pipeline in plan order, each replica group (the ranks holding one unit of the model, one
+per pipeline) in sorted order -- as ``new_group`` requires of every rank, member or not.
+Nothing else is issued here.
+
+Why the broken generation leaves nothing pending, and why re-forming cannot deadlock.
+A generation is only ever left at a known point: the training thread raises out of the
+collective that failed (or, for a planned change, at a step boundary agreed by an
+all-reduce), so no collective of this rank is left half-issued behind it, and ``drop``
+then aborts every group of the generation (``_abort_process_group``: on NCCL
+``ncclCommAbort``, which also ends kernels still waiting on a dead peer; a communicator
+that saw a failure is never reused). On gloo an abort does not close the sockets -- only
+the group's destruction does, measured here: with a reference left, peers wait for the
+collective timeout; without, their next read fails within milliseconds. So ``drop``
+replaces the groups in every ``Topology`` it handed out with ``DROPPED`` (using one
+raises at once, never silently skips) and the caller drops the trainer, and the groups
+go away. The next generation's groups are new objects on a new store prefix, created by
+every member in the same order, so no rank can wait on a group another rank does not
+build; a member that died during the rendezvous makes the others time out of
+``init_process_group`` (its own timeout), and they report that like any failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from plait.resilience.plan import Plan
+from plait.topology import Axis, Topology, resolve_device
+
+
+class _Dropped:
+    """Stands in for a dropped generation's groups: torch.distributed refuses it."""
+
+    def __repr__(self) -> str:
+        return "<dropped process group>"
+
+
+DROPPED = _Dropped()
+
+
+def unit_order(unit: str, n_layers: int) -> int:
+    """embed, blocks.0 .. blocks.L-1, post, tied: the order units are reduced in."""
+    if unit == "embed":
+        return 0
+    if unit.startswith("blocks."):
+        return 1 + int(unit.split(".")[1])
+    return n_layers + (1 if unit == "post" else 2)
+
+
+def replica_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
+    """For every unit, the generation ranks that reduce its gradients together: its holder
+    in each pipeline. ``tied``: the last stage of each pipeline -- its copy of the token
+    embedding, or, in a one-stage pipeline, the embedding itself, whose gradient (the
+    pipeline's whole one) it contributes a second time here and keeps from ``embed``'s
+    group (``replicas.py``). Present only when some pipeline holds a tied copy."""
+    members = plan.members
+    holders: dict[str, list[int]] = {}
+    for w in members:
+        for unit in plan.units_of(w):
+            holders.setdefault(unit, []).append(members.index(w))
+    if "tied" in holders:
+        holders["tied"] = [members.index(p.workers[-1]) for p in plan.pipelines]
+    return {u: tuple(sorted(r)) for u, r in holders.items()}
+
+
+class Generation:
+    """The process groups of generation ``number`` and this worker's topology in ``plan``
+    (collective over the plan's members: module docstring)."""
+
+    def __init__(self, *, store, number: int, plan: Plan, worker: int, backend: str,
+                 device, timeout: datetime.timedelta):  # fmt: skip
+        self.number, self.plan, self.worker = number, plan, worker
+        members = plan.members
+        self.rank, self.world = members.index(worker), len(members)
+        self.device = resolve_device(device)
+        self.timeout = timeout
+        self._topologies: list[Topology] = []
+        self._refs: list[weakref.ref] = []
+        kw = {"device_id": self.device} if self.device.type == "cuda" else {}
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"gen{number}", store),
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timeout,
+            **kw,
+        )
+        self.world_group = self._group(range(self.world))
+        pipe_groups = [self._group(members.index(w) for w in p.workers) for p in plan.pipelines]
+        self.units = replica_groups(plan)
+        self.groups = {r: self._group(r) for r in sorted(set(self.units.values()))}
+        i, j = plan.place(worker)
+        mine = plan.pipelines[i]
+        pipe_ranks = [members.index(w) for w in mine.workers]
+        self.topo = self._topology(
+            pp=len(mine.workers),
+            dp=len(plan.pipelines),
+            groups={Axis.PP: pipe_groups[i]} if pipe_groups[i] is not None else {},
+            group_ranks={Axis.PP: pipe_ranks, Axis.DP: [self.rank], Axis.TP: [self.rank]},
+            place=(j, i, 0),
+        )
+
+    def _group(self, ranks):
+        ranks = list(ranks)
+        if len(ranks) < 2:
+            return None
+        group = dist.new_group(ranks, timeout=self.timeout)
+        if self.rank in ranks:
+            self._refs.append(weakref.ref(group))
+            return group
+        return None
+
+    def _topology(self, **kw) -> Topology:
+        topo = Topology(
+            tp=1,
+            rank=self.rank,
+            world_group=self.world_group,
+            device=self.device,
+            timeout=self.timeout,
+            world=self.world,
+            **kw,
+        )
+        self._topologies.append(topo)
+        return topo
+
+    def replica_topology(self, ranks: tuple[int, ...]) -> Topology:
+        """A topology whose dp axis is the replica group ``ranks`` (this rank in it): what
+        the replica engine's all-reduces run on; counted on the topology's stats."""
+        topo = Topology(
+            dp=len(ranks),
+            tp=1,
+            rank=self.rank,
+            groups={Axis.DP: self.groups[ranks]},
+            group_ranks={Axis.DP: list(ranks), Axis.PP: [self.rank], Axis.TP: [self.rank]},
+            world_group=self.world_group,
+            device=self.device,
+            stats=self.topo.stats,
+            timeout=self.timeout,
+            place=(0, ranks.index(self.rank), 0),
+            world=self.world,
+        )
+        self._topologies.append(topo)
+        return topo
+
+    def world_topology(self) -> Topology:
+        """A topology for point-to-point messages between any two ranks of the generation
+        (the state copy of ``transfer.py``): the world group under the axis name
+        ``"world"``, so that ``comm`` counts those bytes apart."""
+        return self._topology(
+            pp=1,
+            dp=1,
+            groups={"world": self.world_group} if self.world_group is not None else {},
+            group_ranks={"world": list(range(self.world))},
+            place=(0, 0, 0),
+            stats=self.topo.stats,
+        )
+
+    def drop(self) -> int:
+        """Abort every group of this generation and let go of them (module docstring).
+        Returns how many of its groups are still referenced (0 when all went away)."""
+        for topo in self._topologies:
+            for axis in list(topo.groups):
+                topo.groups[axis] = DROPPED
+            # Topology is frozen for everyone else; the dropped generation is dead.
+            object.__setattr__(topo, "world_group", DROPPED if topo.world_group else None)
+        self.world_group, self.groups, self._topologies = None, {}, []
+        t0 = time.perf_counter()
+        if dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
+        t1 = time.perf_counter()
+        if any(ref() is not None for ref in self._refs):
+            # only cycles (a traceback's frames, say) can still hold them: a full collection
+            # takes 0.3-0.5 s with torch loaded, so only when needed
+            gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.drop_times = {"abort_s": t1 - t0, "gc_s": time.perf_counter() - t1}
+        return sum(ref() is not None for ref in self._refs)
+
+
+def abort_partial() -> int:
+    """After a rendezvous that failed half-way: drop whatever it created."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+    gc.collect()
+    return 0

@@ -1,0 +1,222 @@
+"""A generation's plan: which worker holds which stage of which pipeline, the rows of the
+global batch each pipeline takes, and where a worker gets the state it lacks.
+
+Communication: none (pure data; the coordinator makes plans, every worker reads them).
+
+Units of state. A stage of layers [first, stop) holds the units ``embed`` (first == 0:
+the token and position embeddings), ``blocks.i`` for its layers, ``post`` (stop == L:
+the final norm and the head) and, with tied embeddings on a last stage that is not also
+the first, ``tied`` (its copy of the token embedding). A unit is a set of parameters with
+their optimizer state; ``names_in_unit`` finds them in a model by name, so the sender
+and the receiver of a unit list the same tensors in the same order without talking.
+
+Worked example: dp 2 x pp 2 on 4 layers, workers 0-3 as ranks of the grid: pipelines
+[0, 2] and [1, 3], stages (0, 2) and (2, 4). Worker 3 dies. Three workers left: the
+planner picks three 1-stage pipelines (``templates.choose``); workers 0 and 1 keep their
+``embed``, ``blocks.0``, ``blocks.1`` and need ``blocks.2``, ``blocks.3``, ``post``,
+which worker 2 alone still holds: it sends them to both (``sources``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from plait.resilience.templates import Template, allocate
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    workers: tuple[int, ...]  # the worker of each stage, in stage order
+    stages: tuple[tuple[int, int], ...]  # (first layer, stop) of each stage
+    rows: tuple[int, int]  # [lo, hi) of every global batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    pipelines: tuple[Pipeline, ...]
+    n_layers: int
+    tied: bool
+
+    @property
+    def members(self) -> list[int]:
+        """Workers in rank order (pipeline by pipeline, stage by stage)."""
+        return [w for p in self.pipelines for w in p.workers]
+
+    def place(self, worker: int) -> tuple[int, int]:
+        """(pipeline index, stage index) of ``worker``."""
+        for i, p in enumerate(self.pipelines):
+            if worker in p.workers:
+                return i, p.workers.index(worker)
+        raise KeyError(f"worker {worker} is not in the plan")
+
+    def stage_of(self, worker: int) -> tuple[int, int]:
+        i, j = self.place(worker)
+        return self.pipelines[i].stages[j]
+
+    def units_of(self, worker: int) -> frozenset[str]:
+        return stage_units(*self.stage_of(worker), n_layers=self.n_layers, tied=self.tied)
+
+    def describe(self) -> str:
+        """``2 pipelines: [0, 2] 4+4 rows ...`` for log lines."""
+        return ", ".join(
+            f"{'+'.join(str(b - a) for a, b in p.stages)} layers on workers "
+            f"{list(p.workers)} ({p.rows[1] - p.rows[0]} rows)"
+            for p in self.pipelines
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "n_layers": self.n_layers,
+            "tied": self.tied,
+            "pipelines": [
+                {
+                    "workers": list(p.workers),
+                    "stages": [list(s) for s in p.stages],
+                    "rows": list(p.rows),
+                }  # fmt: skip
+                for p in self.pipelines
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        return cls(
+            n_layers=d["n_layers"],
+            tied=d["tied"],
+            pipelines=tuple(
+                Pipeline(
+                    workers=tuple(p["workers"]),
+                    stages=tuple(tuple(s) for s in p["stages"]),
+                    rows=tuple(p["rows"]),
+                )
+                for p in d["pipelines"]
+            ),
+        )
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+
+def stage_units(first: int, stop: int, *, n_layers: int, tied: bool) -> frozenset[str]:
+    units = {f"blocks.{i}" for i in range(first, stop)}
+    if first == 0:
+        units.add("embed")
+    if stop == n_layers:
+        units.add("post")
+        if tied and first != 0:
+            units.add("tied")
+    return frozenset(units)
+
+
+def unit_of(name: str) -> str:
+    """The unit a parameter of a whole model belongs to (``tied`` is found by the stage)."""
+    if name.startswith("blocks."):
+        return ".".join(name.split(".")[:2])
+    if name.startswith("embed."):
+        return "embed"
+    return "post"
+
+
+def names_in_unit(unit: str, names) -> list[str]:
+    """The parameter names of ``unit`` among ``names``, in the model's order."""
+    if unit == "tied":
+        return [n for n in names if n == "embed.tokens.weight"]
+    return [n for n in names if unit_of(n) == unit]
+
+
+def serves(held: frozenset[str], unit: str) -> bool:
+    """Whether a worker holding ``held`` can hand ``unit`` over (a first stage's token
+    embedding equals the last stage's tied copy: the runner keeps them equal)."""
+    return unit in held or (unit == "tied" and "embed" in held)
+
+
+def make_plan(
+    sizes: tuple[int, ...],
+    templates: dict[int, Template],
+    *,
+    holdings: dict[int, frozenset[str]],
+    rows: int,
+    micro_batch: int,
+    n_layers: int,
+    tied: bool,
+) -> Plan:
+    """Workers onto the stages of one pipeline per entry of ``sizes`` (template sizes),
+    keeping as much of what each worker holds as possible: ``holdings`` maps every worker
+    of the new generation to the units it holds up to date (empty: a new worker, or one
+    whose state is stale). Greedy by overlap, ties to the lower worker id, so every reader
+    of the same inputs gets the same plan."""
+    slots = [
+        (i, j, stage_units(a, b, n_layers=n_layers, tied=tied))
+        for i, s in enumerate(sizes)
+        for j, (a, b) in enumerate(templates[s].stages)
+    ]
+    if len(slots) > len(holdings):
+        raise ValueError(f"{len(slots)} stages for {len(holdings)} workers")
+    pairs = sorted(
+        (
+            (len(units & holdings[w]), -w, k)
+            for k, (_, _, units) in enumerate(slots)
+            for w in holdings
+        ),
+        reverse=True,
+    )
+    taken_slot, taken_worker, chosen = set(), set(), {}
+    for _, neg_w, k in pairs:
+        w = -neg_w
+        if k in taken_slot or w in taken_worker:
+            continue
+        chosen[k] = w
+        taken_slot.add(k)
+        taken_worker.add(w)
+    shares = allocate(rows, micro_batch, [templates[s].throughput for s in sizes])
+    pipelines, lo, k = [], 0, 0
+    for i, s in enumerate(sizes):
+        workers = tuple(chosen[k + j] for j in range(s))
+        k += s
+        pipelines.append(
+            Pipeline(workers=workers, stages=templates[s].stages, rows=(lo, lo + shares[i]))
+        )
+        lo += shares[i]
+    return Plan(pipelines=tuple(pipelines), n_layers=n_layers, tied=tied)
+
+
+def grid_plan(
+    *, dp: int, template: Template, rows: int, micro_batch: int, n_layers: int, tied: bool
+) -> Plan:
+    """The first generation: the user's dp x pp grid as dp pipelines of one template,
+    worker w at stage w // dp of pipeline w % dp (the grid's global rank order)."""
+    pp = template.nodes
+    share = rows // dp
+    return Plan(
+        n_layers=n_layers,
+        tied=tied,
+        pipelines=tuple(
+            Pipeline(
+                workers=tuple(s * dp + d for s in range(pp)),
+                stages=template.stages,
+                rows=(d * share, (d + 1) * share),
+            )
+            for d in range(dp)
+        ),
+    )
+
+
+def sources(plan: Plan, holdings: dict[int, frozenset[str]]) -> tuple[list, list[str]]:
+    """Who sends what: a list of (receiver, unit, sender) for every unit a worker of
+    ``plan`` needs and does not hold, the sender chosen among the workers that hold it
+    (least loaded first, then the lower id, so transfers spread over the survivors); and
+    the units no survivor holds (then the run must fall back to a checkpoint)."""
+    moves, missing, load = [], [], {w: 0 for w in holdings}
+    for w in plan.members:
+        for unit in sorted(plan.units_of(w) - holdings.get(w, frozenset())):
+            senders = sorted(
+                (load[s], s) for s, held in holdings.items() if s != w and serves(held, unit)
+            )
+            if not senders:
+                missing.append(unit)
+                continue
+            src = senders[0][1]
+            load[src] += 1
+            moves.append((w, unit, src))
+    return moves, sorted(set(missing))

@@ -1,0 +1,106 @@
+"""State copy when a generation forms: every unit a worker now holds, parameters *and*
+AdamW moments, from its own previous trainer or from a surviving replica.
+
+Communication (axis "world": the generation's world group): a barrier (it brings NCCL's
+communicator up with every member: the first batched point-to-point call on a
+communicator must involve all of its ranks, and a rank with nothing to move posts no
+batch at all), then one batched point-to-point call per rank (``comm.batch_p2p``: one
+``batch_isend_irecv``, one NCCL group) holding every send and every receive of that rank
+-- for each unit moved, its parameters, then each one's ``exp_avg`` and ``exp_avg_sq``,
+12 bytes per parameter in fp32 -- then one world all-reduce (MAX) of three numbers: the
+loss scale, its clean-step count and AdamW's step count, which every survivor holds alike
+and a new worker does not.
+
+Why it cannot deadlock under NCCL: the moves are one list in the decision every member
+read from the store, and every rank walks it in the same order, posting a send where it
+is the sender and a receive where it is the receiver, each message of a unit in the order
+``names_in_unit`` gives on both sides (the same model, the same names). All of a rank's
+messages go in one batch, so no send waits on a receive posted later; NCCL matches a
+pair's messages in posting order, which is the same on both sides. Receives land in the
+new trainer's own tensors (no staging copy); sends read the previous trainer's, which
+nothing else touches until the batch completes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plait import comm
+from plait.resilience.plan import names_in_unit
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _tensors(model, optim_state: dict, names: list[str]) -> list[torch.Tensor]:
+    params = dict(model.named_parameters())
+    out = []
+    for n in names:
+        out.append(params[n].data)
+        out.extend(optim_state[n][k] for k in STATE_KEYS)
+    return out
+
+
+def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
+    """Fill ``new`` (a Trainer built for ``gen``) with the run's state: the units in
+    ``keep`` from ``old`` (this worker's previous trainer, up to date), the others from
+    the senders of ``moves`` [(receiver, unit, sender), ...]; this worker also sends what
+    ``moves`` asks of it from ``old``. Collective over the generation. Returns the bytes
+    this worker received."""
+    me, members = gen.worker, gen.plan.members
+    new_state = new.engine.optim_state(template=True)
+    old_state = old.engine.optim_state(template=True) if old is not None else {}
+    new_names = [n for n, _ in new.model.named_parameters()]
+    with torch.no_grad():
+        if keep:  # what this worker already holds: a local copy by name
+            old_params = dict(old.model.named_parameters())
+            for unit in sorted(keep & gen.plan.units_of(me)):
+                names = names_in_unit(unit, new_names)
+                for dst, src in zip(
+                    _tensors(new.model, new_state, names),
+                    [
+                        t
+                        for n in names
+                        for t in (old_params[n].data, *(old_state[n][k] for k in STATE_KEYS))
+                    ],
+                ):
+                    dst.copy_(src)
+        ops, received = [], 0
+        old_names = [n for n, _ in old.model.named_parameters()] if old is not None else []
+        for receiver, unit, sender in moves:
+            if sender == me:
+                names = names_in_unit(unit, old_names)
+                peer = members.index(receiver)
+                ops += [
+                    ("send", t.contiguous(), peer) for t in _tensors(old.model, old_state, names)
+                ]
+            if receiver == me:
+                names = names_in_unit(unit, new_names)
+                peer = members.index(sender)
+                for t in _tensors(new.model, new_state, names):
+                    ops.append(("recv", t, peer))
+                    received += t.numel() * t.element_size()
+        topo = gen.world_topology()
+        # NCCL: the first batched point-to-point call on a communicator must involve all
+        # of its ranks; a barrier brings the world's up with every member first
+        comm.barrier(topo=topo, axis="world")
+        works = comm.batch_p2p(ops, topo=topo, axis="world")
+        comm.wait(works, topo=topo, what="state copy", axis="world")
+        agree_counters(gen, new, old)
+    return received
+
+
+def agree_counters(gen, new, old) -> None:
+    """Loss scale, clean steps and AdamW's step count: the survivors' values (all equal)
+    for everyone, by one all-reduce (MAX) in which a new worker contributes zeros."""
+    topo = gen.world_topology()
+    mine = [0.0, 0.0, 0.0]
+    if old is not None:
+        steps = [s["step"] for s in old.engine.optim_state().values() if "step" in s]
+        mine = [old.scaler.scale, float(old.scaler.good_steps), float(steps[0]) if steps else 0.0]
+    t = torch.tensor(mine, dtype=torch.float64, device=topo.device)
+    comm.world_all_reduce(t, topo=topo, op=comm.ReduceOp.MAX)
+    scale, good, step = t.tolist()
+    if new.scaler.enabled:
+        new.scaler.load_state_dict({"scale": scale, "good_steps": int(good)})
+    for s in new.engine.optim_state(template=True).values():
+        s["step"].fill_(step)

@@ -1,0 +1,205 @@
+"""Resilience planning without processes: templates, combinations, plans, state sources,
+chaos schedules and the flags' checks."""
+
+import random
+
+import pytest
+
+from plait.layout import Layout
+from plait.model.config import preset
+from plait.resilience.chaos import Chaos
+from plait.resilience.config import ResilienceConfig, check_layout, parse_injections
+from plait.resilience.generation import replica_groups
+from plait.resilience.plan import Plan, grid_plan, make_plan, names_in_unit, sources, stage_units
+from plait.resilience.templates import Template, allocate, build_templates, choose
+
+
+def _templates(costs: dict[int, float], rows: int = 4, n_layers: int = 12) -> dict[int, Template]:
+    """Templates of s stages taking ``costs[s]`` seconds for ``rows`` rows, layers cut evenly."""
+    out = {}
+    for s, t in costs.items():
+        cuts = [round(i * n_layers / s) for i in range(s + 1)]
+        out[s] = Template(stages=tuple(zip(cuts, cuts[1:])), iter_s=t, rows=rows)
+    return out
+
+
+def test_oobleck_coverage_every_count_down_to_f_plus_1_times_n_min():
+    # n_min = 3 (the model needs 3 workers), templates 3..5 = 2 n_min - 1 exist, F = 2:
+    # every count from (F+1) n_min = 9 up keeps F+1 = 3 pipelines and uses every worker
+    t = _templates({3: 1.0, 4: 0.8, 5: 0.66})
+    for n in range(9, 40):
+        sizes = choose(n, t, min_pipelines=3, max_pipelines=64)
+        assert sizes is not None and len(sizes) >= 3 and sum(sizes) == n, (n, sizes)
+        assert all(s in t for s in sizes)
+    # below that, fewer copies are all that fit: as many pipelines as possible
+    assert len(choose(8, t, min_pipelines=3, max_pipelines=64)) == 2
+    assert choose(2, t, min_pipelines=3, max_pipelines=64) is None
+
+
+def test_choose_maximises_throughput_and_respects_micro_batches():
+    # two-stage pipelines are worth more than two one-stage ones here (e.g. memory-bound)
+    t = _templates({1: 1.0, 2: 0.4})
+    assert choose(5, t, min_pipelines=2, max_pipelines=8) == (2, 2, 1)
+    t = _templates({1: 0.5, 2: 0.4})  # one-stage pipelines are better per worker
+    assert choose(5, t, min_pipelines=2, max_pipelines=8) == (1, 1, 1, 1, 1)
+    # only 3 micro-batches a step: at most 3 pipelines, so larger ones take the workers
+    assert choose(5, t, min_pipelines=2, max_pipelines=3) == (2, 2, 1)
+
+
+def test_allocate_keeps_the_batch_and_follows_throughput():
+    for rows, mb, thr in [(8, 1, [1, 1, 1]), (64, 2, [3.0, 1.0, 1.0]), (12, 4, [1, 5, 1])]:
+        got = allocate(rows, mb, thr)
+        assert sum(got) == rows and all(g >= mb and g % mb == 0 for g in got)
+    assert allocate(8, 1, [2.0, 1.0, 1.0]) == [4, 2, 2]
+    with pytest.raises(ValueError, match="3 pipelines need at least 3 micro-batches"):
+        allocate(4, 2, [1, 1, 1])
+
+
+def test_grid_plan_matches_the_dp_pp_grid_and_replica_groups_are_its_dp_groups():
+    t = _templates({2: 1.0}, n_layers=4)
+    plan = grid_plan(dp=2, template=t[2], rows=8, micro_batch=1, n_layers=4, tied=True)
+    assert [p.workers for p in plan.pipelines] == [(0, 2), (1, 3)]  # rank = pp_rank*dp + dp_rank
+    assert [p.rows for p in plan.pipelines] == [(0, 4), (4, 8)]
+    assert plan.units_of(0) == {"embed", "blocks.0", "blocks.1"}
+    assert plan.units_of(3) == {"blocks.2", "blocks.3", "post", "tied"}
+    # generation ranks: members in plan order [0, 2, 1, 3] -> workers 0, 1 are ranks 0, 2
+    groups = replica_groups(plan)
+    assert groups["embed"] == groups["blocks.0"] == (0, 2)
+    assert groups["post"] == groups["tied"] == (1, 3)
+
+
+def test_make_plan_keeps_what_workers_hold_and_sources_spread_the_copies():
+    t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
+    grid = grid_plan(dp=2, template=t[2], rows=8, micro_batch=1, n_layers=4, tied=True)
+    held = {w: grid.units_of(w) for w in (0, 1, 2)}  # worker 3 died
+    plan = make_plan((1, 1, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True)
+    assert (
+        sorted(plan.members) == [0, 1, 2]
+        and sum(p.rows[1] - p.rows[0] for p in plan.pipelines) == 8
+    )
+    moves, missing = sources(plan, held)
+    assert missing == []
+    # worker 2 alone holds the second half: it sends it to 0 and 1; 0 and 1 share the first
+    assert {(r, u) for r, u, s in moves if s == 2} == {
+        (r, u) for r in (0, 1) for u in ("blocks.2", "blocks.3", "post")
+    }
+    senders_to_2 = {u: s for r, u, s in moves if r == 2}
+    assert set(senders_to_2) == {"embed", "blocks.0", "blocks.1"} and set(
+        senders_to_2.values()
+    ) == {0, 1}
+    # both workers of a stage dead: nobody holds it
+    _, missing = sources(plan, {0: grid.units_of(0), 1: grid.units_of(1)})
+    assert missing == ["blocks.2", "blocks.3", "post"]
+
+
+def test_a_heterogeneous_plan_and_its_tied_group():
+    t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
+    plan = make_plan((2, 1), t, holdings={w: frozenset() for w in (5, 6, 7)}, rows=8,
+                     micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    two, one = plan.pipelines
+    assert len(two.workers) == 2 and len(one.workers) == 1
+    groups = replica_groups(plan)
+    r = {w: plan.members.index(w) for w in plan.members}
+    assert groups["embed"] == tuple(sorted((r[two.workers[0]], r[one.workers[0]])))
+    assert groups["tied"] == tuple(sorted((r[two.workers[1]], r[one.workers[0]])))
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_units_and_names():
+    assert stage_units(0, 4, n_layers=4, tied=True) == {"embed", "blocks.0", "blocks.1",
+                                                         "blocks.2", "blocks.3", "post"}  # fmt: skip
+    names = ["embed.tokens.weight", "embed.positions.weight", "blocks.0.attn.w", "blocks.10.x",
+             "norm.weight", "head.weight"]  # fmt: skip
+    assert names_in_unit("embed", names) == names[:2]
+    assert names_in_unit("tied", names) == ["embed.tokens.weight"]
+    assert names_in_unit("blocks.1", names) == []  # not blocks.10
+    assert names_in_unit("post", names) == ["norm.weight", "head.weight"]
+
+
+def test_templates_from_the_simulator_are_balanced_and_fit():
+    from plait.sim import get_hardware
+
+    m = preset("tiny", n_layers=8, hidden=64, n_heads=4, seq_len=64, vocab_size=256)
+    t = build_templates(m, Layout(dp=2, pp=2, global_batch_size=8), get_hardware("h100-sxm"),
+                        max_nodes=4, rows=4)  # fmt: skip
+    assert sorted(t) == [1, 2, 3, 4]
+    for s, tmpl in t.items():
+        assert tmpl.nodes == s and tmpl.stages[0][0] == 0 and tmpl.stages[-1][1] == 8
+        assert all(a < b for a, b in tmpl.stages) and tmpl.iter_s > 0 and tmpl.fits
+
+
+def test_injections_and_chaos_schedule():
+    inj = parse_injections("5:1, 9:3:stop, 6:2:save")
+    assert [(i.step, i.worker, i.signal) for i in inj] == [(5, 1, "kill"), (9, 3, "stop"),
+                                                          (6, 2, "save")]  # fmt: skip
+    for bad in ("5", "x:1", "5:1:term", "0:1"):
+        with pytest.raises(ValueError, match="--inject-failure"):
+            parse_injections(bad)
+    chaos = Chaos(ResilienceConfig(fault_tolerance=1, inject_failure=inj))
+    everyone = {0, 1, 2, 3}
+    assert chaos.tick({1: (4, 0.0, 0.5, "step")}, everyone, now=10.0) == []
+    armed = chaos.tick({1: (5, 0.0, 0.5, "step")}, everyone, now=10.0)
+    shots = armed + chaos.tick({}, everyone, now=10.6)  # within its last step's time
+    assert [(s.worker, s.signal, s.step) for s in shots] == [(1, "kill", 5)]
+    # "save": only once the worker writes that step's checkpoint, and at once
+    assert chaos.tick({2: (6, 0.0, 0.5, "step")}, everyone, now=11.0) == []
+    shots = chaos.tick({2: (6, 0.0, 0.5, "save")}, everyone, now=11.0)
+    assert [(s.worker, s.signal, s.step) for s in shots] == [(2, "kill", 6)]
+
+    every = Chaos(ResilienceConfig(fault_tolerance=1, chaos_every=10, chaos_seed=3))
+    fired = []
+    for step in range(1, 50):
+        progress = {0: (step, 0.0, 0.0, "step"), 1: (step, 0.0, 0.0, "step")}
+        copies = 1 if 25 <= step < 35 else 2  # one copy left: random kills wait
+        fired += every.tick(progress, {0, 1}, now=float(step), copies=copies)
+    assert [s.step for s in fired] == [10, 20, 35, 45]
+    rng = random.Random(3)
+    expected = []
+    for _ in range(4):
+        expected.append(rng.choice([0, 1]))
+        rng.uniform(0.0, 0.0)
+    assert [s.worker for s in fired] == expected
+
+
+@pytest.mark.parametrize(
+    "layout, flags, needle",
+    [
+        (dict(dp=1, pp=2), {}, "--dp >= 2"),
+        (dict(dp=2, tp=2), {}, "--tp 1"),
+        (dict(dp=2, zero=1), {}, "--zero 0"),
+        (dict(dp=2, pp=2, vpp=2, schedule="interleaved-1f1b", global_batch_size=16), {}, "--vpp 1"),
+        (dict(dp=2), {"nnodes": 2}, "--nnodes 1"),
+    ],
+)
+def test_layouts_refused_with_one_line(layout, flags, needle):
+    with pytest.raises(ValueError, match=needle.replace("+", r"\+")):
+        check_layout(ResilienceConfig(fault_tolerance=1), Layout(**layout), **flags)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="--heartbeat-timeout"):
+        ResilienceConfig(fault_tolerance=1, heartbeat_timeout=1.0)
+    with pytest.raises(ValueError, match="need --fault-tolerance"):
+        ResilienceConfig(chaos_every=3)
+    cfg = ResilienceConfig(fault_tolerance=2, inject_failure=parse_injections("3:1:stop"))
+    assert ResilienceConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_the_availability_model_orders_the_strategies_as_failures_grow():
+    from plait.resilience.availability import Assumptions, Model
+    from plait.sim import get_hardware
+
+    m = Model(preset("gpt3-1.3b"), Layout(dp=4, tp=2, pp=4, micro_batch_size=1,
+              global_batch_size=64, dtype="bf16"), get_hardware("h100-sxm"), Assumptions())  # fmt: skip
+    assert m.capacity(0) == 1.0 and 0 < m.capacity(1.5) < m.capacity(1) < 1.0
+    points = [m.point(h * 3600) for h in (6, 1, 1 / 6)]
+    for p in points:
+        assert 0 <= p.checkpoint <= 1 and 0 <= p.in_place <= 1 and 0 <= p.redundant <= 1
+    # more failures cost every strategy; in place loses least, checkpoints most
+    for attr in ("checkpoint", "in_place", "redundant"):
+        assert getattr(points[0], attr) > getattr(points[-1], attr)
+    assert (
+        points[-1].in_place > points[-1].redundant and points[-1].in_place > points[-1].checkpoint
+    )
+    # redundant computation pays its extra forward even without failures
+    assert m.rc_step_s > m.step_s
