@@ -59,11 +59,12 @@ def make_codec(cfg: DPAlgoConfig, *, seed: int):
 
 class _Wire:
     """Encoding and decoding of a bucket's tensors with one codec, shared by both paths.
-    ``tensors`` are (key, flat fp32 view) pairs; ``rank`` names the sender in QSGD's
-    random stream."""
+    ``tensors`` are (key, flat fp32 view) pairs; ``sender`` names this rank in QSGD's
+    random stream: its dp and tp coordinates, not its pipeline stage, so the two copies of
+    a tied embedding (first and last stage, the same name) draw alike and stay equal."""
 
-    def __init__(self, codec_name: str, codec, *, topo: Topology, rank: int, n: int):
-        self.name, self.codec, self.topo, self.rank, self.n = codec_name, codec, topo, rank, n
+    def __init__(self, codec_name: str, codec, *, topo: Topology, sender: str, n: int):
+        self.name, self.codec, self.topo, self.sender, self.n = codec_name, codec, topo, sender, n
         self.step = 0  # optimizer steps done: QSGD's random stream follows it
 
     # --- gather codecs: QSGD, top-k ------------------------------------------------------
@@ -72,7 +73,7 @@ class _Wire:
         floats, smalls = [], []
         for key, x in tensors:
             if self.name == "qsgd":
-                gen = self.codec.generator(key, self.step, self.rank, x.device)
+                gen = self.codec.generator(key, self.step, self.sender, x.device)
                 f, s = self.codec.encode(x, gen=gen)
             else:
                 f, s = self.codec.encode(key, x)
@@ -169,10 +170,10 @@ class CompressedGrads(GradReducer):
     view into it, as ``AllReduceGrads`` does), encoded per tensor, and reduced over the
     dp axis (module docstring); ``finish()`` leaves the summed gradient in the buffer."""
 
-    def __init__(self, model: nn.Module, *, topo, cfg, defer=(), codec_name, codec, names):
+    def __init__(self, model: nn.Module, *, topo, cfg, defer=(), codec_name, codec, names, sender):
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.names = names  # id(parameter) -> name: the codecs' state is kept by name
-        self.wire = _Wire(codec_name, codec, topo=topo, rank=topo.rank, n=topo.dp)
+        self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp)
 
     def _tensors(self, bucket: Bucket):
         out, offset = [], 0
@@ -217,10 +218,9 @@ class Across:
     through the codec, in place of HSDP's all-reduce (module docstring). Called by
     ``ReduceScatterGrads`` once per bucket, in bucket order, after its reduce-scatter."""
 
-    def __init__(self, codec_name, codec, *, topo: Topology, names):
+    def __init__(self, codec_name, codec, *, topo: Topology, names, sender):
         self.names = names
-        # (a sub-topology of split_dp: its rank is the global one, its dp_rank meaningless)
-        self.wire = _Wire(codec_name, codec, topo=topo, rank=topo.rank, n=topo.dp)
+        self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp)
 
     def __call__(self, row: torch.Tensor, layout, params) -> None:
         wire = self.wire
@@ -242,20 +242,20 @@ class Compression:
     stage 0/1 reducer or the ZeRO 2/3 cross-group hook around one codec, and keeps the
     codec's state and the step its random stream follows."""
 
-    def __init__(self, cfg: DPAlgoConfig, *, seed: int, names: dict[int, str]):
+    def __init__(self, cfg: DPAlgoConfig, *, seed: int, names: dict[int, str], sender: str):
         self.codec_name, _ = cfg.codec
         self.codec = make_codec(cfg, seed=seed)
-        self.names = names
+        self.names, self.sender = names, sender
         self.wires: list[_Wire] = []
 
     def reducer(self, model, *, topo, cfg, defer=()) -> CompressedGrads:
         r = CompressedGrads(model, topo=topo, cfg=cfg, defer=defer, codec_name=self.codec_name,
-                            codec=self.codec, names=self.names)  # fmt: skip
+                            codec=self.codec, names=self.names, sender=self.sender)  # fmt: skip
         self.wires.append(r.wire)
         return r
 
     def across(self, topo: Topology) -> Across:
-        a = Across(self.codec_name, self.codec, topo=topo, names=self.names)
+        a = Across(self.codec_name, self.codec, topo=topo, names=self.names, sender=self.sender)
         self.wires.append(a.wire)
         return a
 

@@ -65,11 +65,11 @@ class QSGD:
         """(fp32 elements, small elements, small dtype) of one tensor's message."""
         return _blocks(numel), numel, torch.int8
 
-    def generator(self, key: str, step: int, rank: int, device) -> torch.Generator:
+    def generator(self, key: str, step: int, sender, device) -> torch.Generator:
         """The random stream of one tensor, one step, one sender: seeded, so a resumed run
         draws what the uninterrupted one drew."""
         g = torch.Generator(device=device)
-        g.manual_seed(zlib.crc32(f"{self.seed}|{step}|{rank}|{key}".encode()))
+        g.manual_seed(zlib.crc32(f"{self.seed}|{step}|{sender}|{key}".encode()))
         return g
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator):

@@ -97,6 +97,11 @@ class DPAlgoConfig:
                 )
 
     @property
+    def plain(self) -> bool:
+        """The plain all-reduce, uncompressed (the default)."""
+        return self.algo == "allreduce" and self.compress is None
+
+    @property
     def replicas_differ(self) -> bool:
         """Local SGD, DiLoCo and gossip let replicas drift apart between synchronisations;
         plain and compressed all-reduce keep them identical."""

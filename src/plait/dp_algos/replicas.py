@@ -45,6 +45,7 @@ import math
 import torch
 
 from plait import comm
+from plait.data import IGNORE_INDEX
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
 from plait.topology import Axis, Topology
 
@@ -67,11 +68,10 @@ class DPAlgorithm:
         self.compression = None
         self.engine = None
 
-    @property
-    def tokens_divisor(self) -> int:
-        """Each rank's loss is divided by tokens_per_step / this: 1 while replicas stay
-        identical (a share of the global mean), R when each steps on its own mean."""
-        return self.num_replicas if self.replicas_differ else 1
+    def loss_tokens(self, sampler, step: int, global_count: int) -> int:
+        """The targets each rank's loss is divided by: the global batch's
+        (``global_count``) while replicas stay identical -- a share of the global mean."""
+        return global_count
 
     def attach(self, engine, model) -> None:
         """Called once the engine exists (before any checkpoint is loaded)."""
@@ -147,7 +147,8 @@ class Synchronous(DPAlgorithm):
         if cfg.compress is not None:
             from plait.dp_algos.compressed_grads import Compression
 
-            self.compression = Compression(cfg, seed=seed, names=names or {})
+            sender = f"dp{topo.dp_rank}.tp{topo.tp_rank}"  # QSGD's stream (compressed_grads)
+            self.compression = Compression(cfg, seed=seed, names=names or {}, sender=sender)
             self.num_replicas, self.k = compress_group(layout)
 
     def attach(self, engine, model) -> None:
@@ -269,6 +270,14 @@ class Replicas(DPAlgorithm):
         self.replica_topo, self.across = topo.split_replicas(self.k)  # collective
         self.engine_topo = self.stats_topo = self.replica_topo
         self.chunk_bytes = max(1, int(layout.bucket_mb * 2**20))
+
+    def loss_tokens(self, sampler, step: int, global_count: int) -> int:
+        """Each replica steps on its own mean: the targets of its rows of the global batch
+        (replica b holds dp ranks [b*k, (b+1)*k), so rows [b*G/R, (b+1)*G/R))."""
+        if sampler.mask is None:
+            return global_count // self.num_replicas
+        _, targets = sampler.local_batch(step, dp_rank=self.index, dp=self.num_replicas)
+        return int((targets != IGNORE_INDEX).sum())
 
     def attach(self, engine, model) -> None:
         super().attach(engine, model)
