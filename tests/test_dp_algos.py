@@ -242,3 +242,62 @@ def test_config_errors_are_one_line(kwargs, words):
         DPAlgoConfig(**kwargs)
     assert words in str(e.value) and "\n" not in str(e.value)
     assert parse_compress("powersgd:4") == ("powersgd", 4)
+
+
+# --- the simulator's price -----------------------------------------------------------------
+
+
+def _sim(algo, **layout):
+    from plait.model.config import preset
+    from plait.sim.hardware import get_hardware
+    from plait.sim.simulate import simulate
+
+    model = preset("gpt2-124m")
+    lay = Layout(**{"dp": 16, "global_batch_size": 64, "dtype": "bf16", **layout})
+    return simulate(model, lay, get_hardware("a100-80gb"), runtime="plait", dp_algo=algo)
+
+
+def test_simulator_prices_each_algorithm_from_the_byte_formulas():
+    """Bytes sent are the runtime's formulas (``volume``) for the rank's own tensors
+    (``rank_shapes`` covers exactly its parameters); all-reduce priced as before; local SGD
+    and DiLoCo cost 1/H of an average per step; gossip's one-peer graph sends half an
+    all-reduce; the compressed all-reduces send what their codecs promise."""
+    from plait.model.config import preset
+    from plait.sim import dp_algos as sim_dp
+    from plait.sim.memory import stage_params
+
+    model = preset("gpt2-124m")
+    lay = Layout(dp=16, global_batch_size=64, tp=2, pp=2)
+    params = stage_params(model, lay, 6, True, False)
+    shapes = sim_dp.rank_shapes(model, lay, [(6, True, False)], params)
+    assert sum(math.prod(s) for s in shapes) == params
+    plain, none = _sim(DPAlgoConfig()), _sim(None)
+    assert plain.iter_time_s == none.iter_time_s and none.dp_algo is None
+    e = 4 * plain.dp_algo["bytes_sent"] / (2 * 15 / 16 * 4)  # 4N
+    times = {}
+    for h in (1, 10, 100):
+        res = _sim(DPAlgoConfig(algo="diloco", sync_every=h))
+        assert res.dp_algo["bytes_sent"] == pytest.approx(2 * 15 / 16 * e / h)
+        times[h] = res.iter_time_s
+    assert times[1] > times[10] > times[100]
+    one_peer = _sim(DPAlgoConfig(algo="gossip", topology="one-peer-exponential"))
+    assert one_peer.dp_algo["bytes_sent"] == pytest.approx(e) and one_peer.dp_algo["messages"] == 1
+    for spec, below in (("bf16", 0.51), ("powersgd:4", 0.1), ("topk:0.01", 0.2)):
+        res = _sim(DPAlgoConfig(compress=spec))
+        assert res.dp_algo["bytes_sent"] < below * plain.dp_algo["bytes_sent"], spec
+    with pytest.raises(ValueError, match="--zero-shard-group"):
+        _sim(DPAlgoConfig(algo="diloco", sync_every=4), zero=1)
+
+
+def test_plan_keeps_to_layouts_the_algorithm_runs_on():
+    from plait.model.config import preset
+    from plait.sim.hardware import get_hardware
+    from plait.sim.search import PlanRequest, search
+
+    algo = DPAlgoConfig(algo="gossip", topology="ring")
+    req = PlanRequest(model=preset("gpt2-124m"), hardware=get_hardware("a100-80gb"), n_devices=16,
+                      global_batch_size=64, top_k=3, dp_algo=algo)  # fmt: skip
+    plan = search(req)
+    for entry in plan.entries:
+        assert entry.layout.dp >= 2 and entry.layout.zero == 0
+        assert entry.result.dp_algo["label"] == "gossip ring"

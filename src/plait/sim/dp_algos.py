@@ -2,10 +2,11 @@
 seconds per step of the data-parallel communication, for ``simulate`` and ``plan``.
 
 Bytes come from ``dp_algos.volume`` (the formulas the runtime's counts are tested
-against); seconds from the alpha-beta models of ``costs`` on the link the group spans.
+against); seconds from the alpha-beta models of ``collectives`` on the link the group
+spans, compute from ``costs``.
 Per pipeline rank, with N its parameters (its tp shard of its layers), K the dp ranks of a
 replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and the link
-``costs.group_link`` gives a group of R ranks spaced tp x K apart:
+``collectives.group_link`` gives a group of R ranks spaced tp x K apart:
 
 - plain all-reduce: ``costs.dp_comm_time``, unchanged.
 - compression (every dp rank under ZeRO 0/1; across the R shard groups, on the 1/K piece,
@@ -41,7 +42,7 @@ from plait.dp_algos import graphs, volume
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
 from plait.layout import Layout
 from plait.model.config import ModelConfig
-from plait.sim import costs
+from plait.sim import collectives, costs
 from plait.sim.hardware import Hardware
 from plait.sim.runtime import Runtime
 
@@ -100,8 +101,8 @@ def comm_time(
     if algo.algo == "allreduce" and algo.compress is None:
         base = costs.dp_comm_time(params, layout, hw, rt)
         vol = volume.mean_volume(algo, shapes=[(int(params),)], n=layout.dp)
-        link = costs.group_link(hw, layout.dp, layout.tp)
-        latency = 2 * (layout.dp - 1) * link.latency if link else 0.0
+        link = collectives.group_link(hw, layout.dp, layout.tp)
+        latency = 2 * collectives.ring_latency(layout.dp, link, "all_reduce")
         return {**base, "sync": 0.0, "bytes_sent": vol.sent, "messages": 0, "latency": latency}
     shapes = rank_shapes(model, layout, chunks, params)
     if algo.compress is not None:
@@ -112,15 +113,15 @@ def comm_time(
         inner = {"grad": 0.0, "param": 0.0}
     pieces = _pieces(shapes, k)
     piece_bytes = 4 * sum(math.prod(s) for s in pieces)
-    link = costs.group_link(hw, r, layout.tp * k)
+    link = collectives.group_link(hw, r, layout.tp * k)
     vol = volume.mean_volume(algo, shapes=pieces, n=r)
-    average = costs.all_reduce_time(piece_bytes, r, link)
+    average = collectives.all_reduce_time(piece_bytes, r, link)
     if algo.algo in ("local-sgd", "diloco"):
         h = algo.sync_every
         work = average
         if algo.algo == "diloco":
             work += costs.stream_time(hw, OUTER_STEP_STREAMS * piece_bytes / 4)
-        latency = 2 * (r - 1) * link.latency / h
+        latency = 2 * collectives.ring_latency(r, link, "all_reduce") / h
         return {
             **inner,
             "sync": work / h,
@@ -136,7 +137,7 @@ def comm_time(
     for step in range(rounds):
         if algo.global_avg_every and (step + 1) % algo.global_avg_every == 0:
             total += average
-            lat += 2 * (r - 1) * link.latency
+            lat += 2 * collectives.ring_latency(r, link, "all_reduce")
             continue
         _, send_to = graphs.neighbours(algo.topology, r, 0, step)
         d = len(send_to)
@@ -165,16 +166,16 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
         stride = layout.tp
     pieces = _pieces(shapes, k)
     elems = sum(math.prod(s) for s in pieces)
-    link = costs.group_link(hw, n, stride)
+    link = collectives.group_link(hw, n, stride)
     vol = volume.step_volume(algo, step=0, shapes=pieces, n=n)
     msg = sum(volume.codec_message(codec, arg, s) for s in pieces)
-    sync, latency = 0.0, 2 * (n - 1) * link.latency if link else 0.0
+    sync, latency = 0.0, 2 * collectives.ring_latency(n, link, "all_reduce")
     if codec == "bf16":
-        grad = costs.all_reduce_time(msg, n, link)
+        grad = collectives.all_reduce_time(msg, n, link)
         sync = costs.stream_time(hw, BF16_CASTS * elems)
     elif codec in ("qsgd", "topk"):
-        grad = costs.all_gather_time(n * msg, n, link)
-        latency = (n - 1) * link.latency if link else 0.0
+        grad = collectives.all_gather_time(n * msg, n, link)
+        latency = collectives.ring_latency(n, link, "all_gather")
         work = QSGD_ENCODE + n * QSGD_DECODE if codec == "qsgd" else TOPK_WORK
         sync = costs.stream_time(hw, work * elems)
     else:  # PowerSGD: P (and what travels whole) overlaps; Q, the GEMMs and EF do not
@@ -190,8 +191,8 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
             gemms += costs.gemm_time(hw, "fp32", rows, r, cols)  # M' Q
             gemms += costs.gemm_time(hw, "fp32", cols, r, rows)  # M'^T P^
             gemms += costs.gemm_time(hw, "fp32", rows, cols, r)  # P^ Q^T
-        grad = costs.all_reduce_time(p_bytes, n, link)
-        sync = costs.all_reduce_time(q_bytes, n, link) + gemms
+        grad = collectives.all_reduce_time(p_bytes, n, link)
+        sync = collectives.all_reduce_time(q_bytes, n, link) + gemms
         sync += costs.stream_time(hw, EF_STREAMS * elems)
         latency *= 2
     grad += inner["grad"]
