@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_workers
+from numerics import loss_tol
 from test_data_parallel import (
     assert_same_curve,
     make_data,
     read_metrics,
     resume_from,
     run_config,
+    tiny,
 )
 
 from plait.dp_algos import volume
@@ -162,8 +164,25 @@ def runs(tmp_path_factory):
     }
 
 
-def _curve(ranks) -> list[float]:
-    return [m["loss"] for m in ranks[0]["metrics"]]
+def _curve(ranks) -> list[dict]:
+    """Rank 0's metrics records (``loss`` and ``grad_norm`` per step)."""
+    return ranks[0]["metrics"]
+
+
+def _losses(ranks) -> list[float]:
+    return [m["loss"] for m in _curve(ranks)]
+
+
+def assert_same_loss(got: list[dict], ref: list[dict], what: str) -> None:
+    """The loss column within ``numerics``' float32 bound (step n: n times step 1's). For
+    runs whose gradient norm means another thing: a replica's own against plain data
+    parallelism's global one."""
+    cfg = tiny("gpt2")
+    tol = loss_tol(cfg, 8 * cfg.seq_len)
+    assert len(got) == len(ref), what
+    for g, r in zip(got, ref):
+        a, b, n = g["loss"], r["loss"], g["step"]
+        assert abs(a - b) <= n * tol * abs(b), (what, n, a, b, abs(a - b) / abs(b), n * tol)
 
 
 def test_local_sgd_h1_and_complete_gossip_are_plain_data_parallelism(runs):
@@ -172,9 +191,9 @@ def test_local_sgd_h1_and_complete_gossip_are_plain_data_parallelism(runs):
     average. Same curve as plain dp 2 (DESIGN.md section 3's gate)."""
     _, res = runs["w2"]
     ref = _curve(res["dp-sgd"])
-    assert ref[-1] < ref[0]
+    assert ref[-1]["loss"] < ref[0]["loss"]
     for name in ("local-h1-sgd", "complete-sgd"):
-        assert_same_curve(_curve(res[name]), ref, name)
+        assert_same_loss(_curve(res[name]), ref, name)
         sums = [r["sums"] for r in res[name]]
         assert sums[0] == sums[1], name  # replicas equal bit for bit
 
@@ -190,7 +209,7 @@ def test_bf16_compression_within_bf16_rounding(runs):
     step (far looser than that bound needs here, far tighter than the codecs' own
     effect: QSGD's 8 levels move it by more)."""
     _, res = runs["w2"]
-    ref, bf16, qsgd = _curve(res["dp"]), _curve(res["bf16"]), _curve(res["qsgd"])
+    ref, bf16, qsgd = _losses(res["dp"]), _losses(res["bf16"]), _losses(res["qsgd"])
     assert bf16[0] == ref[0]
     u = 2.0**-8
     for step, (a, b) in enumerate(zip(bf16, ref), start=1):
@@ -244,10 +263,10 @@ def test_every_algorithm_with_tp2_and_pp2(runs):
     for name in ALGOS:
         for lay in ("tp2", "pp2"):
             ranks = w4[f"{lay}-{name}"]
-            curve = _curve(ranks)
+            curve = _losses(ranks)
             assert all(math.isfinite(x) for x in curve) and curve[-1] < curve[0], (lay, name)
             if name in REPLICA_ALGOS:
-                assert_same_curve(curve, _curve(w2[name]), f"{lay}-{name}")
+                assert_same_curve(_curve(ranks), _curve(w2[name]), f"{lay}-{name}")
             else:
                 by_place = {}
                 for r in ranks:
@@ -283,7 +302,7 @@ def test_zero_inside_replicas_the_algorithm_across(runs):
     _, w4 = runs["w4"]
     assert_same_curve(_curve(w4["zero2-diloco"]), _curve(w2["diloco"]), "zero2-diloco")
     ranks = w4["zero3-topk"]
-    curve = _curve(ranks)
+    curve = _losses(ranks)
     assert curve[-1] < curve[0]
     by_piece = {}
     for r in ranks:  # dp ranks 0, 2 hold piece 0; 1, 3 piece 1
@@ -302,7 +321,7 @@ def test_resume_equals_uninterrupted(runs):
     for name, res in [*((n, w2) for n in RESUMED), ("dp4-ring", w4)]:
         resumed = res[f"resume-{name}"][0]["metrics"]
         assert [m["step"] for m in resumed] == list(range(SAVE + 1, STEPS + 1)), name
-        assert_same_curve([m["loss"] for m in resumed], _curve(res[name])[SAVE:], name)
+        assert_same_curve(resumed, _curve(res[name])[SAVE:], name)
 
 
 def test_checkpoint_keeps_every_replica_and_export_reads_their_average(runs):

@@ -33,8 +33,8 @@ import torch
 
 from plait import dp_algos
 from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
-from plait.model import lora, quant
 from plait.dp_algos.replicas import ResumeError
+from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
