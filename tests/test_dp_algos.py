@@ -301,3 +301,30 @@ def test_plan_keeps_to_layouts_the_algorithm_runs_on():
     for entry in plan.entries:
         assert entry.layout.dp >= 2 and entry.layout.zero == 0
         assert entry.result.dp_algo["label"] == "gossip ring"
+
+
+def test_a_replica_divides_by_its_own_rows_trained_targets():
+    """Replicas that differ each step on their own mean loss: replica b of R holds rows
+    [b G/R, (b+1) G/R) of the global batch, so it divides by the trained targets of those
+    rows (masked instruction data), which sum over the replicas to the global count."""
+    from plait.data import GlobalBatchSampler
+    from plait.dp_algos.replicas import DPAlgorithm, Replicas
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=2000)
+    mask = rng.random(2000) < 0.3  # about 30% of the targets take a loss
+    sampler = GlobalBatchSampler(tokens, seq_len=16, global_batch=8, seed=0, mask=mask)
+    plain = GlobalBatchSampler(tokens, seq_len=16, global_batch=8, seed=0)
+    for step in range(3):
+        total = sampler.target_count(step)
+        counts = []
+        for b in range(4):
+            algo = object.__new__(Replicas)  # no process group: only what loss_tokens reads
+            algo.num_replicas, algo.index = 4, b
+            counts.append(algo.loss_tokens(sampler, step, total))
+            windows = sampler.window_ids(step)[2 * b : 2 * b + 2]
+            want = sum(int(mask[w * 16 + 1 : w * 16 + 17].sum()) for w in windows)
+            assert counts[-1] == want, (step, b)
+            assert algo.loss_tokens(plain, step, 8 * 16) == 2 * 16
+        assert sum(counts) == total and len(set(counts)) > 1
+        assert object.__new__(DPAlgorithm).loss_tokens(sampler, step, total) == total
