@@ -328,3 +328,20 @@ def test_a_replica_divides_by_its_own_rows_trained_targets():
             assert algo.loss_tokens(plain, step, 8 * 16) == 2 * 16
         assert sum(counts) == total and len(set(counts)) > 1
         assert object.__new__(DPAlgorithm).loss_tokens(sampler, step, total) == total
+
+
+def test_lora_with_another_dp_algorithm_is_refused_in_one_line():
+    from plait.data import DataConfig
+    from plait.model.config import preset
+    from plait.model.lora import LoRAConfig
+    from plait.train.config import RunConfig, TrainConfig
+
+    def run(algo):
+        return RunConfig(model=preset("tiny"), layout=Layout(dp=2), data=DataConfig(),
+                         train=TrainConfig(), out="x", lora=LoRAConfig(rank=4), dp_algo=algo)  # fmt: skip
+
+    assert run(DPAlgoConfig()).lora.rank == 4  # the plain all-reduce: fine
+    for algo in (DPAlgoConfig(compress="bf16"), DPAlgoConfig(algo="local-sgd", sync_every=4)):
+        with pytest.raises(ValueError) as e:
+            run(algo)
+        assert "--lora-rank" in str(e.value) and "\n" not in str(e.value)
