@@ -3,6 +3,7 @@
     python benchmarks/comm_efficient.py --part bytes     # loss against bytes, 4 replicas
     python benchmarks/comm_efficient.py --part slow      # a rate-limited network, for real
     python benchmarks/comm_efficient.py --part convex    # logistic regression, one process
+    python benchmarks/comm_efficient.py --part torch     # PowerSGD beside PyTorch's DDP hook
     python benchmarks/comm_efficient.py --part bytes --only "all-reduce,diloco H=16"
 
 1. ``bytes``: 4 gloo processes (``--dp 4``, one replica each), the ``tiny`` GPT (4 x 128,
@@ -32,6 +33,11 @@
    gossip on a ring falls less once the ring's spectral gap is small (its consensus error
    grows as the gap shrinks), and periodic averaging closes most of that gap -- the
    comparison Chen et al. (2021, Gossip-PGA) make.
+
+4. ``torch``: plait's ``--compress powersgd:4`` engine beside DDP with PyTorch's own
+   ``powerSGD_hook`` (rank 4, error feedback, warm start) on the same 4 processes, model,
+   initial weights and batches, alternating step by step: the loss each reaches and the
+   median step time.
 
 Timings are taken under the shared CPU lock (``flock /tmp/plait-cpu.lock``), with other
 single-process work possibly running beside them; 4 single-thread processes share 2
@@ -383,12 +389,137 @@ def _plot_convex(ns, par, gos, pga, h, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# --- side by side with PyTorch's PowerSGD hook -------------------------------------------------
+
+
+def _torch_worker(rank, world, port, steps, rank_, out_dir):
+    """plait's ``--compress powersgd:R`` engine and DDP with torch's ``powerSGD_hook`` (rank
+    R, error feedback, warm start), the same initial weights and batches, alternating step
+    by step in the same processes; no clipping, AdamW with the same schedule."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    try:
+        import functools
+        import time
+
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        from plait import dp_algos
+        from plait.data import DataConfig, GlobalBatchSampler, prepare
+        from plait.dp_algos.config import DPAlgoConfig
+        from plait.layout import Layout
+        from plait.model.config import preset
+        from plait.model.transformer import build_model
+        from plait.parallel.engine import DataParallelConfig, build_data_parallel
+        from plait.topology import Topology
+        from plait.train import optim
+        from plait.train.config import TrainConfig
+
+        cfg, batch = preset("tiny"), 16
+        tcfg = TrainConfig(steps=steps, lr=3e-3, warmup=30)
+        layout = Layout(dp=world, global_batch_size=batch, micro_batch_size=batch // world)
+        topo = Topology.build(pp=1, dp=world, tp=1)
+        ds = prepare(DataConfig())
+        sampler = GlobalBatchSampler(ds.train, seq_len=cfg.seq_len, global_batch=batch, seed=0)
+        ours = build_model(cfg, seed=0)
+        algo = dp_algos.build(DPAlgoConfig(compress=f"powersgd:{rank_}"), topo=topo,
+                              layout=layout)  # fmt: skip
+        engine = build_data_parallel(
+            ours, topo=algo.engine_topo, cfg=DataParallelConfig.from_layout(layout),
+            make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
+            owns_grad=functools.partial(optim.owns_grad, topo=topo),
+            compression=algo.compression,
+        )  # fmt: skip
+        algo.attach(engine, ours)
+        theirs = build_model(cfg, seed=0)
+        own = dist.new_group(list(range(world)))  # DDP's traffic apart from plait's
+        # one bucket: the hook launches its second all-reduce from the first one's
+        # completion callback, so with several buckets gloo ranks can issue them in
+        # different orders (a collective mismatch, seen here with DDP's 1 MiB first bucket)
+        ddp = torch.nn.parallel.DistributedDataParallel(theirs, process_group=own,
+                                                        bucket_cap_mb=64)  # fmt: skip
+        state = psgd.PowerSGDState(process_group=own, matrix_approximation_rank=rank_,
+                                   start_powerSGD_iter=2, min_compression_rate=1)  # fmt: skip
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = optim.build_adamw([(n, p, p) for n, p in theirs.named_parameters()], tcfg)
+        tokens = batch * cfg.seq_len
+        rec = {"plait": [], "torch": []}
+        for step in range(steps):
+            rows = sampler.local(step, dp_rank=rank, dp=world)
+            x, y = rows[:, :-1], rows[:, 1:]
+            lr = optim.lr_at(step, tcfg)
+            for name in ("plait", "torch") if step % 2 == 0 else ("torch", "plait"):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "plait":  # loss over the global tokens: the dp sum is the mean
+                    loss = ours(x, y).sum() / tokens
+                    loss.backward()
+                    engine.finish()
+                    engine.step(lr)
+                    engine.zero_grad()
+                    share = loss.detach() * world
+                else:  # DDP averages over dp: loss over the local tokens
+                    loss = ddp(x, y).sum() / (tokens / world)
+                    loss.backward()
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    share = loss.detach()
+                dt = time.perf_counter() - t0
+                dist.all_reduce(share)  # the global mean loss, for the record only
+                rec[name].append({"loss": share.item() / world, "step_time_s": dt})
+        if rank == 0:
+            Path(out_dir, "torch.json").write_text(json.dumps(rec))
+        status = "ok"
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        status = traceback.format_exc()
+    Path(out_dir, f"status-{rank}").write_text(status)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def torch_side_by_side(args) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        port, ctx = _free_port(), mp.get_context("spawn")
+        procs = [ctx.Process(target=_torch_worker, args=(r, 4, port, args.torch_steps, 4, d))
+                 for r in range(4)]  # fmt: skip
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        for r in range(4):
+            status = Path(d, f"status-{r}")
+            text = status.read_text() if status.exists() else f"exit code {procs[r].exitcode}"
+            if text != "ok":
+                raise RuntimeError(f"worker {r} failed:\n{text}")
+        rec = json.loads(Path(d, "torch.json").read_text())
+    lines = [
+        f"4 gloo processes, tiny GPT, 16 x 128 tokens a step, {args.torch_steps} steps, AdamW "
+        "3e-3 (30 warm-up steps, cosine), no clipping; rank 4; torch's hook does one plain "
+        "all-reduce first (start_powerSGD_iter=2, its minimum with error feedback). Steps "
+        "alternate between the two in the same processes.",
+        "",
+        "| implementation | loss step 1 | train loss (last 10) | median step s |",
+        "|---|---|---|---|",
+    ]
+    for name, label in (("plait", "plait `--compress powersgd:4`"),
+                        ("torch", "DDP + `powerSGD_hook` rank 4")):  # fmt: skip
+        r = rec[name]
+        last = sum(x["loss"] for x in r[-10:]) / len(r[-10:])
+        med = sorted(x["step_time_s"] for x in r[1:])[(len(r) - 1) // 2]
+        lines.append(f"| {label} | {r[0]['loss']:.4f} | {last:.4f} | {med:.3f} |")
+    return "\n".join(lines)
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=("bytes", "slow", "convex", "all", "slow-inside"),
+    p.add_argument("--part", choices=("bytes", "slow", "convex", "torch", "all", "slow-inside"),
                    default="all")  # fmt: skip
     p.add_argument("--steps", type=int, default=128, help="bytes part (a multiple of 16)")
     p.add_argument("--slow-steps", type=int, default=96, help="slow part: all-reduce's steps")
@@ -396,6 +527,7 @@ def main() -> None:
                    help="slow part: the other algorithms run this many times as many steps")  # fmt: skip
     p.add_argument("--rate", default="200mbit", help="slow part: tbf rate of the loopback")
     p.add_argument("--convex-iters", type=int, default=3000)
+    p.add_argument("--torch-steps", type=int, default=128)
     p.add_argument("--pga-every", type=int, default=8)
     p.add_argument("--only", help="comma-separated run names (default: all of the part's)")
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -433,6 +565,12 @@ def main() -> None:
                          f"`python benchmarks/comm_efficient.py --part convex --convex-iters "
                          f"{args.convex_iters}`",
                          text + "\n\n![convex](figures/comm_efficient_convex.png)"))  # fmt: skip
+    if args.part in ("torch", "all"):
+        text = torch_side_by_side(args)
+        print(text)
+        sections.append((f"### PowerSGD beside PyTorch's DDP hook ({date})",
+                         f"`python benchmarks/comm_efficient.py --part torch --torch-steps "
+                         f"{args.torch_steps}`", text))  # fmt: skip
     body = "\n\n".join(f"{title}\n\n{cmd}\n\n{text}" for title, cmd, text in sections)
     print(f"\n--- for {RESULTS.name}, section '{SECTION}' ---\n\n{body}")
 
