@@ -26,7 +26,13 @@ from pathlib import Path
 
 import yaml
 
-from plait.cli_args import layout_parent, lora_parent, model_config, model_parent
+from plait.cli_args import (
+    dp_algo_parent,
+    layout_parent,
+    lora_parent,
+    model_config,
+    model_parent,
+)
 
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
               "val_fraction": "val_fraction"}  # fmt: skip
@@ -78,6 +84,10 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
                     lora_targets=",".join(lora.get("targets") or []) or None,
                     qat=qat.get("dtype"),
                     quant_group_size=qat.get("group_size") if qat.get("dtype") == "int4" else None)  # fmt: skip
+        algo = dict(raw.get("dp_algo") or {})
+        if "algo" in algo:
+            algo["dp_algo"] = algo.pop("algo")
+        flat.update(algo)
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
@@ -119,7 +129,8 @@ def merged_values(
 
 def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "train", parents=[model_parent(), layout_parent(), lora_parent()], allow_abbrev=False,
+        "train", parents=[model_parent(), layout_parent(), lora_parent(),
+                 dp_algo_parent()], allow_abbrev=False,
         help="train a model", description="Train a model (starts dp x tp x pp workers).",
     )  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values (flags override it)")
@@ -131,6 +142,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    help="the cosine decays to lr * R at the last step (default 0.1; 1: constant)")  # fmt: skip
     g.add_argument("--seed", type=int)
     g.add_argument("--weight-decay", type=float)
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), help="default adamw")
+    g.add_argument("--momentum", type=float, help="sgd's momentum (default 0.9)")
     g.add_argument("--grad-clip", type=float)
     g.add_argument("--eval-every", type=int)
     g.add_argument("--eval-batches", type=int)
@@ -203,7 +216,7 @@ def _default_micro_batch(values: dict) -> None:
 
 def build_run_config(values: dict):
     """RunConfig from merged flag values; ValueError (one line) on bad input."""
-    from plait.cli_args import layout_config
+    from plait.cli_args import dp_algo_config, layout_config
     from plait.data import DataConfig
     from plait.train.config import TRAIN_FIELDS, RunConfig, TrainConfig
 
@@ -221,6 +234,10 @@ def build_run_config(values: dict):
     if values.get("no_progress"):
         train_fields["progress"] = False
     train_fields["resume"] = bool(values.get("resume") or values.get("resume_from"))
+    dp_algo = dp_algo_config(values)
+    dp_algo.check_layout(layout)
+    if train_fields.get("optimizer", "adamw") != "adamw" and layout.zero:
+        raise ValueError("--optimizer sgd runs with --zero 0 (ZeRO shards AdamW's state)")
     data_fields = {f: values[k] for k, f in DATA_FLAGS.items() if values.get(k) is not None}
     if values.get("vocab_size") is not None:
         data_fields["vocab_size"] = values["vocab_size"]
@@ -240,7 +257,7 @@ def build_run_config(values: dict):
     check_layout(resilience, layout, nnodes=values.get("nnodes") or 1)
     return RunConfig(
         model=model, layout=layout, data=data, train=TrainConfig(**train_fields), out=str(out),
-        resilience=resilience, **finetune_configs(values),
+        resilience=resilience, dp_algo=dp_algo, **finetune_configs(values),
     )  # fmt: skip
 
 
@@ -596,7 +613,8 @@ def cmd_info(args, parser) -> int:
 
 
 def _add_simulate(sub):
-    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent(), lora_parent()],
+    p = sub.add_parser("simulate", parents=[model_parent(), layout_parent(), lora_parent(),
+                                                     dp_algo_parent()],
                        allow_abbrev=False,
                        help="predict step time, MFU and memory of a layout")  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values")
@@ -615,7 +633,8 @@ def _add_viz(sub):
 
 
 def _add_plan(sub):
-    p = sub.add_parser("plan", parents=[model_parent(), layout_parent()], allow_abbrev=False,
+    p = sub.add_parser("plan", parents=[model_parent(), layout_parent(), dp_algo_parent()],
+                       allow_abbrev=False,
                        help="rank every layout of a model on a cluster; write the best")  # fmt: skip
     p.add_argument("--config", help="YAML or TOML file of flag values")
     from plait.commands import plan
@@ -669,7 +688,8 @@ def make_parser():
                          help="one self-contained HTML page (and a PNG) about a run")  # fmt: skip
     rep.add_argument("run", metavar="RUN", help="run folder written by plait train")
     rep.add_argument("--out", help="HTML file to write (default RUN/report.html)")
-    info = sub.add_parser("info", parents=[model_parent(), layout_parent(), lora_parent()],
+    info = sub.add_parser("info", parents=[model_parent(), layout_parent(), lora_parent(),
+                                                  dp_algo_parent()],
                           allow_abbrev=False,
                           help="sizes, FLOPs and memory of a model")  # fmt: skip
     info.add_argument("--config", help="YAML or TOML file of flag values")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from plait.dp_algos.config import ALGOS, TOPOLOGIES, DPAlgoConfig
 from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
 from plait.model.config import ARCHS, PRESETS, ModelConfig, preset
 
@@ -40,6 +41,18 @@ LAYOUT_FLAGS = (
     "pp_layout",
     "pp_partition",
     "bucket_mb",
+)
+
+
+DP_ALGO_FLAGS = (  # flag dest == DPAlgoConfig field
+    "dp_algo",
+    "sync_every",
+    "local_warmup",
+    "outer_lr",
+    "outer_momentum",
+    "topology",
+    "global_avg_every",
+    "compress",
 )
 
 
@@ -88,6 +101,32 @@ def layout_parent() -> argparse.ArgumentParser:
     g.add_argument("--bucket-mb", type=float, default=None,
                    help="gradient bucket size in MiB for ZeRO 0-2 (default 25, as DDP)")  # fmt: skip
     return p
+
+
+def dp_algo_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    g = p.add_argument_group("data-parallel algorithm (across replicas; docs/comm-efficient.md)")
+    g.add_argument("--dp-algo", choices=ALGOS, default=None,
+                   help="gradient all-reduce (default), local SGD, DiLoCo or gossip")  # fmt: skip
+    g.add_argument("--sync-every", type=int, default=None, metavar="H",
+                   help="local-sgd / diloco: average every H steps")  # fmt: skip
+    g.add_argument("--local-warmup", type=int, default=None, metavar="K",
+                   help="local-sgd: K plain data-parallel steps first (post-local SGD)")  # fmt: skip
+    g.add_argument("--outer-lr", type=float, default=None, help="diloco (default 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=None, help="diloco (default 0.9)")
+    g.add_argument("--topology", choices=TOPOLOGIES, default=None, help="gossip's graph")
+    g.add_argument("--global-avg-every", type=int, default=None, metavar="H",
+                   help="gossip: exact average every H steps (Gossip-PGA)")  # fmt: skip
+    g.add_argument("--compress", default=None, metavar="SPEC",
+                   help="qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16")  # fmt: skip
+    return p
+
+
+def dp_algo_config(values: dict) -> DPAlgoConfig:
+    fields = {k: values[k] for k in DP_ALGO_FLAGS if values.get(k) is not None}
+    if "dp_algo" in fields:
+        fields["algo"] = fields.pop("dp_algo")
+    return DPAlgoConfig(**fields)
 
 
 def model_config(values: dict) -> ModelConfig:

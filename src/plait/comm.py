@@ -9,6 +9,12 @@ all-gather counts the gathered output; reduce-scatter counts the full input; sen
 recv count the tensor. So an all-reduce moves as many counted bytes as the
 reduce-scatter + all-gather pair that can replace it.
 
+Bytes *sent* (``CommStats.sent``): what this rank puts on the wire for the call, under the
+ring algorithms NCCL uses for large messages, n ranks in the group: all-reduce 2 (n-1)/n
+x the tensor, all-gather and reduce-scatter (n-1)/n x the full buffer, broadcast (n-1)/n x
+the tensor (a pipelined chain, averaged over its ranks), send the tensor, recv nothing.
+A float: exact for groups of 2 and 4 ranks (dyadic factors), which the tests use.
+
 An axis of size 1 issues nothing and counts nothing: a single process runs the same code
 with no communication at all.
 
@@ -67,16 +73,26 @@ class CommDeviceError(ValueError):
 class CommStats:
     calls: Counter = field(default_factory=Counter)  # (axis, op) -> number of calls
     bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes (see module doc)
+    sent: Counter = field(default_factory=Counter)  # (axis, op) -> bytes on the wire (float)
     enabled: bool = True
 
-    def record(self, axis: str, op: str, nbytes: int) -> None:
+    def record(self, axis: str, op: str, nbytes: int, sent: float = 0.0) -> None:
         if self.enabled:
             self.calls[(axis, op)] += 1
             self.bytes[(axis, op)] += int(nbytes)
+            self.sent[(axis, op)] += sent
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.sent.clear()
+
+    def sent_bytes(self, axis: str | None = None, op: str | None = None) -> float:
+        return sum(
+            n
+            for (a, o), n in self.sent.items()
+            if (axis is None or a == axis) and (op is None or o == op)
+        )
 
     def count(self, axis: str | None = None, op: str | None = None) -> int:
         return sum(
@@ -137,7 +153,8 @@ def all_reduce(
     if group is None:
         return None
     check_device(topo, "all_reduce", t)
-    topo.stats.record(_axis_name(axis), "all_reduce", _nbytes(t))
+    n = topo.size(axis)
+    topo.stats.record(_axis_name(axis), "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     return _guard(
         topo, "all_reduce", axis, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op)
     )
@@ -169,7 +186,9 @@ def _single_tensor(op: str, fn, out, t, topo: Topology, axis, async_op: bool):
         out.view(-1).copy_(t.reshape(-1))
         return None
     check_device(topo, op, out, t)
-    topo.stats.record(_axis_name(axis), op, _nbytes(out if op == "all_gather" else t))
+    full = _nbytes(out if op == "all_gather" else t)  # the gathered / reduced buffer
+    n = topo.size(axis)
+    topo.stats.record(_axis_name(axis), op, full, (n - 1) / n * full)
     flat_out, flat_in = out.view(-1), t.contiguous().view(-1)
     return _guard(topo, op, axis, lambda: fn(flat_out, flat_in, group=group, async_op=async_op))
 
@@ -207,7 +226,8 @@ def broadcast(t: torch.Tensor, *, topo: Topology, axis: Axis, src_index: int = 0
     if group is None:
         return t
     check_device(topo, "broadcast", t)
-    topo.stats.record(_axis_name(axis), "broadcast", _nbytes(t))
+    n = topo.size(axis)
+    topo.stats.record(_axis_name(axis), "broadcast", _nbytes(t), (n - 1) / n * _nbytes(t))
     src = topo.group_ranks[axis][src_index]
     _guard(topo, "broadcast", axis, lambda: dist.broadcast(t, src=src, group=group))
     return t
@@ -228,7 +248,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], *, topo: Topology, axis:
     p2p = []
     for kind, t, peer in ops:
         check_device(topo, kind, t)
-        topo.stats.record(_axis_name(axis), kind, _nbytes(t))
+        topo.stats.record(_axis_name(axis), kind, _nbytes(t), _nbytes(t) if kind == "send" else 0)
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, t, peer, group=group))
     return _guard(topo, "send/recv", axis, lambda: dist.batch_isend_irecv(p2p))
@@ -246,7 +266,8 @@ def world_all_reduce(t: torch.Tensor, *, topo: Topology, op=ReduceOp.SUM) -> tor
     if topo.world_group is None:
         return t
     check_device(topo, "world_all_reduce", t)
-    topo.stats.record("world", "all_reduce", _nbytes(t))
+    n = topo.world_size
+    topo.stats.record("world", "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
     _guard(topo, "all_reduce", "world", lambda: dist.all_reduce(t, op=op, group=topo.world_group))
     return t
 

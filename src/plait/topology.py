@@ -214,6 +214,68 @@ class Topology:
 
         return sub("shard", k), sub("replicate", dp // k)
 
+    def split_replicas(self, k: int) -> tuple[Topology, Topology]:
+        """Replicas of ``k`` dp ranks each (``dp_algos``: local SGD, DiLoCo, gossip run
+        across them, ZeRO shards inside them). Returns (replica, across):
+
+        - ``replica``: this rank's replica as a grid of its own -- pp x k x tp ranks, the
+          same tp and pp groups, the dp axis cut to the k ranks of the replica, and a
+          world group holding exactly the replica's ranks (its statistics all-reduce).
+          Its ``rank`` is this rank's place in that grid (its coordinates are right);
+          ``group_ranks`` keep global ranks.
+        - ``across``: the dp axis of the R = dp / k ranks that hold the same place in
+          every replica (``self`` when k == 1).
+
+        Worked example, 8 ranks, tp=2 dp=4, k=2: replicas {0,1,2,3} and {4,5,6,7} (dp
+        ranks 0-1 and 2-3); replica dp groups [0,2] [1,3] [4,6] [5,7]; across groups
+        [0,4] [2,6] [1,5] [3,7]. Collective over the world: every rank creates every
+        group, in the same order (``split_dp``'s, then one per replica).
+        """
+        dp = self.dp
+        if k < 1 or dp % k:
+            raise ValueError(f"--zero-shard-group {k} must divide --dp {dp}")
+        if k == 1:
+            shard, across = None, self
+        else:
+            shard, across = self.split_dp(k)
+        block = self.dp_rank // k
+        mine = None
+        for b in range(dp // k):  # one world group per replica
+            members = [
+                rank_of(pp_rank=i, dp_rank=b * k + j, tp_rank=t, dp=dp, tp=self.tp)
+                for i in range(self.pp)
+                for j in range(k)
+                for t in range(self.tp)
+            ]
+            pg = None
+            if dist.is_initialized() and len(members) > 1:
+                pg = dist.new_group(members, timeout=self.timeout)
+            if b == block:
+                mine = pg
+        groups = {a: g for a, g in self.groups.items() if a != Axis.DP}
+        if shard is not None and shard.group(Axis.DP) is not None:
+            groups[Axis.DP] = shard.group(Axis.DP)
+        dp_members = shard.group_ranks[Axis.DP] if shard is not None else [self.rank]
+        replica = Topology(
+            pp=self.pp,
+            dp=k,
+            tp=self.tp,
+            rank=rank_of(
+                pp_rank=self.pp_rank,
+                dp_rank=self.dp_rank % k,
+                tp_rank=self.tp_rank,
+                dp=k,
+                tp=self.tp,
+            ),
+            groups=groups,
+            group_ranks={**self.group_ranks, Axis.DP: dp_members},
+            world_group=mine,
+            device=self.device,
+            stats=self.stats,
+            timeout=self.timeout,
+        )
+        return replica, across
+
     @property
     def world_size(self) -> int:
         return self.world if self.world is not None else self.pp * self.dp * self.tp

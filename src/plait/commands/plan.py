@@ -43,7 +43,7 @@ SIZE_KEYS = {  # ModelConfig field -> plait train flag
 }
 
 
-def config_text(entry, model, preset_name: str | None, header: str) -> str:
+def config_text(entry, model, preset_name: str | None, header: str, dp_algo=None) -> str:
     """The ``plait train --config`` YAML of ``entry`` (a ``sim.search.Entry``) for ``model``:
     flat keys named like the flags; the model as its preset name plus the sizes that
     differ from it (every size when there is no preset)."""
@@ -70,6 +70,11 @@ def config_text(entry, model, preset_name: str | None, header: str) -> str:
         "zero": lay.zero, "sequence-parallel": lay.sequence_parallel,
         "recompute": lay.recompute, "dtype": lay.dtype,
     })  # fmt: skip
+    if dp_algo is not None:  # --dp-algo / --compress as planned: the fields set
+        default = type(dp_algo)().to_dict()
+        for k, v in dp_algo.to_dict().items():
+            if v != default[k]:
+                out["dp-algo" if k == "algo" else k.replace("_", "-")] = v
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + yaml.safe_dump(out, sort_keys=False)
 
@@ -174,10 +179,14 @@ def _request(values: dict, model, hw, tokens: float | None):
         runtime, space_pins, max_tp=values.get("max_tp"), max_vpp=values.get("max_vpp") or 8,
         max_micro_batch_size=values.get("max_micro_batch_size"),
     )  # fmt: skip
+    from plait.cli_args import dp_algo_config
+
+    algo = dp_algo_config(values)  # --dp-algo / --compress: every layout priced with it
     return PlanRequest(
         model=model, hardware=hw, n_devices=n, global_batch_size=G, dtype=dtype,
         runtime=runtime, space=space, top_k=values.get("top") or 10,
         exact=not values.get("no_replay"), tokens=tokens,
+        dp_algo=None if algo.algo == "allreduce" and algo.compress is None else algo,
     )  # fmt: skip
 
 
@@ -203,7 +212,8 @@ def _run(args: argparse.Namespace, values: dict) -> int:
     if out != "-":
         try:
             with open(out, "w") as f:
-                f.write(config_text(plan.best, model, preset_name, _header(plan, preset_name)))
+                f.write(config_text(plan.best, model, preset_name, _header(plan, preset_name),
+                                    plan.request.dp_algo))  # fmt: skip
         except OSError as e:
             raise ValueError(f"--out {out}: cannot write it ({e.strerror})")
     if values.get("json"):
@@ -297,6 +307,11 @@ def report(plan, name: str | None = None) -> str:
         f"sequences ({tokens_step:,} tokens) in {plan.seconds:.2f} s: {plan.n_simulated} "
         f"simulated in closed form, {n_replayed} of the best replayed exactly",
     ]
+    if req.dp_algo is not None:
+        lines.append(
+            f"dp algo    {req.dp_algo.label()} across replicas: layouts it runs on, priced with "
+            "it (docs/comm-efficient.md)"
+        )
     has_days = plan.best.train_days is not None
     head = (
         f"{'#':>3}  {'layout':<44} {'mem/dev':>9} {'step':>9} {'TFLOP/s':>8} {'MFU':>6} "

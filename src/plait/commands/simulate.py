@@ -77,7 +77,7 @@ def _hardware(args):
 
 
 def _run_one(args: argparse.Namespace) -> int:
-    from plait.cli_args import layout_config, model_config
+    from plait.cli_args import dp_algo_config, layout_config, model_config
     from plait.sim.simulate import simulate
 
     hw = _hardware(args)
@@ -107,6 +107,8 @@ def _run_one(args: argparse.Namespace) -> int:
 
         values["dtype"] = default_dtype(hw.peak_flops)
     layout = layout_config(values)
+    algo = dp_algo_config(values)
+    algo = None if algo.plain else algo
     runtime = args.runtime or DEFAULT_RUNTIME
     from plait.cli_args import lora_config
 
@@ -114,7 +116,7 @@ def _run_one(args: argparse.Namespace) -> int:
     if lora is not None:
         lora.check_model(model)
     res = simulate(model, layout, hw, gpus, runtime=runtime, keep_timeline=bool(args.timeline),
-                   lora=lora)  # fmt: skip
+                   lora=lora, dp_algo=algo)  # fmt: skip
     if args.timeline:
         from plait.viz.timeline import draw_timeline
 
@@ -168,6 +170,7 @@ def report(res, model, layout, name: str = "model") -> str:
         f"           weights {mem.weights / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer "
         f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, buffers "
         f"{mem.buffers / GiB:.1f}, overhead {mem.overhead / GiB:.1f} GiB (pipeline rank {mem.rank})",
+        *_dp_algo_lines(res),
         "breakdown  "
         + ", ".join(
             f"{k.replace('_', ' ')} {v:.3g} s ({v / res.iter_time_s:.1%})"
@@ -177,6 +180,19 @@ def report(res, model, layout, name: str = "model") -> str:
         "hardware FLOPs add what recomputation repeats",
     ]
     return "\n".join(lines)
+
+
+def _dp_algo_lines(res) -> list[str]:
+    """``--dp-algo`` / ``--compress``: what the algorithm sends (sim/dp_algos.py)."""
+    a = res.dp_algo
+    if not a:
+        return []
+    msgs = f", {a['messages']:.3g} messages" if a["messages"] else ""
+    return [
+        f"dp algo    {a['label']}: {a['bytes_sent'] / 2**20:,.1f} MiB sent per rank per step"
+        f"{msgs}, {a['latency'] * 1e6:,.0f} us of latency, {a['sync_s']:.3g} s exposed after "
+        f"the step; +{a['state_bytes'] / GiB:.1f} GiB of its state per device"
+    ]
 
 
 def _run_csv(args: argparse.Namespace) -> int:

@@ -305,6 +305,16 @@ def adamw_zero_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def zero_state(optimizer, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state ``optimizer`` keeps for ``t``, zeroed (a checkpoint loads into it): AdamW's,
+    or SGD's momentum buffer (none without momentum)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        if not optimizer.defaults.get("momentum"):
+            return {}
+        return {"momentum_buffer": torch.zeros_like(t, memory_format=torch.preserve_format)}
+    return adamw_zero_state(t)
+
+
 class DataParallel:
     """Stage 0: every rank holds the whole model, its gradients and AdamW's state; the
     gradients are all-reduced over dp (module docstring)."""
@@ -312,11 +322,12 @@ class DataParallel:
     zero = 0
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                 make_optimizer: Callable, owns_grad=None, defer=()):  # fmt: skip
+                 make_optimizer: Callable, owns_grad=None, defer=(), compression=None):  # fmt: skip
         self.model, self.topo, self.cfg = model, topo, cfg
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
-        self.grads = AllReduceGrads(model, topo=topo, cfg=cfg, defer=defer)
+        reducer = compression.reducer if compression is not None else AllReduceGrads
+        self.grads = reducer(model, topo=topo, cfg=cfg, defer=defer)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
 
     # the interface (module docstring)
@@ -351,7 +362,7 @@ class DataParallel:
         if template:
             for _, p in self.named:
                 if not state.get(p):
-                    state[p] = adamw_zero_state(p)
+                    state[p] = zero_state(self.optimizer, p)
         return {n: dict(state[p]) for n, p in self.named if state.get(p)}
 
     def load_optim_state(self, state: dict) -> None:
@@ -359,6 +370,22 @@ class DataParallel:
 
     def full_params(self, *, writeback: bool = False):
         return contextlib.nullcontext()
+
+    # this rank's pieces of the parameters (``dp_algos`` average and mix them)
+
+    def pieces(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, the tensor the optimizer updates): here the parameter whole."""
+        return [(n, p, p.detach()) for n, p in self.named]
+
+    def pieces_changed(self) -> None:
+        """Nothing to rebuild: the pieces are the parameters."""
+
+    def full_of(self, tensors: dict) -> dict:
+        """Full tensors from piece-shaped ones ({parameter: tensor}): here the same."""
+        return dict(tensors)
+
+    def piece_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        return full
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients (as of the last ``finish()``:

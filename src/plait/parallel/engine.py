@@ -25,6 +25,11 @@ The interface (the trainer uses nothing else)::
         state = engine.optim_state(template=True)
         checkpoint.load(..., optim_state=state)
     engine.load_optim_state(state)             # ... and keep this rank's ZeRO pieces
+    # dp_algos (replicas that differ) average and mix what the optimizer updates:
+    for name, p, piece in engine.pieces(): ...    # write into ``piece`` ...
+    engine.pieces_changed()                       # ... then ZeRO 1/2 re-gather
+    full = engine.full_of({p: piece_shaped})      # checkpoints: whole tensors (collective)
+    engine.piece_of(p, full)                      # ... and back
 
 ``make_optimizer`` receives (name, tensor to update, parameter) triples: the parameter
 itself (stage 0) or this rank's shard of it (stages 1-3), so that rules about parameters
@@ -59,6 +64,7 @@ def build_data_parallel(
     make_optimizer: Callable,
     owns_grad: Callable[[torch.Tensor], bool] | None = None,
     defer=(),
+    compression=None,
 ):
     """The engine for ``cfg.zero`` over ``model`` (one chunk, or a module holding this
     rank's chunks). Collective over the world when hybrid sharding creates its groups.
@@ -69,8 +75,9 @@ def build_data_parallel(
     tp-replicated weight on one tp rank, a tied copy once); None counts every parameter.
     Both come from the trainer so that ``parallel`` needs nothing from ``plait.train``.
     ``defer``: parameters whose gradients another component completes after the
-    backward (``data_parallel.py``)."""
+    backward (``data_parallel.py``). ``compression``: a ``dp_algos`` gradient codec that
+    replaces the dp all-reduce (stages 0-1) or the all-reduce across shard groups (2-3).
+    """
     engine = DataParallel if cfg.zero == 0 else ZeroDataParallel
-    return engine(
-        model, topo=topo, cfg=cfg, make_optimizer=make_optimizer, owns_grad=owns_grad, defer=defer
-    )
+    return engine(model, topo=topo, cfg=cfg, make_optimizer=make_optimizer, owns_grad=owns_grad,
+                  defer=defer, compression=compression)  # fmt: skip

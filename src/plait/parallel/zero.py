@@ -189,8 +189,9 @@ class ReduceScatterGrads(GradReducer):
     replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s piece."""
 
     def __init__(self, model, *, topo, cfg, defer, shard: Topology, replicate, n, rank,
-                 groups=None):  # fmt: skip
+                 groups=None, across=None):  # fmt: skip
         self.groups = groups
+        self.across = across  # HSDP: reduces a piece over the replicas (default all-reduce)
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.shard_topo, self.replicate_topo = shard, replicate
         self.layouts = [
@@ -221,7 +222,10 @@ class ReduceScatterGrads(GradReducer):
         handle, _, piece = bucket.handle
         comm.wait([handle], topo=self.shard_topo, what="reduce_scatter", axis="dp")
         if self.replicate_topo is not None:  # HSDP: sum the piece over the replicas
-            comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
+            if self.across is None:
+                comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
+            else:  # compressed (dp_algos)
+                self.across(piece, self.layouts[bucket.index], bucket.params)
         bucket.flat = piece
         views = self.layouts[bucket.index].row_views(bucket.flat)
         self.shard.update(zip(bucket.params, views))
@@ -520,7 +524,7 @@ class ZeroDataParallel:
     """Stages 1-3 behind the engine interface of ``data_parallel.py`` (its docstring)."""
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                 make_optimizer: Callable, owns_grad=None, defer=()):  # fmt: skip
+                 make_optimizer: Callable, owns_grad=None, defer=(), compression=None):  # fmt: skip
         self.model, self.topo, self.cfg, self.zero = model, topo, cfg, cfg.zero
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
@@ -536,12 +540,17 @@ class ZeroDataParallel:
         else:
             pieces = {p: zero_shard(p.detach(), rank=self.rank, n=self.n) for _, p in self.named}
         if self.zero == 1:
-            self.grads = AllReduceGrads(model, topo=topo, cfg=cfg, defer=defer)
+            reducer = compression.reducer if compression is not None else AllReduceGrads
+            self.grads = reducer(model, topo=topo, cfg=cfg, defer=defer)
         else:
             groups = [u.params for u in self.units.units] if self.units else None
+            across = None
+            if compression is not None and self.replicate_topo is not None:
+                across = compression.across(self.replicate_topo)
             self.grads = ReduceScatterGrads(
                 model, topo=topo, cfg=cfg, defer=defer, shard=self.shard_topo,
                 replicate=self.replicate_topo, n=self.n, rank=self.rank, groups=groups,
+                across=across,
             )  # fmt: skip
         self.optimizer = ShardedOptimizer(
             self.named, pieces, make_optimizer=make_optimizer,
@@ -611,18 +620,40 @@ class ZeroDataParallel:
             return {name: adamw_zero_state(torch.empty(p.shape)) for name, p in self.named}
         names = {p: name for name, p in self.named}
         out = {names[p]: {"step": self.optimizer.state(p)["step"].clone()} for _, p in self.named}
-        for key in STATE_KEYS:
-            pending = []
-            for params, layout in self.gather_groups:  # on the device (offload: from the host)
-                pieces = [self.optimizer.state(p)[key] for p in params]
-                row = layout.pack_row(pieces, like=params[0].detach())
-                pending.append(Gather(row, topo=self.shard_topo))
-            for (params, layout), gather in zip(self.gather_groups, pending):
-                fulls = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
-                layout.unpack(gather.rows(), fulls)
-                for p, full in zip(params, fulls):
-                    out[names[p]][key] = full
+        for key in STATE_KEYS:  # on the device (offload: from the host)
+            fulls = self.full_of({p: self.optimizer.state(p)[key] for _, p in self.named})
+            for p, full in fulls.items():
+                out[names[p]][key] = full
         return out
+
+    def full_of(self, tensors: dict) -> dict:
+        """Whole tensors from this rank's pieces ({parameter: piece-shaped tensor, every
+        parameter}): one all-gather per bucket (stage 3: per unit) over the shard group."""
+        pending = []
+        for params, layout in self.gather_groups:  # issued together, in bucket order ...
+            row = layout.pack_row([tensors[p] for p in params], like=params[0].detach())
+            pending.append(Gather(row, topo=self.shard_topo))
+        out = {}
+        for (params, layout), gather in zip(self.gather_groups, pending):  # ... then unpacked
+            fulls = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
+            layout.unpack(gather.rows(), fulls)
+            out.update(zip(params, fulls))
+        return out
+
+    def piece_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole tensor shaped like ``p`` (a flat view)."""
+        return zero_shard(full, rank=self.rank, n=self.n)
+
+    def pieces(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, this rank's piece of it: the tensor the optimizer updates)."""
+        return [(name, p, self.optimizer.pieces[p]) for name, p in self.named]
+
+    def pieces_changed(self) -> None:
+        """After the pieces were written (``dp_algos``): stages 1-2 re-gather the
+        parameters over the shard group; offloaded masters take the new values."""
+        self.optimizer.reload_masters()
+        if self.zero in (1, 2):
+            self._gather_params()
 
     def load_optim_state(self, state: dict) -> None:
         """Take this rank's pieces of full state tensors (as ``optim_state`` returns).

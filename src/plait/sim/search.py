@@ -211,6 +211,7 @@ class PlanRequest:
     top_k: int = 10
     exact: bool = True  # replay the K winners exactly
     tokens: float | None = None  # training tokens, for days and device-hours
+    dp_algo: object | None = None  # dp_algos.DPAlgoConfig: price every layout with it
 
     def __post_init__(self) -> None:
         if self.n_devices < 1:
@@ -449,6 +450,8 @@ class _Bounds:
         params = self.ranks(tp, pp, vpp)[-1]
         tied = step.tied_sync(self.cfg, lay, self.hw, self.rt)
         times = {n: costs.dp_comm_time(n, lay, self.hw, self.rt) for n in set(params.tolist())}
+        if self.req.dp_algo is not None:  # --dp-algo / --compress: at least nothing
+            times = {n: {"grad": 0.0, "param": 0.0} for n in times}
         grad = np.array([times[n]["grad"] + (tied if r in (0, pp - 1) else 0.0)
                          for r, n in enumerate(params.tolist())])  # fmt: skip
         gather = np.array([times[n]["param"] for n in params.tolist()])
@@ -537,7 +540,9 @@ def search(req: PlanRequest) -> Plan:
         units = c.pp * lay.num_microbatches * c.vpp
         replayed = replaying and (sched in compiled or units <= budget)
         if replayed:
-            res = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=True)
+            res = simulate(
+                req.model, lay, req.hardware, runtime=req.runtime, exact=True, dp_algo=req.dp_algo
+            )
             if sched not in compiled:
                 compiled.add(sched)
                 budget -= units
@@ -557,7 +562,14 @@ def search(req: PlanRequest) -> Plan:
         if seconds < entries[0].result.iter_time_s:  # it would have won: say by how much
             if res is None:
                 lay = make_layout(c, req)
-                res = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=False)
+                res = simulate(
+                    req.model,
+                    lay,
+                    req.hardware,
+                    runtime=req.runtime,
+                    exact=False,
+                    dp_algo=req.dp_algo,
+                )
             best_rejected.append(Rejected(c, res.iter_time_s, res.peak_mem_bytes))
     return Plan(
         request=req,
@@ -577,6 +589,8 @@ def _bounded(req: PlanRequest, bounds: _Bounds):
     heap = []
     n = 0
     for c in candidates(req):
+        if req.dp_algo is not None and not _runs_algo(req, c):
+            continue
         n += 1
         lb = bounds.time(c)
         if bounds.memory(c) > cap:
@@ -585,6 +599,15 @@ def _bounded(req: PlanRequest, bounds: _Bounds):
             heap.append((lb, 0, 0.0, c, None))
     heapq.heapify(heap)
     return n, rejected, heap
+
+
+def _runs_algo(req: PlanRequest, c: Candidate) -> bool:
+    """Whether ``--dp-algo`` / ``--compress`` runs on this layout (``check_layout``)."""
+    try:
+        req.dp_algo.check_layout(make_layout(c, req))
+    except ValueError:
+        return False
+    return True
 
 
 def _fastest_first(req: PlanRequest, heap: list, rejected: _Rejections, counts: dict):
@@ -596,7 +619,7 @@ def _fastest_first(req: PlanRequest, heap: list, rejected: _Rejections, counts: 
             yield res.iter_time_s, c, res
             continue
         res = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
-                       exact=False)  # fmt: skip
+                       exact=False, dp_algo=req.dp_algo)  # fmt: skip
         counts["simulated"] += 1
         if res.fits:
             tie = float(f"{res.iter_time_s:.12g}")  # equal times: least memory first
@@ -628,8 +651,10 @@ def brute_force(req: PlanRequest) -> list[tuple[float, Candidate]]:
     """Every layout that fits, simulated in closed form, fastest first (for tests)."""
     out = []
     for c in candidates(req):
+        if req.dp_algo is not None and not _runs_algo(req, c):
+            continue
         r = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
-                     exact=False)  # fmt: skip
+                     exact=False, dp_algo=req.dp_algo)  # fmt: skip
         if r.fits:
             out.append((r.iter_time_s, c))
     return sorted(out)

@@ -76,6 +76,7 @@ class Result:
     runtime: str
     flop_convention: str = FLOP_CONVENTION
     time_sharing: float = 1.0  # compute slowed by this factor (module docstring)
+    dp_algo: dict | None = None  # --dp-algo / --compress: per step bytes, messages, latency
     busy_s: tuple[float, ...] = field(default=(), repr=False, compare=False)  # per pp rank
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
     extras: dict[int, list[tuple[str, float, float]]] = field(
@@ -100,6 +101,7 @@ class Result:
             "runtime": self.runtime,
             "flop_convention": self.flop_convention,
             "time_sharing": self.time_sharing,
+            "dp_algo": self.dp_algo,
         }
 
 
@@ -113,6 +115,7 @@ def simulate(
     keep_timeline: bool = False,
     exact: bool = True,
     lora=None,
+    dp_algo=None,
 ) -> Result:
     """Simulate one optimizer step. Raises ValueError (one actionable line) when the layout
     cannot run the model or the hardware lacks the dtype; a layout that does not fit in
@@ -126,9 +129,12 @@ def simulate(
     times (1 + ``schedules.bubble_formula``) plus one fill of transfers, and memory
     counts ``schedules.in_flight_bound`` micro-batches. Much cheaper for pipelines of
     thousands of actions, equal to the replay for even stages and free transfers; for
-    ranking many candidates before simulating the best exactly."""
+    ranking many candidates before simulating the best exactly.
+
+    ``dp_algo`` (a ``dp_algos.DPAlgoConfig``): price local SGD, DiLoCo, gossip or a
+    compressed all-reduce instead of the plain one (``sim/dp_algos.py``)."""
     rt = get_runtime(runtime) if isinstance(runtime, str) else runtime
-    res = _simulate(model, layout, hardware, n_devices, rt, keep_timeline, exact, lora)
+    res = _simulate(model, layout, hardware, n_devices, rt, keep_timeline, exact, lora, dp_algo)
     on_node = min(layout.world_size, hardware.devices_per_node)
     if on_node <= hardware.compute_slots:
         return res
@@ -141,7 +147,7 @@ def simulate(
             break
         share = new
         res = _simulate(model, layout, _slowed(hardware, share), n_devices, rt, keep_timeline,
-                        exact, lora)  # fmt: skip
+                        exact, lora, dp_algo)  # fmt: skip
     return dataclasses.replace(res, mfu=res.mfu / share, hfu=res.hfu / share, time_sharing=share)
 
 
@@ -158,8 +164,11 @@ def _slowed(hw: Hardware, f: float) -> Hardware:
     )
 
 
-def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None) -> Result:
+def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
+              dp_algo=None) -> Result:  # fmt: skip
     layout.check_model(model)
+    if dp_algo is not None:
+        dp_algo.check_layout(layout)
     if n_devices is not None and n_devices != layout.world_size:
         raise ValueError(
             f"--gpus {n_devices} does not match --dp {layout.dp} x --tp {layout.tp} x "
@@ -195,10 +204,11 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None)
     params = [sum(row) for row in chunk_params]
     tensors = [sum(costs.stage_tensors(model, *chunk) for chunk in row) for row in chunks]
     tied_sync = step.tied_sync(model, layout, hw, rt)
-    finish, gathers, dp_work = [], [], []
+    finish, gathers, dp_work, syncs = [], [], [], []
     extras = {r: [("p2p", a, b) for a, b in spans] for r, spans in rep.transfer_waits.items()}
     for r in range(p):
-        dp = costs.dp_comm_time(params[r], layout, hw, rt)
+        dp = _dp_time(model, layout, hw, rt, dp_algo, chunks[r], params[r])
+        syncs.append(dp["sync"])
         t_grad = dp["grad"] + (tied_sync if r in (0, p - 1) else 0.0)
         if rt.overlap_grad_reduce and t_grad > 0:
             bucket = layout.bucket_mb * 2**20 if rt.bucket_from_layout else rt.grad_bucket_bytes
@@ -212,7 +222,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None)
             done = ends[r] + t_grad
         finish.append(max(done, ends[r]))
         gathers.append(dp["param"])
-        dp_work.append(t_grad + dp["param"])
+        dp_work.append(t_grad + dp["param"] + dp["sync"])
         if finish[r] > ends[r]:
             extras.setdefault(r, []).append(("dp_comm", ends[r], finish[r]))
     stats = step.stats_time(layout, hw)
@@ -223,10 +233,11 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None)
     opts = [costs.optimizer_time(n, layout, hw, rt, k) for n, k in zip(params, tensors)]
     opt = max(opts)
     gather = max(step.exposed_weight_gather(t, cost[r][0][0], rt) for r, t in enumerate(gathers))
-    iter_time = step_sync + opt + gather
+    sync = max(syncs)  # dp_algos: averaging / mixing / decoding after the step, exposed
+    iter_time = step_sync + opt + gather + sync
     for r in range(p):
         extras.setdefault(r, []).append(("optimizer", step_sync, step_sync + opt))
-        if gather > 0:
+        if gather + sync > 0:
             extras[r].append(("dp_comm", step_sync + opt, iter_time))
 
     # Breakdown on the busiest pipeline rank; every chunk's F and B run m times.
@@ -240,13 +251,21 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None)
         "bubble": idle - pp_comm,
         "tp_comm": tp,
         "pp_comm": pp_comm,
-        "dp_comm": z3 + (step_sync - pipe_end) + gather,
+        "dp_comm": z3 + (step_sync - pipe_end) + gather + sync,
         "optimizer": opt,
     }
 
     memory = memory_per_rank(model, layout, rt, stage_layers, hw.framework_overhead_bytes, compiled,
                              lora=lora)  # fmt: skip
     fullest = max(memory, key=lambda mem: mem.total)
+    algo_mem, algo_info = 0.0, None
+    if dp_algo is not None:
+        from plait.sim import dp_algos as sim_dp
+
+        algo_mem = max(sim_dp.state_bytes(model, layout, dp_algo, n) for n in params)
+        busiest = _dp_time(model, layout, hw, rt, dp_algo, chunks[crit], params[crit])
+        algo_info = {k: busiest[k] for k in ("bytes_sent", "messages", "latency")}
+        algo_info.update(label=dp_algo.label(), state_bytes=algo_mem, sync_s=sync)
     model_flops, hw_flops = costs.flops_per_step(model, layout)
     n = layout.world_size
     return Result(
@@ -256,9 +275,9 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None)
         hw_tflops_per_device=hw_flops / iter_time / n / 1e12,
         mfu=model_flops / iter_time / n / peak,
         hfu=hw_flops / iter_time / n / peak,
-        peak_mem_bytes=fullest.total,
+        peak_mem_bytes=fullest.total + algo_mem,
         mem_capacity_bytes=hw.memory_bytes,
-        fits=fullest.total <= hw.memory_bytes,
+        fits=fullest.total + algo_mem <= hw.memory_bytes,
         breakdown=breakdown,
         memory=fullest,
         memory_ranks=tuple(memory),
@@ -274,6 +293,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None)
             for r in range(p)
         ),
         extras=extras if keep_timeline else {},
+        dp_algo=algo_info,
     )
 
 
@@ -292,6 +312,15 @@ def layers_per_stage(model: ModelConfig, layout: Layout) -> list[int]:
     else:
         parts = partition_layers(model.n_layers, S, method="uniform")
     return [len(r) for r in parts]
+
+
+def _dp_time(model, layout, hw, rt, dp_algo, chunks, params) -> dict:
+    """{"grad", "param", "sync"} seconds of one pipeline rank's dp work (``dp_algos``)."""
+    if dp_algo is None:
+        return {**costs.dp_comm_time(params, layout, hw, rt), "sync": 0.0}
+    from plait.sim import dp_algos as sim_dp
+
+    return sim_dp.comm_time(model, layout, hw, rt, dp_algo, chunks=chunks, params=params)
 
 
 def _formula_pipeline(layout, cost, p2p):

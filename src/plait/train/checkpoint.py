@@ -115,16 +115,23 @@ def read_meta(path: Path) -> dict:
         ) from None
 
 
-def full_state(model, optim_state: dict[str, dict[str, torch.Tensor]], topo: Topology) -> dict:
-    """Flat DCP state: ``model/<name>`` and ``optim/<name>/<key>`` as full tensors."""
+def full_state(
+    model, optim_state: dict[str, dict[str, torch.Tensor]], topo: Topology, *, prefix: str = "",
+    extra: dict | None = None,
+) -> dict:  # fmt: skip
+    """Flat DCP state: ``<prefix>model/<name>`` and ``<prefix>optim/<name>/<key>`` as full
+    tensors, and ``extra`` entries {key: (tensor, parameter whose tp sharding it has, or
+    None: stored as it is)} -- the data-parallel algorithms' per-replica state (dp_algos)."""
     state = {}
     for name, p in model.named_parameters():
         spec = shard_spec(p)
-        state[f"model/{name}"] = tp_gather(p.detach(), spec, topo=topo)
+        state[f"{prefix}model/{name}"] = tp_gather(p.detach(), spec, topo=topo)
         for key, t in optim_state.get(name, {}).items():
-            state[f"optim/{name}/{key}"] = (
+            state[f"{prefix}optim/{name}/{key}"] = (
                 tp_gather(t, spec, topo=topo) if t.dim() else t.reshape(1)
             )
+    for key, (t, p) in sorted((extra or {}).items()):  # sorted: the same tp_gather order
+        state[key] = tp_gather(t, shard_spec(p), topo=topo) if p is not None else t
     return state
 
 
@@ -137,14 +144,17 @@ def save(
     meta: dict,
     topo: Topology,
     keep: int = 2,
+    prefix: str = "",
+    extra: dict | None = None,
 ) -> Path:
     """Write checkpoint ``step`` (collective: every rank calls it). A write that fails for
-    want of space or permission raises CheckpointWriteError with one line."""
+    want of space or permission raises CheckpointWriteError with one line. ``prefix`` and
+    ``extra``: see ``full_state``."""
     root = Path(root)
     previous = latest(root)
     try:
         return _write(root, step, model=model, optim_state=optim_state, meta=meta, topo=topo,
-                      keep=keep)  # fmt: skip
+                      keep=keep, prefix=prefix, extra=extra)  # fmt: skip
     except BaseException as e:
         if topo.rank == 0:  # free the space at once; the previous checkpoint is untouched
             shutil.rmtree(root / f"step-{step:08d}.tmp", ignore_errors=True)
@@ -162,7 +172,8 @@ def save(
         ) from e
 
 
-def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep) -> Path:
+def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep, prefix="",
+           extra=None) -> Path:  # fmt: skip
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
     if topo.rank == 0:
@@ -171,7 +182,7 @@ def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep) -> Pa
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     comm.barrier(topo=topo)
-    state = full_state(model, optim_state, topo)
+    state = full_state(model, optim_state, topo, prefix=prefix, extra=extra)
     writer = _Writer(tmp)
     with warnings.catch_warnings():  # DCP warns that one process means no_dist; we know
         warnings.simplefilter("ignore", UserWarning)
@@ -354,11 +365,15 @@ def load(
     optim_state: dict | None,
     topo: Topology,
     verified: bool = False,
+    prefix: str = "",
+    extra: dict | None = None,
 ) -> dict:
     """Load ``path`` into ``model`` (and into the tensors of ``optim_state``, in place,
     which must already have the local shapes); returns the checkpoint's meta. Unless
     ``verified`` (by ``pick_resume``), the files are checked against the manifest first
-    (collective when ``topo`` has several ranks)."""
+    (collective when ``topo`` has several ranks). ``prefix``: read ``<prefix>model/...``
+    and ``<prefix>optim/...``; ``extra``: {key: (tensor to fill, parameter or None)}, as
+    ``full_state`` writes them."""
     path = Path(path)
     problem = None if verified else verify(path, topo=topo)
     if problem is not None:
@@ -368,10 +383,15 @@ def load(
     params = dict(model.named_parameters())
     for name, p in params.items():
         spec = shard_spec(p)
-        targets[f"model/{name}"] = torch.empty(full_shape(p.shape, spec, topo.tp), dtype=p.dtype)
+        targets[f"{prefix}model/{name}"] = torch.empty(
+            full_shape(p.shape, spec, topo.tp), dtype=p.dtype
+        )
         for key, t in (optim_state or {}).get(name, {}).items():
             shape = full_shape(t.shape, spec, topo.tp) if t.dim() else (1,)
-            targets[f"optim/{name}/{key}"] = torch.empty(shape, dtype=t.dtype)
+            targets[f"{prefix}optim/{name}/{key}"] = torch.empty(shape, dtype=t.dtype)
+    for key, (t, p) in (extra or {}).items():
+        shape = full_shape(t.shape, shard_spec(p), topo.tp) if p is not None else t.shape
+        targets[key] = torch.empty(shape, dtype=t.dtype)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -385,14 +405,19 @@ def load(
     with torch.no_grad():
         for name, p in params.items():
             spec = shard_spec(p)
-            p.copy_(tp_shard(targets[f"model/{name}"], spec, tp_rank=topo.tp_rank, tp=topo.tp))
+            full = targets[f"{prefix}model/{name}"]
+            p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
             for key, t in (optim_state or {}).get(name, {}).items():
-                full = targets[f"optim/{name}/{key}"]
+                full = targets[f"{prefix}optim/{name}/{key}"]
                 t.copy_(
                     tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp)
                     if t.dim()
                     else full.reshape(())
                 )
+        for key, (t, p) in (extra or {}).items():
+            full = targets[key]
+            t.copy_(tp_shard(full, shard_spec(p), tp_rank=topo.tp_rank, tp=topo.tp) if p is not None
+                    else full)  # fmt: skip
     rng = path / f"rng-rank-{topo.rank}.pt"
     if rng.exists():
         set_rng_state(torch.load(rng, weights_only=True), topo.device)

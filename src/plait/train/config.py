@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from plait.data import DataConfig
+from plait.dp_algos.config import DPAlgoConfig
 from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.model.lora import LoRAConfig
@@ -45,6 +46,8 @@ class TrainConfig:
     init_hf: str | None = None  # start from a Hugging Face model folder's weights
     compile: bool = False  # torch.compile each transformer block
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl
+    optimizer: str = "adamw"  # adamw | sgd (SGD with momentum: a linear update)
+    momentum: float = 0.9  # sgd only
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -60,6 +63,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.collective_timeout <= 0:
             raise ValueError("--collective-timeout must be positive (seconds)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or sgd")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.resume_from is not None and self.resume_from < 1:
             raise ValueError(
                 f"--resume-from must be a checkpoint's step (>= 1), got {self.resume_from}"
@@ -76,6 +83,7 @@ class RunConfig:
     lora: LoRAConfig | None = None  # fine-tune low-rank adapters, base frozen
     qat: QuantConfig | None = None  # quantisation-aware training of the block linears
     resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
+    dp_algo: DPAlgoConfig = dataclasses.field(default_factory=DPAlgoConfig)
 
     def __post_init__(self) -> None:
         if self.lora is not None:
@@ -87,11 +95,22 @@ class RunConfig:
                 )
         if self.qat is not None:
             self.qat.check_model(self.model, tp=self.layout.tp)
+        if self.lora is not None and not self.dp_algo.plain:
+            raise ValueError(
+                "--dp-algo / --compress with --lora-rank: the adapters' gradients are already "
+                "small and plait runs LoRA with the plain all-reduce; drop one of the two"
+            )
         if self.resilience.enabled and (self.lora is not None or self.qat is not None):
             raise ValueError(
                 "--fault-tolerance with --lora-rank or --qat is not covered yet (recovery "
                 "moves every parameter with its AdamW state; LoRA's frozen base has none); "
                 "drop one of the two"
+            )
+        if self.resilience.enabled and (not self.dp_algo.plain or self.train.optimizer != "adamw"):
+            raise ValueError(
+                "--fault-tolerance runs the plain all-reduce with AdamW (recovery copies every "
+                "replica's parameters and AdamW state); drop --dp-algo / --compress / "
+                "--optimizer sgd, or --fault-tolerance"
             )
 
     def to_dict(self) -> dict:
@@ -101,6 +120,7 @@ class RunConfig:
             "data": dataclasses.asdict(self.data),
             "train": dataclasses.asdict(self.train),
             "resilience": self.resilience.to_dict(),
+            "dp_algo": self.dp_algo.to_dict(),
             "out": self.out,
             "lora": self.lora.to_dict() if self.lora else None,
             "qat": dataclasses.asdict(self.qat) if self.qat else None,
@@ -120,6 +140,7 @@ class RunConfig:
             out=d["out"],
             lora=LoRAConfig(**d["lora"]) if d.get("lora") else None,
             qat=QuantConfig(**d["qat"]) if d.get("qat") else None,
+            dp_algo=DPAlgoConfig(**(d.get("dp_algo") or {})),
         )
 
     def save(self, path: Path) -> None:
@@ -133,3 +154,4 @@ class RunConfig:
 
 
 TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+DP_ALGO_FIELDS = {f.name for f in dataclasses.fields(DPAlgoConfig)}

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 
+from plait import dp_algos
 from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
+from plait.dp_algos.replicas import ResumeError
 from plait.layout import Layout
 from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
@@ -189,15 +191,26 @@ class Trainer:
         deferred = self.tp_grad_sync.partial + self.tp_grad_sync.replicated_kv
         if getattr(model, "tied_copy", None) is not None:
             deferred.append(model.tied_copy)
-        make_engine = part.make_engine if part is not None else build_data_parallel
+        # across replicas: plain or compressed all-reduce, local SGD / DiLoCo, gossip; the
+        # engine then runs inside one replica when replicas differ (dp_algos/replicas.py).
+        # A resilient run (Part) is plain all-reduce on its own engine across pipelines
+        # (RunConfig refuses --fault-tolerance with another --dp-algo or --compress).
+        self.dp_algo = dp_algos.build(cfg.dp_algo, topo=topo, layout=layout, seed=tcfg.seed)
+        if part is not None:
+            make_engine = part.make_engine
+        else:
+            make_engine = functools.partial(
+                build_data_parallel, compression=self.dp_algo.compression
+            )
         self.engine = make_engine(  # dp gradient sync, ZeRO sharding, the optimizer
             model,
-            topo=topo,
+            topo=self.dp_algo.engine_topo,
             cfg=DataParallelConfig.from_layout(layout),
-            make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
+            make_optimizer=functools.partial(optim.build_optimizer, cfg=tcfg),
             owns_grad=functools.partial(optim.owns_grad, topo=topo),
             defer=deferred,
         )
+        self.dp_algo.attach(self.engine, model)
         autocast = autocast_factory(layout.dtype, topo.device)
         if layout.pp > 1:
             self.runner = PipelineRunner(
@@ -234,11 +247,16 @@ class Trainer:
         if self.topo.rank == 0:
             print(f"plait: {note}", flush=True)
         engine = self.engine
+        try:  # this replica's entries and the algorithm's state (dp_algos/replicas.py)
+            entries = self.dp_algo.resume(checkpoint.read_meta(path))
+        except ResumeError as e:
+            raise checkpoint.CheckpointError(f"--resume: {path}: {e}") from None
         with engine.full_params(writeback=True):  # ZeRO-3: whole while loading
             optim_state = engine.optim_state(template=True)
             meta = checkpoint.load(path, model=self.model, optim_state=optim_state, topo=self.topo,
-                                   verified=True)  # fmt: skip
+                                   verified=True, **entries)  # fmt: skip
         engine.load_optim_state(optim_state)  # keeps this rank's ZeRO shard
+        self.dp_algo.loaded(meta["step"], meta)
         if meta.get("loss_scale"):
             self.scaler.load_state_dict(meta["loss_scale"])
         return meta["step"]
@@ -250,9 +268,14 @@ class Trainer:
                 step,
                 model=self.model,
                 optim_state=self.engine.optim_state(),
-                meta={"model": self.cfg.model.to_dict(), "loss_scale": self.scaler.state_dict()},
+                meta={
+                    "model": self.cfg.model.to_dict(),
+                    "loss_scale": self.scaler.state_dict(),
+                    **self.dp_algo.meta(),
+                },
                 topo=self.topo,
                 keep=self.cfg.train.keep_checkpoints,
+                **self.dp_algo.checkpoint_state(),  # every replica's, and their average
             )
 
     # -- one step ----------------------------------------------------------------------
@@ -266,8 +289,9 @@ class Trainer:
     def step(self, step: int) -> dict:
         """Optimizer step ``step`` (from 0); returns its metrics record."""
         topo, layout = self.topo, self.layout
-        engine, runner, scaler = self.engine, self.runner, self.scaler
+        engine, runner, scaler, algo = self.engine, self.runner, self.scaler, self.dp_algo
         t0 = time.perf_counter()
+        sent0 = topo.stats.sent_bytes("dp")
         lr = optim.lr_at(step, self.cfg.train)
         if self.part is not None:
             batch = self.sampler.rows(step, *self.part.rows)
@@ -279,19 +303,27 @@ class Trainer:
         loss_share = runner.train_step(
             _split([t.to(topo.device) for t in batch], layout.micro_batch_size),
             loss_scale=scaler.scale,
-            tokens_global=max(loss_tokens, 1),
+            # the replica's own mean when replicas differ (dp_algos/replicas.py)
+            tokens_global=max(algo.loss_tokens(self.sampler, step, loss_tokens), 1),
         )
         self.tp_grad_sync.finish()
         engine.finish()
-        # this rank's share of |g|^2 (its shard, or 0 if a replica) and of the loss
-        stats = [engine.grad_sq_local(), loss_share if self.reports_loss else 0.0]
+        algo.finish_grads(step)  # post-local SGD's warm-up: the gradients across replicas
+        # this rank's share of the loss, and of |g|^2 (its shard, or 0 if a copy)
+        stats = [loss_share if self.reports_loss else 0.0]
         # measured bubble fraction, averaged over ranks (executor.py); the same number of
         # statistics on every rank, also where pipelines differ (Part)
         if layout.pp > 1 or self.part is not None:
             stats.append(getattr(runner, "bubble_fraction", 0.0) / topo.world_size)
-        grad_sq_sum, loss, *bubble = optim.global_stats(stats, topo)
+        if algo.replicas_differ:  # the norm of each replica's own gradient, clipped alone
+            (grad_sq_sum,) = optim.global_stats([engine.grad_sq_local()], algo.stats_topo)
+            loss, *bubble = optim.global_stats(stats, topo)
+            loss /= algo.num_replicas  # the replicas' mean losses, averaged
+        else:
+            grad_sq_sum, loss, *bubble = optim.global_stats([engine.grad_sq_local(), *stats], topo)
         self.stats = (step, grad_sq_sum, loss)
         grad_norm, found_inf = self.update(step, grad_sq_sum, loss)
+        algo.after_step(step)  # average (local SGD, DiLoCo's outer step) or mix (gossip)
         step_time = time.perf_counter() - t0
 
         tokens_per_s = self.tokens_per_step / step_time
@@ -311,6 +343,8 @@ class Trainer:
             "peak_mem_bytes": int(optim.global_max(peak_memory_bytes(topo.device), topo)),
             # this rank's parameters + gradients + optimizer state on the device
             "model_state_bytes": model_state["total"],
+            # what this rank put on the wire over the dp axis (comm.py's ring convention)
+            "dp_bytes_sent": topo.stats.sent_bytes("dp") - sent0,
         }
         if model_state["host"]:
             rec["host_state_bytes"] = model_state["host"]  # --offload-optimizer
@@ -391,6 +425,8 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
             rec["val_loss"] = trainer.evaluate()
             progress.note(f"step {done}: val loss {rec['val_loss']:.4f}")
+            if trainer.dp_algo.replicas_differ:  # spread of the replicas around their mean
+                rec["consensus_distance"] = trainer.dp_algo.consensus_distance()
         metrics.write(rec)
         progress.update(rec)
         last = rec

@@ -57,6 +57,26 @@ def build_adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
     )
 
 
+def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``--optimizer``: AdamW (``build_adamw``), or SGD with ``--momentum`` and coupled
+    weight decay -- a linear update, under which local SGD with H = 1 and gossip on the
+    complete graph are plain data parallelism (``dp_algos``). Same parameter groups."""
+    if cfg.optimizer == "adamw":
+        return build_adamw(params, cfg)
+    decay, no_decay = [], []
+    for _, t, p in params:
+        (decay if decays(p) else no_decay).append(t)
+    return torch.optim.SGD(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        foreach=True,
+    )
+
+
 def owns_grad(p: torch.Tensor, topo: Topology) -> bool:
     """Whether this rank counts ``p``'s gradient in global sums (see module doc)."""
     if getattr(p, "grad_owner", None) is not None:

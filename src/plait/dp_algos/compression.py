@@ -1,0 +1,225 @@
+"""Gradient codecs: what one rank puts on the wire for one gradient tensor, and how the
+received messages become the summed gradient. Tensor arithmetic only -- no communication
+(``compressed_grads.py`` moves the messages) -- so each codec is tested on its own.
+
+Every codec works per tensor (a parameter's gradient, or under ZeRO 2/3 this rank's flat
+piece of it), whatever bucket the tensor travels in: the result does not depend on the
+bucket size or on the pipeline cut. The gradients being combined are the ranks' *shares*
+(each loss is divided by the global token count), so the target is their sum.
+
+- ``bf16``: the gradient cast to bfloat16 and all-reduced (summable): 2 bytes per element.
+- ``qsgd:s`` (Alistarh et al. 2017): each block of ``QSGD_BLOCK`` = 512 elements v is sent
+  as its norm |v| (fp32) and, per element, a signed level l_i in -s..s (one byte) drawn so
+  that E[l_i] = s v_i / |v|: l_i = sign(v_i) (floor(s |v_i| / |v|) + Bernoulli(frac)).
+  Decoding gives |v| l_i / s, an unbiased estimate of v whose variance is at most
+  min(d / s^2, sqrt(d) / s) |v|^2 per block of d elements (their Lemma 3.1). Levels from
+  different ranks have different scales, so messages are all-gathered and every rank
+  decodes and sums them itself, in rank order (the same bits everywhere). Bytes per
+  tensor of n elements: n + 4 ceil(n / 512).
+- ``topk:ratio`` with EF21 error feedback (Richtarik et al. 2021): each rank keeps g_i, its
+  running estimate of its own gradient, and every rank keeps g = sum_i g_i. A step sends
+  c_i = top-k of (grad_i - g_i) by magnitude, k = ceil(ratio n) values (fp32) and their
+  int32 positions; then g_i += c_i and g += sum_j c_j, and g is the gradient the
+  optimizer sees. The residual grad_i - g_i is never lost: what is sent plus what remains
+  equals it exactly (``TopK.encode`` sets the sent entries of g_i to the gradient itself,
+  which is g_i + c_i without rounding). All-gathered; bytes per tensor: 8k.
+- ``powersgd:r`` (Vogels et al. 2019) with error feedback: a matrix gradient M (a
+  tensor reshaped to rows x the rest) plus its error e becomes M' = M + e; P = M' Q is
+  all-reduced (summable), orthonormalised to P^, then Q = M'^T P^ is all-reduced; the
+  result is P^ Q^T, the new error M' - P^ P^T M', and Q warm-starts the next step (the
+  same on every rank; it starts from a seeded Gaussian). Tensors with one dimension, or
+  too small to gain (r (rows + cols) >= rows x cols), travel uncompressed. Bytes per
+  matrix: 4 r (rows + cols) in two all-reduces.
+
+Where a codec keeps state (EF21's g_i and g, PowerSGD's error and Q) it is per tensor, under
+the tensor's name, so checkpoints can store it (``state()`` / ``load_state``).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+QSGD_BLOCK = 512  # elements per QSGD norm (the bucket size d of Alistarh et al.'s experiments)
+
+
+def _blocks(n: int) -> int:
+    return math.ceil(n / QSGD_BLOCK)
+
+
+class QSGD:
+    """Unbiased stochastic quantisation to ``levels`` levels per sign (module docstring)."""
+
+    name = "qsgd"
+    summable = False
+
+    def __init__(self, levels: int, *, seed: int = 0):
+        self.levels, self.seed = int(levels), seed
+
+    def nbytes(self, numel: int) -> int:
+        return numel + 4 * _blocks(numel)
+
+    def parts(self, numel: int) -> tuple[int, int, torch.dtype]:
+        """(fp32 elements, small elements, small dtype) of one tensor's message."""
+        return _blocks(numel), numel, torch.int8
+
+    def generator(self, key: str, step: int, sender, device) -> torch.Generator:
+        """The random stream of one tensor, one step, one sender: seeded, so a resumed run
+        draws what the uninterrupted one drew."""
+        g = torch.Generator(device=device)
+        g.manual_seed(zlib.crc32(f"{self.seed}|{step}|{sender}|{key}".encode()))
+        return g
+
+    def encode(self, x: torch.Tensor, *, gen: torch.Generator):
+        """(norms fp32 (blocks,), levels int8 (n,)) of the flat fp32 tensor ``x``."""
+        n, s = x.numel(), self.levels
+        pad = _blocks(n) * QSGD_BLOCK - n
+        v = torch.nn.functional.pad(x.reshape(-1).float(), (0, pad)).view(-1, QSGD_BLOCK)
+        norms = torch.linalg.vector_norm(v, dim=1)  # (blocks,)
+        scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        mag = v.abs() * scale[:, None]  # in [0, s]
+        low = mag.floor()
+        u = torch.rand(mag.shape, generator=gen, device=x.device, dtype=mag.dtype)
+        level = (low + (u < mag - low).to(mag.dtype)).clamp_(max=s)
+        signed = (level * v.sign()).to(torch.int8).view(-1)[:n]
+        return norms, signed
+
+    def decode(self, norms: torch.Tensor, levels: torch.Tensor, n: int) -> torch.Tensor:
+        pad = _blocks(n) * QSGD_BLOCK - n
+        lv = torch.nn.functional.pad(levels.float(), (0, pad)).view(-1, QSGD_BLOCK)
+        return (lv * (norms / self.levels)[:, None]).view(-1)[:n]
+
+
+class TopK:
+    """Top-k sparsification with EF21 error feedback (module docstring)."""
+
+    name = "topk"
+    summable = False
+
+    def __init__(self, ratio: float):
+        self.ratio = float(ratio)
+        self.local: dict[str, torch.Tensor] = {}  # g_i: this rank's estimate
+        self.total: dict[str, torch.Tensor] = {}  # g = sum_i g_i, the same on every rank
+
+    def k(self, numel: int) -> int:
+        return math.ceil(self.ratio * numel) if numel else 0
+
+    def nbytes(self, numel: int) -> int:
+        return 8 * self.k(numel)
+
+    def parts(self, numel: int) -> tuple[int, int, torch.dtype]:
+        return self.k(numel), self.k(numel), torch.int32
+
+    def _state(self, key: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if key not in self.local:
+            self.local[key] = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+            self.total[key] = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        return self.local[key], self.total[key]
+
+    def encode(self, key: str, x: torch.Tensor):
+        """(values fp32 (k,), positions int32 (k,)) of grad - g_i; g_i takes them in."""
+        local, _ = self._state(key, x)
+        flat = x.reshape(-1).float()
+        residual = flat - local
+        k = self.k(flat.numel())
+        if k:
+            idx = torch.topk(residual.abs(), k, sorted=False).indices
+        else:
+            idx = residual.new_zeros(0, dtype=torch.long)
+        values = residual[idx]
+        local[idx] = flat[idx]  # = g_i + c_i, exactly: nothing of the residual is lost
+        return values, idx.to(torch.int32)
+
+    def add_to_total(self, key: str, values: torch.Tensor, idx: torch.Tensor, n: int) -> None:
+        """g += one sender's c (call for every sender, in rank order)."""
+        if key not in self.total:
+            self._state(key, values.new_empty(n))
+        self.total[key].index_add_(0, idx.long(), values)
+
+    def result(self, key: str) -> torch.Tensor:
+        return self.total[key]
+
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {k: {"ef21_local": self.local[k], "ef21_total": self.total[k]} for k in self.local}
+
+
+class PowerSGD:
+    """Rank-``rank`` PowerSGD with error feedback (module docstring)."""
+
+    name = "powersgd"
+    summable = True
+
+    def __init__(self, rank: int, *, seed: int = 0):
+        self.rank, self.seed = int(rank), seed
+        self.error: dict[str, torch.Tensor] = {}
+        self.q: dict[str, torch.Tensor] = {}
+        self._m: dict[str, torch.Tensor] = {}  # M + e between ``first`` and ``second``
+
+    def matrix_shape(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(rows, cols) the tensor is compressed as, or None when it travels whole."""
+        if len(shape) < 2:
+            return None
+        rows = shape[0]
+        cols = math.prod(shape) // rows if rows else 0
+        r = min(self.rank, rows, cols)
+        if r == 0 or r * (rows + cols) >= rows * cols:
+            return None
+        return rows, cols
+
+    def r(self, shape: tuple[int, ...]) -> int:
+        rows, cols = self.matrix_shape(shape)
+        return min(self.rank, rows, cols)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        mat = self.matrix_shape(shape)
+        if mat is None:
+            return 4 * math.prod(shape)
+        return 4 * self.r(shape) * (mat[0] + mat[1])
+
+    def _q(self, key: str, cols: int, r: int, device) -> torch.Tensor:
+        if key not in self.q:
+            g = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{self.seed}|{key}".encode()))
+            self.q[key] = torch.randn(cols, r, generator=g).to(device)
+        return self.q[key]
+
+    def first(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """P = (M + e) Q for one matrix gradient (M + e is kept for ``second``)."""
+        rows, cols = self.matrix_shape(tuple(grad.shape))
+        m = grad.reshape(rows, cols).float()
+        if key in self.error:
+            m = m + self.error[key]
+        self._m[key] = m
+        return m @ self._q(key, cols, self.r(tuple(grad.shape)), grad.device)
+
+    def second(self, key: str, p_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P^, Q = M'^T P^) from the all-reduced P; the error is set here."""
+        m = self._m.pop(key)
+        p_hat = orthonormalise(p_sum)
+        q = m.T @ p_hat
+        self.error[key] = m - p_hat @ q.T
+        return p_hat, q
+
+    def finish(self, key: str, p_hat: torch.Tensor, q_sum: torch.Tensor) -> torch.Tensor:
+        """The summed gradient's approximation P^ Q^T; Q is kept for the next step."""
+        self.q[key] = q_sum
+        return p_hat @ q_sum.T
+
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {k: {"powersgd_error": e} for k, e in self.error.items()}
+
+
+def orthonormalise(p: torch.Tensor) -> torch.Tensor:
+    """Columns of ``p`` made orthonormal by Gram-Schmidt, in order (as PowerSGD does; a
+    zero column stays zero). Deterministic: every rank gets the same bits from the same
+    input."""
+    out = p.clone()
+    for j in range(out.shape[1]):
+        col = out[:, j]
+        for i in range(j):
+            col -= (out[:, i] @ col) * out[:, i]
+        norm = torch.linalg.vector_norm(col)
+        if norm > 0:
+            col /= norm
+    return out

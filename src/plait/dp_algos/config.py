@@ -1,0 +1,181 @@
+"""What ``--dp-algo`` and ``--compress`` ask for: a frozen config the trainer, the
+simulator and the planner read, and the check that it makes sense with a layout.
+
+Imports nothing from torch: the simulator and the planner use it freely.
+
+Vocabulary used across ``dp_algos``: a *replica* is one copy of the model, i.e. the tp x
+pp ranks of one dp index -- or, with ZeRO and ``--zero-shard-group K``, of K consecutive
+dp indices, which shard that copy among themselves. R = dp / K replicas (K = 1 without
+ZeRO). The algorithms run *across* replicas; everything inside a replica is the ordinary
+engine (``parallel/engine.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ALGOS = ("allreduce", "local-sgd", "diloco", "gossip")
+TOPOLOGIES = ("ring", "torus", "exponential", "one-peer-exponential", "complete")
+CODECS = ("qsgd", "topk", "powersgd", "bf16")
+MAX_QSGD_LEVELS = 127  # levels travel as one signed byte per element
+
+
+def parse_compress(spec: str) -> tuple[str, float | int | None]:
+    """``"qsgd:8"`` -> ("qsgd", 8); ``"topk:0.01"`` -> ("topk", 0.01); ``"powersgd:4"`` ->
+    ("powersgd", 4); ``"bf16"`` -> ("bf16", None). ValueError (one line) otherwise."""
+    what = "--compress: use qsgd:LEVELS, topk:RATIO, powersgd:RANK or bf16"
+    name, _, arg = str(spec).partition(":")
+    if name not in CODECS:
+        raise ValueError(f"--compress {spec!r} is unknown; {what[12:]}")
+    if name == "bf16":
+        if arg:
+            raise ValueError(f"--compress {spec!r}: bf16 takes no argument")
+        return name, None
+    try:
+        value = float(arg) if name == "topk" else int(arg)
+    except ValueError:
+        raise ValueError(f"--compress {spec!r}: {name} needs a number after the colon; {what[12:]}")
+    if name == "qsgd" and not 1 <= value <= MAX_QSGD_LEVELS:
+        raise ValueError(
+            f"--compress {spec!r}: QSGD levels must be 1..{MAX_QSGD_LEVELS} (one byte each)"
+        )
+    if name == "topk" and not 0 < value <= 1:
+        raise ValueError(f"--compress {spec!r}: the top-k ratio must be in (0, 1], e.g. 0.01")
+    if name == "powersgd" and value < 1:
+        raise ValueError(f"--compress {spec!r}: the PowerSGD rank must be at least 1, e.g. 4")
+    return name, value
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPAlgoConfig:
+    """The data-parallel algorithm across replicas (module docstring)."""
+
+    algo: str = "allreduce"
+    sync_every: int | None = None  # H: local-sgd / diloco average every H steps
+    local_warmup: int = 0  # local-sgd: plain data-parallel steps first (post-local SGD)
+    outer_lr: float = 0.7  # diloco: Nesterov outer optimizer (Douillard et al. 2023)
+    outer_momentum: float = 0.9
+    topology: str = "ring"  # gossip's graph
+    global_avg_every: int = 0  # gossip: exact average every H steps (Gossip-PGA); 0: never
+    compress: str | None = None  # qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"--dp-algo {self.algo!r}: choose one of {', '.join(ALGOS)}")
+        local = self.algo in ("local-sgd", "diloco")
+        if local and self.sync_every is None:
+            raise ValueError(f"--dp-algo {self.algo} needs --sync-every H (e.g. 10)")
+        if self.sync_every is not None:
+            if not local:
+                raise ValueError("--sync-every applies to --dp-algo local-sgd and diloco")
+            if self.sync_every < 1:
+                raise ValueError(f"--sync-every must be at least 1, got {self.sync_every}")
+        if self.local_warmup:
+            if self.algo != "local-sgd":
+                raise ValueError("--local-warmup applies to --dp-algo local-sgd (post-local SGD)")
+            if self.local_warmup < 0:
+                raise ValueError(f"--local-warmup must be >= 0, got {self.local_warmup}")
+        if self.algo == "diloco":
+            if self.outer_lr <= 0:
+                raise ValueError(f"--outer-lr must be positive, got {self.outer_lr}")
+            if not 0 <= self.outer_momentum < 1:
+                raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology {self.topology!r}: choose one of {', '.join(TOPOLOGIES)}")
+        if self.global_avg_every:
+            if self.algo != "gossip":
+                raise ValueError("--global-avg-every applies to --dp-algo gossip")
+            if self.global_avg_every < 0:
+                raise ValueError(f"--global-avg-every must be >= 0, got {self.global_avg_every}")
+        if self.compress is not None:
+            parse_compress(self.compress)
+            if self.algo != "allreduce":
+                raise ValueError(
+                    f"--compress compresses the per-step gradient all-reduce; --dp-algo "
+                    f"{self.algo} has none to compress (drop one of the two)"
+                )
+
+    @property
+    def plain(self) -> bool:
+        """The plain all-reduce, uncompressed (the default)."""
+        return self.algo == "allreduce" and self.compress is None
+
+    @property
+    def replicas_differ(self) -> bool:
+        """Local SGD, DiLoCo and gossip let replicas drift apart between synchronisations;
+        plain and compressed all-reduce keep them identical."""
+        return self.algo != "allreduce"
+
+    @property
+    def codec(self) -> tuple[str, float | int | None] | None:
+        return parse_compress(self.compress) if self.compress else None
+
+    def label(self) -> str:
+        """Short human name: ``diloco H=100``, ``gossip exponential``, ``powersgd:4``."""
+        if self.compress:
+            return self.compress
+        if self.algo in ("local-sgd", "diloco"):
+            return f"{self.algo} H={self.sync_every}"
+        if self.algo == "gossip":
+            pga = f" +avg/{self.global_avg_every}" if self.global_avg_every else ""
+            return f"gossip {self.topology}{pga}"
+        return "allreduce"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check_layout(self, layout) -> None:
+        """Raise ValueError (one line saying what would work) for a pair that means
+        nothing or that plait does not run."""
+        if self.algo == "allreduce" and self.compress is None:
+            return
+        what = f"--compress {self.compress}" if self.compress else f"--dp-algo {self.algo}"
+        if layout.dp < 2:
+            raise ValueError(f"{what} works across data-parallel replicas; use --dp 2 or more")
+        if self.compress is not None:
+            if layout.zero >= 2 and not _hybrid(layout):
+                raise ValueError(
+                    f"{what} with --zero {layout.zero} compresses the all-reduce across groups "
+                    f"of sharded replicas: add --zero-shard-group K with K < --dp {layout.dp}"
+                )
+            if layout.zero >= 2 and self.codec[0] == "powersgd":
+                raise ValueError(
+                    f"{what} compresses whole weight matrices, but --zero {layout.zero} "
+                    "reduces flat gradient shards; use qsgd, topk or bf16 with ZeRO 2/3, or "
+                    "--zero 0/1 for PowerSGD"
+                )
+        elif layout.zero and not _hybrid(layout):
+            raise ValueError(
+                f"{what} with --zero {layout.zero} runs across groups of sharded replicas: "
+                f"add --zero-shard-group K with K < --dp {layout.dp} (ZeRO shards inside each "
+                f"group of K, the algorithm runs across the {layout.dp}/K groups)"
+            )
+        if self.replicas_differ and layout.dtype == "fp16":
+            raise ValueError(
+                f"{what} with --dtype fp16: each replica would need its own loss scale; use "
+                "--dtype bf16 or fp32"
+            )
+        replicas, _ = replicas_of(layout)
+        if self.algo == "gossip" and self.topology == "torus" and replicas < 4:
+            raise ValueError(f"--topology torus needs at least 4 replicas, got {replicas}")
+
+
+def _hybrid(layout) -> bool:
+    return layout.zero_shard_group is not None and layout.zero_shard_group < layout.dp
+
+
+def replicas_of(layout) -> tuple[int, int]:
+    """(R replicas, K dp ranks per replica) of a layout whose replicas may differ (module
+    docstring): K = ``--zero-shard-group`` under ZeRO, else 1."""
+    k = (layout.zero_shard_group or layout.dp) if layout.zero else 1
+    return layout.dp // k, k
+
+
+def compress_group(layout) -> tuple[int, int]:
+    """(ranks a compressed reduction spans, K): every dp rank under ZeRO 0/1 (the whole
+    gradient is all-reduced), the dp / K shard groups under ZeRO 2/3."""
+    if layout.zero >= 2:
+        k = layout.zero_shard_group or layout.dp
+        return layout.dp // k, k
+    return layout.dp, 1

@@ -1,0 +1,415 @@
+"""What every data-parallel algorithm offers the trainer, and the machinery shared by the
+ones whose replicas differ (local SGD, DiLoCo, gossip).
+
+The trainer holds one ``DPAlgorithm`` (``dp_algos.build``) and calls it at fixed points of
+its step (``train/loop.py``): the engine is built on ``engine_topo`` and handed
+``compression``; after the engine's ``finish()`` the trainer calls ``finish_grads(step)``;
+the gradient norm is summed over ``stats_topo``; after the optimizer step it calls
+``after_step(step)``. Checkpoints go through ``checkpoint_state`` / ``resume`` /
+``loaded``.
+
+``Synchronous`` is plain and compressed all-reduce: replicas stay identical, so the engine,
+the norm and the checkpoint are the ordinary ones (plus the codec's error buffers).
+
+``Replicas`` is the base of the others. The engine runs *inside* a replica (its dp axis
+cut to the replica's K ranks by ``Topology.split_replicas``; K = 1 without ZeRO), so each
+replica steps on its own gradient: every rank's loss is divided by the tokens of its
+replica, the squared gradient norm is summed over the replica's ranks only
+(``stats_topo``: the replica's own world group) and clipping uses it. The algorithm
+then works on this rank's *pieces* (``engine.pieces()``: the parameters themselves, or
+this rank's ZeRO shard of them) across replicas, on ``across``: the dp group of the R
+ranks that hold the same piece in every replica.
+
+Communication here (axis dp, on ``across``; P = bytes of this rank's pieces, fp32):
+``average`` all-reduces the pieces in chunks of ``--bucket-mb``, P bytes counted (2 (R-1)/R
+x P sent); ``consensus_distance`` the same plus one world all-reduce of a scalar;
+``checkpoint_state`` one average too (the ``model/`` entries export and generate use).
+All are issued by the training thread at the same step on every rank, so every rank of an
+``across`` group issues the same collectives in the same order (NCCL's rule); tensors on
+``topo.device``.
+
+Checkpoints (one DCP folder, ``train/checkpoint.py``, verified by its manifest as any
+other): replica r's parameters and optimizer state under ``replica-<r>/model/...`` and
+``replica-<r>/optim/...``; its algorithm state under ``replica-<r>/algo/<name>/<key>``;
+state the replicas share (DiLoCo's anchor and outer momentum, EF21's sum, PowerSGD's Q)
+under ``algo/<name>/<key>``; and the replicas' average under ``model/<name>``, which is
+what ``plait export`` and ``plait generate`` read. ``meta.json`` records the algorithm and
+R. A run resumes with the same algorithm and R, continuing every replica exactly; a
+replica algorithm may also start from a plain checkpoint (every replica loads it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plait import comm
+from plait.data import IGNORE_INDEX
+from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
+from plait.topology import Axis, Topology
+
+SHARED_KEYS = frozenset({"anchor", "outer_momentum", "ef21_total"})
+
+
+class ResumeError(ValueError):
+    """A checkpoint whose replicas this run cannot continue (one line)."""
+
+
+class DPAlgorithm:
+    """Plain data parallelism: the interface, doing nothing beyond the engine."""
+
+    replicas_differ = False
+
+    def __init__(self, cfg: DPAlgoConfig, *, topo: Topology, layout, seed: int = 0):
+        self.cfg, self.topo, self.layout, self.seed = cfg, topo, layout, seed
+        self.engine_topo = self.stats_topo = topo
+        self.num_replicas = layout.dp  # R: ranks that hold the same piece of the model
+        self.compression = None
+        self.engine = None
+
+    def loss_tokens(self, sampler, step: int, global_count: int) -> int:
+        """The targets each rank's loss is divided by: the global batch's
+        (``global_count``) while replicas stay identical -- a share of the global mean."""
+        return global_count
+
+    def attach(self, engine, model) -> None:
+        """Called once the engine exists (before any checkpoint is loaded)."""
+        self.engine, self.model = engine, model
+        self.names = {id(p): name for name, p in model.named_parameters()}
+
+    def finish_grads(self, step: int) -> None:
+        """After ``engine.finish()`` of step ``step`` (from 0)."""
+
+    def after_step(self, step: int) -> None:
+        """After the optimizer step of step ``step``."""
+
+    def consensus_distance(self) -> float | None:
+        return None
+
+    def meta(self) -> dict:
+        return {"dp_algo": {**self.cfg.to_dict(), "replicas": self.num_replicas}}
+
+    def checkpoint_state(self) -> dict:
+        """Keyword arguments for ``checkpoint.save``: ``prefix`` of this replica's model and
+        optimizer entries and ``extra`` entries {key: (tensor, parameter or None)}."""
+        return {"prefix": "", "extra": {}}
+
+    def resume(self, meta: dict) -> dict:
+        """Keyword arguments for ``checkpoint.load`` of a checkpoint with ``meta`` (the
+        ``extra`` tensors are filled in place), or ResumeError."""
+        saved = meta.get("dp_algo") or {}
+        if saved.get("algo", "allreduce") != "allreduce":
+            raise ResumeError(
+                f"the checkpoint holds {saved.get('replicas')} differing replicas of "
+                f"--dp-algo {saved['algo']}: resume with the same --dp-algo and replica "
+                "count, or start from their average (plait export, then --init-hf)"
+            )
+        return {"prefix": "", "extra": {}}
+
+    def loaded(self, step: int, meta: dict) -> None:
+        """After a checkpoint of step ``step`` was loaded (``resume``'s tensors filled)."""
+
+    # helpers for subclasses
+
+    def _param_entries(self, section: str, state: dict, *, full: bool) -> dict:
+        """{f"{section}/{name}/{key}": (whole tensor, parameter)} for per-parameter state
+        {name: {key: piece-shaped tensor}}; ``full`` gathers ZeRO pieces (collective)."""
+        params = {name: p for name, p, _ in self.engine.pieces()}
+        out = {}
+        keys = sorted({k for d in state.values() for k in d})
+        for key in keys:
+            have = {params[n]: d[key] for n, d in state.items() if key in d}
+            if not have:
+                continue
+            if full:  # every parameter must be there: the gather is per bucket
+                have = {p: have.get(p, _zeros_piece(self.engine, p)) for p in params.values()}
+                have = self.engine.full_of({p: t.reshape(-1) for p, t in have.items()})
+            for name, p in params.items():
+                if p in have and name in state and key in state[name]:
+                    out[f"{section}/{name}/{key}"] = (have[p].reshape(p.shape), p)
+        return out
+
+
+def _zeros_piece(engine, p) -> torch.Tensor:
+    for _, q, piece in engine.pieces():
+        if q is p:
+            return torch.zeros_like(piece).reshape(-1)
+    raise KeyError("parameter not in the engine")
+
+
+class Synchronous(DPAlgorithm):
+    """``--dp-algo allreduce``, optionally ``--compress``: replicas stay identical."""
+
+    def __init__(self, cfg: DPAlgoConfig, *, topo: Topology, layout, seed: int = 0,
+                 names: dict[int, str] | None = None):  # fmt: skip
+        super().__init__(cfg, topo=topo, layout=layout, seed=seed)
+        if cfg.compress is not None:
+            from plait.dp_algos.compressed_grads import Compression
+
+            sender = f"dp{topo.dp_rank}.tp{topo.tp_rank}"  # QSGD's stream (compressed_grads)
+            self.compression = Compression(cfg, seed=seed, names=names or {}, sender=sender)
+            self.num_replicas, self.k = compress_group(layout)
+
+    def attach(self, engine, model) -> None:
+        super().attach(engine, model)
+        if self.compression is None:
+            return
+        self.compression.names.update(self.names)
+        # the codec's state up front (zeros, as it would start): a checkpoint loads into it
+        codec = self.compression.codec
+        for name, p, piece in engine.pieces():
+            t = piece if self.layout.zero >= 2 else p.detach()
+            if hasattr(codec, "local"):  # EF21
+                codec._state(name, t)
+            if hasattr(codec, "error") and codec.matrix_shape(tuple(t.shape)) is not None:
+                rows, cols = codec.matrix_shape(tuple(t.shape))
+                codec.error[name] = torch.zeros(rows, cols, dtype=torch.float32, device=t.device)
+                codec._q(name, cols, codec.r(tuple(t.shape)), t.device)
+
+    def finish_grads(self, step: int) -> None:
+        if self.compression is not None:
+            self.compression.set_step(step + 1)  # QSGD draws the next step's stream
+
+    def _sender(self) -> int:
+        return self.topo.dp_rank // self.k
+
+    def checkpoint_state(self) -> dict:
+        if self.compression is None:
+            return super().checkpoint_state()
+        state = self._codec_state()
+        per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
+        shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
+        full = self.layout.zero >= 2
+        extra = self._param_entries(f"replica-{self._sender()}/algo", per, full=full)
+        extra.update(self._param_entries("algo", shared, full=full))
+        extra.update(self._raw_entries())
+        return {"prefix": "", "extra": extra}
+
+    def _codec_state(self) -> dict:
+        """{name: {key: tensor shaped like this rank's piece of the parameter}}."""
+        pieces = {name: piece for name, _, piece in self.engine.pieces()}
+        if self.layout.zero < 2:
+            pieces = {name: p.detach() for name, p, _ in self.engine.pieces()}
+        out = {}
+        for name, d in self.compression.state().items():
+            out[name] = {k: t.reshape(pieces[name].shape) for k, t in d.items()}
+        return out
+
+    def _raw_entries(self) -> dict:
+        """PowerSGD's Q: shaped (columns, rank) of this rank's tp shard, so kept per tp rank
+        (a layout with another tp restarts it from the seed)."""
+        q = getattr(self.compression.codec, "q", None) or {}
+        return {f"algo/{name}/powersgd_q.tp{self.topo.tp_rank}of{self.topo.tp}": (t, None)
+                for name, t in q.items()}  # fmt: skip
+
+    def resume(self, meta: dict) -> dict:
+        plan = super().resume(meta)
+        saved = meta.get("dp_algo") or {}
+        if self.compression is None or saved.get("compress") != self.cfg.compress:
+            return plan  # another codec (or none): its state starts afresh
+        if saved.get("replicas") != self.num_replicas:
+            return plan
+        # what ``checkpoint_state`` writes, as tensors to load into (whole, this tp shard)
+        self._resume_targets = {
+            k: (
+                torch.empty(p.shape if p is not None else t.shape, dtype=t.dtype, device=t.device),
+                p,
+            )
+            for k, (t, p) in self._templates().items()
+        }
+        return {"prefix": "", "extra": self._resume_targets}
+
+    def _templates(self) -> dict:
+        state = self._codec_state()
+        out = {}
+        params = {name: p for name, p, _ in self.engine.pieces()}
+        for name, d in state.items():
+            for key, t in d.items():
+                section = "algo" if key in SHARED_KEYS else f"replica-{self._sender()}/algo"
+                out[f"{section}/{name}/{key}"] = (t, params[name])
+        out.update(self._raw_entries())
+        return out
+
+    def loaded(self, step: int, meta: dict) -> None:
+        if self.compression is None:
+            return
+        self.compression.set_step(step)
+        codec = self.compression.codec
+        pieces = {name: p for name, p, _ in self.engine.pieces()}
+        stores = {"ef21_local": "local", "ef21_total": "total", "powersgd_error": "error"}
+        with torch.no_grad():
+            for key, (t, _) in (getattr(self, "_resume_targets", None) or {}).items():
+                _, name, what = _split_key(key)
+                if what.startswith("powersgd_q"):
+                    codec.q[name].copy_(t)
+                    continue
+                value = self.engine.piece_of(pieces[name], t) if self.layout.zero >= 2 else t
+                target = getattr(codec, stores[what])[name]
+                target.copy_(value.reshape(target.shape))
+        self._resume_targets = None
+
+
+def _split_key(key: str) -> tuple[str, str, str]:
+    """``replica-3/algo/blocks.0.attn.q.weight/ef21_local`` -> ("replica-3/algo", name,
+    "ef21_local") (parameter names hold no slash)."""
+    head, _, what = key.rpartition("/")
+    section, _, name = head.rpartition("/")
+    return section, name, what
+
+
+class Replicas(DPAlgorithm):
+    """Base of the algorithms whose replicas differ (module docstring)."""
+
+    replicas_differ = True
+
+    def __init__(self, cfg: DPAlgoConfig, *, topo: Topology, layout, seed: int = 0):
+        super().__init__(cfg, topo=topo, layout=layout, seed=seed)
+        self.num_replicas, self.k = replicas_of(layout)
+        self.index = topo.dp_rank // self.k  # this rank's replica
+        self.replica_topo, self.across = topo.split_replicas(self.k)  # collective
+        self.engine_topo = self.stats_topo = self.replica_topo
+        self.chunk_bytes = max(1, int(layout.bucket_mb * 2**20))
+
+    def loss_tokens(self, sampler, step: int, global_count: int) -> int:
+        """Each replica steps on its own mean: the targets of its rows of the global batch
+        (replica b holds dp ranks [b*k, (b+1)*k), so rows [b*G/R, (b+1)*G/R))."""
+        if sampler.mask is None:
+            return global_count // self.num_replicas
+        _, targets = sampler.local_batch(step, dp_rank=self.index, dp=self.num_replicas)
+        return int((targets != IGNORE_INDEX).sum())
+
+    def attach(self, engine, model) -> None:
+        super().attach(engine, model)
+        self.pieces = [piece for _, _, piece in engine.pieces()]
+
+    def peer(self, replica: int) -> int:
+        """Global rank of the rank holding this rank's place in replica ``replica``."""
+        return self.across.group_ranks[Axis.DP][replica]
+
+    # flat chunks of the pieces --------------------------------------------------------
+
+    def chunks(self) -> list[list[torch.Tensor]]:
+        """The pieces cut into runs of about ``--bucket-mb`` (one message each)."""
+        out, run, size = [], [], 0
+        for t in self.pieces:
+            run.append(t)
+            size += t.numel() * t.element_size()
+            if size >= self.chunk_bytes:
+                out.append(run)
+                run, size = [], 0
+        if run:
+            out.append(run)
+        return out
+
+    @staticmethod
+    def pack(run: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in run])
+
+    @staticmethod
+    def unpack(flat: torch.Tensor, run: list[torch.Tensor]) -> None:
+        offset = 0
+        for t in run:
+            t.view(-1).copy_(flat[offset : offset + t.numel()])
+            offset += t.numel()
+
+    def sum_across(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sum over replicas of each flat tensor (async all-reduces, then waited)."""
+        handles = [
+            comm.all_reduce(t, topo=self.across, axis=Axis.DP, async_op=True) for t in tensors
+        ]
+        comm.wait(handles, topo=self.across, what="all_reduce", axis="dp")
+        return tensors
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Every replica's pieces <- their mean over the replicas."""
+        runs = self.chunks()
+        flats = self.sum_across([self.pack(run) for run in runs])
+        for run, flat in zip(runs, flats):
+            self.unpack(flat.div_(self.num_replicas), run)
+        self.engine.pieces_changed()
+
+    @torch.no_grad()
+    def mean_pieces(self) -> list[torch.Tensor]:
+        """The replicas' mean of each piece (new tensors; the pieces are untouched)."""
+        runs = self.chunks()
+        flats = self.sum_across([self.pack(run) for run in runs])
+        out = []
+        for run, flat in zip(runs, flats):
+            flat.div_(self.num_replicas)
+            offset = 0
+            for t in run:
+                out.append(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return out
+
+    @torch.no_grad()
+    def consensus_distance(self) -> float:
+        """sqrt((1/R) sum_i |x_i - mean|^2) over the whole model (Kong et al. 2021's
+        consensus distance); a weight held by several ranks of a replica (tp-replicated,
+        a tied copy) counts once. Collective over every rank."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for (_, p, piece), mean in zip(self.engine.pieces(), self.mean_pieces()):
+            if self.engine.owns_grad(p):
+                sq += (piece - mean).double().pow(2).sum()
+        comm.world_all_reduce(sq, topo=self.topo)
+        return math.sqrt(max(0.0, sq.item()) / self.num_replicas)
+
+    # checkpoints ----------------------------------------------------------------------
+
+    def algo_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{name: {key: piece-shaped tensor}} the algorithm keeps (subclasses)."""
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        pieces = self.engine.pieces()
+        mean = self.engine.full_of({p: m for (_, p, _), m in zip(pieces, self.mean_pieces())})
+        extra = {f"model/{name}": (mean[p].reshape(p.shape), p) for name, p, _ in pieces}
+        state = self.algo_state()
+        per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
+        shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
+        extra.update(self._param_entries(f"replica-{self.index}/algo", per, full=True))
+        extra.update(self._param_entries("algo", shared, full=True))
+        return {"prefix": f"replica-{self.index}/", "extra": extra}
+
+    def resume(self, meta: dict) -> dict:
+        saved = meta.get("dp_algo") or {}
+        if saved.get("algo", "allreduce") == "allreduce":
+            self._resumed = None  # a plain checkpoint: every replica starts from it
+            return {"prefix": "", "extra": {}}
+        if saved.get("algo") != self.cfg.algo or saved.get("replicas") != self.num_replicas:
+            raise ResumeError(
+                f"the checkpoint holds {saved.get('replicas')} replicas of --dp-algo "
+                f"{saved.get('algo')}; this run has {self.num_replicas} of --dp-algo "
+                f"{self.cfg.algo}: resume with the same, or start from their average "
+                "(plait export, then --init-hf)"
+            )
+        state = self.algo_state()
+        per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
+        shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
+        targets = {}
+        params = {name: p for name, p, _ in self.engine.pieces()}
+        for section, part in ((f"replica-{self.index}/algo", per), ("algo", shared)):
+            for name, d in part.items():
+                for key in d:
+                    p = params[name]
+                    whole = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                    targets[f"{section}/{name}/{key}"] = (whole, p)
+        self._resumed = targets
+        return {"prefix": f"replica-{self.index}/", "extra": targets}
+
+    def loaded(self, step: int, meta: dict) -> None:
+        """Copy the loaded algorithm state into this rank's pieces of it."""
+        targets = getattr(self, "_resumed", None)
+        state = self.algo_state()
+        params = {name: p for name, p, _ in self.engine.pieces()}
+        with torch.no_grad():
+            for key, (t, _) in (targets or {}).items():
+                _, name, what = _split_key(key)
+                state[name][what].view(-1).copy_(self.engine.piece_of(params[name], t).reshape(-1))
+        self.fresh_state(loaded=bool(targets))
+        self._resumed = None
+
+    def fresh_state(self, *, loaded: bool) -> None:
+        """After a resume: state the checkpoint did not hold starts from the parameters."""

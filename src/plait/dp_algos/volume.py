@@ -1,0 +1,163 @@
+"""Bytes per step of every data-parallel algorithm, as formulas: what one rank sends and
+what ``comm.py`` counts, across the replicas, at a given step. Pure Python (no torch): the
+tests compare the runtime's counts with these exactly, and the simulator prices them.
+
+Inputs: the tensors this rank reduces or averages across replicas, as shapes -- its
+parameters (their tp shards, its pipeline chunks) without ZeRO, or the flat pieces it
+holds under ZeRO with ``--zero-shard-group`` -- and n, the ranks across which the
+algorithm runs (R replicas; every dp rank for a ZeRO 0/1 compressed all-reduce). All
+tensors are fp32 (plait's weights and gradients). Conventions are ``comm.py``'s: counted
+bytes per operation (all-reduce: the tensor; all-gather: the gathered output; send and
+recv: the tensor), and bytes *sent* on the wire under ring algorithms (all-reduce
+2 (n-1)/n x the tensor, all-gather (n-1)/n x the output).
+
+Per step (E = 4 x elements, t = the step from 1):
+
+=========================  ======================================  =======================
+algorithm                  counted                                 sent
+=========================  ======================================  =======================
+all-reduce                 all_reduce E                            2 (n-1)/n E
+bf16                       all_reduce E/2                          2 (n-1)/n E/2
+qsgd:s                     all_gather n sum(e + 4 ceil(e/512))     (n-1) sum(...)
+topk:r                     all_gather n sum 8 ceil(r e)            (n-1) sum(...)
+powersgd:r                 all_reduce sum 4 r (rows + cols)        2 (n-1)/n x that
+                           (+ 4e for tensors sent whole)
+local-sgd H (warm-up W)    all_reduce E when t <= W or H | t - W   2 (n-1)/n E then
+diloco H                   all_reduce E when H | t                 2 (n-1)/n E then
+gossip (degree d)          send d E, recv d E                      d E
+gossip + PGA H             all_reduce E instead when H | t         2 (n-1)/n E then
+=========================  ======================================  =======================
+
+(e: a tensor's elements; the sums run over the tensors.) Averaged over H steps, local SGD
+and DiLoCo send 2 (n-1)/n E / H per step: H times fewer bytes than all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from plait.dp_algos import graphs
+from plait.dp_algos.config import DPAlgoConfig
+
+QSGD_BLOCK = 512  # == compression.QSGD_BLOCK (compression.py imports torch; this does not)
+
+
+@dataclass(frozen=True)
+class Volume:
+    """One rank's communication across replicas in one step."""
+
+    counted: dict[str, int] = field(default_factory=dict)  # op -> bytes (comm.py's count)
+    sent: float = 0.0  # bytes this rank puts on the wire
+    messages: float = 0  # point-to-point messages this rank sends (gossip)
+
+    def __add__(self, other: Volume) -> Volume:
+        counted = dict(self.counted)
+        for op, b in other.counted.items():
+            counted[op] = counted.get(op, 0) + b
+        return Volume(counted, self.sent + other.sent, self.messages + other.messages)
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def all_reduce(nbytes: int, n: int) -> Volume:
+    return Volume({"all_reduce": nbytes}, 2 * (n - 1) / n * nbytes) if nbytes else Volume()
+
+
+def all_gather(message: int, n: int) -> Volume:
+    return Volume({"all_gather": n * message}, (n - 1) * message) if message else Volume()
+
+
+def codec_message(codec: str, arg, shape) -> int:
+    """Bytes one rank contributes for one tensor (all-gathered codecs) or all-reduces
+    (bf16, and PowerSGD's two rounds together)."""
+    e = _numel(shape)
+    if codec == "bf16":
+        return 2 * e
+    if codec == "qsgd":
+        return e + 4 * math.ceil(e / QSGD_BLOCK)
+    if codec == "topk":
+        return 8 * (math.ceil(arg * e) if e else 0)
+    if codec == "powersgd":
+        mat = powersgd_matrix(shape, arg)
+        if mat is None:
+            return 4 * e
+        rows, cols, r = mat
+        return 4 * r * (rows + cols)
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def powersgd_matrix(shape, rank: int) -> tuple[int, int, int] | None:
+    """(rows, cols, r) a tensor is compressed as, or None when it travels whole (as
+    ``compression.PowerSGD.matrix_shape``)."""
+    if len(shape) < 2:
+        return None
+    rows = shape[0]
+    cols = _numel(shape) // rows if rows else 0
+    r = min(rank, rows, cols)
+    if r == 0 or r * (rows + cols) >= rows * cols:
+        return None
+    return rows, cols, r
+
+
+def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0) -> Volume:
+    """This rank's bytes across the n replicas at optimizer step ``step`` (from 0), for
+    the tensors ``shapes`` (module docstring). ``index``: this rank's replica (gossip's
+    one-peer graph sends one message whatever the index; the others are regular)."""
+    if n < 2:
+        return Volume()
+    elems = sum(_numel(s) for s in shapes)
+    whole = 4 * elems
+    t = step + 1
+    if cfg.compress is not None:
+        codec, arg = cfg.codec
+        msg = sum(codec_message(codec, arg, s) for s in shapes)
+        if codec in ("bf16", "powersgd"):  # summable: all-reduced (PowerSGD in two rounds)
+            return all_reduce(msg, n)
+        return all_gather(msg, n)
+    if cfg.algo == "allreduce":
+        return all_reduce(whole, n)
+    if cfg.algo == "local-sgd":
+        w, h = cfg.local_warmup, cfg.sync_every
+        warm = t <= w
+        sync = t > w and (t - w) % h == 0
+        return all_reduce(whole, n) if warm or sync else Volume()
+    if cfg.algo == "diloco":
+        return all_reduce(whole, n) if t % cfg.sync_every == 0 else Volume()
+    # gossip
+    if cfg.global_avg_every and t % cfg.global_avg_every == 0:
+        return all_reduce(whole, n)
+    recv_from, send_to = graphs.neighbours(cfg.topology, n, index, step)
+    return Volume(
+        {"send": len(send_to) * whole, "recv": len(recv_from) * whole},
+        float(len(send_to) * whole),
+        len(send_to),
+    )
+
+
+def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None) -> Volume:
+    """The average ``Volume`` of a step over one period of the algorithm (H steps for
+    local SGD / DiLoCo / Gossip-PGA, log2 n rounds of the one-peer graph, else 1), warm-up
+    left out: what the simulator charges per step in steady state."""
+    period = steps or _period(cfg, n)
+    start = cfg.local_warmup if cfg.algo == "local-sgd" else 0
+    total = Volume()
+    for s in range(start, start + period):
+        total = total + step_volume(cfg, step=s, shapes=shapes, n=n)
+    return Volume(
+        {op: b / period for op, b in total.counted.items()},
+        total.sent / period,
+        total.messages / period,
+    )
+
+
+def _period(cfg: DPAlgoConfig, n: int) -> int:
+    if cfg.compress is not None or cfg.algo == "allreduce":
+        return 1
+    if cfg.algo in ("local-sgd", "diloco"):
+        return cfg.sync_every
+    rounds = max(1, math.ceil(math.log2(n))) if cfg.topology == "one-peer-exponential" else 1
+    h = cfg.global_avg_every
+    return h * rounds // math.gcd(h, rounds) if h else rounds

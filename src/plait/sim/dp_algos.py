@@ -1,0 +1,227 @@
+"""The price of ``--dp-algo`` / ``--compress`` on a cluster: bytes, messages, latency and
+seconds per step of the data-parallel communication, for ``simulate`` and ``plan``.
+
+Bytes come from ``dp_algos.volume`` (the formulas the runtime's counts are tested
+against); seconds from the alpha-beta models of ``collectives`` on the link the group
+spans, compute from ``costs``.
+Per pipeline rank, with N its parameters (its tp shard of its layers), K the dp ranks of a
+replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and the link
+``collectives.group_link`` gives a group of R ranks spaced tp x K apart:
+
+- plain all-reduce: ``costs.dp_comm_time``, unchanged.
+- compression (every dp rank under ZeRO 0/1; across the R shard groups, on the 1/K piece,
+  under ZeRO 2/3, after the unchanged reduce-scatter inside each group): bf16 and
+  PowerSGD all-reduce (PowerSGD's P round overlaps the backward like a bucket, its Q
+  round does not), QSGD and top-k all-gather R messages. The codecs' own work is charged
+  as exposed time: memory-bound streams at the elementwise rate (QSGD: encode 9 bytes
+  per element -- read the gradient, write levels, draw a uniform -- and decode 9 bytes per
+  element per sender; top-k: 36 -- the residual 12, a radix select of the magnitudes in
+  four 8-bit passes 16, and the estimate's update 8; bf16: the two casts 12; PowerSGD:
+  error feedback 24) and PowerSGD's three GEMMs per matrix (M'Q, M'^T P^, P^ Q^T) timed
+  by ``costs.gemm_time`` in fp32.
+- local SGD, DiLoCo: the engine inside a replica (ZeRO over its K ranks, nothing for K =
+  1) every step; every H steps an all-reduce of the 4N/K-byte pieces across the R
+  replicas, plus DiLoCo's outer step (7 fp32 streams of the piece); charged per step as
+  1/H of that, exposed (nothing overlaps it).
+- gossip: every step, d messages of 4N/K bytes leave the rank together (one batch, one
+  NIC: latency + d x 4N/K / bandwidth of the link to the neighbours), and the mixing
+  reads d + 1 copies and writes one; Gossip-PGA replaces one step in H by an all-reduce.
+
+Memory each algorithm adds per device at its peak (``state_bytes``): DiLoCo's anchor and
+outer momentum 8N/K plus the 4N/K outer gradients in flight; local SGD's 4N/K packed
+pieces while averaging; gossip's d receive buffers, the packed chunk and its mix (one
+``--bucket-mb`` chunk each); EF21's two estimates 8N (top-k), PowerSGD's error 4N (per
+piece under ZeRO 2/3).
+"""
+
+from __future__ import annotations
+
+import math
+
+from plait.dp_algos import graphs, volume
+from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
+from plait.layout import Layout
+from plait.model.config import ModelConfig
+from plait.sim import collectives, costs
+from plait.sim.hardware import Hardware
+from plait.sim.runtime import Runtime
+
+QSGD_ENCODE, QSGD_DECODE, TOPK_WORK, BF16_CASTS, EF_STREAMS = 9, 9, 36, 12, 24
+OUTER_STEP_STREAMS = 7 * 4  # DiLoCo: read anchor, piece, momentum, delta; write three
+
+
+def rank_shapes(model: ModelConfig, layout: Layout, chunks, params: float) -> list[tuple]:
+    """Tensor shapes one tp rank of a pipeline rank holds: every block's weight matrices
+    (their tp shards, as ``model/transformer.py`` builds them), the embedding and head,
+    and the rest (norms, biases, positions) as one flat tensor. ``chunks``: (layers,
+    first, last) of each virtual stage on the rank; ``params``: its parameter count."""
+    t, h, f = layout.tp, model.hidden, model.ffn_hidden
+    kv = model.kv_dim
+    kv_t = kv // t if model.n_kv_heads >= t else kv  # replicated when fewer heads than tp
+    per_layer = [(h // t, h), (kv_t, h), (kv_t, h), (h, h // t)]
+    if model.arch == "gpt2":
+        per_layer += [(f // t, h), (h, f // t)]
+    else:
+        per_layer += [(f // t, h), (f // t, h), (h, f // t)]
+    shapes = []
+    vocab = (math.ceil(model.vocab_size / t), h)
+    for layers, first, last in chunks:
+        shapes += per_layer * layers
+        if first:
+            shapes.append(vocab)
+        if last and (not model.tied_embeddings or not first):
+            shapes.append(vocab)
+    rest = params - sum(a * b for a, b in shapes)
+    if rest > 0:
+        shapes.append((int(rest),))
+    return shapes
+
+
+def _pieces(shapes, k: int) -> list[tuple]:
+    """This rank's ZeRO pieces of ``shapes`` over k ranks: flat, ceil(e / k) elements."""
+    if k == 1:
+        return shapes
+    return [(math.ceil(math.prod(s) / k),) for s in shapes]
+
+
+def comm_time(
+    model: ModelConfig,
+    layout: Layout,
+    hw: Hardware,
+    rt: Runtime,
+    algo: DPAlgoConfig,
+    *,
+    chunks,
+    params: float,
+) -> dict:
+    """Seconds per step of one pipeline rank's data-parallel work under ``algo``:
+    {"grad": overlappable with the backward (streamed per bucket), "param": ZeRO's
+    gathers after the step, "sync": exposed after the optimizer step (amortised over the
+    algorithm's period), "bytes_sent", "messages", "latency": per step on average}."""
+    if algo.algo == "allreduce" and algo.compress is None:
+        base = costs.dp_comm_time(params, layout, hw, rt)
+        vol = volume.mean_volume(algo, shapes=[(int(params),)], n=layout.dp)
+        link = collectives.group_link(hw, layout.dp, layout.tp)
+        latency = 2 * collectives.ring_latency(layout.dp, link, "all_reduce")
+        return {**base, "sync": 0.0, "bytes_sent": vol.sent, "messages": 0, "latency": latency}
+    shapes = rank_shapes(model, layout, chunks, params)
+    if algo.compress is not None:
+        return _compressed(model, layout, hw, rt, algo, shapes, params)
+    r, k = replicas_of(layout)
+    inner = costs.dp_comm_time(params, layout.replace(dp=k, zero_shard_group=None), hw, rt)
+    if k == 1:
+        inner = {"grad": 0.0, "param": 0.0}
+    pieces = _pieces(shapes, k)
+    piece_bytes = 4 * sum(math.prod(s) for s in pieces)
+    link = collectives.group_link(hw, r, layout.tp * k)
+    vol = volume.mean_volume(algo, shapes=pieces, n=r)
+    average = collectives.all_reduce_time(piece_bytes, r, link)
+    if algo.algo in ("local-sgd", "diloco"):
+        h = algo.sync_every
+        work = average
+        if algo.algo == "diloco":
+            work += costs.stream_time(hw, OUTER_STEP_STREAMS * piece_bytes / 4)
+        latency = 2 * collectives.ring_latency(r, link, "all_reduce") / h
+        return {
+            **inner,
+            "sync": work / h,
+            "bytes_sent": vol.sent,
+            "messages": 0,
+            "latency": latency,
+        }
+    # gossip
+    p2p = hw.intra_node if r * layout.tp * k <= hw.devices_per_node else hw.inter_node
+    p2p = p2p.op("p2p")
+    rounds = volume._period(algo, r)
+    total = lat = 0.0
+    for step in range(rounds):
+        if algo.global_avg_every and (step + 1) % algo.global_avg_every == 0:
+            total += average
+            lat += 2 * collectives.ring_latency(r, link, "all_reduce")
+            continue
+        _, send_to = graphs.neighbours(algo.topology, r, 0, step)
+        d = len(send_to)
+        mix = costs.stream_time(hw, (d + 2) * piece_bytes)
+        total += p2p.latency + d * piece_bytes / p2p.bandwidth + mix
+        lat += p2p.latency
+    return {
+        **inner,
+        "sync": total / rounds,
+        "bytes_sent": vol.sent,
+        "messages": vol.messages,
+        "latency": lat / rounds,
+    }
+
+
+def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
+    codec, arg = algo.codec
+    n, k = compress_group(layout)
+    if layout.zero >= 2:  # reduce-scatter in the group, then the codec across groups
+        inner = costs.dp_comm_time(params, layout.replace(dp=k, zero_shard_group=None), hw, rt)
+        stride = layout.tp * k
+    else:
+        inner = {"grad": 0.0, "param": 0.0}
+        if layout.zero == 1:  # the sharded optimizer's gather stays
+            inner["param"] = costs.dp_comm_time(params, layout, hw, rt)["param"]
+        stride = layout.tp
+    pieces = _pieces(shapes, k)
+    elems = sum(math.prod(s) for s in pieces)
+    link = collectives.group_link(hw, n, stride)
+    vol = volume.step_volume(algo, step=0, shapes=pieces, n=n)
+    msg = sum(volume.codec_message(codec, arg, s) for s in pieces)
+    sync, latency = 0.0, 2 * collectives.ring_latency(n, link, "all_reduce")
+    if codec == "bf16":
+        grad = collectives.all_reduce_time(msg, n, link)
+        sync = costs.stream_time(hw, BF16_CASTS * elems)
+    elif codec in ("qsgd", "topk"):
+        grad = collectives.all_gather_time(n * msg, n, link)
+        latency = collectives.ring_latency(n, link, "all_gather")
+        work = QSGD_ENCODE + n * QSGD_DECODE if codec == "qsgd" else TOPK_WORK
+        sync = costs.stream_time(hw, work * elems)
+    else:  # PowerSGD: P (and what travels whole) overlaps; Q, the GEMMs and EF do not
+        p_bytes = q_bytes = 0
+        gemms = 0.0
+        for s in pieces:
+            mat = volume.powersgd_matrix(s, arg)
+            if mat is None:
+                p_bytes += 4 * math.prod(s)
+                continue
+            rows, cols, r = mat
+            p_bytes, q_bytes = p_bytes + 4 * r * rows, q_bytes + 4 * r * cols
+            gemms += costs.gemm_time(hw, "fp32", rows, r, cols)  # M' Q
+            gemms += costs.gemm_time(hw, "fp32", cols, r, rows)  # M'^T P^
+            gemms += costs.gemm_time(hw, "fp32", rows, cols, r)  # P^ Q^T
+        grad = collectives.all_reduce_time(p_bytes, n, link)
+        sync = collectives.all_reduce_time(q_bytes, n, link) + gemms
+        sync += costs.stream_time(hw, EF_STREAMS * elems)
+        latency *= 2
+    grad += inner["grad"]
+    return {
+        "grad": grad,
+        "param": inner["param"],
+        "sync": sync,
+        "bytes_sent": vol.sent,
+        "messages": 0,
+        "latency": latency,
+    }
+
+
+def state_bytes(
+    model: ModelConfig, layout: Layout, algo: DPAlgoConfig | None, params: float
+) -> float:
+    """Device memory the algorithm adds to one rank of ``params`` parameters at its peak
+    (module docstring): state it keeps, and the buffers of its synchronisation."""
+    if algo is None or (algo.algo == "allreduce" and algo.compress is None):
+        return 0.0
+    if algo.compress is not None:
+        codec, _ = algo.codec
+        _, k = compress_group(layout)
+        return {"topk": 8.0, "powersgd": 4.0}.get(codec, 0.0) * params / k
+    r, k = replicas_of(layout)
+    piece = 4.0 * params / k
+    if algo.algo == "diloco":  # anchor + momentum, and the outer gradients in flight
+        return 3 * piece
+    if algo.algo == "gossip":  # d receive buffers, the packed chunk and its mix
+        chunk = min(piece, layout.bucket_mb * 2**20)
+        return (max(graphs.degree(algo.topology, r), 1) + 2) * chunk
+    return piece  # local SGD: the packed pieces while they are averaged

@@ -1,0 +1,347 @@
+"""Communication-efficient data parallelism, pure logic (no processes): the codecs (QSGD
+unbiased within its variance bound, top-k with EF21 conserving the residual, PowerSGD
+exact on low-rank gradients), the gossip graphs (doubly stochastic, spectral gaps in the
+expected order, one-peer exponential exact in log2 n rounds) and their point-to-point
+batches under NCCL's semantics, the byte formulas, and the one-line refusals.
+
+The multi-process checks (equalities with plain data parallelism, tp / pp, resume, bytes
+per step) are in ``test_dp_algos_train.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from plait.comm import CommStats
+from plait.dp_algos import graphs, volume
+from plait.dp_algos.compression import QSGD, QSGD_BLOCK, PowerSGD, TopK, orthonormalise
+from plait.dp_algos.config import DPAlgoConfig, parse_compress
+from plait.layout import Layout
+
+# --- codecs --------------------------------------------------------------------------------
+
+
+def test_qsgd_is_unbiased_with_variance_inside_the_bound():
+    """Alistarh et al. 2017, Lemma 3.1: E[Q(v)] = v and E|Q(v) - v|^2 <= min(d/s^2,
+    sqrt(d)/s) |v|^2 per block of d elements. T draws: each element's mean is within 6
+    standard errors (its variance is at most (|v_block| / s)^2 / 4)."""
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(3 * QSGD_BLOCK + 100, generator=gen) * torch.linspace(0.1, 3, 1636)
+    draws = 3000
+    for s in (1, 4, 16):
+        codec = QSGD(s)
+        total = torch.zeros_like(v, dtype=torch.float64)
+        sq_err = 0.0
+        for t in range(draws):
+            g = codec.generator("w", t, 0, "cpu")
+            q = codec.decode(*codec.encode(v, gen=g), v.numel())
+            total += q.double()
+            sq_err += (q - v).double().pow(2).sum().item()
+        mean = total / draws
+        blocks = torch.nn.functional.pad(v, (0, 4 * QSGD_BLOCK - v.numel())).view(4, -1)
+        norm = torch.linalg.vector_norm(blocks, dim=1).repeat_interleave(QSGD_BLOCK)[: v.numel()]
+        stderr = (norm.double() / s) / 2 / math.sqrt(draws)
+        assert ((mean - v.double()).abs() <= 6 * stderr + 1e-7).all(), s
+        d = QSGD_BLOCK
+        bound = min(d / s**2, math.sqrt(d) / s) * v.double().pow(2).sum().item()
+        assert sq_err / draws <= bound, (s, sq_err / draws, bound)
+    # one byte per element plus one fp32 norm per block
+    norms, levels = QSGD(8).encode(v, gen=torch.Generator().manual_seed(1))
+    assert levels.dtype == torch.int8 and norms.numel() == 4
+    assert levels.abs().max() <= 8
+
+
+def test_topk_ef21_conserves_the_residual_exactly():
+    """What is sent plus what remains of grad - g_i equals grad - g_i before, bit for bit,
+    step after step; the sum over ranks accumulates what they sent."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = [TopK(0.05) for _ in range(3)]
+    total = torch.zeros(1000)
+    for step in range(5):
+        sent_sum = torch.zeros(1000)
+        for codec in ranks:
+            grad = torch.randn(1000, generator=gen)
+            before = grad - codec.local["w"] if "w" in codec.local else grad.clone()
+            values, idx = codec.encode("w", grad)
+            assert values.numel() == idx.numel() == 50
+            sent = torch.zeros(1000).index_put_((idx.long(),), values)
+            after = grad - codec.local["w"]
+            assert torch.equal(sent + after, before), step  # nothing lost, nothing made up
+            assert (after[idx.long()] == 0).all()
+            sent_sum += sent
+            for other in ranks:  # every rank adds every sender's message
+                other.add_to_total("w", values, idx, 1000)
+        total += sent_sum
+        for codec in ranks:
+            assert torch.allclose(codec.result("w"), total, atol=1e-5)
+
+
+def test_powersgd_is_exact_on_low_rank_gradients_and_keeps_its_error():
+    gen = torch.Generator().manual_seed(0)
+    cols = torch.randn(40, 2, generator=gen)  # both ranks' gradients in one rank-2 space
+    grads = [cols @ torch.randn(2, 30, generator=gen) for _ in "ab"]
+    codecs = [PowerSGD(2, seed=7) for _ in grads]
+    ps = [c.first("w", g) for c, g in zip(codecs, grads)]
+    p_sum = sum(ps)
+    outs = [c.second("w", p_sum) for c in codecs]
+    q_sum = sum(q for _, q in outs)
+    approx = [c.finish("w", p_hat, q_sum) for c, (p_hat, _) in zip(codecs, outs)]
+    assert torch.allclose(approx[0], grads[0] + grads[1], atol=1e-4)
+    assert torch.equal(approx[0], approx[1])  # the same bits on every rank
+    # rank 1 of a rank-2 sum: the error feedback keeps exactly what was not sent
+    c = PowerSGD(1, seed=7)
+    g = grads[0] + torch.randn(40, 30, generator=gen)
+    p_hat, q = c.second("v", c.first("v", g))
+    sent = c.finish("v", p_hat, q)
+    assert torch.allclose(sent + c.error["v"], g, atol=1e-5)
+    assert c.matrix_shape((8,)) is None and c.matrix_shape((2, 2)) is None  # whole
+    assert c.matrix_shape((64, 3, 4)) == (64, 12)
+    o = orthonormalise(torch.randn(50, 3, generator=gen))
+    assert torch.allclose(o.T @ o, torch.eye(3), atol=1e-5)
+
+
+# --- gossip graphs ---------------------------------------------------------------------------
+
+GRAPHS = ("ring", "torus", "exponential", "complete", "one-peer-exponential")
+
+
+@pytest.mark.parametrize("topology", GRAPHS)
+def test_mixing_matrices_are_doubly_stochastic(topology):
+    for n in range(2, 18):
+        for step in range(3):
+            w = graphs.mixing_matrix(topology, n, step)
+            assert np.allclose(w.sum(0), 1) and np.allclose(w.sum(1), 1), (n, step)
+            assert (w >= 0).all()
+            if topology != "one-peer-exponential":
+                assert np.allclose(w, w.T)  # Metropolis-Hastings: symmetric
+            for i in range(n):  # only neighbours get weight
+                recv, _ = graphs.neighbours(topology, n, i, step)
+                assert set(np.flatnonzero(w[i])) <= {i, *recv}
+
+
+def test_spectral_gap_ordering_and_one_peer_exact_average():
+    for n in (16, 36, 64):
+        gaps = [graphs.spectral_gap(graphs.mixing_matrix(t, n)) for t in GRAPHS[:3]]
+        assert gaps[0] < gaps[1] < gaps[2], (n, gaps)
+        assert graphs.spectral_gap(graphs.mixing_matrix("complete", n)) == pytest.approx(1)
+    for n in (2, 4, 8, 16, 32):
+        rounds = int(math.log2(n))
+        assert graphs.rounds_to_average("one-peer-exponential", n) == rounds
+        prod = np.eye(n)
+        for step in range(rounds):
+            prod = graphs.mixing_matrix("one-peer-exponential", n, step) @ prod
+        assert np.allclose(prod, np.full((n, n), 1 / n), atol=1e-15)
+        if n > 2:  # one round short is not the average
+            short = np.eye(n)
+            for step in range(rounds - 1):
+                short = graphs.mixing_matrix("one-peer-exponential", n, step) @ short
+            assert not np.allclose(short, 1 / n)
+    assert graphs.rounds_to_average("one-peer-exponential", 6) == 0
+
+
+@pytest.mark.parametrize("topology", GRAPHS)
+def test_gossip_batches_cannot_deadlock_under_nccl(topology):
+    """Every replica count 2..17, six rounds (the one-peer graph cycles its peers): the
+    batches ``gossip.py`` posts complete under NCCL's semantics; the same messages posted
+    one at a time deadlock wherever the graph has a cycle."""
+    for n in range(2, 18):
+        batches = graphs.gossip_batches(topology, n, 6)
+        assert graphs.run_p2p(batches) == 6 * n
+    with pytest.raises(graphs.P2PDeadlock, match="deadlock"):
+        graphs.run_p2p(graphs.one_at_a_time("ring", 5, 1))
+    with pytest.raises(graphs.P2PDeadlock, match="no receive"):
+        graphs.run_p2p([[[("send", 1)]], [[]]])
+
+
+def test_graph_degrees():
+    assert graphs.degree("ring", 2) == 1 and graphs.degree("ring", 8) == 2
+    assert graphs.torus_shape(16) == (4, 4) and graphs.degree("torus", 16) == 4
+    assert graphs.degree("exponential", 16) == 7  # +-1, +-2, +-4, 8
+    assert graphs.degree("one-peer-exponential", 16) == 1
+    assert graphs.degree("complete", 5) == 4
+
+
+# --- bytes ------------------------------------------------------------------------------------
+
+
+def test_byte_formulas():
+    shapes = [(64, 32), (32,), (256, 64)]
+    e = 4 * (64 * 32 + 32 + 256 * 64)
+    plain = volume.step_volume(DPAlgoConfig(), step=0, shapes=shapes, n=4)
+    assert plain.counted == {"all_reduce": e} and plain.sent == 1.5 * e
+    local = DPAlgoConfig(algo="local-sgd", sync_every=4, local_warmup=2)
+    sent = [volume.step_volume(local, step=s, shapes=shapes, n=4).sent for s in range(10)]
+    assert sent == [1.5 * e, 1.5 * e, 0, 0, 0, 1.5 * e, 0, 0, 0, 1.5 * e]
+    assert volume.mean_volume(local, shapes=shapes, n=4).sent == 1.5 * e / 4
+    ring = volume.step_volume(DPAlgoConfig(algo="gossip"), step=0, shapes=shapes, n=4)
+    assert ring.counted == {"send": 2 * e, "recv": 2 * e} and ring.sent == 2 * e
+    pga = DPAlgoConfig(algo="gossip", topology="one-peer-exponential", global_avg_every=3)
+    sent = [volume.step_volume(pga, step=s, shapes=shapes, n=4).sent for s in range(3)]
+    assert sent == [e, e, 1.5 * e]
+    topk = volume.step_volume(DPAlgoConfig(compress="topk:0.01"), step=0, shapes=shapes, n=4)
+    k = math.ceil(0.01 * 2048) + math.ceil(0.01 * 32) + math.ceil(0.01 * 16384)
+    assert topk.counted == {"all_gather": 4 * 8 * k} and topk.sent == 3 * 8 * k
+    psgd = volume.step_volume(DPAlgoConfig(compress="powersgd:4"), step=0, shapes=shapes, n=2)
+    assert psgd.counted == {"all_reduce": 4 * (4 * 96 + 32 + 4 * 320)}
+    qsgd = volume.step_volume(DPAlgoConfig(compress="qsgd:8"), step=0, shapes=[(1000,)], n=2)
+    assert qsgd.counted == {"all_gather": 2 * (1000 + 8)}
+
+
+def test_comm_stats_sent_bytes():
+    stats = CommStats()
+    stats.record("dp", "all_reduce", 100, 150.0)
+    stats.record("dp", "send", 40, 40.0)
+    stats.record("tp", "all_reduce", 100, 100.0)
+    assert stats.sent_bytes("dp") == 190.0 and stats.sent_bytes() == 290.0
+    stats.reset()
+    assert stats.sent_bytes() == 0
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg, layout, words",
+    [
+        (dict(algo="diloco", sync_every=10), dict(dp=4, zero=3, global_batch_size=8),
+         "--zero-shard-group"),
+        (dict(algo="local-sgd", sync_every=2), dict(dp=1), "--dp 2"),
+        (dict(compress="powersgd:4"), dict(dp=4, zero=2, zero_shard_group=2,
+                                           global_batch_size=8), "qsgd, topk or bf16"),
+        (dict(compress="qsgd:8"), dict(dp=4, zero=3, global_batch_size=8), "--zero-shard-group"),
+        (dict(algo="gossip"), dict(dp=2, dtype="fp16"), "bf16"),
+        (dict(algo="gossip", topology="torus"), dict(dp=2), "at least 4"),
+    ],
+)  # fmt: skip
+def test_pairs_that_mean_nothing_are_refused_in_one_line(cfg, layout, words):
+    with pytest.raises(ValueError) as e:
+        DPAlgoConfig(**cfg).check_layout(Layout(**layout))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(algo="diloco"), "--sync-every"),
+        (dict(algo="gossip", sync_every=3), "--sync-every applies"),
+        (dict(algo="local-sgd", sync_every=2, compress="bf16"), "--compress"),
+        (dict(algo="diloco", sync_every=2, local_warmup=3), "--local-warmup"),
+        (dict(compress="qsgd:300"), "1..127"),
+        (dict(compress="topk:2"), "(0, 1]"),
+        (dict(compress="zip"), "qsgd:LEVELS"),
+        (dict(algo="gossip", topology="star"), "--topology"),
+        (dict(algo="diloco", sync_every=2, outer_momentum=1.0), "--outer-momentum"),
+    ],
+)
+def test_config_errors_are_one_line(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        DPAlgoConfig(**kwargs)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert parse_compress("powersgd:4") == ("powersgd", 4)
+
+
+# --- the simulator's price -----------------------------------------------------------------
+
+
+def _sim(algo, **layout):
+    from plait.model.config import preset
+    from plait.sim.hardware import get_hardware
+    from plait.sim.simulate import simulate
+
+    model = preset("gpt2-124m")
+    lay = Layout(**{"dp": 16, "global_batch_size": 64, "dtype": "bf16", **layout})
+    return simulate(model, lay, get_hardware("a100-80gb"), runtime="plait", dp_algo=algo)
+
+
+def test_simulator_prices_each_algorithm_from_the_byte_formulas():
+    """Bytes sent are the runtime's formulas (``volume``) for the rank's own tensors
+    (``rank_shapes`` covers exactly its parameters); all-reduce priced as before; local SGD
+    and DiLoCo cost 1/H of an average per step; gossip's one-peer graph sends half an
+    all-reduce; the compressed all-reduces send what their codecs promise."""
+    from plait.model.config import preset
+    from plait.sim import dp_algos as sim_dp
+    from plait.sim.memory import stage_params
+
+    model = preset("gpt2-124m")
+    lay = Layout(dp=16, global_batch_size=64, tp=2, pp=2)
+    params = stage_params(model, lay, 6, True, False)
+    shapes = sim_dp.rank_shapes(model, lay, [(6, True, False)], params)
+    assert sum(math.prod(s) for s in shapes) == params
+    plain, none = _sim(DPAlgoConfig()), _sim(None)
+    assert plain.iter_time_s == none.iter_time_s and none.dp_algo is None
+    e = 4 * plain.dp_algo["bytes_sent"] / (2 * 15 / 16 * 4)  # 4N
+    times = {}
+    for h in (1, 10, 100):
+        res = _sim(DPAlgoConfig(algo="diloco", sync_every=h))
+        assert res.dp_algo["bytes_sent"] == pytest.approx(2 * 15 / 16 * e / h)
+        times[h] = res.iter_time_s
+    assert times[1] > times[10] > times[100]
+    one_peer = _sim(DPAlgoConfig(algo="gossip", topology="one-peer-exponential"))
+    assert one_peer.dp_algo["bytes_sent"] == pytest.approx(e) and one_peer.dp_algo["messages"] == 1
+    for spec, below in (("bf16", 0.51), ("powersgd:4", 0.1), ("topk:0.01", 0.2)):
+        res = _sim(DPAlgoConfig(compress=spec))
+        assert res.dp_algo["bytes_sent"] < below * plain.dp_algo["bytes_sent"], spec
+    with pytest.raises(ValueError, match="--zero-shard-group"):
+        _sim(DPAlgoConfig(algo="diloco", sync_every=4), zero=1)
+
+
+def test_plan_keeps_to_layouts_the_algorithm_runs_on():
+    from plait.model.config import preset
+    from plait.sim.hardware import get_hardware
+    from plait.sim.search import PlanRequest, search
+
+    algo = DPAlgoConfig(algo="gossip", topology="ring")
+    req = PlanRequest(model=preset("gpt2-124m"), hardware=get_hardware("a100-80gb"), n_devices=16,
+                      global_batch_size=64, top_k=3, dp_algo=algo)  # fmt: skip
+    plan = search(req)
+    for entry in plan.entries:
+        assert entry.layout.dp >= 2 and entry.layout.zero == 0
+        assert entry.result.dp_algo["label"] == "gossip ring"
+
+
+def test_a_replica_divides_by_its_own_rows_trained_targets():
+    """Replicas that differ each step on their own mean loss: replica b of R holds rows
+    [b G/R, (b+1) G/R) of the global batch, so it divides by the trained targets of those
+    rows (masked instruction data), which sum over the replicas to the global count."""
+    from plait.data import GlobalBatchSampler
+    from plait.dp_algos.replicas import DPAlgorithm, Replicas
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=2000)
+    mask = rng.random(2000) < 0.3  # about 30% of the targets take a loss
+    sampler = GlobalBatchSampler(tokens, seq_len=16, global_batch=8, seed=0, mask=mask)
+    plain = GlobalBatchSampler(tokens, seq_len=16, global_batch=8, seed=0)
+    for step in range(3):
+        total = sampler.target_count(step)
+        counts = []
+        for b in range(4):
+            algo = object.__new__(Replicas)  # no process group: only what loss_tokens reads
+            algo.num_replicas, algo.index = 4, b
+            counts.append(algo.loss_tokens(sampler, step, total))
+            windows = sampler.window_ids(step)[2 * b : 2 * b + 2]
+            want = sum(int(mask[w * 16 + 1 : w * 16 + 17].sum()) for w in windows)
+            assert counts[-1] == want, (step, b)
+            assert algo.loss_tokens(plain, step, 8 * 16) == 2 * 16
+        assert sum(counts) == total and len(set(counts)) > 1
+        assert object.__new__(DPAlgorithm).loss_tokens(sampler, step, total) == total
+
+
+def test_lora_with_another_dp_algorithm_is_refused_in_one_line():
+    from plait.data import DataConfig
+    from plait.model.config import preset
+    from plait.model.lora import LoRAConfig
+    from plait.train.config import RunConfig, TrainConfig
+
+    def run(algo):
+        return RunConfig(model=preset("tiny"), layout=Layout(dp=2), data=DataConfig(),
+                         train=TrainConfig(), out="x", lora=LoRAConfig(rank=4), dp_algo=algo)  # fmt: skip
+
+    assert run(DPAlgoConfig()).lora.rank == 4  # the plain all-reduce: fine
+    for algo in (DPAlgoConfig(compress="bf16"), DPAlgoConfig(algo="local-sgd", sync_every=4)):
+        with pytest.raises(ValueError) as e:
+            run(algo)
+        assert "--lora-rank" in str(e.value) and "\n" not in str(e.value)
