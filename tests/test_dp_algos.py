@@ -345,3 +345,26 @@ def test_lora_with_another_dp_algorithm_is_refused_in_one_line():
         with pytest.raises(ValueError) as e:
             run(algo)
         assert "--lora-rank" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fault_tolerance_with_another_dp_algorithm_is_refused_in_one_line():
+    """Recovery copies identical replicas' parameters and AdamW state; replicas that differ
+    (local SGD, DiLoCo, gossip), codec state (--compress) and SGD are not that."""
+    from plait.data import DataConfig
+    from plait.model.config import preset
+    from plait.resilience.config import ResilienceConfig
+    from plait.train.config import RunConfig, TrainConfig
+
+    def run(algo, train=None):
+        return RunConfig(model=preset("tiny"), layout=Layout(dp=2), data=DataConfig(),
+                         train=train or TrainConfig(), out="x", dp_algo=algo,
+                         resilience=ResilienceConfig(fault_tolerance=1))  # fmt: skip
+
+    assert run(DPAlgoConfig()).resilience.fault_tolerance == 1  # plain all-reduce: fine
+    bad = [(DPAlgoConfig(compress="powersgd:4"), TrainConfig()),
+           (DPAlgoConfig(algo="diloco", sync_every=4), TrainConfig()),
+           (DPAlgoConfig(), TrainConfig(optimizer="sgd"))]  # fmt: skip
+    for algo, train in bad:
+        with pytest.raises(ValueError) as e:
+            run(algo, train)
+        assert "--fault-tolerance" in str(e.value) and "\n" not in str(e.value)
