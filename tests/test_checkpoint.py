@@ -1,7 +1,11 @@
 """Checkpoint manifests, verification and fallback, in one process (no workers): every file
 of a checkpoint damaged in turn is found, named in one line, and skipped for the one before."""
 
+import errno
+import gc
+import os
 import struct
+import subprocess
 
 import pytest
 import torch
@@ -159,3 +163,26 @@ def test_rng_round_trip_keeps_the_gpu_generator_without_a_gpu(monkeypatch):
     assert set(cpu_state) == {"torch"}
     checkpoint.set_rng_state(state, torch.device("cpu"))
     assert calls == []
+
+
+def test_a_full_disk_is_named_whatever_the_writer_raises(tmp_path):
+    """torch.save into a full file system: its zip writer may raise a RuntimeError
+    ("unexpected pos") instead of the OSError underneath; either way the save's report
+    says "no space left on device"."""
+    if os.geteuid() != 0:
+        pytest.skip("filling a file system needs a small tmpfs, and mounting one needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        st = os.statvfs(disk)
+        (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 50_000))
+        with pytest.raises(Exception) as info:
+            torch.save({"w": torch.zeros(100_000)}, disk / "rng-rank-0.pt")
+        error = repr(info.value)
+        cause = checkpoint._os_error(info.value) or checkpoint._out_of_space(disk)
+        del info  # its traceback holds the half-written file open
+        assert cause is not None and cause.errno == errno.ENOSPC, error
+    finally:
+        gc.collect()
+        subprocess.run(["umount", str(disk)], check=True)

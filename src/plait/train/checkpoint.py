@@ -35,6 +35,7 @@ and loading; fine at the sizes plait trains on CPU, wasteful for very large tp/Z
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -156,9 +157,9 @@ def save(
         return _write(root, step, model=model, optim_state=optim_state, meta=meta, topo=topo,
                       keep=keep, prefix=prefix, extra=extra)  # fmt: skip
     except BaseException as e:
+        cause = _os_error(e) or (_out_of_space(root) if isinstance(e, Exception) else None)
         if topo.rank == 0:  # free the space at once; the previous checkpoint is untouched
             shutil.rmtree(root / f"step-{step:08d}.tmp", ignore_errors=True)
-        cause = _os_error(e)
         if cause is None:
             raise
         kept = (
@@ -237,6 +238,17 @@ def _os_error(e: BaseException) -> OSError | None:
                 return inner
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
+
+
+def _out_of_space(root: Path) -> OSError | None:
+    """A failed write on a file system with (almost) no space left: torch's zip writer
+    (``torch.save``) reports a full disk as a RuntimeError ("unexpected pos ..."), not as
+    the OSError underneath, so the space that is left is the evidence."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if free < 1 << 20 else None
 
 
 def rng_state(device: torch.device) -> dict:
