@@ -82,6 +82,9 @@ BYTES_RUNS = {
     "gossip ring": {"algo": "gossip", "topology": "ring"},
     "gossip one-peer": {"algo": "gossip", "topology": "one-peer-exponential"},
     "gossip ring + avg/8": {"algo": "gossip", "topology": "ring", "global_avg_every": 8},
+    # settings from the literature for longer runs (docs/comm-efficient.md, "Settings"):
+    # post-local SGD, its plain phase cut to the lr warm-up so the run stays >= 10x
+    "local-sgd H=32 warm-up 32": {"algo": "local-sgd", "sync_every": 32, "local_warmup": 32},
 }
 # gossip is left out of the slow part: it sends whole parameters to each neighbour, about as
 # many bytes as the all-reduce (part 1), so a bandwidth limit is not where it can win
@@ -517,6 +520,24 @@ def torch_side_by_side(args) -> str:
     return "\n".join(lines)
 
 
+def _reused(args) -> dict[str, list[dict]]:
+    """The runs of ``--reuse`` (empty without it); refused in one line if their length is
+    not ``--steps``."""
+    if not args.reuse:
+        return {}
+    try:
+        metrics = json.loads(Path(args.reuse).read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"comm_efficient.py --reuse {args.reuse}: cannot read it ({e})")
+    bad = [n for n, recs in metrics.items() if len(recs) != args.steps]
+    if bad:
+        sys.exit(
+            f"comm_efficient.py --reuse {args.reuse}: {', '.join(bad)} ran another number "
+            f"of steps than --steps {args.steps}; use the --steps it was saved with"
+        )
+    return metrics
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 
@@ -533,6 +554,9 @@ def main() -> None:
     p.add_argument("--torch-steps", type=int, default=128)
     p.add_argument("--pga-every", type=int, default=8)
     p.add_argument("--only", help="comma-separated run names (default: all of the part's)")
+    p.add_argument("--save", help="bytes part: also write the measured records to this JSON")
+    p.add_argument("--reuse", help="bytes part: a JSON written by --save (same --steps): its "
+                   "runs join the table instead of being trained again (runs are seeded)")  # fmt: skip
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     only = args.only.split(",") if args.only else None
@@ -545,14 +569,21 @@ def main() -> None:
     sections = []
     date = datetime.date.today().isoformat()
     if args.part in ("bytes", "all"):
+        metrics = _reused(args)
+        todo = [n for n in only or list(BYTES_RUNS) if n not in metrics]
         with tempfile.TemporaryDirectory() as d:
-            metrics = train_runs(only or list(BYTES_RUNS), steps=args.steps, root=Path(d))
+            metrics.update(train_runs(todo, steps=args.steps, root=Path(d)) if todo else {})
+        if args.save:
+            Path(args.save).write_text(json.dumps(metrics))
+        if "all-reduce" in metrics:  # the reference first
+            metrics = {"all-reduce": metrics.pop("all-reduce"), **metrics}
         rows = summarise(metrics)
         plot_bytes(rows, FIGURES / "comm_efficient_bytes.png")
         text = bytes_table(rows)
         print(text)
         sections.append((f"### Loss against bytes ({date})",
-                         f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}`",
+                         f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}"
+                         + (f' --only "{args.only}"`' if args.only else "`"),
                          text + "\n\n![loss against bytes](figures/comm_efficient_bytes.png)"))  # fmt: skip
     if args.part in ("slow", "all"):
         text = slow(args)
