@@ -85,6 +85,13 @@ BYTES_RUNS = {
     # settings from the literature for longer runs (docs/comm-efficient.md, "Settings"):
     # post-local SGD, its plain phase cut to the lr warm-up so the run stays >= 10x
     "local-sgd H=32 warm-up 32": {"algo": "local-sgd", "sync_every": 32, "local_warmup": 32},
+    # PowerSGD after plain all-reduce steps (PyTorch's start_powerSGD_iter >= the lr warm-up)
+    "powersgd:2 warm-up 32": {"compress": "powersgd:2", "compress_warmup": 32},
+    "powersgd:4 warm-up 32": {"compress": "powersgd:4", "compress_warmup": 32},
+    "topk:0.01 warm-up 32": {"compress": "topk:0.01", "compress_warmup": 32},
+    # no saving: per-replica AdamW steps averaged every step -- what the replicas' own
+    # optimizers cost without any staleness
+    "local-sgd H=1": {"algo": "local-sgd", "sync_every": 1},
 }
 # gossip is left out of the slow part: it sends whole parameters to each neighbour, about as
 # many bytes as the all-reduce (part 1), so a bandwidth limit is not where it can win
