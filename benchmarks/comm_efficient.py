@@ -5,6 +5,8 @@
     python benchmarks/comm_efficient.py --part convex    # logistic regression, one process
     python benchmarks/comm_efficient.py --part torch     # PowerSGD beside PyTorch's DDP hook
     python benchmarks/comm_efficient.py --part bytes --only "all-reduce,diloco H=16"
+    python benchmarks/comm_efficient.py --part bytes --steps 512 --reuse a.json \
+        --only "all-reduce,powersgd:4 warm-up 32"   # a.json: an earlier run's --save
 
 1. ``bytes``: 4 gloo processes (``--dp 4``, one replica each), the ``tiny`` GPT (4 x 128,
    vocabulary 4,096) on the embedded corpus, 16 sequences of 128 tokens a step, the same
@@ -205,7 +207,7 @@ def bytes_table(rows) -> str:
         cons = "-" if r["consensus"] is None else f"{r['consensus']:.3g}"
         lines.append(
             f"| {r['name']} | {r['val_loss']:.4f} | {r['loss_vs_ref']:+.2%} | "
-            f"{r['train_loss']:.4f} | {r['bytes'] / 2**20:,.1f} | {r['bytes_ratio']:.1f}x | "
+            f"{r['train_loss']:.4f} | {r['bytes'] / 2**20:,.1f} | {r['bytes_ratio']:.2f}x | "
             f"{cons} | {r['step_s']:.3f} |"
         )
     return "\n".join(lines)
@@ -563,7 +565,8 @@ def main() -> None:
     p.add_argument("--only", help="comma-separated run names (default: all of the part's)")
     p.add_argument("--save", help="bytes part: also write the measured records to this JSON")
     p.add_argument("--reuse", help="bytes part: a JSON written by --save (same --steps): its "
-                   "runs join the table instead of being trained again (runs are seeded)")  # fmt: skip
+                   "runs join the table instead of being trained again (runs are seeded); "
+                   "without --only, the table of its runs alone")  # fmt: skip
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     only = args.only.split(",") if args.only else None
@@ -577,7 +580,8 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     if args.part in ("bytes", "all"):
         metrics = _reused(args)
-        todo = [n for n in only or list(BYTES_RUNS) if n not in metrics]
+        names = only or ([] if args.reuse else list(BYTES_RUNS))  # --reuse alone: its runs
+        todo = [n for n in names if n not in metrics]
         with tempfile.TemporaryDirectory() as d:
             metrics.update(train_runs(todo, steps=args.steps, root=Path(d)) if todo else {})
         if args.save:
@@ -585,13 +589,14 @@ def main() -> None:
         if "all-reduce" in metrics:  # the reference first
             metrics = {"all-reduce": metrics.pop("all-reduce"), **metrics}
         rows = summarise(metrics)
-        plot_bytes(rows, FIGURES / "comm_efficient_bytes.png")
+        figure = f"comm_efficient_bytes_{args.steps}.png"  # one per horizon
+        plot_bytes(rows, FIGURES / figure)
         text = bytes_table(rows)
         print(text)
         sections.append((f"### Loss against bytes ({date})",
                          f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}"
                          + (f' --only "{args.only}"`' if args.only else "`"),
-                         text + "\n\n![loss against bytes](figures/comm_efficient_bytes.png)"))  # fmt: skip
+                         text + f"\n\n![loss against bytes](figures/{figure})"))  # fmt: skip
     if args.part in ("slow", "all"):
         text = slow(args)
         print(text)

@@ -18,7 +18,7 @@ all-reduce the gradient uncompressed, 4e bytes per tensor, as ``AllReduceGrads``
 PowerSGD's error and Q start from zero and the seed when compression starts (as
 PyTorch's hook); top-k's EF21 estimates follow the gradients during the warm-up (g_i the
 rank's own, g their all-reduced sum), so compression starts from the last plain step's
-gradients instead of from zero (EF21's initialisation, Richtarik et al. 2021, section 3).
+gradients instead of from zero (EF21 started from full gradients, Richtarik et al. 2021).
 
 When. Stages 0 and 1 (``CompressedGrads``): as in ``AllReduceGrads``, a bucket's gradients
 are encoded and its collective launched asynchronously from the backward hook of its
