@@ -5,6 +5,8 @@
     python benchmarks/comm_efficient.py --part convex    # logistic regression, one process
     python benchmarks/comm_efficient.py --part torch     # PowerSGD beside PyTorch's DDP hook
     python benchmarks/comm_efficient.py --part bytes --only "all-reduce,diloco H=16"
+    python benchmarks/comm_efficient.py --part bytes --steps 512 --reuse a.json \
+        --only "all-reduce,powersgd:4 warm-up 32"   # a.json: an earlier run's --save
 
 1. ``bytes``: 4 gloo processes (``--dp 4``, one replica each), the ``tiny`` GPT (4 x 128,
    vocabulary 4,096) on the embedded corpus, 16 sequences of 128 tokens a step, the same
@@ -82,6 +84,16 @@ BYTES_RUNS = {
     "gossip ring": {"algo": "gossip", "topology": "ring"},
     "gossip one-peer": {"algo": "gossip", "topology": "one-peer-exponential"},
     "gossip ring + avg/8": {"algo": "gossip", "topology": "ring", "global_avg_every": 8},
+    # settings from the literature for longer runs (docs/comm-efficient.md, "Settings"):
+    # post-local SGD, its plain phase cut to the lr warm-up so the run stays >= 10x
+    "local-sgd H=32 warm-up 32": {"algo": "local-sgd", "sync_every": 32, "local_warmup": 32},
+    # PowerSGD after plain all-reduce steps (PyTorch's start_powerSGD_iter >= the lr warm-up)
+    "powersgd:2 warm-up 32": {"compress": "powersgd:2", "compress_warmup": 32},
+    "powersgd:4 warm-up 32": {"compress": "powersgd:4", "compress_warmup": 32},
+    "topk:0.01 warm-up 32": {"compress": "topk:0.01", "compress_warmup": 32},
+    # no saving: per-replica AdamW steps averaged every step -- what the replicas' own
+    # optimizers cost without any staleness
+    "local-sgd H=1": {"algo": "local-sgd", "sync_every": 1},
 }
 # gossip is left out of the slow part: it sends whole parameters to each neighbour, about as
 # many bytes as the all-reduce (part 1), so a bandwidth limit is not where it can win
@@ -195,7 +207,7 @@ def bytes_table(rows) -> str:
         cons = "-" if r["consensus"] is None else f"{r['consensus']:.3g}"
         lines.append(
             f"| {r['name']} | {r['val_loss']:.4f} | {r['loss_vs_ref']:+.2%} | "
-            f"{r['train_loss']:.4f} | {r['bytes'] / 2**20:,.1f} | {r['bytes_ratio']:.1f}x | "
+            f"{r['train_loss']:.4f} | {r['bytes'] / 2**20:,.1f} | {r['bytes_ratio']:.2f}x | "
             f"{cons} | {r['step_s']:.3f} |"
         )
     return "\n".join(lines)
@@ -517,6 +529,24 @@ def torch_side_by_side(args) -> str:
     return "\n".join(lines)
 
 
+def _reused(args) -> dict[str, list[dict]]:
+    """The runs of ``--reuse`` (empty without it); refused in one line if their length is
+    not ``--steps``."""
+    if not args.reuse:
+        return {}
+    try:
+        metrics = json.loads(Path(args.reuse).read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"comm_efficient.py --reuse {args.reuse}: cannot read it ({e})")
+    bad = [n for n, recs in metrics.items() if len(recs) != args.steps]
+    if bad:
+        sys.exit(
+            f"comm_efficient.py --reuse {args.reuse}: {', '.join(bad)} ran another number "
+            f"of steps than --steps {args.steps}; use the --steps it was saved with"
+        )
+    return metrics
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 
@@ -533,6 +563,10 @@ def main() -> None:
     p.add_argument("--torch-steps", type=int, default=128)
     p.add_argument("--pga-every", type=int, default=8)
     p.add_argument("--only", help="comma-separated run names (default: all of the part's)")
+    p.add_argument("--save", help="bytes part: also write the measured records to this JSON")
+    p.add_argument("--reuse", help="bytes part: a JSON written by --save (same --steps): its "
+                   "runs join the table instead of being trained again (runs are seeded); "
+                   "without --only, the table of its runs alone")  # fmt: skip
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     only = args.only.split(",") if args.only else None
@@ -545,15 +579,24 @@ def main() -> None:
     sections = []
     date = datetime.date.today().isoformat()
     if args.part in ("bytes", "all"):
+        metrics = _reused(args)
+        names = only or ([] if args.reuse else list(BYTES_RUNS))  # --reuse alone: its runs
+        todo = [n for n in names if n not in metrics]
         with tempfile.TemporaryDirectory() as d:
-            metrics = train_runs(only or list(BYTES_RUNS), steps=args.steps, root=Path(d))
+            metrics.update(train_runs(todo, steps=args.steps, root=Path(d)) if todo else {})
+        if args.save:
+            Path(args.save).write_text(json.dumps(metrics))
+        if "all-reduce" in metrics:  # the reference first
+            metrics = {"all-reduce": metrics.pop("all-reduce"), **metrics}
         rows = summarise(metrics)
-        plot_bytes(rows, FIGURES / "comm_efficient_bytes.png")
+        figure = f"comm_efficient_bytes_{args.steps}.png"  # one per horizon
+        plot_bytes(rows, FIGURES / figure)
         text = bytes_table(rows)
         print(text)
         sections.append((f"### Loss against bytes ({date})",
-                         f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}`",
-                         text + "\n\n![loss against bytes](figures/comm_efficient_bytes.png)"))  # fmt: skip
+                         f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}"
+                         + (f' --only "{args.only}"`' if args.only else "`"),
+                         text + f"\n\n![loss against bytes](figures/{figure})"))  # fmt: skip
     if args.part in ("slow", "all"):
         text = slow(args)
         print(text)

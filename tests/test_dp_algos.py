@@ -235,6 +235,8 @@ def test_pairs_that_mean_nothing_are_refused_in_one_line(cfg, layout, words):
         (dict(compress="zip"), "qsgd:LEVELS"),
         (dict(algo="gossip", topology="star"), "--topology"),
         (dict(algo="diloco", sync_every=2, outer_momentum=1.0), "--outer-momentum"),
+        (dict(compress_warmup=10), "--compress-warmup applies"),
+        (dict(compress="powersgd:4", compress_warmup=-1), "--compress-warmup"),
     ],
 )
 def test_config_errors_are_one_line(kwargs, words):

@@ -50,6 +50,7 @@ ALGOS = {
 REPLICA_ALGOS = ("local-sgd", "diloco", "gossip")  # deterministic, layout-independent
 SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "grad_clip": 0.0}
 RESUMED = ("local-sgd", "diloco", "qsgd", "topk", "powersgd")
+WARM = 3  # --compress-warmup of the warm-up cases
 
 
 def case(data, root: Path, name: str, algo: DPAlgoConfig, train=None, **layout):
@@ -122,6 +123,9 @@ def _w2_cases(data, root):
     for name, algo in ALGOS.items():
         save = {"save_every": SAVE} if name in RESUMED else None
         cases[name] = case(data, root, name, algo, train=save, dp=2)
+    for name in ("topk", "powersgd"):  # plain all-reduce steps first
+        warm = dataclasses.replace(ALGOS[name], compress_warmup=WARM)
+        cases[f"{name}-warm"] = case(data, root, f"{name}-warm", warm, dp=2)
     for name in RESUMED:
         step = root / name / "checkpoints" / f"step-{SAVE:08d}"
         cases[f"resume-{name}"] = resume_from(
@@ -147,6 +151,11 @@ def _w4_cases(data, root):
                                  zero_shard_group=2, micro_batch_size=1)  # fmt: skip
     cases["zero3-topk"] = case(data, root, "zero3-topk", ALGOS["topk"], dp=4, zero=3,
                                zero_shard_group=2)  # fmt: skip
+    cases["zero3-plain"] = case(data, root, "zero3-plain", DPAlgoConfig(), dp=4, zero=3,
+                                zero_shard_group=2)  # fmt: skip
+    warm = dataclasses.replace(ALGOS["topk"], compress_warmup=WARM)
+    cases["zero3-topk-warm"] = case(data, root, "zero3-topk-warm", warm, dp=4, zero=3,
+                                    zero_shard_group=2)  # fmt: skip
     return cases
 
 
@@ -309,6 +318,27 @@ def test_zero_inside_replicas_the_algorithm_across(runs):
         by_piece.setdefault(r["coords"][1] % 2, []).append(r["sums"])
     for sums in by_piece.values():
         assert sums[0] == sums[1]
+
+
+def test_compress_warmup_is_the_plain_all_reduce_then_the_codec(runs):
+    """``--compress-warmup 3``: steps 1-3 all-reduce the gradient as the plain run does
+    (the same buffers summed by the same all-reduce), so the losses of steps 1-4 -- step
+    4's computed after three plain updates -- equal the plain run's bit for bit, and step
+    4's gradient is compressed: from step 5 on the curve leaves the plain one. Also across
+    ZeRO-3 shard groups (``Across``), against the plain hierarchical run. The bytes of
+    every step are checked against ``volume.py`` in ``test_bytes_per_step_...``."""
+    _, w2 = runs["w2"]
+    _, w4 = runs["w4"]
+    for warm, plain, codec in ((w2["topk-warm"], w2["dp"], w2["topk"]),
+                               (w2["powersgd-warm"], w2["dp"], w2["powersgd"]),
+                               (w4["zero3-topk-warm"], w4["zero3-plain"], w4["zero3-topk"])):  # fmt: skip
+        got, ref, cold = _losses(warm), _losses(plain), _losses(codec)
+        assert got[: WARM + 1] == ref[: WARM + 1]
+        assert cold[1] != ref[1]  # without the warm-up, step 1 is already compressed
+        assert all(a != b for a, b in zip(got[WARM + 1 :], ref[WARM + 1 :]))
+    sent = [m["dp_bytes_sent"] for m in _curve(w2["powersgd-warm"])]
+    plain_sent = _curve(w2["dp"])[0]["dp_bytes_sent"]
+    assert sent[:WARM] == [plain_sent] * WARM and max(sent[WARM:]) * 10 <= plain_sent
 
 
 def test_resume_equals_uninterrupted(runs):

@@ -53,6 +53,7 @@ DP_ALGO_FLAGS = (  # flag dest == DPAlgoConfig field
     "topology",
     "global_avg_every",
     "compress",
+    "compress_warmup",
 )
 
 
@@ -119,6 +120,8 @@ def dp_algo_parent() -> argparse.ArgumentParser:
                    help="gossip: exact average every H steps (Gossip-PGA)")  # fmt: skip
     g.add_argument("--compress", default=None, metavar="SPEC",
                    help="qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16")  # fmt: skip
+    g.add_argument("--compress-warmup", type=int, default=None, metavar="W",
+                   help="--compress: W plain all-reduce steps first (default 0)")  # fmt: skip
     return p
 
 

@@ -13,6 +13,13 @@ shard groups under ZeRO 2/3; per tensor of e elements, bytes as ``comm.py`` coun
 - ``powersgd:r``: two all-reduces per bucket, the first of every matrix's P (4 r rows
   bytes) and of the uncompressed tensors (4e), the second of every Q (4 r cols).
 
+Warm-up (``--compress-warmup W``, PyTorch's ``start_powerSGD_iter``): the first W steps
+all-reduce the gradient uncompressed, 4e bytes per tensor, as ``AllReduceGrads`` does.
+PowerSGD's error and Q start from zero and the seed when compression starts (as
+PyTorch's hook); top-k's EF21 estimates follow the gradients during the warm-up (g_i the
+rank's own, g their all-reduced sum), so compression starts from the last plain step's
+gradients instead of from zero (EF21 started from full gradients, Richtarik et al. 2021).
+
 When. Stages 0 and 1 (``CompressedGrads``): as in ``AllReduceGrads``, a bucket's gradients
 are encoded and its collective launched asynchronously from the backward hook of its
 last gradient on the step's last micro-batch (PowerSGD's first all-reduce likewise);
@@ -63,9 +70,31 @@ class _Wire:
     random stream: its dp and tp coordinates, not its pipeline stage, so the two copies of
     a tied embedding (first and last stage, the same name) draw alike and stay equal."""
 
-    def __init__(self, codec_name: str, codec, *, topo: Topology, sender: str, n: int):
+    def __init__(self, codec_name: str, codec, *, topo: Topology, sender: str, n: int,
+                 warmup: int = 0):  # fmt: skip
         self.name, self.codec, self.topo, self.sender, self.n = codec_name, codec, topo, sender, n
         self.step = 0  # optimizer steps done: QSGD's random stream follows it
+        self.warmup = warmup
+
+    # --- warm-up: the plain all-reduce ---------------------------------------------------
+
+    @property
+    def warm(self) -> bool:
+        """This step is one of ``--compress-warmup``'s plain ones."""
+        return self.step < self.warmup
+
+    def plain_start(self, tensors, flat: torch.Tensor):
+        """All-reduce ``flat`` (whose views ``tensors`` are) as it is."""
+        if self.name == "topk":  # EF21: g_i follows this rank's own gradient
+            for key, x in tensors:
+                self.codec._state(key, x)[0].copy_(x.reshape(-1))
+        return comm.all_reduce(flat, topo=self.topo, axis=Axis.DP, async_op=True)
+
+    def plain_finish(self, handle, tensors) -> None:
+        comm.wait([handle], topo=self.topo, what="all_reduce", axis="dp")
+        if self.name == "topk":  # ... and g their sum
+            for key, x in tensors:
+                self.codec._state(key, x)[1].copy_(x.reshape(-1))
 
     # --- gather codecs: QSGD, top-k ------------------------------------------------------
 
@@ -170,10 +199,11 @@ class CompressedGrads(GradReducer):
     view into it, as ``AllReduceGrads`` does), encoded per tensor, and reduced over the
     dp axis (module docstring); ``finish()`` leaves the summed gradient in the buffer."""
 
-    def __init__(self, model: nn.Module, *, topo, cfg, defer=(), codec_name, codec, names, sender):
+    def __init__(self, model: nn.Module, *, topo, cfg, defer=(), codec_name, codec, names, sender,
+                 warmup=0):  # fmt: skip
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.names = names  # id(parameter) -> name: the codecs' state is kept by name
-        self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp)
+        self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp, warmup=warmup)
 
     def _tensors(self, bucket: Bucket):
         out, offset = [], 0
@@ -195,7 +225,9 @@ class CompressedGrads(GradReducer):
             p.grad = view
             offset += p.numel()
         wire = self.wire
-        if wire.name == "bf16":
+        if wire.warm:
+            bucket.handle = wire.plain_start(self._tensors(bucket), bucket.flat)
+        elif wire.name == "bf16":
             bucket.handle = wire.bf16_start(bucket.flat)
         elif wire.name == "powersgd":
             bucket.handle = wire.power_start(self._tensors(bucket), _shapes(bucket.params))
@@ -205,7 +237,9 @@ class CompressedGrads(GradReducer):
 
     def _complete(self, bucket: Bucket) -> None:
         wire = self.wire
-        if wire.name == "bf16":
+        if wire.warm:
+            wire.plain_finish(bucket.handle, self._tensors(bucket))
+        elif wire.name == "bf16":
             wire.bf16_finish(bucket.handle, bucket.flat)
         elif wire.name == "powersgd":
             wire.power_finish(bucket.handle, self._tensors(bucket), _shapes(bucket.params))
@@ -218,14 +252,21 @@ class Across:
     through the codec, in place of HSDP's all-reduce (module docstring). Called by
     ``ReduceScatterGrads`` once per bucket, in bucket order, after its reduce-scatter."""
 
-    def __init__(self, codec_name, codec, *, topo: Topology, names, sender):
+    def __init__(self, codec_name, codec, *, topo: Topology, names, sender, warmup=0):
         self.names = names
-        self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp)
+        self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp, warmup=warmup)
 
     def __call__(self, row: torch.Tensor, layout, params) -> None:
         wire = self.wire
         views = layout.row_views(row)  # this rank's real pieces (no padding)
-        if wire.name == "bf16":
+        if wire.warm:
+            flat = torch.cat([v.reshape(-1) for v in views])
+            parts = flat.split([v.numel() for v in views])
+            tensors = [(self.names[id(p)], x) for p, x in zip(params, parts)]
+            wire.plain_finish(wire.plain_start(tensors, flat), tensors)
+            for v, x in zip(views, parts):
+                v.copy_(x.view_as(v))
+        elif wire.name == "bf16":
             flat = torch.cat(views)
             wire.bf16_finish(wire.bf16_start(flat), flat)
             offset = 0
@@ -245,17 +286,20 @@ class Compression:
     def __init__(self, cfg: DPAlgoConfig, *, seed: int, names: dict[int, str], sender: str):
         self.codec_name, _ = cfg.codec
         self.codec = make_codec(cfg, seed=seed)
+        self.warmup = cfg.compress_warmup
         self.names, self.sender = names, sender
         self.wires: list[_Wire] = []
 
     def reducer(self, model, *, topo, cfg, defer=()) -> CompressedGrads:
         r = CompressedGrads(model, topo=topo, cfg=cfg, defer=defer, codec_name=self.codec_name,
-                            codec=self.codec, names=self.names, sender=self.sender)  # fmt: skip
+                            codec=self.codec, names=self.names, sender=self.sender,
+                            warmup=self.warmup)  # fmt: skip
         self.wires.append(r.wire)
         return r
 
     def across(self, topo: Topology) -> Across:
-        a = Across(self.codec_name, self.codec, topo=topo, names=self.names, sender=self.sender)
+        a = Across(self.codec_name, self.codec, topo=topo, names=self.names, sender=self.sender,
+                   warmup=self.warmup)  # fmt: skip
         self.wires.append(a.wire)
         return a
 

@@ -59,6 +59,8 @@ class DPAlgoConfig:
     topology: str = "ring"  # gossip's graph
     global_avg_every: int = 0  # gossip: exact average every H steps (Gossip-PGA); 0: never
     compress: str | None = None  # qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16
+    # plain all-reduce steps before compressing (PyTorch's start_powerSGD_iter; DGC's warm-up)
+    compress_warmup: int = 0
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -88,6 +90,10 @@ class DPAlgoConfig:
                 raise ValueError("--global-avg-every applies to --dp-algo gossip")
             if self.global_avg_every < 0:
                 raise ValueError(f"--global-avg-every must be >= 0, got {self.global_avg_every}")
+        if self.compress_warmup < 0:
+            raise ValueError(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
+        if self.compress_warmup and self.compress is None:
+            raise ValueError("--compress-warmup applies to --compress (plain steps before it)")
         if self.compress is not None:
             parse_compress(self.compress)
             if self.algo != "allreduce":

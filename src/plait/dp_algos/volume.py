@@ -111,6 +111,8 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0)
     elems = sum(_numel(s) for s in shapes)
     whole = 4 * elems
     t = step + 1
+    if cfg.compress is not None and t <= cfg.compress_warmup:
+        return all_reduce(whole, n)  # warm-up: the plain all-reduce
     if cfg.compress is not None:
         codec, arg = cfg.codec
         msg = sum(codec_message(codec, arg, s) for s in shapes)
@@ -142,7 +144,7 @@ def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None) 
     local SGD / DiLoCo / Gossip-PGA, log2 n rounds of the one-peer graph, else 1), warm-up
     left out: what the simulator charges per step in steady state."""
     period = steps or _period(cfg, n)
-    start = cfg.local_warmup if cfg.algo == "local-sgd" else 0
+    start = cfg.local_warmup if cfg.algo == "local-sgd" else cfg.compress_warmup
     total = Volume()
     for s in range(start, start + period):
         total = total + step_volume(cfg, step=s, shapes=shapes, n=n)
