@@ -109,6 +109,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _spawn(target, args_of, folder, world: int = 4) -> None:
+    """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes and wait; each
+    writes ``status-<rank>`` in ``folder`` ("ok" or its traceback)."""
+    port, ctx = _free_port(), mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(r, port)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    for r, p in enumerate(procs):
+        status = Path(folder, f"status-{r}")
+        text = status.read_text() if status.exists() else f"exit code {p.exitcode}"
+        if text != "ok":
+            raise RuntimeError(f"worker {r} failed:\n{text}")
+
+
 def _worker(rank, world, port, cfgs, out_dir):
     torch.set_num_threads(1)
     # loopback only: inside the slow part's namespace it is the one interface there is
@@ -155,18 +171,7 @@ def train_runs(names, *, steps: int | dict[str, int], root: Path) -> dict[str, l
         ))  # fmt: skip
     for cfg in cfgs:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 4, port, cfgs, root)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    for r in range(4):
-        status = Path(root, f"status-{r}")
-        text = status.read_text() if status.exists() else f"exit code {procs[r].exitcode}"
-        if text != "ok":
-            raise RuntimeError(f"worker {r} failed:\n{text}")
+    _spawn(_worker, lambda r, port: (r, 4, port, cfgs, root), root)
     out = {}
     for name, cfg in zip(names, cfgs):
         lines = Path(cfg.out, "metrics.jsonl").read_text().splitlines()
@@ -498,18 +503,7 @@ def _torch_worker(rank, world, port, steps, rank_, out_dir):
 
 def torch_side_by_side(args) -> str:
     with tempfile.TemporaryDirectory() as d:
-        port, ctx = _free_port(), mp.get_context("spawn")
-        procs = [ctx.Process(target=_torch_worker, args=(r, 4, port, args.torch_steps, 4, d))
-                 for r in range(4)]  # fmt: skip
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        for r in range(4):
-            status = Path(d, f"status-{r}")
-            text = status.read_text() if status.exists() else f"exit code {procs[r].exitcode}"
-            if text != "ok":
-                raise RuntimeError(f"worker {r} failed:\n{text}")
+        _spawn(_torch_worker, lambda r, port: (r, 4, port, args.torch_steps, 4, d), d)
         rec = json.loads(Path(d, "torch.json").read_text())
     lines = [
         f"4 gloo processes, tiny GPT, 16 x 128 tokens a step, {args.torch_steps} steps, AdamW "

@@ -213,17 +213,7 @@ class CompressedGrads(GradReducer):
         return out
 
     def _launch(self, bucket: Bucket) -> None:
-        p0 = bucket.params[0]
-        bucket.flat = torch.empty(bucket.numel, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p in bucket.params:
-            view = bucket.flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            p.grad = view
-            offset += p.numel()
+        self._flatten(bucket)
         wire = self.wire
         if wire.warm:
             bucket.handle = wire.plain_start(self._tensors(bucket), bucket.flat)

@@ -251,12 +251,10 @@ class GradReducer:
     def _complete(self, bucket: Bucket) -> None:
         raise NotImplementedError
 
-
-class AllReduceGrads(GradReducer):
-    """Stage 0 and 1: a bucket's gradients are moved into one flat buffer (``p.grad``
-    becomes a view into it) that is all-reduced asynchronously over ``topo``'s dp axis."""
-
-    def _launch(self, bucket: Bucket) -> None:
+    @staticmethod
+    def _flatten(bucket: Bucket) -> None:
+        """Move the bucket's gradients into one flat buffer ``bucket.flat``; each ``p.grad``
+        becomes a view into it (a parameter without a gradient gets zeros)."""
         p0 = bucket.params[0]
         bucket.flat = torch.empty(bucket.numel, dtype=p0.dtype, device=p0.device)
         offset = 0
@@ -268,6 +266,14 @@ class AllReduceGrads(GradReducer):
                 view.copy_(p.grad)
             p.grad = view  # autograd's tensor is freed: the gradient now lives in the bucket
             offset += p.numel()
+
+
+class AllReduceGrads(GradReducer):
+    """Stage 0 and 1: a bucket's gradients are moved into one flat buffer (``p.grad``
+    becomes a view into it) that is all-reduced asynchronously over ``topo``'s dp axis."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._flatten(bucket)
         bucket.handle = comm.all_reduce(bucket.flat, topo=self.topo, axis=Axis.DP, async_op=True)
         bucket.launched = True
 
