@@ -86,18 +86,16 @@ class GlobalBatchSampler:
 
     def local(self, step: int, *, dp_rank: int, dp: int) -> torch.Tensor:
         """Rows [dp_rank*G/dp, (dp_rank+1)*G/dp) of ``batch(step)``, gathering only those."""
-        if dp < 1 or self.global_batch % dp:
-            raise ValueError(
-                f"--global-batch-size {self.global_batch} is not divisible by --dp {dp}"
-            )
-        if not 0 <= dp_rank < dp:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
-        rows = self.global_batch // dp
-        return self._gather(self.window_ids(step)[dp_rank * rows : (dp_rank + 1) * rows])
+        lo, hi = self._dp_rows(dp_rank, dp)
+        return self._gather(self.window_ids(step)[lo:hi])
 
     def local_batch(self, step: int, *, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), (G/dp, T) each, of this dp rank's rows of step ``step``;
         targets hold ``IGNORE_INDEX`` where the mask (if any) says no loss."""
+        return self.rows(step, *self._dp_rows(dp_rank, dp))
+
+    def _dp_rows(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        """Rows [lo, hi) of the global batch that dp rank ``dp_rank`` of ``dp`` takes."""
         if dp < 1 or self.global_batch % dp:
             raise ValueError(
                 f"--global-batch-size {self.global_batch} is not divisible by --dp {dp}"
@@ -105,7 +103,7 @@ class GlobalBatchSampler:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
         per = self.global_batch // dp
-        return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
+        return dp_rank * per, (dp_rank + 1) * per
 
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of rows [lo, hi) of step ``step``, gathering only those: a

@@ -128,7 +128,7 @@ class _Wire:
             small_bytes = row[4 * n_float :]
             fo = so = 0
             for (key, x), (nf, ns, dtype) in zip(tensors, sizes):
-                width = torch.empty((), dtype=dtype).element_size()
+                width = dtype.itemsize
                 f = floats[fo : fo + nf]
                 s = small_bytes[so : so + ns * width].view(dtype)
                 fo, so = fo + nf, so + ns * width
