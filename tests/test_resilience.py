@@ -62,7 +62,7 @@ def corpus(tmp_path_factory):
 
 def _plans():
     """Generation 0: a two-stage and a one-stage pipeline (workers 0, 1 | 2), rows 4 + 4;
-    generation 1: three one-stage pipelines, rows 3 + 3 + 2."""
+    generation 1: three one-stage pipelines, rows 3 + 3 + 2 (worker 3 sits both out)."""
     two = ((0, 1), (1, LAYERS))
     first = Plan(n_layers=LAYERS, tied=True, pipelines=(
         Pipeline(workers=(0, 1), stages=two, rows=(0, 4)),
@@ -75,30 +75,61 @@ def _plans():
     return first, second
 
 
+def _sharded_plans():
+    """ZeRO inside replicas of 2 pipelines. Generation 2: one replica of two two-stage
+    pipelines (workers 0, 1 | 2, 3): each stage sharded over 2 workers, the tied copy
+    too. Generation 3: two replicas of two one-stage pipelines ({1, 0}, {3, 2}), rows 2
+    each: every worker receives the pieces it lacks and gathers the rest."""
+    two = ((0, 1), (1, LAYERS))
+    first = Plan(n_layers=LAYERS, tied=True, shard=2, pipelines=(
+        Pipeline(workers=(0, 1), stages=two, rows=(0, 4)),
+        Pipeline(workers=(2, 3), stages=two, rows=(4, 8)),
+    ))  # fmt: skip
+    second = Plan(n_layers=LAYERS, tied=True, shard=2, pipelines=tuple(
+        Pipeline(workers=(w,), stages=((0, LAYERS),), rows=(2 * i, 2 * i + 2))
+        for i, w in enumerate((1, 0, 3, 2))
+    ))  # fmt: skip
+    return first, second
+
+
 def _generations(rank, world, cfg, port):
+    import dataclasses
+
     import torch.distributed as dist
 
+    dist.destroy_process_group()  # run_workers' group: the generations make their own
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    plain = _scenario(rank, cfg, store, _plans(), first_number=0)
+    zero_cfg = dataclasses.replace(cfg, layout=cfg.layout.replace(zero=2))
+    sharded = _scenario(rank, zero_cfg, store, _sharded_plans(), first_number=2)
+    return plain, sharded
+
+
+def _scenario(rank, cfg, store, plans, *, first_number):
+    """Two generations of ``plans`` on fresh models, two steps each, the state copied in
+    between; this worker's losses, grad norms, bytes and final state's digests."""
     from plait.resilience import replicas, transfer
     from plait.resilience.generation import Generation
     from plait.resilience.templates import template_layout
     from plait.train.loop import Part
 
-    dist.destroy_process_group()  # run_workers' group: the generations make their own
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
-                          timeout=datetime.timedelta(seconds=30))  # fmt: skip
     timeout = datetime.timedelta(seconds=30)
     out, old, step = {"loss": [], "grad_norm": []}, None, 0
-    for number, plan in enumerate(_plans()):
+    if rank not in plans[-1].members:
+        return None
+    for number, plan in enumerate(plans, start=first_number):
         gen = Generation(store=store, number=number, plan=plan, worker=rank, backend="gloo",
                          device="cpu", timeout=timeout)  # fmt: skip
         i, _ = plan.place(rank)
         pipe = plan.pipelines[i]
         lay = template_layout(cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
                               [b - a for a, b in pipe.stages])  # fmt: skip
-        trainer = Trainer(cfg, topo=gen.topo,
-                          part=Part(layout=lay, rows=pipe.rows, make_engine=replicas.factory(gen)))  # fmt: skip
+        engine = replicas.factory(gen, zero=cfg.layout.zero)
+        trainer = Trainer(cfg, topo=gen.topo, part=Part(layout=lay, rows=pipe.rows,
+                                                        make_engine=engine))  # fmt: skip
         if old is not None:
-            held = {w: _plans()[0].units_of(w) for w in range(world)}
+            held = {w: plans[0].units_of(w) for w in plans[0].members}
             moves, missing = sources(plan, held)
             assert not missing
             keep = held[rank] & plan.units_of(rank)
@@ -110,12 +141,14 @@ def _generations(rank, world, cfg, port):
             out["grad_norm"].append(rec["grad_norm"])
             step += 1
         out[f"bytes_{number}"] = dict(gen.topo.stats.bytes)
+        out[f"optim_bytes_{number}"] = trainer.engine.model_state_bytes()["optim"]
         if old is not None:
             old.close()
         old = trainer
+        if number == first_number + 1:  # whole state (collective over the stage groups)
+            state = trainer.engine.optim_state()
         alive = gen.drop()
         out.setdefault("alive_after_drop", []).append(alive)
-    state = trainer.engine.optim_state()
     out["digests"] = {
         f"{n}/{k}": hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
         for n, p in trainer.model.named_parameters()
@@ -124,13 +157,18 @@ def _generations(rank, world, cfg, port):
     return out
 
 
-def test_generations_replica_engine_and_state_copy_match_one_process(corpus, tmp_path):
+def test_generations_replica_engines_and_state_copy_match_one_process(corpus, tmp_path):
+    """Whole replicas (workers 0-2), then ZeRO-2 inside replicas of two pipelines (workers
+    0-3), in one group of four workers."""
     cfg = _cfg(corpus, tmp_path / "run")
     single = Trainer(cfg.__class__(**{**cfg.__dict__, "layout": Layout(global_batch_size=8)}),
                      topo=Topology.single())  # fmt: skip
     ref = [single.step(s) for s in range(4)]
-    results = run_workers(3, _generations, cfg, _free_port())
-    for r in results:
+    results = run_workers(4, _generations, cfg, _free_port())
+    plain = [r[0] for r in results if r[0] is not None]
+    sharded = [r[1] for r in results]
+    assert len(plain) == 3 and len(sharded) == 4
+    for r in plain + sharded:
         # float32, summed in another order: a few ulps of the loss (~5e-7 at 5.5)
         assert [abs(a - b["loss"]) for a, b in zip(r["loss"], ref)] < [1e-5] * 4, r["loss"]
         assert all(
@@ -138,10 +176,23 @@ def test_generations_replica_engine_and_state_copy_match_one_process(corpus, tmp
         )
         assert r["alive_after_drop"] == [0, 0]  # the dropped groups were freed
     # generation 0's replica groups moved bytes; generation 1 copied state into workers 0, 1
-    assert results[0]["bytes_0"][("dp", "all_reduce")] > 0
-    assert results[0]["received"] > 0 and results[2]["received"] == 0
+    assert plain[0]["bytes_0"][("dp", "all_reduce")] > 0
+    assert plain[0]["received"] > 0 and plain[2]["received"] == 0
     # every replica of every parameter and AdamW tensor is bitwise equal
-    assert results[0]["digests"] == results[1]["digests"] == results[2]["digests"]
+    assert plain[0]["digests"] == plain[1]["digests"] == plain[2]["digests"]
+    # sharded: reduce-scattered and gathered over the stage groups, then, with two
+    # replicas, pieces all-reduced across them; AdamW's moments in pieces (half of the
+    # whole replicas' on the same one-stage pipelines); each worker received pieces only
+    assert sharded[0]["bytes_2"][("dp", "reduce_scatter")] > 0
+    assert sharded[0]["bytes_3"][("dp", "all_gather")] > 0
+    assert sharded[0]["bytes_3"][("dp", "all_reduce")] > sharded[0]["bytes_2"].get(
+        ("dp", "all_reduce"), 0
+    )
+    moments = plain[0]["optim_bytes_1"]  # a one-stage pipeline's whole AdamW state
+    assert all(abs(r["optim_bytes_3"] - moments / 2) <= 0.01 * moments for r in sharded)
+    # at most half the model's 12 bytes a parameter (its pieces), plus padding
+    assert all(0 < r["received"] <= 1.5 * moments / 2 * 1.01 for r in sharded)
+    assert all(r["digests"] == sharded[0]["digests"] for r in sharded)
 
 
 # -- end to end: plait train --fault-tolerance ------------------------------------------
@@ -261,6 +312,31 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     assert worlds[0] == 4 and any(b > a for a, b in zip(worlds, worlds[1:])), worlds  # rejoins
     assert max(r.get("recovery_s", 0) for r in recs) > 0
     assert "plait: replicas verified:" in proc.stdout, proc.stdout
+
+
+def test_zero_inside_replicas_survives_a_kill_and_grows_back(corpus, tmp_path):
+    """--dp 4 --zero 2 --zero-shard-group 2: two replicas of two workers sharding every
+    parameter and AdamW moment. A kill leaves one whole replica (its spare waits); the
+    replacement and the spare rejoin as a second replica, receiving their pieces from the
+    first; a later kill is recovered from the other replica (or, on a slow machine where
+    the rejoin comes later, from the checkpoint). Every step once, the failure-free curve;
+    every piece bitwise equal on its holders at the end."""
+    steps, batch, micro = 80, 64, 8
+    ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--steps", steps, "--global-batch-size", batch,
+                       "--micro-batch-size", micro, "--dp", 4, "--pp", 1, "--zero", 2,
+                       "--zero-shard-group", 2, "--fault-tolerance", 1, "--inject-failure",
+                       "2:1,70:0", "--save-every", 20, "--heartbeat-timeout", 3,
+                       "--verify-replicas", "--no-progress")  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    assert "worker 1 died (SIGKILL)" in lines[0] and "state copied" in lines[0], lines
+    assert "replicas of 2 pipelines sharding their stages" in lines[0]
+    assert any("joined" in x for x in lines), lines
+    same_curve(out, ref)
+    worlds = [r["world_size"] for r in records(out) if "world_size" in r]
+    assert worlds[0] == 4 and 2 in worlds and worlds.count(4) > 1, worlds
+    assert "plait: replicas verified:" in proc.stdout
 
 
 def test_more_than_f_failures_fall_back_to_the_checkpoint(corpus, reference, tmp_path):

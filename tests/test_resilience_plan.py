@@ -9,8 +9,16 @@ from plait.layout import Layout
 from plait.model.config import preset
 from plait.resilience.chaos import Chaos
 from plait.resilience.config import ResilienceConfig, check_layout, parse_injections
-from plait.resilience.generation import replica_groups
-from plait.resilience.plan import Plan, grid_plan, make_plan, names_in_unit, sources, stage_units
+from plait.resilience.generation import replica_groups, stage_groups
+from plait.resilience.plan import (
+    Plan,
+    grid_plan,
+    make_plan,
+    names_in_unit,
+    serves,
+    sources,
+    stage_units,
+)
 from plait.resilience.templates import Template, allocate, build_templates, choose
 
 
@@ -105,6 +113,43 @@ def test_a_heterogeneous_plan_and_its_tied_group():
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_zero_inside_replicas_every_piece_keeps_f_plus_1_copies():
+    """dp 4, pp 2, --zero-shard-group 2: replicas {pipelines 0, 1} and {2, 3}; each stage
+    sharded over its replica's two workers; piece j lives in slot j of both replicas."""
+    t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
+    grid = grid_plan(dp=4, template=t[2], rows=8, micro_batch=1, n_layers=4, tied=True,
+                     shard=2)  # fmt: skip
+    assert [p.workers for p in grid.pipelines] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert grid.units_of(0) == {"embed/0", "blocks.0/0", "blocks.1/0"}
+    assert grid.units_of(5) == {"blocks.2/1", "blocks.3/1", "post/1", "tied/1"}
+    assert grid.stage_group(5) == [4, 5] and grid.stage_group(2) == [2, 3]
+    r = {w: grid.members.index(w) for w in grid.members}
+    groups = replica_groups(grid)  # a piece is summed over the replicas' same slot
+    assert groups["embed/0"] == (r[0], r[2]) and groups["embed/1"] == (r[1], r[3])
+    assert groups["tied/1"] == (r[5], r[7])
+    assert stage_groups(grid) == [(r[0], r[1]), (r[4], r[5]), (r[2], r[3]), (r[6], r[7])]
+    # every piece of every unit: one copy per replica
+    for unit in {u for w in grid.members for u in grid.units_of(w)}:
+        assert sum(unit in grid.units_of(w) for w in grid.members) == 2, unit
+    # worker 5 dies: 7 left make 3 replica "workers", so one 2-stage and one 1-stage
+    # replica (6 workers, 1 spare); every piece the plan needs is still held somewhere
+    held = {w: grid.units_of(w) for w in grid.members if w != 5}
+    plan = make_plan((2, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True,
+                     shard=2)  # fmt: skip
+    assert [len(p.workers) for p in plan.pipelines] == [2, 2, 1, 1] and plan.shard == 2
+    assert len(plan.members) == 6 and Plan.from_json(plan.to_json()) == plan
+    moves, missing = sources(plan, held)
+    assert missing == []
+    for receiver, unit, sender in moves:  # a piece comes from a holder of that same piece
+        assert unit.split("/")[1] == str(plan.slot(plan.place(receiver)[0]))
+        assert serves(held[sender], unit) and sender in plan.members  # never from the spare
+    # the tied copy's piece 1 is served by a first stage's embedding piece 1, not piece 0
+    assert serves(frozenset({"embed/1"}), "tied/1") and not serves(frozenset({"embed/0"}), "tied/1")
+    # both copies of one piece gone: the run must fall back to its checkpoint
+    lost = {w: h for w, h in held.items() if w != 7}
+    assert "blocks.2/1" in sources(plan, lost)[1]
+
+
 def test_units_and_names():
     assert stage_units(0, 4, n_layers=4, tied=True) == {"embed", "blocks.0", "blocks.1",
                                                          "blocks.2", "blocks.3", "post"}  # fmt: skip
@@ -112,6 +157,7 @@ def test_units_and_names():
              "norm.weight", "head.weight"]  # fmt: skip
     assert names_in_unit("embed", names) == names[:2]
     assert names_in_unit("tied", names) == ["embed.tokens.weight"]
+    assert names_in_unit("tied/1", names) == names_in_unit("embed/0", names)[:1]
     assert names_in_unit("blocks.1", names) == []  # not blocks.10
     assert names_in_unit("post", names) == ["norm.weight", "head.weight"]
 
@@ -166,7 +212,11 @@ def test_injections_and_chaos_schedule():
     [
         (dict(dp=1, pp=2), {}, "--dp >= 2"),
         (dict(dp=2, tp=2), {}, "--tp 1"),
-        (dict(dp=2, zero=1), {}, "--zero 0"),
+        (dict(dp=2, zero=1), {}, "--zero-shard-group K"),
+        (dict(dp=4, zero=3, zero_shard_group=2), {}, "use --zero 1 or 2"),
+        (dict(dp=4, zero=2, zero_shard_group=4), {}, "--zero-shard-group K"),
+        (dict(dp=4, zero=2, zero_shard_group=2, offload_optimizer=True), {}, "drop --offload"),
+        (dict(dp=2, zero=2, zero_shard_group=1), {}, "shards nothing"),
         (dict(dp=2, pp=2, vpp=2, schedule="interleaved-1f1b", global_batch_size=16), {}, "--vpp 1"),
         (dict(dp=2), {"nnodes": 2}, "--nnodes 1"),
     ],

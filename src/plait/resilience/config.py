@@ -137,7 +137,9 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
             raise ValueError("--async-checkpoint needs --fault-tolerance F >= 1 (its runtime)")
         return
     f = res.fault_tolerance
-    if layout.dp < f + 1:
+    if layout.zero:
+        _check_zero(f, layout, res)
+    elif layout.dp < f + 1:
         raise ValueError(
             f"--fault-tolerance {f} keeps F+1 = {f + 1} copies of every layer, one per "
             f"pipeline, but --dp {layout.dp} gives {layout.dp} pipelines; use --dp >= {f + 1}"
@@ -149,11 +151,6 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
         )
     if layout.vpp != 1:
         raise ValueError("--fault-tolerance needs --vpp 1: templates give each worker one stage")
-    if layout.zero:
-        raise ValueError(
-            f"--fault-tolerance with --zero {layout.zero}: a resilient run keeps whole replicas "
-            "of every stage so that any survivor can hand its state over; use --zero 0"
-        )
     if layout.pp_layout is not None:
         raise ValueError(
             "--fault-tolerance plans the stages itself (templates balanced by the simulator's "
@@ -163,4 +160,39 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
         raise ValueError(
             "--fault-tolerance runs on one node for now (the coordinator starts every "
             "worker itself); use --nnodes 1"
+        )
+
+
+def _check_zero(f: int, layout, res: ResilienceConfig) -> None:
+    """ZeRO under ``--fault-tolerance``: sharded inside replicas of K pipelines (hybrid
+    sharding, ``plan.py``), F + 1 replicas, so that every shard has F + 1 copies."""
+    k = layout.zero_shard_group
+    if layout.zero == 3:
+        raise ValueError(
+            "--fault-tolerance with --zero 3: a replica's parameters must stay whole on every "
+            "stage for a survivor to hand them over; use --zero 1 or 2 with --zero-shard-group"
+        )
+    if k == 1:
+        raise ValueError("--zero-shard-group 1 shards nothing; use --zero 0")
+    if k is None or k == layout.dp:
+        raise ValueError(
+            f"--fault-tolerance {f} with --zero {layout.zero} needs F+1 = {f + 1} copies of "
+            "every shard: shard inside replicas with --zero-shard-group K, --dp a multiple "
+            f"of K with --dp / K >= {f + 1} (e.g. --dp {2 * (f + 1)} --zero-shard-group 2)"
+        )
+    if layout.dp // k < f + 1:
+        raise ValueError(
+            f"--fault-tolerance {f} keeps F+1 = {f + 1} copies of every shard, one per "
+            f"replica, but --dp {layout.dp} / --zero-shard-group {k} gives {layout.dp // k}; "
+            f"use --dp >= {k * (f + 1)}"
+        )
+    if layout.offload_optimizer:
+        raise ValueError(
+            "--fault-tolerance with --offload-optimizer: the state copy moves device tensors "
+            "only; drop --offload-optimizer"
+        )
+    if res.async_checkpoint:
+        raise ValueError(
+            "--async-checkpoint with --zero: a sharded replica writes whole tensors, gathered "
+            "in the training thread; drop --async-checkpoint (synchronous saves work)"
         )

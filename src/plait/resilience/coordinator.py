@@ -89,7 +89,9 @@ class Coordinator:
         self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.rows, self.mbs = lay.global_batch_size, lay.micro_batch_size
         hw = hardware_for("cuda" if self.gpus else "cpu")
-        max_nodes = max(lay.pp, self.world // (self.res.fault_tolerance + 1))
+        # ZeRO inside a replica: pipelines come K at a time, one template per replica
+        self.shard = lay.zero_shard_group if lay.zero else 1
+        max_nodes = max(lay.pp, self.world // self.shard // (self.res.fault_tolerance + 1))
         every = build_templates(cfg.model, lay, hw, max_nodes=max_nodes, rows=self.rows // lay.dp)
         # those that fit in memory, and the user's own (it runs, whatever the model says)
         self.templates = {s: t for s, t in every.items() if t.fits or s == lay.pp}
@@ -141,7 +143,7 @@ class Coordinator:
         lay = self.cfg.layout
         self.plan = grid_plan(dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
                               micro_batch=self.mbs, n_layers=self.cfg.model.n_layers,
-                              tied=self.cfg.model.tied_embeddings)  # fmt: skip
+                              tied=self.cfg.model.tied_embeddings, shard=self.shard)  # fmt: skip
         sizes = ", ".join(f"{s}: {'+'.join(str(b - a) for a, b in t.stages)}"
                           for s, t in sorted(self.templates.items()))  # fmt: skip
         print(f"plait: fault tolerance {self.res.fault_tolerance}: pipeline templates by "
@@ -255,10 +257,15 @@ class Coordinator:
         joiners = self.joiners()
         if not joiners:
             return False
-        sizes = choose(len(self.members()) + len(joiners), self.templates,
-                       min_pipelines=self.res.fault_tolerance + 1,
-                       max_pipelines=self.rows // self.mbs)  # fmt: skip
-        return sizes is not None and sum(sizes) > len(self.members())
+        sizes = self.choose(len(self.members()) + len(joiners))
+        return sizes is not None and sum(sizes) * self.shard > len(self.members())
+
+    def choose(self, n: int) -> tuple[int, ...] | None:
+        """Template sizes for ``n`` workers: one per pipeline, or one per replica of K
+        pipelines (ZeRO inside a replica), at least F + 1 of them when they fit."""
+        return choose(n // self.shard, self.templates,
+                      min_pipelines=self.res.fault_tolerance + 1,
+                      max_pipelines=self.rows // self.mbs // self.shard)  # fmt: skip
 
     def joiners(self) -> list[int]:
         return [
@@ -313,17 +320,17 @@ class Coordinator:
             if r["done"] == resume or (last and r["done"] == resume - 1 and r["reduced"]):
                 current[w] = frozenset(r["units"])
         candidates = sorted(set(left) | set(self.joiners()))
-        sizes = choose(len(candidates), self.templates, min_pipelines=res.fault_tolerance + 1,
-                       max_pipelines=self.rows // self.mbs)  # fmt: skip
+        sizes = self.choose(len(candidates))
         if sizes is None:
             if any(not p.ready and not p.dead for p in self.procs.values()):
                 return None  # replacements are starting: wait for them
             raise LaunchError(f"{len(candidates)} workers left, too few for the smallest "
-                              f"pipeline template ({min(self.templates)} workers)")  # fmt: skip
+                              f"pipeline template ({min(self.templates) * self.shard} "
+                              "workers)")  # fmt: skip
         holdings = {w: current.get(w, frozenset()) for w in candidates}
         plan = make_plan(sizes, self.templates, holdings=holdings, rows=self.rows,
                          micro_batch=self.mbs, n_layers=cfg.model.n_layers,
-                         tied=cfg.model.tied_embeddings)  # fmt: skip
+                         tied=cfg.model.tied_embeddings, shard=self.shard)  # fmt: skip
         moves, missing = sources(plan, {w: h for w, h in holdings.items() if h})
         why = self.failure[1] if self.failure else (
             "worker(s) " + ", ".join(map(str, sorted(set(plan.members) - set(self.members()))))

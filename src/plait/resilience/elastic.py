@@ -179,7 +179,11 @@ class Worker:
             self.cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
             [b - a for a, b in pipe.stages],
         )  # fmt: skip
-        part = Part(layout=layout, rows=pipe.rows, make_engine=replicas.factory(gen))
+        part = Part(
+            layout=layout,
+            rows=pipe.rows,
+            make_engine=replicas.factory(gen, zero=self.cfg.layout.zero),
+        )
         trainer = Trainer(self.cfg, topo=gen.topo, part=part)
         received = 0
         if d["start"] == "checkpoint":

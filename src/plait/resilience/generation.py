@@ -6,8 +6,9 @@ Communication. ``Generation(...)`` is collective over the generation's members: 
 member calls ``init_process_group`` on ``PrefixStore(f"gen{G}", store)`` (a rendezvous
 through the store), then creates the same groups in the same order -- the world, each
 pipeline in plan order, each replica group (the ranks holding one unit of the model, one
-per pipeline) in sorted order -- as ``new_group`` requires of every rank, member or not.
-Nothing else is issued here.
+per pipeline) in sorted order, then, when the plan shards (ZeRO inside a replica), each
+stage group (the K workers sharding one stage of one replica) in plan order -- as
+``new_group`` requires of every rank, member or not. Nothing else is issued here.
 
 Why the broken generation leaves nothing pending, and why re-forming cannot deadlock.
 A generation is only ever left at a known point: the training thread raises out of the
@@ -36,7 +37,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from plait.resilience.plan import Plan
+from plait.resilience.plan import Plan, with_piece
 from plait.topology import Axis, Topology, resolve_device
 
 
@@ -60,19 +61,38 @@ def unit_order(unit: str, n_layers: int) -> int:
 
 
 def replica_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
-    """For every unit, the generation ranks that reduce its gradients together: its holder
-    in each pipeline. ``tied``: the last stage of each pipeline -- its copy of the token
-    embedding, or, in a one-stage pipeline, the embedding itself, whose gradient (the
-    pipeline's whole one) it contributes a second time here and keeps from ``embed``'s
-    group (``replicas.py``). Present only when some pipeline holds a tied copy."""
+    """For every unit (sharded: every piece ``u/j``), the generation ranks that reduce its
+    gradients together: its holder in each pipeline (sharded: in slot j of each replica).
+    ``tied``: the last stage of each pipeline -- its copy of the token embedding, or, in a
+    one-stage pipeline, the embedding itself, whose gradient (the pipeline's whole one) it
+    contributes a second time here and keeps from ``embed``'s group (``replicas.py``).
+    Present only when some pipeline holds a tied copy."""
     members = plan.members
     holders: dict[str, list[int]] = {}
     for w in members:
         for unit in plan.units_of(w):
             holders.setdefault(unit, []).append(members.index(w))
-    if "tied" in holders:
-        holders["tied"] = [members.index(p.workers[-1]) for p in plan.pipelines]
+    for j in {plan.slot(i) for i in range(len(plan.pipelines))}:
+        (tied,) = with_piece({"tied"}, j)
+        if tied in holders:
+            holders[tied] = [
+                members.index(p.workers[-1])
+                for i, p in enumerate(plan.pipelines)
+                if plan.slot(i) == j
+            ]
     return {u: tuple(sorted(r)) for u, r in holders.items()}
+
+
+def stage_groups(plan: Plan) -> list[tuple[int, ...]]:
+    """The generation ranks sharding one stage of one replica, every such group in plan
+    order (none unless the plan shards)."""
+    if plan.shard == 1:
+        return []
+    members, out = plan.members, []
+    for first in range(0, len(plan.pipelines), plan.shard):
+        for w in plan.pipelines[first].workers:
+            out.append(tuple(members.index(v) for v in plan.stage_group(w)))
+    return out
 
 
 class Generation:
@@ -101,6 +121,7 @@ class Generation:
         pipe_groups = [self._group(members.index(w) for w in p.workers) for p in plan.pipelines]
         self.units = replica_groups(plan)
         self.groups = {r: self._group(r) for r in sorted(set(self.units.values()))}
+        self.stage_groups = {r: self._group(r) for r in stage_groups(plan)}
         i, j = plan.place(worker)
         mine = plan.pipelines[i]
         pipe_ranks = [members.index(w) for w in mine.workers]
@@ -138,11 +159,20 @@ class Generation:
     def replica_topology(self, ranks: tuple[int, ...]) -> Topology:
         """A topology whose dp axis is the replica group ``ranks`` (this rank in it): what
         the replica engine's all-reduces run on; counted on the topology's stats."""
+        return self._dp_topology(ranks, self.groups[ranks])
+
+    def stage_topology(self) -> Topology:
+        """A topology whose dp axis is this rank's stage group (``stage_groups``): where
+        the ZeRO engine inside a replica reduce-scatters and gathers."""
+        ranks = tuple(self.plan.members.index(w) for w in self.plan.stage_group(self.worker))
+        return self._dp_topology(ranks, self.stage_groups[ranks])
+
+    def _dp_topology(self, ranks: tuple[int, ...], group) -> Topology:
         topo = Topology(
             dp=len(ranks),
             tp=1,
             rank=self.rank,
-            groups={Axis.DP: self.groups[ranks]},
+            groups={Axis.DP: group},
             group_ranks={Axis.DP: list(ranks), Axis.PP: [self.rank], Axis.TP: [self.rank]},
             world_group=self.world_group,
             device=self.device,
@@ -175,7 +205,7 @@ class Generation:
                 topo.groups[axis] = DROPPED
             # Topology is frozen for everyone else; the dropped generation is dead.
             object.__setattr__(topo, "world_group", DROPPED if topo.world_group else None)
-        self.world_group, self.groups, self._topologies = None, {}, []
+        self.world_group, self.groups, self.stage_groups, self._topologies = None, {}, {}, []
         t0 = time.perf_counter()
         if dist.is_initialized():
             dist.distributed_c10d._abort_process_group()

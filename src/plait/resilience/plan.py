@@ -15,6 +15,17 @@ Worked example: dp 2 x pp 2 on 4 layers, workers 0-3 as ranks of the grid: pipel
 planner picks three 1-stage pipelines (``templates.choose``); workers 0 and 1 keep their
 ``embed``, ``blocks.0``, ``blocks.1`` and need ``blocks.2``, ``blocks.3``, ``post``,
 which worker 2 alone still holds: it sends them to both (``sources``).
+
+ZeRO inside a replica (``--zero 1|2 --zero-shard-group K``, hybrid sharding). The pipelines
+come in replicas of K that share one template: pipelines [rK, (r+1)K) form replica r, and
+the K workers of a stage in a replica shard every parameter of the stage over themselves
+(``zero.shard_range``: piece j of a parameter depends only on its size and K). Pipeline i
+is slot j = i mod K of its replica, and its workers hold piece j of their units: the unit
+``blocks.3/1`` is piece 1 of block 3's parameters and of their AdamW moments. The rest of
+this module works on those names unchanged: a slot's units carry its piece, holdings and
+moves name pieces, and the holders of ``u/j`` -- slot j of every replica holding ``u`` --
+are the ranks that sum that piece's gradient across replicas (``generation.py``). Every
+piece has a copy in each replica, so F + 1 replicas keep F + 1 copies of every shard.
 """
 
 from __future__ import annotations
@@ -37,6 +48,17 @@ class Plan:
     pipelines: tuple[Pipeline, ...]
     n_layers: int
     tied: bool
+    shard: int = 1  # K: pipelines per replica, sharding each stage over K workers
+
+    def slot(self, i: int) -> int | None:
+        """The piece pipeline ``i``'s workers hold (None: not sharded)."""
+        return i % self.shard if self.shard > 1 else None
+
+    def stage_group(self, worker: int) -> list[int]:
+        """The workers sharding ``worker``'s stage in its replica (itself alone if K = 1)."""
+        i, j = self.place(worker)
+        first = i - i % self.shard
+        return [self.pipelines[first + k].workers[j] for k in range(self.shard)]
 
     @property
     def members(self) -> list[int]:
@@ -55,20 +77,26 @@ class Plan:
         return self.pipelines[i].stages[j]
 
     def units_of(self, worker: int) -> frozenset[str]:
-        return stage_units(*self.stage_of(worker), n_layers=self.n_layers, tied=self.tied)
+        i, _ = self.place(worker)
+        units = stage_units(*self.stage_of(worker), n_layers=self.n_layers, tied=self.tied)
+        return with_piece(units, self.slot(i))
 
     def describe(self) -> str:
         """``2 pipelines: [0, 2] 4+4 rows ...`` for log lines."""
-        return ", ".join(
+        text = ", ".join(
             f"{'+'.join(str(b - a) for a, b in p.stages)} layers on workers "
             f"{list(p.workers)} ({p.rows[1] - p.rows[0]} rows)"
             for p in self.pipelines
         )
+        if self.shard > 1:
+            text += f"; replicas of {self.shard} pipelines sharding their stages (ZeRO)"
+        return text
 
     def to_json(self) -> dict:
         return {
             "n_layers": self.n_layers,
             "tied": self.tied,
+            "shard": self.shard,
             "pipelines": [
                 {
                     "workers": list(p.workers),
@@ -84,6 +112,7 @@ class Plan:
         return cls(
             n_layers=d["n_layers"],
             tied=d["tied"],
+            shard=d.get("shard", 1),
             pipelines=tuple(
                 Pipeline(
                     workers=tuple(p["workers"]),
@@ -109,6 +138,17 @@ def stage_units(first: int, stop: int, *, n_layers: int, tied: bool) -> frozense
     return frozenset(units)
 
 
+def with_piece(units, piece: int | None) -> frozenset[str]:
+    """``units`` as the names of their piece ``piece`` (``blocks.0`` -> ``blocks.0/1``)."""
+    return frozenset(units if piece is None else (f"{u}/{piece}" for u in units))
+
+
+def split_piece(unit: str) -> tuple[str, int | None]:
+    """``"blocks.0/1"`` -> ("blocks.0", 1); ``"blocks.0"`` -> ("blocks.0", None)."""
+    base, _, piece = unit.partition("/")
+    return base, int(piece) if piece else None
+
+
 def unit_of(name: str) -> str:
     """The unit a parameter of a whole model belongs to (``tied`` is found by the stage)."""
     if name.startswith("blocks."):
@@ -119,7 +159,9 @@ def unit_of(name: str) -> str:
 
 
 def names_in_unit(unit: str, names) -> list[str]:
-    """The parameter names of ``unit`` among ``names``, in the model's order."""
+    """The parameter names of ``unit`` (or of a piece of it) among ``names``, in the
+    model's order."""
+    unit = split_piece(unit)[0]
     if unit == "tied":
         return [n for n in names if n == "embed.tokens.weight"]
     return [n for n in names if unit_of(n) == unit]
@@ -127,8 +169,10 @@ def names_in_unit(unit: str, names) -> list[str]:
 
 def serves(held: frozenset[str], unit: str) -> bool:
     """Whether a worker holding ``held`` can hand ``unit`` over (a first stage's token
-    embedding equals the last stage's tied copy: the runner keeps them equal)."""
-    return unit in held or (unit == "tied" and "embed" in held)
+    embedding equals the last stage's tied copy: the runner keeps them equal; so do their
+    pieces)."""
+    base, piece = split_piece(unit)
+    return unit in held or (base == "tied" and with_piece({"embed"}, piece) <= held)
 
 
 def make_plan(
@@ -140,14 +184,23 @@ def make_plan(
     micro_batch: int,
     n_layers: int,
     tied: bool,
+    shard: int = 1,
 ) -> Plan:
-    """Workers onto the stages of one pipeline per entry of ``sizes`` (template sizes),
+    """Workers onto the stages of one pipeline per entry of ``sizes`` (template sizes) --
+    of ``shard`` pipelines per entry when sharding (a replica: module docstring) --
     keeping as much of what each worker holds as possible: ``holdings`` maps every worker
     of the new generation to the units it holds up to date (empty: a new worker, or one
     whose state is stale). Greedy by overlap, ties to the lower worker id, so every reader
     of the same inputs gets the same plan."""
+    sizes = tuple(s for s in sizes for _ in range(shard))
     slots = [
-        (i, j, stage_units(a, b, n_layers=n_layers, tied=tied))
+        (
+            i,
+            j,
+            with_piece(
+                stage_units(a, b, n_layers=n_layers, tied=tied), i % shard if shard > 1 else None
+            ),
+        )  # fmt: skip
         for i, s in enumerate(sizes)
         for j, (a, b) in enumerate(templates[s].stages)
     ]
@@ -178,19 +231,28 @@ def make_plan(
             Pipeline(workers=workers, stages=templates[s].stages, rows=(lo, lo + shares[i]))
         )
         lo += shares[i]
-    return Plan(pipelines=tuple(pipelines), n_layers=n_layers, tied=tied)
+    return Plan(pipelines=tuple(pipelines), n_layers=n_layers, tied=tied, shard=shard)
 
 
 def grid_plan(
-    *, dp: int, template: Template, rows: int, micro_batch: int, n_layers: int, tied: bool
+    *,
+    dp: int,
+    template: Template,
+    rows: int,
+    micro_batch: int,
+    n_layers: int,
+    tied: bool,
+    shard: int = 1,
 ) -> Plan:
     """The first generation: the user's dp x pp grid as dp pipelines of one template,
-    worker w at stage w // dp of pipeline w % dp (the grid's global rank order)."""
+    worker w at stage w // dp of pipeline w % dp (the grid's global rank order); with
+    ``shard`` K, dp ranks [rK, (r+1)K) are replica r, as ``Topology.split_dp`` cuts them."""
     pp = template.nodes
     share = rows // dp
     return Plan(
         n_layers=n_layers,
         tied=tied,
+        shard=shard,
         pipelines=tuple(
             Pipeline(
                 workers=tuple(s * dp + d for s in range(pp)),
@@ -204,14 +266,17 @@ def grid_plan(
 
 def sources(plan: Plan, holdings: dict[int, frozenset[str]]) -> tuple[list, list[str]]:
     """Who sends what: a list of (receiver, unit, sender) for every unit a worker of
-    ``plan`` needs and does not hold, the sender chosen among the workers that hold it
+    ``plan`` needs and does not hold, the sender chosen among the plan's workers that hold it
     (least loaded first, then the lower id, so transfers spread over the survivors); and
     the units no survivor holds (then the run must fall back to a checkpoint)."""
+    members = set(plan.members)  # a spare is not in the generation's groups: it sends nothing
     moves, missing, load = [], [], {w: 0 for w in holdings}
     for w in plan.members:
         for unit in sorted(plan.units_of(w) - holdings.get(w, frozenset())):
             senders = sorted(
-                (load[s], s) for s, held in holdings.items() if s != w and serves(held, unit)
+                (load[s], s)
+                for s, held in holdings.items()
+                if s != w and s in members and serves(held, unit)
             )
             if not senders:
                 missing.append(unit)

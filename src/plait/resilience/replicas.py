@@ -20,11 +20,29 @@ threads. (Overlap with the backward, as ``data_parallel.py`` has, is left out: t
 engine is an experiment at the edge, STYLE rule 11.)
 
 The gradient norm counts each unit once: on the holder in the first pipeline.
+
+ZeRO inside a replica (``ShardedReplicaEngine``; ``plan.py``: replicas of K pipelines, each
+stage sharded over its K workers, slot j holding piece j of every parameter). Per step,
+on top of the above with pieces in place of whole gradients: the ZeRO engine of
+``zero.py`` on the stage group (stage 2: a reduce-scatter per bucket from autograd's
+hooks as the last micro-batch's backward completes it; stage 1: the bucketed all-reduce),
+4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the pieces
+(the holders of ``u/j``: slot j of every replica), 4 x sum N_u / K bytes; after the
+update, one all-gather per bucket over the stage group, 4 x N_stage bytes. AdamW's
+moments live in pieces only: 8 x N_stage / K bytes per worker instead of 8 x N_stage.
+Under NCCL: a stage group's collectives are issued by its K ranks in the same bucket
+order (the same stage, model and schedule: ``zero.py``'s argument), all of them before
+any replica all-reduce of the step, and the replica all-reduces follow the one global
+order above; the step's gathers come after the world's statistics all-reduce on every
+rank. A closed engine (its generation dropped) updates its pieces only, issuing nothing:
+that is what recovery's roll-forward needs, and the next generation gathers the
+parameters of each stage from the pieces (``materialize``) once its state is copied.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -33,7 +51,7 @@ from torch import nn
 from plait import comm
 from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes
 from plait.resilience.generation import Generation, unit_order
-from plait.resilience.plan import unit_of
+from plait.resilience.plan import split_piece, unit_of, with_piece
 from plait.topology import Axis
 
 
@@ -47,31 +65,71 @@ def stage_unit_of(name: str, held: frozenset[str]) -> str:
 
 class ReplicaSync:
     """One replica group's reduction on this rank: the parameters it reduces there and
-    whether this rank keeps the result (not for a one-stage pipeline's tied copy)."""
+    whether this rank keeps the result (not for a one-stage pipeline's tied copy).
+    ``piece(p)``: the tensor reduced for ``p`` in place (ZeRO: this rank's piece of its
+    gradient); None: ``p.grad``, whole."""
 
-    def __init__(self, topo, params: list[nn.Parameter], keep: list[bool]):
-        self.topo, self.params, self.keep = topo, params, keep
+    def __init__(self, topo, params: list[nn.Parameter], keep: list[bool], piece=None):
+        self.topo, self.params, self.keep, self.piece = topo, params, keep, piece
         self.flat: torch.Tensor | None = None
         self.handle = None
 
+    def _tensor(self, p: nn.Parameter) -> torch.Tensor:
+        if self.piece is not None:
+            return self.piece(p)
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
     def launch(self) -> None:
-        self.flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                for p in self.params
-            ]
-        )
+        self.flat = torch.cat([self._tensor(p).reshape(-1) for p in self.params])
         self.handle = comm.all_reduce(self.flat, topo=self.topo, axis=Axis.DP, async_op=True)
 
     def complete(self) -> None:
         comm.wait([self.handle], topo=self.topo, what="all_reduce", axis="dp")
         offset = 0
         for p, keep in zip(self.params, self.keep):
-            n = p.numel()
-            if keep:
+            dest = self._tensor(p) if self.piece is not None else p
+            n = dest.numel()
+            if keep and self.piece is not None:
+                dest.view(-1).copy_(self.flat[offset : offset + n])
+            elif keep:
                 p.grad = self.flat[offset : offset + n].view_as(p)
             offset += n
         self.flat = self.handle = None
+
+
+def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
+    """This rank's replica reductions, in the global order (module docstring): its
+    parameters grouped by the ranks that hold the same unit (``piece``: the same piece of
+    it, in slot ``plan.slot`` of every replica)."""
+    plan, me = gen.plan, gen.worker
+    slot = plan.slot(plan.place(me)[0])
+    held = frozenset(split_piece(u)[0] for u in plan.units_of(me))
+
+    def ranks_of(unit: str):
+        return gen.units.get(next(iter(with_piece({unit}, slot))))
+
+    entries: dict[tuple[int, ...], list] = {}
+    tied = ranks_of("tied")
+    for n, p in named:
+        u = stage_unit_of(n, held)
+        entries.setdefault(ranks_of(u), []).append((unit_order(u, plan.n_layers), n, p, True))
+        if u == "embed" and tied is not None and gen.rank in tied:
+            if "tied" not in held and n == "embed.tokens.weight":  # one-stage pipeline
+                entries.setdefault(tied, []).append(
+                    (unit_order("tied", plan.n_layers), n, p, False)
+                )
+    index = {n: i for i, (n, _) in enumerate(named)}
+    syncs = []
+    for ranks in sorted(entries):  # the global order (module docstring)
+        if len(ranks) < 2:
+            continue
+        items = sorted(entries[ranks], key=lambda e: (e[0], index[e[1]]))
+        syncs.append(
+            ReplicaSync(
+                gen.replica_topology(ranks), [e[2] for e in items], [e[3] for e in items], piece
+            )
+        )
+    return syncs
 
 
 class ReplicaEngine:
@@ -90,28 +148,7 @@ class ReplicaEngine:
         units = {n: stage_unit_of(n, held) for n, _ in self.named}
         # this rank counts a unit in |g|^2 when it holds it in the first pipeline
         self.counted = [p for n, p in self.named if units[n] != "tied" and me in first_pipeline]
-        n_layers = plan.n_layers
-        entries: dict[tuple[int, ...], list] = {}
-        for n, p in self.named:
-            u = units[n]
-            ranks = gen.units[u]
-            entries.setdefault(ranks, []).append((unit_order(u, n_layers), n, p, True))
-            if u == "embed" and "tied" in gen.units and gen.rank in gen.units["tied"]:
-                if "tied" not in held and n == "embed.tokens.weight":  # one-stage pipeline
-                    entries.setdefault(gen.units["tied"], []).append(
-                        (unit_order("tied", n_layers), n, p, False)
-                    )
-        index = {n: i for i, (n, _) in enumerate(self.named)}
-        self.syncs = []
-        for ranks in sorted(entries):  # the global order (module docstring)
-            if len(ranks) < 2:
-                continue
-            items = sorted(entries[ranks], key=lambda e: (e[0], index[e[1]]))
-            self.syncs.append(
-                ReplicaSync(
-                    gen.replica_topology(ranks), [e[2] for e in items], [e[3] for e in items]
-                )
-            )
+        self.syncs = replica_syncs(gen, self.named)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
         self.reduced = False  # finish() completed for the current gradients
         self.grad_bytes = 0
@@ -119,12 +156,15 @@ class ReplicaEngine:
     # the interface (parallel/engine.py)
 
     def finish(self) -> None:
+        self._reduce_replicas()
+        self.grad_bytes = tensor_bytes(p.grad for _, p in self.named if p.grad is not None)
+        self.reduced = True
+
+    def _reduce_replicas(self) -> None:
         for s in self.syncs:
             s.launch()
         for s in self.syncs:
             s.complete()
-        self.grad_bytes = tensor_bytes(p.grad for _, p in self.named if p.grad is not None)
-        self.reduced = True
 
     def grad(self, p: nn.Parameter) -> torch.Tensor:
         return p.grad
@@ -173,12 +213,126 @@ class ReplicaEngine:
         for s in self.syncs:
             s.flat = s.handle = None
 
+    # what the state copy needs (``transfer.py``), without communication
 
-def factory(gen: Generation) -> Callable:
-    """What ``Part.make_engine`` is: ``build_data_parallel``'s signature, this engine."""
+    def unit_tensors(self, names: list[str]) -> list[torch.Tensor]:
+        """The live tensors of the parameters ``names``, each followed by its AdamW
+        moments: what a unit's copy moves."""
+        state, params = self.optim_state(template=True), dict(self.named)
+        return [t for n in names for t in (params[n].data, *(state[n][k] for k in MOMENTS))]
+
+    def adam_step(self) -> float:
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        return float(steps[0]) if steps else 0.0
+
+    def set_adam_step(self, step: float) -> None:
+        for s in self.optim_state(template=True).values():
+            s["step"].fill_(step)
+
+    def materialize(self) -> None:
+        """Nothing: every worker holds its units whole."""
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ShardedReplicaEngine(ReplicaEngine):
+    """ZeRO stage 1 or 2 inside a replica (module docstring): ``zero.py``'s engine on the
+    stage group, the replica reductions on its pieces."""
+
+    def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, cfg,
+                 owns_grad=None, defer=()):  # fmt: skip
+        from plait.parallel.zero import ZeroDataParallel
+
+        self.model, self.topo, self.zero = model, gen.topo, cfg.zero
+        plan, me = gen.plan, gen.worker
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.inner = ZeroDataParallel(
+            model, topo=gen.stage_topology(), make_optimizer=make_optimizer,
+            cfg=dataclasses.replace(cfg, shard_group=None), owns_grad=owns_grad, defer=defer,
+        )  # fmt: skip
+        held = frozenset(split_piece(u)[0] for u in plan.units_of(me))
+        first_replica = {w for p in plan.pipelines[: plan.shard] for w in p.workers}
+        self.counted = [
+            p for n, p in self.named if stage_unit_of(n, held) != "tied" and me in first_replica
+        ]
+        self.syncs = replica_syncs(gen, self.named, piece=self.inner.grad)
+        self.reduced = False
+        self.closed = False
+        self.grad_bytes = 0
+
+    def finish(self) -> None:
+        self.inner.finish()
+        self._reduce_replicas()  # on the pieces
+        self.grad_bytes = self.inner.grads.grad_bytes
+        self.reduced = True
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor:
+        return self.inner.grad(p)
+
+    def grad_sq_local(self) -> torch.Tensor | float:
+        return sq_sum(self.inner.grad(p) for p in self.counted)
+
+    def scale_grads_(self, factor: float) -> None:
+        self.inner.scale_grads_(factor)
+
+    def step(self, lr: float) -> None:
+        self.inner.optimizer.step(lr, self.inner._grad_pieces())
+        if not self.closed:
+            self.inner._gather_params()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        self.reduced = False
+
+    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """Whole AdamW state (collective over the stage group unless ``template``)."""
+        return self.inner.optim_state(template=template)
+
+    def load_optim_state(self, state: dict) -> None:
+        self.inner.load_optim_state(state)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return self.inner.model_state_bytes()
+
+    def close(self) -> None:
+        super().close()
+        self.inner.close()
+        self.closed = True
+
+    def unit_tensors(self, names: list[str]) -> list[torch.Tensor]:
+        """This worker's pieces of the parameters ``names`` (views into them) and of their
+        moments."""
+        params, opt = dict(self.named), self.inner.optimizer
+        return [
+            t
+            for n in names
+            for t in (opt.pieces[params[n]], *(opt.state(params[n])[k] for k in MOMENTS))
+        ]
+
+    def adam_step(self) -> float:
+        return float(self.inner.optimizer.state(self.named[0][1])["step"]) if self.named else 0.0
+
+    def set_adam_step(self, step: float) -> None:
+        for _, p in self.named:
+            self.inner.optimizer.state(p)["step"].fill_(step)
+
+    def materialize(self) -> None:
+        """Whole parameters from the stage group's pieces: one all-gather per bucket."""
+        self.inner._gather_params()
+
+
+def factory(gen: Generation, *, zero: int = 0) -> Callable:
+    """What ``Part.make_engine`` is: ``build_data_parallel``'s signature, this engine (or
+    the sharded one, ZeRO stage ``zero``, when the plan shards)."""
 
     def make(model, *, topo, cfg, make_optimizer, owns_grad=None, defer=()):
         assert topo is gen.topo, "the engine runs on the generation's topology"
+        if gen.plan.shard > 1:
+            return ShardedReplicaEngine(
+                model, gen=gen, make_optimizer=make_optimizer,
+                cfg=dataclasses.replace(cfg, zero=zero), owns_grad=owns_grad, defer=defer,
+            )  # fmt: skip
         return ReplicaEngine(model, gen=gen, make_optimizer=make_optimizer)
 
     return make

@@ -7,9 +7,12 @@ communicator must involve all of its ranks, and a rank with nothing to move post
 batch at all), then one batched point-to-point call per rank (``comm.batch_p2p``: one
 ``batch_isend_irecv``, one NCCL group) holding every send and every receive of that rank
 -- for each unit moved, its parameters, then each one's ``exp_avg`` and ``exp_avg_sq``,
-12 bytes per parameter in fp32 -- then one world all-reduce (MAX) of three numbers: the
-loss scale, its clean-step count and AdamW's step count, which every survivor holds alike
-and a new worker does not.
+12 bytes per parameter in fp32 (ZeRO inside a replica: the slot's pieces of them, 12 / K
+bytes per parameter) -- then one world all-reduce (MAX) of three numbers: the loss scale,
+its clean-step count and AdamW's step count, which every survivor holds alike and a new
+worker does not; sharded, last, one all-gather per bucket on each stage group rebuilds
+whole parameters from the pieces (``replicas.py``: the same bucket order on its K ranks,
+after the world all-reduce on every rank).
 
 Why it cannot deadlock under NCCL: the moves are one list in the decision every member
 read from the store, and every rank walks it in the same order, posting a send where it
@@ -28,55 +31,33 @@ import torch
 from plait import comm
 from plait.resilience.plan import names_in_unit
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
-
-
-def _tensors(model, optim_state: dict, names: list[str]) -> list[torch.Tensor]:
-    params = dict(model.named_parameters())
-    out = []
-    for n in names:
-        out.append(params[n].data)
-        out.extend(optim_state[n][k] for k in STATE_KEYS)
-    return out
-
 
 def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
     """Fill ``new`` (a Trainer built for ``gen``) with the run's state: the units in
     ``keep`` from ``old`` (this worker's previous trainer, up to date), the others from
     the senders of ``moves`` [(receiver, unit, sender), ...]; this worker also sends what
-    ``moves`` asks of it from ``old``. Collective over the generation. Returns the bytes
-    this worker received."""
+    ``moves`` asks of it from ``old``. A unit's tensors are what its engine's
+    ``unit_tensors`` lists: parameters and moments, or (ZeRO inside a replica) this slot's
+    pieces of them, after which the stage group gathers whole parameters from the pieces
+    (``materialize``). Collective over the generation. Returns the bytes this worker
+    received."""
     me, members = gen.worker, gen.plan.members
-    new_state = new.engine.optim_state(template=True)
-    old_state = old.engine.optim_state(template=True) if old is not None else {}
-    new_names = [n for n, _ in new.model.named_parameters()]
+    new_names = [n for n, _ in new.engine.named]
+    old_names = [n for n, _ in old.engine.named] if old is not None else []
     with torch.no_grad():
-        if keep:  # what this worker already holds: a local copy by name
-            old_params = dict(old.model.named_parameters())
-            for unit in sorted(keep & gen.plan.units_of(me)):
-                names = names_in_unit(unit, new_names)
-                for dst, src in zip(
-                    _tensors(new.model, new_state, names),
-                    [
-                        t
-                        for n in names
-                        for t in (old_params[n].data, *(old_state[n][k] for k in STATE_KEYS))
-                    ],
-                ):
-                    dst.copy_(src)
+        for unit in sorted(keep & gen.plan.units_of(me)):  # already held: a local copy
+            names = names_in_unit(unit, new_names)
+            for dst, src in zip(new.engine.unit_tensors(names), old.engine.unit_tensors(names)):
+                dst.copy_(src)
         ops, received = [], 0
-        old_names = [n for n, _ in old.model.named_parameters()] if old is not None else []
         for receiver, unit, sender in moves:
             if sender == me:
-                names = names_in_unit(unit, old_names)
                 peer = members.index(receiver)
-                ops += [
-                    ("send", t.contiguous(), peer) for t in _tensors(old.model, old_state, names)
-                ]
+                tensors = old.engine.unit_tensors(names_in_unit(unit, old_names))
+                ops += [("send", t.contiguous(), peer) for t in tensors]
             if receiver == me:
-                names = names_in_unit(unit, new_names)
                 peer = members.index(sender)
-                for t in _tensors(new.model, new_state, names):
+                for t in new.engine.unit_tensors(names_in_unit(unit, new_names)):
                     ops.append(("recv", t, peer))
                     received += t.numel() * t.element_size()
         topo = gen.world_topology()
@@ -86,6 +67,7 @@ def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
         works = comm.batch_p2p(ops, topo=topo, axis="world")
         comm.wait(works, topo=topo, what="state copy", axis="world")
         agree_counters(gen, new, old)
+        new.engine.materialize()
     return received
 
 
@@ -95,12 +77,10 @@ def agree_counters(gen, new, old) -> None:
     topo = gen.world_topology()
     mine = [0.0, 0.0, 0.0]
     if old is not None:
-        steps = [s["step"] for s in old.engine.optim_state().values() if "step" in s]
-        mine = [old.scaler.scale, float(old.scaler.good_steps), float(steps[0]) if steps else 0.0]
+        mine = [old.scaler.scale, float(old.scaler.good_steps), old.engine.adam_step()]
     t = torch.tensor(mine, dtype=torch.float64, device=topo.device)
     comm.world_all_reduce(t, topo=topo, op=comm.ReduceOp.MAX)
     scale, good, step = t.tolist()
     if new.scaler.enabled:
         new.scaler.load_state_dict({"scale": scale, "good_steps": int(good)})
-    for s in new.engine.optim_state(template=True).values():
-        s["step"].fill_(step)
+    new.engine.set_adam_step(step)
