@@ -2,6 +2,7 @@
 
     python benchmarks/resilience.py kills              # >= 20 SIGKILLs, ~3-5 minutes on 2 cores
     python benchmarks/resilience.py kills --signal stop --kills 5 --heartbeat-timeout 3
+    python benchmarks/resilience.py kills --zero-replicas 2 --kills 10 --every 60 --batch 64
     python benchmarks/resilience.py sim                # GPT-3 175B on 1,024 H100s, a plot
     python benchmarks/resilience.py all --write-results
 
@@ -14,6 +15,10 @@ generation: ``recovery_s``), its median and worst; the steps redone; that every 
 1..S appears exactly once (no completed step lost, none applied twice) and how far the
 loss curve is from the failure-free run's; throughput (tokens/s, median of steps) with 4
 workers before the first kill, with 3 after a kill, and with 4 again after a rejoin.
+
+``--zero-replicas K``: the same with ZeRO-2 inside replicas instead (``--dp 2K --pp 1 --zero
+2 --zero-shard-group K``: two replicas of K workers sharding every parameter); a kill takes
+a whole replica out until the replacement rejoins, so the next random kill waits for it.
 
 ``sim``: ``plait.resilience.availability`` for GPT-3 175B (dp 8 x tp 8 x pp 16, bf16,
 selective recomputation, sequence parallelism, 1,536 sequences of 2,048 tokens) on
@@ -58,6 +63,7 @@ def _corpus(folder: Path) -> Path:
 
 
 def _train(out: Path, data: Path, *extra) -> float:
+    """``plait train`` of the tiny model (``TINY``; flags in ``extra`` override its own)."""
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", str(data),
            "--cache-dir", str(data.parent / "cache"), "--out", str(out), *map(str, extra)]  # fmt: skip
@@ -82,11 +88,15 @@ def kills(args) -> dict:
         tmp = Path(tmp)
         data = _corpus(tmp)
         steps = args.kills * args.every + args.every
+        layout = ["--global-batch-size", args.batch, "--micro-batch-size", args.micro]
+        if args.zero_replicas:
+            k = args.zero_replicas
+            layout += ["--dp", 2 * k, "--pp", 1, "--zero", 2, "--zero-shard-group", k]
         chaos = ["--fault-tolerance", 1, "--chaos-every", args.every, "--chaos-seed", args.seed,
                  "--chaos-signal", args.signal, "--heartbeat-timeout", args.heartbeat_timeout,
                  "--save-every", args.save_every, "--steps", steps, "--no-progress"]  # fmt: skip
-        wall = _train(tmp / "chaos", data, *chaos)
-        ref_wall = _train(tmp / "ref", data, "--steps", steps, "--no-progress")
+        wall = _train(tmp / "chaos", data, *layout, *chaos)
+        ref_wall = _train(tmp / "ref", data, *layout, "--steps", steps, "--no-progress")
         recs, ref, events = _records(tmp / "chaos"), _records(tmp / "ref"), _events(tmp / "chaos")
     shots = [e for e in events if e["event"] == "chaos"]
     decisions = {e["gen"]: e for e in events if e["event"] == "decision"}
@@ -112,7 +122,13 @@ def kills(args) -> dict:
     diffs = [abs(r["loss"] - ref_loss[r["step"]]) for r in recs]
     out = {
         "command": "flock /tmp/plait-cpu.lock python benchmarks/resilience.py kills "
-        f"--kills {args.kills} --every {args.every} --signal {args.signal} --seed {args.seed}",
+        f"--kills {args.kills} --every {args.every} --signal {args.signal} --seed {args.seed}"
+        + (
+            f" --batch {args.batch} --micro {args.micro}"
+            if (args.batch, args.micro) != (8, 1)
+            else ""
+        )
+        + (f" --zero-replicas {args.zero_replicas}" if args.zero_replicas else ""),
         "steps": steps,
         "kills": len(shots),
         "recoveries": len(rec_s),
@@ -248,6 +264,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--heartbeat-timeout", type=float, default=3.0)
     p.add_argument("--save-every", type=int, default=40)
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--micro", type=int, default=1, help="micro-batch size")
+    p.add_argument(
+        "--zero-replicas",
+        type=int,
+        default=0,
+        metavar="K",
+        help="ZeRO-2 inside two replicas of K workers (--dp 2K --pp 1)",
+    )
     p.add_argument("--write-results", action="store_true")
     args = p.parse_args()
     k = kills(args) if args.what in ("kills", "all") else None

@@ -219,13 +219,16 @@ class Coordinator:
             self.note_failure(first["t"], f"a worker saw: {first['why']}")
 
     def copies(self) -> int:
-        """Pipelines of the generation whose workers all train in it: a worker reports
-        progress only once its state copy is done (``publish`` clears the keys), so a
-        pipeline of a worker still receiving holds no copy yet."""
+        """Replicas (pipelines; with ZeRO inside replicas, groups of K) of the generation
+        whose workers all train in it: a worker reports progress only once its state copy
+        is done (``publish`` clears the keys), so a replica of a worker still receiving
+        holds no copy yet."""
+        pipes, k = self.plan.pipelines, self.shard
         return sum(
-            all(self.store.check([protocol.PROGRESS.format(w)]) for w in p.workers)
-            for p in self.plan.pipelines
-        )
+            all(self.store.check([protocol.PROGRESS.format(w)]) for p in pipes[i : i + k]
+                for w in p.workers)
+            for i in range(0, len(pipes), k)
+        )  # fmt: skip
 
     def _during(self, w: int) -> str:
         p = self.last_progress.get(w)
