@@ -275,6 +275,8 @@ def main() -> None:
     )
     p.add_argument("--write-results", action="store_true")
     args = p.parse_args()
+    if args.write_results and (args.zero_replicas or (args.batch, args.micro) != (8, 1)):
+        p.error("--write-results writes the dp 2 x pp 2 section; run other layouts without it")
     k = kills(args) if args.what in ("kills", "all") else None
     if k is not None:
         k["save_every"] = args.save_every
