@@ -314,23 +314,36 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     assert "plait: replicas verified:" in proc.stdout, proc.stdout
 
 
-def test_zero_inside_replicas_survives_a_kill_and_grows_back(corpus, tmp_path):
-    """--dp 4 --zero 2 --zero-shard-group 2: two replicas of two workers sharding every
-    parameter and AdamW moment. A kill leaves one whole replica (its spare waits); the
-    replacement and the spare rejoin as a second replica, receiving their pieces from the
-    first; a later kill is recovered from the other replica (or, on a slow machine where
-    the rejoin comes later, from the checkpoint). Every step once, the failure-free curve;
-    every piece bitwise equal on its holders at the end."""
+def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus, tmp_path):
+    """--dp 4 --zero 2 --zero-shard-group 2 on two "nodes" (two launchers on this machine,
+    --nnodes 2): two replicas of two workers sharding every parameter and AdamW moment,
+    node 1's workers (2, 3) started, signalled and watched through its agent. A kill on
+    node 1 leaves one whole replica (its spare waits); the replacement, started by node
+    1's agent, and the spare rejoin as a second replica, receiving their pieces from the
+    first; a later kill on node 0 is recovered from the other replica (or, on a slow
+    machine where the rejoin comes later, from the checkpoint). Every step once, the
+    failure-free curve; every piece bitwise equal on its holders at the end."""
     steps, batch, micro = 80, 64, 8
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"
-    proc = plait_train(corpus, out, "--steps", steps, "--global-batch-size", batch,
-                       "--micro-batch-size", micro, "--dp", 4, "--pp", 1, "--zero", 2,
-                       "--zero-shard-group", 2, "--fault-tolerance", 1, "--inject-failure",
-                       "2:1,70:0", "--save-every", 20, "--heartbeat-timeout", 3,
-                       "--verify-replicas", "--no-progress")  # fmt: skip
+    flags = ["--steps", steps, "--global-batch-size", batch, "--micro-batch-size", micro,
+             "--dp", 4, "--pp", 1, "--zero", 2, "--zero-shard-group", 2, "--fault-tolerance", 1,
+             "--inject-failure", "2:3,70:0", "--save-every", 20, "--heartbeat-timeout", 3,
+             "--verify-replicas", "--no-progress", "--nnodes", 2,
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", corpus.path,
+           "--cache-dir", corpus.cache_dir, "--out", str(out), *map(str, flags)]  # fmt: skip
+    node1 = subprocess.Popen([*cmd, "--node-rank", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        proc = plait_train(corpus, out, *flags, "--node-rank", 0)
+        agent_out, _ = node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0, agent_out[-2000:]
+    assert "plait: node 1: started worker 4" in agent_out  # worker 3's replacement
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
-    assert "worker 1 died (SIGKILL)" in lines[0] and "state copied" in lines[0], lines
+    assert "worker 3 died (SIGKILL)" in lines[0] and "state copied" in lines[0], lines
     assert "replicas of 2 pipelines sharding their stages" in lines[0]
     assert any("joined" in x for x in lines), lines
     same_curve(out, ref)

@@ -218,7 +218,7 @@ def test_injections_and_chaos_schedule():
         (dict(dp=4, zero=2, zero_shard_group=2, offload_optimizer=True), {}, "drop --offload"),
         (dict(dp=2, zero=2, zero_shard_group=1), {}, "shards nothing"),
         (dict(dp=2, pp=2, vpp=2, schedule="interleaved-1f1b", global_batch_size=16), {}, "--vpp 1"),
-        (dict(dp=2), {"nnodes": 2}, "--nnodes 1"),
+        (dict(dp=2, pp=3), {"nnodes": 4}, "--nnodes 4 does not divide"),
     ],
 )
 def test_layouts_refused_with_one_line(layout, flags, needle):

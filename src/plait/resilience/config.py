@@ -156,10 +156,9 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
             "--fault-tolerance plans the stages itself (templates balanced by the simulator's "
             "costs); drop --pp-layout"
         )
-    if nnodes != 1:
+    if nnodes > 1 and layout.world_size % nnodes:
         raise ValueError(
-            "--fault-tolerance runs on one node for now (the coordinator starts every "
-            "worker itself); use --nnodes 1"
+            f"--nnodes {nnodes} does not divide the {layout.world_size} workers of the layout"
         )
 
 

@@ -30,15 +30,13 @@ What it does, every 20 ms:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.resilience import protocol
+from plait.resilience import nodes, protocol
 from plait.resilience.chaos import Chaos
 from plait.resilience.plan import grid_plan, make_plan, sources
 from plait.resilience.templates import build_templates, choose
@@ -53,7 +51,9 @@ READY_TIMEOUT_S = 300.0  # a worker must start (import torch, connect) within th
 @dataclass
 class Proc:
     worker: int
-    popen: subprocess.Popen
+    handle: nodes.Local | nodes.Remote  # the process, on this node or through its agent
+    node: int = 0
+    local_rank: int = 0
     ready: bool = False
     dead: bool = False
     finished: bool = False
@@ -77,15 +77,20 @@ def hardware_for(device_type: str):
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, *, nnodes: int = 1, endpoint: str | None = None):
         import torch
 
         self.cfg, self.res = cfg, cfg.resilience
         self.out = Path(cfg.out)
-        self.store = liveness.host()
-        self.address = f"127.0.0.1:{self.store.port}"
         lay = cfg.layout
         self.world = lay.world_size
+        self.nnodes, self.per_node = nnodes, self.world // nnodes
+        if nnodes > 1:  # node 0 hosts the store where every node's agent and worker finds it
+            self.store = liveness.host(port=int(endpoint.rpartition(":")[2]))
+            self.address = endpoint
+        else:
+            self.store = liveness.host()
+            self.address = f"127.0.0.1:{self.store.port}"
         self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.rows, self.mbs = lay.global_batch_size, lay.micro_batch_size
         hw = hardware_for("cuda" if self.gpus else "cpu")
@@ -98,6 +103,7 @@ class Coordinator:
         self.procs: dict[int, Proc] = {}
         self.next_worker = 0
         self.gen, self.plan = -1, None
+        self.printed = 0  # generations whose recovery line is printed
         self.chaos = Chaos(self.res)
         self.dog = liveness.Watchdog(self.store, ranks=[], stale_s=self.res.heartbeat_timeout)
         self.events = open(self.out / "logs" / "coordinator.jsonl", "a")  # noqa: SIM115
@@ -107,26 +113,27 @@ class Coordinator:
 
     # -- processes -------------------------------------------------------------------
 
-    def spawn(self) -> int:
+    def spawn(self, node: int = 0, local_rank: int = 0) -> int:
+        """Start a new worker on ``node`` (node 0: this one; others through their agent)
+        with ``local_rank`` (its device there: a replacement takes the dead one's)."""
         w = self.next_worker
         self.next_worker += 1
-        env = {**os.environ, "RANK": str(w), "LOCAL_RANK": str(w % max(self.gpus, 1)),
-               "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
-        cmd = [sys.executable, "-m", "plait.train.worker", "--config",
-               str(self.out / "config.yaml"), "--liveness", self.address]  # fmt: skip
-        self.procs[w] = Proc(w, subprocess.Popen(cmd, env=env))
+        if node == 0:
+            cmd, env = nodes.worker_command(config=self.out / "config.yaml", address=self.address,
+                                            worker=w, local_rank=local_rank, world=self.world)  # fmt: skip
+            handle = nodes.Local(subprocess.Popen(cmd, env=env))
+        else:
+            self.store.append(nodes.SPAWN.format(node), f"{w}:{local_rank},")
+            handle = nodes.Remote(self.store, w)
+        self.procs[w] = Proc(w, handle, node, local_rank)
         self.dog.ranks.append(w)
-        self.log("spawn", worker=w, pid=self.procs[w].popen.pid)
+        self.log("spawn", worker=w, node=node, pid=handle.pid)
         return w
 
     def send(self, w: int, sig: str) -> None:
         p = self.procs[w]
         p.signal = p.signal or sig
-        try:
-            os.kill(p.popen.pid, signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
+        p.handle.signal(signal.SIGKILL if sig == "kill" else signal.SIGSTOP)
 
     def log(self, event: str, **kw) -> None:
         self.events.write(json.dumps({"event": event, "t": time.time(), **kw}) + "\n")
@@ -138,8 +145,8 @@ class Coordinator:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
-        for _ in range(self.world):
-            self.spawn()
+        for w in range(self.world):
+            self.spawn(node=w // self.per_node, local_rank=w % self.per_node)
         lay = self.cfg.layout
         self.plan = grid_plan(dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
                               micro_batch=self.mbs, n_layers=self.cfg.model.n_layers,
@@ -154,6 +161,7 @@ class Coordinator:
         while True:
             now = time.time()
             self.watch(now)
+            self.print_recoveries()
             if self.all_finished():
                 self.publish({"stop": "finished"})
                 if self.res.verify_replicas:
@@ -172,7 +180,8 @@ class Coordinator:
     def watch(self, now: float) -> None:
         """Exits, silences, chaos, and reports of members that left the generation."""
         for w, p in list(self.procs.items()):
-            if p.dead or p.finished or p.popen.poll() is None:
+            code = None if p.dead or p.finished else p.handle.poll()
+            if code is None:
                 if not p.ready and not p.dead and self.store.check([protocol.READY.format(w)]):
                     p.ready = True
                 continue
@@ -185,21 +194,21 @@ class Coordinator:
             p.dead = True
             if w in self.dog.ranks:
                 self.dog.ranks.remove(w)
-            how = _signal_name(p.popen.returncode)
+            how = _signal_name(code)
             if p.signal in ("stop", "hung"):
                 how = "no heartbeat: killed by the watchdog"
             what = f"worker {w} died ({how})"
-            self.log("death", worker=w, returncode=p.popen.returncode, signal=p.signal)
+            self.log("death", worker=w, returncode=code, signal=p.signal)
             if w in self.members():
                 self.note_failure(now, what + self._during(w))
             if self.res.respawn and not self.all_finished_soon():
-                self.spawn()
+                self.spawn(node=p.node, local_rank=p.local_rank)  # on its node, its device
         for s in self.dog.poll():
             if self.procs[s.rank].dead:
                 continue
             self.log("silent", worker=s.rank, silent_s=s.silent_s)
             self.procs[s.rank].signal = self.procs[s.rank].signal or "hung"
-            os.kill(s.pid, signal.SIGKILL)
+            self.procs[s.rank].handle.signal(signal.SIGKILL)
         if self.gen >= 0 and self.chaos.enabled:
             reforming = self.failure is not None or self.requested
             for shot in self.chaos.tick(self.progress(), set(self.members()), time.monotonic(),
@@ -388,6 +397,15 @@ class Coordinator:
               f"bitwise equal on its {min(copies, default=0)}-{max(copies, default=0)} holders",
               flush=True)  # fmt: skip
 
+    def print_recoveries(self) -> None:
+        """The log line of each generation past the first, once its lead resumed training
+        (it stores the line: the lead may run on another node)."""
+        for g in range(self.printed + 1, self.gen + 1):
+            key = protocol.TIMING.format(g)
+            if self.store.check([key]):  # an earlier one without a line never resumed
+                print(json.loads(self.store.get(key))["line"], flush=True)
+                self.printed = g
+
     def publish(self, decision: dict) -> None:
         self.gen += 1
         if "plan" in decision:  # progress starts afresh: a key now means "copied and training"
@@ -399,10 +417,10 @@ class Coordinator:
         deadline = time.time() + grace
         for p in self.procs.values():
             try:
-                p.popen.wait(max(0.0, deadline - time.time()))
+                p.handle.wait(max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
+                p.handle.signal(signal.SIGKILL)
+                p.handle.wait(grace)
 
     def fatal(self, word: dict) -> LaunchError:
         log = word.get("log")
@@ -410,14 +428,13 @@ class Coordinator:
         return LaunchError(word["message"] + where, code=word["code"], detail=word.get("detail"))
 
     def shutdown(self) -> None:
+        self.store.set(nodes.STOP, "1")  # the agents end once their workers have
         for p in self.procs.values():
-            if p.popen.poll() is None:
-                try:
-                    os.kill(p.popen.pid, signal.SIGCONT)
-                    p.popen.terminate()
-                except ProcessLookupError:
-                    pass
+            if p.handle.poll() is None:
+                p.handle.signal(signal.SIGCONT)
+                p.handle.signal(signal.SIGTERM)
         self._wait_exit(5.0)
+        nodes.wait_agents(self.store, range(1, self.nnodes), timeout=5.0)  # then the store goes
         self.events.close()
 
 
@@ -434,15 +451,16 @@ def _signal_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def coordinate(cfg: RunConfig) -> None:
+def coordinate(cfg: RunConfig, *, nnodes: int = 1, endpoint: str | None = None) -> None:
     """Run a resilient training run to its end; raise LaunchError with one line if it
-    cannot go on."""
+    cannot go on. With ``nnodes`` > 1 the other nodes' launchers run ``nodes.serve``."""
     (Path(cfg.out) / "logs").mkdir(parents=True, exist_ok=True)
-    coord = Coordinator(cfg)
+    coord = Coordinator(cfg, nnodes=nnodes, endpoint=endpoint)
     try:
         coord.run()
         coord._wait_exit()
     except _Finished:
         pass
     finally:
+        coord.print_recoveries()
         coord.shutdown()

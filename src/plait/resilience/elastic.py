@@ -268,11 +268,11 @@ class Worker:
             )  # fmt: skip
         t_resumed = time.time()
         recovery = t_resumed - d["t_failure"] if d.get("t_failure") else None
-        if lead and d["gen"] > 0:
-            print(_recovery_line(d, plan, times, t_resumed, start), flush=True)
+        if lead and d["gen"] > 0:  # the coordinator prints the line (node 0's console)
             self.store.set(protocol.TIMING.format(d["gen"]), json.dumps(
                 {"formed": times[0], "copied": times[1], "resumed": t_resumed,
-                 "received": times[2]}))  # fmt: skip
+                 "received": times[2],
+                 "line": _recovery_line(d, plan, times, t_resumed, start)}))  # fmt: skip
         for step in range(start, tcfg.steps):
             if self._boundary(gen):
                 return self._leave(gen, d["gen"], None)

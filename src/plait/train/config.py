@@ -6,6 +6,7 @@ written to ``config.yaml`` in full (every default resolved) and read back by the
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,7 +145,7 @@ class RunConfig:
         )
 
     def save(self, path: Path) -> None:
-        tmp = Path(path).with_suffix(".tmp")
+        tmp = Path(path).with_suffix(f".tmp.{os.getpid()}")  # every node writes its own
         tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
         tmp.replace(path)
 

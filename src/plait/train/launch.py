@@ -120,7 +120,11 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
     if cfg.resilience.enabled:  # the coordinator starts and replaces the workers itself
         from plait.resilience.coordinator import coordinate
 
-        return coordinate(cfg)
+        if nnodes > 1 and rdzv_endpoint is None:
+            raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+        if node_rank > 0:  # this node's workers are started by node 0's coordinator
+            return _serve_node(cfg, node=node_rank, endpoint=rdzv_endpoint)
+        return coordinate(cfg, nnodes=nnodes, endpoint=rdzv_endpoint)
     from torch.distributed.run import get_args_parser, run
 
     from plait.train import liveness
@@ -164,6 +168,24 @@ def launch(cfg: RunConfig, *, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint
     )
     if error is not None:
         raise error
+
+
+def _serve_node(cfg: RunConfig, *, node: int, endpoint: str) -> None:
+    """A node other than 0 of a resilient run: its agent (``resilience/nodes.py``)."""
+    from plait.resilience import nodes
+    from plait.train import liveness
+
+    try:
+        store = liveness.connect(endpoint, timeout=120.0)
+    except Exception as e:  # noqa: BLE001 - TCPStore raises several kinds
+        raise LaunchError(f"--rdzv-endpoint {endpoint}: no coordinator answers there "
+                          f"({str(e).splitlines()[0][:120]}); start node 0 first") from None  # fmt: skip
+    try:
+        nodes.serve(store=store, config=Path(cfg.out) / "config.yaml", address=endpoint,
+                    node=node, world=cfg.layout.world_size)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the coordinator is gone
+        raise LaunchError(f"node {node}: lost the coordinator at {endpoint} "
+                          f"({str(e).splitlines()[0][:120]}); node 0 reports the run") from None  # fmt: skip
 
 
 def outcome(*, reports, silent, failure, out: Path, ranks, stale_s: float) -> LaunchError | None:

@@ -50,11 +50,12 @@ def interval_for(stale_s: float) -> float:
     return min(1.0, stale_s / 5)
 
 
-def host():
-    """A store for this machine's workers, on a free port of the loopback interface."""
+def host(port: int = 0):
+    """A store for the run's workers, on ``port`` (0: a free one); the server listens on
+    every interface, so other nodes reach it at this node's address."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=30))  # fmt: skip
 
 

@@ -1,0 +1,137 @@
+"""Worker processes on several nodes: the coordinator (node 0's launcher) starts, signals
+and watches workers on its own node directly and on every other node through that node's
+launcher, the node agent (``plait train --nnodes N --node-rank K`` with K > 0).
+
+Communication: none through process groups; only the coordinator's store, which node 0's
+launcher hosts on ``--rdzv-endpoint``'s port (all interfaces) and every agent and worker
+reaches at that address. The keys (``{n}`` a node, ``{w}`` a worker id)::
+
+    ft/node/{n}/spawn     "w:l,..."   appended by the coordinator: start worker w here, local rank l
+    ft/signal/{w}         "9,19,..."  appended by the coordinator: deliver these signals
+    ft/exit/{w}           returncode  set by the agent when the worker's process ended
+    ft/nodes/stop         "1"         set by the coordinator: the run is over
+    ft/node/{n}/done      "1"         set by the agent as it leaves (the store may go then)
+
+An agent acts on the keys ten times a second; it touches no process group, so it holds
+nothing NCCL could wait on. A dead worker is replaced on its own node (by that node's
+agent). Not covered: a whole node dying -- its workers are declared dead (their heartbeats
+stop) and the run goes on with the others, but their replacements are asked of the dead
+node's agent and never start; the coordinator's node dying ends the run
+(``docs/resilience.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SPAWN, SIGNALS, EXIT, STOP = "ft/node/{}/spawn", "ft/signal/{}", "ft/exit/{}", "ft/nodes/stop"
+DONE = "ft/node/{}/done"
+POLL_S = 0.1
+
+
+def worker_command(*, config: Path, address: str, worker: int, local_rank: int,
+                   world: int) -> tuple[list[str], dict]:  # fmt: skip
+    """The command line and environment of worker ``worker`` (``plait.train.worker``)."""
+    env = {**os.environ, "RANK": str(worker), "LOCAL_RANK": str(local_rank),
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+    cmd = [sys.executable, "-m", "plait.train.worker", "--config", str(config),
+           "--liveness", address]  # fmt: skip
+    return cmd, env
+
+
+def _list(store, key: str) -> list[str]:
+    if not store.check([key]):
+        return []
+    return [x for x in store.get(key).decode().split(",") if x]
+
+
+class Local:
+    """A worker process of this node."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.kill(self.popen.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float) -> None:
+        self.popen.wait(timeout)
+
+
+class Remote:
+    """A worker process of another node, through that node's agent (module docstring)."""
+
+    def __init__(self, store, worker: int):
+        self.store, self.worker, self.pid = store, worker, None
+
+    def poll(self) -> int | None:
+        key = EXIT.format(self.worker)
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def signal(self, signum: int) -> None:
+        self.store.append(SIGNALS.format(self.worker), f"{signum},")
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            if time.time() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.worker}", timeout)
+            time.sleep(POLL_S)
+
+
+def serve(*, store, config: Path, address: str, node: int, world: int, log=print) -> None:
+    """Node ``node``'s agent: start the workers the coordinator asks for, deliver its
+    signals, report exits, until the coordinator says the run is over (then wait for the
+    workers to end) or its store is gone (then stop the workers: the run is over)."""
+    procs: dict[int, subprocess.Popen] = {}
+    delivered: dict[int, int] = {}
+    reported: set[int] = set()
+    try:
+        while True:
+            for item in _list(store, SPAWN.format(node)):
+                w, local_rank = map(int, item.split(":"))
+                if w not in procs:
+                    cmd, env = worker_command(config=config, address=address, worker=w,
+                                              local_rank=local_rank, world=world)  # fmt: skip
+                    procs[w] = subprocess.Popen(cmd, env=env)
+                    log(f"plait: node {node}: started worker {w} (pid {procs[w].pid})")
+            for w, p in procs.items():
+                sigs = _list(store, SIGNALS.format(w))
+                for signum in sigs[delivered.get(w, 0) :]:
+                    try:
+                        os.kill(p.pid, int(signum))
+                    except ProcessLookupError:
+                        pass
+                delivered[w] = len(sigs)
+                if w not in reported and p.poll() is not None:
+                    store.set(EXIT.format(w), str(p.returncode))
+                    reported.add(w)
+            if store.check([STOP]) and len(reported) == len(procs):
+                store.set(DONE.format(node), "1")
+                return
+            time.sleep(POLL_S)
+    except Exception:  # noqa: BLE001 - the coordinator's store is gone: the run is over
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        raise
+
+
+def wait_agents(store, nodes, *, timeout: float) -> None:
+    """Until every agent of ``nodes`` said it is done (or ``timeout`` seconds passed)."""
+    deadline = time.time() + timeout
+    for n in nodes:
+        while not store.check([DONE.format(n)]) and time.time() < deadline:
+            time.sleep(POLL_S)
