@@ -12,10 +12,13 @@ warm-up (``--min-lr-ratio 1``), so a shorter run's curve is a prefix of the refe
 import datetime
 import hashlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -350,6 +353,48 @@ def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus,
     worlds = [r["world_size"] for r in records(out) if "world_size" in r]
     assert worlds[0] == 4 and 2 in worlds and worlds.count(4) > 1, worlds
     assert "plait: replicas verified:" in proc.stdout
+
+
+def test_a_whole_node_lost_is_recovered_in_place_and_replaced_on_node_0(corpus, tmp_path):
+    """--dp 4 on two nodes: node 1 (its launcher and workers 2, 3: two whole pipelines) is
+    killed at once, as a machine that goes away. Its agent stops beating, the workers'
+    heartbeats stop and no exit is ever reported: after the heartbeat timeout twice they
+    are declared lost; workers 0 and 1 go on in place, replacements start on node 0."""
+    steps, batch, micro = 60, 64, 8
+    ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
+    out = tmp_path / "run"
+    flags = ["--steps", steps, "--global-batch-size", batch, "--micro-batch-size", micro,
+             "--dp", 4, "--pp", 1, "--fault-tolerance", 1, "--heartbeat-timeout", 3,
+             "--save-every", 20, "--no-progress", "--nnodes", 2,
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", corpus.path,
+           "--cache-dir", corpus.cache_dir, "--out", str(out), *map(str, flags)]  # fmt: skip
+    node1 = subprocess.Popen([*cmd, "--node-rank", "1"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    node0 = subprocess.Popen([*cmd, "--node-rank", "0"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and node0.poll() is None:
+            path = out / "metrics.jsonl"
+            if path.exists() and len(path.read_text().splitlines()) >= 5:
+                os.killpg(node1.pid, signal.SIGKILL)  # the launcher and its workers at once
+                break
+            time.sleep(0.05)
+        stdout, stderr = node0.communicate(timeout=240)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is node1 else p.kill()
+    assert node0.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    lines = [x for x in stdout.splitlines() if x.startswith("plait: generation 1:")]
+    assert lines and "state copied" in lines[0], stdout[-3000:]  # in place, no checkpoint
+    same_curve(out, ref)
+    events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
+    deaths = {e["worker"]: e["how"] for e in events if e["event"] == "death"}
+    assert deaths == dict.fromkeys((2, 3), "lost with node 1: no heartbeat, no exit report")
+    replacements = [e for e in events if e["event"] == "spawn" and e["worker"] >= 4]
+    assert replacements and all(e["node"] == 0 for e in replacements), replacements
 
 
 def test_more_than_f_failures_fall_back_to_the_checkpoint(corpus, reference, tmp_path):

@@ -54,6 +54,7 @@ class Proc:
     handle: nodes.Local | nodes.Remote  # the process, on this node or through its agent
     node: int = 0
     local_rank: int = 0
+    killed_at: float | None = None  # when the watchdog sent SIGKILL (a hang)
     ready: bool = False
     dead: bool = False
     finished: bool = False
@@ -106,6 +107,7 @@ class Coordinator:
         self.printed = 0  # generations whose recovery line is printed
         self.chaos = Chaos(self.res)
         self.dog = liveness.Watchdog(self.store, ranks=[], stale_s=self.res.heartbeat_timeout)
+        self.nodes = nodes.NodeWatch(self.store, nnodes=nnodes, stale_s=self.res.heartbeat_timeout)
         self.events = open(self.out / "logs" / "coordinator.jsonl", "a")  # noqa: SIM115
         self.failure: tuple[float, str] | None = None  # (when, what) of the first evidence
         self.requested = False
@@ -129,6 +131,26 @@ class Coordinator:
         self.dog.ranks.append(w)
         self.log("spawn", worker=w, node=node, pid=handle.pid)
         return w
+
+    def _lost(self, p: Proc) -> bool:
+        """A worker of a node that is gone: it went silent (the watchdog sent SIGKILL) or
+        would not leave its generation, no exit was reported, and its node's agent no
+        longer beats (a worker whose agent alone died still beats: it is not lost)."""
+        return p.killed_at is not None and not self.nodes.alive(p.node)
+
+    def place_replacement(self, p: Proc) -> tuple[int, int]:
+        """(node, local rank) for the replacement of ``p``: its node and device, or, if
+        its node is gone, the node alive with the fewest workers and its lowest free local
+        rank (several workers per device if none is free)."""
+        if self.nodes.alive(p.node):
+            return p.node, p.local_rank
+        live = {q.node: [] for q in self.procs.values() if self.nodes.alive(q.node)} | {0: []}
+        for q in self.procs.values():
+            if q.node in live and not q.dead:
+                live[q.node].append(q.local_rank)
+        node = min(live, key=lambda n: (len(live[n]), n))
+        free = [r for r in range(self.per_node) if r not in live[node]]
+        return node, free[0] if free else min(range(self.per_node), key=live[node].count)
 
     def send(self, w: int, sig: str) -> None:
         p = self.procs[w]
@@ -179,9 +201,13 @@ class Coordinator:
 
     def watch(self, now: float) -> None:
         """Exits, silences, chaos, and reports of members that left the generation."""
+        self.nodes.poll()
         for w, p in list(self.procs.items()):
-            code = None if p.dead or p.finished else p.handle.poll()
-            if code is None:
+            if p.dead or p.finished:
+                continue
+            code = p.handle.poll()
+            lost = code is None and self._lost(p)
+            if code is None and not lost:
                 if not p.ready and not p.dead and self.store.check([protocol.READY.format(w)]):
                     p.ready = True
                 continue
@@ -197,17 +223,20 @@ class Coordinator:
             how = _signal_name(code)
             if p.signal in ("stop", "hung"):
                 how = "no heartbeat: killed by the watchdog"
+            if lost:
+                how = f"lost with node {p.node}: no heartbeat, no exit report"
             what = f"worker {w} died ({how})"
-            self.log("death", worker=w, returncode=code, signal=p.signal)
+            self.log("death", worker=w, returncode=code, signal=p.signal, how=how)
             if w in self.members():
                 self.note_failure(now, what + self._during(w))
             if self.res.respawn and not self.all_finished_soon():
-                self.spawn(node=p.node, local_rank=p.local_rank)  # on its node, its device
+                self.spawn(*self.place_replacement(p))
         for s in self.dog.poll():
             if self.procs[s.rank].dead:
                 continue
             self.log("silent", worker=s.rank, silent_s=s.silent_s)
             self.procs[s.rank].signal = self.procs[s.rank].signal or "hung"
+            self.procs[s.rank].killed_at = time.time()
             self.procs[s.rank].handle.signal(signal.SIGKILL)
         if self.gen >= 0 and self.chaos.enabled:
             reforming = self.failure is not None or self.requested
@@ -308,8 +337,11 @@ class Coordinator:
             if time.time() - started < self.res.heartbeat_timeout + 5:
                 return False
             for w in set(living) - set(left):  # blocked although its peers dropped: stop it
-                self.log("unresponsive", worker=w)
-                self.send(w, "kill")
+                p = self.procs[w]
+                if p.killed_at is None:  # once (on a node that is gone it never exits)
+                    self.log("unresponsive", worker=w)
+                    self.send(w, "kill")
+                    p.killed_at = time.time()
             return False
         decision = self.decide(left)
         if decision is None:
@@ -416,11 +448,16 @@ class Coordinator:
     def _wait_exit(self, grace: float = 10.0) -> None:
         deadline = time.time() + grace
         for p in self.procs.values():
+            if p.dead and p.handle.poll() is None:
+                continue  # lost with its node: no exit will be reported
             try:
                 p.handle.wait(max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.handle.signal(signal.SIGKILL)
-                p.handle.wait(grace)
+                try:
+                    p.handle.wait(grace)
+                except subprocess.TimeoutExpired:  # on a node that is gone: nobody reports
+                    self.log("unreported exit", worker=p.worker, node=p.node)
 
     def fatal(self, word: dict) -> LaunchError:
         log = word.get("log")
@@ -434,7 +471,8 @@ class Coordinator:
                 p.handle.signal(signal.SIGCONT)
                 p.handle.signal(signal.SIGTERM)
         self._wait_exit(5.0)
-        nodes.wait_agents(self.store, range(1, self.nnodes), timeout=5.0)  # then the store goes
+        alive = [n for n in range(1, self.nnodes) if self.nodes.alive(n)]
+        nodes.wait_agents(self.store, alive, timeout=5.0)  # then the store may go
         self.events.close()
 
 

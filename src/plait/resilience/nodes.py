@@ -11,13 +11,14 @@ reaches at that address. The keys (``{n}`` a node, ``{w}`` a worker id)::
     ft/exit/{w}           returncode  set by the agent when the worker's process ended
     ft/nodes/stop         "1"         set by the coordinator: the run is over
     ft/node/{n}/done      "1"         set by the agent as it leaves (the store may go then)
+    ft/node/{n}/beat      a counter   added to by the agent every loop: the node is alive
 
 An agent acts on the keys ten times a second; it touches no process group, so it holds
 nothing NCCL could wait on. A dead worker is replaced on its own node (by that node's
-agent). Not covered: a whole node dying -- its workers are declared dead (their heartbeats
-stop) and the run goes on with the others, but their replacements are asked of the dead
-node's agent and never start; the coordinator's node dying ends the run
-(``docs/resilience.md``).
+agent), or, when that node is gone, on the least loaded node alive. A node is gone when its
+agent's beat stops for ``--heartbeat-timeout``; its workers' heartbeats stop too, the
+coordinator's SIGKILL finds nobody to deliver it, so each is declared dead without an exit
+report ("lost with node n") -- the same path as any death. Not covered: the coordinator's node dying ends the run (``docs/resilience.md``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 SPAWN, SIGNALS, EXIT, STOP = "ft/node/{}/spawn", "ft/signal/{}", "ft/exit/{}", "ft/nodes/stop"
-DONE = "ft/node/{}/done"
+DONE, BEAT = "ft/node/{}/done", "ft/node/{}/beat"
 POLL_S = 0.1
 
 
@@ -100,6 +101,7 @@ def serve(*, store, config: Path, address: str, node: int, world: int, log=print
     reported: set[int] = set()
     try:
         while True:
+            store.add(BEAT.format(node), 1)
             for item in _list(store, SPAWN.format(node)):
                 w, local_rank = map(int, item.split(":"))
                 if w not in procs:
@@ -135,3 +137,23 @@ def wait_agents(store, nodes, *, timeout: float) -> None:
     for n in nodes:
         while not store.check([DONE.format(n)]) and time.time() < deadline:
             time.sleep(POLL_S)
+
+
+class NodeWatch:
+    """Coordinator side: which agents still beat (node 0, the coordinator's own, always).
+    ``poll()`` every loop; a node is gone once its beat has not moved for ``stale_s``."""
+
+    def __init__(self, store, *, nnodes: int, stale_s: float):
+        self.store, self.stale_s = store, stale_s
+        now = time.time()
+        self.seen = {n: (-1, now) for n in range(1, nnodes)}  # (beats, when they changed)
+
+    def poll(self) -> None:
+        now = time.time()
+        for n, (last, _) in self.seen.items():
+            beats = int(self.store.add(BEAT.format(n), 0))
+            if beats != last:
+                self.seen[n] = (beats, now)
+
+    def alive(self, node: int) -> bool:
+        return node == 0 or time.time() - self.seen[node][1] < self.stale_s
