@@ -186,3 +186,24 @@ def test_a_full_disk_is_named_whatever_the_writer_raises(tmp_path):
     finally:
         gc.collect()
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_under_dcps_exception_is_named(tmp_path, monkeypatch):
+    """DCP wraps every rank's failure in a CheckpointException (a BaseException): with
+    torch.save's RuntimeError inside, the space left decides, as for a plain failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from plait.topology import Topology
+
+    def failing_write(*a, **k):
+        raise CheckpointException("save", {0: RuntimeError("unexpected pos 4096 vs 0")})
+
+    monkeypatch.setattr(checkpoint, "_write", failing_write)
+    kw = dict(model=None, optim_state={}, meta={}, topo=Topology.single())
+    monkeypatch.setattr(checkpoint, "_out_of_space", lambda root: None)
+    with pytest.raises(CheckpointException):  # space left: not a full disk, re-raised
+        checkpoint.save(tmp_path, 3, **kw)
+    enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(checkpoint, "_out_of_space", lambda root: enospc)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="step 3 .*no space left on device"):
+        checkpoint.save(tmp_path, 3, **kw)

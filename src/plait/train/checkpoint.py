@@ -157,7 +157,10 @@ def save(
         return _write(root, step, model=model, optim_state=optim_state, meta=meta, topo=topo,
                       keep=keep, prefix=prefix, extra=extra)  # fmt: skip
     except BaseException as e:
-        cause = _os_error(e) or (_out_of_space(root) if isinstance(e, Exception) else None)
+        # DCP's CheckpointException (a BaseException) wraps every rank's failure, which
+        # may be torch.save's RuntimeError for a full disk: the space left decides too
+        failed = isinstance(e, Exception | CheckpointException)
+        cause = _os_error(e) or (_out_of_space(root) if failed else None)
         if topo.rank == 0:  # free the space at once; the previous checkpoint is untouched
             shutil.rmtree(root / f"step-{step:08d}.tmp", ignore_errors=True)
         if cause is None:
