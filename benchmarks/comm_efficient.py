@@ -9,12 +9,14 @@
         --only "all-reduce,powersgd:4 warm-up 32"   # a.json: an earlier run's --save
 
 1. ``bytes``: 4 gloo processes (``--dp 4``, one replica each), the ``tiny`` GPT (4 x 128,
-   vocabulary 4,096) on the embedded corpus, 16 sequences of 128 tokens a step, the same
-   seed and batches for every algorithm, ``--steps`` steps (a multiple of every period
-   below, so every run ends on a synchronisation). For each: the validation loss at the
-   end (8 held-out batches), the mean training loss of the last 10 steps, and the bytes
-   one replica sent over the dp axis in all (the trainer's ``dp_bytes_sent``, comm.py's
-   count of what a rank puts on the wire). A table, and a plot of loss against bytes.
+   vocabulary 4,096) on the embedded corpus, 16 sequences of 128 tokens a step
+   (``--batch`` sequences instead: ``--batch`` / 4 per replica, the same learning-rate
+   schedule), the same seed and batches for every algorithm, ``--steps`` steps (a
+   multiple of every period below, so every run ends on a synchronisation). For each:
+   the validation loss at the end (8 held-out batches of ``--batch`` sequences), the mean
+   training loss of the last 10 steps, and the bytes one replica sent over the dp axis
+   in all (the trainer's ``dp_bytes_sent``, comm.py's count of what a rank puts on the
+   wire). A table, and a plot of loss against bytes.
 2. ``slow``: the same runs inside a network namespace whose loopback is rate-limited
    (``ip netns add``; ``tc qdisc add dev lo root tbf rate 200mbit burst 1mb limit 10mb``),
    which every byte between the 4 processes crosses: wall-clock time (the sum of step
@@ -91,6 +93,13 @@ BYTES_RUNS = {
     "powersgd:2 warm-up 32": {"compress": "powersgd:2", "compress_warmup": 32},
     "powersgd:4 warm-up 32": {"compress": "powersgd:4", "compress_warmup": 32},
     "topk:0.01 warm-up 32": {"compress": "topk:0.01", "compress_warmup": 32},
+    # the same, EF21's estimates started from zero after the warm-up instead of from the
+    # last plain gradients (as PowerSGD's error starts)
+    "topk:0.01 warm-up 32 zero-start": {
+        "compress": "topk:0.01",
+        "compress_warmup": 32,
+        "ef21_start": "zero",
+    },
     # no saving: per-replica AdamW steps averaged every step -- what the replicas' own
     # optimizers cost without any staleness
     "local-sgd H=1": {"algo": "local-sgd", "sync_every": 1},
@@ -147,9 +156,11 @@ def _worker(rank, world, port, cfgs, out_dir):
     os._exit(0)
 
 
-def train_runs(names, *, steps: int | dict[str, int], root: Path) -> dict[str, list[dict]]:
-    """Train the named runs in turn on 4 worker processes (``steps`` each, or per name);
-    their metrics records."""
+def train_runs(
+    names, *, steps: int | dict[str, int], root: Path, batch: int = 16
+) -> dict[str, list[dict]]:
+    """Train the named runs in turn on 4 worker processes (``steps`` each, or per name;
+    ``batch`` global sequences a step, ``batch / 4`` per replica); their metrics records."""
     from plait.data import DataConfig, prepare
     from plait.dp_algos.config import DPAlgoConfig
     from plait.layout import Layout
@@ -162,7 +173,7 @@ def train_runs(names, *, steps: int | dict[str, int], root: Path) -> dict[str, l
     for name in names:
         cfgs.append(RunConfig(
             model=preset("tiny"),
-            layout=Layout(dp=4, global_batch_size=16, micro_batch_size=4),
+            layout=Layout(dp=4, global_batch_size=batch, micro_batch_size=batch // 4),
             data=data,
             train=TrainConfig(steps=steps if isinstance(steps, int) else steps[name], lr=3e-3, warmup=30, eval_every=0, eval_batches=8,
                               progress=False, peak_tflops=1.0, keep_checkpoints=1),
@@ -218,7 +229,7 @@ def bytes_table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot_bytes(rows, path: Path) -> None:
+def plot_bytes(rows, path: Path, *, batch: int = 16) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,7 +246,7 @@ def plot_bytes(rows, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("MiB sent per replica over the run (log)")
     ax.set_ylabel("validation loss at the end")
-    ax.set_title(f"4 replicas, tiny GPT, {ref['steps']} steps")
+    ax.set_title(f"4 replicas x {batch // 4} sequences, tiny GPT, {ref['steps']} steps")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(exist_ok=True)
@@ -525,13 +536,20 @@ def torch_side_by_side(args) -> str:
 
 def _reused(args) -> dict[str, list[dict]]:
     """The runs of ``--reuse`` (empty without it); refused in one line if their length is
-    not ``--steps``."""
+    not ``--steps`` or their batch not ``--batch``. A file saved before ``--batch``
+    existed (the runs alone, no ``batch`` key) was trained at 16 sequences a step."""
     if not args.reuse:
         return {}
     try:
-        metrics = json.loads(Path(args.reuse).read_text())
+        saved = json.loads(Path(args.reuse).read_text())
     except (OSError, ValueError) as e:
         sys.exit(f"comm_efficient.py --reuse {args.reuse}: cannot read it ({e})")
+    batch, metrics = (saved["batch"], saved["runs"]) if "runs" in saved else (16, saved)
+    if batch != args.batch:
+        sys.exit(
+            f"comm_efficient.py --reuse {args.reuse}: saved at --batch {batch}, not --batch "
+            f"{args.batch}; use --batch {batch} or train the runs again"
+        )
     bad = [n for n, recs in metrics.items() if len(recs) != args.steps]
     if bad:
         sys.exit(
@@ -549,6 +567,9 @@ def main() -> None:
     p.add_argument("--part", choices=("bytes", "slow", "convex", "torch", "all", "slow-inside"),
                    default="all")  # fmt: skip
     p.add_argument("--steps", type=int, default=128, help="bytes part (a multiple of 16)")
+    p.add_argument("--batch", type=int, default=16,
+                   help="bytes part: global sequences a step, a multiple of the 4 replicas "
+                   "(--batch / 4 per replica)")  # fmt: skip
     p.add_argument("--slow-steps", type=int, default=80, help="slow part: all-reduce's steps")
     p.add_argument("--slow-factor", type=int, default=2,
                    help="slow part: the other algorithms run this many times as many steps")  # fmt: skip
@@ -570,6 +591,9 @@ def main() -> None:
         metrics = train_runs(names, steps=steps, root=Path(args.out))
         Path(args.out, "metrics.json").write_text(json.dumps(metrics))
         return
+    if args.batch < 4 or args.batch % 4:
+        sys.exit(f"comm_efficient.py --batch {args.batch}: use a positive multiple of 4 "
+                 "(the 4 replicas each take --batch / 4 sequences)")  # fmt: skip
     sections = []
     date = datetime.date.today().isoformat()
     if args.part in ("bytes", "all"):
@@ -577,18 +601,22 @@ def main() -> None:
         names = only or ([] if args.reuse else list(BYTES_RUNS))  # --reuse alone: its runs
         todo = [n for n in names if n not in metrics]
         with tempfile.TemporaryDirectory() as d:
-            metrics.update(train_runs(todo, steps=args.steps, root=Path(d)) if todo else {})
+            if todo:
+                metrics.update(train_runs(todo, steps=args.steps, root=Path(d), batch=args.batch))
         if args.save:
-            Path(args.save).write_text(json.dumps(metrics))
+            Path(args.save).write_text(json.dumps({"batch": args.batch, "runs": metrics}))
         if "all-reduce" in metrics:  # the reference first
             metrics = {"all-reduce": metrics.pop("all-reduce"), **metrics}
         rows = summarise(metrics)
-        figure = f"comm_efficient_bytes_{args.steps}.png"  # one per horizon
-        plot_bytes(rows, FIGURES / figure)
+        # one per horizon (and batch, where it is not the default 16)
+        tag = f"{args.steps}" + (f"_batch{args.batch}" if args.batch != 16 else "")
+        figure = f"comm_efficient_bytes_{tag}.png"
+        plot_bytes(rows, FIGURES / figure, batch=args.batch)
         text = bytes_table(rows)
         print(text)
         sections.append((f"### Loss against bytes ({date})",
                          f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}"
+                         + (f" --batch {args.batch}" if args.batch != 16 else "")
                          + (f' --only "{args.only}"`' if args.only else "`"),
                          text + f"\n\n![loss against bytes](figures/{figure})"))  # fmt: skip
     if args.part in ("slow", "all"):

@@ -80,6 +80,37 @@ def test_topk_ef21_conserves_the_residual_exactly():
             assert torch.allclose(codec.result("w"), total, atol=1e-5)
 
 
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_topk_ef21_after_a_plain_warm_up_conserves_the_residual(warm_start):
+    """Plain warm-up steps (what ``--compress-warmup`` drives: each rank's gradient to
+    ``follow_local``, the all-reduced sum to ``follow_total``) leave g_i and g at the last
+    plain gradients, or at zero with ``--ef21-start zero``; the compressed steps after
+    them conserve the residual bit for bit, and g stays the sum of the g_i."""
+    gen = torch.Generator().manual_seed(1)
+    ranks = [TopK(0.05, warm_start=warm_start) for _ in range(3)]
+    for _ in range(2):  # warm-up steps
+        grads = [torch.randn(1000, generator=gen) for _ in ranks]
+        for codec, grad in zip(ranks, grads):
+            codec.follow_local("w", grad)
+        for codec in ranks:
+            codec.follow_total("w", sum(grads))
+    for codec, grad in zip(ranks, grads):
+        want = grad if warm_start else torch.zeros(1000)
+        assert torch.equal(codec.local.get("w", torch.zeros(1000)), want)
+    for step in range(4):  # compressed steps
+        for codec in ranks:
+            grad = torch.randn(1000, generator=gen)
+            before = grad - codec.local["w"] if "w" in codec.local else grad.clone()
+            values, idx = codec.encode("w", grad)
+            sent = torch.zeros(1000).index_put_((idx.long(),), values)
+            assert torch.equal(sent + (grad - codec.local["w"]), before), step
+            for other in ranks:
+                other.add_to_total("w", values, idx, 1000)
+        local_sum = sum(codec.local["w"] for codec in ranks)
+        for codec in ranks:  # g = sum_i g_i, up to fp32 rounding of the two sums' orders
+            assert torch.allclose(codec.result("w"), local_sum, atol=1e-5)
+
+
 def test_powersgd_is_exact_on_low_rank_gradients_and_keeps_its_error():
     gen = torch.Generator().manual_seed(0)
     cols = torch.randn(40, 2, generator=gen)  # both ranks' gradients in one rank-2 space
@@ -237,6 +268,9 @@ def test_pairs_that_mean_nothing_are_refused_in_one_line(cfg, layout, words):
         (dict(algo="diloco", sync_every=2, outer_momentum=1.0), "--outer-momentum"),
         (dict(compress_warmup=10), "--compress-warmup applies"),
         (dict(compress="powersgd:4", compress_warmup=-1), "--compress-warmup"),
+        (dict(compress="topk:0.01", ef21_start="zero"), "--ef21-start zero applies"),
+        (dict(compress="powersgd:4", compress_warmup=2, ef21_start="zero"), "--ef21-start"),
+        (dict(compress="topk:0.01", compress_warmup=2, ef21_start="last"), "--ef21-start"),
     ],
 )
 def test_config_errors_are_one_line(kwargs, words):

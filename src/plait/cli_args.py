@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from plait.dp_algos.config import ALGOS, TOPOLOGIES, DPAlgoConfig
+from plait.dp_algos.config import ALGOS, EF21_STARTS, TOPOLOGIES, DPAlgoConfig
 from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
 from plait.model.config import ARCHS, PRESETS, ModelConfig, preset
 
@@ -54,6 +54,7 @@ DP_ALGO_FLAGS = (  # flag dest == DPAlgoConfig field
     "global_avg_every",
     "compress",
     "compress_warmup",
+    "ef21_start",
 )
 
 
@@ -122,6 +123,9 @@ def dp_algo_parent() -> argparse.ArgumentParser:
                    help="qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16")  # fmt: skip
     g.add_argument("--compress-warmup", type=int, default=None, metavar="W",
                    help="--compress: W plain all-reduce steps first (default 0)")  # fmt: skip
+    g.add_argument("--ef21-start", choices=EF21_STARTS, default=None,
+                   help="--compress topk with --compress-warmup: EF21's estimates start from "
+                   "the last plain step's gradients (default) or from zero")  # fmt: skip
     return p
 
 

@@ -18,7 +18,8 @@ all-reduce the gradient uncompressed, 4e bytes per tensor, as ``AllReduceGrads``
 PowerSGD's error and Q start from zero and the seed when compression starts (as
 PyTorch's hook); top-k's EF21 estimates follow the gradients during the warm-up (g_i the
 rank's own, g their all-reduced sum), so compression starts from the last plain step's
-gradients instead of from zero (EF21 started from full gradients, Richtarik et al. 2021).
+gradients instead of from zero (EF21 started from full gradients, Richtarik et al. 2021);
+with ``--ef21-start zero`` they stay at zero until compression starts.
 
 When. Stages 0 and 1 (``CompressedGrads``): as in ``AllReduceGrads``, a bucket's gradients
 are encoded and its collective launched asynchronously from the backward hook of its
@@ -58,7 +59,7 @@ def make_codec(cfg: DPAlgoConfig, *, seed: int):
     if name == "qsgd":
         return compression.QSGD(arg, seed=seed)
     if name == "topk":
-        return compression.TopK(arg)
+        return compression.TopK(arg, warm_start=cfg.ef21_start == "gradient")
     if name == "powersgd":
         return compression.PowerSGD(arg, seed=seed)
     return None  # bf16: no state, no object
@@ -87,14 +88,14 @@ class _Wire:
         """All-reduce ``flat`` (whose views ``tensors`` are) as it is."""
         if self.name == "topk":  # EF21: g_i follows this rank's own gradient
             for key, x in tensors:
-                self.codec._state(key, x)[0].copy_(x.reshape(-1))
+                self.codec.follow_local(key, x)
         return comm.all_reduce(flat, topo=self.topo, axis=Axis.DP, async_op=True)
 
     def plain_finish(self, handle, tensors) -> None:
         comm.wait([handle], topo=self.topo, what="all_reduce", axis="dp")
         if self.name == "topk":  # ... and g their sum
             for key, x in tensors:
-                self.codec._state(key, x)[1].copy_(x.reshape(-1))
+                self.codec.follow_total(key, x)
 
     # --- gather codecs: QSGD, top-k ------------------------------------------------------
 

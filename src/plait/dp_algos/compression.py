@@ -22,7 +22,9 @@ bucket size or on the pipeline cut. The gradients being combined are the ranks' 
   int32 positions; then g_i += c_i and g += sum_j c_j, and g is the gradient the
   optimizer sees. The residual grad_i - g_i is never lost: what is sent plus what remains
   equals it exactly (``TopK.encode`` sets the sent entries of g_i to the gradient itself,
-  which is g_i + c_i without rounding). All-gathered; bytes per tensor: 8k.
+  which is g_i + c_i without rounding). All-gathered; bytes per tensor: 8k. After plain
+  warm-up steps (``--compress-warmup``) g_i and g start from the last plain step's
+  gradients (EF21's initialisation), or from zero with ``--ef21-start zero``.
 - ``powersgd:r`` (Vogels et al. 2019) with error feedback: a matrix gradient M (a
   tensor reshaped to rows x the rest) plus its error e becomes M' = M + e; P = M' Q is
   all-reduced (summable), orthonormalised to P^, then Q = M'^T P^ is all-reduced; the
@@ -98,8 +100,12 @@ class TopK:
     name = "topk"
     summable = False
 
-    def __init__(self, ratio: float):
+    def __init__(self, ratio: float, *, warm_start: bool = True):
         self.ratio = float(ratio)
+        # plain warm-up steps set g_i and g to the gradients (True: EF21's initialisation
+        # from full gradients) or leave them at zero (False: compression then starts from
+        # zero estimates, as PowerSGD's error does)
+        self.warm_start = warm_start
         self.local: dict[str, torch.Tensor] = {}  # g_i: this rank's estimate
         self.total: dict[str, torch.Tensor] = {}  # g = sum_i g_i, the same on every rank
 
@@ -131,6 +137,17 @@ class TopK:
         values = residual[idx]
         local[idx] = flat[idx]  # = g_i + c_i, exactly: nothing of the residual is lost
         return values, idx.to(torch.int32)
+
+    def follow_local(self, key: str, x: torch.Tensor) -> None:
+        """A plain warm-up step: g_i = this rank's gradient ``x`` (a no-op without
+        ``warm_start``: g_i stays zero until compression starts)."""
+        if self.warm_start:
+            self._state(key, x)[0].copy_(x.reshape(-1))
+
+    def follow_total(self, key: str, x: torch.Tensor) -> None:
+        """A plain warm-up step: g = the all-reduced gradient ``x`` (the sum of the g_i)."""
+        if self.warm_start:
+            self._state(key, x)[1].copy_(x.reshape(-1))
 
     def add_to_total(self, key: str, values: torch.Tensor, idx: torch.Tensor, n: int) -> None:
         """g += one sender's c (call for every sender, in rank order)."""

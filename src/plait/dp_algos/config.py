@@ -18,6 +18,7 @@ from dataclasses import dataclass
 ALGOS = ("allreduce", "local-sgd", "diloco", "gossip")
 TOPOLOGIES = ("ring", "torus", "exponential", "one-peer-exponential", "complete")
 CODECS = ("qsgd", "topk", "powersgd", "bf16")
+EF21_STARTS = ("gradient", "zero")  # top-k's estimates after --compress-warmup
 MAX_QSGD_LEVELS = 127  # levels travel as one signed byte per element
 
 
@@ -61,6 +62,8 @@ class DPAlgoConfig:
     compress: str | None = None  # qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16
     # plain all-reduce steps before compressing (PyTorch's start_powerSGD_iter; DGC's warm-up)
     compress_warmup: int = 0
+    # topk: EF21's estimates after the warm-up -- the last plain step's gradients or zero
+    ef21_start: str = "gradient"
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -94,6 +97,17 @@ class DPAlgoConfig:
             raise ValueError(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
         if self.compress_warmup and self.compress is None:
             raise ValueError("--compress-warmup applies to --compress (plain steps before it)")
+        if self.ef21_start not in EF21_STARTS:
+            raise ValueError(
+                f"--ef21-start {self.ef21_start!r}: choose one of {', '.join(EF21_STARTS)}"
+            )
+        if self.ef21_start != "gradient" and not (
+            self.compress and self.compress.startswith("topk:") and self.compress_warmup
+        ):
+            raise ValueError(
+                "--ef21-start zero applies to --compress topk:RATIO with --compress-warmup W "
+                "(without a warm-up the estimates start from zero already)"
+            )
         if self.compress is not None:
             parse_compress(self.compress)
             if self.algo != "allreduce":
