@@ -36,7 +36,11 @@ POLL_S = 0.1
 
 def worker_command(*, config: Path, address: str, worker: int, local_rank: int,
                    world: int) -> tuple[list[str], dict]:  # fmt: skip
-    """The command line and environment of worker ``worker`` (``plait.train.worker``)."""
+    """The command line and environment of worker ``worker`` (``plait.train.worker``):
+    its device is ``local_rank``, wrapped onto this node's GPUs when it has fewer."""
+    import torch
+
+    local_rank %= max(torch.cuda.device_count() if torch.cuda.is_available() else 1, 1)
     env = {**os.environ, "RANK": str(worker), "LOCAL_RANK": str(local_rank),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
