@@ -138,26 +138,33 @@ def _spawn(target, args_of, folder, world: int = 4) -> None:
             raise RuntimeError(f"worker {r} failed:\n{text}")
 
 
-def _worker(rank, world, port, cfgs, out_dir):
+def _group_worker(body, rank, world, port, out_dir, *args):
+    """A spawned worker: one gloo group on the loopback (inside the slow part's namespace it
+    is the one interface there is), ``body(rank, world, out_dir, *args)``, then its status
+    in ``status-<rank>`` for ``_spawn`` ("ok" or the traceback)."""
     torch.set_num_threads(1)
-    # loopback only: inside the slow part's namespace it is the one interface there is
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))  # fmt: skip
     try:
-        from plait.topology import Topology
-        from plait.train.loop import train
-
-        for cfg in cfgs:
-            lay = cfg.layout
-            train(cfg, topo=Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp,
-                                           timeout=datetime.timedelta(seconds=600)))  # fmt: skip
+        body(rank, world, out_dir, *args)
         status = "ok"
     except BaseException:  # noqa: BLE001 - reported by the parent
         status = traceback.format_exc()
     Path(out_dir, f"status-{rank}").write_text(status)
     dist.destroy_process_group()
     os._exit(0)
+
+
+def _train_runs(rank, world, out_dir, cfgs):
+    """Every config in ``cfgs`` in turn, a plait run each, on the group."""
+    from plait.topology import Topology
+    from plait.train.loop import train
+
+    for cfg in cfgs:
+        lay = cfg.layout
+        train(cfg, topo=Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp,
+                                       timeout=datetime.timedelta(seconds=600)))  # fmt: skip
 
 
 def train_runs(
@@ -186,7 +193,7 @@ def train_runs(
         ))  # fmt: skip
     for cfg in cfgs:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    _spawn(_worker, lambda r, port: (r, 4, port, cfgs, root), root)
+    _spawn(_group_worker, lambda r, port: (_train_runs, r, 4, port, root, cfgs), root)
     out = {}
     for name, cfg in zip(names, cfgs):
         lines = Path(cfg.out, "metrics.jsonl").read_text().splitlines()
@@ -427,98 +434,87 @@ def _plot_convex(ns, par, gos, pga, h, path: Path) -> None:
 # --- side by side with PyTorch's PowerSGD hook -------------------------------------------------
 
 
-def _torch_worker(rank, world, port, steps, rank_, out_dir):
+def _torch_runs(rank, world, out_dir, steps, rank_):
     """plait's ``--compress powersgd:R`` engine and DDP with torch's ``powerSGD_hook`` (rank
     R, error feedback, warm start), the same initial weights and batches, alternating step
     by step in the same processes; no clipping, AdamW with the same schedule."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
-    try:
-        import functools
-        import time
+    import functools
+    import time
 
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        from plait import dp_algos
-        from plait.data import DataConfig, GlobalBatchSampler, prepare
-        from plait.dp_algos.config import DPAlgoConfig
-        from plait.layout import Layout
-        from plait.model.config import preset
-        from plait.model.transformer import build_model
-        from plait.parallel.engine import DataParallelConfig, build_data_parallel
-        from plait.topology import Topology
-        from plait.train import optim
-        from plait.train.config import TrainConfig
+    from plait import dp_algos
+    from plait.data import DataConfig, GlobalBatchSampler, prepare
+    from plait.dp_algos.config import DPAlgoConfig
+    from plait.layout import Layout
+    from plait.model.config import preset
+    from plait.model.transformer import build_model
+    from plait.parallel.engine import DataParallelConfig, build_data_parallel
+    from plait.topology import Topology
+    from plait.train import optim
+    from plait.train.config import TrainConfig
 
-        cfg, batch = preset("tiny"), 16
-        tcfg = TrainConfig(steps=steps, lr=3e-3, warmup=30)
-        layout = Layout(dp=world, global_batch_size=batch, micro_batch_size=batch // world)
-        topo = Topology.build(pp=1, dp=world, tp=1)
-        ds = prepare(DataConfig())
-        sampler = GlobalBatchSampler(ds.train, seq_len=cfg.seq_len, global_batch=batch, seed=0)
-        ours = build_model(cfg, seed=0)
-        algo = dp_algos.build(DPAlgoConfig(compress=f"powersgd:{rank_}"), topo=topo,
-                              layout=layout)  # fmt: skip
-        engine = build_data_parallel(
-            ours, topo=algo.engine_topo, cfg=DataParallelConfig.from_layout(layout),
-            make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
-            owns_grad=functools.partial(optim.owns_grad, topo=topo),
-            compression=algo.compression,
-        )  # fmt: skip
-        algo.attach(engine, ours)
-        theirs = build_model(cfg, seed=0)
-        own = dist.new_group(list(range(world)))  # DDP's traffic apart from plait's
-        # one bucket: the hook launches its second all-reduce from the first one's
-        # completion callback, so with several buckets gloo ranks can issue them in
-        # different orders (a collective mismatch, seen here with DDP's 1 MiB first bucket)
-        ddp = torch.nn.parallel.DistributedDataParallel(theirs, process_group=own,
-                                                        bucket_cap_mb=64)  # fmt: skip
-        state = psgd.PowerSGDState(process_group=own, matrix_approximation_rank=rank_,
-                                   start_powerSGD_iter=2, min_compression_rate=1)  # fmt: skip
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        opt = optim.build_adamw([(n, p, p) for n, p in theirs.named_parameters()], tcfg)
-        tokens = batch * cfg.seq_len
-        rec = {"plait": [], "torch": []}
-        for step in range(steps):
-            rows = sampler.local(step, dp_rank=rank, dp=world)
-            x, y = rows[:, :-1], rows[:, 1:]
-            lr = optim.lr_at(step, tcfg)
-            for name in ("plait", "torch") if step % 2 == 0 else ("torch", "plait"):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if name == "plait":  # loss over the global tokens: the dp sum is the mean
-                    loss = ours(x, y).sum() / tokens
-                    loss.backward()
-                    engine.finish()
-                    engine.step(lr)
-                    engine.zero_grad()
-                    share = loss.detach() * world
-                else:  # DDP averages over dp: loss over the local tokens
-                    loss = ddp(x, y).sum() / (tokens / world)
-                    loss.backward()
-                    for group in opt.param_groups:
-                        group["lr"] = lr
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    share = loss.detach()
-                dt = time.perf_counter() - t0
-                dist.all_reduce(share)  # the global mean loss, for the record only
-                rec[name].append({"loss": share.item() / world, "step_time_s": dt})
-        if rank == 0:
-            Path(out_dir, "torch.json").write_text(json.dumps(rec))
-        status = "ok"
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        status = traceback.format_exc()
-    Path(out_dir, f"status-{rank}").write_text(status)
-    dist.destroy_process_group()
-    os._exit(0)
+    cfg, batch = preset("tiny"), 16
+    tcfg = TrainConfig(steps=steps, lr=3e-3, warmup=30)
+    layout = Layout(dp=world, global_batch_size=batch, micro_batch_size=batch // world)
+    topo = Topology.build(pp=1, dp=world, tp=1)
+    ds = prepare(DataConfig())
+    sampler = GlobalBatchSampler(ds.train, seq_len=cfg.seq_len, global_batch=batch, seed=0)
+    ours = build_model(cfg, seed=0)
+    algo = dp_algos.build(DPAlgoConfig(compress=f"powersgd:{rank_}"), topo=topo,
+                          layout=layout)  # fmt: skip
+    engine = build_data_parallel(
+        ours, topo=algo.engine_topo, cfg=DataParallelConfig.from_layout(layout),
+        make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
+        owns_grad=functools.partial(optim.owns_grad, topo=topo),
+        compression=algo.compression,
+    )  # fmt: skip
+    algo.attach(engine, ours)
+    theirs = build_model(cfg, seed=0)
+    own = dist.new_group(list(range(world)))  # DDP's traffic apart from plait's
+    # one bucket: the hook launches its second all-reduce from the first one's
+    # completion callback, so with several buckets gloo ranks can issue them in
+    # different orders (a collective mismatch, seen here with DDP's 1 MiB first bucket)
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs, process_group=own,
+                                                    bucket_cap_mb=64)  # fmt: skip
+    state = psgd.PowerSGDState(process_group=own, matrix_approximation_rank=rank_,
+                               start_powerSGD_iter=2, min_compression_rate=1)  # fmt: skip
+    ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    opt = optim.build_adamw([(n, p, p) for n, p in theirs.named_parameters()], tcfg)
+    tokens = batch * cfg.seq_len
+    rec = {"plait": [], "torch": []}
+    for step in range(steps):
+        rows = sampler.local(step, dp_rank=rank, dp=world)
+        x, y = rows[:, :-1], rows[:, 1:]
+        lr = optim.lr_at(step, tcfg)
+        for name in ("plait", "torch") if step % 2 == 0 else ("torch", "plait"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "plait":  # loss over the global tokens: the dp sum is the mean
+                loss = ours(x, y).sum() / tokens
+                loss.backward()
+                engine.finish()
+                engine.step(lr)
+                engine.zero_grad()
+                share = loss.detach() * world
+            else:  # DDP averages over dp: loss over the local tokens
+                loss = ddp(x, y).sum() / (tokens / world)
+                loss.backward()
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                share = loss.detach()
+            dt = time.perf_counter() - t0
+            dist.all_reduce(share)  # the global mean loss, for the record only
+            rec[name].append({"loss": share.item() / world, "step_time_s": dt})
+    if rank == 0:
+        Path(out_dir, "torch.json").write_text(json.dumps(rec))
 
 
 def torch_side_by_side(args) -> str:
     with tempfile.TemporaryDirectory() as d:
-        _spawn(_torch_worker, lambda r, port: (r, 4, port, args.torch_steps, 4, d), d)
+        _spawn(_group_worker, lambda r, port: (_torch_runs, r, 4, port, d, args.torch_steps, 4), d)
         rec = json.loads(Path(d, "torch.json").read_text())
     lines = [
         f"4 gloo processes, tiny GPT, 16 x 128 tokens a step, {args.torch_steps} steps, AdamW "
