@@ -68,3 +68,20 @@ def run_workers(world: int, fn, *args, timeout: float = 120.0) -> list:
                 raise RuntimeError(f"worker {r} failed:\n{value}")
             results.append(value)
         return results
+
+
+def place_resume_checkpoint(rank: int, cfg) -> None:
+    """Copy ``cfg.resume_from``'s checkpoint into the run's own folder (rank 0), then wait
+    for it on every rank: the multi-run workers resume runs from earlier runs' saves."""
+    import shutil
+    from pathlib import Path
+
+    src = getattr(cfg, "resume_from", None)
+    if src is None:
+        return
+    if rank == 0:
+        dst = Path(cfg.out) / "checkpoints" / Path(src).name
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+    if dist.is_initialized():
+        dist.barrier()

@@ -12,12 +12,11 @@ import dataclasses
 import functools
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_workers
+from distributed import place_resume_checkpoint, run_workers
 from numerics import assert_same_run
 
 from plait import comm
@@ -98,14 +97,7 @@ def train_cases(rank, world, cases):
     metrics, every rank the model-state bytes it measured and how many parameters it holds."""
     results = []
     for cfg in cases:
-        src = getattr(cfg, "resume_from", None)
-        if src is not None:
-            if rank == 0:
-                dst = Path(cfg.out) / "checkpoints" / Path(src).name
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst)
-            if torch.distributed.is_initialized():
-                torch.distributed.barrier()
+        place_resume_checkpoint(rank, cfg)
         lay = cfg.layout
         topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
         last = train(cfg, topo=topo)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_workers
+from distributed import place_resume_checkpoint, run_workers
 from numerics import loss_tol
 from test_data_parallel import (
     assert_same_curve,
@@ -74,7 +74,6 @@ def run_cases(rank, world, cases):
     """Worker: train every config in turn on one process group; rank 0 returns metrics
     and its parameter shapes, every rank its coordinates and its parameters' (pieces')
     sums as the run ended (float64: equal sums of equal tensors are equal)."""
-    import shutil
 
     from plait.train import loop
 
@@ -89,13 +88,7 @@ def run_cases(rank, world, cases):
     loop.Trainer.close = capture
     results = []
     for cfg in cases:
-        src = getattr(cfg, "resume_from", None)
-        if src is not None:
-            if rank == 0:
-                dst = Path(cfg.out) / "checkpoints" / Path(src).name
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst)
-            torch.distributed.barrier()
+        place_resume_checkpoint(rank, cfg)
         lay = cfg.layout
         topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
         loop.train(cfg, topo=topo)
