@@ -54,7 +54,7 @@ class Proc:
     handle: nodes.Local | nodes.Remote  # the process, on this node or through its agent
     node: int = 0
     local_rank: int = 0
-    killed_at: float | None = None  # when the watchdog sent SIGKILL (a hang)
+    killed_at: float | None = None  # when SIGKILL went out (silent, or would not leave)
     ready: bool = False
     dead: bool = False
     finished: bool = False
@@ -144,7 +144,7 @@ class Coordinator:
         rank (several workers per device if none is free)."""
         if self.nodes.alive(p.node):
             return p.node, p.local_rank
-        live = {q.node: [] for q in self.procs.values() if self.nodes.alive(q.node)} | {0: []}
+        live = {n: [] for n in {0} | {q.node for q in self.procs.values()} if self.nodes.alive(n)}
         for q in self.procs.values():
             if q.node in live and not q.dead:
                 live[q.node].append(q.local_rank)
