@@ -110,6 +110,11 @@ BYTES_RUNS = {
 }
 # gossip is left out of the slow part: it sends whole parameters to each neighbour, about as
 # many bytes as the all-reduce (part 1), so a bandwidth limit is not where it can win
+# --optimizer sgd's L2 weight decay (coupled: the gradient gains wd x p, which momentum then
+# amplifies by 1 / (1 - 0.9)); 1e-4, the ImageNet SGD setting (Goyal et al. 2017) the
+# PowerSGD and local-SGD papers train with, where AdamW's decoupled 0.1 would shrink every
+# weight by ~10% a step at lr 0.1
+SGD_WEIGHT_DECAY = 1e-4
 SLOW_RUNS = ("all-reduce", "powersgd:4", "topk:0.01", "local-sgd H=16", "diloco H=16")
 
 
@@ -168,10 +173,18 @@ def _train_runs(rank, world, out_dir, cfgs):
 
 
 def train_runs(
-    names, *, steps: int | dict[str, int], root: Path, batch: int = 16
+    names,
+    *,
+    steps: int | dict[str, int],
+    root: Path,
+    batch: int = 16,
+    optimizer: str = "adamw",
+    lr: float = 3e-3,
 ) -> dict[str, list[dict]]:
     """Train the named runs in turn on 4 worker processes (``steps`` each, or per name;
-    ``batch`` global sequences a step, ``batch / 4`` per replica); their metrics records."""
+    ``batch`` global sequences a step, ``batch / 4`` per replica; ``optimizer`` at peak
+    ``lr``: AdamW with decoupled weight decay 0.1, or SGD with momentum 0.9 and L2
+    ``SGD_WEIGHT_DECAY``); their metrics records."""
     from plait.data import DataConfig, prepare
     from plait.dp_algos.config import DPAlgoConfig
     from plait.layout import Layout
@@ -186,8 +199,9 @@ def train_runs(
             model=preset("tiny"),
             layout=Layout(dp=4, global_batch_size=batch, micro_batch_size=batch // 4),
             data=data,
-            train=TrainConfig(steps=steps if isinstance(steps, int) else steps[name], lr=3e-3, warmup=30, eval_every=0, eval_batches=8,
-                              progress=False, peak_tflops=1.0, keep_checkpoints=1),
+            train=TrainConfig(steps=steps if isinstance(steps, int) else steps[name], lr=lr, warmup=30, eval_every=0, eval_batches=8,
+                              progress=False, peak_tflops=1.0, keep_checkpoints=1, optimizer=optimizer,
+                              weight_decay=0.1 if optimizer == "adamw" else SGD_WEIGHT_DECAY),
             out=str(root / name.replace(" ", "_").replace("/", "-")),
             dp_algo=DPAlgoConfig(**BYTES_RUNS[name]),
         ))  # fmt: skip
@@ -240,7 +254,7 @@ def bytes_table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot_bytes(rows, path: Path, *, batch: int = 16) -> None:
+def plot_bytes(rows, path: Path, *, batch: int = 16, optimizer: str = "AdamW, lr 3e-3") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,7 +271,9 @@ def plot_bytes(rows, path: Path, *, batch: int = 16) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("MiB sent per replica over the run (log)")
     ax.set_ylabel("validation loss at the end")
-    ax.set_title(f"4 replicas x {batch // 4} sequences, tiny GPT, {ref['steps']} steps")
+    ax.set_title(
+        f"4 replicas x {batch // 4} sequences, tiny GPT, {ref['steps']} steps, {optimizer}"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(exist_ok=True)
@@ -536,20 +552,23 @@ def torch_side_by_side(args) -> str:
 
 def _reused(args) -> dict[str, list[dict]]:
     """The runs of ``--reuse`` (empty without it); refused in one line if their length is
-    not ``--steps`` or their batch not ``--batch``. A file saved before ``--batch``
-    existed (the runs alone, no ``batch`` key) was trained at 16 sequences a step."""
+    not ``--steps`` or their batch, optimizer or lr not ``--batch``, ``--optimizer``,
+    ``--lr``. A file saved without one of those keys was trained at the default (the runs
+    alone, no keys: 16 sequences a step, AdamW at 3e-3)."""
     if not args.reuse:
         return {}
     try:
         saved = json.loads(Path(args.reuse).read_text())
     except (OSError, ValueError) as e:
         sys.exit(f"comm_efficient.py --reuse {args.reuse}: cannot read it ({e})")
-    batch, metrics = (saved["batch"], saved["runs"]) if "runs" in saved else (16, saved)
-    if batch != args.batch:
-        sys.exit(
-            f"comm_efficient.py --reuse {args.reuse}: saved at --batch {batch}, not --batch "
-            f"{args.batch}; use --batch {batch} or train the runs again"
-        )
+    metrics = saved.get("runs", saved)
+    for flag, default in (("batch", 16), ("optimizer", "adamw"), ("lr", 3e-3)):
+        was, now = saved.get(flag, default) if "runs" in saved else default, getattr(args, flag)
+        if was != now:
+            sys.exit(
+                f"comm_efficient.py --reuse {args.reuse}: saved at --{flag} {was}, not --{flag} "
+                f"{now}; use --{flag} {was} or train the runs again"
+            )
     bad = [n for n, recs in metrics.items() if len(recs) != args.steps]
     if bad:
         sys.exit(
@@ -570,6 +589,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16,
                    help="bytes part: global sequences a step, a multiple of the 4 replicas "
                    "(--batch / 4 per replica)")  # fmt: skip
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="bytes part: every run's optimizer (sgd: plait's --optimizer sgd, "
+                   "momentum 0.9, weight decay 1e-4)")  # fmt: skip
+    p.add_argument("--lr", type=float, default=None,
+                   help="bytes part: every run's peak lr (default 3e-3 with adamw, 0.1 with "
+                   "sgd)")  # fmt: skip
     p.add_argument("--slow-steps", type=int, default=80, help="slow part: all-reduce's steps")
     p.add_argument("--slow-factor", type=int, default=2,
                    help="slow part: the other algorithms run this many times as many steps")  # fmt: skip
@@ -591,6 +616,10 @@ def main() -> None:
         metrics = train_runs(names, steps=steps, root=Path(args.out))
         Path(args.out, "metrics.json").write_text(json.dumps(metrics))
         return
+    if args.lr is None:
+        args.lr = 3e-3 if args.optimizer == "adamw" else 0.1
+    if not args.lr > 0:
+        sys.exit(f"comm_efficient.py --lr {args.lr}: use a positive learning rate")
     if args.batch < 4 or args.batch % 4:
         sys.exit(f"comm_efficient.py --batch {args.batch}: use a positive multiple of 4 "
                  "(the 4 replicas each take --batch / 4 sequences)")  # fmt: skip
@@ -602,21 +631,28 @@ def main() -> None:
         todo = [n for n in names if n not in metrics]
         with tempfile.TemporaryDirectory() as d:
             if todo:
-                metrics.update(train_runs(todo, steps=args.steps, root=Path(d), batch=args.batch))
+                metrics.update(train_runs(todo, steps=args.steps, root=Path(d), batch=args.batch,
+                                          optimizer=args.optimizer, lr=args.lr))  # fmt: skip
         if args.save:
-            Path(args.save).write_text(json.dumps({"batch": args.batch, "runs": metrics}))
+            Path(args.save).write_text(json.dumps({"batch": args.batch, "optimizer": args.optimizer,
+                                                   "lr": args.lr, "runs": metrics}))  # fmt: skip
         if "all-reduce" in metrics:  # the reference first
             metrics = {"all-reduce": metrics.pop("all-reduce"), **metrics}
         rows = summarise(metrics)
         # one per horizon (and batch, where it is not the default 16)
         tag = f"{args.steps}" + (f"_batch{args.batch}" if args.batch != 16 else "")
+        if (args.optimizer, args.lr) != ("adamw", 3e-3):  # and optimizer / lr, if not AdamW's
+            tag += f"_{args.optimizer}_lr{args.lr:g}"
         figure = f"comm_efficient_bytes_{tag}.png"
-        plot_bytes(rows, FIGURES / figure, batch=args.batch)
+        plot_bytes(rows, FIGURES / figure, batch=args.batch,
+                   optimizer=f"{'AdamW' if args.optimizer == 'adamw' else 'SGD'}, lr {args.lr:g}")  # fmt: skip
         text = bytes_table(rows)
         print(text)
         sections.append((f"### Loss against bytes ({date})",
                          f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}"
                          + (f" --batch {args.batch}" if args.batch != 16 else "")
+                         + (f" --optimizer {args.optimizer} --lr {args.lr:g}"
+                            if (args.optimizer, args.lr) != ("adamw", 3e-3) else "")
                          + (f' --only "{args.only}"`' if args.only else "`"),
                          text + f"\n\n![loss against bytes](figures/{figure})"))  # fmt: skip
     if args.part in ("slow", "all"):

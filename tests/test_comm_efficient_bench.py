@@ -1,0 +1,48 @@
+"""``benchmarks/comm_efficient.py --reuse``: saved runs join a table only if they were
+trained as the new ones will be (steps, batch, optimizer, lr); otherwise one line that
+names the flag. Single process, no training."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "comm_efficient.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("comm_efficient_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(path, **kw):
+    return argparse.Namespace(
+        **{"reuse": str(path), "steps": 2, "batch": 16, "optimizer": "adamw", "lr": 3e-3, **kw}
+    )
+
+
+def test_reuse_refuses_runs_trained_otherwise(bench, tmp_path):
+    runs = {"all-reduce": [{"loss": 1.0}, {"loss": 0.9}]}
+    saved = tmp_path / "sgd.json"
+    saved.write_text(json.dumps({"batch": 16, "optimizer": "sgd", "lr": 0.3, "runs": runs}))
+    assert bench._reused(_args(saved, optimizer="sgd", lr=0.3)) == runs
+    for kw, flag in ((dict(), "--optimizer"), (dict(optimizer="sgd", lr=0.1), "--lr"),
+                     (dict(optimizer="sgd", lr=0.3, batch=32), "--batch"),
+                     (dict(optimizer="sgd", lr=0.3, steps=4), "--steps")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            bench._reused(_args(saved, **kw))
+        assert flag in str(e.value) and "\n" not in str(e.value), (kw, e.value)
+    # a file of the runs alone (saved before the keys existed): batch 16, AdamW at 3e-3
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(runs))
+    assert bench._reused(_args(old)) == runs
+    with pytest.raises(SystemExit) as e:
+        bench._reused(_args(old, optimizer="sgd", lr=0.3))
+    assert "--optimizer" in str(e.value)
