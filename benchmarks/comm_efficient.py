@@ -11,7 +11,9 @@
 1. ``bytes``: 4 gloo processes (``--dp 4``, one replica each), the ``tiny`` GPT (4 x 128,
    vocabulary 4,096) on the embedded corpus, 16 sequences of 128 tokens a step
    (``--batch`` sequences instead: ``--batch`` / 4 per replica, the same learning-rate
-   schedule), the same seed and batches for every algorithm, ``--steps`` steps (a
+   schedule), AdamW at peak lr 3e-3 (``--optimizer sgd``: SGD with momentum 0.9, weight
+   decay 1e-4, the optimizer of the local-SGD, gossip and PowerSGD papers; ``--lr`` sets
+   every run's peak lr), the same seed and batches for every algorithm, ``--steps`` steps (a
    multiple of every period below, so every run ends on a synchronisation). For each:
    the validation loss at the end (8 held-out batches of ``--batch`` sequences), the mean
    training loss of the last 10 steps, and the bytes one replica sent over the dp axis
@@ -104,6 +106,12 @@ BYTES_RUNS = {
         "compress_warmup": 32,
         "ef21_start": "zero",
     },
+    # rank 8, no plain phase: run after seeing rank 4 +2.5% at 21.6x under --optimizer sgd
+    "powersgd:8": {"compress": "powersgd:8"},
+    # the outer step of SlowMo (Wang et al. 2020; fairscale's defaults: slow lr 1, slow
+    # momentum 0.5) on DiLoCo's Nesterov form, for SGD inner steps: run after seeing DiLoCo's
+    # lr 0.7 / momentum 0.9 at +28% under --optimizer sgd
+    "diloco H=16 outer 1/0.5": dict(algo="diloco", sync_every=16, outer_lr=1.0, outer_momentum=0.5),
     # no saving: per-replica AdamW steps averaged every step -- what the replicas' own
     # optimizers cost without any staleness
     "local-sgd H=1": {"algo": "local-sgd", "sync_every": 1},
@@ -111,9 +119,8 @@ BYTES_RUNS = {
 # gossip is left out of the slow part: it sends whole parameters to each neighbour, about as
 # many bytes as the all-reduce (part 1), so a bandwidth limit is not where it can win
 # --optimizer sgd's L2 weight decay (coupled: the gradient gains wd x p, which momentum then
-# amplifies by 1 / (1 - 0.9)); 1e-4, the ImageNet SGD setting (Goyal et al. 2017) the
-# PowerSGD and local-SGD papers train with, where AdamW's decoupled 0.1 would shrink every
-# weight by ~10% a step at lr 0.1
+# amplifies by 1 / (1 - 0.9)); 1e-4, Goyal et al. 2017's SGD setting, where AdamW's 0.1
+# coupled this way would shrink every weight by ~10% a step at lr 0.1
 SGD_WEIGHT_DECAY = 1e-4
 SLOW_RUNS = ("all-reduce", "powersgd:4", "topk:0.01", "local-sgd H=16", "diloco H=16")
 
@@ -259,6 +266,7 @@ def plot_bytes(rows, path: Path, *, batch: int = 16, optimizer: str = "AdamW, lr
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
@@ -269,6 +277,7 @@ def plot_bytes(rows, path: Path, *, batch: int = 16, optimizer: str = "AdamW, lr
     ref = next(r for r in rows if r["name"] == "all-reduce")
     ax.axhline(ref["val_loss"] * 1.02, ls="--", lw=0.8, color="grey", label="all-reduce + 2%")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only
     ax.set_xlabel("MiB sent per replica over the run (log)")
     ax.set_ylabel("validation loss at the end")
     ax.set_title(
