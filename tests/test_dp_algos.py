@@ -10,6 +10,7 @@ per step) are in ``test_dp_algos_train.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -208,6 +209,13 @@ def test_byte_formulas():
     sent = [volume.step_volume(local, step=s, shapes=shapes, n=4).sent for s in range(10)]
     assert sent == [1.5 * e, 1.5 * e, 0, 0, 0, 1.5 * e, 0, 0, 0, 1.5 * e]
     assert volume.mean_volume(local, shapes=shapes, n=4).sent == 1.5 * e / 4
+    # --sync-optimizer-state: the state tensors travel at a sync (AdamW 2, SGD momentum 1)
+    opt = dataclasses.replace(local, sync_optimizer_state=True)
+    sent = [volume.step_volume(opt, step=s, shapes=shapes, n=4).sent for s in range(6)]
+    assert sent == [1.5 * e, 1.5 * e, 0, 0, 0, 3 * 1.5 * e]
+    sgd = volume.step_volume(opt, step=5, shapes=shapes, n=4, state_tensors=1)
+    assert sgd.counted == {"all_reduce": 2 * e}
+    assert volume.mean_volume(opt, shapes=shapes, n=4).sent == 3 * 1.5 * e / 4
     ring = volume.step_volume(DPAlgoConfig(algo="gossip"), step=0, shapes=shapes, n=4)
     assert ring.counted == {"send": 2 * e, "recv": 2 * e} and ring.sent == 2 * e
     pga = DPAlgoConfig(algo="gossip", topology="one-peer-exponential", global_avg_every=3)
@@ -261,6 +269,8 @@ def test_pairs_that_mean_nothing_are_refused_in_one_line(cfg, layout, words):
         (dict(algo="gossip", sync_every=3), "--sync-every applies"),
         (dict(algo="local-sgd", sync_every=2, compress="bf16"), "--compress"),
         (dict(algo="diloco", sync_every=2, local_warmup=3), "--local-warmup"),
+        (dict(algo="diloco", sync_every=2, sync_optimizer_state=True), "--sync-optimizer-state"),
+        (dict(algo="gossip", sync_optimizer_state=True), "--sync-optimizer-state"),
         (dict(compress="qsgd:300"), "1..127"),
         (dict(compress="topk:2"), "(0, 1]"),
         (dict(compress="zip"), "qsgd:LEVELS"),
@@ -316,6 +326,11 @@ def test_simulator_prices_each_algorithm_from_the_byte_formulas():
         assert res.dp_algo["bytes_sent"] == pytest.approx(2 * 15 / 16 * e / h)
         times[h] = res.iter_time_s
     assert times[1] > times[10] > times[100]
+    # AdamW's two moments travel with the parameters under --sync-optimizer-state
+    local = DPAlgoConfig(algo="local-sgd", sync_every=10)
+    bare, opt = _sim(local), _sim(dataclasses.replace(local, sync_optimizer_state=True))
+    assert opt.dp_algo["bytes_sent"] == pytest.approx(3 * bare.dp_algo["bytes_sent"])
+    assert opt.iter_time_s > bare.iter_time_s
     one_peer = _sim(DPAlgoConfig(algo="gossip", topology="one-peer-exponential"))
     assert one_peer.dp_algo["bytes_sent"] == pytest.approx(e) and one_peer.dp_algo["messages"] == 1
     for spec, below in (("bf16", 0.51), ("powersgd:4", 0.1), ("topk:0.01", 0.2)):

@@ -51,6 +51,8 @@ REPLICA_ALGOS = ("local-sgd", "diloco", "gossip")  # deterministic, layout-indep
 SGD = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "grad_clip": 0.0}
 RESUMED = ("local-sgd", "diloco", "qsgd", "topk", "powersgd")
 WARM = 3  # --compress-warmup of the warm-up cases
+LOCAL_H4 = DPAlgoConfig(algo="local-sgd", sync_every=4)
+LOCAL_H4_OPT = dataclasses.replace(LOCAL_H4, sync_optimizer_state=True)
 
 
 def case(data, root: Path, name: str, algo: DPAlgoConfig, train=None, **layout):
@@ -83,6 +85,8 @@ def run_cases(rank, world, cases):
     def capture(self):
         # what the optimizer updates: the parameters, or this rank's ZeRO pieces of them
         captured["sums"] = [t.detach().double().sum().item() for _, _, t in self.engine.pieces()]
+        captured["state"] = [t.double().sum().item() for _, p, _ in self.engine.pieces()
+                             for t in self.engine.piece_state(p)]  # fmt: skip
         close(self)
 
     loop.Trainer.close = capture
@@ -98,6 +102,7 @@ def run_cases(rank, world, cases):
                 "shapes": _local_shapes(cfg, topo) if rank == 0 else None,
                 "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
                 "sums": captured["sums"],
+                "state": captured["state"],
             }
         )
     return results
@@ -116,6 +121,10 @@ def _w2_cases(data, root):
     for name, algo in ALGOS.items():
         save = {"save_every": SAVE} if name in RESUMED else None
         cases[name] = case(data, root, name, algo, train=save, dp=2)
+    # the optimizer's state averaged at each sync, and its plain counterpart (H = 4: the
+    # runs end right after a sync)
+    cases["local-h4"] = case(data, root, "local-h4", LOCAL_H4, dp=2)
+    cases["local-h4-opt"] = case(data, root, "local-h4-opt", LOCAL_H4_OPT, dp=2)
     for name in ("topk", "powersgd"):  # plain all-reduce steps first
         warm = dataclasses.replace(ALGOS[name], compress_warmup=WARM)
         cases[f"{name}-warm"] = case(data, root, f"{name}-warm", warm, dp=2)
@@ -146,6 +155,8 @@ def _w4_cases(data, root):
                                zero_shard_group=2)  # fmt: skip
     cases["zero3-plain"] = case(data, root, "zero3-plain", DPAlgoConfig(), dp=4, zero=3,
                                 zero_shard_group=2)  # fmt: skip
+    cases["zero2-local-h4-opt"] = case(data, root, "zero2-local-h4-opt", LOCAL_H4_OPT, dp=4,
+                                       zero=2, zero_shard_group=2, micro_batch_size=1)  # fmt: skip
     warm = dataclasses.replace(ALGOS["topk"], compress_warmup=WARM)
     cases["zero3-topk-warm"] = case(data, root, "zero3-topk-warm", warm, dp=4, zero=3,
                                     zero_shard_group=2)  # fmt: skip
@@ -294,6 +305,25 @@ def test_replicas_differ_between_synchronisations_and_meet_at_them(runs):
     # per-replica clipping: the replicas' parameters differ under local SGD between syncs
     sums = [r["sums"] for r in w2["local-sgd"]]
     assert sums[0] != sums[1]
+
+
+def test_sync_optimizer_state_averages_adamw_moments_at_each_sync(runs):
+    """``--sync-optimizer-state``: right after a sync (step 8, H = 4) the replicas hold the
+    same parameters *and* the same AdamW moments, bit for bit (every rank divides the same
+    all-reduced sum by R); without it only the parameters meet. Averaging the moments
+    changes the next steps, so the curves part after the first sync (steps 1-5 equal:
+    step 5's loss is computed before any step from averaged moments). Under ZeRO 2
+    inside replicas of 2 ranks, the moments are this rank's shard of them: the same curve
+    as on 2 plain replicas."""
+    _, w2 = runs["w2"]
+    _, w4 = runs["w4"]
+    plain, opt = w2["local-h4"], w2["local-h4-opt"]
+    assert plain[0]["sums"] == plain[1]["sums"] and opt[0]["sums"] == opt[1]["sums"]
+    assert opt[0]["state"] == opt[1]["state"]
+    assert plain[0]["state"] != plain[1]["state"]
+    got, ref = _losses(opt), _losses(plain)
+    assert got[:5] == ref[:5] and got[5:] != ref[5:]
+    assert_same_curve(_curve(w4["zero2-local-h4-opt"]), _curve(opt), "zero2-local-h4-opt")
 
 
 def test_zero_inside_replicas_the_algorithm_across(runs):

@@ -48,6 +48,7 @@ DP_ALGO_FLAGS = (  # flag dest == DPAlgoConfig field
     "dp_algo",
     "sync_every",
     "local_warmup",
+    "sync_optimizer_state",
     "outer_lr",
     "outer_momentum",
     "topology",
@@ -114,6 +115,9 @@ def dp_algo_parent() -> argparse.ArgumentParser:
                    help="local-sgd / diloco: average every H steps")  # fmt: skip
     g.add_argument("--local-warmup", type=int, default=None, metavar="K",
                    help="local-sgd: K plain data-parallel steps first (post-local SGD)")  # fmt: skip
+    g.add_argument("--sync-optimizer-state", action="store_true", default=None,
+                   help="local-sgd: average the optimizer's momentum (AdamW: both moments) "
+                   "with the parameters at each sync (1 or 2 more parameter-sized all-reduces)")  # fmt: skip
     g.add_argument("--outer-lr", type=float, default=None, help="diloco (default 0.7)")
     g.add_argument("--outer-momentum", type=float, default=None, help="diloco (default 0.9)")
     g.add_argument("--topology", choices=TOPOLOGIES, default=None, help="gossip's graph")

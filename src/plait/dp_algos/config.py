@@ -55,6 +55,8 @@ class DPAlgoConfig:
     algo: str = "allreduce"
     sync_every: int | None = None  # H: local-sgd / diloco average every H steps
     local_warmup: int = 0  # local-sgd: plain data-parallel steps first (post-local SGD)
+    # local-sgd: average the optimizer's elementwise state with the parameters at each sync
+    sync_optimizer_state: bool = False
     outer_lr: float = 0.7  # diloco: Nesterov outer optimizer (Douillard et al. 2023)
     outer_momentum: float = 0.9
     topology: str = "ring"  # gossip's graph
@@ -81,6 +83,11 @@ class DPAlgoConfig:
                 raise ValueError("--local-warmup applies to --dp-algo local-sgd (post-local SGD)")
             if self.local_warmup < 0:
                 raise ValueError(f"--local-warmup must be >= 0, got {self.local_warmup}")
+        if self.sync_optimizer_state and self.algo != "local-sgd":
+            raise ValueError(
+                "--sync-optimizer-state applies to --dp-algo local-sgd (DiLoCo keeps each "
+                "replica's inner optimizer state, as the paper does)"
+            )
         if self.algo == "diloco":
             if self.outer_lr <= 0:
                 raise ValueError(f"--outer-lr must be positive, got {self.outer_lr}")

@@ -10,6 +10,12 @@ Update rules (x_i: replica i's parameters, R replicas, t counts optimizer steps 
   (so all replicas stay equal). With a linear optimizer (``--optimizer sgd``) and H = 1,
   local SGD *is* plain data parallelism (the average of the updates is the update of the
   average gradient); with AdamW it is not, the update being nonlinear in the gradient.
+  With ``--sync-optimizer-state`` the optimizer's elementwise state is averaged with the
+  parameters at each sync (SGD's momentum m_i <- (1/R) sum_j m_j; AdamW's two moments
+  alike; the step counters are equal already): SlowMo's "average the base optimizer
+  buffers" (Wang et al. 2020), so that replicas restart from one point *and* one
+  direction. The mean momentum is unchanged by it (averaging is linear); what changes is
+  the spread of the replicas' next H steps.
 - DiLoCo (Douillard et al. 2023): every replica runs H inner AdamW steps from the shared
   point theta; then the outer gradient Delta = (1/R) sum_i (theta - x_i) drives a
   Nesterov-momentum outer step, v <- mu v + Delta, theta <- theta - lr_out (Delta + mu v),
@@ -22,7 +28,9 @@ ZeRO piece under ``--zero-shard-group``; counted as ``comm.py`` counts):
 
 - on a synchronisation step: the pieces (local SGD) or the outer gradients (DiLoCo),
   all-reduced in chunks of ``--bucket-mb``: P bytes, 2 (R-1)/R x P sent; otherwise
-  nothing. Per step on average: P / H.
+  nothing. Per step on average: P / H. ``--sync-optimizer-state`` adds the state tensors
+  to the same chunked all-reduce, after the pieces: (1 + s) P, s = 1 (SGD with momentum)
+  or 2 (AdamW); offloaded state is copied to the device for it.
 - local SGD's warm-up steps: the gradient buffers all-reduced, P bytes each step.
 - inside a replica, the engine's own traffic (ZeRO within the shard group; none for K=1).
 
@@ -59,7 +67,12 @@ class LocalSGD(Replicas):
 
     def after_step(self, step: int) -> None:
         if self.is_sync(step):
-            self.average()
+            self.average(self.optimizer_state() if self.cfg.sync_optimizer_state else ())
+
+    def optimizer_state(self) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of every piece, in the pieces' order (the same
+        tensors, in the same order, on every rank of ``across``)."""
+        return [t for _, p, _ in self.engine.pieces() for t in self.engine.piece_state(p)]
 
 
 class DiLoCo(Replicas):

@@ -289,10 +289,11 @@ class Replicas(DPAlgorithm):
 
     # flat chunks of the pieces --------------------------------------------------------
 
-    def chunks(self) -> list[list[torch.Tensor]]:
-        """The pieces cut into runs of about ``--bucket-mb`` (one message each)."""
+    def chunks(self, tensors=None) -> list[list[torch.Tensor]]:
+        """The pieces (or ``tensors``) cut into runs of about ``--bucket-mb`` (one message
+        each)."""
         out, run, size = [], [], 0
-        for t in self.pieces:
+        for t in self.pieces if tensors is None else tensors:
             run.append(t)
             size += t.numel() * t.element_size()
             if size >= self.chunk_bytes:
@@ -302,9 +303,10 @@ class Replicas(DPAlgorithm):
             out.append(run)
         return out
 
-    @staticmethod
-    def pack(run: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in run])
+    def pack(self, run: list[torch.Tensor]) -> torch.Tensor:
+        """One flat tensor of the run, on the device (offloaded optimizer state is on the
+        host; collectives take device tensors)."""
+        return torch.cat([t.reshape(-1).to(self.topo.device) for t in run])
 
     @staticmethod
     def unpack(flat: torch.Tensor, run: list[torch.Tensor]) -> None:
@@ -322,9 +324,10 @@ class Replicas(DPAlgorithm):
         return tensors
 
     @torch.no_grad()
-    def average(self) -> None:
-        """Every replica's pieces <- their mean over the replicas."""
-        runs = self.chunks()
+    def average(self, extra: list[torch.Tensor] = ()) -> None:
+        """Every replica's pieces (and the ``extra`` tensors, after them) <- their mean
+        over the replicas."""
+        runs = self.chunks([*self.pieces, *extra])
         flats = self.sum_across([self.pack(run) for run in runs])
         for run, flat in zip(runs, flats):
             self.unpack(flat.div_(self.num_replicas), run)

@@ -23,12 +23,15 @@ topk:r                     all_gather n sum 8 ceil(r e)            (n-1) sum(...
 powersgd:r                 all_reduce sum 4 r (rows + cols)        2 (n-1)/n x that
                            (+ 4e for tensors sent whole)
 local-sgd H (warm-up W)    all_reduce E when t <= W or H | t - W   2 (n-1)/n E then
+  + optimizer state        all_reduce (1 + s) E at a sync          2 (n-1)/n (1 + s) E
 diloco H                   all_reduce E when H | t                 2 (n-1)/n E then
 gossip (degree d)          send d E, recv d E                      d E
 gossip + PGA H             all_reduce E instead when H | t         2 (n-1)/n E then
 =========================  ======================================  =======================
 
-(e: a tensor's elements; the sums run over the tensors.) Averaged over H steps, local SGD
+(e: a tensor's elements; the sums run over the tensors; s: the optimizer's elementwise
+state tensors averaged with the parameters under ``--sync-optimizer-state``, 1 for SGD
+with momentum, 2 for AdamW.) Averaged over H steps, local SGD
 and DiLoCo send 2 (n-1)/n E / H per step: H times fewer bytes than all-reduce.
 """
 
@@ -102,10 +105,14 @@ def powersgd_matrix(shape, rank: int) -> tuple[int, int, int] | None:
     return rows, cols, r
 
 
-def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0) -> Volume:
+def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
+                state_tensors: int = 2) -> Volume:  # fmt: skip
     """This rank's bytes across the n replicas at optimizer step ``step`` (from 0), for
     the tensors ``shapes`` (module docstring). ``index``: this rank's replica (gossip's
-    one-peer graph sends one message whatever the index; the others are regular)."""
+    one-peer graph sends one message whatever the index; the others are regular).
+    ``state_tensors``: the optimizer's elementwise state tensors per parameter (2 for
+    AdamW, 1 for SGD with momentum, 0 without), averaged at a local SGD sync under
+    ``--sync-optimizer-state``."""
     if n < 2:
         return Volume()
     elems = sum(_numel(s) for s in shapes)
@@ -125,6 +132,8 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0)
         w, h = cfg.local_warmup, cfg.sync_every
         warm = t <= w
         sync = t > w and (t - w) % h == 0
+        if sync and cfg.sync_optimizer_state:
+            return all_reduce(whole * (1 + state_tensors), n)
         return all_reduce(whole, n) if warm or sync else Volume()
     if cfg.algo == "diloco":
         return all_reduce(whole, n) if t % cfg.sync_every == 0 else Volume()
@@ -139,7 +148,8 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0)
     )
 
 
-def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None) -> Volume:
+def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None,
+                state_tensors: int = 2) -> Volume:  # fmt: skip
     """The average ``Volume`` of a step over one period of the algorithm (H steps for
     local SGD / DiLoCo / Gossip-PGA, log2 n rounds of the one-peer graph, else 1), warm-up
     left out: what the simulator charges per step in steady state."""
@@ -147,7 +157,7 @@ def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None) 
     start = cfg.local_warmup if cfg.algo == "local-sgd" else cfg.compress_warmup
     total = Volume()
     for s in range(start, start + period):
-        total = total + step_volume(cfg, step=s, shapes=shapes, n=n)
+        total = total + step_volume(cfg, step=s, shapes=shapes, n=n, state_tensors=state_tensors)
     return Volume(
         {op: b / period for op, b in total.counted.items()},
         total.sent / period,

@@ -321,6 +321,14 @@ def zero_state(optimizer, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return adamw_zero_state(t)
 
 
+def elementwise_keys(optimizer) -> tuple[str, ...]:
+    """The state ``optimizer`` keeps per element of a tensor (not its scalar step):
+    SGD's momentum buffer (none without momentum) or AdamW's two moments."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",) if optimizer.defaults.get("momentum") else ()
+    return ("exp_avg", "exp_avg_sq")
+
+
 class DataParallel:
     """Stage 0: every rank holds the whole model, its gradients and AdamW's state; the
     gradients are all-reduced over dp (module docstring)."""
@@ -385,6 +393,14 @@ class DataParallel:
 
     def pieces_changed(self) -> None:
         """Nothing to rebuild: the pieces are the parameters."""
+
+    def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of ``p``'s piece (``elementwise_keys`` order),
+        created as zeros if the optimizer has not stepped it yet."""
+        if not self.optimizer.state.get(p):
+            self.optimizer.state[p] = zero_state(self.optimizer, p)
+        state = self.optimizer.state[p]
+        return [state[k] for k in elementwise_keys(self.optimizer)]
 
     def full_of(self, tensors: dict) -> dict:
         """Full tensors from piece-shaped ones ({parameter: tensor}): here the same."""

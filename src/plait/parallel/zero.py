@@ -72,6 +72,7 @@ from plait.parallel.data_parallel import (
     DataParallelConfig,
     GradReducer,
     adamw_zero_state,
+    elementwise_keys,
     frozen_bytes,
     model_chunks,
     sq_sum,
@@ -654,6 +655,16 @@ class ZeroDataParallel:
         self.optimizer.reload_masters()
         if self.zero in (1, 2):
             self._gather_params()
+
+    def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of this rank's piece of ``p``
+        (``elementwise_keys`` order; on the host under offload), zeros if not stepped yet."""
+        state = self.optimizer.state(p)
+        keys = elementwise_keys(self.optimizer.optimizer)
+        for k in keys:
+            if k not in state:
+                state[k] = torch.zeros_like(self.optimizer.targets[p])
+        return [state[k] for k in keys]
 
     def load_optim_state(self, state: dict) -> None:
         """Take this rank's pieces of full state tensors (as ``optim_state`` returns).
