@@ -267,6 +267,45 @@ def bytes_table(rows) -> str:
     return "\n".join(lines)
 
 
+def noise_scale(
+    big: list[dict], small: list[dict], *, b_big: int, b_small: int, windows: int = 8
+) -> list[dict]:
+    """The gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018,
+    appendix A), per window of steps, from the gradient norms of two runs on one
+    trajectory: ``big`` (the all-reduce, batch ``b_big`` sequences) and ``small`` (the
+    local SGD H = 1 control under SGD, whose ``grad_norm`` is a replica's own on
+    ``b_small`` sequences and whose parameters follow the all-reduce's). With
+    E|g_b|^2 = |G|^2 + tr(Sigma) / b: |G|^2 = (b_big |g_big|^2 - b_small |g_small|^2) /
+    (b_big - b_small) and tr(Sigma) = (|g_small|^2 - |g_big|^2) / (1/b_small - 1/b_big),
+    each averaged over the window before the ratio (their paper's advice). B_simple is the
+    batch (in sequences) at which a step's noise equals its signal: far below it, a step
+    is mostly noise. None where the |G|^2 estimate is not positive (noise swamps it)."""
+    n = min(len(big), len(small))
+    out = []
+    for w in range(windows):
+        lo, hi = w * n // windows, (w + 1) * n // windows
+        gb = sum(r["grad_norm"] ** 2 for r in big[lo:hi]) / (hi - lo)
+        gs = sum(r["grad_norm"] ** 2 for r in small[lo:hi]) / (hi - lo)
+        g2 = (b_big * gb - b_small * gs) / (b_big - b_small)
+        trace = (gs - gb) / (1 / b_small - 1 / b_big)
+        out.append({"steps": (lo + 1, hi), "g2": g2, "trace": trace,
+                    "b_simple": trace / g2 if g2 > 0 else None})  # fmt: skip
+    return out
+
+
+def noise_table(rows: list[dict], *, b_big: int, b_small: int) -> str:
+    lines = [
+        f"| steps | \\|G\\|^2 | tr(Sigma) | B_simple (sequences; a replica has {b_small}, "
+        f"the all-reduce {b_big}) |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        b = "noise swamps \\|G\\|^2" if r["b_simple"] is None else f"{r['b_simple']:.0f}"
+        lo, hi = r["steps"]
+        lines.append(f"| {lo}-{hi} | {r['g2']:.4f} | {r['trace']:.3f} | {b} |")
+    return "\n".join(lines)
+
+
 def plot_bytes(rows, path: Path, *, batch: int = 16, optimizer: str = "AdamW, lr 3e-3") -> None:
     import matplotlib
 
@@ -662,6 +701,13 @@ def main() -> None:
         plot_bytes(rows, FIGURES / figure, batch=args.batch,
                    optimizer=f"{'AdamW' if args.optimizer == 'adamw' else 'SGD'}, lr {args.lr:g}")  # fmt: skip
         text = bytes_table(rows)
+        if args.optimizer == "sgd" and {"all-reduce", "local-sgd H=1"} <= metrics.keys():
+            # the control follows the all-reduce's trajectory only under a linear optimizer
+            noise = noise_scale(metrics["all-reduce"], metrics["local-sgd H=1"],
+                                b_big=args.batch, b_small=args.batch // 4)  # fmt: skip
+            text += "\n\nGradient noise scale:\n\n" + noise_table(
+                noise, b_big=args.batch, b_small=args.batch // 4
+            )
         print(text)
         sections.append((f"### Loss against bytes ({date})",
                          f"`python benchmarks/comm_efficient.py --part bytes --steps {args.steps}"

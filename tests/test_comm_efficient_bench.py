@@ -46,3 +46,23 @@ def test_reuse_refuses_runs_trained_otherwise(bench, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench._reused(_args(old, optimizer="sgd", lr=0.3))
     assert "--optimizer" in str(e.value)
+
+
+def test_noise_scale_recovers_signal_and_noise_from_two_batches(bench):
+    """E|g_b|^2 = |G|^2 + tr(Sigma) / b: norms built from known |G|^2 and tr(Sigma) at
+    batches 4 and 16 give them back, window by window, and B_simple = their ratio; a
+    window whose |G|^2 estimate comes out negative (noise swamps it) has none."""
+    g2 = [1.0] * 8 + [0.1] * 8 + [-0.01] * 8
+    trace = [4.0] * 8 + [8.0] * 8 + [8.0] * 8
+
+    def norms(b):
+        return [{"grad_norm": (g + t / b) ** 0.5} for g, t in zip(g2, trace)]
+
+    rows = bench.noise_scale(norms(16), norms(4), b_big=16, b_small=4, windows=3)
+    assert [r["steps"] for r in rows] == [(1, 8), (9, 16), (17, 24)]
+    for r, g, t in zip(rows, (1.0, 0.1, -0.01), (4.0, 8.0, 8.0)):
+        assert r["g2"] == pytest.approx(g, abs=1e-12) and r["trace"] == pytest.approx(t)
+    assert rows[0]["b_simple"] == pytest.approx(4.0) and rows[1]["b_simple"] == pytest.approx(80)
+    assert rows[2]["b_simple"] is None
+    table = bench.noise_table(rows, b_big=16, b_small=4)
+    assert "| 9-16 | 0.1000 | 8.000 | 80 |" in table and "noise swamps" in table
