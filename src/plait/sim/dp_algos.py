@@ -118,9 +118,9 @@ def comm_time(
     average = collectives.all_reduce_time(piece_bytes, r, link)
     if algo.algo in ("local-sgd", "diloco"):
         h = algo.sync_every
-        work = average
-        if algo.sync_optimizer_state:  # AdamW's two moments travel with the parameters
-            work = collectives.all_reduce_time(3 * piece_bytes, r, link)
+        # --sync-optimizer-state: AdamW's two moments travel with the parameters
+        moved = 3 * piece_bytes if algo.sync_optimizer_state else piece_bytes
+        work = collectives.all_reduce_time(moved, r, link)
         if algo.algo == "diloco":
             work += costs.stream_time(hw, OUTER_STEP_STREAMS * piece_bytes / 4)
         latency = 2 * collectives.ring_latency(r, link, "all_reduce") / h
