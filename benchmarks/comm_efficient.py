@@ -118,6 +118,19 @@ BYTES_RUNS = {
     # H = 16 (8x with SGD) isolates the effect at local SGD H = 16's sync rate
     "local-sgd H=32 +opt": {"algo": "local-sgd", "sync_every": 32, "sync_optimizer_state": True},
     "local-sgd H=16 +opt": {"algo": "local-sgd", "sync_every": 16, "sync_optimizer_state": True},
+    # what local steps cost, by H and by where in the run they are taken (diagnostics
+    # under --optimizer sgd, not >= 10x settings): H = 4 and 8, and local SGD H = 16 after
+    # 64, 128 or 256 plain steps
+    "local-sgd H=4": {"algo": "local-sgd", "sync_every": 4},
+    "local-sgd H=8": {"algo": "local-sgd", "sync_every": 8},
+    "local-sgd H=16 warm-up 64": {"algo": "local-sgd", "sync_every": 16, "local_warmup": 64},
+    "local-sgd H=16 warm-up 128": {"algo": "local-sgd", "sync_every": 16, "local_warmup": 128},
+    "local-sgd H=16 warm-up 256": {"algo": "local-sgd", "sync_every": 16, "local_warmup": 256},
+    # the sync's change since the last one in int8 (Int8Sum: 4x fewer bytes than fp32):
+    # chosen after seeing H = 4 at +1.84% (4x) -- H = 4 int8 is 15.9x; H = 8 int8 31.7x
+    "local-sgd H=4 int8": {"algo": "local-sgd", "sync_every": 4, "compress": "int8"},
+    "local-sgd H=8 int8": {"algo": "local-sgd", "sync_every": 8, "compress": "int8"},
+    "local-sgd H=4 bf16": {"algo": "local-sgd", "sync_every": 4, "compress": "bf16"},
     # no saving: per-replica AdamW steps averaged every step -- what the replicas' own
     # optimizers cost without any staleness
     "local-sgd H=1": {"algo": "local-sgd", "sync_every": 1},

@@ -17,21 +17,26 @@ from dataclasses import dataclass
 
 ALGOS = ("allreduce", "local-sgd", "diloco", "gossip")
 TOPOLOGIES = ("ring", "torus", "exponential", "one-peer-exponential", "complete")
-CODECS = ("qsgd", "topk", "powersgd", "bf16")
+CODECS = ("qsgd", "topk", "powersgd", "bf16", "int8")
+# what a local SGD / DiLoCo sync can send its parameter change as (summable codecs: the sync
+# stays one all-reduce); int8 is for syncs only
+SYNC_CODECS = ("bf16", "int8")
 EF21_STARTS = ("gradient", "zero")  # top-k's estimates after --compress-warmup
 MAX_QSGD_LEVELS = 127  # levels travel as one signed byte per element
+MAX_INT8_REPLICAS = 127  # int8: each of R replicas gets 127 // R levels, so their sum fits
 
 
 def parse_compress(spec: str) -> tuple[str, float | int | None]:
     """``"qsgd:8"`` -> ("qsgd", 8); ``"topk:0.01"`` -> ("topk", 0.01); ``"powersgd:4"`` ->
-    ("powersgd", 4); ``"bf16"`` -> ("bf16", None). ValueError (one line) otherwise."""
-    what = "--compress: use qsgd:LEVELS, topk:RATIO, powersgd:RANK or bf16"
+    ("powersgd", 4); ``"bf16"`` -> ("bf16", None); ``"int8"`` -> ("int8", None).
+    ValueError (one line) otherwise."""
+    what = "--compress: use qsgd:LEVELS, topk:RATIO, powersgd:RANK, bf16 or int8"
     name, _, arg = str(spec).partition(":")
     if name not in CODECS:
         raise ValueError(f"--compress {spec!r} is unknown; {what[12:]}")
-    if name == "bf16":
+    if name in SYNC_CODECS:
         if arg:
-            raise ValueError(f"--compress {spec!r}: bf16 takes no argument")
+            raise ValueError(f"--compress {spec!r}: {name} takes no argument")
         return name, None
     try:
         value = float(arg) if name == "topk" else int(arg)
@@ -61,7 +66,10 @@ class DPAlgoConfig:
     outer_momentum: float = 0.9
     topology: str = "ring"  # gossip's graph
     global_avg_every: int = 0  # gossip: exact average every H steps (Gossip-PGA); 0: never
-    compress: str | None = None  # qsgd:LEVELS | topk:RATIO | powersgd:RANK | bf16
+    # allreduce: the per-step gradient's codec, qsgd:LEVELS | topk:RATIO | powersgd:RANK |
+    # bf16; local-sgd / diloco: the sync's, bf16 | int8 (the parameter change since the
+    # last sync, sent in that form)
+    compress: str | None = None
     # plain all-reduce steps before compressing (PyTorch's start_powerSGD_iter; DGC's warm-up)
     compress_warmup: int = 0
     # topk: EF21's estimates after the warm-up -- the last plain step's gradients or zero
@@ -116,12 +124,46 @@ class DPAlgoConfig:
                 "(without a warm-up the estimates start from zero already)"
             )
         if self.compress is not None:
-            parse_compress(self.compress)
-            if self.algo != "allreduce":
+            name, _ = parse_compress(self.compress)
+            if self.algo == "allreduce" and name == "int8":
                 raise ValueError(
-                    f"--compress compresses the per-step gradient all-reduce; --dp-algo "
-                    f"{self.algo} has none to compress (drop one of the two)"
+                    "--compress int8 sends the parameter change of a --dp-algo local-sgd or "
+                    "diloco sync; for per-step gradients use qsgd:LEVELS, topk:RATIO, "
+                    "powersgd:RANK or bf16"
                 )
+            if self.algo == "gossip":
+                raise ValueError(
+                    "--compress with --dp-algo gossip: gossip sends whole parameters to its "
+                    "neighbours, which plait does not compress (drop one of the two)"
+                )
+            if self.algo != "allreduce":
+                if name not in SYNC_CODECS:
+                    raise ValueError(
+                        f"--compress {self.compress} with --dp-algo {self.algo}: a sync sends "
+                        "its parameter change summed over replicas; use bf16 or int8"
+                    )
+                if self.compress_warmup:
+                    instead = "--local-warmup W" if self.algo == "local-sgd" else "no warm-up"
+                    raise ValueError(
+                        f"--compress-warmup applies to per-step gradient codecs; --dp-algo "
+                        f"{self.algo} takes {instead}"
+                    )
+                if self.sync_optimizer_state:
+                    raise ValueError(
+                        "--sync-optimizer-state with --compress: the optimizer's state would "
+                        "travel uncompressed; drop one of the two"
+                    )
+
+    @property
+    def sync_codec(self) -> str | None:
+        """bf16 / int8: how a local SGD / DiLoCo sync sends the parameter change (None:
+        fp32, or not a syncing algorithm)."""
+        return self.compress if self.algo in ("local-sgd", "diloco") else None
+
+    @property
+    def grad_codec(self) -> str | None:
+        """The per-step gradient codec of the compressed all-reduce (None otherwise)."""
+        return self.compress if self.algo == "allreduce" else None
 
     @property
     def plain(self) -> bool:
@@ -140,10 +182,11 @@ class DPAlgoConfig:
 
     def label(self) -> str:
         """Short human name: ``diloco H=100``, ``gossip exponential``, ``powersgd:4``."""
-        if self.compress:
+        if self.grad_codec:
             return self.compress
         if self.algo in ("local-sgd", "diloco"):
-            return f"{self.algo} H={self.sync_every}"
+            codec = f" {self.compress}" if self.compress else ""
+            return f"{self.algo} H={self.sync_every}{codec}"
         if self.algo == "gossip":
             pga = f" +avg/{self.global_avg_every}" if self.global_avg_every else ""
             return f"gossip {self.topology}{pga}"
@@ -157,10 +200,10 @@ class DPAlgoConfig:
         nothing or that plait does not run."""
         if self.algo == "allreduce" and self.compress is None:
             return
-        what = f"--compress {self.compress}" if self.compress else f"--dp-algo {self.algo}"
+        what = f"--compress {self.compress}" if self.grad_codec else f"--dp-algo {self.algo}"
         if layout.dp < 2:
             raise ValueError(f"{what} works across data-parallel replicas; use --dp 2 or more")
-        if self.compress is not None:
+        if self.grad_codec is not None:
             if layout.zero >= 2 and not _hybrid(layout):
                 raise ValueError(
                     f"{what} with --zero {layout.zero} compresses the all-reduce across groups "
@@ -184,6 +227,11 @@ class DPAlgoConfig:
                 "--dtype bf16 or fp32"
             )
         replicas, _ = replicas_of(layout)
+        if self.sync_codec == "int8" and replicas > MAX_INT8_REPLICAS:
+            raise ValueError(
+                f"--compress int8 sums {replicas} replicas' levels in one signed byte, which "
+                f"holds at most {MAX_INT8_REPLICAS}; use --compress bf16"
+            )
         if self.algo == "gossip" and self.topology == "torus" and replicas < 4:
             raise ValueError(f"--topology torus needs at least 4 replicas, got {replicas}")
 

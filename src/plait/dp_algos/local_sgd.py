@@ -16,6 +16,15 @@ Update rules (x_i: replica i's parameters, R replicas, t counts optimizer steps 
   buffers" (Wang et al. 2020), so that replicas restart from one point *and* one
   direction. The mean momentum is unchanged by it (averaging is linear); what changes is
   the spread of the replicas' next H steps.
+- Compressed syncs (``--compress bf16|int8``; Basu et al. 2019's Qsparse-local-SGD,
+  Streaming DiLoCo's quantised outer gradients, Douillard et al. 2025): local SGD keeps
+  the anchor theta (the point of the last sync, the same on every replica) and a sync
+  becomes theta <- theta + C((1/R) sum_j (x_j - theta)), x_i <- theta, where C is the
+  codec's sum (``Replicas.mean_changes``); DiLoCo's outer gradient goes through C alike.
+  The change since the last sync is small next to the weights, so its rounding is too:
+  int8's per-element error is at most 1/s of the block's largest change (s = 127 // R),
+  and unbiased. No error feedback: what is lost is zero-mean (int8) or a relative 2^-8
+  (bf16), not a systematic bias to carry forward.
 - DiLoCo (Douillard et al. 2023): every replica runs H inner AdamW steps from the shared
   point theta; then the outer gradient Delta = (1/R) sum_i (theta - x_i) drives a
   Nesterov-momentum outer step, v <- mu v + Delta, theta <- theta - lr_out (Delta + mu v),
@@ -28,7 +37,11 @@ ZeRO piece under ``--zero-shard-group``; counted as ``comm.py`` counts):
 
 - on a synchronisation step: the pieces (local SGD) or the outer gradients (DiLoCo),
   all-reduced in chunks of ``--bucket-mb``: P bytes, 2 (R-1)/R x P sent; otherwise
-  nothing. Per step on average: P / H. ``--sync-optimizer-state`` adds the state tensors
+  nothing. Per step on average: P / H. With ``--compress bf16`` the change since the last
+  sync (local SGD: x_i - anchor; DiLoCo: the outer gradient) travels in bfloat16, P / 2
+  bytes; with ``--compress int8`` as ``compression.Int8Sum`` levels, P / 4 bytes plus one
+  fp32 scale per 512 elements of each tensor, all-reduced with MAX just before (two
+  all-reduces per chunk, in chunk order). ``--sync-optimizer-state`` adds the state tensors
   to the same chunked all-reduce, after the pieces: (1 + s) P, s = 1 (SGD with momentum)
   or 2 (AdamW); offloaded state is copied to the device for it.
 - local SGD's warm-up steps: the gradient buffers all-reduced, P bytes each step.
@@ -44,9 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from plait import comm
 from plait.dp_algos.replicas import Replicas
-from plait.topology import Axis
 
 
 class LocalSGD(Replicas):
@@ -65,9 +76,38 @@ class LocalSGD(Replicas):
         for flat in self.sum_across(flats):
             flat.div_(self.num_replicas)
 
+    def attach(self, engine, model) -> None:
+        super().attach(engine, model)
+        # a compressed sync sends x_i - anchor, the change since the last sync
+        self.anchor = [p.detach().clone() for p in self.pieces] if self.cfg.compress else None
+
+    @torch.no_grad()
     def after_step(self, step: int) -> None:
-        if self.is_sync(step):
+        if self.anchor is not None and step < self.cfg.local_warmup:
+            for a, t in zip(self.anchor, self.pieces):  # warm-up: replicas equal, follow them
+                a.copy_(t)
+            return
+        if not self.is_sync(step):
+            return
+        if self.anchor is None:
             self.average(self.optimizer_state() if self.cfg.sync_optimizer_state else ())
+            return
+        changes = [t - a for t, a in zip(self.pieces, self.anchor)]
+        for a, t, mean in zip(self.anchor, self.pieces, self.mean_changes(changes, step)):
+            a.add_(mean)
+            t.copy_(a)
+        self.engine.pieces_changed()
+
+    def algo_state(self) -> dict:
+        if self.anchor is None:
+            return {}
+        return {n: {"anchor": a} for n, a in zip(self.piece_names, self.anchor)}
+
+    def fresh_state(self, *, loaded: bool) -> None:
+        if self.anchor is not None and not loaded:  # from a plain checkpoint
+            with torch.no_grad():
+                for a, piece in zip(self.anchor, self.pieces):
+                    a.copy_(piece)
 
     def optimizer_state(self) -> list[torch.Tensor]:
         """The optimizer's elementwise state of every piece, in the pieces' order (the same
@@ -92,23 +132,12 @@ class DiLoCo(Replicas):
         if not self.is_sync(step):
             return
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-        runs = self.chunks()
-        index = {id(t): i for i, t in enumerate(self.pieces)}
-        # outer gradients theta - x_i, summed over the replicas (async, in chunk order)
-        flats = [torch.cat([(self.anchor[index[id(t)]] - t).reshape(-1) for t in run])
-                 for run in runs]  # fmt: skip
-        handles = [comm.all_reduce(f, topo=self.across, axis=Axis.DP, async_op=True) for f in flats]
-        for run, flat, handle in zip(runs, flats, handles):
-            comm.wait([handle], topo=self.across, what="all_reduce", axis="dp")
-            flat.div_(self.num_replicas)
-            offset = 0
-            for t in run:
-                i = index[id(t)]
-                delta = flat[offset : offset + t.numel()].view_as(t)
-                offset += t.numel()
-                v = self.momentum[i].mul_(mu).add_(delta)
-                self.anchor[i].sub_(delta.add(v, alpha=mu), alpha=lr)  # Nesterov
-                t.copy_(self.anchor[i])
+        # the outer gradient: the replicas' mean of theta - x_i (as --compress asks)
+        outer = self.mean_changes([a - t for a, t in zip(self.anchor, self.pieces)], step)
+        for t, a, v, delta in zip(self.pieces, self.anchor, self.momentum, outer):
+            v.mul_(mu).add_(delta)
+            a.sub_(delta.add(v, alpha=mu), alpha=lr)  # Nesterov
+            t.copy_(a)
         self.engine.pieces_changed()
 
     def algo_state(self) -> dict:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from plait import comm
 from plait.data import IGNORE_INDEX
@@ -282,6 +283,8 @@ class Replicas(DPAlgorithm):
     def attach(self, engine, model) -> None:
         super().attach(engine, model)
         self.pieces = [piece for _, _, piece in engine.pieces()]
+        self.piece_names = [name for name, _, _ in engine.pieces()]
+        self._int8 = None  # the int8 sync codec, made at the first sync
 
     def peer(self, replica: int) -> int:
         """Global rank of the rank holding this rank's place in replica ``replica``."""
@@ -332,6 +335,55 @@ class Replicas(DPAlgorithm):
         for run, flat in zip(runs, flats):
             self.unpack(flat.div_(self.num_replicas), run)
         self.engine.pieces_changed()
+
+    @torch.no_grad()
+    def mean_changes(self, changes: list[torch.Tensor], step: int) -> list[torch.Tensor]:
+        """The replicas' mean of ``changes`` (one tensor per piece, in the pieces' order:
+        the same shapes on every rank of ``across``), sent as ``--compress`` asks: fp32
+        (none), bf16, or int8 (``compression.Int8Sum``: one MAX all-reduce of the block
+        scales, then one int8 all-reduce of the levels, per chunk). New fp32 tensors.
+        Collectives in chunk order, the same on every rank; int8's draws are keyed by the
+        sync's step, this replica and the piece's name."""
+        codec = self.cfg.sync_codec
+        index = {id(t): i for i, t in enumerate(changes)}
+        runs = self.chunks(changes)
+        out: list[torch.Tensor | None] = [None] * len(changes)
+        if codec != "int8":
+            flats = [self.pack(run) for run in runs]
+            if codec == "bf16":
+                flats = [f.to(torch.bfloat16) for f in flats]
+            for run, flat in zip(runs, self.sum_across(flats)):
+                flat = flat.float().div_(self.num_replicas)
+                offset = 0
+                for t in run:
+                    out[index[id(t)]] = flat[offset : offset + t.numel()].view_as(t)
+                    offset += t.numel()
+            return out
+        if self._int8 is None:
+            from plait.dp_algos.compression import Int8Sum
+
+            self._int8 = Int8Sum(self.num_replicas, seed=self.seed)
+        q = self._int8
+        for run in runs:
+            xs = [t.reshape(-1).to(self.topo.device) for t in run]
+            scales = torch.cat([q.scales(x) for x in xs])
+            comm.all_reduce(scales, topo=self.across, axis=Axis.DP, op=dist.ReduceOp.MAX)
+            cuts, at = [], 0
+            for x in xs:
+                cuts.append(scales[at : at + q.blocks(x.numel())])
+                at += q.blocks(x.numel())
+            levels = torch.cat([
+                q.encode(x, a, gen=q.generator(self.piece_names[index[id(t)]], step,
+                                                self.index, x.device))
+                for t, x, a in zip(run, xs, cuts)
+            ])  # fmt: skip
+            comm.all_reduce(levels, topo=self.across, axis=Axis.DP)
+            offset = 0
+            for t, x, a in zip(run, xs, cuts):
+                total = q.decode(levels[offset : offset + x.numel()], a)
+                out[index[id(t)]] = total.div_(self.num_replicas).view_as(t)
+                offset += x.numel()
+        return out
 
     @torch.no_grad()
     def mean_pieces(self) -> list[torch.Tensor]:
@@ -387,6 +439,13 @@ class Replicas(DPAlgorithm):
                 f"{saved.get('algo')}; this run has {self.num_replicas} of --dp-algo "
                 f"{self.cfg.algo}: resume with the same, or start from their average "
                 "(plait export, then --init-hf)"
+            )
+        if self.cfg.algo == "local-sgd" and (saved.get("compress") is None) != (
+            self.cfg.compress is None
+        ):  # a compressed sync needs the anchor, which only a compressed run keeps
+            raise ResumeError(
+                f"the checkpoint's local SGD ran with --compress {saved.get('compress')}, this "
+                f"run with --compress {self.cfg.compress}: resume with the checkpoint's setting"
             )
         state = self.algo_state()
         per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}

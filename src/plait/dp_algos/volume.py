@@ -24,7 +24,10 @@ powersgd:r                 all_reduce sum 4 r (rows + cols)        2 (n-1)/n x t
                            (+ 4e for tensors sent whole)
 local-sgd H (warm-up W)    all_reduce E when t <= W or H | t - W   2 (n-1)/n E then
   + optimizer state        all_reduce (1 + s) E at a sync          2 (n-1)/n (1 + s) E
+  + bf16 sync              all_reduce E/2 at a sync                2 (n-1)/n E/2
+  + int8 sync              all_reduce sum(e + 4 ceil(e/512))       2 (n-1)/n x that
 diloco H                   all_reduce E when H | t                 2 (n-1)/n E then
+  + bf16 / int8            as local SGD's sync
 gossip (degree d)          send d E, recv d E                      d E
 gossip + PGA H             all_reduce E instead when H | t         2 (n-1)/n E then
 =========================  ======================================  =======================
@@ -118,9 +121,9 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
     elems = sum(_numel(s) for s in shapes)
     whole = 4 * elems
     t = step + 1
-    if cfg.compress is not None and t <= cfg.compress_warmup:
+    if cfg.grad_codec is not None and t <= cfg.compress_warmup:
         return all_reduce(whole, n)  # warm-up: the plain all-reduce
-    if cfg.compress is not None:
+    if cfg.grad_codec is not None:
         codec, arg = cfg.codec
         msg = sum(codec_message(codec, arg, s) for s in shapes)
         if codec in ("bf16", "powersgd"):  # summable: all-reduced (PowerSGD in two rounds)
@@ -134,9 +137,11 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
         sync = t > w and (t - w) % h == 0
         if sync and cfg.sync_optimizer_state:
             return all_reduce(whole * (1 + state_tensors), n)
-        return all_reduce(whole, n) if warm or sync else Volume()
+        if sync:
+            return sync_volume(cfg, shapes, n)
+        return all_reduce(whole, n) if warm else Volume()
     if cfg.algo == "diloco":
-        return all_reduce(whole, n) if t % cfg.sync_every == 0 else Volume()
+        return sync_volume(cfg, shapes, n) if t % cfg.sync_every == 0 else Volume()
     # gossip
     if cfg.global_avg_every and t % cfg.global_avg_every == 0:
         return all_reduce(whole, n)
@@ -146,6 +151,18 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
         float(len(send_to) * whole),
         len(send_to),
     )
+
+
+def sync_volume(cfg: DPAlgoConfig, shapes, n: int) -> Volume:
+    """One local SGD / DiLoCo sync of the tensors ``shapes``: fp32, bf16 or int8 (levels,
+    then the block scales, each its own all-reduce)."""
+    elems = sum(_numel(s) for s in shapes)
+    if cfg.sync_codec == "bf16":
+        return all_reduce(2 * elems, n)
+    if cfg.sync_codec == "int8":
+        scales = 4 * sum(math.ceil(_numel(s) / QSGD_BLOCK) for s in shapes)
+        return all_reduce(elems, n) + all_reduce(scales, n)
+    return all_reduce(4 * elems, n)
 
 
 def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None,
@@ -166,7 +183,7 @@ def mean_volume(cfg: DPAlgoConfig, *, shapes, n: int, steps: int | None = None,
 
 
 def _period(cfg: DPAlgoConfig, n: int) -> int:
-    if cfg.compress is not None or cfg.algo == "allreduce":
+    if cfg.algo == "allreduce":
         return 1
     if cfg.algo in ("local-sgd", "diloco"):
         return cfg.sync_every

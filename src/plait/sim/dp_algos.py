@@ -22,14 +22,17 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
 - local SGD, DiLoCo: the engine inside a replica (ZeRO over its K ranks, nothing for K =
   1) every step; every H steps an all-reduce of the 4N/K-byte pieces across the R
   replicas, plus DiLoCo's outer step (7 fp32 streams of the piece); charged per step as
-  1/H of that, exposed (nothing overlaps it).
+  1/H of that, exposed (nothing overlaps it). A compressed sync (``--compress bf16``:
+  2N/K bytes and the two casts; ``int8``: N/K bytes of levels plus a scale per 512
+  elements in a second all-reduce, the encode and decode streams) adds local SGD's anchor
+  arithmetic (8 fp32 streams).
 - gossip: every step, d messages of 4N/K bytes leave the rank together (one batch, one
   NIC: latency + d x 4N/K / bandwidth of the link to the neighbours), and the mixing
   reads d + 1 copies and writes one; Gossip-PGA replaces one step in H by an all-reduce.
 
 Memory each algorithm adds per device at its peak (``state_bytes``): DiLoCo's anchor and
 outer momentum 8N/K plus the 4N/K outer gradients in flight; local SGD's 4N/K packed
-pieces while averaging; gossip's d receive buffers, the packed chunk and its mix (one
+pieces while averaging (and its 4N/K anchor with a compressed sync); gossip's d receive buffers, the packed chunk and its mix (one
 ``--bucket-mb`` chunk each); EF21's two estimates 8N (top-k), PowerSGD's error 4N (per
 piece under ZeRO 2/3).
 """
@@ -48,6 +51,10 @@ from plait.sim.runtime import Runtime
 
 QSGD_ENCODE, QSGD_DECODE, TOPK_WORK, BF16_CASTS, EF_STREAMS = 9, 9, 36, 12, 24
 OUTER_STEP_STREAMS = 7 * 4  # DiLoCo: read anchor, piece, momentum, delta; write three
+# a compressed local SGD sync: the change x - anchor (read two, write one), anchor += mean
+# (read two, write one), the piece <- anchor (read one, write one)
+ANCHOR_STREAMS = 8 * 4
+INT8_DECODE = 5  # read the summed level (1 byte), write the fp32 mean (4)
 
 
 def rank_shapes(model: ModelConfig, layout: Layout, chunks, params: float) -> list[tuple]:
@@ -105,7 +112,7 @@ def comm_time(
         latency = 2 * collectives.ring_latency(layout.dp, link, "all_reduce")
         return {**base, "sync": 0.0, "bytes_sent": vol.sent, "messages": 0, "latency": latency}
     shapes = rank_shapes(model, layout, chunks, params)
-    if algo.compress is not None:
+    if algo.grad_codec is not None:
         return _compressed(model, layout, hw, rt, algo, shapes, params)
     r, k = replicas_of(layout)
     inner = costs.dp_comm_time(params, layout.replace(dp=k, zero_shard_group=None), hw, rt)
@@ -118,12 +125,28 @@ def comm_time(
     average = collectives.all_reduce_time(piece_bytes, r, link)
     if algo.algo in ("local-sgd", "diloco"):
         h = algo.sync_every
-        # --sync-optimizer-state: AdamW's two moments travel with the parameters
-        moved = 3 * piece_bytes if algo.sync_optimizer_state else piece_bytes
-        work = collectives.all_reduce_time(moved, r, link)
+        elems = piece_bytes / 4
+        rounds = 1
+        if algo.sync_optimizer_state:  # AdamW's two moments travel with the parameters
+            work = collectives.all_reduce_time(3 * piece_bytes, r, link)
+        elif algo.sync_codec is None:
+            work = collectives.all_reduce_time(piece_bytes, r, link)
+        else:  # the change since the last sync, encoded: bf16, or int8 levels + scales
+            sync = volume.sync_volume(algo, pieces, r)
+            if algo.sync_codec == "bf16":
+                work = collectives.all_reduce_time(sync.counted["all_reduce"], r, link)
+                work += costs.stream_time(hw, BF16_CASTS * elems)
+            else:
+                scales = 4 * sum(math.ceil(math.prod(s) / volume.QSGD_BLOCK) for s in pieces)
+                work = collectives.all_reduce_time(sync.counted["all_reduce"] - scales, r, link)
+                work += collectives.all_reduce_time(scales, r, link)
+                work += costs.stream_time(hw, (QSGD_ENCODE + INT8_DECODE) * elems)
+                rounds = 2
+            if algo.algo == "local-sgd":
+                work += costs.stream_time(hw, ANCHOR_STREAMS * elems)
         if algo.algo == "diloco":
-            work += costs.stream_time(hw, OUTER_STEP_STREAMS * piece_bytes / 4)
-        latency = 2 * collectives.ring_latency(r, link, "all_reduce") / h
+            work += costs.stream_time(hw, OUTER_STEP_STREAMS * elems)
+        latency = rounds * 2 * collectives.ring_latency(r, link, "all_reduce") / h
         return {
             **inner,
             "sync": work / h,
@@ -215,7 +238,7 @@ def state_bytes(
     (module docstring): state it keeps, and the buffers of its synchronisation."""
     if algo is None or (algo.algo == "allreduce" and algo.compress is None):
         return 0.0
-    if algo.compress is not None:
+    if algo.grad_codec is not None:
         codec, _ = algo.codec
         _, k = compress_group(layout)
         return {"topk": 8.0, "powersgd": 4.0}.get(codec, 0.0) * params / k
@@ -226,4 +249,6 @@ def state_bytes(
     if algo.algo == "gossip":  # d receive buffers, the packed chunk and its mix
         chunk = min(piece, layout.bucket_mb * 2**20)
         return (max(graphs.degree(algo.topology, r), 1) + 2) * chunk
+    if algo.sync_codec is not None:  # the anchor, and the packed changes while averaged
+        return 2 * piece
     return piece  # local SGD: the packed pieces while they are averaged
