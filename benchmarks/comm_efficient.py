@@ -80,6 +80,7 @@ SECTION = "## Communication-efficient data parallelism"
 BYTES_RUNS = {
     "all-reduce": {},
     "bf16": {"compress": "bf16"},
+    "int8": {"compress": "int8"},
     "qsgd:8": {"compress": "qsgd:8"},
     "topk:0.01": {"compress": "topk:0.01"},
     "powersgd:4": {"compress": "powersgd:4"},

@@ -125,7 +125,7 @@ def dp_algo_parent() -> argparse.ArgumentParser:
                    help="gossip: exact average every H steps (Gossip-PGA)")  # fmt: skip
     g.add_argument("--compress", default=None, metavar="SPEC",
                    help="per-step gradients: qsgd:LEVELS | topk:RATIO | powersgd:RANK | "
-                   "bf16; local-sgd / diloco syncs: bf16 | int8")  # fmt: skip
+                   "bf16 | int8; local-sgd / diloco syncs: bf16 | int8")  # fmt: skip
     g.add_argument("--compress-warmup", type=int, default=None, metavar="W",
                    help="--compress: W plain all-reduce steps first (default 0)")  # fmt: skip
     g.add_argument("--ef21-start", choices=EF21_STARTS, default=None,

@@ -6,6 +6,10 @@ shard groups under ZeRO 2/3; per tensor of e elements, bytes as ``comm.py`` coun
 ``volume.py`` holds the same formulas for the tests and the simulator):
 
 - ``bf16``: one all-reduce per bucket, 2e bytes per tensor; sent 2 (n-1)/n of it.
+- ``int8`` (``compression.Int8Sum``, n <= 127 ranks): per bucket one MAX all-reduce of the
+  block scales (4 ceil(e/512) bytes per tensor), then one all-reduce of the int8 levels
+  (e bytes per tensor); sent 2 (n-1)/n of each. Summable: the levels of the n ranks add
+  up in the all-reduce itself.
 - ``qsgd:s``: one all-gather per bucket of every rank's message, n (e + 4 ceil(e/512))
   bytes per tensor counted (the gathered output); sent (n-1) x the message.
 - ``topk:ratio``: one all-gather per bucket, n x 8 ceil(ratio e) bytes per tensor; sent
@@ -23,9 +27,10 @@ with ``--ef21-start zero`` they stay at zero until compression starts.
 
 When. Stages 0 and 1 (``CompressedGrads``): as in ``AllReduceGrads``, a bucket's gradients
 are encoded and its collective launched asynchronously from the backward hook of its
-last gradient on the step's last micro-batch (PowerSGD's first all-reduce likewise);
-``finish()`` waits, decodes and sums in rank order, and runs PowerSGD's second
-all-reduce, bucket by bucket. ZeRO 2/3 with ``--zero-shard-group`` (``Across``): the
+last gradient on the step's last micro-batch (PowerSGD's first all-reduce and int8's
+scales likewise); ``finish()`` waits, decodes and sums in rank order, and runs
+PowerSGD's second all-reduce and int8's levels (encoded once the shared scales are
+there), bucket by bucket. ZeRO 2/3 with ``--zero-shard-group`` (``Across``): the
 reduce-scatter inside the shard group is unchanged; what crosses the groups -- this
 rank's piece of each gradient, in ``finish()`` -- goes through the codec instead of the
 plain all-reduce, synchronously, bucket by bucket.
@@ -45,6 +50,7 @@ and checkpoints keep them per replica (``replicas.py``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plait import comm
@@ -62,7 +68,7 @@ def make_codec(cfg: DPAlgoConfig, *, seed: int):
         return compression.TopK(arg, warm_start=cfg.ef21_start == "gradient")
     if name == "powersgd":
         return compression.PowerSGD(arg, seed=seed)
-    return None  # bf16: no state, no object
+    return None  # bf16: no state, no object; int8: made per reduction (``Compression``)
 
 
 class _Wire:
@@ -183,6 +189,31 @@ class _Wire:
             offset += mat[1] * r
             x.copy_(self.codec.finish(key, hats[key], q_sum).reshape(-1))
 
+    # --- int8: shared scales (MAX), then the levels (SUM) ------------------------------------
+
+    def int8_start(self, tensors):
+        scales = torch.cat([self.codec.scales(x) for _, x in tensors])
+        return comm.all_reduce(scales, topo=self.topo, axis=Axis.DP, op=dist.ReduceOp.MAX,
+                               async_op=True), scales  # fmt: skip
+
+    def int8_finish(self, pending, tensors) -> None:
+        handle, scales = pending
+        comm.wait([handle], topo=self.topo, what="all_reduce", axis="dp")
+        cuts, at = [], 0
+        for _, x in tensors:
+            cuts.append(scales[at : at + self.codec.blocks(x.numel())])
+            at += self.codec.blocks(x.numel())
+        levels = torch.cat([
+            self.codec.encode(x, a, gen=self.codec.generator(key, self.step, self.sender,
+                                                             x.device))
+            for (key, x), a in zip(tensors, cuts)
+        ])  # fmt: skip
+        comm.all_reduce(levels, topo=self.topo, axis=Axis.DP)
+        offset = 0
+        for (_, x), a in zip(tensors, cuts):
+            x.copy_(self.codec.decode(levels[offset : offset + x.numel()], a))
+            offset += x.numel()
+
     # --- bf16 ----------------------------------------------------------------------------
 
     def bf16_start(self, flat: torch.Tensor):
@@ -220,6 +251,8 @@ class CompressedGrads(GradReducer):
             bucket.handle = wire.plain_start(self._tensors(bucket), bucket.flat)
         elif wire.name == "bf16":
             bucket.handle = wire.bf16_start(bucket.flat)
+        elif wire.name == "int8":
+            bucket.handle = wire.int8_start(self._tensors(bucket))
         elif wire.name == "powersgd":
             bucket.handle = wire.power_start(self._tensors(bucket), _shapes(bucket.params))
         else:
@@ -232,6 +265,8 @@ class CompressedGrads(GradReducer):
             wire.plain_finish(bucket.handle, self._tensors(bucket))
         elif wire.name == "bf16":
             wire.bf16_finish(bucket.handle, bucket.flat)
+        elif wire.name == "int8":
+            wire.int8_finish(bucket.handle, self._tensors(bucket))
         elif wire.name == "powersgd":
             wire.power_finish(bucket.handle, self._tensors(bucket), _shapes(bucket.params))
         else:
@@ -264,6 +299,9 @@ class Across:
             for v in views:
                 v.copy_(flat[offset : offset + v.numel()])
                 offset += v.numel()
+        elif wire.name == "int8":
+            tensors = [(self.names[id(p)], v.reshape(-1)) for p, v in zip(params, views)]
+            wire.int8_finish(wire.int8_start(tensors), tensors)
         else:
             tensors = [(self.names[id(p)], v) for p, v in zip(params, views)]
             wire.gather_finish(wire.gather_start(tensors), tensors)
@@ -277,20 +315,28 @@ class Compression:
     def __init__(self, cfg: DPAlgoConfig, *, seed: int, names: dict[int, str], sender: str):
         self.codec_name, _ = cfg.codec
         self.codec = make_codec(cfg, seed=seed)
+        self.seed = seed
         self.warmup = cfg.compress_warmup
         self.names, self.sender = names, sender
         self.wires: list[_Wire] = []
 
+    def _codec(self, topo: Topology):
+        """The codec of a reduction over ``topo``'s dp axis: int8's levels per rank depend
+        on how many ranks add theirs up; the others are shared."""
+        if self.codec_name == "int8":
+            return compression.Int8Sum(max(topo.dp, 1), seed=self.seed)
+        return self.codec
+
     def reducer(self, model, *, topo, cfg, defer=()) -> CompressedGrads:
         r = CompressedGrads(model, topo=topo, cfg=cfg, defer=defer, codec_name=self.codec_name,
-                            codec=self.codec, names=self.names, sender=self.sender,
+                            codec=self._codec(topo), names=self.names, sender=self.sender,
                             warmup=self.warmup)  # fmt: skip
         self.wires.append(r.wire)
         return r
 
     def across(self, topo: Topology) -> Across:
-        a = Across(self.codec_name, self.codec, topo=topo, names=self.names, sender=self.sender,
-                   warmup=self.warmup)  # fmt: skip
+        a = Across(self.codec_name, self._codec(topo), topo=topo, names=self.names,
+                   sender=self.sender, warmup=self.warmup)  # fmt: skip
         self.wires.append(a.wire)
         return a
 

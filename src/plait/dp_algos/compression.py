@@ -33,8 +33,9 @@ bucket size or on the pipeline cut. The gradients being combined are the ranks' 
   too small to gain (r (rows + cols) >= rows x cols), travel uncompressed. Bytes per
   matrix: 4 r (rows + cols) in two all-reduces.
 
-- ``int8`` (for local SGD / DiLoCo syncs; a summable stochastic quantisation with a scale
-  shared by the replicas, the idea of THC, Li et al. 2024): each block of ``QSGD_BLOCK``
+- ``int8`` (per-step gradients, and local SGD / DiLoCo syncs; a summable stochastic
+  quantisation with a scale shared by the R ranks that sum, the idea of THC, Li et al.
+  2024): each block of ``QSGD_BLOCK``
   elements of a tensor v (its blocks restart at every tensor) gets the scale a = the
   largest |v_i| of the block over *all* replicas (one fp32 all-reduce with MAX), and each
   element a signed level l_i in -s..s, s = 127 // R, drawn so that E[l_i] = s v_i / a

@@ -19,7 +19,7 @@ ALGOS = ("allreduce", "local-sgd", "diloco", "gossip")
 TOPOLOGIES = ("ring", "torus", "exponential", "one-peer-exponential", "complete")
 CODECS = ("qsgd", "topk", "powersgd", "bf16", "int8")
 # what a local SGD / DiLoCo sync can send its parameter change as (summable codecs: the sync
-# stays one all-reduce); int8 is for syncs only
+# stays an all-reduce)
 SYNC_CODECS = ("bf16", "int8")
 EF21_STARTS = ("gradient", "zero")  # top-k's estimates after --compress-warmup
 MAX_QSGD_LEVELS = 127  # levels travel as one signed byte per element
@@ -67,8 +67,8 @@ class DPAlgoConfig:
     topology: str = "ring"  # gossip's graph
     global_avg_every: int = 0  # gossip: exact average every H steps (Gossip-PGA); 0: never
     # allreduce: the per-step gradient's codec, qsgd:LEVELS | topk:RATIO | powersgd:RANK |
-    # bf16; local-sgd / diloco: the sync's, bf16 | int8 (the parameter change since the
-    # last sync, sent in that form)
+    # bf16 | int8; local-sgd / diloco: the sync's, bf16 | int8 (the parameter change since
+    # the last sync, sent in that form)
     compress: str | None = None
     # plain all-reduce steps before compressing (PyTorch's start_powerSGD_iter; DGC's warm-up)
     compress_warmup: int = 0
@@ -125,12 +125,6 @@ class DPAlgoConfig:
             )
         if self.compress is not None:
             name, _ = parse_compress(self.compress)
-            if self.algo == "allreduce" and name == "int8":
-                raise ValueError(
-                    "--compress int8 sends the parameter change of a --dp-algo local-sgd or "
-                    "diloco sync; for per-step gradients use qsgd:LEVELS, topk:RATIO, "
-                    "powersgd:RANK or bf16"
-                )
             if self.algo == "gossip":
                 raise ValueError(
                     "--compress with --dp-algo gossip: gossip sends whole parameters to its "
@@ -227,10 +221,11 @@ class DPAlgoConfig:
                 "--dtype bf16 or fp32"
             )
         replicas, _ = replicas_of(layout)
-        if self.sync_codec == "int8" and replicas > MAX_INT8_REPLICAS:
+        summed = replicas if self.sync_codec else compress_group(layout)[0]
+        if self.compress == "int8" and summed > MAX_INT8_REPLICAS:
             raise ValueError(
-                f"--compress int8 sums {replicas} replicas' levels in one signed byte, which "
-                f"holds at most {MAX_INT8_REPLICAS}; use --compress bf16"
+                f"--compress int8 sums {summed} ranks' levels in one signed byte, which holds "
+                f"at most {MAX_INT8_REPLICAS}; use --compress bf16"
             )
         if self.algo == "gossip" and self.topology == "torus" and replicas < 4:
             raise ValueError(f"--topology torus needs at least 4 replicas, got {replicas}")

@@ -18,6 +18,7 @@ algorithm                  counted                                 sent
 =========================  ======================================  =======================
 all-reduce                 all_reduce E                            2 (n-1)/n E
 bf16                       all_reduce E/2                          2 (n-1)/n E/2
+int8                       all_reduce sum(e + 4 ceil(e/512))       2 (n-1)/n x that
 qsgd:s                     all_gather n sum(e + 4 ceil(e/512))     (n-1) sum(...)
 topk:r                     all_gather n sum 8 ceil(r e)            (n-1) sum(...)
 powersgd:r                 all_reduce sum 4 r (rows + cols)        2 (n-1)/n x that
@@ -82,7 +83,7 @@ def codec_message(codec: str, arg, shape) -> int:
     e = _numel(shape)
     if codec == "bf16":
         return 2 * e
-    if codec == "qsgd":
+    if codec in ("qsgd", "int8"):  # a byte per element, an fp32 norm or scale per block
         return e + 4 * math.ceil(e / QSGD_BLOCK)
     if codec == "topk":
         return 8 * (math.ceil(arg * e) if e else 0)
@@ -126,7 +127,8 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
     if cfg.grad_codec is not None:
         codec, arg = cfg.codec
         msg = sum(codec_message(codec, arg, s) for s in shapes)
-        if codec in ("bf16", "powersgd"):  # summable: all-reduced (PowerSGD in two rounds)
+        if codec in ("bf16", "powersgd", "int8"):  # summable: all-reduced (in two rounds:
+            # PowerSGD's P and Q, int8's scales and levels)
             return all_reduce(msg, n)
         return all_gather(msg, n)
     if cfg.algo == "allreduce":
