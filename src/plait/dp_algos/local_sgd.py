@@ -92,8 +92,8 @@ class LocalSGD(Replicas):
         if self.anchor is None:
             self.average(self.optimizer_state() if self.cfg.sync_optimizer_state else ())
             return
-        changes = [t - a for t, a in zip(self.pieces, self.anchor)]
-        for a, t, mean in zip(self.anchor, self.pieces, self.mean_changes(changes, step)):
+        means = self.mean_changes(self.pieces, self.anchor, step)
+        for a, t, mean in zip(self.anchor, self.pieces, means):
             a.add_(mean)
             t.copy_(a)
         self.engine.pieces_changed()
@@ -133,7 +133,7 @@ class DiLoCo(Replicas):
             return
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         # the outer gradient: the replicas' mean of theta - x_i (as --compress asks)
-        outer = self.mean_changes([a - t for a, t in zip(self.anchor, self.pieces)], step)
+        outer = self.mean_changes(self.anchor, self.pieces, step)
         for t, a, v, delta in zip(self.pieces, self.anchor, self.momentum, outer):
             v.mul_(mu).add_(delta)
             a.sub_(delta.add(v, alpha=mu), alpha=lr)  # Nesterov

@@ -337,19 +337,27 @@ class Replicas(DPAlgorithm):
         self.engine.pieces_changed()
 
     @torch.no_grad()
-    def mean_changes(self, changes: list[torch.Tensor], step: int) -> list[torch.Tensor]:
-        """The replicas' mean of ``changes`` (one tensor per piece, in the pieces' order:
+    def mean_changes(
+        self, new: list[torch.Tensor], old: list[torch.Tensor], step: int
+    ) -> list[torch.Tensor]:
+        """The replicas' mean of ``new - old`` (one pair per piece, in the pieces' order:
         the same shapes on every rank of ``across``), sent as ``--compress`` asks: fp32
         (none), bf16, or int8 (``compression.Int8Sum``: one MAX all-reduce of the block
-        scales, then one int8 all-reduce of the levels, per chunk). New fp32 tensors.
-        Collectives in chunk order, the same on every rank; int8's draws are keyed by the
-        sync's step, this replica and the piece's name."""
+        scales, then one int8 all-reduce of the levels, per chunk). New fp32 tensors; the
+        differences are formed a chunk at a time, so what it adds at its peak is the
+        packed chunks (as ``average``). Collectives in chunk order, the same on every
+        rank; int8's draws are keyed by the sync's step, this replica and the piece's
+        name."""
         codec = self.cfg.sync_codec
-        index = {id(t): i for i, t in enumerate(changes)}
-        runs = self.chunks(changes)
-        out: list[torch.Tensor | None] = [None] * len(changes)
+        index = {id(t): i for i, t in enumerate(new)}
+        runs = self.chunks(new)
+        out: list[torch.Tensor | None] = [None] * len(new)
+
+        def diffs(run):
+            return [(t - old[index[id(t)]]).reshape(-1).to(self.topo.device) for t in run]
+
         if codec != "int8":
-            flats = [self.pack(run) for run in runs]
+            flats = [torch.cat(diffs(run)) for run in runs]
             if codec == "bf16":
                 flats = [f.to(torch.bfloat16) for f in flats]
             for run, flat in zip(runs, self.sum_across(flats)):
@@ -365,7 +373,7 @@ class Replicas(DPAlgorithm):
             self._int8 = Int8Sum(self.num_replicas, seed=self.seed)
         q = self._int8
         for run in runs:
-            xs = [t.reshape(-1).to(self.topo.device) for t in run]
+            xs = diffs(run)
             scales = torch.cat([q.scales(x) for x in xs])
             comm.all_reduce(scales, topo=self.across, axis=Axis.DP, op=dist.ReduceOp.MAX)
             cuts, at = [], 0
