@@ -192,27 +192,18 @@ class _Wire:
     # --- int8: shared scales (MAX), then the levels (SUM) ------------------------------------
 
     def int8_start(self, tensors):
-        scales = torch.cat([self.codec.scales(x) for _, x in tensors])
+        scales = self.codec.scales_of([x for _, x in tensors])
         return comm.all_reduce(scales, topo=self.topo, axis=Axis.DP, op=dist.ReduceOp.MAX,
                                async_op=True), scales  # fmt: skip
 
     def int8_finish(self, pending, tensors) -> None:
         handle, scales = pending
         comm.wait([handle], topo=self.topo, what="all_reduce", axis="dp")
-        cuts, at = [], 0
-        for _, x in tensors:
-            cuts.append(scales[at : at + self.codec.blocks(x.numel())])
-            at += self.codec.blocks(x.numel())
-        levels = torch.cat([
-            self.codec.encode(x, a, gen=self.codec.generator(key, self.step, self.sender,
-                                                             x.device))
-            for (key, x), a in zip(tensors, cuts)
-        ])  # fmt: skip
+        levels = self.codec.encode_all(tensors, scales, step=self.step, sender=self.sender)
         comm.all_reduce(levels, topo=self.topo, axis=Axis.DP)
-        offset = 0
-        for (_, x), a in zip(tensors, cuts):
-            x.copy_(self.codec.decode(levels[offset : offset + x.numel()], a))
-            offset += x.numel()
+        xs = [x for _, x in tensors]
+        for x, total in zip(xs, self.codec.decode_all(levels, scales, xs)):
+            x.copy_(total)
 
     # --- bf16 ----------------------------------------------------------------------------
 

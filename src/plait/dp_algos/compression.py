@@ -160,6 +160,38 @@ class Int8Sum:
         lv = self._view(levels)
         return (lv * (scales / self.levels)[:, None]).view(-1)[:n]
 
+    # one message of several tensors: what a bucket or a chunk sends
+
+    def scales_of(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's block scales of the flat tensors ``xs``, one fp32 message (to be
+        all-reduced with MAX)."""
+        return torch.cat([self.scales(x) for x in xs])
+
+    def _cuts(self, xs, scales: torch.Tensor) -> list[torch.Tensor]:
+        cuts, at = [], 0
+        for x in xs:
+            cuts.append(scales[at : at + _blocks(x.numel())])
+            at += _blocks(x.numel())
+        return cuts
+
+    def encode_all(self, items, scales: torch.Tensor, *, step: int, sender) -> torch.Tensor:
+        """One int8 message of the (key, flat tensor) ``items`` on the shared ``scales``
+        (``scales_of`` after the MAX), each tensor on its own random stream."""
+        xs = [x for _, x in items]
+        return torch.cat([
+            self.encode(x, a, gen=self.generator(key, step, sender, x.device))
+            for (key, x), a in zip(items, self._cuts(xs, scales))
+        ])  # fmt: skip
+
+    def decode_all(self, levels: torch.Tensor, scales: torch.Tensor, xs) -> list[torch.Tensor]:
+        """The summed ``levels`` of one message decoded, one flat fp32 tensor per tensor
+        of ``xs`` (their sizes)."""
+        out, offset = [], 0
+        for x, a in zip(xs, self._cuts(xs, scales)):
+            out.append(self.decode(levels[offset : offset + x.numel()], a))
+            offset += x.numel()
+        return out
+
 
 class TopK:
     """Top-k sparsification with EF21 error feedback (module docstring)."""

@@ -83,8 +83,8 @@ class LocalSGD(Replicas):
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
-        if self.anchor is not None and step < self.cfg.local_warmup:
-            for a, t in zip(self.anchor, self.pieces):  # warm-up: replicas equal, follow them
+        if self.anchor is not None and step == self.cfg.local_warmup - 1:
+            for a, t in zip(self.anchor, self.pieces):  # the warm-up's end: the shared point
                 a.copy_(t)
             return
         if not self.is_sync(step):
@@ -102,12 +102,6 @@ class LocalSGD(Replicas):
         if self.anchor is None:
             return {}
         return {n: {"anchor": a} for n, a in zip(self.piece_names, self.anchor)}
-
-    def fresh_state(self, *, loaded: bool) -> None:
-        if self.anchor is not None and not loaded:  # from a plain checkpoint
-            with torch.no_grad():
-                for a, piece in zip(self.anchor, self.pieces):
-                    a.copy_(piece)
 
     def optimizer_state(self) -> list[torch.Tensor]:
         """The optimizer's elementwise state of every piece, in the pieces' order (the same
@@ -141,14 +135,7 @@ class DiLoCo(Replicas):
         self.engine.pieces_changed()
 
     def algo_state(self) -> dict:
-        names = [name for name, _, _ in self.engine.pieces()]
         return {
             n: {"anchor": a, "outer_momentum": m}
-            for n, a, m in zip(names, self.anchor, self.momentum)
+            for n, a, m in zip(self.piece_names, self.anchor, self.momentum)
         }
-
-    def fresh_state(self, *, loaded: bool) -> None:
-        if not loaded:  # from a plain checkpoint: the loaded weights are the shared point
-            with torch.no_grad():
-                for a, piece in zip(self.anchor, self.pieces):
-                    a.copy_(piece)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.data import IGNORE_INDEX
+from plait.dp_algos.compression import Int8Sum
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
 from plait.topology import Axis, Topology
 
@@ -284,7 +285,11 @@ class Replicas(DPAlgorithm):
         super().attach(engine, model)
         self.pieces = [piece for _, _, piece in engine.pieces()]
         self.piece_names = [name for name, _, _ in engine.pieces()]
-        self._int8 = None  # the int8 sync codec, made at the first sync
+        # the shared point of the last sync (local SGD with --compress, DiLoCo); None here
+        self.anchor: list[torch.Tensor] | None = None
+        self.int8 = (
+            Int8Sum(self.num_replicas, seed=self.seed) if self.cfg.sync_codec == "int8" else None
+        )
 
     def peer(self, replica: int) -> int:
         """Global rank of the rank holding this rank's place in replica ``replica``."""
@@ -367,30 +372,15 @@ class Replicas(DPAlgorithm):
                     out[index[id(t)]] = flat[offset : offset + t.numel()].view_as(t)
                     offset += t.numel()
             return out
-        if self._int8 is None:
-            from plait.dp_algos.compression import Int8Sum
-
-            self._int8 = Int8Sum(self.num_replicas, seed=self.seed)
-        q = self._int8
         for run in runs:
             xs = diffs(run)
-            scales = torch.cat([q.scales(x) for x in xs])
+            scales = self.int8.scales_of(xs)
             comm.all_reduce(scales, topo=self.across, axis=Axis.DP, op=dist.ReduceOp.MAX)
-            cuts, at = [], 0
-            for x in xs:
-                cuts.append(scales[at : at + q.blocks(x.numel())])
-                at += q.blocks(x.numel())
-            levels = torch.cat([
-                q.encode(x, a, gen=q.generator(self.piece_names[index[id(t)]], step,
-                                                self.index, x.device))
-                for t, x, a in zip(run, xs, cuts)
-            ])  # fmt: skip
+            items = [(self.piece_names[index[id(t)]], x) for t, x in zip(run, xs)]
+            levels = self.int8.encode_all(items, scales, step=step, sender=self.index)
             comm.all_reduce(levels, topo=self.across, axis=Axis.DP)
-            offset = 0
-            for t, x, a in zip(run, xs, cuts):
-                total = q.decode(levels[offset : offset + x.numel()], a)
+            for t, total in zip(run, self.int8.decode_all(levels, scales, xs)):
                 out[index[id(t)]] = total.div_(self.num_replicas).view_as(t)
-                offset += x.numel()
         return out
 
     @torch.no_grad()
@@ -481,5 +471,10 @@ class Replicas(DPAlgorithm):
         self.fresh_state(loaded=bool(targets))
         self._resumed = None
 
+    @torch.no_grad()
     def fresh_state(self, *, loaded: bool) -> None:
-        """After a resume: state the checkpoint did not hold starts from the parameters."""
+        """After a resume: state the checkpoint did not hold starts from the parameters --
+        from a plain checkpoint, its weights are the anchor (the shared point)."""
+        if self.anchor is not None and not loaded:
+            for a, piece in zip(self.anchor, self.pieces):
+                a.copy_(piece)

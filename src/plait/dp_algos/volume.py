@@ -155,6 +155,11 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
     )
 
 
+def block_scale_bytes(shapes) -> int:
+    """int8's (and QSGD's) fp32 scales: one per block of 512 elements of each tensor."""
+    return 4 * sum(math.ceil(_numel(s) / QSGD_BLOCK) for s in shapes)
+
+
 def sync_volume(cfg: DPAlgoConfig, shapes, n: int) -> Volume:
     """One local SGD / DiLoCo sync of the tensors ``shapes``: fp32, bf16 or int8 (levels,
     then the block scales, each its own all-reduce)."""
@@ -162,8 +167,7 @@ def sync_volume(cfg: DPAlgoConfig, shapes, n: int) -> Volume:
     if cfg.sync_codec == "bf16":
         return all_reduce(2 * elems, n)
     if cfg.sync_codec == "int8":
-        scales = 4 * sum(math.ceil(_numel(s) / QSGD_BLOCK) for s in shapes)
-        return all_reduce(elems, n) + all_reduce(scales, n)
+        return all_reduce(elems, n) + all_reduce(block_scale_bytes(shapes), n)
     return all_reduce(4 * elems, n)
 
 

@@ -12,8 +12,8 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
 - compression (every dp rank under ZeRO 0/1; across the R shard groups, on the 1/K piece,
   under ZeRO 2/3, after the unchanged reduce-scatter inside each group): bf16 and
   PowerSGD all-reduce (PowerSGD's P round overlaps the backward like a bucket, its Q
-  round does not; int8's scales overlap, its levels do not), QSGD and top-k all-gather R messages. The codecs' own work is charged
-  as exposed time: memory-bound streams at the elementwise rate (QSGD: encode 9 bytes
+  round does not; int8's scales overlap, its levels do not), QSGD and top-k all-gather R
+  messages. The codecs' own work is charged as exposed time: memory-bound streams at the elementwise rate (QSGD: encode 9 bytes
   per element -- read the gradient, write levels, draw a uniform -- and decode 9 bytes per
   element per sender; top-k: 36 -- the residual 12, a radix select of the magnitudes in
   four 8-bit passes 16, and the estimate's update 8; bf16: the two casts 12; PowerSGD:
@@ -137,7 +137,7 @@ def comm_time(
                 work = collectives.all_reduce_time(sync.counted["all_reduce"], r, link)
                 work += costs.stream_time(hw, BF16_CASTS * elems)
             else:
-                scales = 4 * sum(math.ceil(math.prod(s) / volume.QSGD_BLOCK) for s in pieces)
+                scales = volume.block_scale_bytes(pieces)
                 work = collectives.all_reduce_time(sync.counted["all_reduce"] - scales, r, link)
                 work += collectives.all_reduce_time(scales, r, link)
                 work += costs.stream_time(hw, (QSGD_ENCODE + INT8_DECODE) * elems)
@@ -199,7 +199,7 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
         grad = collectives.all_reduce_time(msg, n, link)
         sync = costs.stream_time(hw, BF16_CASTS * elems)
     elif codec == "int8":  # the scales overlap the backward; the levels wait for them
-        scales = 4 * sum(math.ceil(math.prod(s) / volume.QSGD_BLOCK) for s in pieces)
+        scales = volume.block_scale_bytes(pieces)
         grad = collectives.all_reduce_time(scales, n, link)
         sync = collectives.all_reduce_time(msg - scales, n, link)
         sync += costs.stream_time(hw, (QSGD_ENCODE + INT8_DECODE) * elems)
