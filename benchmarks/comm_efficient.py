@@ -697,6 +697,13 @@ def main() -> None:
         metrics = _reused(args)
         names = only or ([] if args.reuse else list(BYTES_RUNS))  # --reuse alone: its runs
         todo = [n for n in names if n not in metrics]
+        if "all-reduce" not in [*names, *metrics]:  # every row is read against it
+            sys.exit("comm_efficient.py --only: add all-reduce, the reference every run is "
+                     "compared with (or --reuse a JSON that holds it)")  # fmt: skip
+        unknown = [n for n in todo if n not in BYTES_RUNS]
+        if unknown:
+            sys.exit(f"comm_efficient.py --only: unknown run {unknown[0]!r}; the runs are "
+                     f"{', '.join(BYTES_RUNS)}")  # fmt: skip
         with tempfile.TemporaryDirectory() as d:
             if todo:
                 metrics.update(train_runs(todo, steps=args.steps, root=Path(d), batch=args.batch,

@@ -66,3 +66,19 @@ def test_noise_scale_recovers_signal_and_noise_from_two_batches(bench):
     assert rows[2]["b_simple"] is None
     table = bench.noise_table(rows, b_big=16, b_small=4)
     assert "| 9-16 | 0.1000 | 8.000 | 80 |" in table and "noise swamps" in table
+
+
+@pytest.mark.parametrize(
+    "only, words",
+    [("bf16", "add all-reduce"), ("all-reduce,local-sgd H=3", "unknown run 'local-sgd H=3'")],
+)
+def test_bytes_part_refuses_a_table_it_cannot_make_in_one_line(only, words):
+    """Without the all-reduce (its reference) or with a run it does not know, the bytes
+    part stops before training anything, in one line."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "benchmarks" / "comm_efficient.py"
+    r = subprocess.run([sys.executable, str(script), "--part", "bytes", "--only", only],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0 and words in r.stderr and r.stderr.strip().count("\n") == 0
