@@ -297,13 +297,14 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     steps, batch, micro = 120, 128, 8
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"
+    seed = random.randrange(1000)  # named in the failure message, to reproduce it
     proc = plait_train(corpus, out, "--steps", steps, "--global-batch-size", batch,
                        "--micro-batch-size", micro, "--fault-tolerance", 1, "--chaos-every", 2,
-                       "--chaos-seed", random.randrange(1000), "--heartbeat-timeout", 3,
+                       "--chaos-seed", seed, "--heartbeat-timeout", 3,
                        "--verify-replicas", "--no-progress")  # fmt: skip
     events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
     kills = [e for e in events if e["event"] == "chaos"]
-    assert len(kills) >= 10, kills
+    assert len(kills) >= 10, (f"--chaos-seed {seed}", kills)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
     first = kills[0]["worker"]
     assert f"generation 1: worker {first} died (SIGKILL)" in lines[0], lines
