@@ -8,7 +8,9 @@
 
 ``kills``: one ``plait train --fault-tolerance 1 --dp 2 --pp 2`` run of the tiny model with
 ``--chaos-every K`` (the coordinator SIGKILLs a random worker every K steps, at a random
-point inside the step; a new worker replaces it and joins at a step boundary), then the
+point inside the step; a new worker replaces it and joins at a step boundary; a kill that
+falls due while the replacement is still starting holds the run until it has joined, so
+the run sees exactly the kills asked for on any machine), then the
 same run without failures. It reports, from ``metrics.jsonl`` and the coordinator's event
 log: the recovery time of every kill (from the kill to the first step of the new
 generation: ``recovery_s``), its median and worst; the steps redone; that every step
@@ -18,7 +20,8 @@ workers before the first kill, with 3 after a kill, and with 4 again after a rej
 
 ``--zero-replicas K``: the same with ZeRO-2 inside replicas instead (``--dp 2K --pp 1 --zero
 2 --zero-shard-group K``: two replicas of K workers sharding every parameter); a kill takes
-a whole replica out until the replacement rejoins, so the next random kill waits for it.
+a whole replica out until the replacement rejoins, so the next random kill (and the run)
+waits for it.
 
 ``sim``: ``plait.resilience.availability`` for GPT-3 175B (dp 8 x tp 8 x pp 16, bf16,
 selective recomputation, sequence parallelism, 1,536 sequences of 2,048 tokens) on

@@ -207,6 +207,37 @@ def test_injections_and_chaos_schedule():
     assert [s.worker for s in fired] == expected
 
 
+def test_a_shot_due_while_a_replacement_is_coming_waits_and_the_run_holds_before_it():
+    """chaos.py: an injection waits while a replacement is on its way and the run holds F
+    copies or fewer (the coordinator holds the run before ``next_due()``), and fires at
+    once with no replacement coming (how the checkpoint fallback is scripted); random
+    kills are never due at the last step."""
+    inj = parse_injections("2:3,12:0")
+    chaos = Chaos(ResilienceConfig(fault_tolerance=1, inject_failure=inj), steps=20)
+    assert chaos.next_due() == 2
+    one = {0: (12, 0.0, 0.0, "step"), 1: (12, 0.0, 0.0, "step")}
+    shots = chaos.tick({3: (2, 0.0, 0.0, "step")}, {0, 1, 2, 3}, now=1.0, copies=2)
+    assert [(s.worker, s.step) for s in shots] == [(3, 2)] and chaos.next_due() == 12
+    # one copy left, a replacement starting: the kill of step 12 waits, however far on
+    for running in (12, 13, 30):
+        progress = {w: (running, 0.0, 0.0, "step") for w in (0, 1)}
+        assert chaos.tick(progress, {0, 1}, now=2.0, copies=1, coming=True) == []
+    assert chaos.next_due() == 12  # what the run holds before
+    # no replacement coming: it fires although no copy would be left (the fallback)
+    shots = chaos.tick(one, {0, 1}, now=3.0, copies=1, coming=False)
+    assert [(s.worker, s.step) for s in shots] == [(0, 12)] and chaos.next_due() == 0
+
+    every = Chaos(ResilienceConfig(fault_tolerance=1, chaos_every=5, chaos_seed=1), steps=20)
+    fired, held = [], []
+    for step in range(1, 21):
+        progress = {0: (step, 0.0, 0.0, "step"), 1: (step, 0.0, 0.0, "step")}
+        copies = 1 if 6 <= step < 9 else 2  # a kill in step 5; the rejoin before step 9
+        held.append(every.next_due())
+        fired += every.tick(progress, {0, 1}, now=float(step), copies=copies, coming=copies == 1)
+    assert [s.step for s in fired] == [5, 10, 15]  # none at step 20, the last
+    assert held[5:9] == [10] * 4 and every.next_due() == 0  # 20 is never due
+
+
 @pytest.mark.parametrize(
     "layout, flags, needle",
     [

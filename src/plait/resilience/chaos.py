@@ -8,8 +8,17 @@ the signal itself).
 A kill lands inside the step, not at its start: after a delay drawn uniformly from
 [0, the worker's last step time), so that over many kills every phase of a step -- the
 forward, the pipeline messages, the gradient all-reduce, the statistics, the update, a
-checkpoint being written -- gets hit. Draws come from ``random.Random(seed)``: a run with
-the same seed and the same timings kills alike.
+checkpoint being written -- gets hit. Draws come from ``random.Random(seed)``.
+
+**A shot waits for the replacements, and the run waits with it.** A shot that falls due
+while a replacement is on its way and the run holds F copies or fewer (a random kill: F
+copies or fewer, whether or not one is coming) does not fire; the coordinator publishes
+``next_due()`` as ``ft/hold`` and the members stop at the boundary before that step until
+the replacement has joined (``elastic.Worker._boundary``). So which steps are hit, and how
+many shots land, depends on the steps and the seed, not on how fast this machine starts a
+process: a test's kills and rejoins happen alike on a fast and a slow machine. Without a
+replacement on its way (``--no-respawn``) an injection fires at once: that is how a second
+failure before the copies are back (the checkpoint fallback) is scripted.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ class Chaos:
     pending: list = field(default_factory=list)  # injections not fired yet
     next_step: int = 0  # --chaos-every: the step at which the next random kill is due
     armed: list = field(default_factory=list)  # Shots waiting for their time
+    steps: int = 0  # the run's last step: no random kill is due at it (the run ends first)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.cfg.chaos_seed)
@@ -45,20 +55,37 @@ class Chaos:
     def enabled(self) -> bool:
         return bool(self.pending or self.cfg.chaos_every or self.armed)
 
+    def next_due(self) -> int:
+        """The step at which the next shot falls due (0: none left): while it waits for a
+        replacement, the run holds at the boundary before this step."""
+        due = [i.step for i in self.pending]
+        if self.cfg.chaos_every and (not self.steps or self.next_step < self.steps):
+            due.append(self.next_step)
+        return min(due, default=0)
+
     def tick(
-        self, progress: dict[int, tuple], members, now: float, *, copies: int = 0
+        self,
+        progress: dict[int, tuple],
+        members,
+        now: float,
+        *,
+        copies: int = 0,
+        coming: bool = False,
     ) -> list[Shot]:
         """Shots to fire now. ``progress``: worker -> (step it runs, when it started it,
         its previous step's duration, "step" or "save"), from the store; ``members``:
-        workers training; ``copies``: pipelines of the generation. Injections of one step
-        share one delay: they land together. A random kill (``--chaos-every``) waits while
-        the run holds fewer than F + 1 copies of its layers, so that each is survivable in
-        place (replacements rejoin meanwhile); injections fire regardless."""
+        workers training; ``copies``: replicas of the generation whose workers all train;
+        ``coming``: a replacement is on its way. Injections of one step share one delay:
+        they land together. A random kill (``--chaos-every``) waits while the run holds F
+        copies or fewer, so that each is survivable in place; an injection waits only while
+        a replacement is also on its way (module docstring)."""
         delays: dict[int, float] = {}
         for inj in list(self.pending):
             seen = progress.get(inj.worker)
             if seen is None or inj.worker not in members or seen[0] < inj.step:
                 continue
+            if coming and copies <= self.cfg.fault_tolerance:
+                continue  # the run holds for the replacement; then it fires
             if inj.signal == "save":
                 if seen[0] == inj.step and seen[3] != "save":
                     continue  # not writing it yet
@@ -72,7 +99,7 @@ class Chaos:
         random_ok = not self.armed and copies > self.cfg.fault_tolerance  # one at a time
         if self.cfg.chaos_every and members and progress and random_ok:
             running = max(p[0] for w, p in progress.items() if w in members)
-            if running >= self.next_step:
+            if running >= self.next_step and not (self.steps and running >= self.steps):
                 victim = self.rng.choice(sorted(members))
                 self.next_step = running + self.cfg.chaos_every
                 last = progress[victim][2] if victim in progress else 0.0

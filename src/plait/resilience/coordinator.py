@@ -13,7 +13,8 @@ What it does, every 20 ms:
   and write). A worker whose last word is an error (bad input, a bug, gradients that are
   not finite) ends the run with that line, as a failure no re-forming would cure.
 - **Chaos.** ``--inject-failure`` / ``--chaos-every`` (``chaos.py``): SIGKILL or SIGSTOP to
-  real worker processes.
+  real worker processes. A shot due while a replacement is on its way holds the run
+  (``ft/hold``) at the boundary before its step until the replacement has joined.
 - **Re-forming.** On a death, or when a worker reports it left the generation, it waits
   for every living member to report (each drops the broken generation at once, so a peer
   waiting in a collective fails within milliseconds; one that still has not reported
@@ -45,7 +46,7 @@ from plait.train.config import RunConfig
 from plait.train.launch import LaunchError
 
 POLL_S = 0.02
-READY_TIMEOUT_S = 300.0  # a worker must start (import torch, connect) within this
+READY_TIMEOUT_S = 300.0  # a replacement that is not ready by then no longer holds chaos
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Proc:
     ready: bool = False
     dead: bool = False
     finished: bool = False
+    spawned: float = 0.0  # monotonic time it was started
     signal: str | None = None  # what chaos sent it
 
 
@@ -105,13 +107,15 @@ class Coordinator:
         self.next_worker = 0
         self.gen, self.plan = -1, None
         self.printed = 0  # generations whose recovery line is printed
-        self.chaos = Chaos(self.res)
+        self.chaos = Chaos(self.res, steps=cfg.train.steps)
+        self.held = ""  # the ft/hold published last ("GEN STEP")
         self.dog = liveness.Watchdog(self.store, ranks=[], stale_s=self.res.heartbeat_timeout)
         self.nodes = nodes.NodeWatch(self.store, nnodes=nnodes, stale_s=self.res.heartbeat_timeout)
         self.events = open(self.out / "logs" / "coordinator.jsonl", "a")  # noqa: SIM115
         self.failure: tuple[float, str] | None = None  # (when, what) of the first evidence
         self.requested = False
         self.last_progress: dict[int, tuple[int, float, float]] = {}
+        self.durations: dict[int, float] = {}  # each worker's last step time before a pause
 
     # -- processes -------------------------------------------------------------------
 
@@ -127,7 +131,7 @@ class Coordinator:
         else:
             self.store.append(nodes.SPAWN.format(node), f"{w}:{local_rank},")
             handle = nodes.Remote(self.store, w)
-        self.procs[w] = Proc(w, handle, node, local_rank)
+        self.procs[w] = Proc(w, handle, node, local_rank, spawned=time.monotonic())
         self.dog.ranks.append(w)
         self.log("spawn", worker=w, node=node, pid=handle.pid)
         return w
@@ -240,9 +244,11 @@ class Coordinator:
             self.procs[s.rank].handle.signal(signal.SIGKILL)
         if self.gen >= 0 and self.chaos.enabled:
             reforming = self.failure is not None or self.requested
+            copies, coming = 0 if reforming else self.copies(), self.coming()
             for shot in self.chaos.tick(self.progress(), set(self.members()), time.monotonic(),
-                                        copies=0 if reforming else self.copies()):  # fmt: skip
-                if not self.procs[shot.worker].dead:
+                                        copies=copies, coming=coming):  # fmt: skip
+                p = self.procs[shot.worker]
+                if not p.dead and not p.finished:
                     self.log("chaos", worker=shot.worker, signal=shot.signal, step=shot.step)
                     self.send(shot.worker, shot.signal)
                     if shot.signal == "kill":  # the failure starts now, not when it is seen
@@ -251,10 +257,41 @@ class Coordinator:
                     else:
                         self.note_failure(time.time(), f"worker {shot.worker} hung (SIGSTOP)"
                                           f"{self._during(shot.worker)}")  # fmt: skip
+            waiting = coming and copies <= self.res.fault_tolerance
+            self.hold(self.chaos.next_due() if waiting else 0)
         left = protocol.reports(self.store, self.gen, self.members())
         if left and self.failure is None and not self.requested:
             first = min(left.values(), key=lambda r: r["t"])
             self.note_failure(first["t"], f"a worker saw: {first['why']}")
+
+    def coming(self) -> bool:
+        """Whether a replacement is on its way: a worker started less than
+        READY_TIMEOUT_S ago that is not ready yet, or ready ones that make a larger
+        combination (the coordinator is about to ask the members to let them in)."""
+        members, now = set(self.members()), time.monotonic()
+        starting = any(
+            not p.ready and not p.dead and not p.finished and w not in members
+            and now - p.spawned < READY_TIMEOUT_S
+            for w, p in self.procs.items()
+        )  # fmt: skip
+        return starting or self.grows()
+
+    def hold(self, step: int) -> None:
+        """Publish ``ft/hold``: the members of this generation stop at the boundary before
+        ``step`` (0: nowhere) until it changes."""
+        want = f"{self.gen} {step}"
+        if want != self.held:
+            self.store.set(protocol.HOLD, want)
+            if step or self.held.split(" ")[-1] not in ("", "0"):
+                self.log("hold" if step else "release", gen=self.gen, step=step)
+                self.pause_progress()  # a step across the hold is not a step's time
+            self.held = want
+
+    def pause_progress(self) -> None:
+        """Forget where the workers were, keeping their last step times: the next step
+        after a re-forming or a hold is timed from that, not from the gap."""
+        self.durations.update({w: p[2] for w, p in self.last_progress.items()})
+        self.last_progress.clear()
 
     def copies(self) -> int:
         """Replicas (pipelines; with ZeRO inside replicas, groups of K) of the generation
@@ -288,7 +325,8 @@ class Coordinator:
             if prev is not None and prev[0] == step:
                 out[w] = (*prev[:3], phase)
             else:  # a new step: the previous one took t - its start
-                out[w] = (step, t, t - prev[1] if prev is not None else 0.0, phase)
+                took = t - prev[1] if prev is not None else self.durations.get(w, 0.0)
+                out[w] = (step, t, took, phase)
         self.last_progress.update(out)
         return out
 
@@ -443,6 +481,7 @@ class Coordinator:
         if "plan" in decision:  # progress starts afresh: a key now means "copied and training"
             for w in self.procs:
                 self.store.delete_key(protocol.PROGRESS.format(w))
+            self.pause_progress()
         protocol.publish(self.store, {"gen": self.gen, **decision})
 
     def _wait_exit(self, grace: float = 10.0) -> None:

@@ -16,9 +16,11 @@ One generation, from the worker's side::
 
 Communication: the generation's (``generation.py``: the groups; ``transfer.py``: the state
 copy; ``replicas.py``: gradients; the pipeline executor and the trainer's statistics),
-plus one world all-reduce (MAX) of one flag per step, and the store (``protocol.py``)
-between generations. The side thread (``Watcher``) reads one store key and touches no
-process group.
+plus one world all-reduce (MAX) of two flags per step (leave; hold), and the store
+(``protocol.py``) between generations. The side thread (``Watcher``) reads store keys and
+touches no process group. A chaos hold repeats the flags' all-reduce on every rank alike
+(each repeat is decided by the previous one's result), so the ranks' collectives still
+match one for one.
 
 Why nothing is left pending and why recovery cannot deadlock (under NCCL as on gloo):
 
@@ -80,11 +82,12 @@ def _line(e: BaseException) -> str:
 
 
 class Watcher:
-    """Side thread: reads ``ft/request`` ten times a second on a store client of its own.
-    Touches no process group (DESIGN.md section 8)."""
+    """Side thread: reads ``ft/request`` (and, with chaos, ``ft/hold``) ten times a second
+    on a store client of its own. Touches no process group (DESIGN.md section 8)."""
 
-    def __init__(self, store):
-        self.store, self.request = store, 0
+    def __init__(self, store, *, chaos: bool = False):
+        self.store, self.request, self.chaos = store, 0, chaos
+        self.hold = (-1, 0)  # (generation, step) of ft/hold
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="plait-watcher", daemon=True).start()
 
@@ -92,6 +95,9 @@ class Watcher:
         while not self._stop.is_set():
             try:
                 self.request = int(self.store.add(protocol.REQUEST, 0))
+                if self.chaos and self.store.check([protocol.HOLD]):
+                    g, s = self.store.get(protocol.HOLD).decode().split()
+                    self.hold = (int(g), int(s))
             except Exception:  # noqa: BLE001 - the coordinator is gone; the run is over
                 return
             self._stop.wait(0.1)
@@ -118,9 +124,9 @@ class Worker:
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.timeout = datetime.timedelta(seconds=cfg.train.collective_timeout)
-        self.watcher = Watcher(watcher_store)
         res = cfg.resilience
         self.chaos = bool(res.inject_failure or res.chaos_every)
+        self.watcher = Watcher(watcher_store, chaos=self.chaos)
         self.held = Held()
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         self.saver = None  # --async-checkpoint: this generation's writer
@@ -274,7 +280,7 @@ class Worker:
                  "received": times[2],
                  "line": _recovery_line(d, plan, times, t_resumed, start)}))  # fmt: skip
         for step in range(start, tcfg.steps):
-            if self._boundary(gen):
+            if self._boundary(gen, step + 1):
                 return self._leave(gen, d["gen"], None)
             self._progress(step + 1, "step")
             self.in_step = True  # a failure from here on loses this step's work
@@ -315,12 +321,22 @@ class Worker:
         if self.chaos:
             self.store.set(protocol.PROGRESS.format(self.worker), f"{step} {time.time()} {phase}")
 
-    def _boundary(self, gen: Generation) -> bool:
-        """Whether every rank leaves the generation here: one all-reduce (MAX) of this
-        rank's view of ``ft/request``, so that all decide alike at the same step."""
-        t = torch.tensor([float(self.watcher.request > gen.number)], device=gen.device)
-        comm.world_all_reduce(t, topo=gen.topo, op=comm.ReduceOp.MAX)
-        return bool(t.item())
+    def _boundary(self, gen: Generation, step: int) -> bool:
+        """Whether every rank leaves the generation before ``step``: one all-reduce (MAX)
+        of this rank's view of ``ft/request`` and of ``ft/hold``, so that all decide alike
+        at the same step. While the maximum says hold (a chaos shot waits for a
+        replacement: ``chaos.py``), every rank sleeps and repeats the all-reduce, so all
+        run the same collectives until all see the release or the request to leave."""
+        while True:
+            g, s = self.watcher.hold
+            held = g == gen.number and 0 < s <= step
+            t = torch.tensor([float(self.watcher.request > gen.number), float(held)],
+                             device=gen.device)  # fmt: skip
+            comm.world_all_reduce(t, topo=gen.topo, op=comm.ReduceOp.MAX)
+            leave, held = (bool(x) for x in t.tolist())
+            if leave or not held:
+                return leave
+            time.sleep(0.05)
 
     def _fill_gap(self, metrics: MetricsWriter, start: int, last: dict | None) -> None:
         """A step some worker completed whose record the old rank 0 did not write (it

@@ -11,6 +11,8 @@ thread may use it (DESIGN.md section 8). Keys (``G`` a generation, ``W`` a worke
     ft/ready/W          worker W has started and waits for a decision that includes it
     ft/left/G/W         worker W has left generation G (JSON report, below)
     ft/progress/W       the step worker W is running ("STEP TIME"), with chaos only
+    ft/hold             "G S": the members of generation G stop at the boundary before
+                        step S (S = 0: nowhere) -- chaos waits for a replacement
     ft/timing/G         the new generation's rank 0: when it formed, copied state, resumed
 
 A decision: ``{"gen": G, "plan": Plan JSON, "step": S, "moves": [[receiver, unit,
@@ -37,6 +39,7 @@ REQUEST = "ft/request"
 READY = "ft/ready/{}"
 LEFT = "ft/left/{}/{}"
 PROGRESS = "ft/progress/{}"
+HOLD = "ft/hold"
 TIMING = "ft/timing/{}"
 
 
