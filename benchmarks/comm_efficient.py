@@ -207,11 +207,13 @@ def train_runs(
     batch: int = 16,
     optimizer: str = "adamw",
     lr: float = 3e-3,
+    seed: int = 0,
 ) -> dict[str, list[dict]]:
     """Train the named runs in turn on 4 worker processes (``steps`` each, or per name;
     ``batch`` global sequences a step, ``batch / 4`` per replica; ``optimizer`` at peak
     ``lr``: AdamW with decoupled weight decay 0.1, or SGD with momentum 0.9 and L2
-    ``SGD_WEIGHT_DECAY``); their metrics records."""
+    ``SGD_WEIGHT_DECAY``; ``seed``: the initial weights, the batches and the algorithms'
+    random streams); their metrics records."""
     from plait.data import DataConfig, prepare
     from plait.dp_algos.config import DPAlgoConfig
     from plait.layout import Layout
@@ -227,7 +229,7 @@ def train_runs(
             layout=Layout(dp=4, global_batch_size=batch, micro_batch_size=batch // 4),
             data=data,
             train=TrainConfig(steps=steps if isinstance(steps, int) else steps[name], lr=lr, warmup=30, eval_every=0, eval_batches=8,
-                              progress=False, peak_tflops=1.0, keep_checkpoints=1, optimizer=optimizer,
+                              progress=False, peak_tflops=1.0, keep_checkpoints=1, optimizer=optimizer, seed=seed,
                               weight_decay=0.1 if optimizer == "adamw" else SGD_WEIGHT_DECAY),
             out=str(root / name.replace(" ", "_").replace("/", "-")),
             dp_algo=DPAlgoConfig(**BYTES_RUNS[name]),
@@ -620,9 +622,9 @@ def torch_side_by_side(args) -> str:
 
 def _reused(args) -> dict[str, list[dict]]:
     """The runs of ``--reuse`` (empty without it); refused in one line if their length is
-    not ``--steps`` or their batch, optimizer or lr not ``--batch``, ``--optimizer``,
-    ``--lr``. A file saved without one of those keys was trained at the default (the runs
-    alone, no keys: 16 sequences a step, AdamW at 3e-3)."""
+    not ``--steps`` or their batch, optimizer, lr or seed not ``--batch``, ``--optimizer``,
+    ``--lr``, ``--seed``. A file saved without one of those keys was trained at the default
+    (the runs alone, no keys: 16 sequences a step, AdamW at 3e-3, seed 0)."""
     if not args.reuse:
         return {}
     try:
@@ -630,7 +632,7 @@ def _reused(args) -> dict[str, list[dict]]:
     except (OSError, ValueError) as e:
         sys.exit(f"comm_efficient.py --reuse {args.reuse}: cannot read it ({e})")
     metrics = saved.get("runs", saved)
-    for flag, default in (("batch", 16), ("optimizer", "adamw"), ("lr", 3e-3)):
+    for flag, default in (("batch", 16), ("optimizer", "adamw"), ("lr", 3e-3), ("seed", 0)):
         was, now = saved.get(flag, default) if "runs" in saved else default, getattr(args, flag)
         if was != now:
             sys.exit(
@@ -670,6 +672,12 @@ def main() -> None:
     p.add_argument("--convex-iters", type=int, default=3000)
     p.add_argument("--torch-steps", type=int, default=128)
     p.add_argument("--pga-every", type=int, default=8)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="bytes part: initial weights, batches and the algorithms' random streams",
+    )
     p.add_argument("--only", help="comma-separated run names (default: all of the part's)")
     p.add_argument("--save", help="bytes part: also write the measured records to this JSON")
     p.add_argument("--reuse", help="bytes part: a JSON written by --save (same --steps): its "
@@ -707,10 +715,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             if todo:
                 metrics.update(train_runs(todo, steps=args.steps, root=Path(d), batch=args.batch,
-                                          optimizer=args.optimizer, lr=args.lr))  # fmt: skip
+                                          optimizer=args.optimizer, lr=args.lr,
+                                          seed=args.seed))  # fmt: skip
         if args.save:
             Path(args.save).write_text(json.dumps({"batch": args.batch, "optimizer": args.optimizer,
-                                                   "lr": args.lr, "runs": metrics}))  # fmt: skip
+                                                   "lr": args.lr, "seed": args.seed,
+                                                   "runs": metrics}))  # fmt: skip
         if "all-reduce" in metrics:  # the reference first
             metrics = {"all-reduce": metrics.pop("all-reduce"), **metrics}
         rows = summarise(metrics)
@@ -718,6 +728,7 @@ def main() -> None:
         tag = f"{args.steps}" + (f"_batch{args.batch}" if args.batch != 16 else "")
         if (args.optimizer, args.lr) != ("adamw", 3e-3):  # and optimizer / lr, if not AdamW's
             tag += f"_{args.optimizer}_lr{args.lr:g}"
+        tag += f"_seed{args.seed}" if args.seed else ""
         figure = f"comm_efficient_bytes_{tag}.png"
         plot_bytes(rows, FIGURES / figure, batch=args.batch,
                    optimizer=f"{'AdamW' if args.optimizer == 'adamw' else 'SGD'}, lr {args.lr:g}")  # fmt: skip
@@ -735,6 +746,7 @@ def main() -> None:
                          + (f" --batch {args.batch}" if args.batch != 16 else "")
                          + (f" --optimizer {args.optimizer} --lr {args.lr:g}"
                             if (args.optimizer, args.lr) != ("adamw", 3e-3) else "")
+                         + (f" --seed {args.seed}" if args.seed else "")
                          + (f' --only "{args.only}"`' if args.only else "`"),
                          text + f"\n\n![loss against bytes](figures/{figure})"))  # fmt: skip
     if args.part in ("slow", "all"):

@@ -24,7 +24,15 @@ def bench():
 
 def _args(path, **kw):
     return argparse.Namespace(
-        **{"reuse": str(path), "steps": 2, "batch": 16, "optimizer": "adamw", "lr": 3e-3, **kw}
+        **{
+            "reuse": str(path),
+            "steps": 2,
+            "batch": 16,
+            "optimizer": "adamw",
+            "lr": 3e-3,
+            "seed": 0,
+            **kw,
+        }
     )
 
 
@@ -35,7 +43,8 @@ def test_reuse_refuses_runs_trained_otherwise(bench, tmp_path):
     assert bench._reused(_args(saved, optimizer="sgd", lr=0.3)) == runs
     for kw, flag in ((dict(), "--optimizer"), (dict(optimizer="sgd", lr=0.1), "--lr"),
                      (dict(optimizer="sgd", lr=0.3, batch=32), "--batch"),
-                     (dict(optimizer="sgd", lr=0.3, steps=4), "--steps")):  # fmt: skip
+                     (dict(optimizer="sgd", lr=0.3, steps=4), "--steps"),
+                     (dict(optimizer="sgd", lr=0.3, seed=1), "--seed")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             bench._reused(_args(saved, **kw))
         assert flag in str(e.value) and "\n" not in str(e.value), (kw, e.value)
