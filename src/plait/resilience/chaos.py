@@ -13,7 +13,7 @@ checkpoint being written -- gets hit. Draws come from ``random.Random(seed)``.
 **A shot waits for the replacements, and the run waits with it.** A shot that falls due
 while a replacement is on its way and the run holds F copies or fewer (a random kill: F
 copies or fewer, whether or not one is coming) does not fire; the coordinator publishes
-``next_due()`` as ``ft/hold`` and the members stop at the boundary before that step until
+``hold_step()`` as ``ft/hold`` and the members stop at the boundary before that step until
 the replacement has joined (``elastic.Worker._boundary``). So which steps are hit, and how
 many shots land, depends on the steps and the seed, not on how fast this machine starts a
 process: a test's kills and rejoins happen alike on a fast and a slow machine. Without a
@@ -55,13 +55,24 @@ class Chaos:
     def enabled(self) -> bool:
         return bool(self.pending or self.cfg.chaos_every or self.armed)
 
+    def _before_end(self, step: int) -> bool:
+        return not self.steps or step < self.steps
+
+    def _waiting(self, copies: int, coming: bool) -> bool:
+        """Whether shots wait for a replacement (and the run with them)."""
+        return coming and copies <= self.cfg.fault_tolerance
+
     def next_due(self) -> int:
-        """The step at which the next shot falls due (0: none left): while it waits for a
-        replacement, the run holds at the boundary before this step."""
+        """The step at which the next shot falls due (0: none left)."""
         due = [i.step for i in self.pending]
-        if self.cfg.chaos_every and (not self.steps or self.next_step < self.steps):
+        if self.cfg.chaos_every and self._before_end(self.next_step):
             due.append(self.next_step)
         return min(due, default=0)
+
+    def hold_step(self, *, copies: int, coming: bool) -> int:
+        """The step before which the run holds (``ft/hold``; 0: nowhere): the next shot's,
+        while it waits for a replacement."""
+        return self.next_due() if self._waiting(copies, coming) else 0
 
     def tick(
         self,
@@ -84,7 +95,7 @@ class Chaos:
             seen = progress.get(inj.worker)
             if seen is None or inj.worker not in members or seen[0] < inj.step:
                 continue
-            if coming and copies <= self.cfg.fault_tolerance:
+            if self._waiting(copies, coming):
                 continue  # the run holds for the replacement; then it fires
             if inj.signal == "save":
                 if seen[0] == inj.step and seen[3] != "save":
@@ -99,7 +110,7 @@ class Chaos:
         random_ok = not self.armed and copies > self.cfg.fault_tolerance  # one at a time
         if self.cfg.chaos_every and members and progress and random_ok:
             running = max(p[0] for w, p in progress.items() if w in members)
-            if running >= self.next_step and not (self.steps and running >= self.steps):
+            if running >= self.next_step and self._before_end(running):
                 victim = self.rng.choice(sorted(members))
                 self.next_step = running + self.cfg.chaos_every
                 last = progress[victim][2] if victim in progress else 0.0

@@ -108,7 +108,7 @@ class Coordinator:
         self.gen, self.plan = -1, None
         self.printed = 0  # generations whose recovery line is printed
         self.chaos = Chaos(self.res, steps=cfg.train.steps)
-        self.held = ""  # the ft/hold published last ("GEN STEP")
+        self.held: tuple[int, int] | None = None  # the ft/hold published last (gen, step)
         self.dog = liveness.Watchdog(self.store, ranks=[], stale_s=self.res.heartbeat_timeout)
         self.nodes = nodes.NodeWatch(self.store, nnodes=nnodes, stale_s=self.res.heartbeat_timeout)
         self.events = open(self.out / "logs" / "coordinator.jsonl", "a")  # noqa: SIM115
@@ -257,8 +257,7 @@ class Coordinator:
                     else:
                         self.note_failure(time.time(), f"worker {shot.worker} hung (SIGSTOP)"
                                           f"{self._during(shot.worker)}")  # fmt: skip
-            waiting = coming and copies <= self.res.fault_tolerance
-            self.hold(self.chaos.next_due() if waiting else 0)
+            self.hold(self.chaos.hold_step(copies=copies, coming=coming))
         left = protocol.reports(self.store, self.gen, self.members())
         if left and self.failure is None and not self.requested:
             first = min(left.values(), key=lambda r: r["t"])
@@ -279,13 +278,12 @@ class Coordinator:
     def hold(self, step: int) -> None:
         """Publish ``ft/hold``: the members of this generation stop at the boundary before
         ``step`` (0: nowhere) until it changes."""
-        want = f"{self.gen} {step}"
-        if want != self.held:
-            self.store.set(protocol.HOLD, want)
-            if step or self.held.split(" ")[-1] not in ("", "0"):
+        if (self.gen, step) != self.held:
+            self.store.set(protocol.HOLD, f"{self.gen} {step}")
+            if step or (self.held and self.held[1]):
                 self.log("hold" if step else "release", gen=self.gen, step=step)
                 self.pause_progress()  # a step across the hold is not a step's time
-            self.held = want
+            self.held = (self.gen, step)
 
     def pause_progress(self) -> None:
         """Forget where the workers were, keeping their last step times: the next step

@@ -329,9 +329,11 @@ class Worker:
         run the same collectives until all see the release or the request to leave."""
         while True:
             g, s = self.watcher.hold
-            held = g == gen.number and 0 < s <= step
-            t = torch.tensor([float(self.watcher.request > gen.number), float(held)],
-                             device=gen.device)  # fmt: skip
+            flags = [
+                float(self.watcher.request > gen.number),
+                float(g == gen.number and 0 < s <= step),
+            ]
+            t = torch.tensor(flags, device=gen.device)
             comm.world_all_reduce(t, topo=gen.topo, op=comm.ReduceOp.MAX)
             leave, held = (bool(x) for x in t.tolist())
             if leave or not held:
