@@ -7,7 +7,7 @@
     python benchmarks/simulator_accuracy.py --hardware calibrated.yaml --only dp2,tp2
 
 Part 1, published runs (``plait.sim.validate``): every row of
-``../shared/data/published_runs.csv`` and ``benchmarks/data/published_runs_more.csv``,
+``benchmarks/data/published_runs.csv`` and ``benchmarks/data/published_runs_more.csv``,
 each source predicted with ``gemm_max`` fitted on the other sources only; prints the
 held-out error per source and per row.
 
@@ -132,7 +132,7 @@ def plan_choice(hardware: str, work: Path, worlds) -> tuple[str, list[str], floa
 
 
 PUBLISHED = [
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "published_runs.csv",
+    Path(__file__).resolve().parent / "data" / "published_runs.csv",
     Path(__file__).resolve().parent / "data" / "published_runs_more.csv",
 ]
 

@@ -13,7 +13,6 @@ import datetime
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from distributed import _free_port, run_workers
 
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
@@ -31,7 +31,6 @@ from plait.resilience.plan import Pipeline, Plan, sources
 from plait.topology import Topology
 from plait.train.config import RunConfig, TrainConfig
 from plait.train.loop import Trainer
-from tests.distributed import _free_port, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +172,8 @@ def test_generations_replica_engines_and_state_copy_match_one_process(corpus, tm
     assert len(plain) == 3 and len(sharded) == 4
     for r in plain + sharded:
         # float32, summed in another order: a few ulps of the loss (~5e-7 at 5.5)
-        assert [abs(a - b["loss"]) for a, b in zip(r["loss"], ref)] < [1e-5] * 4, r["loss"]
+        assert len(r["loss"]) == len(ref)
+        assert all(abs(a - b["loss"]) < 1e-5 for a, b in zip(r["loss"], ref)), r["loss"]
         assert all(
             abs(a - b["grad_norm"]) < 1e-5 * b["grad_norm"] for a, b in zip(r["grad_norm"], ref)
         )
@@ -271,14 +271,20 @@ def test_a_hang_found_by_heartbeat_and_a_kill_during_a_checkpoint_write(
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
     hung = next(x for x in lines if "worker 0 hung (SIGSTOP)" in x)
     detected = float(hung.split("detected +")[1].split(" s")[0])
-    # the heartbeat timeout, not the collective timeout: the last beat came up to one
-    # heartbeat period before the SIGSTOP
-    from plait.train.liveness import interval_for
-
-    assert 3.0 - interval_for(3.0) <= detected < 8.0, hung
+    events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
+    # Found by the heartbeat, on a fast or a loaded machine alike: the watchdog declared
+    # worker 0 silent after --heartbeat-timeout without a beat (not sooner), and the
+    # survivors' collectives failed only after that (the watchdog's SIGKILL follows its log
+    # line), not by some earlier path. A bound on `detected` from below would assume when
+    # the last beat came, which a busy machine delays.
+    silent = next(e for e in events if e["event"] == "silent" and e["worker"] == 0)
+    decision = next(e for e in events if e["event"] == "decision" and "SIGSTOP" in e["why"])
+    assert silent["silent_s"] >= 3.0, silent
+    seen = [r["t_error"] or r["t"] for r in decision["reports"].values()]
+    assert min(seen) >= silent["t"], (seen, silent)
+    assert detected < 8.0, hung  # the heartbeat timeout, not the collective timeout (300 s)
     same_curve(out, reference)
     assert 3 in [r.get("world_size") for r in records(out)]
-    events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
     assert any(e["event"] == "chaos" and e["step"] == 24 and e["worker"] == 3 for e in events)
     from plait.train import checkpoint
 
@@ -298,7 +304,9 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     steps, batch, micro, every = 60, 128, 8, 5
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"
-    seed = random.randrange(1000)  # named in the failure message, to reproduce it
+    # a fixed seed, so that a failure reproduces; PLAIT_CHAOS_SEED tries others
+    seed = int(os.environ.get("PLAIT_CHAOS_SEED", "11"))
+    print(f"--chaos-seed {seed}")  # shown with a failure; also named in its messages
     proc = plait_train(corpus, out, "--steps", steps, "--global-batch-size", batch,
                        "--micro-batch-size", micro, "--fault-tolerance", 1, "--chaos-every",
                        every, "--chaos-seed", seed, "--heartbeat-timeout", 3,

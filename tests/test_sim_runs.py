@@ -1,7 +1,7 @@
 """The performance model against published runs it was not fitted on, and the
 ``plait simulate --runs`` round trip.
 
-The rows: ../shared/data/published_runs.csv and benchmarks/data/published_runs_more.csv.
+The rows: benchmarks/data/published_runs.csv and benchmarks/data/published_runs_more.csv.
 The validation (``sim/validate.py``) leaves one source out at a time: the fitted
 parameter (``gemm_max`` per GPU type) comes from the other sources, the held-out rows are
 predicted with it. Thresholds (issue 16): mean absolute step-time error <= 10% over every
@@ -20,7 +20,7 @@ from plait.commands import simulate as sim_cli
 from plait.sim import runs, validate
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "published_runs.csv"
+DATA = REPO / "benchmarks" / "data" / "published_runs.csv"
 MORE = REPO / "benchmarks" / "data" / "published_runs_more.csv"
 INCOMPLETE = {  # rows that lack the layout or the model's sizes
     "mlm_readme_h100_strong_96",
@@ -33,21 +33,17 @@ INCOMPLETE = {  # rows that lack the layout or the model's sizes
 
 
 def published_rows() -> list[dict]:
-    if not DATA.exists():
-        pytest.fail(f"{DATA} is missing: the tests expect ../shared/data beside the checkout")
     with DATA.open(newline="") as f:
         return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
 def predictions():
-    published_rows()
     return runs.predict_file(DATA)
 
 
 @pytest.fixture(scope="module")
 def held_out():
-    published_rows()
     return validate.cross_validate([DATA, MORE])
 
 

@@ -1,4 +1,4 @@
-"""Simulate many runs from a CSV in the schema of ``../shared/data/published_runs.csv``.
+"""Simulate many runs from a CSV in the schema of ``benchmarks/data/published_runs.csv``.
 
 Each row is turned into (model, layout, hardware, runtime), simulated, and given the
 columns ``pred_iter_s``, ``pred_tflops_gpu``, ``pred_mfu``, ``pred_hfu``, ``pred_mem_gb``
