@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from plait.comm import CommStats
 from plait.dp_algos import graphs, volume
 from plait.dp_algos.compression import (
     QSGD,
@@ -29,6 +28,7 @@ from plait.dp_algos.compression import (
 )
 from plait.dp_algos.config import DPAlgoConfig, parse_compress
 from plait.layout import Layout
+from plait.topology import CommStats
 
 # --- codecs --------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Every collective plait issues goes through this module.
 
-Each call is counted in the ``CommStats`` of the topology it runs on: calls and bytes per
+Each call is counted in the ``CommStats`` of the topology it runs on (``topology.py``): calls and bytes per
 (axis, operation). Tests assert exact counts (e.g. two all-reduces per tensor-parallel
 layer forward) and the simulator's byte formulas are checked against them.
 
@@ -43,8 +43,6 @@ section 8):
 from __future__ import annotations
 
 import re
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,46 +65,6 @@ class CollectiveError(RuntimeError):
 
 class CommDeviceError(ValueError):
     """A tensor handed to a collective does not live on the topology's device."""
-
-
-@dataclass
-class CommStats:
-    calls: Counter = field(default_factory=Counter)  # (axis, op) -> number of calls
-    bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes (see module doc)
-    sent: Counter = field(default_factory=Counter)  # (axis, op) -> bytes on the wire (float)
-    enabled: bool = True
-
-    def record(self, axis: str, op: str, nbytes: int, sent: float = 0.0) -> None:
-        if self.enabled:
-            self.calls[(axis, op)] += 1
-            self.bytes[(axis, op)] += int(nbytes)
-            self.sent[(axis, op)] += sent
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-        self.sent.clear()
-
-    def sent_bytes(self, axis: str | None = None, op: str | None = None) -> float:
-        return sum(
-            n
-            for (a, o), n in self.sent.items()
-            if (axis is None or a == axis) and (op is None or o == op)
-        )
-
-    def count(self, axis: str | None = None, op: str | None = None) -> int:
-        return sum(
-            n
-            for (a, o), n in self.calls.items()
-            if (axis is None or a == axis) and (op is None or o == op)
-        )
-
-    def nbytes(self, axis: str | None = None, op: str | None = None) -> int:
-        return sum(
-            n
-            for (a, o), n in self.bytes.items()
-            if (axis is None or a == axis) and (op is None or o == op)
-        )
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -30,12 +30,54 @@ from __future__ import annotations
 
 import datetime
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from plait.comm import CommStats
+
+@dataclass
+class CommStats:
+    """What a topology's collectives moved: calls and bytes per (axis, operation), counted
+    by ``comm.py`` (its docstring gives the byte conventions)."""
+
+    calls: Counter = field(default_factory=Counter)  # (axis, op) -> number of calls
+    bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes (see module doc)
+    sent: Counter = field(default_factory=Counter)  # (axis, op) -> bytes on the wire (float)
+    enabled: bool = True
+
+    def record(self, axis: str, op: str, nbytes: int, sent: float = 0.0) -> None:
+        if self.enabled:
+            self.calls[(axis, op)] += 1
+            self.bytes[(axis, op)] += int(nbytes)
+            self.sent[(axis, op)] += sent
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+        self.sent.clear()
+
+    def sent_bytes(self, axis: str | None = None, op: str | None = None) -> float:
+        return sum(
+            n
+            for (a, o), n in self.sent.items()
+            if (axis is None or a == axis) and (op is None or o == op)
+        )
+
+    def count(self, axis: str | None = None, op: str | None = None) -> int:
+        return sum(
+            n
+            for (a, o), n in self.calls.items()
+            if (axis is None or a == axis) and (op is None or o == op)
+        )
+
+    def nbytes(self, axis: str | None = None, op: str | None = None) -> int:
+        return sum(
+            n
+            for (a, o), n in self.bytes.items()
+            if (axis is None or a == axis) and (op is None or o == op)
+        )
 
 
 def resolve_device(device: torch.device | str) -> torch.device:

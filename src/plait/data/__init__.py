@@ -9,7 +9,6 @@ One idea per file: ``corpus`` finds the documents, ``tokenizer`` turns text into
 ``tokens`` builds and opens the on-disk cache, ``sampler`` cuts it into batches.
 """
 
-from plait.data.corpus import DataError
 from plait.data.sampler import (
     IGNORE_INDEX,
     GlobalBatchSampler,
@@ -19,6 +18,7 @@ from plait.data.sampler import (
 )
 from plait.data.tokenizer import ByteTokenizer, HFTokenizer
 from plait.data.tokens import DataConfig, Dataset, prepare
+from plait.errors import DataError
 
 __all__ = [
     "ByteTokenizer",

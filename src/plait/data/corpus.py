@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.errors import DataError
+
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".py")
 JSONL_SUFFIXES = (".jsonl", ".jsonlines", ".ndjson", ".json")
 
@@ -41,14 +43,6 @@ USER_EXCLUDED_DIRS = frozenset({"__pycache__", "node_modules"})
 CONTENT_HASH_LIMIT = 64 << 20
 # A file whose first bytes hold a NUL is binary (the same test git and grep use).
 BINARY_SNIFF_BYTES = 8192
-
-
-class DataError(ValueError):
-    """A data problem the user caused and can fix.
-
-    The message is one line that names the flag or file and says what would work, e.g.
-    ``--data books/: no such file or folder``. The CLI prints it instead of a traceback.
-    """
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.corpus import DataError
+from plait.errors import DataError
 
 TEMPLATE = 1  # bump when the rendering changes (it is part of the token cache's key)
 ROLES = ("system", "user", "assistant")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from plait.data.corpus import DataError
+from plait.errors import DataError
 
 # Targets that take no loss: PyTorch's cross-entropy default, and ``parallel.tensor``'s.
 IGNORE_INDEX = -100

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from plait.data.corpus import DataError
+from plait.errors import DataError
 
 EOT_TOKEN = "<|endoftext|>"
 BYTES_EOT_ID = 3  # ASCII ETX, "End of Text"

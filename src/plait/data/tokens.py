@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.corpus import Corpus, DataError, find_corpus
+from plait.data.corpus import Corpus, find_corpus
 from plait.data.tokenizer import (
     EOT_TOKEN,
     ByteTokenizer,
@@ -40,6 +40,7 @@ from plait.data.tokenizer import (
     token_dtype,
     train_bpe,
 )
+from plait.errors import DataError
 
 try:
     import fcntl

@@ -37,13 +37,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.errors import LaunchError
 from plait.resilience import nodes, protocol
 from plait.resilience.chaos import Chaos
 from plait.resilience.plan import grid_plan, make_plan, sources
 from plait.resilience.templates import build_templates, choose
 from plait.train import liveness
 from plait.train.config import RunConfig
-from plait.train.launch import LaunchError
 
 POLL_S = 0.02
 READY_TIMEOUT_S = 300.0  # a replacement that is not ready by then no longer holds chaos

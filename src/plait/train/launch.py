@@ -27,18 +27,10 @@ import os
 import signal
 from pathlib import Path
 
+from plait.errors import LaunchError
 from plait.train.config import RunConfig
 
 SHUTDOWN_GRACE_S = 5  # torchrun's wait between SIGTERM and SIGKILL (its default is 30 s)
-
-
-class LaunchError(RuntimeError):
-    """The workers failed; the message is the one line to show, ``code`` the exit code and
-    ``detail`` a traceback to print first (only when it could not be written to a log)."""
-
-    def __init__(self, message: str, code: int = 1, detail: str | None = None):
-        super().__init__(message)
-        self.code, self.detail = code, detail
 
 
 class Terminated(BaseException):
