@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+from plan_oracle import brute_force
 
 from plait.cli import main
 from plait.layout import Layout
@@ -17,7 +18,6 @@ from plait.sim.search import (
     PlanRequest,
     Space,
     _Bounds,
-    brute_force,
     candidates,
     chinchilla_model,
     make_layout,

@@ -647,19 +647,6 @@ class _Rejections:
         return [(-s, c, r) for s, c, r in sorted(self.heap, key=lambda x: x[:2], reverse=True)]
 
 
-def brute_force(req: PlanRequest) -> list[tuple[float, Candidate]]:
-    """Every layout that fits, simulated in closed form, fastest first (for tests)."""
-    out = []
-    for c in candidates(req):
-        if req.dp_algo is not None and not _runs_algo(req, c):
-            continue
-        r = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
-                     exact=False, dp_algo=req.dp_algo)  # fmt: skip
-        if r.fits:
-            out.append((r.iter_time_s, c))
-    return sorted(out)
-
-
 def _entry(
     req: PlanRequest, c: Candidate, lay: Layout, res: Result, screen: float, replayed: bool
 ) -> Entry:
