@@ -390,11 +390,9 @@ class Coordinator:
         res, cfg = self.res, self.cfg
         resume = max((r["done"] for r in left.values()), default=0)
         leaders = [r for r in left.values() if r["done"] == resume and r["stats"]
-                   and r["stats"][0] == resume - 1]  # fmt: skip
-        last = None
-        if leaders:
-            step, sq, loss = leaders[0]["stats"]
-            last = {"step": step, "grad_sq_sum": sq, "loss": loss}
+                   and r["stats"]["step"] == resume - 1]  # fmt: skip
+        # the statistics of the last step, as a leader reduced them (loop.StepStats)
+        last = leaders[0]["stats"] if leaders else None
         current = {}
         for w, r in left.items():
             if r["done"] == resume or (last and r["done"] == resume - 1 and r["reduced"]):

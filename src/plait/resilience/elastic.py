@@ -60,8 +60,9 @@ from plait.resilience import async_checkpoint, protocol, replicas, transfer
 from plait.resilience.generation import Generation, abort_partial
 from plait.resilience.plan import Plan
 from plait.resilience.templates import template_layout
+from plait.train import optim
 from plait.train.config import RunConfig
-from plait.train.loop import Part, Trainer
+from plait.train.loop import Part, StepStats, Trainer, record_of
 from plait.train.metrics import MetricsWriter
 
 
@@ -175,7 +176,8 @@ class Worker:
         if rf is None or held.trainer is None or held.done != rf["step"]:
             return
         if held.trainer.engine.reduced:
-            held.trainer.update(rf["step"], rf["grad_sq_sum"], rf["loss"])
+            stats = StepStats.from_json(rf)
+            held.trainer.update(stats, lr=optim.lr_at(stats.step, self.cfg.train))
             held.done += 1
 
     def _build(self, gen: Generation, plan: Plan, d: dict) -> tuple[Trainer, int, int]:
@@ -231,15 +233,15 @@ class Worker:
             self.saver = None
         t_drop = time.time()
         alive = gen.drop() if gen is not None else abort_partial()
-        tr = held.trainer
-        if tr is not None and tr.stats is not None and tr.stats[0] == held.done:
+        stats = held.trainer.last_reduced() if held.trainer is not None else None
+        if stats is not None and stats.step == held.done:
             held.done += 1  # the statistics came back, so the update was applied
             self.in_step = False  # and that step's work is kept
         report = {
             "done": held.done,
             "units": sorted(held.units),
             "reduced": bool(engine is not None and engine.reduced),
-            "stats": list(tr.stats) if tr is not None and tr.stats is not None else None,
+            "stats": stats.to_json() if stats is not None else None,
             "why": why or "left at a step boundary",
             "in_step": self.in_step,
             "t_error": self.t_error if why else t_drop,  # when it saw the failure
@@ -351,16 +353,10 @@ class Worker:
             steps = [json.loads(x)["step"] for x in self.metrics_path.read_text().splitlines() if x]
         if steps and steps[-1] >= start:
             return
-        from plait.train import optim
-
-        metrics.write({
-            "step": start,
-            "loss": last["loss"],
-            "lr": optim.lr_at(start - 1, self.cfg.train),
-            "grad_norm": last["grad_sq_sum"] ** 0.5,
-            "tokens": self.cfg.layout.global_batch_size * self.cfg.model.seq_len,
-            "completed_during_failure": True,
-        })  # fmt: skip
+        stats = StepStats.from_json(last)
+        tokens = self.cfg.layout.global_batch_size * self.cfg.model.seq_len
+        rec = record_of(stats, lr=optim.lr_at(stats.step, self.cfg.train), tokens=tokens)
+        metrics.write({**rec, "completed_during_failure": True})
 
 
 def write_fingerprints(trainer: Trainer, path: Path) -> None:

@@ -20,8 +20,8 @@ sender], ...], "keep": {W: [units]}, "fallback": bool, "rollforward": {...} | nu
 "last": {...} | null, "why": "...", "t_failure": wall time, "t_detect": wall time}``,
 or ``{"gen": G, "stop": "finished" | "<one line>"}``. A report: ``{"done": steps whose
 update this worker applied, "units": [units it holds], "reduced": whether its gradients
-of step ``done`` are reduced, "stats": [step, |g|^2, loss] of its last step or null,
-"in_step": whether it was inside a step, "why": "<what it saw>", "t_error": when it saw
+of step ``done`` are reduced, "stats": its last reduced step's ``loop.StepStats`` as
+{"step", "grad_sq_sum", "loss"} or null, "in_step": whether it was inside a step, "why": "<what it saw>", "t_error": when it saw
 it, "t": wall time, and how long dropping the generation took}``.
 
 Times are wall-clock seconds of the one machine the run is on (multi-node runs are not

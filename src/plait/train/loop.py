@@ -119,6 +119,39 @@ class Part:
     make_engine: Callable
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """A step's statistics once reduced over every rank: what its update needs, what its
+    record reports, and what a worker that leaves a generation hands the coordinator
+    (``plait.resilience`` rolls a step forward when they came back)."""
+
+    step: int  # the optimizer step they belong to, from 0
+    grad_sq_sum: float  # |g|^2 of the (loss-scaled) gradient; each replica's own if they differ
+    loss: float  # mean token loss over the global batch
+    bubble_fraction: float = 0.0  # measured pipeline bubble, averaged over ranks
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "grad_sq_sum": self.grad_sq_sum, "loss": self.loss}
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepStats:
+        return cls(step=int(d["step"]), grad_sq_sum=float(d["grad_sq_sum"]), loss=float(d["loss"]))
+
+
+def record_of(stats: StepStats, *, lr: float, tokens: int, grad_norm: float | None = None) -> dict:
+    """The fields every ``metrics.jsonl`` record of step ``stats.step`` starts with (the
+    README lists them all); ``grad_norm`` defaults to the statistics' own (no loss scale)."""
+    if grad_norm is None:
+        grad_norm = math.sqrt(stats.grad_sq_sum)
+    return {
+        "step": stats.step + 1,
+        "loss": stats.loss,
+        "lr": lr,
+        "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+        "tokens": tokens,
+    }
+
+
 class Trainer:
     """One worker's share of a run (module docstring)."""
 
@@ -134,7 +167,7 @@ class Trainer:
         cfg, model_cfg, tcfg = self.cfg, self.cfg.model, self.cfg.train
         layout = part.layout if part is not None else cfg.layout
         self.topo, self.layout, self.part = topo, layout, part
-        self.stats = None  # (step, |g|^2, loss) once a step's statistics are reduced
+        self._reduced: StepStats | None = None  # the newest step's, once reduced
         self.out = Path(cfg.out)
         torch.manual_seed(tcfg.seed)
         if topo.device.type == "cuda":  # fp32 matmuls on tensor cores (TF32)
@@ -309,32 +342,16 @@ class Trainer:
         self.tp_grad_sync.finish()
         engine.finish()
         algo.finish_grads(step)  # post-local SGD's warm-up: the gradients across replicas
-        # this rank's share of the loss, and of |g|^2 (its shard, or 0 if a copy)
-        stats = [loss_share if self.reports_loss else 0.0]
-        # measured bubble fraction, averaged over ranks (executor.py); the same number of
-        # statistics on every rank, also where pipelines differ (Part)
-        if layout.pp > 1 or self.part is not None:
-            stats.append(getattr(runner, "bubble_fraction", 0.0) / topo.world_size)
-        if algo.replicas_differ:  # the norm of each replica's own gradient, clipped alone
-            (grad_sq_sum,) = optim.global_stats([engine.grad_sq_local()], algo.stats_topo)
-            loss, *bubble = optim.global_stats(stats, topo)
-            loss /= algo.num_replicas  # the replicas' mean losses, averaged
-        else:
-            grad_sq_sum, loss, *bubble = optim.global_stats([engine.grad_sq_local(), *stats], topo)
-        self.stats = (step, grad_sq_sum, loss)
-        grad_norm, found_inf = self.update(step, grad_sq_sum, loss)
+        stats = self._reduce_stats(step, loss_share)
+        grad_norm, found_inf = self.update(stats, lr=lr)
         algo.after_step(step)  # average (local SGD, DiLoCo's outer step) or mix (gossip)
         step_time = time.perf_counter() - t0
 
         tokens_per_s = self.tokens_per_step / step_time
         flops_per_s = tokens_per_s * self.flops_per_token / topo.world_size
         model_state = engine.model_state_bytes()
-        rec = {
-            "step": step + 1,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-            "tokens": self.tokens_per_step,
+        rec = record_of(stats, lr=lr, tokens=self.tokens_per_step, grad_norm=grad_norm)
+        rec.update({
             **({"loss_tokens": loss_tokens} if loss_tokens != self.tokens_per_step else {}),
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
@@ -345,30 +362,55 @@ class Trainer:
             "model_state_bytes": model_state["total"],
             # what this rank put on the wire over the dp axis (comm.py's ring convention)
             "dp_bytes_sent": topo.stats.sent_bytes("dp") - sent0,
-        }
+        })  # fmt: skip
         if model_state["host"]:
             rec["host_state_bytes"] = model_state["host"]  # --offload-optimizer
-        if bubble:
-            rec["bubble_fraction"] = bubble[0]
+        if layout.pp > 1 or self.part is not None:
+            rec["bubble_fraction"] = stats.bubble_fraction
         if scaler.enabled:
             rec["loss_scale"] = scaler.scale
             rec["skipped"] = found_inf
         return rec
 
-    def update(self, step: int, grad_sq_sum: float, loss: float) -> tuple[float, bool]:
-        """Step ``step``'s update once its statistics are reduced: unscale (fp16), clip to
-        the global norm, step (skipped on an fp16 overflow), free the gradients. Returns
-        (grad norm, overflowed). No communication of its own (the engine's step gathers
-        under ZeRO 1-2); recovery calls it on a rank whose gradients were reduced when it
-        lost the statistics' all-reduce (``plait.resilience``)."""
+    def _reduce_stats(self, step: int, loss_share) -> StepStats:
+        """The step's statistics over every rank, in one all-reduce of (|g|^2, loss,
+        bubble) -- the step's one host synchronisation -- or, when replicas differ, |g|^2
+        over the replica's ranks and (loss, bubble) over all. Each rank adds its share:
+        of the loss (the last pipeline stage's), of |g|^2 (its shard, or 0 for a copy),
+        of the bubble (its own over the world size)."""
+        topo, engine, algo = self.topo, self.engine, self.dp_algo
+        loss = loss_share if self.reports_loss else 0.0
+        bubble = getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size
+        if algo.replicas_differ:  # the norm of each replica's own gradient, clipped alone
+            (grad_sq_sum,) = optim.global_stats([engine.grad_sq_local()], algo.stats_topo)
+            loss, bubble = optim.global_stats([loss, bubble], topo)
+            loss /= algo.num_replicas  # the replicas' mean losses, averaged
+        else:
+            grad_sq_sum, loss, bubble = optim.global_stats(
+                [engine.grad_sq_local(), loss, bubble], topo
+            )
+        self._reduced = StepStats(step=step, grad_sq_sum=grad_sq_sum, loss=loss,
+                                  bubble_fraction=bubble)  # fmt: skip
+        return self._reduced
+
+    def last_reduced(self) -> StepStats | None:
+        """The newest step whose statistics came back from their all-reduce (its update
+        is then applied, or can be: ``update``); None before the first."""
+        return self._reduced
+
+    def update(self, stats: StepStats, *, lr: float) -> tuple[float, bool]:
+        """The update of step ``stats.step`` once its statistics are reduced: unscale
+        (fp16), clip to the global norm, step at ``lr`` (skipped on an fp16 overflow), free
+        the gradients. Returns (grad norm, overflowed). No communication of its own (the
+        engine's step gathers under ZeRO 1-2); recovery calls it on a rank whose gradients
+        were reduced when it lost the statistics' all-reduce (``plait.resilience``)."""
         engine, scaler, tcfg = self.engine, self.scaler, self.cfg.train
-        grad_norm = (
-            math.sqrt(grad_sq_sum) / scaler.scale if math.isfinite(grad_sq_sum) else math.inf
-        )
+        sq = stats.grad_sq_sum
+        grad_norm = math.sqrt(sq) / scaler.scale if math.isfinite(sq) else math.inf
         found_inf = not math.isfinite(grad_norm)
         if found_inf and not scaler.enabled:
             raise FloatingPointError(
-                f"step {step + 1}: gradients are not finite (loss {loss:.4g}); "
+                f"step {stats.step + 1}: gradients are not finite (loss {stats.loss:.4g}); "
                 "lower --lr or use --dtype fp32"
             )
         if not found_inf:
@@ -376,7 +418,7 @@ class Trainer:
                 engine.scale_grads_(1 / scaler.scale)
             if tcfg.grad_clip:
                 engine.scale_grads_(optim.clip_coef(grad_norm, tcfg.grad_clip))
-            engine.step(optim.lr_at(step, tcfg))
+            engine.step(lr)
         scaler.update(found_inf)
         engine.zero_grad()
         return grad_norm, found_inf
