@@ -53,6 +53,15 @@ def parse_compress(spec: str) -> tuple[str, float | int | None]:
     return name, value
 
 
+def _steps_flag(flag: str, value: int, *, applies: bool, where: str) -> None:
+    """A count of steps that only some algorithms read: set only where it applies, and
+    not negative."""
+    if value and not applies:
+        raise ValueError(f"{flag} applies to {where}")
+    if value < 0:
+        raise ValueError(f"{flag} must be >= 0, got {value}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DPAlgoConfig:
     """The data-parallel algorithm across replicas (module docstring)."""
@@ -86,11 +95,8 @@ class DPAlgoConfig:
                 raise ValueError("--sync-every applies to --dp-algo local-sgd and diloco")
             if self.sync_every < 1:
                 raise ValueError(f"--sync-every must be at least 1, got {self.sync_every}")
-        if self.local_warmup:
-            if self.algo != "local-sgd":
-                raise ValueError("--local-warmup applies to --dp-algo local-sgd (post-local SGD)")
-            if self.local_warmup < 0:
-                raise ValueError(f"--local-warmup must be >= 0, got {self.local_warmup}")
+        _steps_flag("--local-warmup", self.local_warmup, applies=self.algo == "local-sgd",
+                    where="--dp-algo local-sgd (post-local SGD)")  # fmt: skip
         if self.sync_optimizer_state and self.algo != "local-sgd":
             raise ValueError(
                 "--sync-optimizer-state applies to --dp-algo local-sgd (DiLoCo keeps each "
@@ -103,11 +109,8 @@ class DPAlgoConfig:
                 raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"--topology {self.topology!r}: choose one of {', '.join(TOPOLOGIES)}")
-        if self.global_avg_every:
-            if self.algo != "gossip":
-                raise ValueError("--global-avg-every applies to --dp-algo gossip")
-            if self.global_avg_every < 0:
-                raise ValueError(f"--global-avg-every must be >= 0, got {self.global_avg_every}")
+        _steps_flag("--global-avg-every", self.global_avg_every, applies=self.algo == "gossip",
+                    where="--dp-algo gossip")  # fmt: skip
         if self.compress_warmup < 0:
             raise ValueError(f"--compress-warmup must be >= 0, got {self.compress_warmup}")
         if self.compress_warmup and self.compress is None:

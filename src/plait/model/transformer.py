@@ -352,32 +352,17 @@ def compile_blocks(model: nn.Module) -> None:
 
 
 def build_model(
-    cfg: ModelConfig,
-    *,
-    seed: int = 0,
-    topo: Topology | None = None,
-    layers: Sequence[int] | None = None,
-    pre: bool = True,
-    post: bool = True,
-    recompute: str = "none",
-    sequence_parallel: bool = False,
-    device: str | torch.device = "cpu",
+    cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu", **chunk
 ) -> Transformer:
-    """Build (a chunk of) the model with its deterministic initial weights. On the ``meta``
-    device nothing is allocated or initialised: for sizes and memory of large presets.
+    """Build (a chunk of) the model with its deterministic initial weights. ``chunk``:
+    ``Transformer``'s keywords (``topo``, ``layers``, ``pre``, ``post``, ``recompute``,
+    ``sequence_parallel``). On the ``meta`` device nothing is allocated or initialised:
+    for sizes and memory of large presets.
 
     ``sequence_parallel`` (with tp > 1): activations between the tp regions are sequence
     shards; the gradients of the tp-replicated parameters then need ``TPGradSync``."""
     with torch.device(device):
-        model = Transformer(
-            cfg,
-            topo=topo,
-            layers=layers,
-            pre=pre,
-            post=post,
-            recompute=recompute,
-            sequence_parallel=sequence_parallel,
-        )
+        model = Transformer(cfg, **chunk)
     if str(device) != "meta":
         init_weights(model, seed)
     return model

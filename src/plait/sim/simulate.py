@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from plait.layout import Layout
 from plait.model.config import ModelConfig
@@ -55,6 +55,9 @@ FLOP_CONVENTION = (
     "recomputation; plait.model.sizes); hw_tflops_per_device/hfu add recomputation"
 )
 BREAKDOWN_KEYS = ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm", "optimizer")
+
+
+_DETAIL = ("memory_ranks", "busy_s", "timeline", "extras")
 
 
 @dataclass(frozen=True)
@@ -84,25 +87,10 @@ class Result:
     )  # per pipeline rank: ("p2p" | "dp_comm" | "optimizer", start, end) to draw
 
     def to_dict(self) -> dict:
-        return {
-            "iter_time_s": self.iter_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.tflops_per_device,
-            "hw_tflops_per_device": self.hw_tflops_per_device,
-            "mfu": self.mfu,
-            "hfu": self.hfu,
-            "peak_mem_bytes": self.peak_mem_bytes,
-            "mem_capacity_bytes": self.mem_capacity_bytes,
-            "fits": self.fits,
-            "breakdown": dict(self.breakdown),
-            "memory": self.memory.to_dict(),
-            "n_devices": self.n_devices,
-            "hardware": self.hardware,
-            "runtime": self.runtime,
-            "flop_convention": self.flop_convention,
-            "time_sharing": self.time_sharing,
-            "dp_algo": self.dp_algo,
-        }
+        """The figures (``--json``, ``plait plan``'s entries): every field but the per-rank
+        detail (``memory_ranks``, ``busy_s``, ``timeline``, ``extras``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _DETAIL}
+        return {**out, "breakdown": dict(self.breakdown), "memory": self.memory.to_dict()}
 
 
 def simulate(
