@@ -143,11 +143,6 @@ def round_ops(topology: str, n: int, i: int, step: int) -> list[tuple[str, int]]
     return [("send", j) for j in send_to] + [("recv", j) for j in recv_from]
 
 
-def gossip_batches(topology: str, n: int, steps: int) -> list[list[list[tuple[str, int]]]]:
-    """What every replica posts over ``steps`` rounds: ``[rank][round] -> batch``."""
-    return [[round_ops(topology, n, i, t) for t in range(steps)] for i in range(n)]
-
-
 def one_at_a_time(topology: str, n: int, steps: int) -> list[list[list[tuple[str, int]]]]:
     """The same messages, each its own batch, sends before receives: what a naive
     per-neighbour ``send`` / ``recv`` loop does (it deadlocks under NCCL)."""
