@@ -218,17 +218,50 @@ def test_spectral_gap_ordering_and_one_peer_exact_average():
     assert graphs.rounds_to_average("one-peer-exponential", 6) == 0
 
 
+def _posted_by_mix(topology: str, n: int, steps: int, monkeypatch) -> list[list[list]]:
+    """[replica][batch] -> the (kind, peer) list ``Gossip.mix`` posts over ``steps`` rounds
+    of two chunks each, recorded through ``comm.batch_p2p`` (no process group: each
+    replica's ``Gossip`` holds only what ``mix`` reads; peer ranks are replica indices)."""
+    from types import SimpleNamespace
+
+    from plait import comm
+    from plait.dp_algos.gossip import Gossip
+    from plait.topology import Axis
+
+    posted = [[] for _ in range(n)]
+
+    def batch_p2p(ops, *, topo, axis):
+        posted[topo.rank].append([(kind, peer) for kind, _, peer in ops])
+        return []
+
+    monkeypatch.setattr(comm, "batch_p2p", batch_p2p)
+    monkeypatch.setattr(comm, "wait", lambda works, **kw: None)
+    for i in range(n):
+        gossip = object.__new__(Gossip)
+        gossip.num_replicas, gossip.index = n, i
+        gossip.cfg = DPAlgoConfig(algo="gossip", topology=topology)
+        gossip.topo = SimpleNamespace(device="cpu")
+        gossip.across = SimpleNamespace(rank=i, group_ranks={Axis.DP: list(range(n))})
+        gossip.pieces, gossip.chunk_bytes = [torch.zeros(4), torch.zeros(4)], 16  # 2 chunks
+        gossip.engine = SimpleNamespace(pieces_changed=lambda: None)
+        for step in range(steps):
+            gossip.mix(step)
+    return posted
+
+
 @pytest.mark.parametrize("topology", GRAPHS)
-def test_gossip_batches_cannot_deadlock_under_nccl(topology):
+def test_gossip_batches_cannot_deadlock_under_nccl(topology, monkeypatch):
     """Every replica count 2..17, six rounds (the one-peer graph cycles its peers): the
-    batches ``gossip.py`` posts complete under NCCL's semantics; the same messages posted
-    one at a time deadlock wherever the graph has a cycle."""
+    batches ``Gossip.mix`` posts complete under NCCL's semantics; the same messages
+    posted one at a time deadlock wherever the graph has a cycle."""
+    from plait.nccl_p2p import P2PDeadlock
+
     for n in range(2, 18):
-        batches = graphs.gossip_batches(topology, n, 6)
-        assert graphs.run_p2p(batches) == 6 * n
-    with pytest.raises(graphs.P2PDeadlock, match="deadlock"):
+        posted = _posted_by_mix(topology, n, 6, monkeypatch)
+        assert graphs.run_p2p(posted) == 6 * 2 * n
+    with pytest.raises(P2PDeadlock, match="deadlock"):
         graphs.run_p2p(graphs.one_at_a_time("ring", 5, 1))
-    with pytest.raises(graphs.P2PDeadlock, match="no receive"):
+    with pytest.raises(P2PDeadlock, match="no receive"):
         graphs.run_p2p([[[("send", 1)]], [[]]])
 
 

@@ -22,12 +22,11 @@ from plait.parallel.pipeline.schedules import (
     in_flight_bound,
     max_in_flight,
     messages,
-    replay,
     stage_location,
-    unit_cost,
     validate,
     virtual_stage,
 )
+from plait.sim.pipeline import replay, unit_cost
 
 
 def _cases():
@@ -441,7 +440,8 @@ def test_pp4_m8_bubbles():
 
 def test_schedules_import_nothing_from_torch():
     code = (
-        "import sys; import plait.parallel.pipeline.schedules, plait.parallel.pipeline.partition;"
+        "import sys; import plait.nccl_p2p, plait.parallel.pipeline.schedules, "
+        "plait.parallel.pipeline.partition;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

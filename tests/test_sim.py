@@ -15,14 +15,10 @@ from plait.commands import simulate as sim_cli
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig, preset
-from plait.parallel.pipeline.schedules import (
-    bubble_formula,
-    build_schedule,
-    replay,
-    unit_cost,
-)
+from plait.parallel.pipeline.schedules import bubble_formula, build_schedule
 from plait.sim import Hardware, Result, collectives, costs, get_hardware, pipeline, simulate
 from plait.sim.hardware import BUILTIN, Link
+from plait.sim.pipeline import replay, unit_cost
 from plait.sim.runtime import PROFILES
 
 A100 = get_hardware("a100-80gb")

@@ -25,12 +25,13 @@ chunk.
 
 Why this cannot deadlock under NCCL: each round every replica posts one batch
 (``comm.batch_p2p``: one ``batch_isend_irecv``, one NCCL group) holding all its sends and
-receives of the round, waits for it, mixes, and only then posts the next chunk's batch;
-every send of the batch has its receive in the peer's batch of the same round, and
-between two replicas at most one message goes each way per batch, so NCCL's in-order
-matching pairs them. ``graphs.run_p2p`` runs these batches under NCCL's semantics for
-every graph and replica count in the tests (and shows that one send or receive at a time
-deadlocks). Posted by the training thread after the optimizer step, at the same steps
+receives of the round -- ``graphs.round_ops``, in its order --, waits for it, mixes, and
+only then posts the next chunk's batch; every send of the batch has its receive in the
+peer's batch of the same round, and between two replicas at most one message goes each
+way per batch, so NCCL's in-order matching pairs them. The tests record the batches
+``mix`` posts, for every graph and replica count up to 17, and run them through
+``graphs.run_p2p``, i.e. the one model of NCCL's semantics (``plait/nccl_p2p.py``); one
+send or receive at a time deadlocks there. Posted by the training thread after the optimizer step, at the same steps
 on every rank; tensors on ``topo.device``.
 """
 
@@ -60,14 +61,16 @@ class Gossip(Replicas):
     @torch.no_grad()
     def mix(self, step: int) -> None:
         n, i, topology = self.num_replicas, self.index, self.cfg.topology
-        recv_from, send_to = graphs.neighbours(topology, n, i, step)
+        recv_from, _ = graphs.neighbours(topology, n, i, step)
         w_self, w_peer = graphs.weights(topology, n, i, step)
         order = sorted([i, *recv_from])  # the same summation order on every replica
+        batch = graphs.round_ops(topology, n, i, step)  # the batch graphs.run_p2p checks
         for run in self.chunks():
             flat = self.pack(run)
             received = {j: torch.empty_like(flat) for j in recv_from}
-            ops = [("send", flat, self.peer(j)) for j in send_to]
-            ops += [("recv", received[j], self.peer(j)) for j in recv_from]
+            ops = [
+                (kind, flat if kind == "send" else received[j], self.peer(j)) for kind, j in batch
+            ]
             works = comm.batch_p2p(ops, topo=self.across, axis=Axis.DP)
             comm.wait(works, topo=self.across, what="gossip send/recv", axis="dp")
             mixed = torch.zeros_like(flat)

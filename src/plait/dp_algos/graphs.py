@@ -30,15 +30,16 @@ it shrinks (tests: ring < torus < exponential).
 Point-to-point, and why it cannot deadlock under NCCL. Each gossip round, every replica
 posts *one* batch (``comm.batch_p2p``, one ``batch_isend_irecv``: one NCCL group) holding
 all its sends and receives of that round, and waits for it before mixing; the next round
-is posted only after. ``round_ops`` builds these batches; every send of round t has its
-receive in the peer's batch of round t (the graph is symmetric, or, one-peer, i sends to
-i - s exactly when i - s receives from i), and between two replicas at most one message
-goes each way per round, so NCCL's in-order matching pairs them. ``run_p2p`` runs batches
-under NCCL's semantics (``schedules.py``: a rank's batches run one at a time in posting
-order; a send completes only once its receive has started -- no buffering; a batch
-finishes with its last message) and raises on a deadlock; the tests run every graph for
-every R up to 17 through it, and show that posting the same messages one at a time
-(send to each neighbour, then receive from each) deadlocks.
+is posted only after. ``round_ops`` builds these batches -- ``gossip.mix`` posts exactly
+its list --; every send of round t has its receive in the peer's batch of round t (the
+graph is symmetric, or, one-peer, i sends to i - s exactly when i - s receives from i),
+and between two replicas at most one message goes each way per round, so NCCL's in-order
+matching pairs them. ``run_p2p`` runs batches under the one model of NCCL's semantics
+(``plait/nccl_p2p.py``: a rank's batches run one at a time in posting order; a send
+completes only once its receive has started -- no buffering; a batch finishes with its
+last message) and raises on a deadlock; the tests run the batches ``gossip.mix`` posts,
+for every graph and every R up to 17, through it, and show that posting the same messages
+one at a time (send to each neighbour, then receive from each) deadlocks.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import math
 import numpy as np
 
 from plait.dp_algos.config import TOPOLOGIES
+from plait.nccl_p2p import Compute, Message, Post, resolve
 
 
 def _tau(n: int) -> int:
@@ -141,65 +143,28 @@ def round_ops(topology: str, n: int, i: int, step: int) -> list[tuple[str, int]]
     return [("send", j) for j in send_to] + [("recv", j) for j in recv_from]
 
 
-def gossip_batches(topology: str, n: int, steps: int) -> list[list[list[tuple[str, int]]]]:
-    """What every replica posts over ``steps`` rounds: ``[rank][round] -> batch``."""
-    return [[round_ops(topology, n, i, t) for t in range(steps)] for i in range(n)]
-
-
 def one_at_a_time(topology: str, n: int, steps: int) -> list[list[list[tuple[str, int]]]]:
     """The same messages, each its own batch, sends before receives: what a naive
     per-neighbour ``send`` / ``recv`` loop does (it deadlocks under NCCL)."""
     return [[[op] for t in range(steps) for op in round_ops(topology, n, i, t)] for i in range(n)]
 
 
-class P2PDeadlock(RuntimeError):
-    """Point-to-point batches that cannot all complete under NCCL's semantics."""
-
-
 def run_p2p(batches: list[list[list[tuple[str, int]]]]) -> int:
-    """Run every rank's batches under NCCL's point-to-point semantics; return the number of
-    batches completed, or raise ``P2PDeadlock`` naming the ranks that wait forever.
+    """Run every rank's batches under NCCL's point-to-point semantics (``nccl_p2p``); return
+    the number of batches completed, or raise ``P2PDeadlock`` naming the ranks that wait
+    forever, or a message left without its other side (``nccl_p2p.P2PDeadlock``).
 
-    Rank r posts ``batches[r][b]`` once its batch b - 1 has finished (the caller waits on
-    each round before mixing). Messages from one rank to another are matched in posting
-    order (the k-th send from a to b with the k-th receive at b from a). A message
-    completes once the batches holding its send and its receive have both been posted; a
-    batch finishes once all its messages have completed. A message left without a partner
-    is an error too.
-    """
-    n = len(batches)
-    where: dict[tuple[int, int, int], dict[str, tuple[int, int]]] = {}
-    keys: dict[tuple[int, int], list[tuple[str, tuple]]] = {}  # (rank, batch) -> messages
-    counts: dict[tuple[str, int, int], int] = {}
-    for r in range(n):
-        for b, batch in enumerate(batches[r]):
-            for kind, peer in batch:
-                src, dst = (r, peer) if kind == "send" else (peer, r)
-                k = counts.get((kind, src, dst), 0)
-                counts[(kind, src, dst)] = k + 1
-                where.setdefault((src, dst, k), {})[kind] = (r, b)
-                keys.setdefault((r, b), []).append((kind, (src, dst, k)))
-    for key, sides in where.items():
-        if len(sides) != 2:
-            missing = "receive" if "send" in sides else "send"
-            raise P2PDeadlock(f"message {key[2]} from rank {key[0]} to {key[1]} has no {missing}")
-    done = [0] * n  # batches finished; batch b of rank r is posted once b <= done[r]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(n):
-            b = done[r]
-            if b >= len(batches[r]):
-                continue
-            partners = [where[key]["recv" if kind == "send" else "send"]
-                        for kind, key in keys.get((r, b), [])]  # fmt: skip
-            if all(pb <= done[pr] for pr, pb in partners):
-                done[r] += 1
-                progress = True
-    stuck = [r for r in range(n) if done[r] < len(batches[r])]
-    if stuck:
-        raise P2PDeadlock(
-            "gossip batches deadlock under NCCL's semantics: "
-            + "; ".join(f"rank {r} waits in batch {done[r]} {batches[r][done[r]]}" for r in stuck)
-        )
+    Rank r posts ``batches[r][b]`` and waits for it before posting ``batches[r][b + 1]``
+    (the caller mixes in between). Messages between two ranks are matched in posting
+    order (the k-th send from a to b with the k-th receive at b from a)."""
+    programs = [
+        [x for b, batch in enumerate(rank)
+         for x in (Post(tuple(Message(kind, peer) for kind, peer in batch)), Compute(2 * b))]
+        for rank in batches
+    ]  # fmt: skip
+    resolve(
+        programs,
+        what="gossip batches deadlock",
+        name=lambda rank, i: f"(batch {i // 2}: {batches[rank][i // 2]})",
+    )
     return sum(len(x) for x in batches)

@@ -1,15 +1,22 @@
-"""Fast replay of the schedules' item lists, for a simulator called thousands of times.
+"""Pipeline schedules replayed in time: what each rank does when, for the simulator and
+for drawing a schedule.
 
-``schedules.replay`` is the reference: the lists run under NCCL's point-to-point model
-(``schedules`` module docstring) -- a compute waits only for the batch holding the message
+Communication: none (nothing here runs; no torch). The schedules' item lists
+(``parallel/pipeline/schedules.py``) run under the one model of NCCL's point-to-point
+semantics, ``plait/nccl_p2p.py`` -- a compute waits only for the batch holding the message
 it reads; a rank's batches run one after another on its communication queue; a message
 completes ``p2p`` after the batches holding its send and its receive have both started.
-Which item waits on which depends only on the lists, not on the costs. So each
-(schedule, p, m, v) is compiled once (cached) into one flat, dependency-respecting list
-of steps -- compute, post a batch, start a batch, finish a batch -- and every later
-replay is a single pass of additions and maxima over it: the same times as
-``schedules.replay`` (tests check equality), a few hundred microseconds instead of tens
-of milliseconds.
+Which item waits on which depends only on the lists, not on the costs, so a schedule is
+resolved once (``nccl_p2p.resolve``) and then timed in one pass of additions and maxima
+(``nccl_p2p.timed``) for any costs.
+
+``replay`` is the reference, for any costs given as functions of (rank, action): it
+returns the ``Timeline`` (``viz schedule`` draws it; the tests check the bubble formulas on
+it). ``compile_schedule`` resolves a (schedule, p, m, v) once (cached) with its computes
+reading a cost table indexed by (rank, chunk, F/B/BI/W) and its sends a table indexed by
+(rank, activation/gradient), so that ``run``, called for every layout the simulator
+tries, is only the timing pass: the same times as ``replay`` (tests check equality), a few
+hundred microseconds instead of tens of milliseconds.
 
 The compiled form also records, per rank, which (micro-batch, chunk) activations are
 held after each forward (for the memory peak) and the last backward of each chunk (for
@@ -18,129 +25,95 @@ gradient-reduction overlap).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from plait.nccl_p2p import COMPUTE, Resolution, Timeline, Times, timed
 from plait.parallel.pipeline.schedules import (
     SEND_OPS,
     Action,
-    CommBatch,
     Op,
-    Timeline,
-    _message_key,
+    Schedule,
+    ScheduleError,
     build_schedule,
-    consumed,
+    messages,
+    resolve,
 )
 
 COLUMN = {Op.FORWARD: 0, Op.BACKWARD: 1, Op.BACKWARD_INPUT: 2, Op.BACKWARD_WEIGHT: 3}
-COMPUTE, POST, START, FINISH = 0, 1, 2, 3
+
+
+def replay(
+    schedule: Schedule,
+    cost: Callable[[int, Action], float],
+    *,
+    p2p: Callable[[int, Action], float] | float = 0.0,
+) -> Timeline:
+    """Time a schedule: each rank runs its list in order from time 0.
+
+    A compute action takes ``cost(rank, action)``, once the batch holding the message it
+    reads has finished. A send takes no time on the sender's thread; its message arrives
+    ``p2p`` (a number, or ``p2p(sender_rank, send_action)``) after the batches holding the
+    send and its receive have both started, and a batch spans from its start to its last
+    arrival. Links are not shared: two transfers never slow each other down. Raises
+    ``ScheduleError`` on a deadlock.
+    """
+    resolution = resolve(schedule)  # computes and sends keyed in list order, as below
+    costs = [cost(rank, a) for rank, items in enumerate(schedule)
+             for a in items if isinstance(a, Action)]  # fmt: skip
+    transfer = p2p if callable(p2p) else (lambda rank, action, _t=float(p2p): _t)
+    hops = [transfer(rank, m) for rank, items in enumerate(schedule)
+            for _, m in messages(items) if m.op in SEND_OPS]  # fmt: skip
+    return Timeline.of(schedule, resolution, timed(resolution, costs, hops))
+
+
+def unit_cost(rank: int, action: Action, *, num_chunks: int = 1) -> float:
+    """The textbook costs behind ``schedules.bubble_formula``: F = 1, B = 2, BI = W = 1,
+    each divided by the number of chunks a rank holds (a chunk is 1/v of a stage)."""
+    base = {Op.FORWARD: 1.0, Op.BACKWARD: 2.0, Op.BACKWARD_INPUT: 1.0, Op.BACKWARD_WEIGHT: 1.0}
+    return base[action.op] / num_chunks
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """One schedule, ready to replay.
+    """One schedule, resolved and ready to time.
 
-    ``steps``: (kind, rank, x, y) in an order where everything a step reads is already
-    known. COMPUTE: x = index into the flattened (rank, chunk, F/B/BI/W) cost table, y =
-    (batch it waits for or -1, True if it is its chunk's final B or W). POST / START /
-    FINISH: x = the batch's number. ``batch_messages[b]``: (the other batch of each
-    message, index of its transfer time: 2 * sending rank + 0 for an activation, 1 for
-    a gradient). ``items[rank]``: per item of the list, ("c", k) for the rank's k-th
-    compute or ("b", b) for batch b.
+    ``resolution``: the lists under the NCCL model, a compute taking entry
+    (rank * v + chunk) * 4 + column (F, B, BI, W) of the flattened cost table and a send
+    entry 2 * rank (activation) or 2 * rank + 1 (gradient) of the flattened transfer
+    table. ``finals[rank]``: (item, chunk) of each chunk's final B or W on the rank.
+    ``held_vectors``: see ``_held_vectors``.
     """
 
     p: int
     m: int
     v: int
-    lists: list
-    steps: tuple[tuple[int, int, int, object], ...]
-    batch_messages: tuple[tuple[tuple[int, int], ...], ...]
-    items: tuple[tuple[tuple[str, int], ...], ...]
+    lists: Schedule
+    resolution: Resolution
+    finals: tuple[tuple[tuple[int, int], ...], ...]
     held_vectors: tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]
-
-
-def _number_batches(lists, p):
-    """Every batch numbered; each message's two batches and its transfer index."""
-    number: dict[tuple[int, int], int] = {}
-    where: dict[tuple, dict[str, int]] = {}
-    hop_index: dict[tuple, int] = {}
-    for rank, items in enumerate(lists):
-        for i, item in enumerate(items):
-            if isinstance(item, CommBatch):
-                b = number[(rank, i)] = len(number)
-                for msg in item.messages:
-                    key = _message_key(rank, msg, p)
-                    side = "send" if msg.op in SEND_OPS else "recv"
-                    where.setdefault(key, {})[side] = b
-                    if side == "send":
-                        hop_index[key] = 2 * rank + (0 if msg.op is Op.SEND_ACT else 1)
-    messages = [[] for _ in number]
-    for key, sides in where.items():
-        messages[sides["send"]].append((sides["recv"], hop_index[key]))
-        messages[sides["recv"]].append((sides["send"], hop_index[key]))
-    return number, where, tuple(tuple(ms) for ms in messages)
 
 
 @lru_cache(maxsize=64)
 def compile_schedule(name: str, p: int, m: int, v: int) -> Compiled:
     lists = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)
-    number, where, batch_messages = _number_batches(lists, p)
-    last_of = [{} for _ in range(p)]  # chunk -> index of its final B or W on the rank
-    for rank, items in enumerate(lists):
+    try:
+        resolution = resolve(
+            lists,
+            cost_key=lambda rank, a: (rank * v + a.chunk) * 4 + COLUMN[a.op],
+            hop_key=lambda rank, send: 2 * rank + (0 if send.op is Op.SEND_ACT else 1),
+        )
+    except ScheduleError as e:
+        raise ScheduleError(f"--schedule {name}: {e}") from None
+    finals = []
+    for items in lists:
+        last_of = {}  # chunk -> index of its final B or W on the rank
         for i, a in enumerate(items):
             if isinstance(a, Action) and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
-                last_of[rank][a.chunk] = i
-    finals = [set(d.values()) for d in last_of]
-
-    # Resolve as schedules._run does, recording each step as it becomes computable.
-    steps: list[tuple] = []
-    pos, head = [0] * p, [0] * p
-    queue = [[number[(r, i)] for i, a in enumerate(items) if isinstance(a, CommBatch)]
-             for r, items in enumerate(lists)]  # fmt: skip
-    posted, started, finished = set(), set(), set()
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            items = lists[rank]
-            while pos[rank] < len(items):  # the compute thread
-                i, a = pos[rank], items[pos[rank]]
-                if isinstance(a, CommBatch):
-                    steps.append((POST, rank, number[(rank, i)], None))
-                    posted.add(number[(rank, i)])
-                else:
-                    key = consumed(rank, a, p, v)
-                    wait = where[key]["recv"] if key is not None else -1
-                    if wait >= 0 and wait not in finished:
-                        break
-                    ci = (rank * v + a.chunk) * 4 + COLUMN[a.op]
-                    steps.append((COMPUTE, rank, ci, (wait, i in finals[rank])))
-                pos[rank] += 1
-                progress = True
-            while head[rank] < len(queue[rank]):  # the communication queue
-                b = queue[rank][head[rank]]
-                if b not in posted:
-                    break
-                if b not in started:
-                    steps.append((START, rank, b, None))
-                    started.add(b)
-                    progress = True
-                if any(other not in started for other, _ in batch_messages[b]):
-                    break
-                steps.append((FINISH, rank, b, None))
-                finished.add(b)
-                head[rank] += 1
-                progress = True
-    if any(pos[r] < len(lists[r]) or head[r] < len(queue[r]) for r in range(p)):
-        raise ValueError(f"--schedule {name}: the lists deadlock")
-
-    items = tuple(
-        tuple(("b", number[(r, i)]) if isinstance(a, CommBatch) else ("c", 0) for i, a in enumerate(row))
-        for r, row in enumerate(lists)
-    )  # fmt: skip
-    return Compiled(
-        p, m, v, lists, tuple(steps), batch_messages, items, tuple(_held_vectors(lists, v))
-    )
+                last_of[a.chunk] = i
+        finals.append(tuple(sorted((i, c) for c, i in last_of.items())))
+    return Compiled(p, m, v, lists, resolution, tuple(finals), tuple(_held_vectors(lists, v)))
 
 
 def _held_vectors(lists, v: int):
@@ -188,54 +161,14 @@ class Replay:
     """What ``run`` returns. ``ends[rank]``: when the rank's last item ends (its last
     compute, or its last batch); ``free_ends``: the same with free transfers;
     ``windows[rank][chunk]``: (start, end) of the chunk's last B or W. With ``record``:
-    the ``schedules.Timeline`` and, per rank, the (start, end) spans in which a compute
-    waited on a message in flight."""
+    the ``Timeline`` and, per rank, the (start, end) spans in which a compute waited on a
+    message in flight."""
 
     ends: list[float]
     free_ends: list[float]
     windows: list[dict[int, tuple[float, float]]]
     timeline: Timeline | None = None
     transfer_waits: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
-
-
-def _times(compiled: Compiled, flat: list[float], hop: list[float], record: bool):
-    """One pass over the steps: per-rank clocks, batch start / finish times, and (when
-    ``record``) each item's (start, end) and the waits on messages in flight."""
-    p, n = compiled.p, len(compiled.batch_messages)
-    clock, queue_free = [0.0] * p, [0.0] * p
-    post, start, finish, flight = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-    windows: list[dict[int, tuple[float, float]]] = [{} for _ in range(p)]
-    computes: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-    waits: dict[int, list[tuple[float, float]]] = {}
-    messages = compiled.batch_messages
-    v = compiled.v
-    for kind, rank, x, y in compiled.steps:
-        if kind == COMPUTE:
-            wait, last = y
-            t = ready = clock[rank]
-            if wait >= 0 and finish[wait] > t:
-                ready = finish[wait]
-                if record:
-                    waits.setdefault(rank, []).append((max(t, ready - flight[wait]), ready))
-            end = ready + flat[x]
-            clock[rank] = end
-            if record:
-                computes[rank].append((ready, end))
-            if last:
-                windows[rank][(x // 4) % v] = (ready, end)
-        elif kind == POST:
-            post[x] = clock[rank]
-        elif kind == START:
-            start[x] = post[x] if post[x] > queue_free[rank] else queue_free[rank]
-        else:  # FINISH: the batch's last message
-            end, s = start[x], start[x]
-            for other, h in messages[x]:
-                done = (s if s > start[other] else start[other]) + hop[h]
-                if done > end:
-                    end, flight[x] = done, hop[h]
-            finish[x] = queue_free[rank] = end
-    ends = [max(a, b) for a, b in zip(clock, queue_free)]
-    return ends, windows, computes, start, finish, waits
 
 
 def run(
@@ -251,22 +184,34 @@ def run(
     pipeline communication)."""
     flat = [x for row in cost for chunk in row for x in chunk]
     hop = [x for pair in p2p for x in pair]
-    ends, windows, computes, start, finish, waits = _times(compiled, flat, hop, record)
-    free_ends = _times(compiled, flat, [0.0] * len(hop), False)[0]
-    out = Replay(ends, free_ends, windows)
+    resolution = compiled.resolution
+    times = timed(resolution, flat, hop)
+    free_ends = timed(resolution, flat, [0.0] * len(hop)).ends
+    windows = [
+        {chunk: (times.start[base + i], times.end[base + i]) for i, chunk in finals}
+        for finals, base in zip(compiled.finals, resolution.offsets)
+    ]
+    out = Replay(times.ends, free_ends, windows)
     if record:
-        events = []
-        for rank, row in enumerate(compiled.items):
-            k, out_row = 0, []
-            for item, (kind, b) in zip(compiled.lists[rank], row):
-                if kind == "c":
-                    out_row.append((item, *computes[rank][k]))
-                    k += 1
-                else:
-                    out_row.append((item, start[b], finish[b]))
-            events.append(out_row)
-        out.timeline, out.transfer_waits = Timeline(events), waits
+        out.timeline = Timeline.of(compiled.lists, resolution, times)
+        out.transfer_waits = _transfer_waits(resolution, times)
     return out
+
+
+def _transfer_waits(resolution: Resolution, times: Times) -> dict[int, list[tuple[float, float]]]:
+    """Per rank, the spans in which a compute waited on a message in flight: from the later
+    of the rank's clock and the message's departure (its batch's finish less the transfer
+    that finished it last) to the compute's start."""
+    waits: dict[int, list[tuple[float, float]]] = {}
+    clock = [0.0] * len(resolution.offsets)
+    for kind, rank, x, extra in resolution.steps:
+        if kind == COMPUTE:
+            start, wait = times.start[x], extra[1]
+            if start > clock[rank]:  # it waited: for its batch (wait >= 0)
+                span = (max(clock[rank], start - times.flight[wait]), start)
+                waits.setdefault(rank, []).append(span)
+            clock[rank] = times.end[x]
+    return waits
 
 
 def peak_held(compiled: Compiled, weights: tuple) -> list[float]:

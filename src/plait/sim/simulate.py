@@ -42,8 +42,9 @@ from dataclasses import dataclass, field, fields
 
 from plait.layout import Layout
 from plait.model.config import ModelConfig
+from plait.nccl_p2p import Timeline
 from plait.parallel.pipeline.partition import partition_layers, stage_costs_from_model
-from plait.parallel.pipeline.schedules import ScheduleError, Timeline, bubble_formula
+from plait.parallel.pipeline.schedules import ScheduleError, bubble_formula
 from plait.sim import costs, pipeline, step
 from plait.sim.hardware import Hardware
 from plait.sim.memory import Memory, memory_per_rank, stage_params

@@ -64,13 +64,8 @@ def run_schedule(args: argparse.Namespace) -> int:
     divided by --vpp) and its bubble fraction against the closed form."""
     from functools import partial
 
-    from plait.parallel.pipeline.schedules import (
-        ScheduleError,
-        bubble_formula,
-        build_schedule,
-        replay,
-        unit_cost,
-    )
+    from plait.parallel.pipeline.schedules import ScheduleError, bubble_formula, build_schedule
+    from plait.sim.pipeline import replay, unit_cost
     from plait.viz.timeline import draw_timeline
 
     p, v, m = args.pp, args.vpp, args.micro_batches

@@ -1,5 +1,5 @@
 """What a run recorded, as the drawings want it: one pipeline step from the traces
-(``plait train --trace``, ``OUT/traces/rank-K.json``) as a ``schedules.Timeline``, and the
+(``plait train --trace``, ``OUT/traces/rank-K.json``) as a ``nccl_p2p.Timeline``, and the
 simulator's timeline of the same model and layout to put beside it.
 
     timeline, extras, info = recorded_step(run)              # the last recorded step
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plait.parallel.pipeline.schedules import Timeline
+from plait.nccl_p2p import Timeline
 from plait.topology import rank_of
 from plait.viz.trace import read_trace, timeline_from_traces
 

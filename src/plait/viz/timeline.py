@@ -9,7 +9,7 @@ exposed pipeline communication); any other time the rank does nothing is left bl
 (idle: the bubble). The simulator's exposed gradient reduction ("dp_comm") and
 optimizer step ("optimizer") are drawn in red and purple.
 
-Input is a ``schedules.Timeline`` (from ``schedules.replay`` or the simulator), so the
+Input is a ``nccl_p2p.Timeline`` (from ``sim.pipeline.replay`` or the simulator), so the
 same drawing serves the textbook unit-cost schedule (``plait viz schedule``) and a
 simulated step (``plait simulate --timeline``).
 """
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plait.parallel.pipeline.schedules import Op, Timeline
+from plait.nccl_p2p import Timeline
+from plait.parallel.pipeline.schedules import Op
 
 _COLORS = {  # op -> shades for chunk 0, 1, 2, ... (later chunks darker)
     Op.FORWARD: ("#9ecae1", "#4292c6", "#2171b5", "#08519c"),

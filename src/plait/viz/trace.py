@@ -26,7 +26,8 @@ import json
 import time
 from pathlib import Path
 
-from plait.parallel.pipeline.schedules import Action, CommBatch, Op, Timeline
+from plait.nccl_p2p import Timeline
+from plait.parallel.pipeline.schedules import Action, CommBatch, Op
 
 _TAIL = "\n]}\n"
 
@@ -89,7 +90,7 @@ def read_trace(path: Path) -> list[dict]:
 
 
 def timeline_from_traces(paths: list[Path], *, step: int) -> Timeline:
-    """The recorded ``step`` of one pipeline as a ``schedules.Timeline`` (seconds from
+    """The recorded ``step`` of one pipeline as a ``nccl_p2p.Timeline`` (seconds from
     the step's first action, one row per file in ``paths`` order, e.g. ranks 0 .. p - 1
     of a pp-only run), for ``viz.timeline.draw_timeline`` or ``Timeline.bubble_fraction``."""
     rows = []

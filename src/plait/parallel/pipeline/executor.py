@@ -28,9 +28,9 @@ the schedule's batches, nothing per message: a ``CommBatch`` becomes one
 the rank reaches it, and is waited on -- as a whole, since NCCL completes a group as a
 whole -- right before the first compute that reads one of its messages; batches that
 only send are let go when done, or at the end of the step. That is the communication
-model ``schedules.validate`` checks every schedule against before the first step (NCCL's:
-batches run in posting order on the rank's queue, a send completes only when its
-receive has been posted); the same order runs on gloo. Receive buffers have the shape
+model ``schedules.validate`` checks every schedule against before the first step (NCCL's,
+in ``nccl_p2p.py``: batches in posting order on the rank's queue, a send completes only
+when its receive has been posted); the same order runs on gloo. Receive buffers have the shape
 known from the config, (b, s, h) in the compute dtype. Messages between two ranks are
 posted in the same order on both sides (``schedules.check_channel_order``). A stage's
 output is dropped once its batch is done: backward starts from its ``GradientEdge``,

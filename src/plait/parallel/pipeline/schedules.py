@@ -33,18 +33,16 @@ interleaved schedule posts no batch between a steady-state forward and the backw
 it, so that every steady-state batch carries both computes' sends and the next pair's
 receives (Megatron-LM's ``send_forward_backward_recv_forward_backward``).
 
-Communication model -- NCCL's, which the executor keeps on every backend, and which
-``validate`` and ``replay`` run symbolically. A rank's compute thread posts each batch as
-it reaches it and does not wait for it; it waits only, right before a compute, for the
-batch that holds the message that compute reads. The rank's batches run one at a time, in
-posting order, on its communication queue (NCCL's stream): a batch starts once posted and
-once the batch before it has finished; a message completes when the batches holding its
-send and its receive have both started (a send waits for its receive: no buffering); a
-batch finishes with its last message. A schedule deadlocks when some batch can never
-start or finish -- e.g. two ranks that each post a send to the other first and the
-matching receive later, which is why crossing messages travel in one batch. ``validate``
-checks every shipped schedule against this model (tests: pp 2-8, every vpp up to 4, 1 to
-4p + 1 micro-batches, forward-only evaluation too).
+Why this cannot deadlock under NCCL. The executor keeps NCCL's point-to-point semantics
+on every backend, and ``validate`` runs every schedule under them, symbolically, before
+the first step: ``p2p_program`` turns the lists into the terms of the one model of those
+semantics (``plait/nccl_p2p.py``: a rank's batches run one at a time in posting order; a
+message completes once the batches holding its send and its receive have both started --
+a send waits for its receive; a compute waits only for the batch holding the message it
+reads), and ``nccl_p2p.resolve`` either finishes or names the ranks stuck -- e.g. two
+ranks that each post a send to the other first and the matching receive later, which is
+why crossing messages travel in one batch. Tests: pp 2-8, every vpp up to 4, 1 to 4p + 1
+micro-batches, forward-only evaluation too.
 
 Worked example: ``build_schedule("1f1b", num_ranks=2, num_microbatches=4)``. Rank 0 (the
 first stage) warms up with min(p - r - 1, m) = 1 forward, then alternates one forward
@@ -55,7 +53,8 @@ gradient of micro-batch 1 received from it)::
     rank 0: F0 [>a0] F1 [>a1 <g0] B0  F2 [>a2 <g1] B1  F3 [>a3 <g2] B2 [<g3] B3
     rank 1: [<a0] F0 B0 [>g0 <a1] F1 B1 [>g1 <a2] F2 B2 [>g2 <a3] F3 B3 [>g3]
 
-``replay`` with F = 1 and B = 2 time units and free transfers (``.`` = waiting)::
+Replayed on that model (``plait.sim.pipeline.replay``) with F = 1 and B = 2 time units
+and free transfers (``.`` = waiting)::
 
     time    0  1  2  3  4  5  6  7  8  9  10 11 12 13 14
     rank 0  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3
@@ -67,10 +66,13 @@ The makespan is 15 and each rank computes for 12, so the bubble fraction is
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+
+from plait import nccl_p2p
 
 
 class ScheduleError(ValueError):
@@ -487,28 +489,83 @@ def _check_rank(
 def check_channel_order(schedule: Schedule) -> None:
     """Raise ScheduleError unless, for every ordered pair of ranks, the receiver posts its
     receives in the order the sender posts the sends: NCCL (and gloo) match the messages
-    between two ranks in posting order, so two messages of equal shape must not swap."""
+    between two ranks in posting order (``nccl_p2p.pair``), so two messages of equal shape
+    must not swap."""
+    try:
+        nccl_p2p.pair(p2p_program(schedule))
+    except (nccl_p2p.P2PMismatch, nccl_p2p.P2PDeadlock) as e:
+        raise ScheduleError(str(e)) from None
+
+
+def consumed(rank: int, action: Action, num_ranks: int, num_chunks: int) -> tuple | None:
+    """The message key a compute reads (its input activation, or the gradient of its
+    output), or None when it reads none (stage 0's F, the last stage's B, any W)."""
+    stage = virtual_stage(rank, action.chunk, num_ranks)
+    if action.op is Op.FORWARD and stage > 0:
+        return "act", action.microbatch, stage - 1
+    last = num_ranks * num_chunks - 1
+    if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and stage < last:
+        return "grad", action.microbatch, stage + 1
+    return None
+
+
+def p2p_program(
+    schedule: Schedule,
+    *,
+    cost_key: Callable[[int, Action], int] | None = None,
+    hop_key: Callable[[int, Action], int] | None = None,
+) -> list[nccl_p2p.Program]:
+    """The schedule in the terms of the NCCL model (``plait/nccl_p2p.py``): each
+    ``CommBatch`` a ``Post`` whose messages are tagged with their key (kind, micro-batch,
+    sending virtual stage), each compute a ``Compute`` that waits for the batch receiving
+    the message it reads (``consumed``). ``cost_key(rank, action)`` / ``hop_key(rank,
+    send)`` say which entry of the cost and transfer vectors a compute / a send takes in
+    ``nccl_p2p.timed``; by default each its own, numbered in list order (rank, item)."""
     p = len(schedule)
-    sent: dict[tuple[int, int], list] = {}
-    received: dict[tuple[int, int], list] = {}
+    num_chunks = 1 + max(
+        (a.chunk for items in schedule for a in items if isinstance(a, Action)), default=0
+    )
+    costs, hops = itertools.count(), itertools.count()
+    cost_key = cost_key or (lambda rank, action: next(costs))
+    hop_key = hop_key or (lambda rank, send: next(hops))
+    programs = []
     for rank, items in enumerate(schedule):
-        for _, m in messages(items):
-            key = _message_key(rank, m, p)
-            if m.op in SEND_OPS:
-                sent.setdefault((rank, m.peer), []).append(key)
-            else:
-                received.setdefault((m.peer, rank), []).append(key)
-    for pair in sorted(set(sent) | set(received)):
-        keys, got = sent.get(pair, []), received.get(pair, [])
-        if got != keys:
-            i = next(
-                (i for i, (x, y) in enumerate(zip(keys, got)) if x != y), min(len(keys), len(got))
-            )
-            raise ScheduleError(
-                f"messages from rank {pair[0]} to rank {pair[1]} are sent and received in "
-                f"different orders (message {i}: sent {keys[i] if i < len(keys) else None}, "
-                f"received {got[i] if i < len(got) else None})"
-            )
+        program: nccl_p2p.Program = []
+        received: dict[tuple, int] = {}  # message key -> index of the batch receiving it
+        for i, item in enumerate(items):
+            if isinstance(item, CommBatch):
+                batch = []
+                for m in item.messages:
+                    key = _message_key(rank, m, p)
+                    if m.op in SEND_OPS:
+                        batch.append(nccl_p2p.Message(nccl_p2p.SEND, m.peer, key, hop_key(rank, m)))
+                    else:
+                        received[key] = i
+                        batch.append(nccl_p2p.Message(nccl_p2p.RECV, m.peer, key))
+                program.append(nccl_p2p.Post(tuple(batch)))
+                continue
+            key = consumed(rank, item, p, num_chunks)
+            if key is not None and key not in received:
+                raise ScheduleError(
+                    f"rank {rank} item {i} {item}: no batch before it receives {key}"
+                )
+            wait = None if key is None else received[key]
+            program.append(nccl_p2p.Compute(wait, cost_key(rank, item)))
+        programs.append(program)
+    return programs
+
+
+def resolve(schedule: Schedule, **keys) -> nccl_p2p.Resolution:
+    """``nccl_p2p.resolve`` on the schedule (``p2p_program``, with ``keys``), its errors as
+    ``ScheduleError``: mismatched or missing messages, or the ranks that wait forever."""
+    try:
+        return nccl_p2p.resolve(
+            p2p_program(schedule, **keys),
+            what="schedule deadlocks",
+            name=lambda rank, i: str(schedule[rank][i]),
+        )
+    except (nccl_p2p.P2PMismatch, nccl_p2p.P2PDeadlock) as e:
+        raise ScheduleError(str(e)) from None
 
 
 def validate(
@@ -526,15 +583,14 @@ def validate(
     B/BI before W; every receive and send the data flow needs is there exactly once, in a
     batch before the compute that reads it or after the one that wrote it, naming the
     right peer, and no other; messages between two ranks are posted in the same order on
-    both sides; and running the lists under NCCL's semantics (module docstring) finishes:
-    no deadlock.
+    both sides; and running the lists under NCCL's semantics (``plait/nccl_p2p.py``)
+    finishes: no deadlock.
     """
     if len(schedule) != num_ranks:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected {num_ranks}")
     for rank, items in enumerate(schedule):
         _check_rank(rank, items, num_ranks, num_microbatches, num_chunks, train)
-    check_channel_order(schedule)
-    _run(schedule, lambda rank, action: 0.0, 0.0)  # raises on deadlock
+    resolve(schedule)  # matched in posting order, and no deadlock
 
 
 def max_in_flight(actions: Sequence[Item]) -> int:
@@ -579,186 +635,3 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     if name == "zb-h1":
         return (p - 1) / (3 * m) if m >= p else (2 * p - m - 1) / (3 * m)
     raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-
-
-# ---------------------------------------------------------------------------- timing
-
-
-@dataclass
-class Timeline:
-    """What each rank did when: ``events[rank]`` lists (action, start, end) in program
-    order, compute and communication alike (a receive spans its wait)."""
-
-    events: list[list[tuple[Item, float, float]]] = field(default_factory=list)
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.events)
-
-    @property
-    def makespan(self) -> float:
-        return max((end for rank in self.events for _, _, end in rank), default=0.0)
-
-    def compute_time(self, rank: int) -> float:
-        return sum(end - start for a, start, end in self.events[rank] if a.is_compute)
-
-    def bubble_fraction(self) -> float:
-        """(makespan - compute) / compute with compute the busiest rank's compute time, as
-        in Narayanan et al. 2021: the pipeline's overhead over a device that never idles."""
-        busiest = max((self.compute_time(r) for r in range(self.num_ranks)), default=0.0)
-        return (self.makespan - busiest) / busiest if busiest > 0 else 0.0
-
-
-def consumed(rank: int, action: Action, num_ranks: int, num_chunks: int) -> tuple | None:
-    """The message key a compute reads (its input activation, or the gradient of its
-    output), or None when it reads none (stage 0's F, the last stage's B, any W)."""
-    stage = virtual_stage(rank, action.chunk, num_ranks)
-    if action.op is Op.FORWARD and stage > 0:
-        return "act", action.microbatch, stage - 1
-    last = num_ranks * num_chunks - 1
-    if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and stage < last:
-        return "grad", action.microbatch, stage + 1
-    return None
-
-
-def _run(
-    schedule: Schedule,
-    cost: Callable[[int, Action], float],
-    p2p: Callable[[int, Action], float] | float,
-) -> Timeline:
-    """Execution under NCCL's point-to-point semantics (module docstring); raises
-    ``ScheduleError`` on deadlock.
-
-    A rank's compute thread runs its items in order: a compute takes ``cost`` once the
-    batch holding the message it reads has finished; a batch is only posted, at the
-    time the thread reaches it. The rank's batches then run one after another on its
-    communication queue: a batch starts once it is posted and the batch before it has
-    finished; each of its messages completes ``transfer`` after the batches holding its
-    send and its receive have both started; the batch finishes with its last message.
-    Which item waits on which depends only on the lists, not on the costs, so resolving
-    them in any order that respects the waits gives the same times.
-    """
-    p = len(schedule)
-    num_chunks = 1 + max(
-        (a.chunk for items in schedule for a in items if isinstance(a, Action)), default=0
-    )
-    transfer = p2p if callable(p2p) else (lambda rank, action, _t=float(p2p): _t)
-    # where each message sits: key -> {"send": (rank, batch index), "recv": ...}
-    side_of: dict[tuple, dict[str, tuple[int, int]]] = {}
-    hop: dict[tuple, float] = {}
-    for rank, items in enumerate(schedule):
-        for i, m in messages(items):
-            key = _message_key(rank, m, p)
-            side = "send" if m.op in SEND_OPS else "recv"
-            side_of.setdefault(key, {})[side] = (rank, i)
-            if side == "send":
-                hop[key] = transfer(rank, m)
-    for key, sides in side_of.items():
-        if len(sides) != 2:
-            raise ScheduleError(
-                f"message {key} has no matching {'send' if 'recv' in sides else 'receive'}"
-            )
-    posted: dict[tuple[int, int], float] = {}  # (rank, batch index) -> time posted
-    started: dict[tuple[int, int], float] = {}
-    finished: dict[tuple[int, int], float] = {}
-    timeline = Timeline([[] for _ in range(p)])
-    events: list[dict[int, tuple]] = [{} for _ in range(p)]  # item index -> event
-    clock = [0.0] * p
-    pos = [0] * p  # compute thread: next item
-    batches = [[i for i, it in enumerate(items) if isinstance(it, CommBatch)] for items in schedule]
-    head = [0] * p  # communication queue: index into batches[rank] of the next to finish
-    queue_free = [0.0] * p  # when the previous batch finished
-
-    def advance_thread(rank: int) -> bool:
-        moved = False
-        items = schedule[rank]
-        while pos[rank] < len(items):
-            i, item = pos[rank], items[pos[rank]]
-            t = clock[rank]
-            if isinstance(item, CommBatch):
-                posted[(rank, i)] = t
-            else:
-                key = consumed(rank, item, p, num_chunks)
-                if key is not None:
-                    holder = side_of[key]["recv"]
-                    if holder not in finished:
-                        break
-                    t = max(t, finished[holder])
-                end = t + cost(rank, item)
-                events[rank][i] = (item, t, end)
-                clock[rank] = end
-            pos[rank] += 1
-            moved = True
-        return moved
-
-    def advance_queue(rank: int) -> bool:
-        moved = False
-        while head[rank] < len(batches[rank]):
-            i = batches[rank][head[rank]]
-            here = (rank, i)
-            if here not in posted:
-                break
-            if here not in started:
-                started[here] = max(posted[here], queue_free[rank])
-                moved = True
-            end = started[here]
-            for m in schedule[rank][i].messages:
-                key = _message_key(rank, m, p)
-                other = side_of[key]["recv" if m.op in SEND_OPS else "send"]
-                if other not in started:
-                    return moved
-                end = max(end, max(started[here], started[other]) + hop[key])
-            finished[here] = queue_free[rank] = end
-            events[rank][i] = (schedule[rank][i], started[here], end)
-            head[rank] += 1
-            moved = True
-        return moved
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            progress |= advance_thread(rank)
-            progress |= advance_queue(rank)
-    stuck = [r for r in range(p) if pos[r] < len(schedule[r]) or head[r] < len(batches[r])]
-    if stuck:
-
-        def where(r: int) -> str:
-            if head[r] < len(batches[r]) and (
-                pos[r] == len(schedule[r]) or batches[r][head[r]] < pos[r]
-            ):
-                i = batches[r][head[r]]
-                return f"rank {r}'s batch at item {i} {schedule[r][i]}"
-            return f"rank {r} at item {pos[r]} {schedule[r][pos[r]]}"
-
-        raise ScheduleError(
-            "schedule deadlocks under NCCL's point-to-point semantics: "
-            + "; ".join(where(r) for r in stuck)
-            + " wait forever"
-        )
-    for rank in range(p):
-        timeline.events[rank] = [events[rank][i] for i in range(len(schedule[rank]))]
-    return timeline
-
-
-def replay(
-    schedule: Schedule,
-    cost: Callable[[int, Action], float],
-    *,
-    p2p: Callable[[int, Action], float] | float = 0.0,
-) -> Timeline:
-    """Time a schedule: each rank runs its list in order from time 0.
-
-    A compute action takes ``cost(rank, action)``. A send takes no time on the sender; its
-    data reaches the receiver ``p2p`` later (a number, or ``p2p(sender_rank, send_action)``).
-    A receive starts when its rank reaches it and ends at max(that, the data's arrival).
-    Links are not shared: two transfers never slow each other down.
-    """
-    return _run(schedule, cost, p2p)
-
-
-def unit_cost(rank: int, action: Action, *, num_chunks: int = 1) -> float:
-    """The textbook costs behind ``bubble_formula``: F = 1, B = 2, BI = W = 1, each divided
-    by the number of chunks a rank holds (a chunk is 1/v of a stage)."""
-    base = {Op.FORWARD: 1.0, Op.BACKWARD: 2.0, Op.BACKWARD_INPUT: 1.0, Op.BACKWARD_WEIGHT: 1.0}
-    return base[action.op] / num_chunks
