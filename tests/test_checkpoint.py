@@ -181,11 +181,10 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous(tmpfs, tmp_path, runs_ou
     checkpoint.save(root, 1, meta={"m": 1}, **kw)
     step1 = root / "step-00000001"
     page = os.statvfs(disk).f_frsize
-    on_disk = [-(-(step1 / n).stat().st_size // page) * page for n in (".metadata", "__0_0.distcp")]
-    assert (step1 / "rng-rank-0.pt").stat().st_size > page
-    # "rng": room for step 2's DCP files (the sizes of step 1's) and one page, not for the
-    # RNG file's two
-    room = {"shard": 50_000, "rng": sum(on_disk) + page}[runs_out_in]
+    pages = {n: -(-(step1 / n).stat().st_size // page) for n in FILES}  # step 2's the same
+    # "rng": room for step 2's DCP files and all but the last page of its RNG file
+    dcp_and_rng = pages[".metadata"] + pages["__0_0.distcp"] + pages["rng-rank-0.pt"] - 1
+    room = {"shard": 50_000, "rng": dcp_and_rng * page}[runs_out_in]
     st = os.statvfs(disk)
     (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - room))
     with pytest.raises(checkpoint.CheckpointWriteError) as info:
