@@ -2,13 +2,12 @@
 of a checkpoint damaged in turn is found, named in one line, and skipped for the one before."""
 
 import errno
-import gc
 import os
 import struct
-import subprocess
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from plait.cli import main
 from plait.model.config import preset
@@ -165,35 +164,46 @@ def test_rng_round_trip_keeps_the_gpu_generator_without_a_gpu(monkeypatch):
     assert calls == []
 
 
-def test_a_full_disk_is_named_whatever_the_writer_raises(tmp_path):
-    """torch.save into a full file system: its zip writer may raise a RuntimeError
-    ("unexpected pos") instead of the OSError underneath; either way the save's report
-    says "no space left on device"."""
-    if os.geteuid() != 0:
-        pytest.skip("filling a file system needs a small tmpfs, and mounting one needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
-    try:
-        st = os.statvfs(disk)
-        (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 50_000))
-        with pytest.raises(Exception) as info:
-            torch.save({"w": torch.zeros(100_000)}, disk / "rng-rank-0.pt")
-        error = repr(info.value)
-        cause = checkpoint._os_error(info.value) or checkpoint._out_of_space(disk)
-        del info  # its traceback holds the half-written file open
-        assert cause is not None and cause.errno == errno.ENOSPC, error
-    finally:
-        gc.collect()
-        subprocess.run(["umount", str(disk)], check=True)
+@pytest.mark.parametrize("runs_out_in", ["shard", "rng"])
+def test_a_full_disk_is_one_line_and_keeps_the_previous(tmpfs, tmp_path, runs_out_in):
+    """A save into a full file system raises one line naming the step that could not be
+    written and the checkpoint that is intact, which still verifies and loads; nothing of
+    the failed step is left. It runs out in DCP's shard (an OSError inside DCP's
+    CheckpointException) or, after DCP, in torch.save's RNG file, whose zip writer may
+    report a full disk as a RuntimeError ("unexpected pos") instead of the OSError
+    underneath: the space left decides. Catches a full disk re-raised as it is (in
+    particular torch.save's RuntimeError), a report naming the wrong step or checkpoint,
+    and a half-written step left behind."""
+    disk = tmpfs(tmp_path / "disk", size="2m")
+    root = disk / "checkpoints"
+    model, state = _model(seed=1)
+    kw = dict(model=model, optim_state=state, topo=Topology.single())
+    checkpoint.save(root, 1, meta={"m": 1}, **kw)
+    step1 = root / "step-00000001"
+    page = os.statvfs(disk).f_frsize
+    pages = {n: -(-(step1 / n).stat().st_size // page) for n in FILES}  # step 2's the same
+    # "rng": room for step 2's DCP files and all but the last page of its RNG file
+    dcp_and_rng = pages[".metadata"] + pages["__0_0.distcp"] + pages["rng-rank-0.pt"] - 1
+    room = {"shard": 50_000, "rng": dcp_and_rng * page}[runs_out_in]
+    st = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - room))
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(root, 2, meta={"m": 2}, **kw)
+    report, inside_dcp = str(info.value), isinstance(info.value.__cause__, CheckpointException)
+    del info  # its traceback holds the half-written file open
+    assert inside_dcp == (runs_out_in == "shard")  # it ran out where this case means
+    assert report == (
+        f"checkpoint step 2 could not be written to {root}: no space left on device; "
+        "step-00000001 is intact and --resume continues from it"
+    )
+    assert [p.name for p in root.iterdir()] == ["step-00000001"]
+    assert checkpoint.verify(step1) is None
+    assert checkpoint.load(step1, **kw)["m"] == 1
 
 
 def test_a_full_disk_under_dcps_exception_is_named(tmp_path, monkeypatch):
     """DCP wraps every rank's failure in a CheckpointException (a BaseException): with
     torch.save's RuntimeError inside, the space left decides, as for a plain failure."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from plait.topology import Topology
 
     def failing_write(*a, **k):
         raise CheckpointException("save", {0: RuntimeError("unexpected pos 4096 vs 0")})

@@ -256,37 +256,30 @@ def test_unwritable_out_exits_2_before_data_preparation(corpus, tmp_path, capsys
     assert not (tmp_path / "cache").exists()  # no data was prepared
 
 
-def test_disk_full_during_save_is_one_line_and_keeps_the_previous(base, tmp_path):
+def test_disk_full_during_save_is_one_line_and_keeps_the_previous(base, tmp_path, tmpfs):
     """A save that runs out of space (dp 2) ends in one line naming the step and the
     checkpoint that is intact, which still verifies and loads."""
-    if os.geteuid() != 0:
-        pytest.skip("filling a file system needs a small tmpfs, and mounting one needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
-    try:
-        run = disk / "run"
-        shutil.copytree(base, run, ignore=shutil.ignore_patterns("step-00000020"))
-        st = os.statvfs(disk)  # leave 200 kB: room for metrics and logs, not a checkpoint
-        (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 200_000))
-        proc = plait("train", "--config", run / "config.yaml", "--out", run, "--resume",
-                     "--dp", 2, "--micro-batch-size", 4, "--steps", 12, "--save-every", 2)  # fmt: skip
-        assert proc.returncode == 1, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1, proc.stderr
-        assert lines[0].startswith(
-            f"plait train: error: checkpoint step 12 could not be written to {run / 'checkpoints'}"
-            ": no space left on device; step-00000010 is intact and --resume continues from it"
-        ), lines[0]
-        assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000010"]
-        from plait.generate import load_model
-        from plait.train import checkpoint
+    disk = tmpfs(tmp_path / "disk", size="4m")
+    run = disk / "run"
+    shutil.copytree(base, run, ignore=shutil.ignore_patterns("step-00000020"))
+    st = os.statvfs(disk)  # leave 200 kB: room for metrics and logs, not a checkpoint
+    (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 200_000))
+    proc = plait("train", "--config", run / "config.yaml", "--out", run, "--resume",
+                 "--dp", 2, "--micro-batch-size", 4, "--steps", 12, "--save-every", 2)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(
+        f"plait train: error: checkpoint step 12 could not be written to {run / 'checkpoints'}"
+        ": no space left on device; step-00000010 is intact and --resume continues from it"
+    ), lines[0]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000010"]
+    from plait.generate import load_model
+    from plait.train import checkpoint
 
-        assert checkpoint.verify(run / "checkpoints" / "step-00000010") is None
-        _, path, _ = load_model(run)
-        assert path.name == "step-00000010"
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+    assert checkpoint.verify(run / "checkpoints" / "step-00000010") is None
+    _, path, _ = load_model(run)
+    assert path.name == "step-00000010"
 
 
 def _children(pid: int) -> list[int]:

@@ -99,9 +99,20 @@ def test_int8_sum_is_unbiased_exact_in_the_sum_and_inside_its_error_bound():
         Int8Sum(128)
 
 
+def _sends_the_k_largest(before: torch.Tensor, idx: torch.Tensor, k: int) -> None:
+    """``idx``: k distinct positions, none of whose |grad - g_i| is smaller than any left
+    behind (ties aside, the k largest by magnitude)."""
+    idx = idx.long()
+    assert idx.numel() == idx.unique().numel() == k
+    rest = torch.ones_like(before, dtype=torch.bool).index_fill_(0, idx, False)
+    assert before[idx].abs().min() >= before[rest].abs().max()
+
+
 def test_topk_ef21_conserves_the_residual_exactly():
     """What is sent plus what remains of grad - g_i equals grad - g_i before, bit for bit,
-    step after step; the sum over ranks accumulates what they sent."""
+    step after step; the sum over ranks accumulates what they sent. What is sent is the k
+    largest |grad - g_i|: conservation alone holds for any choice of positions, so this
+    catches another choice (the signed top-k, the first k, random ones)."""
     gen = torch.Generator().manual_seed(0)
     ranks = [TopK(0.05) for _ in range(3)]
     total = torch.zeros(1000)
@@ -112,6 +123,7 @@ def test_topk_ef21_conserves_the_residual_exactly():
             before = grad - codec.local["w"] if "w" in codec.local else grad.clone()
             values, idx = codec.encode("w", grad)
             assert values.numel() == idx.numel() == 50
+            _sends_the_k_largest(before, idx, 50)
             sent = torch.zeros(1000).index_put_((idx.long(),), values)
             after = grad - codec.local["w"]
             assert torch.equal(sent + after, before), step  # nothing lost, nothing made up
@@ -129,7 +141,8 @@ def test_topk_ef21_after_a_plain_warm_up_conserves_the_residual(warm_start):
     """Plain warm-up steps (what ``--compress-warmup`` drives: each rank's gradient to
     ``follow_local``, the all-reduced sum to ``follow_total``) leave g_i and g at the last
     plain gradients, or at zero with ``--ef21-start zero``; the compressed steps after
-    them conserve the residual bit for bit, and g stays the sum of the g_i."""
+    them conserve the residual bit for bit, sending the k largest |grad - g_i|, and g stays
+    the sum of the g_i."""
     gen = torch.Generator().manual_seed(1)
     ranks = [TopK(0.05, warm_start=warm_start) for _ in range(3)]
     for _ in range(2):  # warm-up steps
@@ -146,6 +159,7 @@ def test_topk_ef21_after_a_plain_warm_up_conserves_the_residual(warm_start):
             grad = torch.randn(1000, generator=gen)
             before = grad - codec.local["w"] if "w" in codec.local else grad.clone()
             values, idx = codec.encode("w", grad)
+            _sends_the_k_largest(before, idx, 50)
             sent = torch.zeros(1000).index_put_((idx.long(),), values)
             assert torch.equal(sent + (grad - codec.local["w"]), before), step
             for other in ranks:
@@ -177,6 +191,55 @@ def test_powersgd_is_exact_on_low_rank_gradients_and_keeps_its_error():
     assert c.matrix_shape((64, 3, 4)) == (64, 12)
     o = orthonormalise(torch.randn(50, 3, generator=gen))
     assert torch.allclose(o.T @ o, torch.eye(3), atol=1e-5)
+
+
+def test_powersgd_approaches_the_best_rank_r_approximation():
+    """The low-rank part PowerSGD sends is close to the truncated SVD's, and closer each
+    step as Q warm-starts the next power iteration. ``sent + error == g`` holds for any
+    rank-r part; this catches a part that is not the dominant subspace's (Q not carried
+    over, P^ not orthonormal, the wrong factor sent, no compression at all).
+
+    The bound (subspace iteration, Golub & Van Loan section 8.2.4): the sum M of the
+    ranks' gradients has singular values s_1 >= s_2 >= ...; after t steps on a fixed M
+    (error feedback cleared, so M does not change), P^ spans M (M^T M)^(t-1) Q_0, whose
+    largest principal angle with M's top-r left singular vectors U_r satisfies
+    tan(theta_t) <= (s_(r+1) / s_r)^(2t-1) tan(theta_0), where tan(theta_0) =
+    |V_perp^T Q_0 (V_r^T Q_0)^-1|_2 for the random Q_0. What is sent is P^ P^^T M; the
+    parts of M - P^ P^^T M along V_r and along V_perp are orthogonal, so
+    |M - sent|_F^2 <= sin^2(theta_t) |M_r|_F^2 + |M - M_r|_F^2, with M_r the truncated SVD
+    (Eckart-Young: |M - M_r|_F is also the least any rank-r part can leave) and
+    sin(theta_t) <= min(tan(theta_t), 1). Slack: fp32 arithmetic, 1e-5 of |M|_F."""
+    gen = torch.Generator().manual_seed(0)
+    rows, cols, r = 40, 30, 2
+    # a spectrum with a gap after r: s_3 / s_2 = 1/3
+    s = torch.tensor([4.0, 3.0] + [0.8**i for i in range(cols - r)], dtype=torch.float64)
+    u, _ = torch.linalg.qr(torch.randn(rows, cols, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=gen, dtype=torch.float64))
+    part = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    grads = [part.float(), (u @ torch.diag(s) @ v.T - part).float()]  # two ranks
+    m = grads[0].double() + grads[1].double()
+    u, s, vh = torch.linalg.svd(m)
+    best = torch.linalg.matrix_norm(m - u[:, :r] @ torch.diag(s[:r]) @ vh[:r]).item()
+    slack = 1e-5 * torch.linalg.matrix_norm(m).item()
+    codecs = [PowerSGD(r, seed=7) for _ in grads]
+    for t in range(1, 5):
+        for c in codecs:
+            c.error.pop("w", None)
+        ps = [c.first("w", g) for c, g in zip(codecs, grads)]
+        if t == 1:
+            q0 = codecs[0].q["w"].double()
+            tan0 = torch.linalg.matrix_norm(
+                vh[r:] @ q0 @ torch.linalg.inv(vh[:r] @ q0), ord=2
+            ).item()
+        outs = [c.second("w", sum(ps)) for c in codecs]
+        q_sum = sum(q for _, q in outs)
+        sent = [c.finish("w", p_hat, q_sum) for c, (p_hat, _) in zip(codecs, outs)]
+        assert torch.equal(sent[0], sent[1])
+        err = torch.linalg.matrix_norm(m - sent[0].double()).item()
+        tan_t = (s[r] / s[r - 1]).item() ** (2 * t - 1) * tan0
+        bound = math.sqrt(best**2 + (min(tan_t, 1.0) * s[:r].norm().item()) ** 2)
+        assert best - slack <= err <= bound + slack, (t, err, best, bound)
+    assert err <= best * (1 + 1e-4)  # after 4 steps (the bound's 3e-5 here): the SVD's error
 
 
 # --- gossip graphs ---------------------------------------------------------------------------

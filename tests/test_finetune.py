@@ -282,23 +282,31 @@ def test_tp_sums_the_replicated_factors_once_per_step(runs):
     micro-batch, one all-reduce per step carries exactly the adapters' tp-partial factors
     (A beside column-parallel layers, B beside row-parallel ones) and the replicated key /
     value B's slots -- the frozen norms, which sequence parallelism would otherwise sum,
-    are not in it."""
+    are not in it. The bytes are counted from the model's sizes (lora.py's table), not
+    from ``TPGradSync``'s lists: catches a sync that carries a frozen weight, misses a
+    factor or sends a replicated key / value B in more slots than there are kv heads."""
     from plait.model.lora import apply_lora
-    from plait.parallel.tensor import TPGradSync, shard_spec
+    from plait.parallel.tensor import TPGradSync
 
     cfg, per_rank, _ = runs["lora-tp2-sp"]
-    for tp_rank, r in enumerate(per_rank):
+    m, r = cfg.model, cfg.lora.rank
+    assert len(cfg.lora.targets) == 7  # every target: q, k, v, o, up, down, gate
+    assert m.n_kv_heads < cfg.layout.tp  # so each kv head is held by both tp ranks
+    head_dim = m.hidden // m.n_heads
+    # per block: A (r, hidden) beside each column-parallel q, k, v, up, gate; B (hidden, r)
+    # beside each row-parallel o, down; and k's and v's B (head_dim, r) of a kv head both
+    # ranks hold, summed in one slot per kv head
+    numel = m.n_layers * (5 * r * m.hidden + 2 * m.hidden * r + 2 * m.n_kv_heads * head_dim * r)
+    for tp_rank, res in enumerate(per_rank):
         topo = Topology(tp=2, rank=tp_rank)
         model = build_model(cfg.model, topo=topo, sequence_parallel=True, device="meta")
         apply_lora(model, cfg.lora, arch=cfg.model.arch, seed=0)
         sync = TPGradSync(list(model.parameters()), topo=topo)
         assert sync.partial and all(".lora." in n for n, p in model.named_parameters()
                                     if any(p is q for q in sync.partial))  # fmt: skip
-        numel = sum(p.numel() for p in sync.partial)
-        numel += sum(2 // shard_spec(p).replicas * p.numel() for p in sync.replicated_kv)
         mb, tokens = 2, cfg.layout.micro_batch_size * cfg.model.seq_len  # per step, per mb
         ce_calls = 2 * mb * (STEPS + 1)  # training and the one evaluation batch
-        calls, nbytes = r["comm"]["tp.all_reduce"]
+        calls, nbytes = res["comm"]["tp.all_reduce"]
         assert calls == ce_calls + STEPS
         assert nbytes == ce_calls // 2 * 12 * tokens + STEPS * 4 * numel
 

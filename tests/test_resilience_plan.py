@@ -4,9 +4,11 @@ chaos schedules and the flags' checks."""
 import random
 
 import pytest
+from test_partition import _brute_force_bottleneck
 
 from plait.layout import Layout
 from plait.model.config import preset
+from plait.parallel.pipeline.partition import stage_costs
 from plait.resilience.chaos import Chaos
 from plait.resilience.config import ResilienceConfig, check_layout, parse_injections
 from plait.resilience.generation import replica_groups, stage_groups
@@ -19,7 +21,7 @@ from plait.resilience.plan import (
     sources,
     stage_units,
 )
-from plait.resilience.templates import Template, allocate, build_templates, choose
+from plait.resilience.templates import Template, allocate, build_templates, choose, layer_costs
 
 
 def _templates(costs: dict[int, float], rows: int = 4, n_layers: int = 12) -> dict[int, Template]:
@@ -163,15 +165,28 @@ def test_units_and_names():
 
 
 def test_templates_from_the_simulator_are_balanced_and_fit():
+    """Each template's stages are contiguous, non-empty and cover every layer in order, and
+    balanced: the costliest stage (the simulator's per-layer costs, the embedding on the
+    first stage, the head on the last) is the least any contiguous cut allows, found by
+    brute force. The head costs about one layer here (vocabulary 256k on hidden 128), so
+    the balanced cut is not the even one: catches gaps or overlaps between stages and an
+    even (or otherwise unbalanced) cut."""
     from plait.sim import get_hardware
 
-    m = preset("tiny", n_layers=8, hidden=64, n_heads=4, seq_len=64, vocab_size=256)
-    t = build_templates(m, Layout(dp=2, pp=2, global_batch_size=8), get_hardware("h100-sxm"),
-                        max_nodes=4, rows=4)  # fmt: skip
+    m = preset("tiny", n_layers=8, hidden=128, n_heads=4, seq_len=64, vocab_size=256_000)
+    layout, hw = Layout(dp=2, pp=2, global_batch_size=8), get_hardware("h100-sxm")
+    t = build_templates(m, layout, hw, max_nodes=4, rows=4)
     assert sorted(t) == [1, 2, 3, 4]
+    costs, first, last = layer_costs(m, layout, hw)
     for s, tmpl in t.items():
-        assert tmpl.nodes == s and tmpl.stages[0][0] == 0 and tmpl.stages[-1][1] == 8
-        assert all(a < b for a, b in tmpl.stages) and tmpl.iter_s > 0 and tmpl.fits
+        assert tmpl.nodes == s and tmpl.iter_s > 0 and tmpl.fits
+        bounds = [a for a, _ in tmpl.stages] + [tmpl.stages[-1][1]]
+        assert bounds[0] == 0 and bounds[-1] == 8 and all(a < b for a, b in tmpl.stages)
+        assert [b for _, b in tmpl.stages] == bounds[1:]  # each starts where the last stopped
+        parts = [range(a, b) for a, b in tmpl.stages]
+        worst = max(stage_costs(parts, costs, first_extra=first, last_extra=last))
+        assert worst == pytest.approx(_brute_force_bottleneck(costs, s, first, last), rel=1e-12)
+    assert t[2].stages != ((0, 4), (4, 8))  # the head moves a layer off the last stage
 
 
 def test_injections_and_chaos_schedule():

@@ -50,19 +50,18 @@ def test_a_refused_fresh_folder_is_removed(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def _read_only_dir(tmp_path):
+def _read_only_dir(tmp_path, tmpfs):
     """A folder this process cannot write: a read-only tmpfs as root (root ignores file
     modes), a mode-555 folder otherwise."""
     d = tmp_path / "ro"
-    d.mkdir()
     if os.geteuid() == 0:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], check=True)
-    else:
-        d.chmod(0o555)
+        return tmpfs(d, size="64k", read_only=True)
+    d.mkdir()
+    d.chmod(0o555)
     return d
 
 
-def test_unwritable_out_is_one_line(tmp_path):
+def test_unwritable_out_is_one_line(tmp_path, tmpfs):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     cases = {
@@ -70,15 +69,15 @@ def test_unwritable_out_is_one_line(tmp_path):
         a_file / "run": "part of that path is a file",
         Path("/proc/plait-run"): "cannot create the folder",
     }
-    ro = _read_only_dir(tmp_path)
-    try:
-        cases[ro] = "is not writable"
-        cases[ro / "run"] = "cannot create the folder"
-        for out, needle in cases.items():
-            with pytest.raises(run_folder.RunFolderError) as e:
-                run_folder.claim(out)
-            assert str(e.value).startswith(f"--out {out}") and needle in str(e.value), e.value
-            assert "\n" not in str(e.value)
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["umount", str(ro)], check=True)
+    for out, needle in cases.items():
+        _refused_in_one_line(out, needle)
+    ro = _read_only_dir(tmp_path, tmpfs)  # last: it may skip (no mounting in a container)
+    _refused_in_one_line(ro, "is not writable")
+    _refused_in_one_line(ro / "run", "cannot create the folder")
+
+
+def _refused_in_one_line(out, needle):
+    with pytest.raises(run_folder.RunFolderError) as e:
+        run_folder.claim(out)
+    assert str(e.value).startswith(f"--out {out}") and needle in str(e.value), e.value
+    assert "\n" not in str(e.value)

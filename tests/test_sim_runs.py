@@ -47,30 +47,56 @@ def held_out():
     return validate.cross_validate([DATA, MORE])
 
 
-def test_held_out_error_of_published_runs(held_out):
+@pytest.fixture(scope="module")
+def grid():
+    """Every usable row, and its log error at every grid value of ``gemm_max``."""
+    cases, _ = validate.load_cases([DATA, MORE])
+    times = validate.grid_times(cases)
+    return cases, np.log(times / [[c.measured_s] for c in cases])
+
+
+def test_held_out_error_of_published_runs(held_out, grid):
+    """The thresholds, on predictions fitted without their source. Catches a fold that
+    sees its own source (the in-sample fit used for the held-out prediction): wherever
+    leaving a source out moves the fitted ``gemm_max``, the held-out prediction must use
+    the moved value and differ from the in-sample one, and some sources must move."""
     table = validate.table(held_out) + "\n" + validate.rows_table(held_out)
     assert set(held_out.skipped) == INCOMPLETE, table
     assert len(held_out.predictions) >= 100, table
     assert len(held_out.by_source()) >= 6, table
     assert held_out.mean_error <= 0.10, table
     assert held_out.worst.ratio <= 1.5, table
-    # a held-out row is predicted with a value fitted without its source
+    cases, log_err = grid
+    assert [p.case.id for p in held_out.predictions] == [c.id for c in cases]
+    sources = np.array([c.source for c in cases])
+    everything = validate.fit(cases, log_err, np.ones(len(cases), bool))
+    moved = set()
     for p in held_out.predictions:
-        assert min(validate.GRID) <= p.gemm_max <= max(validate.GRID)
+        fam = p.case.family
+        assert held_out.fitted[fam] == validate.GRID[everything[fam]]
+        fold = validate.fit(cases, log_err, sources != p.case.source).get(fam)
+        if fold is None:  # no other source on this GPU type: the built-in value
+            continue
+        assert p.gemm_max == validate.GRID[fold], p.case.id
+        if fold != everything[fam]:
+            moved.add(p.case.source)
+            assert p.predicted_s != pytest.approx(p.in_sample_s, rel=1e-6), p.case.id
+        else:
+            assert p.predicted_s == p.in_sample_s, p.case.id
+    assert len(moved) >= 2, moved
 
 
-def test_leaving_a_source_out_changes_its_fit():
+def test_leaving_a_source_out_changes_its_fit(grid):
     # The fold of a source must not see it: a source whose rows alone would pull the fit
     # elsewhere gets a different value held out than in the fit on everything.
-    cases, _ = validate.load_cases([DATA, MORE])
-    h100 = [c for c in cases if c.family == "h100"]
-    times = validate.grid_times(h100)
-    log_err = np.log(times / [[c.measured_s] for c in h100])
-    sources = [c.source for c in h100]
-    everything = validate.fit(h100, log_err, np.ones(len(h100), bool))["h100"]
+    cases, log_err = grid
+    h100 = [i for i, c in enumerate(cases) if c.family == "h100"]
+    cases, log_err = [cases[i] for i in h100], log_err[h100]
+    sources = [c.source for c in cases]
+    everything = validate.fit(cases, log_err, np.ones(len(cases), bool))["h100"]
     for source in set(sources):
         train = np.array([s != source for s in sources])
-        fold = validate.fit(h100, log_err, train)["h100"]
+        fold = validate.fit(cases, log_err, train)["h100"]
         assert fold != everything, source
 
 
