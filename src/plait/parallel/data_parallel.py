@@ -17,8 +17,9 @@ sum over dp of the local gradients is the gradient of the global mean loss.
 
 Buckets. Each model chunk's trainable parameters, in reverse registration order (the
 order the backward produces their gradients), are cut into buckets of about B bytes.
-For stage 0 (and 1) every bucket owns one flat gradient buffer and each ``p.grad`` is a
-view into it, so accumulation writes straight into what is all-reduced (no copy).
+For stage 0 (and 1) every bucket owns one flat gradient buffer (``flat.FlatLayout``): the
+last micro-batch's gradients are moved into it as the bucket launches and each ``p.grad``
+becomes a view into it, so the optimizer reads what was all-reduced (no second copy).
 *Deferred* parameters -- those whose gradient another component completes after the
 backward (``TPGradSync``'s sequence-parallel and replicated key/value weights, the
 pipeline's tied embedding copies) -- go into buckets of their own that are launched by
@@ -48,6 +49,7 @@ from torch import nn
 
 from plait import comm
 from plait.layout import DEFAULT_BUCKET_MB
+from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
 
 
@@ -137,10 +139,11 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 
 
 class Bucket:
-    """Parameters whose gradients are reduced by one collective, and its progress."""
+    """Parameters whose gradients are reduced by one collective, and its progress.
+    ``layout``: where each gradient sits in the flat buffer the collective moves."""
 
-    def __init__(self, params: list[nn.Parameter], *, deferred: bool = False):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], layout: FlatLayout, *, deferred: bool = False):
+        self.params, self.layout = params, layout
         self.deferred = deferred
         self.fired = 0  # gradient hooks fired in the current micro-batch's backward
         self.microbatches = 0  # micro-batches whose backward this bucket has completed
@@ -148,10 +151,6 @@ class Bucket:
         self.handle = None  # the in-flight collective
         self.flat: torch.Tensor | None = None  # this step's reduced gradients, flat
         self.index = 0  # position among the reducer's buckets
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
 
 
 def weak_method(obj, name: str, *bound):
@@ -205,7 +204,12 @@ class GradReducer:
         self.grad_bytes = 0  # of the last finish(): the gradients this rank held
 
     def _make_buckets(self, params, *, deferred: bool) -> list[Bucket]:
-        return [Bucket(b, deferred=deferred) for b in split_buckets(params, self.cfg.bucket_bytes)]
+        runs = split_buckets(params, self.cfg.bucket_bytes)
+        return [Bucket(b, self._layout(b), deferred=deferred) for b in runs]
+
+    def _layout(self, params: list[nn.Parameter]) -> FlatLayout:
+        """Where a bucket's gradients sit in its flat buffer: one after another."""
+        return FlatLayout.of(params)
 
     def _grad_ready(self, index: int, _param) -> None:
         bucket = self.buckets[index]
@@ -255,17 +259,10 @@ class GradReducer:
     def _flatten(bucket: Bucket) -> None:
         """Move the bucket's gradients into one flat buffer ``bucket.flat``; each ``p.grad``
         becomes a view into it (a parameter without a gradient gets zeros)."""
-        p0 = bucket.params[0]
-        bucket.flat = torch.empty(bucket.numel, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p in bucket.params:
-            view = bucket.flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            p.grad = view  # autograd's tensor is freed: the gradient now lives in the bucket
-            offset += p.numel()
+        params = bucket.params
+        bucket.flat = bucket.layout.pack([p.grad for p in params], like=params[0])
+        for p, view in zip(params, bucket.layout.views(bucket.flat)):
+            p.grad = view.view_as(p)  # autograd's tensor is freed: the gradient lives here
 
 
 class AllReduceGrads(GradReducer):

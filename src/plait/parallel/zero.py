@@ -27,14 +27,15 @@ reduce-scatter its input):
   gathers every unit's parameters (4N bytes).
 - d == 1: nothing is issued for the shard group; R == 1: nothing across replicas.
 
-The sharding of a parameter is defined once, by ``shard_range``: the parameter flattened,
-padded to a multiple of d, cut into d equal pieces; rank i holds piece i (its real part,
-without the padding). It depends only on the parameter's size and d -- not on which other
-parameters share its bucket -- so gradient buckets and stage-3 parameter units can group
-parameters differently, pipeline stages' tied embedding copies shard alike, and the
-checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
-rank-major (``ShardedLayout``): row i is rank i's piece of each parameter in turn, so one
-reduce-scatter leaves each rank exactly its pieces, and one all-gather rebuilds them all.
+The sharding of a parameter is defined once, by ``flat.shard_range``: the parameter
+flattened, padded to a multiple of d, cut into d equal pieces; rank i holds piece i (its
+real part, without the padding). It depends only on the parameter's size and d -- not on
+which other parameters share its bucket -- so gradient buckets and stage-3 parameter units
+can group parameters differently, pipeline stages' tied embedding copies shard alike, and
+the checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
+rank-major (``flat.FlatLayout`` with d rows): row i is rank i's piece of each parameter in
+turn, so one reduce-scatter leaves each rank exactly its pieces, and one all-gather
+rebuilds them all.
 
 Mixed precision (FSDP2's policy): under ``--dtype bf16`` / ``fp16`` stage 3 gathers each
 unit in the compute dtype -- half the bytes (counted so) -- from its fp32 pieces, which stay
@@ -59,7 +60,6 @@ bucket order, after the shard group's reduce-scatters. No thread pool is involve
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -79,86 +79,10 @@ from plait.parallel.data_parallel import (
     tensor_bytes,
     weak_method,
 )
+from plait.parallel.flat import FlatLayout, zero_shard
 from plait.topology import Axis, Topology
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
-
-
-# --- the one sharding definition ----------------------------------------------------------
-
-
-def shard_size(numel: int, n: int) -> int:
-    """Elements in each of the n pieces of a parameter (the last may be part padding)."""
-    return math.ceil(numel / n)
-
-
-def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
-    """[lo, hi) of the flattened parameter that rank ``rank`` of ``n`` holds.
-
-    ``shard_range(10, r, 4)`` for r = 0..3: (0, 3) (3, 6) (6, 9) (9, 10) -- pieces of 3, the
-    last one 2 elements of padding. A rank past the end holds nothing: (numel, numel).
-    """
-    s = shard_size(numel, n)
-    lo = min(rank * s, numel)
-    return lo, min(lo + s, numel)
-
-
-def zero_shard(full: torch.Tensor, *, rank: int, n: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``full`` (a flat view, no padding): the checkpoint loader
-    and the engines cut every parameter and optimizer state with it."""
-    lo, hi = shard_range(full.numel(), rank, n)
-    return full.reshape(-1)[lo:hi]
-
-
-class ShardedLayout:
-    """Where every parameter's pieces sit in a bucket's flat buffer of n rows (one per
-    rank): row r = [piece r of p0 | piece r of p1 | ...], each padded to ``shard_size``."""
-
-    def __init__(self, numels: list[int], *, n: int, rank: int):
-        self.numels, self.n, self.rank = numels, n, rank
-        self.sizes = [shard_size(k, n) for k in numels]
-        self.offsets = [0]
-        for s in self.sizes[:-1]:
-            self.offsets.append(self.offsets[-1] + s)
-        self.row_numel = sum(self.sizes)
-        self.ranges = [shard_range(k, rank, n) for k in numels]
-
-    def pack(self, tensors: list[torch.Tensor | None], *, like: torch.Tensor) -> torch.Tensor:
-        """Every rank's pieces of ``tensors`` (None: zeros), rank-major: (n * row,)."""
-        out = torch.empty(self.n, self.row_numel, dtype=like.dtype, device=like.device)
-        for t, off, s, k in zip(tensors, self.offsets, self.sizes, self.numels):
-            dst = out[:, off : off + s]
-            if t is None:
-                dst.zero_()
-                continue
-            flat, full_rows = t.reshape(-1), k // s
-            dst[:full_rows].copy_(flat[: full_rows * s].view(full_rows, s))
-            if full_rows < self.n:
-                rem = k - full_rows * s
-                dst[full_rows, :rem].copy_(flat[full_rows * s :])
-                dst[full_rows, rem:].zero_()
-                dst[full_rows + 1 :].zero_()
-        return out.view(-1)
-
-    def unpack(self, flat: torch.Tensor, dests: list[torch.Tensor]) -> None:
-        """Inverse of ``pack``: copy every parameter out of a gathered (n * row,) buffer."""
-        rows = flat.view(self.n, self.row_numel)
-        for dest, off, s, k in zip(dests, self.offsets, self.sizes, self.numels):
-            src, dst, full_rows = rows[:, off : off + s], dest.view(-1), k // s
-            dst[: full_rows * s].view(full_rows, s).copy_(src[:full_rows])
-            if full_rows < self.n:
-                dst[full_rows * s :].copy_(src[full_rows, : k - full_rows * s])
-
-    def row_views(self, row: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's (real) piece of each parameter, as views into its row."""
-        return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
-
-    def pack_row(self, pieces: list[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
-        """This rank's row from its (real) pieces, zero padded: what it all-gathers."""
-        row = torch.zeros(self.row_numel, dtype=like.dtype, device=like.device)
-        for view, piece in zip(self.row_views(row), pieces):
-            view.copy_(piece)
-        return row
 
 
 # --- asynchronous gathers of rank-major rows ---------------------------------------------
@@ -193,22 +117,25 @@ class ReduceScatterGrads(GradReducer):
                  groups=None, across=None):  # fmt: skip
         self.groups = groups
         self.across = across  # HSDP: reduces a piece over the replicas (default all-reduce)
+        self.n, self.rank = n, rank  # each bucket's buffer: n rows (``flat.py``)
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.shard_topo, self.replicate_topo = shard, replicate
-        self.layouts = [
-            ShardedLayout([p.numel() for p in b.params], n=n, rank=rank) for b in self.buckets
-        ]
         self.shard: dict[nn.Parameter, torch.Tensor] = {}
 
     def _make_buckets(self, params, *, deferred):
         if self.groups is None or deferred:
             return super()._make_buckets(params, deferred=deferred)
         mine = {id(p) for p in params}  # stage 3: one bucket per parameter unit
-        return [Bucket(b) for g in self.groups if (b := [p for p in g if id(p) in mine])]
+        runs = [b for g in self.groups if (b := [p for p in g if id(p) in mine])]
+        return [Bucket(b, self._layout(b)) for b in runs]
+
+    def _layout(self, params) -> FlatLayout:
+        """Rank-major rows: one reduce-scatter leaves each rank its pieces."""
+        return FlatLayout.of(params, n=self.n, rank=self.rank)
 
     def _launch(self, bucket: Bucket) -> None:
         p0 = bucket.params[0]
-        flat = self.layouts[bucket.index].pack([p.grad for p in bucket.params], like=p0)
+        flat = bucket.layout.pack([p.grad for p in bucket.params], like=p0)
         for p in bucket.params:
             p.grad = None  # the full gradient is no longer needed
         piece = torch.empty(
@@ -226,10 +153,9 @@ class ReduceScatterGrads(GradReducer):
             if self.across is None:
                 comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
             else:  # compressed (dp_algos)
-                self.across(piece, self.layouts[bucket.index], bucket.params)
+                self.across(piece, bucket.layout, bucket.params)
         bucket.flat = piece
-        views = self.layouts[bucket.index].row_views(bucket.flat)
-        self.shard.update(zip(bucket.params, views))
+        self.shard.update(zip(bucket.params, bucket.layout.views(bucket.flat)))
 
     def zero_grad(self) -> None:
         super().zero_grad()
@@ -244,22 +170,16 @@ class Unit:
 
     def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int):
         self.name, self.params = name, params
-        self.layout = ShardedLayout([p.numel() for p in params], n=n, rank=rank)
-        p0 = params[0]
-        self.full = torch.empty(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+        self.layout = FlatLayout.of(params, n=n, rank=rank)  # the rows gathered
+        p0, whole = params[0], FlatLayout.of(params)  # ... into ``full``: one after another
+        self.full = whole.pack([p.detach() for p in params], like=p0)
         self.full_bytes = self.full.untyped_storage().nbytes()
-        self.slices = []
-        offset = 0
-        for p in params:
-            self.slices.append(self.full[offset : offset + p.numel()])
-            offset += p.numel()
+        self.slices = whole.views(self.full)
         self.row = self.layout.pack_row(
             [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=p0
         )
-        with torch.no_grad():
-            for p, flat in zip(params, self.slices):
-                flat.copy_(p.detach().reshape(-1))
-                p.data = flat.view_as(p)  # from now on p lives in ``full``
+        for p, flat in zip(params, self.slices):
+            p.data = flat.view_as(p)  # from now on p lives in ``full``
         self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
         self.gathered = False
         self.pending: Gather | None = None
@@ -343,7 +263,7 @@ class ParamUnits:
         """Each parameter's piece on this rank: a view into its unit's row."""
         out = {}
         for unit in self.units:
-            out.update(zip(unit.params, unit.layout.row_views(unit.row)))
+            out.update(zip(unit.params, unit.layout.views(unit.row)))
         return out
 
     # gather / free
@@ -562,9 +482,7 @@ class ZeroDataParallel:
         groups = [u.trainable for u in self.units.units if u.trainable] if self.units else [
             b.params for b in self.grads.buckets
         ]  # fmt: skip
-        self.gather_groups = [
-            (g, ShardedLayout([p.numel() for p in g], n=self.n, rank=self.rank)) for g in groups
-        ]
+        self.gather_groups = [(g, FlatLayout.of(g, n=self.n, rank=self.rank)) for g in groups]
 
     # the interface
 

@@ -50,6 +50,7 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes
+from plait.parallel.flat import FlatLayout
 from plait.resilience.generation import Generation, unit_order
 from plait.resilience.plan import split_piece, unit_of, with_piece
 from plait.topology import Axis
@@ -72,29 +73,29 @@ class ReplicaSync:
     def __init__(self, topo, params: list[nn.Parameter], keep: list[bool], piece=None):
         self.topo, self.params, self.keep, self.piece = topo, params, keep, piece
         self.flat: torch.Tensor | None = None
+        self.layout: FlatLayout | None = None  # of this step's tensors
         self.handle = None
 
-    def _tensor(self, p: nn.Parameter) -> torch.Tensor:
+    def _tensors(self) -> list[torch.Tensor | None]:
         if self.piece is not None:
-            return self.piece(p)
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+            return [self.piece(p) for p in self.params]
+        return [p.grad for p in self.params]  # None: zeros
 
     def launch(self) -> None:
-        self.flat = torch.cat([self._tensor(p).reshape(-1) for p in self.params])
+        tensors = self._tensors()
+        self.layout = FlatLayout.of(self.params if self.piece is None else tensors)
+        self.flat = self.layout.pack(tensors, like=self.params[0])
         self.handle = comm.all_reduce(self.flat, topo=self.topo, axis=Axis.DP, async_op=True)
 
     def complete(self) -> None:
         comm.wait([self.handle], topo=self.topo, what="all_reduce", axis="dp")
-        offset = 0
-        for p, keep in zip(self.params, self.keep):
-            dest = self._tensor(p) if self.piece is not None else p
-            n = dest.numel()
+        views = self.layout.views(self.flat)
+        for p, t, view, keep in zip(self.params, self._tensors(), views, self.keep):
             if keep and self.piece is not None:
-                dest.view(-1).copy_(self.flat[offset : offset + n])
-            elif keep:
-                p.grad = self.flat[offset : offset + n].view_as(p)
-            offset += n
-        self.flat = self.handle = None
+                t.view(-1).copy_(view)
+            elif keep:  # the gradient lives in the buffer from now on (no copy)
+                p.grad = view.view_as(p)
+        self.flat = self.handle = self.layout = None
 
 
 def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
