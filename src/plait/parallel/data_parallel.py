@@ -1,6 +1,6 @@
 """Data parallelism (``--zero 0``): gradients averaged over the dp axis in buckets that
-overlap the backward; and the engine interface the training loop drives for every ZeRO
-stage (``zero.py`` holds stages 1-3).
+overlap the backward, and the gradient paths (``GradReducer``) and helpers the ZeRO
+stages share (``zero.py`` holds stages 1-3).
 
 Communication (axis dp, d = dp size, N = trainable parameters on this rank, 4-byte
 gradients, B = bucket bytes, default 25 MiB): in the backward of a step's *last*
@@ -33,8 +33,8 @@ backward passes that reach every trainable parameter (true of the local runner a
 every pipeline schedule, split backward included); anything not launched by the hooks
 -- an unused parameter, a deferred bucket -- is launched by ``finish()``.
 
-The engine interface the trainer drives, and the factory that picks the engine for a ZeRO
-stage, are in ``engine.py``.
+The engine interface the trainer drives (``engine.GradientEngine`` / ``PieceEngine``),
+and the factory that picks the engine for a ZeRO stage, are in ``engine.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,6 +52,9 @@ from plait import comm
 from plait.layout import DEFAULT_BUCKET_MB
 from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
+
+if TYPE_CHECKING:  # engine.py imports this module
+    from plait.parallel.engine import GradCompression
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,7 +337,8 @@ class DataParallel:
     zero = 0
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                 make_optimizer: Callable, owns_grad=None, defer=(), compression=None):  # fmt: skip
+                 make_optimizer: Callable, owns_grad=None, defer=(),
+                 compression: GradCompression | None = None):  # fmt: skip
         self.model, self.topo, self.cfg = model, topo, cfg
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
@@ -341,7 +346,7 @@ class DataParallel:
         self.grads = reducer(model, topo=topo, cfg=cfg, defer=defer)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
 
-    # the interface (module docstring)
+    # the interface (``engine.PieceEngine``)
 
     def finish(self) -> None:
         self.grads.finish()

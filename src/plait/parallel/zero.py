@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -81,6 +82,9 @@ from plait.parallel.data_parallel import (
 )
 from plait.parallel.flat import FlatLayout, zero_shard
 from plait.topology import Axis, Topology
+
+if TYPE_CHECKING:  # engine.py imports this module
+    from plait.parallel.engine import GradCompression
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
 
@@ -442,10 +446,11 @@ def _sync(tensors: dict) -> None:
 
 
 class ZeroDataParallel:
-    """Stages 1-3 behind the engine interface of ``data_parallel.py`` (its docstring)."""
+    """Stages 1-3 behind the engine interface (``engine.PieceEngine``)."""
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                 make_optimizer: Callable, owns_grad=None, defer=(), compression=None):  # fmt: skip
+                 make_optimizer: Callable, owns_grad=None, defer=(),
+                 compression: GradCompression | None = None):  # fmt: skip
         self.model, self.topo, self.cfg, self.zero = model, topo, cfg, cfg.zero
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
@@ -515,17 +520,25 @@ class ZeroDataParallel:
         torch._foreach_mul_(pieces, factor)
 
     def step(self, lr: float) -> None:
-        self.optimizer.step(lr, self._grad_pieces())
+        self.update_pieces(lr)
         if self.zero in (1, 2):
-            self._gather_params()
+            self.gather_params()
 
-    def _gather_params(self) -> None:
-        """Every rank updated its pieces: one all-gather per bucket rebuilds the rest."""
+    # the two halves of a step (the resilient engine runs them apart)
+
+    def update_pieces(self, lr: float) -> None:
+        """One optimizer step of this rank's pieces with their reduced gradients (after
+        ``finish()``). Issues nothing: stages 1-2 then ``gather_params()``."""
+        self.optimizer.step(lr, self._grad_pieces())
+
+    def gather_params(self) -> None:
+        """Whole parameters from every rank's pieces (stages 1-2; collective over the shard
+        group): one all-gather per bucket, issued together and unpacked as each arrives."""
         pending = []
-        for params, layout in self.gather_groups:  # issued together, in bucket order ...
+        for params, layout in self.gather_groups:  # in bucket order
             pieces = [zero_shard(p.detach(), rank=self.rank, n=self.n) for p in params]
             pending.append(Gather(layout.pack_row(pieces, like=params[0]), topo=self.shard_topo))
-        with torch.no_grad():  # ... and unpacked as each arrives
+        with torch.no_grad():
             for (params, layout), gather in zip(self.gather_groups, pending):
                 layout.unpack(gather.rows(), [p.detach() for p in params])
 
@@ -572,7 +585,7 @@ class ZeroDataParallel:
         parameters over the shard group; offloaded masters take the new values."""
         self.optimizer.reload_masters()
         if self.zero in (1, 2):
-            self._gather_params()
+            self.gather_params()
 
     def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
         """The optimizer's elementwise state of this rank's piece of ``p``
