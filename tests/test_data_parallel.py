@@ -268,7 +268,7 @@ def run_checks(rank, world, engine_cases, train_cases_):
 def _piece(engine, full):
     if engine.zero == 0:
         return full.reshape(-1)
-    from plait.parallel.zero import zero_shard
+    from plait.parallel.flat import zero_shard
 
     return zero_shard(full, rank=engine.rank, n=engine.n)
 

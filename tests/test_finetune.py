@@ -24,7 +24,7 @@ from plait.model.config import preset
 from plait.model.lora import LoRAConfig, is_adapter
 from plait.model.quant import QuantConfig
 from plait.model.transformer import build_model
-from plait.parallel.zero import shard_size
+from plait.parallel.flat import shard_size
 from plait.topology import Topology
 from plait.train import checkpoint
 from plait.train.config import RunConfig, TrainConfig

@@ -31,7 +31,7 @@ from test_data_parallel import (
 )
 
 from plait.model.sizes import model_state_breakdown, model_state_bytes
-from plait.parallel.zero import ShardedLayout, shard_range, zero_shard
+from plait.parallel.flat import FlatLayout, shard_range, zero_shard
 
 # --- pure logic --------------------------------------------------------------------------
 
@@ -49,12 +49,12 @@ def test_shard_range_covers_every_element_once():
 def test_sharded_layout_pack_unpack_and_rows():
     tensors = [torch.randn(3, 5), torch.randn(7), torch.randn(2)]
     for n in (1, 2, 4):
-        layouts = [ShardedLayout([t.numel() for t in tensors], n=n, rank=r) for r in range(n)]
+        layouts = [FlatLayout([t.numel() for t in tensors], n=n, rank=r) for r in range(n)]
         flat = layouts[0].pack(tensors, like=tensors[0])
         assert flat.numel() == n * layouts[0].row_numel
         rows = flat.view(n, -1)
         for r, layout in enumerate(layouts):  # a reduce-scatter leaves rank r row r
-            for view, t in zip(layout.row_views(rows[r]), tensors):
+            for view, t in zip(layout.views(rows[r]), tensors):
                 assert torch.equal(view, zero_shard(t, rank=r, n=n))
             own = layout.pack_row([zero_shard(t, rank=r, n=n) for t in tensors], like=flat)
             assert torch.equal(own, rows[r])

@@ -57,6 +57,7 @@ from plait import comm
 from plait.dp_algos import compression
 from plait.dp_algos.config import DPAlgoConfig
 from plait.parallel.data_parallel import Bucket, GradReducer
+from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
 
 
@@ -229,11 +230,8 @@ class CompressedGrads(GradReducer):
         self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp, warmup=warmup)
 
     def _tensors(self, bucket: Bucket):
-        out, offset = [], 0
-        for p in bucket.params:
-            out.append((self.names[id(p)], bucket.flat[offset : offset + p.numel()]))
-            offset += p.numel()
-        return out
+        views = bucket.layout.views(bucket.flat)
+        return [(self.names[id(p)], view) for p, view in zip(bucket.params, views)]
 
     def _launch(self, bucket: Bucket) -> None:
         self._flatten(bucket)
@@ -275,21 +273,17 @@ class Across:
 
     def __call__(self, row: torch.Tensor, layout, params) -> None:
         wire = self.wire
-        views = layout.row_views(row)  # this rank's real pieces (no padding)
-        if wire.warm:
-            flat = torch.cat([v.reshape(-1) for v in views])
-            parts = flat.split([v.numel() for v in views])
-            tensors = [(self.names[id(p)], x) for p, x in zip(params, parts)]
-            wire.plain_finish(wire.plain_start(tensors, flat), tensors)
-            for v, x in zip(views, parts):
-                v.copy_(x.view_as(v))
-        elif wire.name == "bf16":
-            flat = torch.cat(views)
-            wire.bf16_finish(wire.bf16_start(flat), flat)
-            offset = 0
-            for v in views:
-                v.copy_(flat[offset : offset + v.numel()])
-                offset += v.numel()
+        views = layout.views(row)  # this rank's real pieces (no padding)
+        if wire.warm or wire.name == "bf16":  # a flat buffer of the pieces, without padding
+            dense = FlatLayout.of(views)
+            flat = dense.pack(views)
+            if wire.warm:
+                parts = dense.views(flat)
+                tensors = [(self.names[id(p)], x) for p, x in zip(params, parts)]
+                wire.plain_finish(wire.plain_start(tensors, flat), tensors)
+            else:
+                wire.bf16_finish(wire.bf16_start(flat), flat)
+            dense.unpack(flat, views)
         elif wire.name == "int8":
             tensors = [(self.names[id(p)], v.reshape(-1)) for p, v in zip(params, views)]
             wire.int8_finish(wire.int8_start(tensors), tensors)

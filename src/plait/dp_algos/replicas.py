@@ -49,6 +49,7 @@ from plait import comm
 from plait.data import IGNORE_INDEX
 from plait.dp_algos.compression import Int8Sum
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
+from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
 
 SHARED_KEYS = frozenset({"anchor", "outer_momentum", "ef21_total"})
@@ -314,14 +315,11 @@ class Replicas(DPAlgorithm):
     def pack(self, run: list[torch.Tensor]) -> torch.Tensor:
         """One flat tensor of the run, on the device (offloaded optimizer state is on the
         host; collectives take device tensors)."""
-        return torch.cat([t.reshape(-1).to(self.topo.device) for t in run])
+        return FlatLayout.of(run).pack(run, device=self.topo.device)
 
     @staticmethod
     def unpack(flat: torch.Tensor, run: list[torch.Tensor]) -> None:
-        offset = 0
-        for t in run:
-            t.view(-1).copy_(flat[offset : offset + t.numel()])
-            offset += t.numel()
+        FlatLayout.of(run).unpack(flat, run)
 
     def sum_across(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The sum over replicas of each flat tensor (async all-reduces, then waited)."""
@@ -362,15 +360,14 @@ class Replicas(DPAlgorithm):
             return [(t - old[index[id(t)]]).reshape(-1).to(self.topo.device) for t in run]
 
         if codec != "int8":
-            flats = [torch.cat(diffs(run)) for run in runs]
+            layouts = [FlatLayout.of(run) for run in runs]
+            flats = [layout.pack(diffs(run)) for layout, run in zip(layouts, runs)]
             if codec == "bf16":
                 flats = [f.to(torch.bfloat16) for f in flats]
-            for run, flat in zip(runs, self.sum_across(flats)):
+            for run, layout, flat in zip(runs, layouts, self.sum_across(flats)):
                 flat = flat.float().div_(self.num_replicas)
-                offset = 0
-                for t in run:
-                    out[index[id(t)]] = flat[offset : offset + t.numel()].view_as(t)
-                    offset += t.numel()
+                for t, view in zip(run, layout.views(flat)):
+                    out[index[id(t)]] = view.view_as(t)
             return out
         for run in runs:
             xs = diffs(run)
@@ -391,10 +388,7 @@ class Replicas(DPAlgorithm):
         out = []
         for run, flat in zip(runs, flats):
             flat.div_(self.num_replicas)
-            offset = 0
-            for t in run:
-                out.append(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            out += [view.view_as(t) for t, view in zip(run, FlatLayout.of(run).views(flat))]
         return out
 
     @torch.no_grad()

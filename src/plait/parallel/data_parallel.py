@@ -1,6 +1,6 @@
 """Data parallelism (``--zero 0``): gradients averaged over the dp axis in buckets that
-overlap the backward; and the engine interface the training loop drives for every ZeRO
-stage (``zero.py`` holds stages 1-3).
+overlap the backward, and the gradient paths (``GradReducer``) and helpers the ZeRO
+stages share (``zero.py`` holds stages 1-3).
 
 Communication (axis dp, d = dp size, N = trainable parameters on this rank, 4-byte
 gradients, B = bucket bytes, default 25 MiB): in the backward of a step's *last*
@@ -17,8 +17,9 @@ sum over dp of the local gradients is the gradient of the global mean loss.
 
 Buckets. Each model chunk's trainable parameters, in reverse registration order (the
 order the backward produces their gradients), are cut into buckets of about B bytes.
-For stage 0 (and 1) every bucket owns one flat gradient buffer and each ``p.grad`` is a
-view into it, so accumulation writes straight into what is all-reduced (no copy).
+For stage 0 (and 1) every bucket owns one flat gradient buffer (``flat.FlatLayout``): the
+last micro-batch's gradients are moved into it as the bucket launches and each ``p.grad``
+becomes a view into it, so the optimizer reads what was all-reduced (no second copy).
 *Deferred* parameters -- those whose gradient another component completes after the
 backward (``TPGradSync``'s sequence-parallel and replicated key/value weights, the
 pipeline's tied embedding copies) -- go into buckets of their own that are launched by
@@ -32,8 +33,8 @@ backward passes that reach every trainable parameter (true of the local runner a
 every pipeline schedule, split backward included); anything not launched by the hooks
 -- an unused parameter, a deferred bucket -- is launched by ``finish()``.
 
-The engine interface the trainer drives, and the factory that picks the engine for a ZeRO
-stage, are in ``engine.py``.
+The engine interface the trainer drives (``engine.GradientEngine`` / ``PieceEngine``),
+and the factory that picks the engine for a ZeRO stage, are in ``engine.py``.
 """
 
 from __future__ import annotations
@@ -42,13 +43,18 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from plait import comm
 from plait.layout import DEFAULT_BUCKET_MB
+from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
+
+if TYPE_CHECKING:  # engine.py imports this module
+    from plait.parallel.engine import GradCompression
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,10 +143,11 @@ def split_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn
 
 
 class Bucket:
-    """Parameters whose gradients are reduced by one collective, and its progress."""
+    """Parameters whose gradients are reduced by one collective, and its progress.
+    ``layout``: where each gradient sits in the flat buffer the collective moves."""
 
-    def __init__(self, params: list[nn.Parameter], *, deferred: bool = False):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], layout: FlatLayout, *, deferred: bool = False):
+        self.params, self.layout = params, layout
         self.deferred = deferred
         self.fired = 0  # gradient hooks fired in the current micro-batch's backward
         self.microbatches = 0  # micro-batches whose backward this bucket has completed
@@ -148,10 +155,6 @@ class Bucket:
         self.handle = None  # the in-flight collective
         self.flat: torch.Tensor | None = None  # this step's reduced gradients, flat
         self.index = 0  # position among the reducer's buckets
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
 
 
 def weak_method(obj, name: str, *bound):
@@ -205,7 +208,12 @@ class GradReducer:
         self.grad_bytes = 0  # of the last finish(): the gradients this rank held
 
     def _make_buckets(self, params, *, deferred: bool) -> list[Bucket]:
-        return [Bucket(b, deferred=deferred) for b in split_buckets(params, self.cfg.bucket_bytes)]
+        runs = split_buckets(params, self.cfg.bucket_bytes)
+        return [Bucket(b, self._layout(b), deferred=deferred) for b in runs]
+
+    def _layout(self, params: list[nn.Parameter]) -> FlatLayout:
+        """Where a bucket's gradients sit in its flat buffer: one after another."""
+        return FlatLayout.of(params)
 
     def _grad_ready(self, index: int, _param) -> None:
         bucket = self.buckets[index]
@@ -255,17 +263,10 @@ class GradReducer:
     def _flatten(bucket: Bucket) -> None:
         """Move the bucket's gradients into one flat buffer ``bucket.flat``; each ``p.grad``
         becomes a view into it (a parameter without a gradient gets zeros)."""
-        p0 = bucket.params[0]
-        bucket.flat = torch.empty(bucket.numel, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p in bucket.params:
-            view = bucket.flat[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            p.grad = view  # autograd's tensor is freed: the gradient now lives in the bucket
-            offset += p.numel()
+        params = bucket.params
+        bucket.flat = bucket.layout.pack([p.grad for p in params], like=params[0])
+        for p, view in zip(params, bucket.layout.views(bucket.flat)):
+            p.grad = view.view_as(p)  # autograd's tensor is freed: the gradient lives here
 
 
 class AllReduceGrads(GradReducer):
@@ -336,7 +337,8 @@ class DataParallel:
     zero = 0
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                 make_optimizer: Callable, owns_grad=None, defer=(), compression=None):  # fmt: skip
+                 make_optimizer: Callable, owns_grad=None, defer=(),
+                 compression: GradCompression | None = None):  # fmt: skip
         self.model, self.topo, self.cfg = model, topo, cfg
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
@@ -344,7 +346,7 @@ class DataParallel:
         self.grads = reducer(model, topo=topo, cfg=cfg, defer=defer)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
 
-    # the interface (module docstring)
+    # the interface (``engine.PieceEngine``)
 
     def finish(self) -> None:
         self.grads.finish()

@@ -4,7 +4,12 @@ and ZeRO stages 1-3 (``zero.py``), and the factory that picks one for a run.
 Communication: see the engine's module (``data_parallel.py`` for stage 0, ``zero.py`` for
 stages 1-3); this module issues nothing itself.
 
-The interface (the trainer uses nothing else)::
+The interface is typed: ``GradientEngine`` is what the trainer drives (also implemented
+by the resilient engines, ``resilience/replicas.py``), ``PieceEngine`` adds what
+``dp_algos`` use, and ``GradCompression`` is what a ``dp_algos`` codec hands the engines.
+The engines implement them structurally (no inheritance, so that a renamed method is an
+error and not a silent fallback to the protocol's stub; ``tests/test_engine_protocol.py``
+checks every member and its signature). In use (the trainer uses nothing else)::
 
     engine = build_data_parallel(
         model, topo=topo, cfg=DataParallelConfig.from_layout(layout),
@@ -44,16 +49,104 @@ own.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from plait.parallel.data_parallel import DataParallel, DataParallelConfig
+from plait.parallel.data_parallel import DataParallel, DataParallelConfig, GradReducer
+from plait.parallel.flat import FlatLayout
 from plait.parallel.zero import ZeroDataParallel
 from plait.topology import Topology
 
-__all__ = ["DataParallelConfig", "build_data_parallel"]
+__all__ = [
+    "DataParallelConfig",
+    "GradCompression",
+    "GradientEngine",
+    "PieceEngine",
+    "build_data_parallel",
+]
+
+
+@runtime_checkable
+class GradientEngine(Protocol):
+    """What the trainer drives each step and at checkpoints (module docstring)."""
+
+    def finish(self) -> None:
+        """Launch what the backward's hooks did not, wait: the gradients are reduced."""
+
+    def grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's (reduced) gradient of ``p`` after ``finish()``: whole or its piece."""
+
+    def grad_sq_local(self) -> torch.Tensor | float:
+        """This rank's share of |g|^2 (a device scalar; 0 where another rank counts it)."""
+
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply the gradients in place (fp16 unscaling, clipping)."""
+
+    def step(self, lr: float) -> None:
+        """The optimizer step (stages 1-2: then the parameters' all-gather)."""
+
+    def zero_grad(self) -> None:
+        """Free the gradients."""
+
+    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's state per parameter name, full tensors (``template``: to load a
+        checkpoint into)."""
+
+    def load_optim_state(self, state: dict) -> None:
+        """Keep this rank's part of a loaded ``optim_state(template=True)``."""
+
+    def full_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager:
+        """A context in which every parameter is whole (stage 3 gathers them)."""
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """{"params", "grads", "optim", "total", "host"}: bytes this rank holds."""
+
+    def close(self) -> None:
+        """Remove the hooks; the engine issues nothing more."""
+
+
+@runtime_checkable
+class PieceEngine(GradientEngine, Protocol):
+    """An engine whose pieces -- what the optimizer updates on this rank: each parameter
+    (stage 0) or this rank's shard of it (1-3) -- ``dp_algos`` average and mix."""
+
+    owns_grad: Callable[[torch.Tensor], bool]  # counted once in |g|^2 (and the distance)
+
+    def pieces(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, this rank's piece of it)."""
+
+    def pieces_changed(self) -> None:
+        """After the pieces were written: the parameters follow (stages 1-2 re-gather)."""
+
+    def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of ``p``'s piece (zeros if not stepped yet)."""
+
+    def full_of(self, tensors: dict) -> dict:
+        """Whole tensors from piece-shaped ones ({parameter: tensor}; collective)."""
+
+    def piece_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole tensor shaped like ``p``."""
+
+
+# The hook that sums this rank's gradient pieces across ZeRO shard groups in place:
+# (this rank's row of a bucket, the bucket's layout, its parameters).
+AcrossGroups = Callable[[torch.Tensor, FlatLayout, list[nn.Parameter]], None]
+
+
+class GradCompression(Protocol):
+    """A ``dp_algos`` gradient codec as the engines take it (``compression=``)."""
+
+    def reducer(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
+                defer=()) -> GradReducer:  # fmt: skip
+        """The gradient path of stages 0-1 in place of ``AllReduceGrads``."""
+
+    def across(self, topo: Topology) -> AcrossGroups:
+        """The sum across shard groups (stages 2-3 with hybrid sharding) over ``topo``'s dp
+        axis, in place of the plain all-reduce."""
 
 
 def build_data_parallel(
@@ -64,8 +157,8 @@ def build_data_parallel(
     make_optimizer: Callable,
     owns_grad: Callable[[torch.Tensor], bool] | None = None,
     defer=(),
-    compression=None,
-):
+    compression: GradCompression | None = None,
+) -> PieceEngine:
     """The engine for ``cfg.zero`` over ``model`` (one chunk, or a module holding this
     rank's chunks). Collective over the world when hybrid sharding creates its groups.
 

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
+from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
 
 SEQ_DIM = 1  # sequence parallelism splits activations (B, T, C) along T
@@ -175,30 +176,27 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    """Sequence-parallel f: all-gather of the sequence shards forward, reduce-scatter back."""
+def _all_gather_seq(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    return comm.all_gather(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, topo: Topology) -> torch.Tensor:
+    return comm.reduce_scatter(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
+
+
+class _SequenceParallel(torch.autograd.Function):
+    """Sequence-parallel f and g, each the other's conjugate: f (``gather``) all-gathers the
+    sequence shards forward and reduce-scatters the gradient back; g the reverse."""
 
     @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return comm.all_gather(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.reduce_scatter(grad, topo=ctx.topo, axis=Axis.TP, dim=SEQ_DIM), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """Sequence-parallel g: reduce-scatter into sequence shards forward, all-gather back."""
-
-    @staticmethod
-    def forward(ctx, x, topo):
-        ctx.topo = topo
-        return comm.reduce_scatter(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
+    def forward(ctx, x, topo, gather: bool):
+        ctx.topo, ctx.gather = topo, gather
+        return _all_gather_seq(x, topo) if gather else _reduce_scatter_seq(x, topo)
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_gather(grad, topo=ctx.topo, axis=Axis.TP, dim=SEQ_DIM), None
+        topo = ctx.topo
+        return (_reduce_scatter_seq if ctx.gather else _all_gather_seq)(grad, topo), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -227,12 +225,12 @@ def reduce_from_tp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
 
 def gather_from_sp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     """(B, T/t, C) -> (B, T, C): all-gather forward, reduce-scatter backward."""
-    return x if topo.tp == 1 else _GatherFromSP.apply(x, topo)
+    return x if topo.tp == 1 else _SequenceParallel.apply(x, topo, True)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     """(B, T, C) partial sums -> (B, T/t, C): reduce-scatter forward, all-gather backward."""
-    return x if topo.tp == 1 else _ReduceScatterToSP.apply(x, topo)
+    return x if topo.tp == 1 else _SequenceParallel.apply(x, topo, False)
 
 
 def gather_from_tp(x: torch.Tensor, topo: Topology) -> torch.Tensor:
@@ -542,28 +540,23 @@ class TPGradSync:
     def finish(self) -> None:
         if not self.active:
             return
-        tp, tp_rank = self.topo.tp, self.topo.tp_rank
-
-        def grad(p):
-            return p.grad if p.grad is not None else torch.zeros_like(p)
-
-        pieces = [grad(p).reshape(-1) for p in self.partial]
-        for p in self.replicated_kv:
-            replicas = shard_spec(p).replicas
-            slots = torch.zeros(tp // replicas, p.numel(), dtype=p.dtype, device=p.device)
-            slots[tp_rank // replicas] = grad(p).reshape(-1)
-            pieces.append(slots.reshape(-1))
-        flat = torch.cat(pieces)
+        # One flat buffer: each partial gradient, then each key/value weight's slots (one
+        # per head shard, tp // replicas of them), this rank's slot holding its gradient.
+        partial, kv, tp, tp_rank = self.partial, self.replicated_kv, self.topo.tp, self.topo.tp_rank
+        num_slots = [tp // shard_spec(p).replicas for p in kv]
+        layout = FlatLayout([p.numel() for p in partial] +
+                            [s * p.numel() for s, p in zip(num_slots, kv)])  # fmt: skip
+        flat = layout.pack([p.grad for p in partial] + [None] * len(kv), like=(partial + kv)[0])
+        views = layout.views(flat)
+        dests = views[: len(partial)]
+        for p, s, view in zip(kv, num_slots, views[len(partial) :]):
+            slot = view.view(s, -1)[tp_rank // shard_spec(p).replicas]
+            if p.grad is not None:
+                slot.copy_(p.grad.reshape(-1))
+            dests.append(slot)
         comm.all_reduce(flat, topo=self.topo, axis=Axis.TP)
-        offset = 0
-        for p in self.partial:
-            self._assign(p, flat[offset : offset + p.numel()])
-            offset += p.numel()
-        for p in self.replicated_kv:
-            replicas = shard_spec(p).replicas
-            slots = flat[offset : offset + (tp // replicas) * p.numel()].view(tp // replicas, -1)
-            self._assign(p, slots[tp_rank // replicas])
-            offset += slots.numel()
+        for p, dest in zip(partial + kv, dests):
+            self._assign(p, dest)
 
     @staticmethod
     def _assign(p: torch.Tensor, flat: torch.Tensor) -> None:

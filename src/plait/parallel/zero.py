@@ -1,6 +1,9 @@
 """ZeRO (Rajbhandari et al. 2020): optimizer state (stage 1), gradients (2) and parameters
 (3) sharded over the data-parallel ranks; optionally the optimizer on the CPU (ZeRO-Offload)
 and sharding within groups of K dp ranks only, replicated across groups (hybrid, HSDP).
+This module holds the engine, its gradient reduce-scatter and its sharded optimizer;
+which rank holds which range of a parameter, and the rank-major buffers, are
+``flat.py``'s; stage 3's parameter units and their hooks are ``zero_units.py``'s.
 
 Communication (axis dp; d = ranks a shard is spread over: K with ``--zero-shard-group K``,
 else dp; R = dp / d replicas; N = trainable parameters on this rank, 4 bytes each; m
@@ -15,11 +18,13 @@ reduce-scatter its input):
   (HSDP: then one all-reduce per bucket over the R replicas, 4N/d bytes); step: one
   all-gather per bucket, 4N bytes. Same volume as stage 0 on the wire: (d-1)/d x 4N for
   each of the reduce-scatter and the all-gather.
-- stage 3: one all-gather per unit (the embedding, each transformer block, the final norm
-  and head) before its forward and again before its backward, every micro-batch: 8mN
-  bytes per step (8m(N + F) with F frozen parameters -- a LoRA run's base, which is sharded
-  and gathered like the rest but has no gradient to reduce and no optimizer state); the next unit's gather is issued (prefetched) when a unit starts, and a
-  unit's full parameters are freed after its forward and after its backward. Gradients:
+- stage 3 (the units' hooks: ``zero_units.py``): one all-gather per unit (the embedding,
+  each transformer block, the final norm and head) before its forward and again before
+  its backward, every micro-batch: 8mN bytes per step (8m(N + F) with F frozen parameters
+  -- a LoRA run's base, which is sharded and gathered like the rest but has no gradient
+  to reduce and no optimizer state); the next unit's gather is issued (prefetched) when a
+  unit starts, and a unit's full parameters are freed after its forward and after its
+  backward. Gradients:
   one reduce-scatter per unit in the last micro-batch's backward, 4N bytes (HSDP: + an
   all-reduce of 4N/d). Nothing after the step.
 - earlier micro-batches reduce nothing (gradients accumulate unsharded), in every stage.
@@ -27,14 +32,15 @@ reduce-scatter its input):
   gathers every unit's parameters (4N bytes).
 - d == 1: nothing is issued for the shard group; R == 1: nothing across replicas.
 
-The sharding of a parameter is defined once, by ``shard_range``: the parameter flattened,
-padded to a multiple of d, cut into d equal pieces; rank i holds piece i (its real part,
-without the padding). It depends only on the parameter's size and d -- not on which other
-parameters share its bucket -- so gradient buckets and stage-3 parameter units can group
-parameters differently, pipeline stages' tied embedding copies shard alike, and the
-checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
-rank-major (``ShardedLayout``): row i is rank i's piece of each parameter in turn, so one
-reduce-scatter leaves each rank exactly its pieces, and one all-gather rebuilds them all.
+The sharding of a parameter is defined once, by ``flat.shard_range``: the parameter
+flattened, padded to a multiple of d, cut into d equal pieces; rank i holds piece i (its
+real part, without the padding). It depends only on the parameter's size and d -- not on
+which other parameters share its bucket -- so gradient buckets and stage-3 parameter units
+can group parameters differently, pipeline stages' tied embedding copies shard alike, and
+the checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
+rank-major (``flat.FlatLayout`` with d rows): row i is rank i's piece of each parameter in
+turn, so one reduce-scatter leaves each rank exactly its pieces, and one all-gather
+rebuilds them all.
 
 Mixed precision (FSDP2's policy): under ``--dtype bf16`` / ``fp16`` stage 3 gathers each
 unit in the compute dtype -- half the bytes (counted so) -- from its fp32 pieces, which stay
@@ -59,8 +65,8 @@ bucket order, after the shard group's reduce-scatters. No thread pool is involve
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -74,111 +80,17 @@ from plait.parallel.data_parallel import (
     adamw_zero_state,
     elementwise_keys,
     frozen_bytes,
-    model_chunks,
     sq_sum,
     tensor_bytes,
-    weak_method,
 )
+from plait.parallel.flat import FlatLayout, zero_shard
+from plait.parallel.zero_units import Gather, ParamUnits
 from plait.topology import Axis, Topology
 
+if TYPE_CHECKING:  # engine.py imports this module
+    from plait.parallel.engine import GradCompression
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
-
-
-# --- the one sharding definition ----------------------------------------------------------
-
-
-def shard_size(numel: int, n: int) -> int:
-    """Elements in each of the n pieces of a parameter (the last may be part padding)."""
-    return math.ceil(numel / n)
-
-
-def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
-    """[lo, hi) of the flattened parameter that rank ``rank`` of ``n`` holds.
-
-    ``shard_range(10, r, 4)`` for r = 0..3: (0, 3) (3, 6) (6, 9) (9, 10) -- pieces of 3, the
-    last one 2 elements of padding. A rank past the end holds nothing: (numel, numel).
-    """
-    s = shard_size(numel, n)
-    lo = min(rank * s, numel)
-    return lo, min(lo + s, numel)
-
-
-def zero_shard(full: torch.Tensor, *, rank: int, n: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``full`` (a flat view, no padding): the checkpoint loader
-    and the engines cut every parameter and optimizer state with it."""
-    lo, hi = shard_range(full.numel(), rank, n)
-    return full.reshape(-1)[lo:hi]
-
-
-class ShardedLayout:
-    """Where every parameter's pieces sit in a bucket's flat buffer of n rows (one per
-    rank): row r = [piece r of p0 | piece r of p1 | ...], each padded to ``shard_size``."""
-
-    def __init__(self, numels: list[int], *, n: int, rank: int):
-        self.numels, self.n, self.rank = numels, n, rank
-        self.sizes = [shard_size(k, n) for k in numels]
-        self.offsets = [0]
-        for s in self.sizes[:-1]:
-            self.offsets.append(self.offsets[-1] + s)
-        self.row_numel = sum(self.sizes)
-        self.ranges = [shard_range(k, rank, n) for k in numels]
-
-    def pack(self, tensors: list[torch.Tensor | None], *, like: torch.Tensor) -> torch.Tensor:
-        """Every rank's pieces of ``tensors`` (None: zeros), rank-major: (n * row,)."""
-        out = torch.empty(self.n, self.row_numel, dtype=like.dtype, device=like.device)
-        for t, off, s, k in zip(tensors, self.offsets, self.sizes, self.numels):
-            dst = out[:, off : off + s]
-            if t is None:
-                dst.zero_()
-                continue
-            flat, full_rows = t.reshape(-1), k // s
-            dst[:full_rows].copy_(flat[: full_rows * s].view(full_rows, s))
-            if full_rows < self.n:
-                rem = k - full_rows * s
-                dst[full_rows, :rem].copy_(flat[full_rows * s :])
-                dst[full_rows, rem:].zero_()
-                dst[full_rows + 1 :].zero_()
-        return out.view(-1)
-
-    def unpack(self, flat: torch.Tensor, dests: list[torch.Tensor]) -> None:
-        """Inverse of ``pack``: copy every parameter out of a gathered (n * row,) buffer."""
-        rows = flat.view(self.n, self.row_numel)
-        for dest, off, s, k in zip(dests, self.offsets, self.sizes, self.numels):
-            src, dst, full_rows = rows[:, off : off + s], dest.view(-1), k // s
-            dst[: full_rows * s].view(full_rows, s).copy_(src[:full_rows])
-            if full_rows < self.n:
-                dst[full_rows * s :].copy_(src[full_rows, : k - full_rows * s])
-
-    def row_views(self, row: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's (real) piece of each parameter, as views into its row."""
-        return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
-
-    def pack_row(self, pieces: list[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
-        """This rank's row from its (real) pieces, zero padded: what it all-gathers."""
-        row = torch.zeros(self.row_numel, dtype=like.dtype, device=like.device)
-        for view, piece in zip(self.row_views(row), pieces):
-            view.copy_(piece)
-        return row
-
-
-# --- asynchronous gathers of rank-major rows ---------------------------------------------
-
-
-class Gather:
-    """An all-gather of every rank's row in flight: ``rows()`` waits and returns them,
-    (n * row,), in ``dtype`` (the wire dtype: the row is cast to it first)."""
-
-    def __init__(self, row: torch.Tensor, *, topo: Topology, dtype: torch.dtype | None = None):
-        self.topo = topo
-        self.src = row if dtype in (None, row.dtype) else row.to(dtype)
-        self.out = torch.empty(topo.dp * row.numel(), dtype=self.src.dtype, device=row.device)
-        self.handle = comm.all_gather_into(self.out, self.src, topo=topo, axis=Axis.DP,
-                                           async_op=True)  # fmt: skip
-
-    def rows(self) -> torch.Tensor:
-        comm.wait([self.handle], topo=self.topo, what="all_gather", axis="dp")
-        self.handle = self.src = None
-        return self.out
 
 
 # --- stage 2 and 3 gradients: reduce-scatter into shards ----------------------------------
@@ -193,22 +105,25 @@ class ReduceScatterGrads(GradReducer):
                  groups=None, across=None):  # fmt: skip
         self.groups = groups
         self.across = across  # HSDP: reduces a piece over the replicas (default all-reduce)
+        self.n, self.rank = n, rank  # each bucket's buffer: n rows (``flat.py``)
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.shard_topo, self.replicate_topo = shard, replicate
-        self.layouts = [
-            ShardedLayout([p.numel() for p in b.params], n=n, rank=rank) for b in self.buckets
-        ]
         self.shard: dict[nn.Parameter, torch.Tensor] = {}
 
     def _make_buckets(self, params, *, deferred):
         if self.groups is None or deferred:
             return super()._make_buckets(params, deferred=deferred)
         mine = {id(p) for p in params}  # stage 3: one bucket per parameter unit
-        return [Bucket(b) for g in self.groups if (b := [p for p in g if id(p) in mine])]
+        runs = [b for g in self.groups if (b := [p for p in g if id(p) in mine])]
+        return [Bucket(b, self._layout(b)) for b in runs]
+
+    def _layout(self, params) -> FlatLayout:
+        """Rank-major rows: one reduce-scatter leaves each rank its pieces."""
+        return FlatLayout.of(params, n=self.n, rank=self.rank)
 
     def _launch(self, bucket: Bucket) -> None:
         p0 = bucket.params[0]
-        flat = self.layouts[bucket.index].pack([p.grad for p in bucket.params], like=p0)
+        flat = bucket.layout.pack([p.grad for p in bucket.params], like=p0)
         for p in bucket.params:
             p.grad = None  # the full gradient is no longer needed
         piece = torch.empty(
@@ -226,232 +141,13 @@ class ReduceScatterGrads(GradReducer):
             if self.across is None:
                 comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
             else:  # compressed (dp_algos)
-                self.across(piece, self.layouts[bucket.index], bucket.params)
+                self.across(piece, bucket.layout, bucket.params)
         bucket.flat = piece
-        views = self.layouts[bucket.index].row_views(bucket.flat)
-        self.shard.update(zip(bucket.params, views))
+        self.shard.update(zip(bucket.params, bucket.layout.views(bucket.flat)))
 
     def zero_grad(self) -> None:
         super().zero_grad()
         self.shard.clear()
-
-
-# --- stage 3 parameters: gathered per unit, on demand --------------------------------------
-
-
-class Unit:
-    """Parameters gathered and freed together (a block, the embedding, the norm + head)."""
-
-    def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int):
-        self.name, self.params = name, params
-        self.layout = ShardedLayout([p.numel() for p in params], n=n, rank=rank)
-        p0 = params[0]
-        self.full = torch.empty(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
-        self.full_bytes = self.full.untyped_storage().nbytes()
-        self.slices = []
-        offset = 0
-        for p in params:
-            self.slices.append(self.full[offset : offset + p.numel()])
-            offset += p.numel()
-        self.row = self.layout.pack_row(
-            [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=p0
-        )
-        with torch.no_grad():
-            for p, flat in zip(params, self.slices):
-                flat.copy_(p.detach().reshape(-1))
-                p.data = flat.view_as(p)  # from now on p lives in ``full``
-        self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
-        self.gathered = False
-        self.pending: Gather | None = None
-        self.trainable = [p for p in params if p.requires_grad]  # their gradients free it
-        self.fired = 0
-        # With frozen parameters (LoRA), the trainable gradients may all be in while the
-        # frozen weights still carry the input gradient: then the unit also waits for the
-        # gradient of its input (if that needs one) before it is freed.
-        self.frozen = len(self.trainable) < len(params)
-        self.grads_in = False
-        self.waits_input = False
-        self.next_forward: Unit | None = None
-        self.next_backward: Unit | None = None
-
-
-def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Module, nn.Module]]:
-    """(unit, entry module, exit module) of one chunk, in forward order of first use.
-
-    A ``Transformer`` chunk: one unit per block; the other parameters (embedding, final
-    norm, head, a tied embedding copy) form one more, entered at the embedding (or, on a
-    chunk without one, at the final norm) and left when the chunk returns -- a tied
-    embedding is used at both ends. Any other module: one unit for all of it. Frozen
-    parameters (a LoRA run's base) belong to units too: sharding them is what ZeRO-3
-    offers fine-tuning; only their gradients and optimizer state do not exist.
-    """
-    params = list(chunk.named_parameters())
-    blocks = getattr(chunk, "blocks", None)
-    if blocks is None:
-        return [(Unit("chunk", [p for _, p in params], n=n, rank=rank), chunk, chunk)]
-    out = []
-    rest = [p for name, p in params if not name.startswith("blocks.")]
-    pre, post = getattr(chunk, "pre", False), getattr(chunk, "post", False)
-    if rest:
-        entry = chunk.embed if pre else getattr(chunk, "norm", chunk)
-        exit_ = chunk if post else chunk.embed
-        out.append((Unit("rest", rest, n=n, rank=rank), entry, exit_))
-    for key, block in blocks.items():
-        ps = list(block.parameters())
-        if ps:
-            out.append((Unit(f"blocks.{key}", ps, n=n, rank=rank), block, block))
-    return out
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class ParamUnits:
-    """Stage 3: parameters live as this rank's pieces (``unit.row``); a unit's full
-    parameters exist only between its gather and its free (module docstring)."""
-
-    def __init__(self, model: nn.Module, *, shard: Topology, n: int, rank: int,
-                 wire_dtype: torch.dtype | None = None):  # fmt: skip
-        self.shard_topo, self.wire_dtype = shard, wire_dtype
-        self.units: list[Unit] = []
-        self._hooks = []
-        for chunk in model_chunks(model):
-            found = _units_of(chunk, n=n, rank=rank)
-            units = [u for u, _, _ in found]
-            rest = [u for u in units if u.name == "rest"]
-            blocks = [u for u in units if u.name != "rest"]
-            pre, post = getattr(chunk, "pre", True), getattr(chunk, "post", True)
-            fwd = (rest if pre else []) + blocks + (rest if post and not pre else [])
-            bwd = (rest if post else []) + blocks[::-1] + (rest if pre and not post else [])
-            for order, attr in ((fwd, "next_forward"), (bwd, "next_backward")):
-                for a, b in zip(order, order[1:]):
-                    setattr(a, attr, b)
-            for unit, entry, exit_ in found:
-                i = len(self.units)  # hooks name units by index (see ``weak_method``)
-                self.units.append(unit)
-                self._hooks += [
-                    entry.register_forward_pre_hook(weak_method(self, "_forward_pre", i)),
-                    exit_.register_forward_hook(weak_method(self, "_forward_post", i)),
-                ]
-                hook = weak_method(self, "_grad_ready", i)
-                for p in unit.trainable:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-
-    @property
-    def shard(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Each parameter's piece on this rank: a view into its unit's row."""
-        out = {}
-        for unit in self.units:
-            out.update(zip(unit.params, unit.layout.row_views(unit.row)))
-        return out
-
-    # gather / free
-
-    def _start(self, unit: Unit) -> Gather:
-        return Gather(unit.row, topo=self.shard_topo, dtype=self.wire_dtype)
-
-    def prefetch(self, unit: Unit | None) -> None:
-        if unit is not None and not unit.gathered and unit.pending is None:
-            unit.pending = self._start(unit)
-
-    def gather(self, unit: Unit) -> None:
-        if unit.gathered:
-            return
-        pending, unit.pending = unit.pending or self._start(unit), None
-        flat = pending.rows()
-        unit.full.untyped_storage().resize_(unit.full_bytes)
-        unit.layout.unpack(flat, unit.slices)
-        unit.gathered = True
-
-    def free(self, unit: Unit) -> None:
-        if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
-            unit.pending.rows()
-            unit.pending = None
-        unit.full.untyped_storage().resize_(0)
-        unit.gathered = False
-
-    # hooks
-
-    def _forward_pre(self, i: int, module, args) -> None:
-        unit = self.units[i]
-        self.gather(unit)
-        self.prefetch(unit.next_forward)
-        x = args[0] if args else None
-        if unit.frozen and isinstance(x, torch.Tensor) and x.requires_grad and not _in_backward():
-            unit.waits_input = True
-            x.register_hook(weak_method(self, "_input_grad", i))
-
-    def _forward_post(self, i: int, module, args, output) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(weak_method(self, "_backward_pre", i))
-        if not _in_backward():  # (a recomputed forward keeps its parameters)
-            self.free(self.units[i])
-
-    def _backward_pre(self, i: int, grad) -> None:
-        unit = self.units[i]
-        self.free_frozen(but=unit)  # a frozen unit's backward ends where the next begins
-        self.gather(unit)
-        self.prefetch(unit.next_backward)
-
-    def _grad_ready(self, i: int, _param) -> None:
-        unit = self.units[i]
-        unit.fired += 1
-        if unit.fired == len(unit.trainable):  # this micro-batch's backward is done with it
-            unit.fired = 0
-            unit.grads_in = True
-            self._release(unit)
-
-    def _input_grad(self, i: int, _grad) -> None:
-        unit = self.units[i]
-        unit.waits_input = False
-        self._release(unit)
-
-    def _release(self, unit: Unit) -> None:
-        if unit.grads_in and not unit.waits_input:
-            unit.grads_in = False
-            self.free(unit)
-
-    def free_frozen(self, but: Unit | None = None) -> None:
-        """Free the gathered units no gradient frees: all frozen ones (``but`` aside) and,
-        at the end of the backward (``but`` None), any with frozen parameters."""
-        for unit in self.units:
-            if (
-                unit.gathered
-                and unit is not but
-                and (not unit.trainable or but is None and unit.frozen)
-            ):
-                unit.grads_in = unit.waits_input = False
-                self.free(unit)
-
-    @contextlib.contextmanager
-    def full_params(self, *, writeback: bool):
-        """Every unit gathered in full precision (the master values, whatever the wire
-        dtype of training); with ``writeback``, the pieces re-cut from the (possibly
-        overwritten) full parameters on exit."""
-        for unit in self.units:
-            self.free(unit)
-        for unit in self.units:
-            unit.pending = Gather(unit.row, topo=self.shard_topo)
-        for unit in self.units:
-            self.gather(unit)
-        try:
-            yield
-        finally:
-            for unit in self.units:
-                if writeback:
-                    n, rank = unit.layout.n, unit.layout.rank
-                    pieces = [zero_shard(f, rank=rank, n=n) for f in unit.slices]
-                    unit.row.copy_(unit.layout.pack_row(pieces, like=unit.row))
-                self.free(unit)
-
-    def nbytes(self) -> int:
-        return tensor_bytes(u.row for u in self.units)
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 # --- the optimizer on shards ---------------------------------------------------------------
@@ -522,10 +218,11 @@ def _sync(tensors: dict) -> None:
 
 
 class ZeroDataParallel:
-    """Stages 1-3 behind the engine interface of ``data_parallel.py`` (its docstring)."""
+    """Stages 1-3 behind the engine interface (``engine.PieceEngine``)."""
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                 make_optimizer: Callable, owns_grad=None, defer=(), compression=None):  # fmt: skip
+                 make_optimizer: Callable, owns_grad=None, defer=(),
+                 compression: GradCompression | None = None):  # fmt: skip
         self.model, self.topo, self.cfg, self.zero = model, topo, cfg, cfg.zero
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
@@ -562,9 +259,7 @@ class ZeroDataParallel:
         groups = [u.trainable for u in self.units.units if u.trainable] if self.units else [
             b.params for b in self.grads.buckets
         ]  # fmt: skip
-        self.gather_groups = [
-            (g, ShardedLayout([p.numel() for p in g], n=self.n, rank=self.rank)) for g in groups
-        ]
+        self.gather_groups = [(g, FlatLayout.of(g, n=self.n, rank=self.rank)) for g in groups]
 
     # the interface
 
@@ -597,17 +292,25 @@ class ZeroDataParallel:
         torch._foreach_mul_(pieces, factor)
 
     def step(self, lr: float) -> None:
-        self.optimizer.step(lr, self._grad_pieces())
+        self.update_pieces(lr)
         if self.zero in (1, 2):
-            self._gather_params()
+            self.gather_params()
 
-    def _gather_params(self) -> None:
-        """Every rank updated its pieces: one all-gather per bucket rebuilds the rest."""
+    # the two halves of a step (the resilient engine runs them apart)
+
+    def update_pieces(self, lr: float) -> None:
+        """One optimizer step of this rank's pieces with their reduced gradients (after
+        ``finish()``). Issues nothing: stages 1-2 then ``gather_params()``."""
+        self.optimizer.step(lr, self._grad_pieces())
+
+    def gather_params(self) -> None:
+        """Whole parameters from every rank's pieces (stages 1-2; collective over the shard
+        group): one all-gather per bucket, issued together and unpacked as each arrives."""
         pending = []
-        for params, layout in self.gather_groups:  # issued together, in bucket order ...
+        for params, layout in self.gather_groups:  # in bucket order
             pieces = [zero_shard(p.detach(), rank=self.rank, n=self.n) for p in params]
             pending.append(Gather(layout.pack_row(pieces, like=params[0]), topo=self.shard_topo))
-        with torch.no_grad():  # ... and unpacked as each arrives
+        with torch.no_grad():
             for (params, layout), gather in zip(self.gather_groups, pending):
                 layout.unpack(gather.rows(), [p.detach() for p in params])
 
@@ -654,7 +357,7 @@ class ZeroDataParallel:
         parameters over the shard group; offloaded masters take the new values."""
         self.optimizer.reload_masters()
         if self.zero in (1, 2):
-            self._gather_params()
+            self.gather_params()
 
     def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
         """The optimizer's elementwise state of this rank's piece of ``p``

@@ -19,7 +19,7 @@ which worker 2 alone still holds: it sends them to both (``sources``).
 ZeRO inside a replica (``--zero 1|2 --zero-shard-group K``, hybrid sharding). The pipelines
 come in replicas of K that share one template: pipelines [rK, (r+1)K) form replica r, and
 the K workers of a stage in a replica shard every parameter of the stage over themselves
-(``zero.shard_range``: piece j of a parameter depends only on its size and K). Pipeline i
+(``flat.shard_range``: piece j of a parameter depends only on its size and K). Pipeline i
 is slot j = i mod K of its replica, and its workers hold piece j of their units: the unit
 ``blocks.3/1`` is piece 1 of block 3's parameters and of their AdamW moments. The rest of
 this module works on those names unchanged: a slot's units carry its piece, holdings and

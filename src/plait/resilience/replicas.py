@@ -50,6 +50,9 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes
+from plait.parallel.engine import GradientEngine
+from plait.parallel.flat import FlatLayout
+from plait.parallel.zero import ZeroDataParallel
 from plait.resilience.generation import Generation, unit_order
 from plait.resilience.plan import split_piece, unit_of, with_piece
 from plait.topology import Axis
@@ -72,29 +75,29 @@ class ReplicaSync:
     def __init__(self, topo, params: list[nn.Parameter], keep: list[bool], piece=None):
         self.topo, self.params, self.keep, self.piece = topo, params, keep, piece
         self.flat: torch.Tensor | None = None
+        self.layout: FlatLayout | None = None  # of this step's tensors
         self.handle = None
 
-    def _tensor(self, p: nn.Parameter) -> torch.Tensor:
+    def _tensors(self) -> list[torch.Tensor | None]:
         if self.piece is not None:
-            return self.piece(p)
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+            return [self.piece(p) for p in self.params]
+        return [p.grad for p in self.params]  # None: zeros
 
     def launch(self) -> None:
-        self.flat = torch.cat([self._tensor(p).reshape(-1) for p in self.params])
+        tensors = self._tensors()
+        self.layout = FlatLayout.of(self.params if self.piece is None else tensors)
+        self.flat = self.layout.pack(tensors, like=self.params[0])
         self.handle = comm.all_reduce(self.flat, topo=self.topo, axis=Axis.DP, async_op=True)
 
     def complete(self) -> None:
         comm.wait([self.handle], topo=self.topo, what="all_reduce", axis="dp")
-        offset = 0
-        for p, keep in zip(self.params, self.keep):
-            dest = self._tensor(p) if self.piece is not None else p
-            n = dest.numel()
+        views = self.layout.views(self.flat)
+        for p, t, view, keep in zip(self.params, self._tensors(), views, self.keep):
             if keep and self.piece is not None:
-                dest.view(-1).copy_(self.flat[offset : offset + n])
-            elif keep:
-                p.grad = self.flat[offset : offset + n].view_as(p)
-            offset += n
-        self.flat = self.handle = None
+                t.view(-1).copy_(view)
+            elif keep:  # the gradient lives in the buffer from now on (no copy)
+                p.grad = view.view_as(p)
+        self.flat = self.handle = self.layout = None
 
 
 def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
@@ -133,7 +136,8 @@ def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
 
 
 class ReplicaEngine:
-    """The engine interface (``parallel/engine.py``) over a generation's replica groups.
+    """The trainer's engine interface (``engine.GradientEngine``) over a generation's
+    replica groups.
     Build it through ``factory(generation)``, which ``Trainer.build`` calls as it calls
     ``build_data_parallel``."""
 
@@ -153,7 +157,7 @@ class ReplicaEngine:
         self.reduced = False  # finish() completed for the current gradients
         self.grad_bytes = 0
 
-    # the interface (parallel/engine.py)
+    # the interface (``engine.GradientEngine``)
 
     def finish(self) -> None:
         self._reduce_replicas()
@@ -242,8 +246,6 @@ class ShardedReplicaEngine(ReplicaEngine):
 
     def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, cfg,
                  owns_grad=None, defer=()):  # fmt: skip
-        from plait.parallel.zero import ZeroDataParallel
-
         self.model, self.topo, self.zero = model, gen.topo, cfg.zero
         plan, me = gen.plan, gen.worker
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -277,9 +279,9 @@ class ShardedReplicaEngine(ReplicaEngine):
         self.inner.scale_grads_(factor)
 
     def step(self, lr: float) -> None:
-        self.inner.optimizer.step(lr, self.inner._grad_pieces())
-        if not self.closed:
-            self.inner._gather_params()
+        self.inner.update_pieces(lr)
+        if not self.closed:  # a closed engine issues nothing (module docstring)
+            self.inner.gather_params()
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
@@ -319,14 +321,14 @@ class ShardedReplicaEngine(ReplicaEngine):
 
     def materialize(self) -> None:
         """Whole parameters from the stage group's pieces: one all-gather per bucket."""
-        self.inner._gather_params()
+        self.inner.gather_params()
 
 
-def factory(gen: Generation, *, zero: int = 0) -> Callable:
+def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
     """What ``Part.make_engine`` is: ``build_data_parallel``'s signature, this engine (or
     the sharded one, ZeRO stage ``zero``, when the plan shards)."""
 
-    def make(model, *, topo, cfg, make_optimizer, owns_grad=None, defer=()):
+    def make(model, *, topo, cfg, make_optimizer, owns_grad=None, defer=()) -> GradientEngine:
         assert topo is gen.topo, "the engine runs on the generation's topology"
         if gen.plan.shard > 1:
             return ShardedReplicaEngine(

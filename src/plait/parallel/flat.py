@@ -1,0 +1,144 @@
+"""Flat buffers: a list of tensors laid out in one buffer that a single collective moves,
+and the one definition of a ZeRO shard (which rank holds which range of a tensor).
+
+Communication: none. This module only says where each tensor sits in a flat buffer; the
+modules that issue collectives on such buffers (``data_parallel.py``, ``zero.py``,
+``tensor.py``'s ``TPGradSync``, ``resilience/replicas.py``, ``dp_algos``) say which and
+on which axis.
+
+A ``FlatLayout`` over tensors of ``numels`` elements serves two shapes of buffer:
+
+- ``n == 1`` (the default): the tensors one after another. ``FlatLayout([6, 2, 3])``:
+  tensor 0 at [0, 6), tensor 1 at [6, 8), tensor 2 at [8, 11). What an all-reduce of
+  several tensors at once needs: ``pack`` copies them in, ``views`` are each tensor's
+  place in the buffer (a gradient can live there: no copy), ``unpack`` copies them out.
+- ``n > 1``: rank-major rows for a tensor list sharded over n ranks (ZeRO's buckets and
+  stage-3 units). Row r is rank r's piece of each tensor in turn, each piece padded to
+  ``shard_size``, so one reduce-scatter of the buffer leaves every rank exactly its
+  pieces (``views`` of its row), and one all-gather of the rows (``pack_row``) rebuilds
+  every tensor (``unpack``). ``FlatLayout([10, 3], n=4, rank=r)``: pieces of 3 and 1,
+  rows of 4; row 3 holds element 9 of the first tensor and nothing of the second, the
+  rest padding.
+
+The sharding of a tensor is defined once, by ``shard_range``: the tensor flattened, padded
+to a multiple of n, cut into n equal pieces; rank i holds piece i (its real part, without
+the padding). It depends only on the tensor's size and n -- not on which other tensors
+share its buffer -- so gradient buckets and stage-3 parameter units can group parameters
+differently, pipeline stages' tied embedding copies shard alike, and the checkpoint code
+cuts a full tensor with the same function (``zero_shard``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+
+# --- the one sharding definition ----------------------------------------------------------
+
+
+def shard_size(numel: int, n: int) -> int:
+    """Elements in each of the n pieces of a tensor (the last may be part padding)."""
+    return math.ceil(numel / n)
+
+
+def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
+    """[lo, hi) of the flattened tensor that rank ``rank`` of ``n`` holds.
+
+    ``shard_range(10, r, 4)`` for r = 0..3: (0, 3) (3, 6) (6, 9) (9, 10) -- pieces of 3, the
+    last one 2 elements of padding. A rank past the end holds nothing: (numel, numel).
+    """
+    s = shard_size(numel, n)
+    lo = min(rank * s, numel)
+    return lo, min(lo + s, numel)
+
+
+def zero_shard(full: torch.Tensor, *, rank: int, n: int) -> torch.Tensor:
+    """Rank ``rank``'s piece of ``full`` (a flat view, no padding): the checkpoint loader
+    and the engines cut every parameter and optimizer state with it."""
+    lo, hi = shard_range(full.numel(), rank, n)
+    return full.reshape(-1)[lo:hi]
+
+
+# --- the layout -----------------------------------------------------------------------------
+
+
+class FlatLayout:
+    """Where each of a list of tensors sits in one flat buffer of ``n`` rows (module
+    docstring): row r = [piece r of t0 | piece r of t1 | ...], each piece ``sizes[i]``
+    elements at ``offsets[i]`` of the row; with n == 1 the row is the whole buffer and the
+    pieces are the tensors. ``rank`` is the row this rank holds (``views``, ``pack_row``)."""
+
+    def __init__(self, numels: Sequence[int], *, n: int = 1, rank: int = 0):
+        self.numels, self.n, self.rank = list(numels), n, rank
+        self.sizes = [shard_size(k, n) for k in self.numels]
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.row_numel = sum(self.sizes)
+        self.numel = n * self.row_numel  # of the whole buffer
+        self.ranges = [shard_range(k, rank, n) for k in self.numels]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], *, n: int = 1, rank: int = 0) -> FlatLayout:
+        return cls([t.numel() for t in tensors], n=n, rank=rank)
+
+    def views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's (real) piece of each tensor, as flat views into its row (n == 1: each
+        tensor whole, in the buffer)."""
+        return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
+
+    def pack(self, tensors: Sequence[torch.Tensor | None], *, like: torch.Tensor | None = None,
+             device: torch.device | None = None) -> torch.Tensor:  # fmt: skip
+        """A new buffer, (n * row,), holding ``tensors`` (None: zeros) laid out rank-major;
+        n == 1: one after another. Dtype and device of ``like``, else the dtype the
+        tensors promote to (as ``torch.cat``) and ``device`` or the first tensor's."""
+        dtype, device = _dtype_device(tensors, like, device)
+        out = torch.empty(self.n, self.row_numel, dtype=dtype, device=device)
+        if self.n == 1:
+            for t, view in zip(tensors, self.views(out[0])):
+                view.zero_() if t is None else view.copy_(t.reshape(-1))
+            return out.view(-1)
+        for t, off, s, k in zip(tensors, self.offsets, self.sizes, self.numels):
+            dst = out[:, off : off + s]
+            if t is None:
+                dst.zero_()
+                continue
+            flat, full_rows = t.reshape(-1), k // s
+            dst[:full_rows].copy_(flat[: full_rows * s].view(full_rows, s))
+            if full_rows < self.n:
+                rem = k - full_rows * s
+                dst[full_rows, :rem].copy_(flat[full_rows * s :])
+                dst[full_rows, rem:].zero_()
+                dst[full_rows + 1 :].zero_()
+        return out.view(-1)
+
+    def unpack(self, flat: torch.Tensor, dests: Sequence[torch.Tensor]) -> None:
+        """Inverse of ``pack``: copy every tensor out of a (n * row,) buffer into ``dests``
+        (contiguous, shaped like the tensors)."""
+        if self.n == 1:
+            for dest, view in zip(dests, self.views(flat)):
+                dest.view(-1).copy_(view)
+            return
+        rows = flat.view(self.n, self.row_numel)
+        for dest, off, s, k in zip(dests, self.offsets, self.sizes, self.numels):
+            src, dst, full_rows = rows[:, off : off + s], dest.view(-1), k // s
+            dst[: full_rows * s].view(full_rows, s).copy_(src[:full_rows])
+            if full_rows < self.n:
+                dst[full_rows * s :].copy_(src[full_rows, : k - full_rows * s])
+
+    def pack_row(self, pieces: Sequence[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
+        """This rank's row from its (real) pieces, zero padded: what it all-gathers."""
+        row = torch.zeros(self.row_numel, dtype=like.dtype, device=like.device)
+        for view, piece in zip(self.views(row), pieces):
+            view.copy_(piece)
+        return row
+
+
+def _dtype_device(tensors, like, device) -> tuple[torch.dtype, torch.device]:
+    if like is not None:
+        return like.dtype, like.device
+    present = [t for t in tensors if t is not None]
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in present))
+    return dtype, device if device is not None else present[0].device

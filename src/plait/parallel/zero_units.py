@@ -1,0 +1,271 @@
+"""ZeRO stage 3's parameters (``zero.py`` holds the engine): each parameter lives as this
+rank's piece, in its unit's row; a unit -- the embedding, each transformer block, the
+final norm and head -- is gathered whole before it runs and freed after, forward and
+backward, by module and autograd hooks.
+
+Communication (axis dp, over the shard group of d ranks; N trainable and F frozen
+parameters on this rank, w bytes each on the wire: 4, or 2 under ``--dtype bf16`` /
+``fp16``; m micro-batches per step; an all-gather counted as its output): one all-gather
+per unit before its forward and again before its backward, every micro-batch, 2wm(N + F)
+bytes per step (8m(N + F) in fp32); the next unit's gather is issued (prefetched) when a
+unit starts, in forward order in the forward and in reverse order in the backward.
+``full_params`` (checkpoints) gathers every unit once more, in fp32, 4(N + F) bytes.
+Nothing else: the gradients' reduce-scatters are ``zero.py``'s. ``Gather`` is also the
+all-gather of rank-major rows that stages 1-2 use for their parameters and every stage
+for checkpoints (``zero.py``). d == 1: nothing is issued (the row is the whole unit).
+
+Why it cannot deadlock under NCCL: every gather is issued with ``async_op=True`` from the
+thread that runs the model (a forward pre-hook, a tensor hook as the backward reaches the
+unit's output, or the training loop for ``full_params``) and waited on right before the
+unit is used. All ranks of a shard group run the same model over the same schedule, and
+autograd orders a backward deterministically, so they issue the same gathers in the same
+order. An unused prefetch is waited on before it is dropped.
+
+Memory: a unit's full parameters are a flat buffer (``unit.full``, each parameter a view
+into it, ``flat.FlatLayout``) whose storage is resized to zero while the unit is not
+gathered; with frozen parameters (LoRA) a unit is freed once its trainable gradients and
+its input's gradient are in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.parallel.data_parallel import model_chunks, tensor_bytes, weak_method
+from plait.parallel.flat import FlatLayout, zero_shard
+from plait.topology import Axis, Topology
+
+# --- asynchronous gathers of rank-major rows ---------------------------------------------
+
+
+class Gather:
+    """An all-gather of every rank's row in flight: ``rows()`` waits and returns them,
+    (n * row,), in ``dtype`` (the wire dtype: the row is cast to it first)."""
+
+    def __init__(self, row: torch.Tensor, *, topo: Topology, dtype: torch.dtype | None = None):
+        self.topo = topo
+        self.src = row if dtype in (None, row.dtype) else row.to(dtype)
+        self.out = torch.empty(topo.dp * row.numel(), dtype=self.src.dtype, device=row.device)
+        self.handle = comm.all_gather_into(self.out, self.src, topo=topo, axis=Axis.DP,
+                                           async_op=True)  # fmt: skip
+
+    def rows(self) -> torch.Tensor:
+        comm.wait([self.handle], topo=self.topo, what="all_gather", axis="dp")
+        self.handle = self.src = None
+        return self.out
+
+
+# --- stage 3 parameters: gathered per unit, on demand --------------------------------------
+
+
+class Unit:
+    """Parameters gathered and freed together (a block, the embedding, the norm + head)."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int):
+        self.name, self.params = name, params
+        self.layout = FlatLayout.of(params, n=n, rank=rank)  # the rows gathered
+        p0, whole = params[0], FlatLayout.of(params)  # ... into ``full``: one after another
+        self.full = whole.pack([p.detach() for p in params], like=p0)
+        self.full_bytes = self.full.untyped_storage().nbytes()
+        self.slices = whole.views(self.full)
+        self.row = self.layout.pack_row(
+            [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=p0
+        )
+        for p, flat in zip(params, self.slices):
+            p.data = flat.view_as(p)  # from now on p lives in ``full``
+        self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
+        self.gathered = False
+        self.pending: Gather | None = None
+        self.trainable = [p for p in params if p.requires_grad]  # their gradients free it
+        self.fired = 0
+        # With frozen parameters (LoRA), the trainable gradients may all be in while the
+        # frozen weights still carry the input gradient: then the unit also waits for the
+        # gradient of its input (if that needs one) before it is freed.
+        self.frozen = len(self.trainable) < len(params)
+        self.grads_in = False
+        self.waits_input = False
+        self.next_forward: Unit | None = None
+        self.next_backward: Unit | None = None
+
+
+def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Module, nn.Module]]:
+    """(unit, entry module, exit module) of one chunk, in forward order of first use.
+
+    A ``Transformer`` chunk: one unit per block; the other parameters (embedding, final
+    norm, head, a tied embedding copy) form one more, entered at the embedding (or, on a
+    chunk without one, at the final norm) and left when the chunk returns -- a tied
+    embedding is used at both ends. Any other module: one unit for all of it. Frozen
+    parameters (a LoRA run's base) belong to units too: sharding them is what ZeRO-3
+    offers fine-tuning; only their gradients and optimizer state do not exist.
+    """
+    params = list(chunk.named_parameters())
+    blocks = getattr(chunk, "blocks", None)
+    if blocks is None:
+        return [(Unit("chunk", [p for _, p in params], n=n, rank=rank), chunk, chunk)]
+    out = []
+    rest = [p for name, p in params if not name.startswith("blocks.")]
+    pre, post = getattr(chunk, "pre", False), getattr(chunk, "post", False)
+    if rest:
+        entry = chunk.embed if pre else getattr(chunk, "norm", chunk)
+        exit_ = chunk if post else chunk.embed
+        out.append((Unit("rest", rest, n=n, rank=rank), entry, exit_))
+    for key, block in blocks.items():
+        ps = list(block.parameters())
+        if ps:
+            out.append((Unit(f"blocks.{key}", ps, n=n, rank=rank), block, block))
+    return out
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamUnits:
+    """Stage 3: parameters live as this rank's pieces (``unit.row``); a unit's full
+    parameters exist only between its gather and its free (module docstring)."""
+
+    def __init__(self, model: nn.Module, *, shard: Topology, n: int, rank: int,
+                 wire_dtype: torch.dtype | None = None):  # fmt: skip
+        self.shard_topo, self.wire_dtype = shard, wire_dtype
+        self.units: list[Unit] = []
+        self._hooks = []
+        for chunk in model_chunks(model):
+            found = _units_of(chunk, n=n, rank=rank)
+            units = [u for u, _, _ in found]
+            rest = [u for u in units if u.name == "rest"]
+            blocks = [u for u in units if u.name != "rest"]
+            pre, post = getattr(chunk, "pre", True), getattr(chunk, "post", True)
+            fwd = (rest if pre else []) + blocks + (rest if post and not pre else [])
+            bwd = (rest if post else []) + blocks[::-1] + (rest if pre and not post else [])
+            for order, attr in ((fwd, "next_forward"), (bwd, "next_backward")):
+                for a, b in zip(order, order[1:]):
+                    setattr(a, attr, b)
+            for unit, entry, exit_ in found:
+                i = len(self.units)  # hooks name units by index (see ``weak_method``)
+                self.units.append(unit)
+                self._hooks += [
+                    entry.register_forward_pre_hook(weak_method(self, "_forward_pre", i)),
+                    exit_.register_forward_hook(weak_method(self, "_forward_post", i)),
+                ]
+                hook = weak_method(self, "_grad_ready", i)
+                for p in unit.trainable:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    @property
+    def shard(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's piece on this rank: a view into its unit's row."""
+        out = {}
+        for unit in self.units:
+            out.update(zip(unit.params, unit.layout.views(unit.row)))
+        return out
+
+    # gather / free
+
+    def _start(self, unit: Unit) -> Gather:
+        return Gather(unit.row, topo=self.shard_topo, dtype=self.wire_dtype)
+
+    def prefetch(self, unit: Unit | None) -> None:
+        if unit is not None and not unit.gathered and unit.pending is None:
+            unit.pending = self._start(unit)
+
+    def gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        pending, unit.pending = unit.pending or self._start(unit), None
+        flat = pending.rows()
+        unit.full.untyped_storage().resize_(unit.full_bytes)
+        unit.layout.unpack(flat, unit.slices)
+        unit.gathered = True
+
+    def free(self, unit: Unit) -> None:
+        if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
+            unit.pending.rows()
+            unit.pending = None
+        unit.full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    # hooks
+
+    def _forward_pre(self, i: int, module, args) -> None:
+        unit = self.units[i]
+        self.gather(unit)
+        self.prefetch(unit.next_forward)
+        x = args[0] if args else None
+        if unit.frozen and isinstance(x, torch.Tensor) and x.requires_grad and not _in_backward():
+            unit.waits_input = True
+            x.register_hook(weak_method(self, "_input_grad", i))
+
+    def _forward_post(self, i: int, module, args, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(weak_method(self, "_backward_pre", i))
+        if not _in_backward():  # (a recomputed forward keeps its parameters)
+            self.free(self.units[i])
+
+    def _backward_pre(self, i: int, grad) -> None:
+        unit = self.units[i]
+        self.free_frozen(but=unit)  # a frozen unit's backward ends where the next begins
+        self.gather(unit)
+        self.prefetch(unit.next_backward)
+
+    def _grad_ready(self, i: int, _param) -> None:
+        unit = self.units[i]
+        unit.fired += 1
+        if unit.fired == len(unit.trainable):  # this micro-batch's backward is done with it
+            unit.fired = 0
+            unit.grads_in = True
+            self._release(unit)
+
+    def _input_grad(self, i: int, _grad) -> None:
+        unit = self.units[i]
+        unit.waits_input = False
+        self._release(unit)
+
+    def _release(self, unit: Unit) -> None:
+        if unit.grads_in and not unit.waits_input:
+            unit.grads_in = False
+            self.free(unit)
+
+    def free_frozen(self, but: Unit | None = None) -> None:
+        """Free the gathered units no gradient frees: all frozen ones (``but`` aside) and,
+        at the end of the backward (``but`` None), any with frozen parameters."""
+        for unit in self.units:
+            if (
+                unit.gathered
+                and unit is not but
+                and (not unit.trainable or but is None and unit.frozen)
+            ):
+                unit.grads_in = unit.waits_input = False
+                self.free(unit)
+
+    @contextlib.contextmanager
+    def full_params(self, *, writeback: bool):
+        """Every unit gathered in full precision (the master values, whatever the wire
+        dtype of training); with ``writeback``, the pieces re-cut from the (possibly
+        overwritten) full parameters on exit."""
+        for unit in self.units:
+            self.free(unit)
+        for unit in self.units:
+            unit.pending = Gather(unit.row, topo=self.shard_topo)
+        for unit in self.units:
+            self.gather(unit)
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if writeback:
+                    n, rank = unit.layout.n, unit.layout.rank
+                    pieces = [zero_shard(f, rank=rank, n=n) for f in unit.slices]
+                    unit.row.copy_(unit.layout.pack_row(pieces, like=unit.row))
+                self.free(unit)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(u.row for u in self.units)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
