@@ -43,7 +43,7 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -52,9 +52,6 @@ from plait import comm
 from plait.layout import DEFAULT_BUCKET_MB
 from plait.parallel.flat import FlatLayout
 from plait.topology import Axis, Topology
-
-if TYPE_CHECKING:  # engine.py imports this module
-    from plait.parallel.engine import GradCompression
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,6 +277,23 @@ class AllReduceGrads(GradReducer):
 
     def _complete(self, bucket: Bucket) -> None:
         comm.wait([bucket.handle], topo=self.topo, what="all_reduce", axis="dp")
+
+
+AcrossGroups = Callable[[torch.Tensor, FlatLayout, list[nn.Parameter]], None]
+
+
+class GradCompression(Protocol):
+    """A ``dp_algos`` gradient codec as the engines take it (``compression=``): defined
+    here, beside the reducer it replaces, so that the engines need not import ``engine.py``
+    (which imports them for its factory)."""
+
+    def reducer(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
+                defer=()) -> GradReducer:  # fmt: skip
+        """The gradient path of stages 0-1 in place of ``AllReduceGrads``."""
+
+    def across(self, topo: Topology) -> AcrossGroups:
+        """The sum across shard groups (stages 2-3 with hybrid sharding) over ``topo``'s dp
+        axis, in place of the plain all-reduce."""
 
 
 def tensor_bytes(tensors) -> int:

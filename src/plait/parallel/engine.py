@@ -6,7 +6,8 @@ stages 1-3); this module issues nothing itself.
 
 The interface is typed: ``GradientEngine`` is what the trainer drives (also implemented
 by the resilient engines, ``resilience/replicas.py``), ``PieceEngine`` adds what
-``dp_algos`` use, and ``GradCompression`` is what a ``dp_algos`` codec hands the engines.
+``dp_algos`` use, and ``GradCompression`` (defined in ``data_parallel.py``, so that no
+engine imports this module) is what a ``dp_algos`` codec hands the engines.
 The engines implement them structurally (no inheritance, so that a renamed method is an
 error and not a silent fallback to the protocol's stub; ``tests/test_engine_protocol.py``
 checks every member and its signature). In use (the trainer uses nothing else)::
@@ -56,8 +57,11 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from plait.parallel.data_parallel import DataParallel, DataParallelConfig, GradReducer
-from plait.parallel.flat import FlatLayout
+from plait.parallel.data_parallel import (
+    DataParallel,
+    DataParallelConfig,
+    GradCompression,
+)
 from plait.parallel.zero import ZeroDataParallel
 from plait.topology import Topology
 
@@ -134,21 +138,6 @@ class PieceEngine(GradientEngine, Protocol):
 
 # The hook that sums this rank's gradient pieces across ZeRO shard groups in place:
 # (this rank's row of a bucket, the bucket's layout, its parameters).
-AcrossGroups = Callable[[torch.Tensor, FlatLayout, list[nn.Parameter]], None]
-
-
-class GradCompression(Protocol):
-    """A ``dp_algos`` gradient codec as the engines take it (``compression=``)."""
-
-    def reducer(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
-                defer=()) -> GradReducer:  # fmt: skip
-        """The gradient path of stages 0-1 in place of ``AllReduceGrads``."""
-
-    def across(self, topo: Topology) -> AcrossGroups:
-        """The sum across shard groups (stages 2-3 with hybrid sharding) over ``topo``'s dp
-        axis, in place of the plain all-reduce."""
-
-
 def build_data_parallel(
     model: nn.Module,
     *,

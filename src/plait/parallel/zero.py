@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -76,6 +75,7 @@ from plait.parallel.data_parallel import (
     AllReduceGrads,
     Bucket,
     DataParallelConfig,
+    GradCompression,
     GradReducer,
     adamw_zero_state,
     elementwise_keys,
@@ -86,9 +86,6 @@ from plait.parallel.data_parallel import (
 from plait.parallel.flat import FlatLayout, zero_shard
 from plait.parallel.zero_units import Gather, ParamUnits
 from plait.topology import Axis, Topology
-
-if TYPE_CHECKING:  # engine.py imports this module
-    from plait.parallel.engine import GradCompression
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
 
