@@ -539,7 +539,7 @@ def test_a_replica_divides_by_its_own_rows_trained_targets():
     [b G/R, (b+1) G/R) of the global batch, so it divides by the trained targets of those
     rows (masked instruction data), which sum over the replicas to the global count."""
     from plait.data import GlobalBatchSampler
-    from plait.dp_algos.replicas import DPAlgorithm, Replicas
+    from plait.dp_algos.algorithm import DPAlgorithm, Replicas
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50, size=2000)

@@ -31,8 +31,8 @@ from test_data_parallel import (
 )
 
 from plait.dp_algos import volume
+from plait.dp_algos.algorithm import ResumeError, Synchronous
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
-from plait.dp_algos.replicas import ResumeError, Synchronous
 from plait.layout import Layout
 from plait.topology import Topology
 

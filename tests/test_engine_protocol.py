@@ -22,7 +22,7 @@ from plait.parallel.engine import (
     build_data_parallel,
 )
 from plait.parallel.zero import ZeroDataParallel
-from plait.resilience.replicas import ReplicaEngine, ShardedReplicaEngine
+from plait.resilience.engines import ReplicaEngine, ShardedReplicaEngine
 from plait.topology import Topology
 from plait.train import optim
 from plait.train.config import TrainConfig

@@ -111,7 +111,7 @@ def _generations(rank, world, cfg, port):
 def _scenario(rank, cfg, store, plans, *, first_number):
     """Two generations of ``plans`` on fresh models, two steps each, the state copied in
     between; this worker's losses, grad norms, bytes and final state's digests."""
-    from plait.resilience import replicas, transfer
+    from plait.resilience import engines, transfer
     from plait.resilience.generation import Generation
     from plait.resilience.templates import template_layout
     from plait.train.loop import Part
@@ -127,7 +127,7 @@ def _scenario(rank, cfg, store, plans, *, first_number):
         pipe = plan.pipelines[i]
         lay = template_layout(cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
                               [b - a for a, b in pipe.stages])  # fmt: skip
-        engine = replicas.factory(gen, zero=cfg.layout.zero)
+        engine = engines.factory(gen, zero=cfg.layout.zero)
         trainer = Trainer(cfg, topo=gen.topo, part=Part(layout=lay, rows=pipe.rows,
                                                         make_engine=engine))  # fmt: skip
         if old is not None:

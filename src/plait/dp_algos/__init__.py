@@ -18,13 +18,13 @@ from plait.dp_algos.config import DPAlgoConfig
 
 
 def build(cfg: DPAlgoConfig, *, topo, layout, seed: int = 0):
-    """The ``DPAlgorithm`` for ``cfg`` (``replicas.py``). Collective over the world when
+    """The ``DPAlgorithm`` for ``cfg`` (``algorithm.py``). Collective over the world when
     replicas differ (``Topology.split_replicas`` creates their groups)."""
-    from plait.dp_algos import replicas
+    from plait.dp_algos import algorithm
 
     cfg.check_layout(layout)
     if cfg.algo == "allreduce":
-        return replicas.Synchronous(cfg, topo=topo, layout=layout, seed=seed)
+        return algorithm.Synchronous(cfg, topo=topo, layout=layout, seed=seed)
     if cfg.algo == "gossip":
         from plait.dp_algos.gossip import Gossip
 

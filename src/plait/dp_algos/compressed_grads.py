@@ -44,7 +44,7 @@ pool, no point-to-point.
 The result is the same on every rank (all-gathered messages are decoded in rank order;
 all-reduced ones are identical), so the replicas stay identical: parameters and
 optimizer state are the plain run's kind; only the codecs' error buffers differ per rank,
-and checkpoints keep them per replica (``replicas.py``).
+and checkpoints keep them per replica (``algorithm.py``).
 """
 
 from __future__ import annotations

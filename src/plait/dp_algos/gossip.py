@@ -41,7 +41,7 @@ import torch
 
 from plait import comm
 from plait.dp_algos import graphs
-from plait.dp_algos.replicas import Replicas
+from plait.dp_algos.algorithm import Replicas
 from plait.topology import Axis
 
 

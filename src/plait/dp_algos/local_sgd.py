@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from plait.dp_algos.replicas import Replicas
+from plait.dp_algos.algorithm import Replicas
 
 
 class LocalSGD(Replicas):

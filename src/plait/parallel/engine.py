@@ -5,7 +5,7 @@ Communication: see the engine's module (``data_parallel.py`` for stage 0, ``zero
 stages 1-3); this module issues nothing itself.
 
 The interface is typed: ``GradientEngine`` is what the trainer drives (also implemented
-by the resilient engines, ``resilience/replicas.py``), ``PieceEngine`` adds what
+by the resilient engines, ``resilience/engines.py``), ``PieceEngine`` adds what
 ``dp_algos`` use, and ``GradCompression`` (defined in ``data_parallel.py``, so that no
 engine imports this module) is what a ``dp_algos`` codec hands the engines.
 The engines implement them structurally (no inheritance, so that a renamed method is an

@@ -3,7 +3,7 @@ and the one definition of a ZeRO shard (which rank holds which range of a tensor
 
 Communication: none. This module only says where each tensor sits in a flat buffer; the
 modules that issue collectives on such buffers (``data_parallel.py``, ``zero.py``,
-``tensor.py``'s ``TPGradSync``, ``resilience/replicas.py``, ``dp_algos``) say which and
+``tensor.py``'s ``TPGradSync``, ``resilience/engines.py``, ``dp_algos``) say which and
 on which axis.
 
 A ``FlatLayout`` over tensors of ``numels`` elements serves two shapes of buffer:

@@ -15,7 +15,7 @@ One generation, from the worker's side::
       (steps done, units held, whether its gradients are reduced, its last statistics)
 
 Communication: the generation's (``generation.py``: the groups; ``transfer.py``: the state
-copy; ``replicas.py``: gradients; the pipeline executor and the trainer's statistics),
+copy; ``engines.py``: gradients; the pipeline executor and the trainer's statistics),
 plus one world all-reduce (MAX) of two flags per step (leave; hold), and the store
 (``protocol.py``) between generations. The side thread (``Watcher``) reads store keys and
 touches no process group. A chaos hold repeats the flags' all-reduce on every rank alike
@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from plait import comm
-from plait.resilience import async_checkpoint, protocol, replicas, transfer
+from plait.resilience import async_checkpoint, engines, protocol, transfer
 from plait.resilience.generation import Generation, abort_partial
 from plait.resilience.plan import Plan
 from plait.resilience.templates import template_layout
@@ -190,7 +190,7 @@ class Worker:
         part = Part(
             layout=layout,
             rows=pipe.rows,
-            make_engine=replicas.factory(gen, zero=self.cfg.layout.zero),
+            make_engine=engines.factory(gen, zero=self.cfg.layout.zero),
         )
         trainer = Trainer(self.cfg, topo=gen.topo, part=part)
         received = 0

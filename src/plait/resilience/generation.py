@@ -65,7 +65,7 @@ def replica_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
     gradients together: its holder in each pipeline (sharded: in slot j of each replica).
     ``tied``: the last stage of each pipeline -- its copy of the token embedding, or, in a
     one-stage pipeline, the embedding itself, whose gradient (the pipeline's whole one) it
-    contributes a second time here and keeps from ``embed``'s group (``replicas.py``).
+    contributes a second time here and keeps from ``embed``'s group (``engines.py``).
     Present only when some pipeline holds a tied copy."""
     members = plan.members
     holders: dict[str, list[int]] = {}

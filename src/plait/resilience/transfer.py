@@ -11,7 +11,7 @@ batch at all), then one batched point-to-point call per rank (``comm.batch_p2p``
 bytes per parameter) -- then one world all-reduce (MAX) of three numbers: the loss scale,
 its clean-step count and AdamW's step count, which every survivor holds alike and a new
 worker does not; sharded, last, one all-gather per bucket on each stage group rebuilds
-whole parameters from the pieces (``replicas.py``: the same bucket order on its K ranks,
+whole parameters from the pieces (``engines.py``: the same bucket order on its K ranks,
 after the world all-reduce on every rank).
 
 Why it cannot deadlock under NCCL: the moves are one list in the decision every member

@@ -38,7 +38,7 @@ import torch
 
 from plait import dp_algos
 from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
-from plait.dp_algos.replicas import ResumeError
+from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
 from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
@@ -225,7 +225,7 @@ class Trainer:
         if getattr(model, "tied_copy", None) is not None:
             deferred.append(model.tied_copy)
         # across replicas: plain or compressed all-reduce, local SGD / DiLoCo, gossip; the
-        # engine then runs inside one replica when replicas differ (dp_algos/replicas.py).
+        # engine then runs inside one replica when replicas differ (dp_algos/algorithm.py).
         # A resilient run (Part) is plain all-reduce on its own engine across pipelines
         # (RunConfig refuses --fault-tolerance with another --dp-algo or --compress).
         self.dp_algo = dp_algos.build(cfg.dp_algo, topo=topo, layout=layout, seed=tcfg.seed)
@@ -280,7 +280,7 @@ class Trainer:
         if self.topo.rank == 0:
             print(f"plait: {note}", flush=True)
         engine = self.engine
-        try:  # this replica's entries and the algorithm's state (dp_algos/replicas.py)
+        try:  # this replica's entries and the algorithm's state (dp_algos/algorithm.py)
             entries = self.dp_algo.resume(checkpoint.read_meta(path))
         except ResumeError as e:
             raise checkpoint.CheckpointError(f"--resume: {path}: {e}") from None
@@ -336,7 +336,7 @@ class Trainer:
         loss_share = runner.train_step(
             _split([t.to(topo.device) for t in batch], layout.micro_batch_size),
             loss_scale=scaler.scale,
-            # the replica's own mean when replicas differ (dp_algos/replicas.py)
+            # the replica's own mean when replicas differ (dp_algos/algorithm.py)
             tokens_global=max(algo.loss_tokens(self.sampler, step, loss_tokens), 1),
         )
         self.tp_grad_sync.finish()
