@@ -58,7 +58,7 @@ def test_config_errors_are_one_line(kwargs, needle):
 
 
 def test_flags_that_do_not_fit_the_model_or_each_other():
-    from plait.cli import build_run_config
+    from plait.commands.train import build_run_config
 
     with pytest.raises(ValueError, match="--lora-targets gate: the gpt2 block has no such"):
         build_run_config({"lora_rank": 4, "lora_targets": "q,gate"})

@@ -194,7 +194,8 @@ def test_qat_model_is_what_the_int4_export_computes(data, tmp_path):
 
 
 def test_quant_flags_that_do_not_fit_are_one_line(tmp_path):
-    from plait.cli import build_run_config, read_config_file
+    from plait.commands.common import read_config_file
+    from plait.commands.train import build_run_config
 
     with pytest.raises(ValueError, match="--quant-group-size applies to --qat int4"):
         build_run_config({"qat": "int8", "quant_group_size": 16})

@@ -562,7 +562,7 @@ def test_cli_timeline_and_viz_schedule(tmp_path, capsys):
     assert sim_cli.run(parser().parse_args(argv)) == 0
     assert png.stat().st_size > 10_000
 
-    from plait.viz import cli as viz_cli
+    from plait.commands import viz as viz_cli
 
     p = argparse.ArgumentParser()
     viz_cli.add_arguments(p)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from numerics import assert_same_run
 
-from plait.cli import build_run_config, read_config_file
+from plait.commands.common import read_config_file
+from plait.commands.train import build_run_config
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
 from plait.model.config import preset
@@ -295,7 +296,7 @@ def test_gpu_peaks_by_name_and_a_one_line_error_for_unknown_gpus():
 
 
 def test_train_defaults_to_bf16_on_a_gpu(monkeypatch):
-    from plait import cli
+    from plait.commands import train as cli
 
     assert cli._default_train_dtype() == ("bf16" if torch.cuda.is_available() else "fp32")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

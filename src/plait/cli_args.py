@@ -134,6 +134,25 @@ def dp_algo_parent() -> argparse.ArgumentParser:
     return p
 
 
+def model_layout_parser(
+    sub,
+    name: str,
+    *,
+    lora: bool = True,
+    config_help: str = "YAML or TOML file of flag values",
+    **kw,
+) -> argparse.ArgumentParser:
+    """The subparser of a verb that describes a model and a layout (``train``, ``info``,
+    ``simulate``, ``plan``): the model, layout, LoRA (``lora``) and data-parallel flags,
+    and ``--config``, a file of their values under the flags. ``kw``: ``help`` and the
+    rest of ``add_parser``'s arguments."""
+    parents = [model_parent(), layout_parent(), *([lora_parent()] if lora else []),
+               dp_algo_parent()]  # fmt: skip
+    p = sub.add_parser(name, parents=parents, allow_abbrev=False, **kw)
+    p.add_argument("--config", help=config_help)
+    return p
+
+
 def dp_algo_config(values: dict) -> DPAlgoConfig:
     fields = {k: values[k] for k in DP_ALGO_FLAGS if values.get(k) is not None}
     if "dp_algo" in fields:

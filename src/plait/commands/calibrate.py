@@ -5,8 +5,8 @@
     plait calibrate --quick --out hw.yaml  # a short sweep, under 30 s
     plait calibrate --procs 8 --dtypes fp32,bf16
 
-What is measured and fitted: ``plait/calibrate/``. ``plait.cli`` builds the parser with
-``add_arguments`` and calls ``run``; errors a user can cause print one line and return 2.
+What is measured and fitted: ``plait/calibrate/``. Errors a user can cause print one
+line and return 2.
 """
 
 from __future__ import annotations
@@ -18,6 +18,14 @@ import sys
 
 from plait.calibrate import DTYPES, CalibrateConfig, calibrate
 from plait.calibrate.config import GiB
+from plait.commands.common import die
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("calibrate", allow_abbrev=False,
+                       help="measure this machine; write a hardware file for simulate and plan")  # fmt: skip
+    add_arguments(p)
+    return p
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="name of the hardware entry")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     try:
         import torch
 
@@ -51,12 +59,9 @@ def run(args: argparse.Namespace) -> int:
         hw, data = calibrate(cfg, log=lambda m: print(m, flush=True))
         hw.to_yaml(args.out)
     except OSError as e:
-        print(f"plait calibrate: error: --out {args.out}: cannot write it ({e.strerror})",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        return die("calibrate", f"--out {args.out}: cannot write it ({e.strerror})")
     except (ValueError, RuntimeError) as e:
-        print(f"plait calibrate: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return die("calibrate", str(e).splitlines()[0])
     print(summary(hw, data))
     print(f"wrote {args.out} in {data['seconds']:.1f} s "
           f"(plait simulate --hardware {args.out}; plait plan --hardware {args.out})")  # fmt: skip

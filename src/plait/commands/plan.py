@@ -12,9 +12,10 @@ predicted step time, and write the winner as a ``plait train --config`` file.
 The search space and the method (exhaustive best-first branch and bound over the
 simulator's closed form, winners replayed exactly) are described in ``sim/search.py``.
 Every layout flag (``--tp 8``, ``--schedule 1f1b``, ``--zero 1``) pins that axis;
-``--runtime`` narrows the space to what that software can run. ``plait.cli`` builds the
-parser from ``cli_args.model_parent()``, ``layout_parent()`` and ``add_arguments`` below,
-and calls ``run``. Errors a user can cause print one line and return 2.
+``--runtime`` narrows the space to what that software can run. The parser is
+``cli_args``' model, layout and data-parallel flags plus ``add_arguments`` below
+(``add_parser``); ``run`` reads a ``--config`` file under the flags. Errors a user can
+cause print one line and return 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import argparse
 import json
 import sys
 
+from plait.cli_args import model_layout_parser
+from plait.commands.common import die, merged_values
 from plait.sim.devices import default_dtype
 from plait.sim.hardware import BUILTIN, DEFAULT_GPU
 from plait.sim.runtime import DEFAULT_RUNTIME, PROFILES
@@ -82,6 +85,13 @@ def config_text(entry, model, preset_name: str | None, header: str, dp_algo=None
 # -- command line ----------------------------------------------------------------------------
 
 
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = model_layout_parser(sub, "plan", lora=False,
+                            help="rank every layout of a model on a cluster; write the best")  # fmt: skip
+    add_arguments(p)
+    return p
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster and goal")
     g.add_argument("--gpu", choices=list(BUILTIN), default=None,
@@ -121,17 +131,14 @@ def parse_count(text: str, flag: str) -> float:
         raise ValueError(f"{flag} {text!r}: expected a number such as 300B, 1.4T or 3e11")
 
 
-def fail(message: str) -> int:
-    print(f"plait plan: error: {message}", file=sys.stderr)
-    return 2
-
-
-def run(args: argparse.Namespace, values: dict | None = None) -> int:
-    """``plait plan``; ``values`` are the merged flag values (config file + flags)."""
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """``plait plan``; given its ``parser``, a ``--config`` file's values stand where no
+    flag is given (``UserError`` on a bad file)."""
+    values = merged_values(args, parser) if parser is not None else dict(vars(args))
     try:
-        return _run(args, dict(values if values is not None else vars(args)))
+        return _run(args, values)
     except ValueError as e:
-        return fail(str(e).strip().splitlines()[0])
+        return die("plan", str(e).strip().splitlines()[0])
 
 
 def _request(values: dict, model, hw, tokens: float | None):

@@ -7,21 +7,29 @@
     plait simulate --runs runs.csv --out pred.csv
     plait simulate --gpu h100-sxm --write-hardware my-cluster.yaml   # start a spec
 
-``plait.cli`` builds the parser from ``cli_args.model_parent()`` and ``layout_parent()``
-plus ``add_arguments`` below, and calls ``run(args)``. Errors a user can cause print one
-line, ``plait simulate: error: ...``, to stderr and return 2.
+The parser is ``cli_args``' model, layout, LoRA and data-parallel flags plus
+``add_arguments`` below (``add_parser``); ``run`` reads a ``--config`` file under the flags.
+Errors a user can cause print one line, ``plait simulate: error: ...``, to stderr and
+return 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from plait.cli_args import model_layout_parser
+from plait.commands.common import die, merged_values
 from plait.sim.hardware import BUILTIN, DEFAULT_GPU
 from plait.sim.runtime import DEFAULT_RUNTIME, PROFILES
 
 GiB = 2**30
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = model_layout_parser(sub, "simulate", help="predict step time, MFU and memory of a layout")
+    add_arguments(p)
+    return p
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,11 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def fail(message: str) -> int:
-    print(f"plait simulate: error: {message}", file=sys.stderr)
-    return 2
+    return die("simulate", message)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """``plait simulate``; given its ``parser``, a ``--config`` file's values stand where
+    no flag is given (``UserError`` on a bad file)."""
+    if parser is not None:
+        args = argparse.Namespace(**{**vars(args), **merged_values(args, parser)})
     try:
         if getattr(args, "runs", None):
             return _run_csv(args)

@@ -5,6 +5,11 @@
   on both ends when they are different ranks) times the runtime's bytes per parameter
   for weights, gradients and AdamW state, sharded per ZeRO stage over the shard group
   (``sizes.model_state_breakdown``). An offloaded optimizer keeps its state on the host.
+  With LoRA (Hu et al. 2021) the base is frozen: its weights are held (sharded under
+  ZeRO-3) with no gradient or optimizer state; only the adapters of the rank's blocks
+  carry them. ``average_model_state`` is the one-line figure of ``plait info`` and
+  ``plait train --dry-run``: the parameters split evenly over tp x pp, in plait's own
+  bytes (fp32 weights and gradients, AdamW's two fp32 moments).
 - Activations: ``sizes.activation_bytes_per_layer`` (Korthikanti et al. 2022) per layer
   and micro-batch, times the layers of each chunk, held from a micro-batch's F to its B
   (from BI to W, zero-bubble schedules keep the weight-gradient inputs: the inputs of
@@ -78,6 +83,42 @@ def stage_params(cfg: ModelConfig, layout: Layout, layers: int, first: bool, las
     return n
 
 
+def rank_model_state(
+    layout: Layout,
+    params: float,
+    adapters: float | None = None,
+    state_bytes: tuple[int, int, int] = (4, 4, 8),
+) -> dict[str, float]:
+    """``sizes.model_state_breakdown`` of one device holding ``params`` parameters, sharded
+    over its ZeRO shard group; ``state_bytes``: bytes per parameter of the weights, the
+    gradients and the optimizer state (default plait's: fp32, fp32, AdamW's two fp32
+    moments). With ``adapters`` (LoRA) the ``params`` are the frozen base and only the
+    adapters are trained."""
+    shard, _ = dp_groups(layout)
+    w_bytes, g_bytes, o_bytes = state_bytes
+    return sizes.model_state_breakdown(
+        params if adapters is None else adapters, dp=shard, zero=layout.zero,
+        offload_optimizer=layout.offload_optimizer,
+        param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
+        frozen_params=0 if adapters is None else params,
+    )  # fmt: skip
+
+
+def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str, float]:
+    """Model-state bytes of one device (``sizes.model_state_breakdown``'s keys) when the
+    parameters split evenly over the tp x pp ranks, in plait's fp32 weights, gradients and
+    AdamW moments: the estimate ``plait info`` and ``plait train --dry-run`` print.
+    ``memory_per_rank`` is the per-stage figure (embedding and head where they live, the
+    runtime's bytes)."""
+    params = round(sizes.num_params(cfg) / (layout.tp * layout.pp))  # whole parameters
+    adapters = None
+    if lora is not None:  # the adapters of the rank's n_layers / pp blocks
+        from plait.model.lora import adapter_params_per_layer
+
+        adapters = round(cfg.n_layers / layout.pp * adapter_params_per_layer(cfg, lora, layout.tp))
+    return rank_model_state(layout, params, adapters)
+
+
 def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
     """Bytes the last stage keeps per micro-batch in flight for the final norm, the head
     and the loss: T (2 h e + V / t (e + 4))."""
@@ -139,8 +180,6 @@ def memory_per_rank(
     p, v = layout.pp, layout.vpp
     last_stage = p * v - 1
     w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
-    shard, _ = dp_groups(layout)
-    zero = layout.zero
     weights, heads, params, adapters = [], [], [], []
     head = last_stage_buffers(cfg, layout)
     for rank in range(p):
@@ -175,11 +214,9 @@ def memory_per_rank(
     out = []
     for rank in range(p):
         n = params[rank]
-        state = sizes.model_state_breakdown(  # LoRA: adapters trained, the base frozen
-            adapters[rank] if lora is not None else n, dp=shard, zero=zero,
-            offload_optimizer=layout.offload_optimizer,
-            param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
-            frozen_params=n if lora is not None else 0,
+        state = rank_model_state(  # LoRA: adapters trained, the base frozen
+            layout, n, adapters[rank] if lora is not None else None,
+            state_bytes=(w_bytes, g_bytes, o_bytes),
         )  # fmt: skip
         w, g, o = state["params"], state["grads"], state["optim"]
         buffers = zero3_buffer_bytes(cfg, layout, runtime)

@@ -2,7 +2,7 @@
 
 To add one (e.g. ``plait viz loss``), write ``add_X(parser)`` and ``run_X(args) -> int``
 and call ``register("X", add_X, run_X, "one-line help")`` at the bottom of this file;
-``plait.cli`` calls ``add_arguments`` / ``run`` and needs no change.
+nothing else changes. The drawing itself is in ``plait.viz``.
 
 Errors a user can cause print one line, ``plait viz: error: ...``, to stderr and
 return 2 (as ``plait simulate`` does).
@@ -11,9 +11,10 @@ return 2 (as ``plait simulate`` does).
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from plait.commands.common import die
 
 SUBCOMMANDS: dict[str, tuple[Callable, Callable, str]] = {}
 
@@ -27,20 +28,25 @@ def register(
     SUBCOMMANDS[name] = (add, run, help)
 
 
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("viz", allow_abbrev=False, help="draw schedules, timelines and curves")
+    add_arguments(p)
+    return p
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="viz_command", metavar="WHAT", required=True)
     for name, (add, _, help) in SUBCOMMANDS.items():
         add(sub.add_parser(name, help=help, description=help, allow_abbrev=False))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     _, run_one, _ = SUBCOMMANDS[args.viz_command]
     return run_one(args)
 
 
 def fail(message: str) -> int:
-    print(f"plait viz: error: {message}", file=sys.stderr)
-    return 2
+    return die("viz", message)
 
 
 # -- plait viz schedule ---------------------------------------------------------------------

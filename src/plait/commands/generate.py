@@ -1,0 +1,37 @@
+"""``plait generate --run DIR``: sample text from a trained run (``plait.generate``).
+
+    plait generate --run runs/x --prompt "def " --max-new-tokens 100
+
+Errors a user can cause print one line and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from plait.commands.common import die
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("generate", allow_abbrev=False, help="sample from a trained run")
+    p.add_argument("--run", required=True, help="run folder written by plait train")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from plait.generate import generate_text
+
+    try:
+        text = generate_text(
+            Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, seed=args.seed,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        return die("generate", str(e).strip().splitlines()[0])
+    print(text)
+    return 0

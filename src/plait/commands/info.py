@@ -1,0 +1,73 @@
+"""``plait info``: parameters, FLOPs per token and memory of a model and layout, computed
+without building anything (``model/sizes.py``; model state from ``sim/memory.py``).
+
+    plait info --model llama-65b
+    plait info --model llama2-7b --micro-batch-size 1 --dtype bf16 --lora-rank 16 \\
+        --recompute full --dp 8 --zero 3
+
+Errors a user can cause print one line and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from plait.cli_args import layout_config, lora_config, model_config, model_layout_parser
+from plait.commands.common import UserError, die, merged_values
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    return model_layout_parser(sub, "info", help="sizes, FLOPs and memory of a model")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from plait.model.sizes import activation_bytes_per_layer, model_flops_per_token, num_params
+    from plait.sim.memory import average_model_state
+
+    try:
+        values = merged_values(args, parser)
+        model = model_config(values)
+        layout = layout_config(values)
+        layout.check_model(model)
+        lora = lora_config(values)
+        if lora is not None:
+            lora.check_model(model)
+    except (UserError, ValueError) as e:
+        return die("info", str(e).strip().splitlines()[0])
+    n = num_params(model)
+    print(f"model {values.get('model') or 'tiny'} ({model.arch})")
+    for k, v in model.to_dict().items():
+        print(f"  {k:<12} {v}")
+    print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
+    flops = model_flops_per_token(model)
+    if lora is not None:
+        from plait.model.lora import model_flops_per_token as lora_flops
+        from plait.model.lora import num_adapter_params
+
+        flops = lora_flops(model, lora)
+        t = num_adapter_params(model, lora)
+        print(f"trainable            {t:,} ({t / n:.2%}): LoRA r={lora.rank} on "
+              f"{','.join(lora.targets)}, base frozen")  # fmt: skip
+    print(f"FLOPs per token      {flops:.4g} (training, model FLOPs)")
+    st = average_model_state(model, layout, lora)
+    gib = 2**30
+    print(
+        f"model state per rank {st['device'] / gib:.3f} GiB on the device: weights "
+        f"{st['params'] / gib:.3f}, gradients {st['grads'] / gib:.3f}, optimizer "
+        f"{st['optim'] / gib:.3f} (fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} "
+        f"dp={layout.dp} zero={layout.zero}"
+        + (", LoRA" if lora else "")
+        + ")"
+        + (f"; host {st['host'] / gib:.3f}" if st["host"] else "")
+    )
+    act = activation_bytes_per_layer(
+        model, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+        act_bytes=4 if layout.dtype == "fp32" else 2,
+    ) * model.n_layers / layout.pp  # fmt: skip
+    print(
+        f"activations per rank {act / gib:.3f} GiB per micro-batch in flight "
+        f"({layout.micro_batch_size} x {model.seq_len} tokens, {layout.dtype}, "
+        f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
+    )
+    return 0
