@@ -26,8 +26,8 @@ from distributed import _free_port, run_workers
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
 from plait.model.config import preset
+from plait.resilience.assignment import Assignment, Pipeline, sources
 from plait.resilience.config import ResilienceConfig
-from plait.resilience.plan import Pipeline, Plan, sources
 from plait.topology import Topology
 from plait.train.config import RunConfig, TrainConfig
 from plait.train.loop import Trainer
@@ -62,32 +62,32 @@ def corpus(tmp_path_factory):
 # -- generations, the replica engine and the state copy, without a coordinator ---------
 
 
-def _plans():
+def _assignments():
     """Generation 0: a two-stage and a one-stage pipeline (workers 0, 1 | 2), rows 4 + 4;
     generation 1: three one-stage pipelines, rows 3 + 3 + 2 (worker 3 sits both out)."""
     two = ((0, 1), (1, LAYERS))
-    first = Plan(n_layers=LAYERS, tied=True, pipelines=(
+    first = Assignment(n_layers=LAYERS, tied=True, pipelines=(
         Pipeline(workers=(0, 1), stages=two, rows=(0, 4)),
         Pipeline(workers=(2,), stages=((0, LAYERS),), rows=(4, 8)),
     ))  # fmt: skip
-    second = Plan(n_layers=LAYERS, tied=True, pipelines=tuple(
+    second = Assignment(n_layers=LAYERS, tied=True, pipelines=tuple(
         Pipeline(workers=(w,), stages=((0, LAYERS),), rows=r)
         for w, r in ((1, (0, 3)), (0, (3, 6)), (2, (6, 8)))
     ))  # fmt: skip
     return first, second
 
 
-def _sharded_plans():
+def _sharded_assignments():
     """ZeRO inside replicas of 2 pipelines. Generation 2: one replica of two two-stage
     pipelines (workers 0, 1 | 2, 3): each stage sharded over 2 workers, the tied copy
     too. Generation 3: two replicas of two one-stage pipelines ({1, 0}, {3, 2}), rows 2
     each: every worker receives the pieces it lacks and gathers the rest."""
     two = ((0, 1), (1, LAYERS))
-    first = Plan(n_layers=LAYERS, tied=True, shard=2, pipelines=(
+    first = Assignment(n_layers=LAYERS, tied=True, shard=2, pipelines=(
         Pipeline(workers=(0, 1), stages=two, rows=(0, 4)),
         Pipeline(workers=(2, 3), stages=two, rows=(4, 8)),
     ))  # fmt: skip
-    second = Plan(n_layers=LAYERS, tied=True, shard=2, pipelines=tuple(
+    second = Assignment(n_layers=LAYERS, tied=True, shard=2, pipelines=tuple(
         Pipeline(workers=(w,), stages=((0, LAYERS),), rows=(2 * i, 2 * i + 2))
         for i, w in enumerate((1, 0, 3, 2))
     ))  # fmt: skip
@@ -102,14 +102,14 @@ def _generations(rank, world, cfg, port):
     dist.destroy_process_group()  # run_workers' group: the generations make their own
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
                           timeout=datetime.timedelta(seconds=30))  # fmt: skip
-    plain = _scenario(rank, cfg, store, _plans(), first_number=0)
+    plain = _scenario(rank, cfg, store, _assignments(), first_number=0)
     zero_cfg = dataclasses.replace(cfg, layout=cfg.layout.replace(zero=2))
-    sharded = _scenario(rank, zero_cfg, store, _sharded_plans(), first_number=2)
+    sharded = _scenario(rank, zero_cfg, store, _sharded_assignments(), first_number=2)
     return plain, sharded
 
 
-def _scenario(rank, cfg, store, plans, *, first_number):
-    """Two generations of ``plans`` on fresh models, two steps each, the state copied in
+def _scenario(rank, cfg, store, assignments, *, first_number):
+    """Two generations of ``assignments`` on fresh models, two steps each, the state copied in
     between; this worker's losses, grad norms, bytes and final state's digests."""
     from plait.resilience import engines, transfer
     from plait.resilience.generation import Generation
@@ -118,23 +118,23 @@ def _scenario(rank, cfg, store, plans, *, first_number):
 
     timeout = datetime.timedelta(seconds=30)
     out, old, step = {"loss": [], "grad_norm": []}, None, 0
-    if rank not in plans[-1].members:
+    if rank not in assignments[-1].members:
         return None
-    for number, plan in enumerate(plans, start=first_number):
-        gen = Generation(store=store, number=number, plan=plan, worker=rank, backend="gloo",
+    for number, assignment in enumerate(assignments, start=first_number):
+        gen = Generation(store=store, number=number, assignment=assignment, worker=rank, backend="gloo",
                          device="cpu", timeout=timeout)  # fmt: skip
-        i, _ = plan.place(rank)
-        pipe = plan.pipelines[i]
+        i, _ = assignment.place(rank)
+        pipe = assignment.pipelines[i]
         lay = template_layout(cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
                               [b - a for a, b in pipe.stages])  # fmt: skip
         engine = engines.factory(gen, zero=cfg.layout.zero)
         trainer = Trainer(cfg, topo=gen.topo, part=Part(layout=lay, rows=pipe.rows,
                                                         make_engine=engine))  # fmt: skip
         if old is not None:
-            held = {w: plans[0].units_of(w) for w in plans[0].members}
-            moves, missing = sources(plan, held)
+            held = {w: assignments[0].units_of(w) for w in assignments[0].members}
+            moves, missing = sources(assignment, held)
             assert not missing
-            keep = held[rank] & plan.units_of(rank)
+            keep = held[rank] & assignment.units_of(rank)
             out.setdefault("received", transfer.copy_state(gen=gen, moves=moves, keep=keep,
                                                            old=old, new=trainer))  # fmt: skip
         for _ in range(2):

@@ -164,7 +164,7 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
 
 def _check_zero(f: int, layout, res: ResilienceConfig) -> None:
     """ZeRO under ``--fault-tolerance``: sharded inside replicas of K pipelines (hybrid
-    sharding, ``plan.py``), F + 1 replicas, so that every shard has F + 1 copies."""
+    sharding, ``assignment.py``), F + 1 replicas, so that every shard has F + 1 copies."""
     k = layout.zero_shard_group
     if layout.zero == 3:
         raise ValueError(

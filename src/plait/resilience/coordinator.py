@@ -21,7 +21,7 @@ What it does, every 20 ms:
   after the heartbeat timeout is killed), then decides the next generation
   (``decide``): where the run is (the most steps any survivor applied), who rolls
   forward, the template combination for the workers it has (``templates.choose``), who
-  holds what (``plan.make_plan``), who sends what to whom (``plan.sources``) -- or, when
+  holds what (``assignment.assign``), who sends what to whom (``assignment.sources``) -- or, when
   some unit has no copy left, a restart from the newest checkpoint.
 - **Rejoining.** Each dead worker is replaced by a new process (``--no-respawn`` turns this
   off); when it is ready the coordinator asks the members to leave at the next step
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from plait.errors import LaunchError
 from plait.resilience import nodes, protocol
+from plait.resilience.assignment import assign, grid_assignment, sources
 from plait.resilience.chaos import Chaos
-from plait.resilience.plan import grid_plan, make_plan, sources
 from plait.resilience.templates import build_templates, choose
 from plait.train import liveness
 from plait.train.config import RunConfig
@@ -105,7 +105,7 @@ class Coordinator:
         self.templates = {s: t for s, t in every.items() if t.fits or s == lay.pp}
         self.procs: dict[int, Proc] = {}
         self.next_worker = 0
-        self.gen, self.plan = -1, None
+        self.gen, self.assignment = -1, None
         self.printed = 0  # generations whose recovery line is printed
         self.chaos = Chaos(self.res, steps=cfg.train.steps)
         self.held: tuple[int, int] | None = None  # the ft/hold published last (gen, step)
@@ -166,7 +166,7 @@ class Coordinator:
         self.events.flush()
 
     def members(self) -> list[int]:
-        return self.plan.members if self.plan is not None else []
+        return self.assignment.members if self.assignment is not None else []
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -174,15 +174,17 @@ class Coordinator:
         for w in range(self.world):
             self.spawn(node=w // self.per_node, local_rank=w % self.per_node)
         lay = self.cfg.layout
-        self.plan = grid_plan(dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
-                              micro_batch=self.mbs, n_layers=self.cfg.model.n_layers,
-                              tied=self.cfg.model.tied_embeddings, shard=self.shard)  # fmt: skip
+        self.assignment = grid_assignment(
+            dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
+            n_layers=self.cfg.model.n_layers, tied=self.cfg.model.tied_embeddings,
+            shard=self.shard)  # fmt: skip
         sizes = ", ".join(f"{s}: {'+'.join(str(b - a) for a, b in t.stages)}"
                           for s, t in sorted(self.templates.items()))  # fmt: skip
         print(f"plait: fault tolerance {self.res.fault_tolerance}: pipeline templates by "
               f"stages (layers each) {sizes}", flush=True)  # fmt: skip
-        self.publish({"plan": self.plan.to_json(), "step": 0, "moves": [], "keep": {},
-                      "current": [], "start": "checkpoint" if self.cfg.train.resume else "fresh",
+        self.publish({"assignment": self.assignment.to_json(), "step": 0, "moves": [],
+                      "keep": {}, "current": [],
+                      "start": "checkpoint" if self.cfg.train.resume else "fresh",
                       "why": "start", "redone": 0})  # fmt: skip
         while True:
             now = time.time()
@@ -296,7 +298,7 @@ class Coordinator:
         whose workers all train in it: a worker reports progress only once its state copy
         is done (``publish`` clears the keys), so a replica of a worker still receiving
         holds no copy yet."""
-        pipes, k = self.plan.pipelines, self.shard
+        pipes, k = self.assignment.pipelines, self.shard
         return sum(
             all(self.store.check([protocol.PROGRESS.format(w)]) for p in pipes[i : i + k]
                 for w in p.workers)
@@ -406,17 +408,18 @@ class Coordinator:
                               f"pipeline template ({min(self.templates) * self.shard} "
                               "workers)")  # fmt: skip
         holdings = {w: current.get(w, frozenset()) for w in candidates}
-        plan = make_plan(sizes, self.templates, holdings=holdings, rows=self.rows,
-                         micro_batch=self.mbs, n_layers=cfg.model.n_layers,
-                         tied=cfg.model.tied_embeddings, shard=self.shard)  # fmt: skip
-        moves, missing = sources(plan, {w: h for w, h in holdings.items() if h})
+        assignment = assign(sizes, self.templates, holdings=holdings, rows=self.rows,
+                            micro_batch=self.mbs, n_layers=cfg.model.n_layers,
+                            tied=cfg.model.tied_embeddings, shard=self.shard)  # fmt: skip
+        moves, missing = sources(assignment, {w: h for w, h in holdings.items() if h})
         why = self.failure[1] if self.failure else (
-            "worker(s) " + ", ".join(map(str, sorted(set(plan.members) - set(self.members()))))
-            + " joined")  # fmt: skip
+            "worker(s) " + ", ".join(map(str, sorted(set(assignment.members)
+                                                     - set(self.members())))) + " joined")  # fmt: skip
         when = self.failure[0] if self.failure else self.request_t
-        d = {"plan": plan.to_json(), "step": resume, "moves": moves, "current": sorted(current),
-             "keep": {str(w): sorted(current[w] & plan.units_of(w)) for w in current
-                      if w in plan.members},
+        d = {"assignment": assignment.to_json(), "step": resume, "moves": moves,
+             "current": sorted(current),
+             "keep": {str(w): sorted(current[w] & assignment.units_of(w)) for w in current
+                      if w in assignment.members},
              "start": "transfer", "rollforward": last, "last": last, "why": why,
              "t_failure": when,
              "t_detect": min((r.get("t_error", r["t"]) for r in left.values()), default=time.time()),
@@ -435,11 +438,11 @@ class Coordinator:
                   f"{ckpt.name}, redoing steps {step + 1}-{resume}", flush=True)  # fmt: skip
             d.update(start="checkpoint", moves=[], keep={}, rollforward=None, last=None,
                      redone=resume - step)  # fmt: skip
-        self.log("decision", gen=self.gen + 1, plan=plan.describe(), start=d["start"], step=resume,
-                 why=why, redone=d["redone"], moves=len(moves), t_failure=when,
+        self.log("decision", gen=self.gen + 1, assignment=assignment.describe(), start=d["start"],
+                 step=resume, why=why, redone=d["redone"], moves=len(moves), t_failure=when,
                  reports={w: {k: r.get(k) for k in ("t_error", "t", "drop_s", "abort_s", "gc_s", "alive_groups", "why")}
                           for w, r in left.items()})  # fmt: skip
-        self.plan = plan
+        self.assignment = assignment
         return d
 
     def verify_replicas(self) -> None:
@@ -474,7 +477,8 @@ class Coordinator:
 
     def publish(self, decision: dict) -> None:
         self.gen += 1
-        if "plan" in decision:  # progress starts afresh: a key now means "copied and training"
+        # progress starts afresh: a key now means "copied and training"
+        if "assignment" in decision:
             for w in self.procs:
                 self.store.delete_key(protocol.PROGRESS.format(w))
             self.pause_progress()

@@ -3,10 +3,10 @@ decides, and carries its state across them in memory.
 
 One generation, from the worker's side::
 
-    wait for the coordinator's decision (store)      -> plan, step, moves, keep
+    wait for the coordinator's decision (store)      -> assignment, step, moves, keep
     roll forward: a step whose statistics a peer has but this worker lost, applied
     form the generation's groups (gen{G} prefix)     -> Topology, replica groups
-    Trainer.build on its place in the plan           -> model, engine, runner
+    Trainer.build on its place in the assignment        -> model, engine, runner
     copy state: keep what it holds, receive the rest (transfer.py) -- or restore the
       newest checkpoint (fallback) -- or start fresh (generation 0)
     steps: at each boundary one all-reduce asks "is a new generation wanted?"; then
@@ -57,8 +57,8 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.resilience import async_checkpoint, engines, protocol, transfer
+from plait.resilience.assignment import Assignment
 from plait.resilience.generation import Generation, abort_partial
-from plait.resilience.plan import Plan
 from plait.resilience.templates import template_layout
 from plait.train import optim
 from plait.train.config import RunConfig
@@ -145,24 +145,24 @@ class Worker:
                 seen = d["gen"]
                 if "stop" in d:
                     return d["stop"]
-                plan = Plan.from_json(d["plan"])
-                if self.worker not in plan.members:
+                assignment = Assignment.from_json(d["assignment"])
+                if self.worker not in assignment.members:
                     continue  # a spare, or started after this decision: the next one
-                if self.generation(d, plan) == "finished":
+                if self.generation(d, assignment) == "finished":
                     return "finished"
         finally:
             self.watcher.stop()
 
     # -- one generation --------------------------------------------------------------
 
-    def generation(self, d: dict, plan: Plan) -> str:
+    def generation(self, d: dict, assignment: Assignment) -> str:
         gen, why = None, None
         try:
             self._roll_forward(d.get("rollforward"))
-            gen = Generation(store=self.store, number=d["gen"], plan=plan, worker=self.worker,
-                             backend=self.backend, device=self.device, timeout=self.timeout)  # fmt: skip
+            gen = Generation(store=self.store, number=d["gen"], assignment=assignment,
+                             worker=self.worker, backend=self.backend, device=self.device, timeout=self.timeout)  # fmt: skip
             t_formed = time.time()
-            trainer, start, received = self._build(gen, plan, d)
+            trainer, start, received = self._build(gen, assignment, d)
             t_copied = time.time()
             return self._steps(gen, trainer, start, d, (t_formed, t_copied, received))
         except BaseException as e:  # noqa: BLE001 - a failure of communication, or re-raised
@@ -180,9 +180,9 @@ class Worker:
             held.trainer.update(stats, lr=optim.lr_at(stats.step, self.cfg.train))
             held.done += 1
 
-    def _build(self, gen: Generation, plan: Plan, d: dict) -> tuple[Trainer, int, int]:
-        i, _ = plan.place(self.worker)
-        pipe = plan.pipelines[i]
+    def _build(self, gen: Generation, assignment: Assignment, d: dict) -> tuple[Trainer, int, int]:
+        i, _ = assignment.place(self.worker)
+        pipe = assignment.pipelines[i]
         layout = template_layout(
             self.cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
             [b - a for a, b in pipe.stages],
@@ -207,7 +207,7 @@ class Worker:
             start = d["step"]
         if self.held.trainer is not None:
             self.held.trainer.close()
-        self.held = Held(trainer=trainer, done=start, units=plan.units_of(self.worker))
+        self.held = Held(trainer=trainer, done=start, units=assignment.units_of(self.worker))
         return trainer, start, received
 
     def _restore(self, trainer: Trainer, *, first: bool) -> int:
@@ -256,7 +256,7 @@ class Worker:
     # -- the steps of a generation ---------------------------------------------------
 
     def _steps(self, gen: Generation, trainer: Trainer, start: int, d: dict, times) -> str:
-        tcfg, plan = self.cfg.train, gen.plan
+        tcfg, assignment = self.cfg.train, gen.assignment
         lead = gen.rank == 0
         metrics = MetricsWriter(
             self.metrics_path,
@@ -280,7 +280,7 @@ class Worker:
             self.store.set(protocol.TIMING.format(d["gen"]), json.dumps(
                 {"formed": times[0], "copied": times[1], "resumed": t_resumed,
                  "received": times[2],
-                 "line": _recovery_line(d, plan, times, t_resumed, start)}))  # fmt: skip
+                 "line": _recovery_line(d, assignment, times, t_resumed, start)}))  # fmt: skip
         for step in range(start, tcfg.steps):
             if self._boundary(gen, step + 1):
                 return self._leave(gen, d["gen"], None)
@@ -289,7 +289,9 @@ class Worker:
             rec = trainer.step(step)
             self.in_step = False
             self.held.done = done = step + 1
-            rec.update(world_size=gen.world, pipelines=len(plan.pipelines), generation=d["gen"])
+            rec.update(
+                world_size=gen.world, pipelines=len(assignment.pipelines), generation=d["gen"]
+            )
             rec["recovery_s"] = recovery if step == start and recovery is not None else 0.0
             if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
                 rec["val_loss"] = trainer.evaluate()
@@ -297,7 +299,7 @@ class Worker:
             if lead and tcfg.progress and (done % tcfg.log_every == 0 or done in (1, tcfg.steps)):
                 print(f"step {done:>6}/{tcfg.steps}  loss {rec['loss']:.4f}  "
                       f"{rec['tokens_per_s']:,.0f} tok/s  ({gen.world} workers, "
-                      f"{len(plan.pipelines)} pipelines)", flush=True)  # fmt: skip
+                      f"{len(assignment.pipelines)} pipelines)", flush=True)  # fmt: skip
             if _due(done, tcfg):
                 self._progress(done, "save")
                 self._save(trainer, done)
@@ -387,7 +389,7 @@ def _saved(cfg: RunConfig, step: int) -> bool:
     return (Path(cfg.out) / "checkpoints" / f"step-{step:08d}").is_dir()
 
 
-def _recovery_line(d: dict, plan: Plan, times, t_resumed: float, start: int) -> str:
+def _recovery_line(d: dict, assignment: Assignment, times, t_resumed: float, start: int) -> str:
     t0 = d["t_failure"]
     formed, copied, received = times
     if d["start"] == "checkpoint":
@@ -397,7 +399,7 @@ def _recovery_line(d: dict, plan: Plan, times, t_resumed: float, start: int) -> 
     return (
         f"plait: generation {d['gen']}: {d['why']}; detected +{d['t_detect'] - t0:.2f} s, "
         f"re-formed +{formed - t0:.2f} s, {what}, resumed +{t_resumed - t0:.2f} s at step "
-        f"{start + 1} ({d['redone']} step(s) redone); {plan.describe()}"
+        f"{start + 1} ({d['redone']} step(s) redone); {assignment.describe()}"
     )
 
 

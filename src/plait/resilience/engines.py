@@ -21,7 +21,7 @@ engine is an experiment at the edge, STYLE rule 11.)
 
 The gradient norm counts each unit once: on the holder in the first pipeline.
 
-ZeRO inside a replica (``ShardedReplicaEngine``; ``plan.py``: replicas of K pipelines, each
+ZeRO inside a replica (``ShardedReplicaEngine``; ``assignment.py``: replicas of K pipelines, each
 stage sharded over its K workers, slot j holding piece j of every parameter). Per step,
 on top of the above with pieces in place of whole gradients: the ZeRO engine of
 ``zero.py`` on the stage group (stage 2: a reduce-scatter per bucket from autograd's
@@ -53,8 +53,8 @@ from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes
 from plait.parallel.engine import GradientEngine
 from plait.parallel.flat import FlatLayout
 from plait.parallel.zero import ZeroDataParallel
+from plait.resilience.assignment import split_piece, unit_of, with_piece
 from plait.resilience.generation import Generation, unit_order
-from plait.resilience.plan import split_piece, unit_of, with_piece
 from plait.topology import Axis
 
 
@@ -103,10 +103,10 @@ class ReplicaSync:
 def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
     """This rank's replica reductions, in the global order (module docstring): its
     parameters grouped by the ranks that hold the same unit (``piece``: the same piece of
-    it, in slot ``plan.slot`` of every replica)."""
-    plan, me = gen.plan, gen.worker
-    slot = plan.slot(plan.place(me)[0])
-    held = frozenset(split_piece(u)[0] for u in plan.units_of(me))
+    it, in slot ``assignment.slot`` of every replica)."""
+    assignment, me = gen.assignment, gen.worker
+    slot = assignment.slot(assignment.place(me)[0])
+    held = frozenset(split_piece(u)[0] for u in assignment.units_of(me))
 
     def ranks_of(unit: str):
         return gen.units.get(next(iter(with_piece({unit}, slot))))
@@ -115,11 +115,11 @@ def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
     tied = ranks_of("tied")
     for n, p in named:
         u = stage_unit_of(n, held)
-        entries.setdefault(ranks_of(u), []).append((unit_order(u, plan.n_layers), n, p, True))
+        entries.setdefault(ranks_of(u), []).append((unit_order(u, assignment.n_layers), n, p, True))
         if u == "embed" and tied is not None and gen.rank in tied:
             if "tied" not in held and n == "embed.tokens.weight":  # one-stage pipeline
                 entries.setdefault(tied, []).append(
-                    (unit_order("tied", plan.n_layers), n, p, False)
+                    (unit_order("tied", assignment.n_layers), n, p, False)
                 )
     index = {n: i for i, (n, _) in enumerate(named)}
     syncs = []
@@ -145,10 +145,10 @@ class ReplicaEngine:
 
     def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, **_):
         self.model, self.topo = model, gen.topo
-        plan, me = gen.plan, gen.worker
-        held = plan.units_of(me)
+        assignment, me = gen.assignment, gen.worker
+        held = assignment.units_of(me)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        first_pipeline = gen.plan.pipelines[0].workers
+        first_pipeline = gen.assignment.pipelines[0].workers
         units = {n: stage_unit_of(n, held) for n, _ in self.named}
         # this rank counts a unit in |g|^2 when it holds it in the first pipeline
         self.counted = [p for n, p in self.named if units[n] != "tied" and me in first_pipeline]
@@ -247,14 +247,14 @@ class ShardedReplicaEngine(ReplicaEngine):
     def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, cfg,
                  owns_grad=None, defer=()):  # fmt: skip
         self.model, self.topo, self.zero = model, gen.topo, cfg.zero
-        plan, me = gen.plan, gen.worker
+        assignment, me = gen.assignment, gen.worker
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.inner = ZeroDataParallel(
             model, topo=gen.stage_topology(), make_optimizer=make_optimizer,
             cfg=dataclasses.replace(cfg, shard_group=None), owns_grad=owns_grad, defer=defer,
         )  # fmt: skip
-        held = frozenset(split_piece(u)[0] for u in plan.units_of(me))
-        first_replica = {w for p in plan.pipelines[: plan.shard] for w in p.workers}
+        held = frozenset(split_piece(u)[0] for u in assignment.units_of(me))
+        first_replica = {w for p in assignment.pipelines[: assignment.shard] for w in p.workers}
         self.counted = [
             p for n, p in self.named if stage_unit_of(n, held) != "tied" and me in first_replica
         ]
@@ -326,11 +326,11 @@ class ShardedReplicaEngine(ReplicaEngine):
 
 def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
     """What ``Part.make_engine`` is: ``build_data_parallel``'s signature, this engine (or
-    the sharded one, ZeRO stage ``zero``, when the plan shards)."""
+    the sharded one, ZeRO stage ``zero``, when the assignment shards)."""
 
     def make(model, *, topo, cfg, make_optimizer, owns_grad=None, defer=()) -> GradientEngine:
         assert topo is gen.topo, "the engine runs on the generation's topology"
-        if gen.plan.shard > 1:
+        if gen.assignment.shard > 1:
             return ShardedReplicaEngine(
                 model, gen=gen, make_optimizer=make_optimizer,
                 cfg=dataclasses.replace(cfg, zero=zero), owns_grad=owns_grad, defer=defer,

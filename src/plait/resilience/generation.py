@@ -1,13 +1,13 @@
 """One generation of a resilient run: its process groups, built on the coordinator's store
-under the prefix ``gen{G}``, this worker's ``Topology`` in the generation's plan, and the
+under the prefix ``gen{G}``, this worker's ``Topology`` in the generation's assignment, and the
 drop of all of it when a peer fails.
 
 Communication. ``Generation(...)`` is collective over the generation's members: every
 member calls ``init_process_group`` on ``PrefixStore(f"gen{G}", store)`` (a rendezvous
 through the store), then creates the same groups in the same order -- the world, each
-pipeline in plan order, each replica group (the ranks holding one unit of the model, one
-per pipeline) in sorted order, then, when the plan shards (ZeRO inside a replica), each
-stage group (the K workers sharding one stage of one replica) in plan order -- as
+pipeline in assignment order, each replica group (the ranks holding one unit of the model, one
+per pipeline) in sorted order, then, when the assignment shards (ZeRO inside a replica), each
+stage group (the K workers sharding one stage of one replica) in assignment order -- as
 ``new_group`` requires of every rank, member or not. Nothing else is issued here.
 
 Why the broken generation leaves nothing pending, and why re-forming cannot deadlock.
@@ -37,7 +37,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from plait.resilience.plan import Plan, with_piece
+from plait.resilience.assignment import Assignment, with_piece
 from plait.topology import Axis, Topology, resolve_device
 
 
@@ -60,49 +60,49 @@ def unit_order(unit: str, n_layers: int) -> int:
     return n_layers + (1 if unit == "post" else 2)
 
 
-def replica_groups(plan: Plan) -> dict[str, tuple[int, ...]]:
+def replica_groups(assignment: Assignment) -> dict[str, tuple[int, ...]]:
     """For every unit (sharded: every piece ``u/j``), the generation ranks that reduce its
     gradients together: its holder in each pipeline (sharded: in slot j of each replica).
     ``tied``: the last stage of each pipeline -- its copy of the token embedding, or, in a
     one-stage pipeline, the embedding itself, whose gradient (the pipeline's whole one) it
     contributes a second time here and keeps from ``embed``'s group (``engines.py``).
     Present only when some pipeline holds a tied copy."""
-    members = plan.members
+    members = assignment.members
     holders: dict[str, list[int]] = {}
     for w in members:
-        for unit in plan.units_of(w):
+        for unit in assignment.units_of(w):
             holders.setdefault(unit, []).append(members.index(w))
-    for j in {plan.slot(i) for i in range(len(plan.pipelines))}:
+    for j in {assignment.slot(i) for i in range(len(assignment.pipelines))}:
         (tied,) = with_piece({"tied"}, j)
         if tied in holders:
             holders[tied] = [
                 members.index(p.workers[-1])
-                for i, p in enumerate(plan.pipelines)
-                if plan.slot(i) == j
+                for i, p in enumerate(assignment.pipelines)
+                if assignment.slot(i) == j
             ]
     return {u: tuple(sorted(r)) for u, r in holders.items()}
 
 
-def stage_groups(plan: Plan) -> list[tuple[int, ...]]:
-    """The generation ranks sharding one stage of one replica, every such group in plan
-    order (none unless the plan shards)."""
-    if plan.shard == 1:
+def stage_groups(assignment: Assignment) -> list[tuple[int, ...]]:
+    """The generation ranks sharding one stage of one replica, every such group in
+    assignment order (none unless the assignment shards)."""
+    if assignment.shard == 1:
         return []
-    members, out = plan.members, []
-    for first in range(0, len(plan.pipelines), plan.shard):
-        for w in plan.pipelines[first].workers:
-            out.append(tuple(members.index(v) for v in plan.stage_group(w)))
+    members, out = assignment.members, []
+    for first in range(0, len(assignment.pipelines), assignment.shard):
+        for w in assignment.pipelines[first].workers:
+            out.append(tuple(members.index(v) for v in assignment.stage_group(w)))
     return out
 
 
 class Generation:
-    """The process groups of generation ``number`` and this worker's topology in ``plan``
-    (collective over the plan's members: module docstring)."""
+    """The process groups of generation ``number`` and this worker's topology in
+    ``assignment`` (collective over the assignment's members: module docstring)."""
 
-    def __init__(self, *, store, number: int, plan: Plan, worker: int, backend: str,
+    def __init__(self, *, store, number: int, assignment: Assignment, worker: int, backend: str,
                  device, timeout: datetime.timedelta):  # fmt: skip
-        self.number, self.plan, self.worker = number, plan, worker
-        members = plan.members
+        self.number, self.assignment, self.worker = number, assignment, worker
+        members = assignment.members
         self.rank, self.world = members.index(worker), len(members)
         self.device = resolve_device(device)
         self.timeout = timeout
@@ -118,16 +118,18 @@ class Generation:
             **kw,
         )
         self.world_group = self._group(range(self.world))
-        pipe_groups = [self._group(members.index(w) for w in p.workers) for p in plan.pipelines]
-        self.units = replica_groups(plan)
+        pipe_groups = [
+            self._group(members.index(w) for w in p.workers) for p in assignment.pipelines
+        ]
+        self.units = replica_groups(assignment)
         self.groups = {r: self._group(r) for r in sorted(set(self.units.values()))}
-        self.stage_groups = {r: self._group(r) for r in stage_groups(plan)}
-        i, j = plan.place(worker)
-        mine = plan.pipelines[i]
+        self.stage_groups = {r: self._group(r) for r in stage_groups(assignment)}
+        i, j = assignment.place(worker)
+        mine = assignment.pipelines[i]
         pipe_ranks = [members.index(w) for w in mine.workers]
         self.topo = self._topology(
             pp=len(mine.workers),
-            dp=len(plan.pipelines),
+            dp=len(assignment.pipelines),
             groups={Axis.PP: pipe_groups[i]} if pipe_groups[i] is not None else {},
             group_ranks={Axis.PP: pipe_ranks, Axis.DP: [self.rank], Axis.TP: [self.rank]},
             place=(j, i, 0),
@@ -164,7 +166,9 @@ class Generation:
     def stage_topology(self) -> Topology:
         """A topology whose dp axis is this rank's stage group (``stage_groups``): where
         the ZeRO engine inside a replica reduce-scatters and gathers."""
-        ranks = tuple(self.plan.members.index(w) for w in self.plan.stage_group(self.worker))
+        ranks = tuple(
+            self.assignment.members.index(w) for w in self.assignment.stage_group(self.worker)
+        )
         return self._dp_topology(ranks, self.stage_groups[ranks])
 
     def _dp_topology(self, ranks: tuple[int, ...], group) -> Topology:

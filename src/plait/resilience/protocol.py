@@ -15,14 +15,15 @@ thread may use it (DESIGN.md section 8). Keys (``G`` a generation, ``W`` a worke
                         step S (S = 0: nowhere) -- chaos waits for a replacement
     ft/timing/G         the new generation's rank 0: when it formed, copied state, resumed
 
-A decision: ``{"gen": G, "plan": Plan JSON, "step": S, "moves": [[receiver, unit,
+A decision: ``{"gen": G, "assignment": Assignment JSON, "step": S, "moves": [[receiver, unit,
 sender], ...], "keep": {W: [units]}, "fallback": bool, "rollforward": {...} | null,
 "last": {...} | null, "why": "...", "t_failure": wall time, "t_detect": wall time}``,
 or ``{"gen": G, "stop": "finished" | "<one line>"}``. A report: ``{"done": steps whose
 update this worker applied, "units": [units it holds], "reduced": whether its gradients
 of step ``done`` are reduced, "stats": its last reduced step's ``loop.StepStats`` as
-{"step", "grad_sq_sum", "loss"} or null, "in_step": whether it was inside a step, "why": "<what it saw>", "t_error": when it saw
-it, "t": wall time, and how long dropping the generation took}``.
+{"step", "grad_sq_sum", "loss"} or null, "in_step": whether it was inside a step,
+"why": "<what it saw>", "t_error": when it saw it, "t": wall time, and how long dropping
+the generation took}``.
 
 Times are wall-clock seconds of the one machine the run is on (multi-node runs are not
 covered yet), used only for the recovery log line.

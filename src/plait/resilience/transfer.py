@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from plait import comm
-from plait.resilience.plan import names_in_unit
+from plait.resilience.assignment import names_in_unit
 
 
 def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
@@ -41,11 +41,11 @@ def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
     pieces of them, after which the stage group gathers whole parameters from the pieces
     (``materialize``). Collective over the generation. Returns the bytes this worker
     received."""
-    me, members = gen.worker, gen.plan.members
+    me, members = gen.worker, gen.assignment.members
     new_names = [n for n, _ in new.engine.named]
     old_names = [n for n, _ in old.engine.named] if old is not None else []
     with torch.no_grad():
-        for unit in sorted(keep & gen.plan.units_of(me)):  # already held: a local copy
+        for unit in sorted(keep & gen.assignment.units_of(me)):  # already held: a local copy
             names = names_in_unit(unit, new_names)
             for dst, src in zip(new.engine.unit_tensors(names), old.engine.unit_tensors(names)):
                 dst.copy_(src)

@@ -1,7 +1,7 @@
-"""A generation's plan: which worker holds which stage of which pipeline, the rows of the
+"""A generation's assignment: which worker holds which stage of which pipeline, the rows of the
 global batch each pipeline takes, and where a worker gets the state it lacks.
 
-Communication: none (pure data; the coordinator makes plans, every worker reads them).
+Communication: none (pure data; the coordinator makes assignments, every worker reads them).
 
 Units of state. A stage of layers [first, stop) holds the units ``embed`` (first == 0:
 the token and position embeddings), ``blocks.i`` for its layers, ``post`` (stop == L:
@@ -44,7 +44,7 @@ class Pipeline:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Assignment:
     pipelines: tuple[Pipeline, ...]
     n_layers: int
     tied: bool
@@ -70,7 +70,7 @@ class Plan:
         for i, p in enumerate(self.pipelines):
             if worker in p.workers:
                 return i, p.workers.index(worker)
-        raise KeyError(f"worker {worker} is not in the plan")
+        raise KeyError(f"worker {worker} is not in the assignment")
 
     def stage_of(self, worker: int) -> tuple[int, int]:
         i, j = self.place(worker)
@@ -108,7 +108,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> Plan:
+    def from_json(cls, d: dict) -> Assignment:
         return cls(
             n_layers=d["n_layers"],
             tied=d["tied"],
@@ -175,7 +175,7 @@ def serves(held: frozenset[str], unit: str) -> bool:
     return unit in held or (base == "tied" and with_piece({"embed"}, piece) <= held)
 
 
-def make_plan(
+def assign(
     sizes: tuple[int, ...],
     templates: dict[int, Template],
     *,
@@ -185,13 +185,13 @@ def make_plan(
     n_layers: int,
     tied: bool,
     shard: int = 1,
-) -> Plan:
+) -> Assignment:
     """Workers onto the stages of one pipeline per entry of ``sizes`` (template sizes) --
     of ``shard`` pipelines per entry when sharding (a replica: module docstring) --
     keeping as much of what each worker holds as possible: ``holdings`` maps every worker
     of the new generation to the units it holds up to date (empty: a new worker, or one
     whose state is stale). Greedy by overlap, ties to the lower worker id, so every reader
-    of the same inputs gets the same plan."""
+    of the same inputs gets the same assignment."""
     sizes = tuple(s for s in sizes for _ in range(shard))
     slots = [
         (
@@ -231,25 +231,24 @@ def make_plan(
             Pipeline(workers=workers, stages=templates[s].stages, rows=(lo, lo + shares[i]))
         )
         lo += shares[i]
-    return Plan(pipelines=tuple(pipelines), n_layers=n_layers, tied=tied, shard=shard)
+    return Assignment(pipelines=tuple(pipelines), n_layers=n_layers, tied=tied, shard=shard)
 
 
-def grid_plan(
+def grid_assignment(
     *,
     dp: int,
     template: Template,
     rows: int,
-    micro_batch: int,
     n_layers: int,
     tied: bool,
     shard: int = 1,
-) -> Plan:
+) -> Assignment:
     """The first generation: the user's dp x pp grid as dp pipelines of one template,
     worker w at stage w // dp of pipeline w % dp (the grid's global rank order); with
     ``shard`` K, dp ranks [rK, (r+1)K) are replica r, as ``Topology.split_dp`` cuts them."""
     pp = template.nodes
     share = rows // dp
-    return Plan(
+    return Assignment(
         n_layers=n_layers,
         tied=tied,
         shard=shard,
@@ -264,15 +263,15 @@ def grid_plan(
     )
 
 
-def sources(plan: Plan, holdings: dict[int, frozenset[str]]) -> tuple[list, list[str]]:
+def sources(assignment: Assignment, holdings: dict[int, frozenset[str]]) -> tuple[list, list[str]]:
     """Who sends what: a list of (receiver, unit, sender) for every unit a worker of
-    ``plan`` needs and does not hold, the sender chosen among the plan's workers that hold it
-    (least loaded first, then the lower id, so transfers spread over the survivors); and
+    ``assignment`` needs and does not hold, the sender chosen among its workers that hold
+    it (least loaded first, then the lower id, so transfers spread over the survivors); and
     the units no survivor holds (then the run must fall back to a checkpoint)."""
-    members = set(plan.members)  # a spare is not in the generation's groups: it sends nothing
+    members = set(assignment.members)  # a spare is not in the generation's groups: it sends nothing
     moves, missing, load = [], [], {w: 0 for w in holdings}
-    for w in plan.members:
-        for unit in sorted(plan.units_of(w) - holdings.get(w, frozenset())):
+    for w in assignment.members:
+        for unit in sorted(assignment.units_of(w) - holdings.get(w, frozenset())):
             senders = sorted(
                 (load[s], s)
                 for s, held in holdings.items()

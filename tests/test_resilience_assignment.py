@@ -1,4 +1,4 @@
-"""Resilience planning without processes: templates, combinations, plans, state sources,
+"""Resilience planning without processes: templates, combinations, assignments, state sources,
 chaos schedules and the flags' checks."""
 
 import random
@@ -9,18 +9,18 @@ from test_partition import _brute_force_bottleneck
 from plait.layout import Layout
 from plait.model.config import preset
 from plait.parallel.pipeline.partition import stage_costs
-from plait.resilience.chaos import Chaos
-from plait.resilience.config import ResilienceConfig, check_layout, parse_injections
-from plait.resilience.generation import replica_groups, stage_groups
-from plait.resilience.plan import (
-    Plan,
-    grid_plan,
-    make_plan,
+from plait.resilience.assignment import (
+    Assignment,
+    assign,
+    grid_assignment,
     names_in_unit,
     serves,
     sources,
     stage_units,
 )
+from plait.resilience.chaos import Chaos
+from plait.resilience.config import ResilienceConfig, check_layout, parse_injections
+from plait.resilience.generation import replica_groups, stage_groups
 from plait.resilience.templates import Template, allocate, build_templates, choose, layer_costs
 
 
@@ -65,29 +65,30 @@ def test_allocate_keeps_the_batch_and_follows_throughput():
         allocate(4, 2, [1, 1, 1])
 
 
-def test_grid_plan_matches_the_dp_pp_grid_and_replica_groups_are_its_dp_groups():
+def test_grid_assignment_matches_the_dp_pp_grid_and_replica_groups_are_its_dp_groups():
     t = _templates({2: 1.0}, n_layers=4)
-    plan = grid_plan(dp=2, template=t[2], rows=8, micro_batch=1, n_layers=4, tied=True)
-    assert [p.workers for p in plan.pipelines] == [(0, 2), (1, 3)]  # rank = pp_rank*dp + dp_rank
-    assert [p.rows for p in plan.pipelines] == [(0, 4), (4, 8)]
-    assert plan.units_of(0) == {"embed", "blocks.0", "blocks.1"}
-    assert plan.units_of(3) == {"blocks.2", "blocks.3", "post", "tied"}
-    # generation ranks: members in plan order [0, 2, 1, 3] -> workers 0, 1 are ranks 0, 2
-    groups = replica_groups(plan)
+    assignment = grid_assignment(dp=2, template=t[2], rows=8, n_layers=4, tied=True)
+    # rank = pp_rank * dp + dp_rank
+    assert [p.workers for p in assignment.pipelines] == [(0, 2), (1, 3)]
+    assert [p.rows for p in assignment.pipelines] == [(0, 4), (4, 8)]
+    assert assignment.units_of(0) == {"embed", "blocks.0", "blocks.1"}
+    assert assignment.units_of(3) == {"blocks.2", "blocks.3", "post", "tied"}
+    # generation ranks: members in assignment order [0, 2, 1, 3] -> workers 0, 1 are ranks 0, 2
+    groups = replica_groups(assignment)
     assert groups["embed"] == groups["blocks.0"] == (0, 2)
     assert groups["post"] == groups["tied"] == (1, 3)
 
 
-def test_make_plan_keeps_what_workers_hold_and_sources_spread_the_copies():
+def test_assign_keeps_what_workers_hold_and_sources_spread_the_copies():
     t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
-    grid = grid_plan(dp=2, template=t[2], rows=8, micro_batch=1, n_layers=4, tied=True)
+    grid = grid_assignment(dp=2, template=t[2], rows=8, n_layers=4, tied=True)
     held = {w: grid.units_of(w) for w in (0, 1, 2)}  # worker 3 died
-    plan = make_plan((1, 1, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True)
+    assignment = assign((1, 1, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True)
     assert (
-        sorted(plan.members) == [0, 1, 2]
-        and sum(p.rows[1] - p.rows[0] for p in plan.pipelines) == 8
+        sorted(assignment.members) == [0, 1, 2]
+        and sum(p.rows[1] - p.rows[0] for p in assignment.pipelines) == 8
     )
-    moves, missing = sources(plan, held)
+    moves, missing = sources(assignment, held)
     assert missing == []
     # worker 2 alone holds the second half: it sends it to 0 and 1; 0 and 1 share the first
     assert {(r, u) for r, u, s in moves if s == 2} == {
@@ -98,28 +99,28 @@ def test_make_plan_keeps_what_workers_hold_and_sources_spread_the_copies():
         senders_to_2.values()
     ) == {0, 1}
     # both workers of a stage dead: nobody holds it
-    _, missing = sources(plan, {0: grid.units_of(0), 1: grid.units_of(1)})
+    _, missing = sources(assignment, {0: grid.units_of(0), 1: grid.units_of(1)})
     assert missing == ["blocks.2", "blocks.3", "post"]
 
 
-def test_a_heterogeneous_plan_and_its_tied_group():
+def test_a_heterogeneous_assignment_and_its_tied_group():
     t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
-    plan = make_plan((2, 1), t, holdings={w: frozenset() for w in (5, 6, 7)}, rows=8,
+    assignment = assign((2, 1), t, holdings={w: frozenset() for w in (5, 6, 7)}, rows=8,
                      micro_batch=1, n_layers=4, tied=True)  # fmt: skip
-    two, one = plan.pipelines
+    two, one = assignment.pipelines
     assert len(two.workers) == 2 and len(one.workers) == 1
-    groups = replica_groups(plan)
-    r = {w: plan.members.index(w) for w in plan.members}
+    groups = replica_groups(assignment)
+    r = {w: assignment.members.index(w) for w in assignment.members}
     assert groups["embed"] == tuple(sorted((r[two.workers[0]], r[one.workers[0]])))
     assert groups["tied"] == tuple(sorted((r[two.workers[1]], r[one.workers[0]])))
-    assert Plan.from_json(plan.to_json()) == plan
+    assert Assignment.from_json(assignment.to_json()) == assignment
 
 
 def test_zero_inside_replicas_every_piece_keeps_f_plus_1_copies():
     """dp 4, pp 2, --zero-shard-group 2: replicas {pipelines 0, 1} and {2, 3}; each stage
     sharded over its replica's two workers; piece j lives in slot j of both replicas."""
     t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
-    grid = grid_plan(dp=4, template=t[2], rows=8, micro_batch=1, n_layers=4, tied=True,
+    grid = grid_assignment(dp=4, template=t[2], rows=8, n_layers=4, tied=True,
                      shard=2)  # fmt: skip
     assert [p.workers for p in grid.pipelines] == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert grid.units_of(0) == {"embed/0", "blocks.0/0", "blocks.1/0"}
@@ -134,22 +135,22 @@ def test_zero_inside_replicas_every_piece_keeps_f_plus_1_copies():
     for unit in {u for w in grid.members for u in grid.units_of(w)}:
         assert sum(unit in grid.units_of(w) for w in grid.members) == 2, unit
     # worker 5 dies: 7 left make 3 replica "workers", so one 2-stage and one 1-stage
-    # replica (6 workers, 1 spare); every piece the plan needs is still held somewhere
+    # replica (6 workers, 1 spare); every piece the assignment needs is still held somewhere
     held = {w: grid.units_of(w) for w in grid.members if w != 5}
-    plan = make_plan((2, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True,
+    assignment = assign((2, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True,
                      shard=2)  # fmt: skip
-    assert [len(p.workers) for p in plan.pipelines] == [2, 2, 1, 1] and plan.shard == 2
-    assert len(plan.members) == 6 and Plan.from_json(plan.to_json()) == plan
-    moves, missing = sources(plan, held)
+    assert [len(p.workers) for p in assignment.pipelines] == [2, 2, 1, 1] and assignment.shard == 2
+    assert len(assignment.members) == 6 and Assignment.from_json(assignment.to_json()) == assignment
+    moves, missing = sources(assignment, held)
     assert missing == []
     for receiver, unit, sender in moves:  # a piece comes from a holder of that same piece
-        assert unit.split("/")[1] == str(plan.slot(plan.place(receiver)[0]))
-        assert serves(held[sender], unit) and sender in plan.members  # never from the spare
+        assert unit.split("/")[1] == str(assignment.slot(assignment.place(receiver)[0]))
+        assert serves(held[sender], unit) and sender in assignment.members  # never from the spare
     # the tied copy's piece 1 is served by a first stage's embedding piece 1, not piece 0
     assert serves(frozenset({"embed/1"}), "tied/1") and not serves(frozenset({"embed/0"}), "tied/1")
     # both copies of one piece gone: the run must fall back to its checkpoint
     lost = {w: h for w, h in held.items() if w != 7}
-    assert "blocks.2/1" in sources(plan, lost)[1]
+    assert "blocks.2/1" in sources(assignment, lost)[1]
 
 
 def test_units_and_names():
