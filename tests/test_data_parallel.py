@@ -206,7 +206,7 @@ def engine_step(
     seen["after finish"] = dict(topo.stats.calls)
     seen["finish bytes"] = dict(topo.stats.bytes)
     grad_err = max(
-        (engine.grad(p).reshape(-1) - _piece(engine, ref_grads[n])).abs().max().item()
+        (engine.grad(p).reshape(-1) - _shard(engine, ref_grads[n])).abs().max().item()
         for n, p in model.named_parameters()
     )
     (sq,) = optim.global_stats([engine.grad_sq_local()], topo)
@@ -265,7 +265,7 @@ def run_checks(rank, world, engine_cases, train_cases_):
     return steps, train_cases(rank, world, train_cases_), refusals
 
 
-def _piece(engine, full):
+def _shard(engine, full):
     if engine.zero == 0:
         return full.reshape(-1)
     from plait.parallel.flat import zero_shard

@@ -305,8 +305,8 @@ def _posted_by_mix(topology: str, n: int, steps: int, monkeypatch) -> list[list[
         gossip.cfg = DPAlgoConfig(algo="gossip", topology=topology)
         gossip.topo = SimpleNamespace(device="cpu")
         gossip.across = SimpleNamespace(rank=i, group_ranks={Axis.DP: list(range(n))})
-        gossip.pieces, gossip.chunk_bytes = [torch.zeros(4), torch.zeros(4)], 16  # 2 chunks
-        gossip.engine = SimpleNamespace(pieces_changed=lambda: None)
+        gossip.shards, gossip.chunk_bytes = [torch.zeros(4), torch.zeros(4)], 16  # 2 chunks
+        gossip.engine = SimpleNamespace(shards_changed=lambda: None)
         for step in range(steps):
             gossip.mix(step)
     return posted

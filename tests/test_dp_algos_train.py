@@ -79,7 +79,7 @@ def _local_shapes(cfg, topo) -> list[tuple[int, ...]]:
 
 def run_cases(rank, world, cases):
     """Worker: train every config in turn on one process group; rank 0 returns metrics
-    and its parameter shapes, every rank its coordinates and its parameters' (pieces')
+    and its parameter shapes, every rank its coordinates and its parameters' (shards')
     sums as the run ended (float64: equal sums of equal tensors are equal)."""
 
     from plait.train import loop
@@ -88,10 +88,10 @@ def run_cases(rank, world, cases):
     close = loop.Trainer.close
 
     def capture(self):
-        # what the optimizer updates: the parameters, or this rank's ZeRO pieces of them
-        captured["sums"] = [t.detach().double().sum().item() for _, _, t in self.engine.pieces()]
-        captured["state"] = [t.double().sum().item() for _, p, _ in self.engine.pieces()
-                             for t in self.engine.piece_state(p)]  # fmt: skip
+        # what the optimizer updates: the parameters, or this rank's ZeRO shards of them
+        captured["sums"] = [t.detach().double().sum().item() for _, _, t in self.engine.shards()]
+        captured["state"] = [t.double().sum().item() for _, p, _ in self.engine.shards()
+                             for t in self.engine.shard_state(p)]  # fmt: skip
         close(self)
 
     loop.Trainer.close = capture
@@ -384,10 +384,10 @@ def test_zero_inside_replicas_the_algorithm_across(runs):
         ranks = w4[name]
         curve = _losses(ranks)
         assert curve[-1] < curve[0], name
-        by_piece = {}
-        for r in ranks:  # dp ranks 0, 2 hold piece 0; 1, 3 piece 1
-            by_piece.setdefault(r["coords"][1] % 2, []).append(r["sums"])
-        for sums in by_piece.values():
+        by_shard = {}
+        for r in ranks:  # dp ranks 0, 2 hold shard 0; 1, 3 shard 1
+            by_shard.setdefault(r["coords"][1] % 2, []).append(r["sums"])
+        for sums in by_shard.values():
             assert sums[0] == sums[1], name
 
 

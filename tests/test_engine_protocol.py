@@ -18,7 +18,7 @@ from plait.parallel.engine import (
     DataParallelConfig,
     GradCompression,
     GradientEngine,
-    PieceEngine,
+    ShardEngine,
     build_data_parallel,
 )
 from plait.parallel.zero import ZeroDataParallel
@@ -84,8 +84,8 @@ def problems(cls: type, proto: type) -> list[str]:
 
 
 ENGINES = [
-    (DataParallel, PieceEngine),
-    (ZeroDataParallel, PieceEngine),
+    (DataParallel, ShardEngine),
+    (ZeroDataParallel, ShardEngine),
     (ReplicaEngine, GradientEngine),
     (ShardedReplicaEngine, GradientEngine),
     (Compression, GradCompression),
@@ -105,7 +105,7 @@ def test_the_checker_catches_a_rename_and_a_new_required_parameter():
 
         def optim_state(self, *, templates: bool = False): ...
 
-    found = problems(Renamed, PieceEngine)
+    found = problems(Renamed, ShardEngine)
     assert any(p.startswith("scale_grads_") for p in found)
     assert any(p.startswith("step: requires") for p in found)
     assert any(p.startswith("optim_state: keyword 'template'") for p in found)
@@ -113,7 +113,7 @@ def test_the_checker_catches_a_rename_and_a_new_required_parameter():
 
 def test_the_engine_protocols_nest():
     """Every member the trainer drives is also one of what ``dp_algos`` needs."""
-    assert set(protocol_members(GradientEngine)) < set(protocol_members(PieceEngine))
+    assert set(protocol_members(GradientEngine)) < set(protocol_members(ShardEngine))
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
@@ -124,5 +124,5 @@ def test_built_engines_hold_the_protocol_attributes(zero):
         build_model(tiny(), seed=0, topo=topo), topo=topo, cfg=DataParallelConfig(zero=zero),
         make_optimizer=functools.partial(optim.build_adamw, cfg=TrainConfig()),
     )  # fmt: skip
-    assert isinstance(engine, PieceEngine) and isinstance(engine, GradientEngine)
+    assert isinstance(engine, ShardEngine) and isinstance(engine, GradientEngine)
     engine.close()

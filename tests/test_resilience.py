@@ -81,13 +81,13 @@ def _sharded_assignments():
     """ZeRO inside replicas of 2 pipelines. Generation 2: one replica of two two-stage
     pipelines (workers 0, 1 | 2, 3): each stage sharded over 2 workers, the tied copy
     too. Generation 3: two replicas of two one-stage pipelines ({1, 0}, {3, 2}), rows 2
-    each: every worker receives the pieces it lacks and gathers the rest."""
+    each: every worker receives the shards it lacks and gathers the rest."""
     two = ((0, 1), (1, LAYERS))
-    first = Assignment(n_layers=LAYERS, tied=True, shard=2, pipelines=(
+    first = Assignment(n_layers=LAYERS, tied=True, shard_group=2, pipelines=(
         Pipeline(workers=(0, 1), stages=two, rows=(0, 4)),
         Pipeline(workers=(2, 3), stages=two, rows=(4, 8)),
     ))  # fmt: skip
-    second = Assignment(n_layers=LAYERS, tied=True, shard=2, pipelines=tuple(
+    second = Assignment(n_layers=LAYERS, tied=True, shard_group=2, pipelines=tuple(
         Pipeline(workers=(w,), stages=((0, LAYERS),), rows=(2 * i, 2 * i + 2))
         for i, w in enumerate((1, 0, 3, 2))
     ))  # fmt: skip
@@ -184,8 +184,8 @@ def test_generations_replica_engines_and_state_copy_match_one_process(corpus, tm
     # every replica of every parameter and AdamW tensor is bitwise equal
     assert plain[0]["digests"] == plain[1]["digests"] == plain[2]["digests"]
     # sharded: reduce-scattered and gathered over the stage groups, then, with two
-    # replicas, pieces all-reduced across them; AdamW's moments in pieces (half of the
-    # whole replicas' on the same one-stage pipelines); each worker received pieces only
+    # replicas, shards all-reduced across them; AdamW's moments in shards (half of the
+    # whole replicas' on the same one-stage pipelines); each worker received shards only
     assert sharded[0]["bytes_2"][("dp", "reduce_scatter")] > 0
     assert sharded[0]["bytes_3"][("dp", "all_gather")] > 0
     assert sharded[0]["bytes_3"][("dp", "all_reduce")] > sharded[0]["bytes_2"].get(
@@ -193,7 +193,7 @@ def test_generations_replica_engines_and_state_copy_match_one_process(corpus, tm
     )
     moments = plain[0]["optim_bytes_1"]  # a one-stage pipeline's whole AdamW state
     assert all(abs(r["optim_bytes_3"] - moments / 2) <= 0.01 * moments for r in sharded)
-    # at most half the model's 12 bytes a parameter (its pieces), plus padding
+    # at most half the model's 12 bytes a parameter (its shards), plus padding
     assert all(0 < r["received"] <= 1.5 * moments / 2 * 1.01 for r in sharded)
     assert all(r["digests"] == sharded[0]["digests"] for r in sharded)
 
@@ -336,10 +336,10 @@ def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus,
     --nnodes 2): two replicas of two workers sharding every parameter and AdamW moment,
     node 1's workers (2, 3) started, signalled and watched through its agent. A kill on
     node 1 leaves one whole replica (its spare waits); the replacement, started by node
-    1's agent, and the spare rejoin as a second replica, receiving their pieces from the
+    1's agent, and the spare rejoin as a second replica, receiving their shards from the
     first; a later kill on node 0 is recovered from the other replica (should the
     replacement still be starting then, the run holds for it: chaos.py). Every step once,
-    the failure-free curve; every piece bitwise equal on its holders at the end."""
+    the failure-free curve; every shard bitwise equal on its holders at the end."""
     steps, batch, micro = 80, 64, 8
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"

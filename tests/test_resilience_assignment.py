@@ -116,39 +116,40 @@ def test_a_heterogeneous_assignment_and_its_tied_group():
     assert Assignment.from_json(assignment.to_json()) == assignment
 
 
-def test_zero_inside_replicas_every_piece_keeps_f_plus_1_copies():
+def test_zero_inside_replicas_every_shard_keeps_f_plus_1_copies():
     """dp 4, pp 2, --zero-shard-group 2: replicas {pipelines 0, 1} and {2, 3}; each stage
-    sharded over its replica's two workers; piece j lives in slot j of both replicas."""
+    sharded over its replica's two workers; shard j lives in pipeline j of both replicas."""
     t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
     grid = grid_assignment(dp=4, template=t[2], rows=8, n_layers=4, tied=True,
-                     shard=2)  # fmt: skip
+                     shard_group=2)  # fmt: skip
     assert [p.workers for p in grid.pipelines] == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert grid.units_of(0) == {"embed/0", "blocks.0/0", "blocks.1/0"}
     assert grid.units_of(5) == {"blocks.2/1", "blocks.3/1", "post/1", "tied/1"}
     assert grid.stage_group(5) == [4, 5] and grid.stage_group(2) == [2, 3]
     r = {w: grid.members.index(w) for w in grid.members}
-    groups = replica_groups(grid)  # a piece is summed over the replicas' same slot
+    groups = replica_groups(grid)  # a shard is summed over the replicas' same shard index
     assert groups["embed/0"] == (r[0], r[2]) and groups["embed/1"] == (r[1], r[3])
     assert groups["tied/1"] == (r[5], r[7])
     assert stage_groups(grid) == [(r[0], r[1]), (r[4], r[5]), (r[2], r[3]), (r[6], r[7])]
-    # every piece of every unit: one copy per replica
+    # every shard of every unit: one copy per replica
     for unit in {u for w in grid.members for u in grid.units_of(w)}:
         assert sum(unit in grid.units_of(w) for w in grid.members) == 2, unit
     # worker 5 dies: 7 left make 3 replica "workers", so one 2-stage and one 1-stage
-    # replica (6 workers, 1 spare); every piece the assignment needs is still held somewhere
+    # replica (6 workers, 1 spare); every shard the assignment needs is still held somewhere
     held = {w: grid.units_of(w) for w in grid.members if w != 5}
     assignment = assign((2, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True,
-                     shard=2)  # fmt: skip
-    assert [len(p.workers) for p in assignment.pipelines] == [2, 2, 1, 1] and assignment.shard == 2
+                     shard_group=2)  # fmt: skip
+    assert [len(p.workers) for p in assignment.pipelines] == [2, 2, 1, 1]
+    assert assignment.shard_group == 2
     assert len(assignment.members) == 6 and Assignment.from_json(assignment.to_json()) == assignment
     moves, missing = sources(assignment, held)
     assert missing == []
-    for receiver, unit, sender in moves:  # a piece comes from a holder of that same piece
-        assert unit.split("/")[1] == str(assignment.slot(assignment.place(receiver)[0]))
+    for receiver, unit, sender in moves:  # a shard comes from a holder of that same shard
+        assert unit.split("/")[1] == str(assignment.shard_index(assignment.place(receiver)[0]))
         assert serves(held[sender], unit) and sender in assignment.members  # never from the spare
-    # the tied copy's piece 1 is served by a first stage's embedding piece 1, not piece 0
+    # the tied copy's shard 1 is served by a first stage's embedding shard 1, not shard 0
     assert serves(frozenset({"embed/1"}), "tied/1") and not serves(frozenset({"embed/0"}), "tied/1")
-    # both copies of one piece gone: the run must fall back to its checkpoint
+    # both copies of one shard gone: the run must fall back to its checkpoint
     lost = {w: h for w, h in held.items() if w != 7}
     assert "blocks.2/1" in sources(assignment, lost)[1]
 

@@ -56,7 +56,7 @@ def test_layout_errors():
         Layout(tp=4).check_model(preset("tiny", arch="llama", n_heads=12, hidden=96, n_kv_heads=3))
 
 
-def _split_dp(rank, world):
+def _shard_groups(rank, world):
     import datetime
 
     import torch
@@ -65,36 +65,36 @@ def _split_dp(rank, world):
     from plait.topology import Topology
 
     topo = Topology.build(pp=1, dp=4, tp=1, timeout=datetime.timedelta(seconds=45))
-    assert topo.split_dp(4) == (topo, None)
+    assert topo.shard_groups(4) == (topo, None)
     try:
-        topo.split_dp(3)
-        raise AssertionError("split_dp(3) of dp 4 should fail")
+        topo.shard_groups(3)
+        raise AssertionError("shard_groups(3) of dp 4 should fail")
     except ValueError as e:
         assert "--zero-shard-group 3 must divide --dp 4" in str(e)
-    shard, replicate = topo.split_dp(2)
+    shard, across = topo.shard_groups(2)
     sums = []
-    for sub in (shard, replicate):
+    for sub in (shard, across):
         t = torch.tensor([float(rank)])
         comm.all_reduce(t, topo=sub, axis=Axis.DP)
         sums.append(t.item())
     return {
         "shard": shard.group_ranks[Axis.DP],
-        "replicate": replicate.group_ranks[Axis.DP],
-        "sizes": (shard.dp, replicate.dp),
+        "across": across.group_ranks[Axis.DP],
+        "sizes": (shard.dp, across.dp),
         "sums": sums,
-        "timeout": (shard.timeout.total_seconds(), replicate.timeout.total_seconds()),
-        "counted": topo.stats is shard.stats is replicate.stats,
+        "timeout": (shard.timeout.total_seconds(), across.timeout.total_seconds()),
+        "counted": topo.stats is shard.stats is across.stats,
     }
 
 
 @pytest.mark.slow
-def test_split_dp_builds_the_hybrid_sharding_groups():
-    """HSDP's shard and replicate groups come from the topology, with its timeout."""
+def test_shard_groups_builds_the_hybrid_sharding_groups():
+    """HSDP's shard and across groups come from the topology, with its timeout."""
     from distributed import run_workers
 
-    out = run_workers(4, _split_dp)
+    out = run_workers(4, _shard_groups)
     assert [r["shard"] for r in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [r["replicate"] for r in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["across"] for r in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["sizes"] == (2, 2) and r["counted"] for r in out)
     assert [r["sums"] for r in out] == [[1, 2], [1, 4], [5, 2], [5, 4]]
     assert all(r["timeout"] == (45.0, 45.0) for r in out)

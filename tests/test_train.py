@@ -1,4 +1,4 @@
-"""Trainer pieces without the launcher: schedule, scaling, recomputation, precision,
+"""Trainer shards without the launcher: schedule, scaling, recomputation, precision,
 checkpoints, config files, the worker's argument parser."""
 
 import json
@@ -244,7 +244,7 @@ def test_grad_norm_and_clip_through_the_engine():
 
 
 def test_weight_decay_follows_the_parameter_not_its_shard():
-    """One rule (optim.decays): a ZeRO shard is a flat 1-D piece of a matrix, and decays
+    """One rule (optim.decays): a ZeRO shard is a flat 1-D shard of a matrix, and decays
     as the matrix does; biases and norm weights never decay."""
     w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
     shard = w.detach().reshape(-1)[:8]

@@ -208,12 +208,12 @@ class Topology:
             timeout=timeout,
         )
 
-    def split_dp(self, k: int) -> tuple[Topology, Topology | None]:
+    def shard_groups(self, k: int) -> tuple[Topology, Topology | None]:
         """Hybrid sharding (HSDP): the dp axis cut into blocks of ``k`` ranks. Returns
-        (shard, replicate) topologies whose dp axis is the sub-group: dp rank j shards
+        (shard, across) topologies whose dp axis is the sub-group: dp rank j shards
         with the k dp ranks of its block, and all-reduces with the ranks holding the same
-        piece in the other blocks. Worked example, dp=4 (global ranks 0-3), k=2: shard
-        groups [0,1] [2,3], replicate groups [0,2] [1,3]. (self, None) when k == dp.
+        shard in the other blocks. Worked example, dp=4 (global ranks 0-3), k=2: shard
+        groups [0,1] [2,3], across groups [0,2] [1,3]. (self, None) when k == dp.
 
         Both share ``stats`` (their collectives count on the "dp" axis) and the timeout.
         Collective over the world: every rank creates every group, in the same order.
@@ -228,7 +228,7 @@ class Topology:
             for ranks in axis_groups(Axis.DP, pp=self.pp, dp=dp, tp=self.tp):
                 for kind, sets in (
                     ("shard", [ranks[i : i + k] for i in range(0, dp, k)]),
-                    ("replicate", [ranks[j::k] for j in range(k)]),
+                    ("across", [ranks[j::k] for j in range(k)]),
                 ):
                     for members in sets:
                         pg = (
@@ -254,9 +254,9 @@ class Topology:
                 timeout=self.timeout,
             )
 
-        return sub("shard", k), sub("replicate", dp // k)
+        return sub("shard", k), sub("across", dp // k)
 
-    def split_replicas(self, k: int) -> tuple[Topology, Topology]:
+    def replica_grid(self, k: int) -> tuple[Topology, Topology]:
         """Replicas of ``k`` dp ranks each (``dp_algos``: local SGD, DiLoCo, gossip run
         across them, ZeRO shards inside them). Returns (replica, across):
 
@@ -271,7 +271,7 @@ class Topology:
         Worked example, 8 ranks, tp=2 dp=4, k=2: replicas {0,1,2,3} and {4,5,6,7} (dp
         ranks 0-1 and 2-3); replica dp groups [0,2] [1,3] [4,6] [5,7]; across groups
         [0,4] [2,6] [1,5] [3,7]. Collective over the world: every rank creates every
-        group, in the same order (``split_dp``'s, then one per replica).
+        group, in the same order (``shard_groups``', then one per replica).
         """
         dp = self.dp
         if k < 1 or dp % k:
@@ -279,7 +279,7 @@ class Topology:
         if k == 1:
             shard, across = None, self
         else:
-            shard, across = self.split_dp(k)
+            shard, across = self.shard_groups(k)
         block = self.dp_rank // k
         mine = None
         for b in range(dp // k):  # one world group per replica

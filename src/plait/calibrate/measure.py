@@ -429,7 +429,7 @@ def _worker(rank: int, world: int, port: int, cfg: CalibrateConfig, queue) -> No
                     elems = max(n, nbytes // 4 // n * n)
                     full = torch.randn(elems, device=device)
                     part = torch.randn(elems // n, device=device)
-                    gathered, piece = torch.empty_like(full), torch.empty_like(part)
+                    gathered, shard = torch.empty_like(full), torch.empty_like(part)
                     # the trainer's own calls (comm.py; the flat forms the data-parallel
                     # and ZeRO engines use), on the group as a dp axis
                     calls = {
@@ -437,7 +437,7 @@ def _worker(rank: int, world: int, port: int, cfg: CalibrateConfig, queue) -> No
                         "all_gather": lambda o=gathered, p=part, t=topo: comm.all_gather_into(
                             o, p, topo=t, axis=DP
                         ),
-                        "reduce_scatter": lambda o=piece, f=full, t=topo: comm.reduce_scatter_into(
+                        "reduce_scatter": lambda o=shard, f=full, t=topo: comm.reduce_scatter_into(
                             o, f, topo=t, axis=DP
                         ),
                     }
@@ -466,7 +466,7 @@ def _worker(rank: int, world: int, port: int, cfg: CalibrateConfig, queue) -> No
 def _group_topology(rank: int, n: int, group, device: str):
     """A ``Topology`` whose dp axis is ranks 0..n-1 (``group``), so that ``comm.py``'s
     collectives run on it exactly as the trainer calls them (the shape of
-    ``Topology.split_dp``'s sub-topologies)."""
+    ``Topology.shard_groups``' sub-topologies)."""
     import torch
 
     from plait.topology import Axis, Topology

@@ -113,8 +113,8 @@ def examples(path: Path, shown: str) -> Iterator[Segments]:
 def encode(tokenizer, batch: list[Segments]) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, mask) of each example: segments tokenised separately (one batch call), then
     the end-of-text token (module docstring); mask is uint8, 1 on trained tokens."""
-    pieces = [text for ex in batch for text, _ in ex]
-    encoded = iter(tokenizer.encode_batch(pieces))
+    shards = [text for ex in batch for text, _ in ex]
+    encoded = iter(tokenizer.encode_batch(shards))
     out = []
     for ex in batch:
         ids, mask = [], []

@@ -2,7 +2,7 @@
 local SGD, DiLoCo), with fewer peers (``gossip`` over the graphs of ``graphs``), or with
 fewer bits (``compression`` codecs moved by ``compressed_grads``). ``config`` says what was
 asked for, ``volume`` how many bytes each algorithm sends per step (the tests and the
-simulator use the same formulas), ``replicas`` what they share.
+simulator use the same formulas), ``algorithm`` what they share.
 
 The trainer builds one algorithm per run::
 
@@ -19,7 +19,7 @@ from plait.dp_algos.config import DPAlgoConfig
 
 def build(cfg: DPAlgoConfig, *, topo, layout, seed: int = 0):
     """The ``DPAlgorithm`` for ``cfg`` (``algorithm.py``). Collective over the world when
-    replicas differ (``Topology.split_replicas`` creates their groups)."""
+    replicas differ (``Topology.replica_grid`` creates their groups)."""
     from plait.dp_algos import algorithm
 
     cfg.check_layout(layout)

@@ -12,16 +12,16 @@ the gradient norm is summed over ``stats_topo``; after the optimizer step it cal
 the norm and the checkpoint are the ordinary ones (plus the codec's error buffers).
 
 ``Replicas`` is the base of the others. The engine runs *inside* a replica (its dp axis
-cut to the replica's K ranks by ``Topology.split_replicas``; K = 1 without ZeRO), so each
+cut to the replica's K ranks by ``Topology.replica_grid``; K = 1 without ZeRO), so each
 replica steps on its own gradient: every rank's loss is divided by the tokens of its
 replica, the squared gradient norm is summed over the replica's ranks only
 (``stats_topo``: the replica's own world group) and clipping uses it. The algorithm
-then works on this rank's *pieces* (``engine.pieces()``: the parameters themselves, or
+then works on this rank's *shards* (``engine.shards()``: the parameters themselves, or
 this rank's ZeRO shard of them) across replicas, on ``across``: the dp group of the R
-ranks that hold the same piece in every replica.
+ranks that hold the same shard in every replica.
 
-Communication here (axis dp, on ``across``; P = bytes of this rank's pieces, fp32):
-``average`` all-reduces the pieces in chunks of ``--bucket-mb``, P bytes counted (2 (R-1)/R
+Communication here (axis dp, on ``across``; P = bytes of this rank's shards, fp32):
+``average`` all-reduces the shards in chunks of ``--bucket-mb``, P bytes counted (2 (R-1)/R
 x P sent); ``consensus_distance`` the same plus one world all-reduce of a scalar;
 ``checkpoint_state`` one average too (the ``model/`` entries export and generate use).
 All are issued by the training thread at the same step on every rank, so every rank of an
@@ -67,7 +67,7 @@ class DPAlgorithm:
     def __init__(self, cfg: DPAlgoConfig, *, topo: Topology, layout, seed: int = 0):
         self.cfg, self.topo, self.layout, self.seed = cfg, topo, layout, seed
         self.engine_topo = self.stats_topo = topo
-        self.num_replicas = layout.dp  # R: ranks that hold the same piece of the model
+        self.num_replicas = layout.dp  # R: ranks that hold the same shard of the model
         self.compression = None
         self.engine = None
 
@@ -117,8 +117,8 @@ class DPAlgorithm:
 
     def _param_entries(self, section: str, state: dict, *, full: bool) -> dict:
         """{f"{section}/{name}/{key}": (whole tensor, parameter)} for per-parameter state
-        {name: {key: piece-shaped tensor}}; ``full`` gathers ZeRO pieces (collective)."""
-        params = {name: p for name, p, _ in self.engine.pieces()}
+        {name: {key: shard-shaped tensor}}; ``full`` gathers ZeRO shards (collective)."""
+        params = {name: p for name, p, _ in self.engine.shards()}
         out = {}
         keys = sorted({k for d in state.values() for k in d})
         for key in keys:
@@ -126,7 +126,7 @@ class DPAlgorithm:
             if not have:
                 continue
             if full:  # every parameter must be there: the gather is per bucket
-                have = {p: have.get(p, _zeros_piece(self.engine, p)) for p in params.values()}
+                have = {p: have.get(p, _zeros_shard(self.engine, p)) for p in params.values()}
                 have = self.engine.full_of({p: t.reshape(-1) for p, t in have.items()})
             for name, p in params.items():
                 if p in have and name in state and key in state[name]:
@@ -134,10 +134,10 @@ class DPAlgorithm:
         return out
 
 
-def _zeros_piece(engine, p) -> torch.Tensor:
-    for _, q, piece in engine.pieces():
+def _zeros_shard(engine, p) -> torch.Tensor:
+    for _, q, shard in engine.shards():
         if q is p:
-            return torch.zeros_like(piece).reshape(-1)
+            return torch.zeros_like(shard).reshape(-1)
     raise KeyError("parameter not in the engine")
 
 
@@ -161,8 +161,8 @@ class Synchronous(DPAlgorithm):
         self.compression.names.update(self.names)
         # the codec's state up front (zeros, as it would start): a checkpoint loads into it
         codec = self.compression.codec
-        for name, p, piece in engine.pieces():
-            t = piece if self.layout.zero >= 2 else p.detach()
+        for name, p, shard in engine.shards():
+            t = shard if self.layout.zero >= 2 else p.detach()
             if hasattr(codec, "local"):  # EF21
                 codec._state(name, t)
             if hasattr(codec, "error") and codec.matrix_shape(tuple(t.shape)) is not None:
@@ -190,13 +190,13 @@ class Synchronous(DPAlgorithm):
         return {"prefix": "", "extra": extra}
 
     def _codec_state(self) -> dict:
-        """{name: {key: tensor shaped like this rank's piece of the parameter}}."""
-        pieces = {name: piece for name, _, piece in self.engine.pieces()}
+        """{name: {key: tensor shaped like this rank's shard of the parameter}}."""
+        shards = {name: shard for name, _, shard in self.engine.shards()}
         if self.layout.zero < 2:
-            pieces = {name: p.detach() for name, p, _ in self.engine.pieces()}
+            shards = {name: p.detach() for name, p, _ in self.engine.shards()}
         out = {}
         for name, d in self.compression.state().items():
-            out[name] = {k: t.reshape(pieces[name].shape) for k, t in d.items()}
+            out[name] = {k: t.reshape(shards[name].shape) for k, t in d.items()}
         return out
 
     def _raw_entries(self) -> dict:
@@ -226,7 +226,7 @@ class Synchronous(DPAlgorithm):
     def _templates(self) -> dict:
         state = self._codec_state()
         out = {}
-        params = {name: p for name, p, _ in self.engine.pieces()}
+        params = {name: p for name, p, _ in self.engine.shards()}
         for name, d in state.items():
             for key, t in d.items():
                 section = "algo" if key in SHARED_KEYS else f"replica-{self._sender()}/algo"
@@ -239,7 +239,7 @@ class Synchronous(DPAlgorithm):
             return
         self.compression.set_step(step)
         codec = self.compression.codec
-        pieces = {name: p for name, p, _ in self.engine.pieces()}
+        shards = {name: p for name, p, _ in self.engine.shards()}
         stores = {"ef21_local": "local", "ef21_total": "total", "powersgd_error": "error"}
         with torch.no_grad():
             for key, (t, _) in (getattr(self, "_resume_targets", None) or {}).items():
@@ -247,7 +247,7 @@ class Synchronous(DPAlgorithm):
                 if what.startswith("powersgd_q"):
                     codec.q[name].copy_(t)
                     continue
-                value = self.engine.piece_of(pieces[name], t) if self.layout.zero >= 2 else t
+                value = self.engine.shard_of(shards[name], t) if self.layout.zero >= 2 else t
                 target = getattr(codec, stores[what])[name]
                 target.copy_(value.reshape(target.shape))
         self._resume_targets = None
@@ -270,7 +270,7 @@ class Replicas(DPAlgorithm):
         super().__init__(cfg, topo=topo, layout=layout, seed=seed)
         self.num_replicas, self.k = replicas_of(layout)
         self.index = topo.dp_rank // self.k  # this rank's replica
-        self.replica_topo, self.across = topo.split_replicas(self.k)  # collective
+        self.replica_topo, self.across = topo.replica_grid(self.k)  # collective
         self.engine_topo = self.stats_topo = self.replica_topo
         self.chunk_bytes = max(1, int(layout.bucket_mb * 2**20))
 
@@ -284,8 +284,8 @@ class Replicas(DPAlgorithm):
 
     def attach(self, engine, model) -> None:
         super().attach(engine, model)
-        self.pieces = [piece for _, _, piece in engine.pieces()]
-        self.piece_names = [name for name, _, _ in engine.pieces()]
+        self.shards = [shard for _, _, shard in engine.shards()]
+        self.shard_names = [name for name, _, _ in engine.shards()]
         # the shared point of the last sync (local SGD with --compress, DiLoCo); None here
         self.anchor: list[torch.Tensor] | None = None
         self.int8 = (
@@ -296,13 +296,13 @@ class Replicas(DPAlgorithm):
         """Global rank of the rank holding this rank's place in replica ``replica``."""
         return self.across.group_ranks[Axis.DP][replica]
 
-    # flat chunks of the pieces --------------------------------------------------------
+    # flat chunks of the shards --------------------------------------------------------
 
     def chunks(self, tensors=None) -> list[list[torch.Tensor]]:
-        """The pieces (or ``tensors``) cut into runs of about ``--bucket-mb`` (one message
+        """The shards (or ``tensors``) cut into runs of about ``--bucket-mb`` (one message
         each)."""
         out, run, size = [], [], 0
-        for t in self.pieces if tensors is None else tensors:
+        for t in self.shards if tensors is None else tensors:
             run.append(t)
             size += t.numel() * t.element_size()
             if size >= self.chunk_bytes:
@@ -331,25 +331,25 @@ class Replicas(DPAlgorithm):
 
     @torch.no_grad()
     def average(self, extra: list[torch.Tensor] = ()) -> None:
-        """Every replica's pieces (and the ``extra`` tensors, after them) <- their mean
+        """Every replica's shards (and the ``extra`` tensors, after them) <- their mean
         over the replicas."""
-        runs = self.chunks([*self.pieces, *extra])
+        runs = self.chunks([*self.shards, *extra])
         flats = self.sum_across([self.pack(run) for run in runs])
         for run, flat in zip(runs, flats):
             self.unpack(flat.div_(self.num_replicas), run)
-        self.engine.pieces_changed()
+        self.engine.shards_changed()
 
     @torch.no_grad()
     def mean_changes(
         self, new: list[torch.Tensor], old: list[torch.Tensor], step: int
     ) -> list[torch.Tensor]:
-        """The replicas' mean of ``new - old`` (one pair per piece, in the pieces' order:
+        """The replicas' mean of ``new - old`` (one pair per shard, in the shards' order:
         the same shapes on every rank of ``across``), sent as ``--compress`` asks: fp32
         (none), bf16, or int8 (``compression.Int8Sum``: one MAX all-reduce of the block
         scales, then one int8 all-reduce of the levels, per chunk). New fp32 tensors; the
         differences are formed a chunk at a time, so what it adds at its peak is the
         packed chunks (as ``average``). Collectives in chunk order, the same on every
-        rank; int8's draws are keyed by the sync's step, this replica and the piece's
+        rank; int8's draws are keyed by the sync's step, this replica and the shard's
         name."""
         codec = self.cfg.sync_codec
         index = {id(t): i for i, t in enumerate(new)}
@@ -373,7 +373,7 @@ class Replicas(DPAlgorithm):
             xs = diffs(run)
             scales = self.int8.scales_of(xs)
             comm.all_reduce(scales, topo=self.across, axis=Axis.DP, op=dist.ReduceOp.MAX)
-            items = [(self.piece_names[index[id(t)]], x) for t, x in zip(run, xs)]
+            items = [(self.shard_names[index[id(t)]], x) for t, x in zip(run, xs)]
             levels = self.int8.encode_all(items, scales, step=step, sender=self.index)
             comm.all_reduce(levels, topo=self.across, axis=Axis.DP)
             for t, total in zip(run, self.int8.decode_all(levels, scales, xs)):
@@ -381,8 +381,8 @@ class Replicas(DPAlgorithm):
         return out
 
     @torch.no_grad()
-    def mean_pieces(self) -> list[torch.Tensor]:
-        """The replicas' mean of each piece (new tensors; the pieces are untouched)."""
+    def mean_shards(self) -> list[torch.Tensor]:
+        """The replicas' mean of each shard (new tensors; the shards are untouched)."""
         runs = self.chunks()
         flats = self.sum_across([self.pack(run) for run in runs])
         out = []
@@ -397,22 +397,22 @@ class Replicas(DPAlgorithm):
         consensus distance); a weight held by several ranks of a replica (tp-replicated,
         a tied copy) counts once. Collective over every rank."""
         sq = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        for (_, p, piece), mean in zip(self.engine.pieces(), self.mean_pieces()):
+        for (_, p, shard), mean in zip(self.engine.shards(), self.mean_shards()):
             if self.engine.owns_grad(p):
-                sq += (piece - mean).double().pow(2).sum()
+                sq += (shard - mean).double().pow(2).sum()
         comm.world_all_reduce(sq, topo=self.topo)
         return math.sqrt(max(0.0, sq.item()) / self.num_replicas)
 
     # checkpoints ----------------------------------------------------------------------
 
     def algo_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{name: {key: piece-shaped tensor}} the algorithm keeps (subclasses)."""
+        """{name: {key: shard-shaped tensor}} the algorithm keeps (subclasses)."""
         return {}
 
     def checkpoint_state(self) -> dict:
-        pieces = self.engine.pieces()
-        mean = self.engine.full_of({p: m for (_, p, _), m in zip(pieces, self.mean_pieces())})
-        extra = {f"model/{name}": (mean[p].reshape(p.shape), p) for name, p, _ in pieces}
+        shards = self.engine.shards()
+        mean = self.engine.full_of({p: m for (_, p, _), m in zip(shards, self.mean_shards())})
+        extra = {f"model/{name}": (mean[p].reshape(p.shape), p) for name, p, _ in shards}
         state = self.algo_state()
         per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
         shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
@@ -443,7 +443,7 @@ class Replicas(DPAlgorithm):
         per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
         shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
         targets = {}
-        params = {name: p for name, p, _ in self.engine.pieces()}
+        params = {name: p for name, p, _ in self.engine.shards()}
         for section, part in ((f"replica-{self.index}/algo", per), ("algo", shared)):
             for name, d in part.items():
                 for key in d:
@@ -454,14 +454,14 @@ class Replicas(DPAlgorithm):
         return {"prefix": f"replica-{self.index}/", "extra": targets}
 
     def loaded(self, step: int, meta: dict) -> None:
-        """Copy the loaded algorithm state into this rank's pieces of it."""
+        """Copy the loaded algorithm state into this rank's shards of it."""
         targets = getattr(self, "_resumed", None)
         state = self.algo_state()
-        params = {name: p for name, p, _ in self.engine.pieces()}
+        params = {name: p for name, p, _ in self.engine.shards()}
         with torch.no_grad():
             for key, (t, _) in (targets or {}).items():
                 _, name, what = _split_key(key)
-                state[name][what].view(-1).copy_(self.engine.piece_of(params[name], t).reshape(-1))
+                state[name][what].view(-1).copy_(self.engine.shard_of(params[name], t).reshape(-1))
         self.fresh_state(loaded=bool(targets))
         self._resumed = None
 
@@ -470,5 +470,5 @@ class Replicas(DPAlgorithm):
         """After a resume: state the checkpoint did not hold starts from the parameters --
         from a plain checkpoint, its weights are the anchor (the shared point)."""
         if self.anchor is not None and not loaded:
-            for a, piece in zip(self.anchor, self.pieces):
-                a.copy_(piece)
+            for a, shard in zip(self.anchor, self.shards):
+                a.copy_(shard)

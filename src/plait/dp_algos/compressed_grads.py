@@ -32,7 +32,7 @@ scales likewise); ``finish()`` waits, decodes and sums in rank order, and runs
 PowerSGD's second all-reduce and int8's levels (encoded once the shared scales are
 there), bucket by bucket. ZeRO 2/3 with ``--zero-shard-group`` (``Across``): the
 reduce-scatter inside the shard group is unchanged; what crosses the groups -- this
-rank's piece of each gradient, in ``finish()`` -- goes through the codec instead of the
+rank's shard of each gradient, in ``finish()`` -- goes through the codec instead of the
 plain all-reduce, synchronously, bucket by bucket.
 
 Why this cannot deadlock under NCCL: every collective is issued by the thread that runs
@@ -263,7 +263,7 @@ class CompressedGrads(GradReducer):
 
 
 class Across:
-    """ZeRO 2/3 with shard groups: this rank's gradient pieces summed across the groups
+    """ZeRO 2/3 with shard groups: this rank's gradient shards summed across the groups
     through the codec, in place of HSDP's all-reduce (module docstring). Called by
     ``ReduceScatterGrads`` once per bucket, in bucket order, after its reduce-scatter."""
 
@@ -273,8 +273,8 @@ class Across:
 
     def __call__(self, row: torch.Tensor, layout, params) -> None:
         wire = self.wire
-        views = layout.views(row)  # this rank's real pieces (no padding)
-        if wire.warm or wire.name == "bf16":  # a flat buffer of the pieces, without padding
+        views = layout.views(row)  # this rank's real shards (no padding)
+        if wire.warm or wire.name == "bf16":  # a flat buffer of the shards, without padding
             dense = FlatLayout.of(views)
             flat = dense.pack(views)
             if wire.warm:

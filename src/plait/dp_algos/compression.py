@@ -3,7 +3,7 @@ received messages become the summed gradient. Tensor arithmetic only -- no commu
 (``compressed_grads.py`` moves the messages) -- so each codec is tested on its own.
 
 Every codec works per tensor (a parameter's gradient, or under ZeRO 2/3 this rank's flat
-piece of it), whatever bucket the tensor travels in: the result does not depend on the
+shard of it), whatever bucket the tensor travels in: the result does not depend on the
 bucket size or on the pipeline cut. The gradients being combined are the ranks' *shares*
 (each loss is divided by the global token count), so the target is their sum.
 

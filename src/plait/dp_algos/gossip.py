@@ -16,7 +16,7 @@ increasing order on every replica, so on the complete graph (W = J) every replic
 same bits: with ``--optimizer sgd`` that is plain data parallelism.
 
 Communication (axis dp, across replicas; P = 4 x this rank's parameter elements -- its
-ZeRO piece under ``--zero-shard-group``): per step, one point-to-point batch per chunk of
+ZeRO shard under ``--zero-shard-group``): per step, one point-to-point batch per chunk of
 ``--bucket-mb``: a send of the chunk to each of the d out-neighbours and a receive from
 each of the d in-neighbours -- d P bytes sent, d P received, d = ``graphs.degree`` (ring 2,
 torus 4, exponential about 2 log2 R, complete R - 1, one-peer 1). On a Gossip-PGA step
@@ -80,4 +80,4 @@ class Gossip(Replicas):
                 else:
                     mixed.add_(received[j], alpha=w_peer[j])
             self.unpack(mixed, run)
-        self.engine.pieces_changed()
+        self.engine.shards_changed()

@@ -30,19 +30,19 @@ Update rules (x_i: replica i's parameters, R replicas, t counts optimizer steps 
   Nesterov-momentum outer step, v <- mu v + Delta, theta <- theta - lr_out (Delta + mu v),
   and every replica restarts from the new theta. Inner optimizer states stay per replica.
   ``--outer-lr 1 --outer-momentum 0`` is local SGD. State: theta (the anchor) and v, the
-  same on every replica (8 bytes per parameter piece).
+  same on every replica (8 bytes per parameter shard).
 
 Communication (axis dp, across replicas; P = 4 x this rank's parameter elements -- its
-ZeRO piece under ``--zero-shard-group``; counted as ``comm.py`` counts):
+ZeRO shard under ``--zero-shard-group``; counted as ``comm.py`` counts):
 
-- on a synchronisation step: the pieces (local SGD) or the outer gradients (DiLoCo),
+- on a synchronisation step: the shards (local SGD) or the outer gradients (DiLoCo),
   all-reduced in chunks of ``--bucket-mb``: P bytes, 2 (R-1)/R x P sent; otherwise
   nothing. Per step on average: P / H. With ``--compress bf16`` the change since the last
   sync (local SGD: x_i - anchor; DiLoCo: the outer gradient) travels in bfloat16, P / 2
   bytes; with ``--compress int8`` as ``compression.Int8Sum`` levels, P / 4 bytes plus one
   fp32 scale per 512 elements of each tensor, all-reduced with MAX just before (two
   all-reduces per chunk, in chunk order). ``--sync-optimizer-state`` adds the state tensors
-  to the same chunked all-reduce, after the pieces: (1 + s) P, s = 1 (SGD with momentum)
+  to the same chunked all-reduce, after the shards: (1 + s) P, s = 1 (SGD with momentum)
   or 2 (AdamW); offloaded state is copied to the device for it.
 - local SGD's warm-up steps: the gradient buffers all-reduced, P bytes each step.
 - inside a replica, the engine's own traffic (ZeRO within the shard group; none for K=1).
@@ -79,12 +79,12 @@ class LocalSGD(Replicas):
     def attach(self, engine, model) -> None:
         super().attach(engine, model)
         # a compressed sync sends x_i - anchor, the change since the last sync
-        self.anchor = [p.detach().clone() for p in self.pieces] if self.cfg.compress else None
+        self.anchor = [p.detach().clone() for p in self.shards] if self.cfg.compress else None
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:
         if self.anchor is not None and step == self.cfg.local_warmup - 1:
-            for a, t in zip(self.anchor, self.pieces):  # the warm-up's end: the shared point
+            for a, t in zip(self.anchor, self.shards):  # the warm-up's end: the shared point
                 a.copy_(t)
             return
         if not self.is_sync(step):
@@ -92,21 +92,21 @@ class LocalSGD(Replicas):
         if self.anchor is None:
             self.average(self.optimizer_state() if self.cfg.sync_optimizer_state else ())
             return
-        means = self.mean_changes(self.pieces, self.anchor, step)
-        for a, t, mean in zip(self.anchor, self.pieces, means):
+        means = self.mean_changes(self.shards, self.anchor, step)
+        for a, t, mean in zip(self.anchor, self.shards, means):
             a.add_(mean)
             t.copy_(a)
-        self.engine.pieces_changed()
+        self.engine.shards_changed()
 
     def algo_state(self) -> dict:
         if self.anchor is None:
             return {}
-        return {n: {"anchor": a} for n, a in zip(self.piece_names, self.anchor)}
+        return {n: {"anchor": a} for n, a in zip(self.shard_names, self.anchor)}
 
     def optimizer_state(self) -> list[torch.Tensor]:
-        """The optimizer's elementwise state of every piece, in the pieces' order (the same
+        """The optimizer's elementwise state of every shard, in the shards' order (the same
         tensors, in the same order, on every rank of ``across``)."""
-        return [t for _, p, _ in self.engine.pieces() for t in self.engine.piece_state(p)]
+        return [t for _, p, _ in self.engine.shards() for t in self.engine.shard_state(p)]
 
 
 class DiLoCo(Replicas):
@@ -115,8 +115,8 @@ class DiLoCo(Replicas):
 
     def attach(self, engine, model) -> None:
         super().attach(engine, model)
-        self.anchor = [piece.detach().clone() for piece in self.pieces]
-        self.momentum = [torch.zeros_like(piece) for piece in self.pieces]
+        self.anchor = [shard.detach().clone() for shard in self.shards]
+        self.momentum = [torch.zeros_like(shard) for shard in self.shards]
 
     def is_sync(self, step: int) -> bool:
         return (step + 1) % self.cfg.sync_every == 0
@@ -127,15 +127,15 @@ class DiLoCo(Replicas):
             return
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         # the outer gradient: the replicas' mean of theta - x_i (as --compress asks)
-        outer = self.mean_changes(self.anchor, self.pieces, step)
-        for t, a, v, delta in zip(self.pieces, self.anchor, self.momentum, outer):
+        outer = self.mean_changes(self.anchor, self.shards, step)
+        for t, a, v, delta in zip(self.shards, self.anchor, self.momentum, outer):
             v.mul_(mu).add_(delta)
             a.sub_(delta.add(v, alpha=mu), alpha=lr)  # Nesterov
             t.copy_(a)
-        self.engine.pieces_changed()
+        self.engine.shards_changed()
 
     def algo_state(self) -> dict:
         return {
             n: {"anchor": a, "outer_momentum": m}
-            for n, a, m in zip(self.piece_names, self.anchor, self.momentum)
+            for n, a, m in zip(self.shard_names, self.anchor, self.momentum)
         }

@@ -3,7 +3,7 @@ what ``comm.py`` counts, across the replicas, at a given step. Pure Python (no t
 tests compare the runtime's counts with these exactly, and the simulator prices them.
 
 Inputs: the tensors this rank reduces or averages across replicas, as shapes -- its
-parameters (their tp shards, its pipeline chunks) without ZeRO, or the flat pieces it
+parameters (their tp shards, its pipeline chunks) without ZeRO, or the flat shards it
 holds under ZeRO with ``--zero-shard-group`` -- and n, the ranks across which the
 algorithm runs (R replicas; every dp rank for a ZeRO 0/1 compressed all-reduce). All
 tensors are fp32 (plait's weights and gradients). Conventions are ``comm.py``'s: counted

@@ -33,7 +33,7 @@ backward passes that reach every trainable parameter (true of the local runner a
 every pipeline schedule, split backward included); anything not launched by the hooks
 -- an unused parameter, a deferred bucket -- is launched by ``finish()``.
 
-The engine interface the trainer drives (``engine.GradientEngine`` / ``PieceEngine``),
+The engine interface the trainer drives (``engine.GradientEngine`` / ``ShardEngine``),
 and the factory that picks the engine for a ZeRO stage, are in ``engine.py``.
 """
 
@@ -360,7 +360,7 @@ class DataParallel:
         self.grads = reducer(model, topo=topo, cfg=cfg, defer=defer)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
 
-    # the interface (``engine.PieceEngine``)
+    # the interface (``engine.ShardEngine``)
 
     def finish(self) -> None:
         self.grads.finish()
@@ -401,17 +401,17 @@ class DataParallel:
     def full_params(self, *, writeback: bool = False):
         return contextlib.nullcontext()
 
-    # this rank's pieces of the parameters (``dp_algos`` average and mix them)
+    # this rank's shards of the parameters (``dp_algos`` average and mix them)
 
-    def pieces(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+    def shards(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         """(name, parameter, the tensor the optimizer updates): here the parameter whole."""
         return [(n, p, p.detach()) for n, p in self.named]
 
-    def pieces_changed(self) -> None:
-        """Nothing to rebuild: the pieces are the parameters."""
+    def shards_changed(self) -> None:
+        """Nothing to rebuild: the shards are the parameters."""
 
-    def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
-        """The optimizer's elementwise state of ``p``'s piece (``elementwise_keys`` order),
+    def shard_state(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of ``p``'s shard (``elementwise_keys`` order),
         created as zeros if the optimizer has not stepped it yet."""
         if not self.optimizer.state.get(p):
             self.optimizer.state[p] = zero_state(self.optimizer, p)
@@ -419,10 +419,10 @@ class DataParallel:
         return [state[k] for k in elementwise_keys(self.optimizer)]
 
     def full_of(self, tensors: dict) -> dict:
-        """Full tensors from piece-shaped ones ({parameter: tensor}): here the same."""
+        """Full tensors from shard-shaped ones ({parameter: tensor}): here the same."""
         return dict(tensors)
 
-    def piece_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    def shard_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
         return full
 
     def model_state_bytes(self) -> dict[str, int]:

@@ -5,7 +5,7 @@ Communication: see the engine's module (``data_parallel.py`` for stage 0, ``zero
 stages 1-3); this module issues nothing itself.
 
 The interface is typed: ``GradientEngine`` is what the trainer drives (also implemented
-by the resilient engines, ``resilience/engines.py``), ``PieceEngine`` adds what
+by the resilient engines, ``resilience/engines.py``), ``ShardEngine`` adds what
 ``dp_algos`` use, and ``GradCompression`` (defined in ``data_parallel.py``, so that no
 engine imports this module) is what a ``dp_algos`` codec hands the engines.
 The engines implement them structurally (no inheritance, so that a renamed method is an
@@ -30,12 +30,12 @@ checks every member and its signature). In use (the trainer uses nothing else)::
     with engine.full_params(writeback=True):   # resume: load whole tensors ...
         state = engine.optim_state(template=True)
         checkpoint.load(..., optim_state=state)
-    engine.load_optim_state(state)             # ... and keep this rank's ZeRO pieces
+    engine.load_optim_state(state)             # ... and keep this rank's ZeRO shards
     # dp_algos (replicas that differ) average and mix what the optimizer updates:
-    for name, p, piece in engine.pieces(): ...    # write into ``piece`` ...
-    engine.pieces_changed()                       # ... then ZeRO 1/2 re-gather
-    full = engine.full_of({p: piece_shaped})      # checkpoints: whole tensors (collective)
-    engine.piece_of(p, full)                      # ... and back
+    for name, p, shard in engine.shards(): ...    # write into ``shard`` ...
+    engine.shards_changed()                       # ... then ZeRO 1/2 re-gather
+    full = engine.full_of({p: shard_shaped})      # checkpoints: whole tensors (collective)
+    engine.shard_of(p, full)                      # ... and back
 
 ``make_optimizer`` receives (name, tensor to update, parameter) triples: the parameter
 itself (stage 0) or this rank's shard of it (stages 1-3), so that rules about parameters
@@ -69,7 +69,7 @@ __all__ = [
     "DataParallelConfig",
     "GradCompression",
     "GradientEngine",
-    "PieceEngine",
+    "ShardEngine",
     "build_data_parallel",
 ]
 
@@ -82,7 +82,7 @@ class GradientEngine(Protocol):
         """Launch what the backward's hooks did not, wait: the gradients are reduced."""
 
     def grad(self, p: nn.Parameter) -> torch.Tensor:
-        """This rank's (reduced) gradient of ``p`` after ``finish()``: whole or its piece."""
+        """This rank's (reduced) gradient of ``p`` after ``finish()``: whole or its shard."""
 
     def grad_sq_local(self) -> torch.Tensor | float:
         """This rank's share of |g|^2 (a device scalar; 0 where another rank counts it)."""
@@ -114,29 +114,29 @@ class GradientEngine(Protocol):
 
 
 @runtime_checkable
-class PieceEngine(GradientEngine, Protocol):
-    """An engine whose pieces -- what the optimizer updates on this rank: each parameter
+class ShardEngine(GradientEngine, Protocol):
+    """An engine whose shards -- what the optimizer updates on this rank: each parameter
     (stage 0) or this rank's shard of it (1-3) -- ``dp_algos`` average and mix."""
 
     owns_grad: Callable[[torch.Tensor], bool]  # counted once in |g|^2 (and the distance)
 
-    def pieces(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
-        """(name, parameter, this rank's piece of it)."""
+    def shards(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, this rank's shard of it)."""
 
-    def pieces_changed(self) -> None:
-        """After the pieces were written: the parameters follow (stages 1-2 re-gather)."""
+    def shards_changed(self) -> None:
+        """After the shards were written: the parameters follow (stages 1-2 re-gather)."""
 
-    def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
-        """The optimizer's elementwise state of ``p``'s piece (zeros if not stepped yet)."""
+    def shard_state(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of ``p``'s shard (zeros if not stepped yet)."""
 
     def full_of(self, tensors: dict) -> dict:
-        """Whole tensors from piece-shaped ones ({parameter: tensor}; collective)."""
+        """Whole tensors from shard-shaped ones ({parameter: tensor}; collective)."""
 
-    def piece_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor shaped like ``p``."""
+    def shard_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole tensor shaped like ``p``."""
 
 
-# The hook that sums this rank's gradient pieces across ZeRO shard groups in place:
+# The hook that sums this rank's gradient shards across ZeRO shard groups in place:
 # (this rank's row of a bucket, the bucket's layout, its parameters).
 def build_data_parallel(
     model: nn.Module,
@@ -147,7 +147,7 @@ def build_data_parallel(
     owns_grad: Callable[[torch.Tensor], bool] | None = None,
     defer=(),
     compression: GradCompression | None = None,
-) -> PieceEngine:
+) -> ShardEngine:
     """The engine for ``cfg.zero`` over ``model`` (one chunk, or a module holding this
     rank's chunks). Collective over the world when hybrid sharding creates its groups.
 

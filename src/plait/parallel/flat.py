@@ -13,15 +13,15 @@ A ``FlatLayout`` over tensors of ``numels`` elements serves two shapes of buffer
   several tensors at once needs: ``pack`` copies them in, ``views`` are each tensor's
   place in the buffer (a gradient can live there: no copy), ``unpack`` copies them out.
 - ``n > 1``: rank-major rows for a tensor list sharded over n ranks (ZeRO's buckets and
-  stage-3 units). Row r is rank r's piece of each tensor in turn, each piece padded to
+  stage-3 units). Row r is rank r's shard of each tensor in turn, each shard padded to
   ``shard_size``, so one reduce-scatter of the buffer leaves every rank exactly its
-  pieces (``views`` of its row), and one all-gather of the rows (``pack_row``) rebuilds
-  every tensor (``unpack``). ``FlatLayout([10, 3], n=4, rank=r)``: pieces of 3 and 1,
+  shards (``views`` of its row), and one all-gather of the rows (``pack_row``) rebuilds
+  every tensor (``unpack``). ``FlatLayout([10, 3], n=4, rank=r)``: shards of 3 and 1,
   rows of 4; row 3 holds element 9 of the first tensor and nothing of the second, the
   rest padding.
 
 The sharding of a tensor is defined once, by ``shard_range``: the tensor flattened, padded
-to a multiple of n, cut into n equal pieces; rank i holds piece i (its real part, without
+to a multiple of n, cut into n equal shards; rank i holds shard i (its real part, without
 the padding). It depends only on the tensor's size and n -- not on which other tensors
 share its buffer -- so gradient buckets and stage-3 parameter units can group parameters
 differently, pipeline stages' tied embedding copies shard alike, and the checkpoint code
@@ -41,14 +41,14 @@ import torch
 
 
 def shard_size(numel: int, n: int) -> int:
-    """Elements in each of the n pieces of a tensor (the last may be part padding)."""
+    """Elements in each of the n shards of a tensor (the last may be part padding)."""
     return math.ceil(numel / n)
 
 
 def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
     """[lo, hi) of the flattened tensor that rank ``rank`` of ``n`` holds.
 
-    ``shard_range(10, r, 4)`` for r = 0..3: (0, 3) (3, 6) (6, 9) (9, 10) -- pieces of 3, the
+    ``shard_range(10, r, 4)`` for r = 0..3: (0, 3) (3, 6) (6, 9) (9, 10) -- shards of 3, the
     last one 2 elements of padding. A rank past the end holds nothing: (numel, numel).
     """
     s = shard_size(numel, n)
@@ -57,7 +57,7 @@ def shard_range(numel: int, rank: int, n: int) -> tuple[int, int]:
 
 
 def zero_shard(full: torch.Tensor, *, rank: int, n: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``full`` (a flat view, no padding): the checkpoint loader
+    """Rank ``rank``'s shard of ``full`` (a flat view, no padding): the checkpoint loader
     and the engines cut every parameter and optimizer state with it."""
     lo, hi = shard_range(full.numel(), rank, n)
     return full.reshape(-1)[lo:hi]
@@ -68,9 +68,9 @@ def zero_shard(full: torch.Tensor, *, rank: int, n: int) -> torch.Tensor:
 
 class FlatLayout:
     """Where each of a list of tensors sits in one flat buffer of ``n`` rows (module
-    docstring): row r = [piece r of t0 | piece r of t1 | ...], each piece ``sizes[i]``
+    docstring): row r = [shard r of t0 | shard r of t1 | ...], each shard ``sizes[i]``
     elements at ``offsets[i]`` of the row; with n == 1 the row is the whole buffer and the
-    pieces are the tensors. ``rank`` is the row this rank holds (``views``, ``pack_row``)."""
+    shards are the tensors. ``rank`` is the row this rank holds (``views``, ``pack_row``)."""
 
     def __init__(self, numels: Sequence[int], *, n: int = 1, rank: int = 0):
         self.numels, self.n, self.rank = list(numels), n, rank
@@ -85,7 +85,7 @@ class FlatLayout:
         return cls([t.numel() for t in tensors], n=n, rank=rank)
 
     def views(self, row: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's (real) piece of each tensor, as flat views into its row (n == 1: each
+        """This rank's (real) shard of each tensor, as flat views into its row (n == 1: each
         tensor whole, in the buffer)."""
         return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
 
@@ -128,11 +128,11 @@ class FlatLayout:
             if full_rows < self.n:
                 dst[full_rows * s :].copy_(src[full_rows, : k - full_rows * s])
 
-    def pack_row(self, pieces: Sequence[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
-        """This rank's row from its (real) pieces, zero padded: what it all-gathers."""
+    def pack_row(self, shards: Sequence[torch.Tensor], *, like: torch.Tensor) -> torch.Tensor:
+        """This rank's row from its (real) shards, zero padded: what it all-gathers."""
         row = torch.zeros(self.row_numel, dtype=like.dtype, device=like.device)
-        for view, piece in zip(self.views(row), pieces):
-            view.copy_(piece)
+        for view, shard in zip(self.views(row), shards):
+            view.copy_(shard)
         return row
 
 

@@ -33,17 +33,17 @@ reduce-scatter its input):
 - d == 1: nothing is issued for the shard group; R == 1: nothing across replicas.
 
 The sharding of a parameter is defined once, by ``flat.shard_range``: the parameter
-flattened, padded to a multiple of d, cut into d equal pieces; rank i holds piece i (its
+flattened, padded to a multiple of d, cut into d equal shards; rank i holds shard i (its
 real part, without the padding). It depends only on the parameter's size and d -- not on
 which other parameters share its bucket -- so gradient buckets and stage-3 parameter units
 can group parameters differently, pipeline stages' tied embedding copies shard alike, and
 the checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
-rank-major (``flat.FlatLayout`` with d rows): row i is rank i's piece of each parameter in
-turn, so one reduce-scatter leaves each rank exactly its pieces, and one all-gather
+rank-major (``flat.FlatLayout`` with d rows): row i is rank i's shard of each parameter in
+turn, so one reduce-scatter leaves each rank exactly its shards, and one all-gather
 rebuilds them all.
 
 Mixed precision (FSDP2's policy): under ``--dtype bf16`` / ``fp16`` stage 3 gathers each
-unit in the compute dtype -- half the bytes (counted so) -- from its fp32 pieces, which stay
+unit in the compute dtype -- half the bytes (counted so) -- from its fp32 shards, which stay
 the master weights the optimizer updates; the gathered values land in the unit's fp32
 buffer, where autocast's casts of them to the compute dtype are exact. Gradients are
 reduce-scattered in fp32. Stages 1-2 gather the updated fp32 parameters themselves.
@@ -95,17 +95,17 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a
 
 class ReduceScatterGrads(GradReducer):
     """Each bucket's gradients are packed rank-major, freed, and reduce-scattered over the
-    shard group into a row holding this rank's pieces (HSDP: then summed over the
-    replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s piece."""
+    shard group into a row holding this rank's shards (HSDP: then summed over the
+    replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s shard."""
 
-    def __init__(self, model, *, topo, cfg, defer, shard: Topology, replicate, n, rank,
+    def __init__(self, model, *, topo, cfg, defer, shard_topo: Topology, across_topo, n, rank,
                  groups=None, across=None):  # fmt: skip
         self.groups = groups
-        self.across = across  # HSDP: reduces a piece over the replicas (default all-reduce)
+        self.across = across  # HSDP: reduces a shard over the replicas (default all-reduce)
         self.n, self.rank = n, rank  # each bucket's buffer: n rows (``flat.py``)
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
-        self.shard_topo, self.replicate_topo = shard, replicate
-        self.shard: dict[nn.Parameter, torch.Tensor] = {}
+        self.shard_topo, self.across_topo = shard_topo, across_topo
+        self.shards: dict[nn.Parameter, torch.Tensor] = {}
 
     def _make_buckets(self, params, *, deferred):
         if self.groups is None or deferred:
@@ -115,7 +115,7 @@ class ReduceScatterGrads(GradReducer):
         return [Bucket(b, self._layout(b)) for b in runs]
 
     def _layout(self, params) -> FlatLayout:
-        """Rank-major rows: one reduce-scatter leaves each rank its pieces."""
+        """Rank-major rows: one reduce-scatter leaves each rank its shards."""
         return FlatLayout.of(params, n=self.n, rank=self.rank)
 
     def _launch(self, bucket: Bucket) -> None:
@@ -123,57 +123,57 @@ class ReduceScatterGrads(GradReducer):
         flat = bucket.layout.pack([p.grad for p in bucket.params], like=p0)
         for p in bucket.params:
             p.grad = None  # the full gradient is no longer needed
-        piece = torch.empty(
+        shard = torch.empty(
             flat.numel() // self.shard_topo.dp, dtype=flat.dtype, device=flat.device
         )
-        handle = comm.reduce_scatter_into(piece, flat, topo=self.shard_topo, axis=Axis.DP,
+        handle = comm.reduce_scatter_into(shard, flat, topo=self.shard_topo, axis=Axis.DP,
                                           async_op=True)  # fmt: skip
-        bucket.handle = (handle, flat, piece)  # the input lives until the collective is done
+        bucket.handle = (handle, flat, shard)  # the input lives until the collective is done
         bucket.launched = True
 
     def _complete(self, bucket: Bucket) -> None:
-        handle, _, piece = bucket.handle
+        handle, _, shard = bucket.handle
         comm.wait([handle], topo=self.shard_topo, what="reduce_scatter", axis="dp")
-        if self.replicate_topo is not None:  # HSDP: sum the piece over the replicas
+        if self.across_topo is not None:  # HSDP: sum the shard over the replicas
             if self.across is None:
-                comm.all_reduce(piece, topo=self.replicate_topo, axis=Axis.DP)
+                comm.all_reduce(shard, topo=self.across_topo, axis=Axis.DP)
             else:  # compressed (dp_algos)
-                self.across(piece, bucket.layout, bucket.params)
-        bucket.flat = piece
-        self.shard.update(zip(bucket.params, bucket.layout.views(bucket.flat)))
+                self.across(shard, bucket.layout, bucket.params)
+        bucket.flat = shard
+        self.shards.update(zip(bucket.params, bucket.layout.views(bucket.flat)))
 
     def zero_grad(self) -> None:
         super().zero_grad()
-        self.shard.clear()
+        self.shards.clear()
 
 
 # --- the optimizer on shards ---------------------------------------------------------------
 
 
 class ShardedOptimizer:
-    """AdamW over this rank's pieces: ``pieces[p]`` (views into the parameters or into
+    """AdamW over this rank's shards: ``shards[p]`` (views into the parameters or into
     the stage-3 rows) with gradients ``grads[p]``. Elementwise, so the same numbers as
-    AdamW over whole parameters. Offload: fp32 master pieces and AdamW's state in (pinned)
-    host memory; gradients go down, updated pieces come back."""
+    AdamW over whole parameters. Offload: fp32 master shards and AdamW's state in (pinned)
+    host memory; gradients go down, updated shards come back."""
 
-    def __init__(self, named, pieces: dict, *, make_optimizer: Callable, offload: bool,
+    def __init__(self, named, shards: dict, *, make_optimizer: Callable, offload: bool,
                  device: torch.device):  # fmt: skip
         self.named = named
-        self.pieces, self.offload = pieces, offload
+        self.shards, self.offload = shards, offload
         pin = offload and device.type == "cuda"
         self.targets = {}
         for _, p in named:
-            t = pieces[p]
+            t = shards[p]
             if offload:
                 t = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                t.copy_(pieces[p])
+                t.copy_(shards[p])
             self.targets[p] = t
         self.optimizer = make_optimizer([(name, self.targets[p], p) for name, p in named])
         for _, p in named:  # state up front: checkpoints load into it, memory is counted
             self.optimizer.state[self.targets[p]] = adamw_zero_state(self.targets[p])
 
     def step(self, lr: float, grads: dict) -> None:
-        """One AdamW step of every piece, with ``grads[p]`` (this rank's gradient pieces)."""
+        """One AdamW step of every shard, with ``grads[p]`` (this rank's gradient shards)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         for _, p in self.named:  # offload: the gradients go down to the host
@@ -183,10 +183,10 @@ class ShardedOptimizer:
         if self.offload:
             _sync(grads)
         self.optimizer.step()
-        if self.offload:  # ... and the updated pieces come back
+        if self.offload:  # ... and the updated shards come back
             for _, p in self.named:
-                self.pieces[p].copy_(self.targets[p], non_blocking=True)
-            _sync(self.pieces)
+                self.shards[p].copy_(self.targets[p], non_blocking=True)
+            _sync(self.shards)
         for t in self.targets.values():
             t.grad = None
 
@@ -194,11 +194,11 @@ class ShardedOptimizer:
         return self.optimizer.state[self.targets[p]]
 
     def reload_masters(self) -> None:
-        """Offload: copy the pieces into the host masters (after a checkpoint has been
+        """Offload: copy the shards into the host masters (after a checkpoint has been
         loaded into the parameters; otherwise the masters are the truth)."""
         if self.offload:
             for _, p in self.named:
-                self.targets[p].copy_(self.pieces[p])
+                self.targets[p].copy_(self.shards[p])
 
     def nbytes(self) -> dict[str, int]:
         states = tensor_bytes(t for s in self.optimizer.state.values() for t in s.values())
@@ -215,7 +215,7 @@ def _sync(tensors: dict) -> None:
 
 
 class ZeroDataParallel:
-    """Stages 1-3 behind the engine interface (``engine.PieceEngine``)."""
+    """Stages 1-3 behind the engine interface (``engine.ShardEngine``)."""
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig,
                  make_optimizer: Callable, owns_grad=None, defer=(),
@@ -223,32 +223,32 @@ class ZeroDataParallel:
         self.model, self.topo, self.cfg, self.zero = model, topo, cfg, cfg.zero
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.owns_grad = owns_grad or (lambda p: True)
-        self.shard_topo, self.replicate_topo = topo.split_dp(cfg.shard_group or topo.dp)
+        self.shard_topo, self.across_topo = topo.shard_groups(cfg.shard_group or topo.dp)
         self.n = self.shard_topo.dp
         self.rank = topo.dp_rank % self.n
-        self.counts_norm = topo.dp_rank // self.n == 0  # the first replica of each piece
+        self.counts_norm = topo.dp_rank // self.n == 0  # the first replica of each shard
         self.units = None
         if self.zero == 3:
-            self.units = ParamUnits(model, shard=self.shard_topo, n=self.n, rank=self.rank,
+            self.units = ParamUnits(model, shard_topo=self.shard_topo, n=self.n, rank=self.rank,
                                     wire_dtype=cfg.gather_torch_dtype)  # fmt: skip
-            pieces = self.units.shard
+            shards = self.units.shards
         else:
-            pieces = {p: zero_shard(p.detach(), rank=self.rank, n=self.n) for _, p in self.named}
+            shards = {p: zero_shard(p.detach(), rank=self.rank, n=self.n) for _, p in self.named}
         if self.zero == 1:
             reducer = compression.reducer if compression is not None else AllReduceGrads
             self.grads = reducer(model, topo=topo, cfg=cfg, defer=defer)
         else:
             groups = [u.params for u in self.units.units] if self.units else None
             across = None
-            if compression is not None and self.replicate_topo is not None:
-                across = compression.across(self.replicate_topo)
+            if compression is not None and self.across_topo is not None:
+                across = compression.across(self.across_topo)
             self.grads = ReduceScatterGrads(
-                model, topo=topo, cfg=cfg, defer=defer, shard=self.shard_topo,
-                replicate=self.replicate_topo, n=self.n, rank=self.rank, groups=groups,
+                model, topo=topo, cfg=cfg, defer=defer, shard_topo=self.shard_topo,
+                across_topo=self.across_topo, n=self.n, rank=self.rank, groups=groups,
                 across=across,
             )  # fmt: skip
         self.optimizer = ShardedOptimizer(
-            self.named, pieces, make_optimizer=make_optimizer,
+            self.named, shards, make_optimizer=make_optimizer,
             offload=cfg.offload_optimizer, device=topo.device,
         )  # fmt: skip
         # How parameters (stages 1-2) and optimizer state are gathered: by gradient bucket,
@@ -266,12 +266,12 @@ class ZeroDataParallel:
             self.units.free_frozen()
 
     def grad(self, p: nn.Parameter) -> torch.Tensor:
-        """This rank's piece of ``p``'s reduced gradient (after ``finish()``)."""
-        if self.zero == 1:  # all-reduced whole: the piece is a view into it
+        """This rank's shard of ``p``'s reduced gradient (after ``finish()``)."""
+        if self.zero == 1:  # all-reduced whole: the shard is a view into it
             return zero_shard(p.grad, rank=self.rank, n=self.n)
-        return self.grads.shard[p]
+        return self.grads.shards[p]
 
-    def _grad_pieces(self) -> dict:
+    def _grad_shards(self) -> dict:
         return {p: self.grad(p) for _, p in self.named}
 
     def grad_sq_local(self) -> torch.Tensor | float:
@@ -283,30 +283,30 @@ class ZeroDataParallel:
         if factor == 1.0:
             return
         if self.zero == 1:
-            pieces = [g for g in self._grad_pieces().values() if g.numel()]
+            shards = [g for g in self._grad_shards().values() if g.numel()]
         else:
-            pieces = [b.flat for b in self.grads.buckets]
-        torch._foreach_mul_(pieces, factor)
+            shards = [b.flat for b in self.grads.buckets]
+        torch._foreach_mul_(shards, factor)
 
     def step(self, lr: float) -> None:
-        self.update_pieces(lr)
+        self.update_shards(lr)
         if self.zero in (1, 2):
             self.gather_params()
 
     # the two halves of a step (the resilient engine runs them apart)
 
-    def update_pieces(self, lr: float) -> None:
-        """One optimizer step of this rank's pieces with their reduced gradients (after
+    def update_shards(self, lr: float) -> None:
+        """One optimizer step of this rank's shards with their reduced gradients (after
         ``finish()``). Issues nothing: stages 1-2 then ``gather_params()``."""
-        self.optimizer.step(lr, self._grad_pieces())
+        self.optimizer.step(lr, self._grad_shards())
 
     def gather_params(self) -> None:
-        """Whole parameters from every rank's pieces (stages 1-2; collective over the shard
+        """Whole parameters from every rank's shards (stages 1-2; collective over the shard
         group): one all-gather per bucket, issued together and unpacked as each arrives."""
         pending = []
         for params, layout in self.gather_groups:  # in bucket order
-            pieces = [zero_shard(p.detach(), rank=self.rank, n=self.n) for p in params]
-            pending.append(Gather(layout.pack_row(pieces, like=params[0]), topo=self.shard_topo))
+            shards = [zero_shard(p.detach(), rank=self.rank, n=self.n) for p in params]
+            pending.append(Gather(layout.pack_row(shards, like=params[0]), topo=self.shard_topo))
         with torch.no_grad():
             for (params, layout), gather in zip(self.gather_groups, pending):
                 layout.unpack(gather.rows(), [p.detach() for p in params])
@@ -328,7 +328,7 @@ class ZeroDataParallel:
         return out
 
     def full_of(self, tensors: dict) -> dict:
-        """Whole tensors from this rank's pieces ({parameter: piece-shaped tensor, every
+        """Whole tensors from this rank's shards ({parameter: shard-shaped tensor, every
         parameter}): one all-gather per bucket (stage 3: per unit) over the shard group."""
         pending = []
         for params, layout in self.gather_groups:  # issued together, in bucket order ...
@@ -341,23 +341,23 @@ class ZeroDataParallel:
             out.update(zip(params, fulls))
         return out
 
-    def piece_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a whole tensor shaped like ``p`` (a flat view)."""
+    def shard_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole tensor shaped like ``p`` (a flat view)."""
         return zero_shard(full, rank=self.rank, n=self.n)
 
-    def pieces(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
-        """(name, parameter, this rank's piece of it: the tensor the optimizer updates)."""
-        return [(name, p, self.optimizer.pieces[p]) for name, p in self.named]
+    def shards(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
+        """(name, parameter, this rank's shard of it: the tensor the optimizer updates)."""
+        return [(name, p, self.optimizer.shards[p]) for name, p in self.named]
 
-    def pieces_changed(self) -> None:
-        """After the pieces were written (``dp_algos``): stages 1-2 re-gather the
+    def shards_changed(self) -> None:
+        """After the shards were written (``dp_algos``): stages 1-2 re-gather the
         parameters over the shard group; offloaded masters take the new values."""
         self.optimizer.reload_masters()
         if self.zero in (1, 2):
             self.gather_params()
 
-    def piece_state(self, p: nn.Parameter) -> list[torch.Tensor]:
-        """The optimizer's elementwise state of this rank's piece of ``p``
+    def shard_state(self, p: nn.Parameter) -> list[torch.Tensor]:
+        """The optimizer's elementwise state of this rank's shard of ``p``
         (``elementwise_keys`` order; on the host under offload), zeros if not stepped yet."""
         state = self.optimizer.state(p)
         keys = elementwise_keys(self.optimizer.optimizer)
@@ -367,7 +367,7 @@ class ZeroDataParallel:
         return [state[k] for k in keys]
 
     def load_optim_state(self, state: dict) -> None:
-        """Take this rank's pieces of full state tensors (as ``optim_state`` returns).
+        """Take this rank's shards of full state tensors (as ``optim_state`` returns).
         Call it after loading the parameters: it also refreshes offloaded masters."""
         self.optimizer.reload_masters()
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """ZeRO stage 3's parameters (``zero.py`` holds the engine): each parameter lives as this
-rank's piece, in its unit's row; a unit -- the embedding, each transformer block, the
+rank's shard, in its unit's row; a unit -- the embedding, each transformer block, the
 final norm and head -- is gathered whole before it runs and freed after, forward and
 backward, by module and autograd hooks.
 
@@ -125,12 +125,12 @@ def _in_backward() -> bool:
 
 
 class ParamUnits:
-    """Stage 3: parameters live as this rank's pieces (``unit.row``); a unit's full
+    """Stage 3: parameters live as this rank's shards (``unit.row``); a unit's full
     parameters exist only between its gather and its free (module docstring)."""
 
-    def __init__(self, model: nn.Module, *, shard: Topology, n: int, rank: int,
+    def __init__(self, model: nn.Module, *, shard_topo: Topology, n: int, rank: int,
                  wire_dtype: torch.dtype | None = None):  # fmt: skip
-        self.shard_topo, self.wire_dtype = shard, wire_dtype
+        self.shard_topo, self.wire_dtype = shard_topo, wire_dtype
         self.units: list[Unit] = []
         self._hooks = []
         for chunk in model_chunks(model):
@@ -156,8 +156,8 @@ class ParamUnits:
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     @property
-    def shard(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Each parameter's piece on this rank: a view into its unit's row."""
+    def shards(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's shard on this rank: a view into its unit's row."""
         out = {}
         for unit in self.units:
             out.update(zip(unit.params, unit.layout.views(unit.row)))
@@ -244,7 +244,7 @@ class ParamUnits:
     @contextlib.contextmanager
     def full_params(self, *, writeback: bool):
         """Every unit gathered in full precision (the master values, whatever the wire
-        dtype of training); with ``writeback``, the pieces re-cut from the (possibly
+        dtype of training); with ``writeback``, the shards re-cut from the (possibly
         overwritten) full parameters on exit."""
         for unit in self.units:
             self.free(unit)
@@ -258,8 +258,8 @@ class ParamUnits:
             for unit in self.units:
                 if writeback:
                     n, rank = unit.layout.n, unit.layout.rank
-                    pieces = [zero_shard(f, rank=rank, n=n) for f in unit.slices]
-                    unit.row.copy_(unit.layout.pack_row(pieces, like=unit.row))
+                    shards = [zero_shard(f, rank=rank, n=n) for f in unit.slices]
+                    unit.row.copy_(unit.layout.pack_row(shards, like=unit.row))
                 self.free(unit)
 
     def nbytes(self) -> int:

@@ -19,13 +19,13 @@ which worker 2 alone still holds: it sends them to both (``sources``).
 ZeRO inside a replica (``--zero 1|2 --zero-shard-group K``, hybrid sharding). The pipelines
 come in replicas of K that share one template: pipelines [rK, (r+1)K) form replica r, and
 the K workers of a stage in a replica shard every parameter of the stage over themselves
-(``flat.shard_range``: piece j of a parameter depends only on its size and K). Pipeline i
-is slot j = i mod K of its replica, and its workers hold piece j of their units: the unit
-``blocks.3/1`` is piece 1 of block 3's parameters and of their AdamW moments. The rest of
-this module works on those names unchanged: a slot's units carry its piece, holdings and
-moves name pieces, and the holders of ``u/j`` -- slot j of every replica holding ``u`` --
-are the ranks that sum that piece's gradient across replicas (``generation.py``). Every
-piece has a copy in each replica, so F + 1 replicas keep F + 1 copies of every shard.
+(``flat.shard_range``: shard j of a parameter depends only on its size and K). Pipeline i
+has shard index j = i mod K in its replica, and its workers hold shard j of their units: the unit
+``blocks.3/1`` is shard 1 of block 3's parameters and of their AdamW moments. The rest of
+this module works on those names unchanged: a pipeline's units carry its shard, holdings and
+moves name shards, and the holders of ``u/j`` -- pipeline j of every replica holding ``u`` --
+are the ranks that sum that shard's gradient across replicas (``generation.py``). Every
+shard has a copy in each replica, so F + 1 replicas keep F + 1 copies of every shard.
 """
 
 from __future__ import annotations
@@ -48,17 +48,17 @@ class Assignment:
     pipelines: tuple[Pipeline, ...]
     n_layers: int
     tied: bool
-    shard: int = 1  # K: pipelines per replica, sharding each stage over K workers
+    shard_group: int = 1  # K: pipelines per replica, sharding each stage over K workers
 
-    def slot(self, i: int) -> int | None:
-        """The piece pipeline ``i``'s workers hold (None: not sharded)."""
-        return i % self.shard if self.shard > 1 else None
+    def shard_index(self, i: int) -> int | None:
+        """The shard pipeline ``i``'s workers hold (None: not sharded)."""
+        return i % self.shard_group if self.shard_group > 1 else None
 
     def stage_group(self, worker: int) -> list[int]:
         """The workers sharding ``worker``'s stage in its replica (itself alone if K = 1)."""
         i, j = self.place(worker)
-        first = i - i % self.shard
-        return [self.pipelines[first + k].workers[j] for k in range(self.shard)]
+        first = i - i % self.shard_group
+        return [self.pipelines[first + k].workers[j] for k in range(self.shard_group)]
 
     @property
     def members(self) -> list[int]:
@@ -79,7 +79,7 @@ class Assignment:
     def units_of(self, worker: int) -> frozenset[str]:
         i, _ = self.place(worker)
         units = stage_units(*self.stage_of(worker), n_layers=self.n_layers, tied=self.tied)
-        return with_piece(units, self.slot(i))
+        return with_shard(units, self.shard_index(i))
 
     def describe(self) -> str:
         """``2 pipelines: [0, 2] 4+4 rows ...`` for log lines."""
@@ -88,15 +88,15 @@ class Assignment:
             f"{list(p.workers)} ({p.rows[1] - p.rows[0]} rows)"
             for p in self.pipelines
         )
-        if self.shard > 1:
-            text += f"; replicas of {self.shard} pipelines sharding their stages (ZeRO)"
+        if self.shard_group > 1:
+            text += f"; replicas of {self.shard_group} pipelines sharding their stages (ZeRO)"
         return text
 
     def to_json(self) -> dict:
         return {
             "n_layers": self.n_layers,
             "tied": self.tied,
-            "shard": self.shard,
+            "shard_group": self.shard_group,
             "pipelines": [
                 {
                     "workers": list(p.workers),
@@ -112,7 +112,7 @@ class Assignment:
         return cls(
             n_layers=d["n_layers"],
             tied=d["tied"],
-            shard=d.get("shard", 1),
+            shard_group=d.get("shard_group", 1),
             pipelines=tuple(
                 Pipeline(
                     workers=tuple(p["workers"]),
@@ -138,15 +138,15 @@ def stage_units(first: int, stop: int, *, n_layers: int, tied: bool) -> frozense
     return frozenset(units)
 
 
-def with_piece(units, piece: int | None) -> frozenset[str]:
-    """``units`` as the names of their piece ``piece`` (``blocks.0`` -> ``blocks.0/1``)."""
-    return frozenset(units if piece is None else (f"{u}/{piece}" for u in units))
+def with_shard(units, shard: int | None) -> frozenset[str]:
+    """``units`` as the names of their shard ``shard`` (``blocks.0`` -> ``blocks.0/1``)."""
+    return frozenset(units if shard is None else (f"{u}/{shard}" for u in units))
 
 
-def split_piece(unit: str) -> tuple[str, int | None]:
+def split_shard(unit: str) -> tuple[str, int | None]:
     """``"blocks.0/1"`` -> ("blocks.0", 1); ``"blocks.0"`` -> ("blocks.0", None)."""
-    base, _, piece = unit.partition("/")
-    return base, int(piece) if piece else None
+    base, _, shard = unit.partition("/")
+    return base, int(shard) if shard else None
 
 
 def unit_of(name: str) -> str:
@@ -159,9 +159,9 @@ def unit_of(name: str) -> str:
 
 
 def names_in_unit(unit: str, names) -> list[str]:
-    """The parameter names of ``unit`` (or of a piece of it) among ``names``, in the
+    """The parameter names of ``unit`` (or of a shard of it) among ``names``, in the
     model's order."""
-    unit = split_piece(unit)[0]
+    unit = split_shard(unit)[0]
     if unit == "tied":
         return [n for n in names if n == "embed.tokens.weight"]
     return [n for n in names if unit_of(n) == unit]
@@ -170,9 +170,9 @@ def names_in_unit(unit: str, names) -> list[str]:
 def serves(held: frozenset[str], unit: str) -> bool:
     """Whether a worker holding ``held`` can hand ``unit`` over (a first stage's token
     embedding equals the last stage's tied copy: the runner keeps them equal; so do their
-    pieces)."""
-    base, piece = split_piece(unit)
-    return unit in held or (base == "tied" and with_piece({"embed"}, piece) <= held)
+    shards)."""
+    base, shard = split_shard(unit)
+    return unit in held or (base == "tied" and with_shard({"embed"}, shard) <= held)
 
 
 def assign(
@@ -184,7 +184,7 @@ def assign(
     micro_batch: int,
     n_layers: int,
     tied: bool,
-    shard: int = 1,
+    shard_group: int = 1,
 ) -> Assignment:
     """Workers onto the stages of one pipeline per entry of ``sizes`` (template sizes) --
     of ``shard`` pipelines per entry when sharding (a replica: module docstring) --
@@ -192,35 +192,31 @@ def assign(
     of the new generation to the units it holds up to date (empty: a new worker, or one
     whose state is stale). Greedy by overlap, ties to the lower worker id, so every reader
     of the same inputs gets the same assignment."""
-    sizes = tuple(s for s in sizes for _ in range(shard))
-    slots = [
-        (
-            i,
-            j,
-            with_piece(
-                stage_units(a, b, n_layers=n_layers, tied=tied), i % shard if shard > 1 else None
-            ),
-        )  # fmt: skip
+    sizes = tuple(s for s in sizes for _ in range(shard_group))
+    # (pipeline, stage, the units its worker must hold): the places to fill
+    places = [
+        (i, j, with_shard(stage_units(a, b, n_layers=n_layers, tied=tied),
+                          i % shard_group if shard_group > 1 else None))
         for i, s in enumerate(sizes)
         for j, (a, b) in enumerate(templates[s].stages)
-    ]
-    if len(slots) > len(holdings):
-        raise ValueError(f"{len(slots)} stages for {len(holdings)} workers")
+    ]  # fmt: skip
+    if len(places) > len(holdings):
+        raise ValueError(f"{len(places)} stages for {len(holdings)} workers")
     pairs = sorted(
         (
             (len(units & holdings[w]), -w, k)
-            for k, (_, _, units) in enumerate(slots)
+            for k, (_, _, units) in enumerate(places)
             for w in holdings
         ),
         reverse=True,
     )
-    taken_slot, taken_worker, chosen = set(), set(), {}
+    taken_place, taken_worker, chosen = set(), set(), {}
     for _, neg_w, k in pairs:
         w = -neg_w
-        if k in taken_slot or w in taken_worker:
+        if k in taken_place or w in taken_worker:
             continue
         chosen[k] = w
-        taken_slot.add(k)
+        taken_place.add(k)
         taken_worker.add(w)
     shares = allocate(rows, micro_batch, [templates[s].throughput for s in sizes])
     pipelines, lo, k = [], 0, 0
@@ -231,7 +227,9 @@ def assign(
             Pipeline(workers=workers, stages=templates[s].stages, rows=(lo, lo + shares[i]))
         )
         lo += shares[i]
-    return Assignment(pipelines=tuple(pipelines), n_layers=n_layers, tied=tied, shard=shard)
+    return Assignment(
+        pipelines=tuple(pipelines), n_layers=n_layers, tied=tied, shard_group=shard_group
+    )
 
 
 def grid_assignment(
@@ -241,17 +239,17 @@ def grid_assignment(
     rows: int,
     n_layers: int,
     tied: bool,
-    shard: int = 1,
+    shard_group: int = 1,
 ) -> Assignment:
     """The first generation: the user's dp x pp grid as dp pipelines of one template,
     worker w at stage w // dp of pipeline w % dp (the grid's global rank order); with
-    ``shard`` K, dp ranks [rK, (r+1)K) are replica r, as ``Topology.split_dp`` cuts them."""
+    ``shard`` K, dp ranks [rK, (r+1)K) are replica r, as ``Topology.shard_groups`` cuts them."""
     pp = template.nodes
     share = rows // dp
     return Assignment(
         n_layers=n_layers,
         tied=tied,
-        shard=shard,
+        shard_group=shard_group,
         pipelines=tuple(
             Pipeline(
                 workers=tuple(s * dp + d for s in range(pp)),

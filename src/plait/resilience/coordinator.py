@@ -98,8 +98,8 @@ class Coordinator:
         self.rows, self.mbs = lay.global_batch_size, lay.micro_batch_size
         hw = hardware_for("cuda" if self.gpus else "cpu")
         # ZeRO inside a replica: pipelines come K at a time, one template per replica
-        self.shard = lay.zero_shard_group if lay.zero else 1
-        max_nodes = max(lay.pp, self.world // self.shard // (self.res.fault_tolerance + 1))
+        self.shard_group = lay.zero_shard_group if lay.zero else 1
+        max_nodes = max(lay.pp, self.world // self.shard_group // (self.res.fault_tolerance + 1))
         every = build_templates(cfg.model, lay, hw, max_nodes=max_nodes, rows=self.rows // lay.dp)
         # those that fit in memory, and the user's own (it runs, whatever the model says)
         self.templates = {s: t for s, t in every.items() if t.fits or s == lay.pp}
@@ -177,7 +177,7 @@ class Coordinator:
         self.assignment = grid_assignment(
             dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
             n_layers=self.cfg.model.n_layers, tied=self.cfg.model.tied_embeddings,
-            shard=self.shard)  # fmt: skip
+            shard_group=self.shard_group)  # fmt: skip
         sizes = ", ".join(f"{s}: {'+'.join(str(b - a) for a, b in t.stages)}"
                           for s, t in sorted(self.templates.items()))  # fmt: skip
         print(f"plait: fault tolerance {self.res.fault_tolerance}: pipeline templates by "
@@ -298,7 +298,7 @@ class Coordinator:
         whose workers all train in it: a worker reports progress only once its state copy
         is done (``publish`` clears the keys), so a replica of a worker still receiving
         holds no copy yet."""
-        pipes, k = self.assignment.pipelines, self.shard
+        pipes, k = self.assignment.pipelines, self.shard_group
         return sum(
             all(self.store.check([protocol.PROGRESS.format(w)]) for p in pipes[i : i + k]
                 for w in p.workers)
@@ -337,14 +337,14 @@ class Coordinator:
         if not joiners:
             return False
         sizes = self.choose(len(self.members()) + len(joiners))
-        return sizes is not None and sum(sizes) * self.shard > len(self.members())
+        return sizes is not None and sum(sizes) * self.shard_group > len(self.members())
 
     def choose(self, n: int) -> tuple[int, ...] | None:
         """Template sizes for ``n`` workers: one per pipeline, or one per replica of K
         pipelines (ZeRO inside a replica), at least F + 1 of them when they fit."""
-        return choose(n // self.shard, self.templates,
+        return choose(n // self.shard_group, self.templates,
                       min_pipelines=self.res.fault_tolerance + 1,
-                      max_pipelines=self.rows // self.mbs // self.shard)  # fmt: skip
+                      max_pipelines=self.rows // self.mbs // self.shard_group)  # fmt: skip
 
     def joiners(self) -> list[int]:
         return [
@@ -405,12 +405,12 @@ class Coordinator:
             if any(not p.ready and not p.dead for p in self.procs.values()):
                 return None  # replacements are starting: wait for them
             raise LaunchError(f"{len(candidates)} workers left, too few for the smallest "
-                              f"pipeline template ({min(self.templates) * self.shard} "
+                              f"pipeline template ({min(self.templates) * self.shard_group} "
                               "workers)")  # fmt: skip
         holdings = {w: current.get(w, frozenset()) for w in candidates}
         assignment = assign(sizes, self.templates, holdings=holdings, rows=self.rows,
                             micro_batch=self.mbs, n_layers=cfg.model.n_layers,
-                            tied=cfg.model.tied_embeddings, shard=self.shard)  # fmt: skip
+                            tied=cfg.model.tied_embeddings, shard_group=self.shard_group)  # fmt: skip
         moves, missing = sources(assignment, {w: h for w, h in holdings.items() if h})
         why = self.failure[1] if self.failure else (
             "worker(s) " + ", ".join(map(str, sorted(set(assignment.members)

@@ -22,21 +22,21 @@ engine is an experiment at the edge, STYLE rule 11.)
 The gradient norm counts each unit once: on the holder in the first pipeline.
 
 ZeRO inside a replica (``ShardedReplicaEngine``; ``assignment.py``: replicas of K pipelines, each
-stage sharded over its K workers, slot j holding piece j of every parameter). Per step,
-on top of the above with pieces in place of whole gradients: the ZeRO engine of
+stage sharded over its K workers, the j-th pipeline holding shard j of every parameter). Per step,
+on top of the above with shards in place of whole gradients: the ZeRO engine of
 ``zero.py`` on the stage group (stage 2: a reduce-scatter per bucket from autograd's
 hooks as the last micro-batch's backward completes it; stage 1: the bucketed all-reduce),
-4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the pieces
-(the holders of ``u/j``: slot j of every replica), 4 x sum N_u / K bytes; after the
+4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the shards
+(the holders of ``u/j``: pipeline j of every replica), 4 x sum N_u / K bytes; after the
 update, one all-gather per bucket over the stage group, 4 x N_stage bytes. AdamW's
-moments live in pieces only: 8 x N_stage / K bytes per worker instead of 8 x N_stage.
+moments live in shards only: 8 x N_stage / K bytes per worker instead of 8 x N_stage.
 Under NCCL: a stage group's collectives are issued by its K ranks in the same bucket
 order (the same stage, model and schedule: ``zero.py``'s argument), all of them before
 any replica all-reduce of the step, and the replica all-reduces follow the one global
 order above; the step's gathers come after the world's statistics all-reduce on every
-rank. A closed engine (its generation dropped) updates its pieces only, issuing nothing:
+rank. A closed engine (its generation dropped) updates its shards only, issuing nothing:
 that is what recovery's roll-forward needs, and the next generation gathers the
-parameters of each stage from the pieces (``materialize``) once its state is copied.
+parameters of each stage from the shards (``materialize``) once its state is copied.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes
 from plait.parallel.engine import GradientEngine
 from plait.parallel.flat import FlatLayout
 from plait.parallel.zero import ZeroDataParallel
-from plait.resilience.assignment import split_piece, unit_of, with_piece
+from plait.resilience.assignment import split_shard, unit_of, with_shard
 from plait.resilience.generation import Generation, unit_order
 from plait.topology import Axis
 
@@ -69,23 +69,23 @@ def stage_unit_of(name: str, held: frozenset[str]) -> str:
 class ReplicaSync:
     """One replica group's reduction on this rank: the parameters it reduces there and
     whether this rank keeps the result (not for a one-stage pipeline's tied copy).
-    ``piece(p)``: the tensor reduced for ``p`` in place (ZeRO: this rank's piece of its
+    ``shard(p)``: the tensor reduced for ``p`` in place (ZeRO: this rank's shard of its
     gradient); None: ``p.grad``, whole."""
 
-    def __init__(self, topo, params: list[nn.Parameter], keep: list[bool], piece=None):
-        self.topo, self.params, self.keep, self.piece = topo, params, keep, piece
+    def __init__(self, topo, params: list[nn.Parameter], keep: list[bool], shard=None):
+        self.topo, self.params, self.keep, self.shard = topo, params, keep, shard
         self.flat: torch.Tensor | None = None
         self.layout: FlatLayout | None = None  # of this step's tensors
         self.handle = None
 
     def _tensors(self) -> list[torch.Tensor | None]:
-        if self.piece is not None:
-            return [self.piece(p) for p in self.params]
+        if self.shard is not None:
+            return [self.shard(p) for p in self.params]
         return [p.grad for p in self.params]  # None: zeros
 
     def launch(self) -> None:
         tensors = self._tensors()
-        self.layout = FlatLayout.of(self.params if self.piece is None else tensors)
+        self.layout = FlatLayout.of(self.params if self.shard is None else tensors)
         self.flat = self.layout.pack(tensors, like=self.params[0])
         self.handle = comm.all_reduce(self.flat, topo=self.topo, axis=Axis.DP, async_op=True)
 
@@ -93,23 +93,23 @@ class ReplicaSync:
         comm.wait([self.handle], topo=self.topo, what="all_reduce", axis="dp")
         views = self.layout.views(self.flat)
         for p, t, view, keep in zip(self.params, self._tensors(), views, self.keep):
-            if keep and self.piece is not None:
+            if keep and self.shard is not None:
                 t.view(-1).copy_(view)
             elif keep:  # the gradient lives in the buffer from now on (no copy)
                 p.grad = view.view_as(p)
         self.flat = self.handle = self.layout = None
 
 
-def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
+def replica_syncs(gen: Generation, named, *, shard=None) -> list[ReplicaSync]:
     """This rank's replica reductions, in the global order (module docstring): its
-    parameters grouped by the ranks that hold the same unit (``piece``: the same piece of
-    it, in slot ``assignment.slot`` of every replica)."""
+    parameters grouped by the ranks that hold the same unit (``shard``: the same shard of
+    it, in pipeline ``assignment.shard_index`` of every replica)."""
     assignment, me = gen.assignment, gen.worker
-    slot = assignment.slot(assignment.place(me)[0])
-    held = frozenset(split_piece(u)[0] for u in assignment.units_of(me))
+    shard_index = assignment.shard_index(assignment.place(me)[0])
+    held = frozenset(split_shard(u)[0] for u in assignment.units_of(me))
 
     def ranks_of(unit: str):
-        return gen.units.get(next(iter(with_piece({unit}, slot))))
+        return gen.units.get(next(iter(with_shard({unit}, shard_index))))
 
     entries: dict[tuple[int, ...], list] = {}
     tied = ranks_of("tied")
@@ -129,7 +129,7 @@ def replica_syncs(gen: Generation, named, *, piece=None) -> list[ReplicaSync]:
         items = sorted(entries[ranks], key=lambda e: (e[0], index[e[1]]))
         syncs.append(
             ReplicaSync(
-                gen.replica_topology(ranks), [e[2] for e in items], [e[3] for e in items], piece
+                gen.replica_topology(ranks), [e[2] for e in items], [e[3] for e in items], shard
             )
         )
     return syncs
@@ -242,7 +242,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 class ShardedReplicaEngine(ReplicaEngine):
     """ZeRO stage 1 or 2 inside a replica (module docstring): ``zero.py``'s engine on the
-    stage group, the replica reductions on its pieces."""
+    stage group, the replica reductions on its shards."""
 
     def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, cfg,
                  owns_grad=None, defer=()):  # fmt: skip
@@ -253,19 +253,21 @@ class ShardedReplicaEngine(ReplicaEngine):
             model, topo=gen.stage_topology(), make_optimizer=make_optimizer,
             cfg=dataclasses.replace(cfg, shard_group=None), owns_grad=owns_grad, defer=defer,
         )  # fmt: skip
-        held = frozenset(split_piece(u)[0] for u in assignment.units_of(me))
-        first_replica = {w for p in assignment.pipelines[: assignment.shard] for w in p.workers}
+        held = frozenset(split_shard(u)[0] for u in assignment.units_of(me))
+        first_replica = {
+            w for p in assignment.pipelines[: assignment.shard_group] for w in p.workers
+        }
         self.counted = [
             p for n, p in self.named if stage_unit_of(n, held) != "tied" and me in first_replica
         ]
-        self.syncs = replica_syncs(gen, self.named, piece=self.inner.grad)
+        self.syncs = replica_syncs(gen, self.named, shard=self.inner.grad)
         self.reduced = False
         self.closed = False
         self.grad_bytes = 0
 
     def finish(self) -> None:
         self.inner.finish()
-        self._reduce_replicas()  # on the pieces
+        self._reduce_replicas()  # on the shards
         self.grad_bytes = self.inner.grads.grad_bytes
         self.reduced = True
 
@@ -279,7 +281,7 @@ class ShardedReplicaEngine(ReplicaEngine):
         self.inner.scale_grads_(factor)
 
     def step(self, lr: float) -> None:
-        self.inner.update_pieces(lr)
+        self.inner.update_shards(lr)
         if not self.closed:  # a closed engine issues nothing (module docstring)
             self.inner.gather_params()
 
@@ -303,13 +305,13 @@ class ShardedReplicaEngine(ReplicaEngine):
         self.closed = True
 
     def unit_tensors(self, names: list[str]) -> list[torch.Tensor]:
-        """This worker's pieces of the parameters ``names`` (views into them) and of their
+        """This worker's shards of the parameters ``names`` (views into them) and of their
         moments."""
         params, opt = dict(self.named), self.inner.optimizer
         return [
             t
             for n in names
-            for t in (opt.pieces[params[n]], *(opt.state(params[n])[k] for k in MOMENTS))
+            for t in (opt.shards[params[n]], *(opt.state(params[n])[k] for k in MOMENTS))
         ]
 
     def adam_step(self) -> float:
@@ -320,7 +322,7 @@ class ShardedReplicaEngine(ReplicaEngine):
             self.inner.optimizer.state(p)["step"].fill_(step)
 
     def materialize(self) -> None:
-        """Whole parameters from the stage group's pieces: one all-gather per bucket."""
+        """Whole parameters from the stage group's shards: one all-gather per bucket."""
         self.inner.gather_params()
 
 
@@ -330,7 +332,7 @@ def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
 
     def make(model, *, topo, cfg, make_optimizer, owns_grad=None, defer=()) -> GradientEngine:
         assert topo is gen.topo, "the engine runs on the generation's topology"
-        if gen.assignment.shard > 1:
+        if gen.assignment.shard_group > 1:
             return ShardedReplicaEngine(
                 model, gen=gen, make_optimizer=make_optimizer,
                 cfg=dataclasses.replace(cfg, zero=zero), owns_grad=owns_grad, defer=defer,

@@ -37,7 +37,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from plait.resilience.assignment import Assignment, with_piece
+from plait.resilience.assignment import Assignment, with_shard
 from plait.topology import Axis, Topology, resolve_device
 
 
@@ -61,8 +61,8 @@ def unit_order(unit: str, n_layers: int) -> int:
 
 
 def replica_groups(assignment: Assignment) -> dict[str, tuple[int, ...]]:
-    """For every unit (sharded: every piece ``u/j``), the generation ranks that reduce its
-    gradients together: its holder in each pipeline (sharded: in slot j of each replica).
+    """For every unit (sharded: every shard ``u/j``), the generation ranks that reduce its
+    gradients together: its holder in each pipeline (sharded: in pipeline j of each replica).
     ``tied``: the last stage of each pipeline -- its copy of the token embedding, or, in a
     one-stage pipeline, the embedding itself, whose gradient (the pipeline's whole one) it
     contributes a second time here and keeps from ``embed``'s group (``engines.py``).
@@ -72,13 +72,13 @@ def replica_groups(assignment: Assignment) -> dict[str, tuple[int, ...]]:
     for w in members:
         for unit in assignment.units_of(w):
             holders.setdefault(unit, []).append(members.index(w))
-    for j in {assignment.slot(i) for i in range(len(assignment.pipelines))}:
-        (tied,) = with_piece({"tied"}, j)
+    for j in {assignment.shard_index(i) for i in range(len(assignment.pipelines))}:
+        (tied,) = with_shard({"tied"}, j)
         if tied in holders:
             holders[tied] = [
                 members.index(p.workers[-1])
                 for i, p in enumerate(assignment.pipelines)
-                if assignment.slot(i) == j
+                if assignment.shard_index(i) == j
             ]
     return {u: tuple(sorted(r)) for u, r in holders.items()}
 
@@ -86,10 +86,10 @@ def replica_groups(assignment: Assignment) -> dict[str, tuple[int, ...]]:
 def stage_groups(assignment: Assignment) -> list[tuple[int, ...]]:
     """The generation ranks sharding one stage of one replica, every such group in
     assignment order (none unless the assignment shards)."""
-    if assignment.shard == 1:
+    if assignment.shard_group == 1:
         return []
     members, out = assignment.members, []
-    for first in range(0, len(assignment.pipelines), assignment.shard):
+    for first in range(0, len(assignment.pipelines), assignment.shard_group):
         for w in assignment.pipelines[first].workers:
             out.append(tuple(members.index(v) for v in assignment.stage_group(w)))
     return out

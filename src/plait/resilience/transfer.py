@@ -7,11 +7,11 @@ communicator must involve all of its ranks, and a rank with nothing to move post
 batch at all), then one batched point-to-point call per rank (``comm.batch_p2p``: one
 ``batch_isend_irecv``, one NCCL group) holding every send and every receive of that rank
 -- for each unit moved, its parameters, then each one's ``exp_avg`` and ``exp_avg_sq``,
-12 bytes per parameter in fp32 (ZeRO inside a replica: the slot's pieces of them, 12 / K
+12 bytes per parameter in fp32 (ZeRO inside a replica: the pipeline's shards of them, 12 / K
 bytes per parameter) -- then one world all-reduce (MAX) of three numbers: the loss scale,
 its clean-step count and AdamW's step count, which every survivor holds alike and a new
 worker does not; sharded, last, one all-gather per bucket on each stage group rebuilds
-whole parameters from the pieces (``engines.py``: the same bucket order on its K ranks,
+whole parameters from the shards (``engines.py``: the same bucket order on its K ranks,
 after the world all-reduce on every rank).
 
 Why it cannot deadlock under NCCL: the moves are one list in the decision every member
@@ -37,8 +37,8 @@ def copy_state(*, gen, moves, keep: frozenset[str], old, new) -> int:
     ``keep`` from ``old`` (this worker's previous trainer, up to date), the others from
     the senders of ``moves`` [(receiver, unit, sender), ...]; this worker also sends what
     ``moves`` asks of it from ``old``. A unit's tensors are what its engine's
-    ``unit_tensors`` lists: parameters and moments, or (ZeRO inside a replica) this slot's
-    pieces of them, after which the stage group gathers whole parameters from the pieces
+    ``unit_tensors`` lists: parameters and moments, or (ZeRO inside a replica) this pipeline's
+    shards of them, after which the stage group gathers whole parameters from the shards
     (``materialize``). Collective over the generation. Returns the bytes this worker
     received."""
     me, members = gen.worker, gen.assignment.members

@@ -321,7 +321,7 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
     ZeRO 0: all-reduce the gradients. ZeRO 1/2: reduce-scatter them over the shard group
     (all-reduce the shard across replicas for HSDP; a ``zero1_grad_all_reduce`` runtime
     all-reduces them whole at stage 1), all-gather the updated weights after the step,
-    with the copies that pack this rank's pieces into the message and unpack the gathered
+    with the copies that pack this rank's shards into the message and unpack the gathered
     row into the weights (streamed at the elementwise rate). ZeRO 3 does its
     communication per layer and micro-batch instead (``zero3_layer_comm``); only the HSDP
     replica all-reduce is left here.
@@ -344,7 +344,7 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
         grad = all_reduce_time(gbytes, dp, group_link(hw, dp, t))
     else:
         grad = reduce_scatter_time(gbytes, shard, shard_link) + across
-    copies = stream_time(hw, 2 * pbytes * (1 + 1 / shard))  # pack the pieces, unpack the row
+    copies = stream_time(hw, 2 * pbytes * (1 + 1 / shard))  # pack the shards, unpack the row
     return {"grad": grad, "param": all_gather_time(pbytes, shard, shard_link) + copies}
 
 
@@ -408,7 +408,7 @@ def optimizer_time(
     memory-bound. Fused Adam reads weight, gradient and both moments (fp32) and writes
     weight and moments (28 bytes), clipping reads the gradient once more and zeroing
     writes it; master-weight runtimes also write the low-precision copy. Each tensor adds
-    ``hw.optimizer_tensor_overhead`` (every rank holds a piece of every tensor under
+    ``hw.optimizer_tensor_overhead`` (every rank holds a shard of every tensor under
     ZeRO, so the count does not shrink with dp). Offloaded: gradients down and weights
     up over PCIe, Adam on the host at its share of host memory bandwidth."""
     w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)

@@ -9,7 +9,7 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
 ``collectives.group_link`` gives a group of R ranks spaced tp x K apart:
 
 - plain all-reduce: ``costs.dp_comm_time``, unchanged.
-- compression (every dp rank under ZeRO 0/1; across the R shard groups, on the 1/K piece,
+- compression (every dp rank under ZeRO 0/1; across the R shard groups, on the 1/K shard,
   under ZeRO 2/3, after the unchanged reduce-scatter inside each group): bf16 and
   PowerSGD all-reduce (PowerSGD's P round overlaps the backward like a bucket, its Q
   round does not; int8's scales overlap, its levels do not), QSGD and top-k all-gather R
@@ -20,8 +20,8 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
   error feedback 24) and PowerSGD's three GEMMs per matrix (M'Q, M'^T P^, P^ Q^T) timed
   by ``costs.gemm_time`` in fp32.
 - local SGD, DiLoCo: the engine inside a replica (ZeRO over its K ranks, nothing for K =
-  1) every step; every H steps an all-reduce of the 4N/K-byte pieces across the R
-  replicas, plus DiLoCo's outer step (7 fp32 streams of the piece); charged per step as
+  1) every step; every H steps an all-reduce of the 4N/K-byte shards across the R
+  replicas, plus DiLoCo's outer step (7 fp32 streams of the shard); charged per step as
   1/H of that, exposed (nothing overlaps it). A compressed sync (``--compress bf16``:
   2N/K bytes and the two casts; ``int8``: N/K bytes of levels plus a scale per 512
   elements in a second all-reduce, the encode and decode streams) adds local SGD's anchor
@@ -32,9 +32,9 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
 
 Memory each algorithm adds per device at its peak (``state_bytes``): DiLoCo's anchor and
 outer momentum 8N/K plus the 4N/K outer gradients in flight; local SGD's 4N/K packed
-pieces while averaging (and its 4N/K anchor with a compressed sync); gossip's d receive buffers, the packed chunk and its mix (one
+shards while averaging (and its 4N/K anchor with a compressed sync); gossip's d receive buffers, the packed chunk and its mix (one
 ``--bucket-mb`` chunk each); EF21's two estimates 8N (top-k), PowerSGD's error 4N (per
-piece under ZeRO 2/3).
+shard under ZeRO 2/3).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from plait.sim.hardware import Hardware
 from plait.sim.runtime import Runtime
 
 QSGD_ENCODE, QSGD_DECODE, TOPK_WORK, BF16_CASTS, EF_STREAMS = 9, 9, 36, 12, 24
-OUTER_STEP_STREAMS = 7 * 4  # DiLoCo: read anchor, piece, momentum, delta; write three
+OUTER_STEP_STREAMS = 7 * 4  # DiLoCo: read anchor, shard, momentum, delta; write three
 # a compressed local SGD sync: the change x - anchor (read two, write one), anchor += mean
-# (read two, write one), the piece <- anchor (read one, write one)
+# (read two, write one), the shard <- anchor (read one, write one)
 ANCHOR_STREAMS = 8 * 4
 INT8_DECODE = 5  # read the summed level (1 byte), write the fp32 mean (4)
 
@@ -84,8 +84,8 @@ def rank_shapes(model: ModelConfig, layout: Layout, chunks, params: float) -> li
     return shapes
 
 
-def _pieces(shapes, k: int) -> list[tuple]:
-    """This rank's ZeRO pieces of ``shapes`` over k ranks: flat, ceil(e / k) elements."""
+def _shards(shapes, k: int) -> list[tuple]:
+    """This rank's ZeRO shards of ``shapes`` over k ranks: flat, ceil(e / k) elements."""
     if k == 1:
         return shapes
     return [(math.ceil(math.prod(s) / k),) for s in shapes]
@@ -118,26 +118,26 @@ def comm_time(
     inner = costs.dp_comm_time(params, layout.replace(dp=k, zero_shard_group=None), hw, rt)
     if k == 1:
         inner = {"grad": 0.0, "param": 0.0}
-    pieces = _pieces(shapes, k)
-    piece_bytes = 4 * sum(math.prod(s) for s in pieces)
+    shards = _shards(shapes, k)
+    shard_bytes = 4 * sum(math.prod(s) for s in shards)
     link = collectives.group_link(hw, r, layout.tp * k)
-    vol = volume.mean_volume(algo, shapes=pieces, n=r)
-    average = collectives.all_reduce_time(piece_bytes, r, link)
+    vol = volume.mean_volume(algo, shapes=shards, n=r)
+    average = collectives.all_reduce_time(shard_bytes, r, link)
     if algo.algo in ("local-sgd", "diloco"):
         h = algo.sync_every
-        elems = piece_bytes / 4
+        elems = shard_bytes / 4
         rounds = 1
         if algo.sync_optimizer_state:  # AdamW's two moments travel with the parameters
-            work = collectives.all_reduce_time(3 * piece_bytes, r, link)
+            work = collectives.all_reduce_time(3 * shard_bytes, r, link)
         elif algo.sync_codec is None:
-            work = collectives.all_reduce_time(piece_bytes, r, link)
+            work = collectives.all_reduce_time(shard_bytes, r, link)
         else:  # the change since the last sync, encoded: bf16, or int8 levels + scales
-            sync = volume.sync_volume(algo, pieces, r)
+            sync = volume.sync_volume(algo, shards, r)
             if algo.sync_codec == "bf16":
                 work = collectives.all_reduce_time(sync.counted["all_reduce"], r, link)
                 work += costs.stream_time(hw, BF16_CASTS * elems)
             else:
-                scales = volume.block_scale_bytes(pieces)
+                scales = volume.block_scale_bytes(shards)
                 work = collectives.all_reduce_time(sync.counted["all_reduce"] - scales, r, link)
                 work += collectives.all_reduce_time(scales, r, link)
                 work += costs.stream_time(hw, (QSGD_ENCODE + INT8_DECODE) * elems)
@@ -166,8 +166,8 @@ def comm_time(
             continue
         _, send_to = graphs.neighbours(algo.topology, r, 0, step)
         d = len(send_to)
-        mix = costs.stream_time(hw, (d + 2) * piece_bytes)
-        total += p2p.latency + d * piece_bytes / p2p.bandwidth + mix
+        mix = costs.stream_time(hw, (d + 2) * shard_bytes)
+        total += p2p.latency + d * shard_bytes / p2p.bandwidth + mix
         lat += p2p.latency
     return {
         **inner,
@@ -189,17 +189,17 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
         if layout.zero == 1:  # the sharded optimizer's gather stays
             inner["param"] = costs.dp_comm_time(params, layout, hw, rt)["param"]
         stride = layout.tp
-    pieces = _pieces(shapes, k)
-    elems = sum(math.prod(s) for s in pieces)
+    shards = _shards(shapes, k)
+    elems = sum(math.prod(s) for s in shards)
     link = collectives.group_link(hw, n, stride)
-    vol = volume.step_volume(algo, step=0, shapes=pieces, n=n)
-    msg = sum(volume.codec_message(codec, arg, s) for s in pieces)
+    vol = volume.step_volume(algo, step=0, shapes=shards, n=n)
+    msg = sum(volume.codec_message(codec, arg, s) for s in shards)
     sync, latency = 0.0, 2 * collectives.ring_latency(n, link, "all_reduce")
     if codec == "bf16":
         grad = collectives.all_reduce_time(msg, n, link)
         sync = costs.stream_time(hw, BF16_CASTS * elems)
     elif codec == "int8":  # the scales overlap the backward; the levels wait for them
-        scales = volume.block_scale_bytes(pieces)
+        scales = volume.block_scale_bytes(shards)
         grad = collectives.all_reduce_time(scales, n, link)
         sync = collectives.all_reduce_time(msg - scales, n, link)
         sync += costs.stream_time(hw, (QSGD_ENCODE + INT8_DECODE) * elems)
@@ -212,7 +212,7 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
     else:  # PowerSGD: P (and what travels whole) overlaps; Q, the GEMMs and EF do not
         p_bytes = q_bytes = 0
         gemms = 0.0
-        for s in pieces:
+        for s in shards:
             mat = volume.powersgd_matrix(s, arg)
             if mat is None:
                 p_bytes += 4 * math.prod(s)
@@ -249,12 +249,12 @@ def state_bytes(
         _, k = compress_group(layout)
         return {"topk": 8.0, "powersgd": 4.0}.get(codec, 0.0) * params / k
     r, k = replicas_of(layout)
-    piece = 4.0 * params / k
+    shard = 4.0 * params / k
     if algo.algo == "diloco":  # anchor + momentum, and the outer gradients in flight
-        return 3 * piece
+        return 3 * shard
     if algo.algo == "gossip":  # d receive buffers, the packed chunk and its mix
-        chunk = min(piece, layout.bucket_mb * 2**20)
+        chunk = min(shard, layout.bucket_mb * 2**20)
         return (max(graphs.degree(algo.topology, r), 1) + 2) * chunk
     if algo.sync_codec is not None:  # the anchor, and the packed changes while averaged
-        return 2 * piece
-    return piece  # local SGD: the packed pieces while they are averaged
+        return 2 * shard
+    return shard  # local SGD: the packed shards while they are averaged

@@ -41,7 +41,7 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   launch a ``dist.all_gather`` per parameter).
 - ``gather_list_outputs``: those gathers write a list of one output per rank (DeepSpeed's
   ``dist.all_gather(partitions, ...)`` into narrow views of a flat buffer, before
-  ``all_gather_into_tensor`` existed): the backend copies each rank's piece out
+  ``all_gather_into_tensor`` existed): the backend copies each rank's shard out
   separately, one kernel per rank launched by the host (``Hardware.kernel_launch``).
 - ``zero3_regather_recompute``: with full recomputation, the recomputed forward of a
   layer gathers its parameters again (DeepSpeed's hooks release them after every

@@ -300,7 +300,7 @@ class PipelineRunner:
         self.scatter = tp > 1 and not sp  # PTD-P scatter/gather
         numel = self.act_shape[0] * self.act_shape[1] * self.act_shape[2]
         assert numel % tp == 0, "hidden is a multiple of tp (heads are)"
-        self.piece = numel // tp
+        self.shard = numel // tp
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in stage.chunks]
         self.bubble_fraction = 0.0
         self.steps = 0
@@ -496,7 +496,7 @@ class PipelineRunner:
                 ops.append(("send", t, peer))
                 sends.append(t)
             else:
-                shape = (self.piece,) if self.scatter else self.act_shape
+                shape = (self.shard,) if self.scatter else self.act_shape
                 buf = torch.empty(shape, dtype=self.wire_dtype, device=self.topo.device)
                 ops.append(("recv", buf, peer))
                 recvs.append((key, buf))
@@ -516,7 +516,7 @@ class PipelineRunner:
             )
         t = t.detach().to(self.wire_dtype)
         if self.scatter:
-            t = t.reshape(-1)[self.topo.tp_rank * self.piece :][: self.piece]
+            t = t.reshape(-1)[self.topo.tp_rank * self.shard :][: self.shard]
         return t.contiguous()
 
     def _await_input(self, a: Action, st: _Step) -> None:
