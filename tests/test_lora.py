@@ -291,3 +291,24 @@ def test_info_prints_what_lora_trains(capsys):
     assert f"trainable            {t:,}" in out and "gradients 0.000" in out
     assert main(["info", "--lora-targets", "q"]) == 2
     assert "need --lora-rank" in capsys.readouterr().err
+
+
+def test_dry_run_counts_the_frozen_base_as_info_does(capsys):
+    """``plait train --dry-run`` with --lora-rank prints the model state ``plait info``
+    prints (base frozen: no gradients or AdamW state for it). Catches the dry run counting
+    every weight as trained (it printed 12.55 GiB for llama2-7b, LoRA, ZeRO-3 over 8,
+    against plait info's 3.2 GiB)."""
+    flags = ["--model", "llama2-7b", "--lora-rank", "16", "--lora-targets",
+             "q,k,v,o,up,down,gate", "--dp", "8", "--zero", "3", "--global-batch-size", "64",
+             "--micro-batch-size", "1"]  # fmt: skip
+    assert main(["info", *flags]) == 0
+    info = capsys.readouterr().out
+    state = float(info.split("model state per rank ")[1].split(" GiB")[0])
+    assert main(["train", "--dry-run", *flags]) == 0
+    dry = capsys.readouterr().out
+    per_rank = float(dry.split("~")[1].split(" GiB")[0])
+    assert per_rank == pytest.approx(state, abs=0.006), (info, dry)  # 3 vs 2 decimals
+    assert main(["train", "--dry-run", *flags[:2], "--dp", "8", "--zero", "3",
+                 "--global-batch-size", "64", "--micro-batch-size", "1"]) == 0  # fmt: skip
+    full = float(capsys.readouterr().out.split("~")[1].split(" GiB")[0])
+    assert full > 3 * per_rank  # without LoRA every weight trains

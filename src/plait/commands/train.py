@@ -326,8 +326,8 @@ def _dry_run(cfg) -> int:
     build_model(cfg.model, device="meta")
     n = num_params(cfg.model)
     lay = cfg.layout
-    # every weight counted as trained, with or without LoRA (plait info splits the base out)
-    per_rank = average_model_state(cfg.model, lay)["device"]
+    # with LoRA the frozen base keeps no gradients or optimizer state (as plait info says)
+    per_rank = average_model_state(cfg.model, lay, cfg.lora)["device"]
     print(
         f"plait train --dry-run: ok: {n:,} parameters, {lay.world_size} workers "
         f"(dp={lay.dp} tp={lay.tp} pp={lay.pp}), {lay.num_microbatches} micro-batches of "
