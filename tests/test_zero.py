@@ -270,3 +270,25 @@ def test_resume_across_dp_size_and_stage(runs):
         steps = [m["step"] for m in results[name]["metrics"]]
         assert steps == list(range(11, STEPS + 1)), name
         assert_same_curve(_curve(results[name]), ref[10:], name)
+
+
+def test_adamw_state_step_lives_where_the_optimizer_reads_it():
+    """Fused (or capturable) AdamW reads ``step`` on the parameter's device; foreach AdamW
+    keeps it on the host, as ``torch.optim.AdamW`` itself does. Catches the zeroed state
+    (what the engines install up front and checkpoints load into) putting a host ``step``
+    beside a fused optimizer -- the fused CUDA kernel then fails. A meta tensor stands in
+    for a GPU one: the state must follow it."""
+    from plait.parallel.data_parallel import zero_state
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    on_meta = torch.empty(4, device="meta")
+    fused = torch.optim.AdamW([p], fused=True)
+    state = zero_state(fused, on_meta)
+    assert state["step"].device.type == "meta" and state["step"].dtype == torch.float32
+    assert state["exp_avg"].device.type == "meta"
+    plain = torch.optim.AdamW([p], foreach=True)
+    assert zero_state(plain, on_meta)["step"].device.type == "cpu"
+    # and torch agrees on the real device: the state its own first step creates
+    p.grad = torch.ones(4)
+    fused.step()
+    assert fused.state[p]["step"].device == p.device

@@ -317,10 +317,15 @@ def sq_sum(tensors) -> torch.Tensor | float:
     return torch.stack([n.double() for n in norms]).pow(2).sum()
 
 
-def adamw_zero_state(t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AdamW's state before its first step, as ``torch.optim.AdamW`` creates it."""
+def adamw_zero_state(t: torch.Tensor, optimizer=None) -> dict[str, torch.Tensor]:
+    """AdamW's state before its first step, as ``torch.optim.AdamW`` creates it: ``step`` a
+    float32 scalar on ``t``'s device when ``optimizer`` is fused or capturable (its kernels
+    read the step there: fused AdamW on CUDA fails on a host step), on the host otherwise."""
+    on_device = optimizer is not None and any(
+        g.get("fused") or g.get("capturable") for g in optimizer.param_groups
+    )
     return {
-        "step": torch.zeros((), dtype=torch.float32),
+        "step": torch.zeros((), dtype=torch.float32, device=t.device if on_device else "cpu"),
         "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format),
     }
@@ -333,7 +338,7 @@ def zero_state(optimizer, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if not optimizer.defaults.get("momentum"):
             return {}
         return {"momentum_buffer": torch.zeros_like(t, memory_format=torch.preserve_format)}
-    return adamw_zero_state(t)
+    return adamw_zero_state(t, optimizer)
 
 
 def elementwise_keys(optimizer) -> tuple[str, ...]:

@@ -170,7 +170,9 @@ class ShardedOptimizer:
             self.targets[p] = t
         self.optimizer = make_optimizer([(name, self.targets[p], p) for name, p in named])
         for _, p in named:  # state up front: checkpoints load into it, memory is counted
-            self.optimizer.state[self.targets[p]] = adamw_zero_state(self.targets[p])
+            self.optimizer.state[self.targets[p]] = adamw_zero_state(
+                self.targets[p], self.optimizer
+            )
 
     def step(self, lr: float, grads: dict) -> None:
         """One AdamW step of every shard, with ``grads[p]`` (this rank's gradient shards)."""

@@ -196,7 +196,7 @@ class ReplicaEngine:
         if template:
             for _, p in self.named:
                 if not state.get(p):
-                    state[p] = adamw_zero_state(p)
+                    state[p] = adamw_zero_state(p, self.optimizer)
         return {n: dict(state[p]) for n, p in self.named if state.get(p)}
 
     def load_optim_state(self, state: dict) -> None:
