@@ -95,6 +95,16 @@ def run_cases(rank, world, cases):
         close(self)
 
     loop.Trainer.close = capture
+    step = loop.Trainer.step
+
+    def counted_step(self, k):
+        # the collectives over every rank that the step issues: its statistics all-reduce
+        before = self.topo.stats.count("world")
+        rec = step(self, k)
+        captured.setdefault("world", []).append(self.topo.stats.count("world") - before)
+        return rec
+
+    loop.Trainer.step = counted_step
     results = []
     for cfg in cases:
         place_resume_checkpoint(rank, cfg)
@@ -108,6 +118,7 @@ def run_cases(rank, world, cases):
                 "coords": (topo.pp_rank, topo.dp_rank, topo.tp_rank),
                 "sums": captured["sums"],
                 "state": captured["state"],
+                "world_per_step": captured.pop("world"),
             }
         )
     return results
@@ -205,6 +216,18 @@ def assert_same_loss(got: list[dict], ref: list[dict], what: str) -> None:
     for g, r in zip(got, ref):
         a, b, n = g["loss"], r["loss"], g["step"]
         assert abs(a - b) <= n * tol * abs(b), (what, n, a, b, abs(a - b) / abs(b), n * tol)
+
+
+def test_one_collective_over_every_rank_per_step(runs):
+    """Every step of every algorithm and layout issues exactly one collective over the
+    whole world: the statistics all-reduce (loss, bubble, each replica's |g|^2, every
+    rank's peak memory), the step's one host synchronisation. Catches a second reduce for
+    the replicas' own gradient norms or for peak memory (both were separate before)."""
+    for world in ("w2", "w4"):
+        cases, ranks = runs[world]
+        for name, per_rank in ranks.items():
+            for r in per_rank:
+                assert set(r["world_per_step"]) == {1}, (name, r["world_per_step"])
 
 
 def test_local_sgd_h1_and_complete_gossip_are_plain_data_parallelism(runs):

@@ -262,7 +262,7 @@ class Topology:
 
         - ``replica``: this rank's replica as a grid of its own -- pp x k x tp ranks, the
           same tp and pp groups, the dp axis cut to the k ranks of the replica, and a
-          world group holding exactly the replica's ranks (its statistics all-reduce).
+          world group holding exactly the replica's ranks.
           Its ``rank`` is this rank's place in that grid (its coordinates are right);
           ``group_ranks`` keep global ranks.
         - ``across``: the dp axis of the R = dp / k ranks that hold the same place in

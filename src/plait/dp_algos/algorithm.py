@@ -4,7 +4,8 @@ ones whose replicas differ (local SGD, DiLoCo, gossip).
 The trainer holds one ``DPAlgorithm`` (``dp_algos.build``) and calls it at fixed points of
 its step (``train/loop.py``): the engine is built on ``engine_topo`` and handed
 ``compression``; after the engine's ``finish()`` the trainer calls ``finish_grads(step)``;
-the gradient norm is summed over ``stats_topo``; after the optimizer step it calls
+the squared gradient norm goes into slot ``norm_slot`` of the ``norm_slots`` that the
+statistics all-reduce carries; after the optimizer step it calls
 ``after_step(step)``. Checkpoints go through ``checkpoint_state`` / ``resume`` /
 ``loaded``.
 
@@ -14,8 +15,8 @@ the norm and the checkpoint are the ordinary ones (plus the codec's error buffer
 ``Replicas`` is the base of the others. The engine runs *inside* a replica (its dp axis
 cut to the replica's K ranks by ``Topology.replica_grid``; K = 1 without ZeRO), so each
 replica steps on its own gradient: every rank's loss is divided by the tokens of its
-replica, the squared gradient norm is summed over the replica's ranks only
-(``stats_topo``: the replica's own world group) and clipping uses it. The algorithm
+replica, the squared gradient norm is summed over the replica's ranks only (its own slot,
+``norm_slot``, of the statistics all-reduce) and clipping uses it. The algorithm
 then works on this rank's *shards* (``engine.shards()``: the parameters themselves, or
 this rank's ZeRO shard of them) across replicas, on ``across``: the dp group of the R
 ranks that hold the same shard in every replica.
@@ -66,8 +67,10 @@ class DPAlgorithm:
 
     def __init__(self, cfg: DPAlgoConfig, *, topo: Topology, layout, seed: int = 0):
         self.cfg, self.topo, self.layout, self.seed = cfg, topo, layout, seed
-        self.engine_topo = self.stats_topo = topo
+        self.engine_topo = topo
         self.num_replicas = layout.dp  # R: ranks that hold the same shard of the model
+        # one squared gradient norm for the whole run, in slot 0 of the statistics
+        self.norm_slot, self.norm_slots = 0, 1
         self.compression = None
         self.engine = None
 
@@ -271,7 +274,8 @@ class Replicas(DPAlgorithm):
         self.num_replicas, self.k = replicas_of(layout)
         self.index = topo.dp_rank // self.k  # this rank's replica
         self.replica_topo, self.across = topo.replica_grid(self.k)  # collective
-        self.engine_topo = self.stats_topo = self.replica_topo
+        self.engine_topo = self.replica_topo
+        self.norm_slot, self.norm_slots = self.index, self.num_replicas  # one per replica
         self.chunk_bytes = max(1, int(layout.bucket_mb * 2**20))
 
     def loss_tokens(self, sampler, step: int, global_count: int) -> int:

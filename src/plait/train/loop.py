@@ -15,12 +15,12 @@ Runs inside every worker process (``plait.train.worker``); the launcher has alre
 validated the config and prepared the data, so errors here are unexpected ones.
 
 GPU notes. Every tensor the step hands to a collective lives on ``topo.device``: the
-micro-batch losses are summed on the device and read, with the squared gradient norm, in
-one all-reduce per step (``optim.global_stats``), which is the step's only host
-synchronisation. The collectives of a step come in the same order on every rank: the
-runner's (tensor- and pipeline-parallel, and the data-parallel hooks in backward order),
-then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce, the peak-memory
-all-reduce, and the engine's step. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
+micro-batch losses are summed on the device and read, with the squared gradient norm, the
+bubble and every rank's peak memory, in one all-reduce per step (``_reduce_stats``), which
+is the step's only host synchronisation. The collectives of a step come in the same order
+on every rank: the runner's (tensor- and pipeline-parallel, and the data-parallel hooks in
+backward order), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
+and the engine's step. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from plait import dp_algos
+from plait import comm, dp_algos
 from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
 from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
@@ -129,6 +129,7 @@ class StepStats:
     grad_sq_sum: float  # |g|^2 of the (loss-scaled) gradient; each replica's own if they differ
     loss: float  # mean token loss over the global batch
     bubble_fraction: float = 0.0  # measured pipeline bubble, averaged over ranks
+    peak_mem_bytes: int = 0  # the largest rank's peak memory up to these statistics
 
     def to_json(self) -> dict:
         return {"step": self.step, "grad_sq_sum": self.grad_sq_sum, "loss": self.loss}
@@ -357,7 +358,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": flops_per_s / 1e12,
             "mfu": flops_per_s / self.peak_flops,
-            "peak_mem_bytes": int(optim.global_max(peak_memory_bytes(topo.device), topo)),
+            "peak_mem_bytes": stats.peak_mem_bytes,
             # this rank's parameters + gradients + optimizer state on the device
             "model_state_bytes": model_state["total"],
             # what this rank put on the wire over the dp axis (comm.py's ring convention)
@@ -373,24 +374,30 @@ class Trainer:
         return rec
 
     def _reduce_stats(self, step: int, loss_share) -> StepStats:
-        """The step's statistics over every rank, in one all-reduce of (|g|^2, loss,
-        bubble) -- the step's one host synchronisation -- or, when replicas differ, |g|^2
-        over the replica's ranks and (loss, bubble) over all. Each rank adds its share:
-        of the loss (the last pipeline stage's), of |g|^2 (its shard, or 0 for a copy),
-        of the bubble (its own over the world size)."""
-        topo, engine, algo = self.topo, self.engine, self.dp_algo
-        loss = loss_share if self.reports_loss else 0.0
-        bubble = getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size
-        if algo.replicas_differ:  # the norm of each replica's own gradient, clipped alone
-            (grad_sq_sum,) = optim.global_stats([engine.grad_sq_local()], algo.stats_topo)
-            loss, bubble = optim.global_stats([loss, bubble], topo)
-            loss /= algo.num_replicas  # the replicas' mean losses, averaged
-        else:
-            grad_sq_sum, loss, bubble = optim.global_stats(
-                [engine.grad_sq_local(), loss, bubble], topo
-            )
-        self._reduced = StepStats(step=step, grad_sq_sum=grad_sq_sum, loss=loss,
-                                  bubble_fraction=bubble)  # fmt: skip
+        """The step's statistics over every rank in one all-reduce (a sum, float64, on the
+        device) -- the step's one host synchronisation -- of
+
+            [loss, bubble, |g|^2 of replica 0 .. R-1, peak memory of rank 0 .. W-1]
+
+        to which each rank adds its share: of the loss (the last pipeline stage's), of the
+        bubble (its own over the world size), of its replica's |g|^2 (its shard, or 0 for
+        a copy; R = 1 unless replicas differ, each then clipped on its own norm:
+        ``dp_algos``' ``norm_slot``), and its peak memory so far in its own slot (the
+        record takes the largest). 2 + R + W numbers: 8 KiB at 1,024 ranks."""
+        topo, algo = self.topo, self.dp_algo
+        norms = 2 + algo.norm_slots  # where the peaks start
+        stats = torch.zeros(norms + topo.world_size, dtype=torch.float64, device=topo.device)
+        if self.reports_loss:
+            stats[0] = loss_share
+        stats[1] = getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size
+        stats[2 + algo.norm_slot] = self.engine.grad_sq_local()
+        stats[norms + topo.rank] = peak_memory_bytes(topo.device)
+        comm.world_all_reduce(stats, topo=topo)
+        values = stats.tolist()
+        loss = values[0] / (algo.num_replicas if algo.replicas_differ else 1)  # their mean
+        self._reduced = StepStats(step=step, grad_sq_sum=values[2 + algo.norm_slot], loss=loss,
+                                  bubble_fraction=values[1],
+                                  peak_mem_bytes=int(max(values[norms:])))  # fmt: skip
         return self._reduced
 
     def last_reduced(self) -> StepStats | None:

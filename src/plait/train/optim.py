@@ -141,10 +141,3 @@ def global_stats(values, topo: Topology) -> list[float]:
     )
     comm.world_all_reduce(t, topo=topo)
     return t.tolist()
-
-
-def global_max(value: float, topo: Topology) -> float:
-    """The largest of one number over every rank (peak memory)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=topo.device)
-    comm.world_all_reduce(t, topo=topo, op=comm.ReduceOp.MAX)
-    return t.item()
