@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
+from oracles import brute_force_bottleneck
 
 from plait.model import sizes
 from plait.model.config import preset
@@ -51,17 +51,6 @@ def test_uniform_is_even_and_last_stage_never_heavier():
             assert counts[-1] == min(counts), (n, s)
 
 
-def _brute_force_bottleneck(costs, s, first, last):
-    n = len(costs)
-    best = float("inf")
-    for cuts in itertools.combinations(range(1, n), s - 1):
-        bounds = [0, *cuts, n]
-        parts = [range(a, b) for a, b in zip(bounds, bounds[1:])]
-        worst = max(stage_costs(parts, costs, first_extra=first, last_extra=last))
-        best = min(best, worst)
-    return best
-
-
 def test_balanced_is_optimal_against_brute_force():
     rng = random.Random(0)
     for _ in range(150):
@@ -74,7 +63,7 @@ def test_balanced_is_optimal_against_brute_force():
         )
         assert len(parts) == s and _contiguous(parts, n)
         got = max(stage_costs(parts, costs, first_extra=first, last_extra=last))
-        assert got == pytest.approx(_brute_force_bottleneck(costs, s, first, last), rel=1e-12)
+        assert got == pytest.approx(brute_force_bottleneck(costs, s, first, last), rel=1e-12)
 
 
 def test_balanced_with_equal_costs_is_uniform():

@@ -7,7 +7,7 @@ import random
 import time
 
 import pytest
-from plan_oracle import brute_force
+from oracles import brute_force
 
 from plait.cli import main
 from plait.layout import Layout

@@ -4,7 +4,7 @@ chaos schedules and the flags' checks."""
 import random
 
 import pytest
-from test_partition import _brute_force_bottleneck
+from oracles import brute_force_bottleneck
 
 from plait.layout import Layout
 from plait.model.config import preset
@@ -187,7 +187,7 @@ def test_templates_from_the_simulator_are_balanced_and_fit():
         assert [b for _, b in tmpl.stages] == bounds[1:]  # each starts where the last stopped
         parts = [range(a, b) for a, b in tmpl.stages]
         worst = max(stage_costs(parts, costs, first_extra=first, last_extra=last))
-        assert worst == pytest.approx(_brute_force_bottleneck(costs, s, first, last), rel=1e-12)
+        assert worst == pytest.approx(brute_force_bottleneck(costs, s, first, last), rel=1e-12)
     assert t[2].stages != ((0, 4), (4, 8))  # the head moves a layer off the last stage
 
 

@@ -130,7 +130,8 @@ def global_stats(values, topo: Topology) -> list[float]:
 
     ``values`` are floats or 0-dim tensors (a loss summed on the device, a squared norm):
     they are stacked on ``topo.device`` in float64 -- a NCCL group has no CPU side -- and
-    ``tolist`` is the one host synchronisation of a training step."""
+    read with one ``tolist`` (an evaluation's loss; a training step's statistics go through
+    ``Trainer._reduce_stats``)."""
     t = torch.stack(
         [
             v.detach().to(device=topo.device, dtype=torch.float64)
