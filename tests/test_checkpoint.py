@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from plait.cli import main
 from plait.model.config import preset
 from plait.model.transformer import build_model
+from plait.parallel.held import Held
 from plait.topology import Topology
 from plait.train import checkpoint, manifest
 
@@ -21,11 +22,11 @@ FILES = [".metadata", "__0_0.distcp", "meta.json", "rng-rank-0.pt", "manifest.js
 def _model(seed):
     cfg = preset("tiny", n_layers=2, hidden=32, vocab_size=64, seq_len=8)
     model = build_model(cfg, seed=seed)
-    state = {  # AdamW's state, as the data-parallel engine hands it to the checkpoint
-        name: {"step": torch.zeros(()), "exp_avg": torch.full_like(p, seed),
-               "exp_avg_sq": torch.zeros_like(p)}
-        for name, p in model.named_parameters()
-    }  # fmt: skip
+    state = checkpoint.model_state(model)  # + AdamW's state, as a stage-0 engine holds it
+    for name, p in model.named_parameters():
+        for key, t in (("step", torch.zeros(())), ("exp_avg", torch.full_like(p, seed)),
+                       ("exp_avg_sq", torch.zeros_like(p))):  # fmt: skip
+            state[f"optim/{name}/{key}"] = Held.whole(t)
     return model, state
 
 
@@ -35,8 +36,7 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
     for step in (1, 2):
         model, state = _model(seed=step)
-        checkpoint.save(root, step, model=model, optim_state=state, meta={"m": step},
-                        topo=Topology.single())  # fmt: skip
+        checkpoint.save(root, step, state=state, meta={"m": step}, topo=Topology.single())
     return root
 
 
@@ -92,13 +92,12 @@ def test_flipped_bytes_refused_before_the_model_sees_them(root):
     model, state = _model(seed=99)
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(checkpoint.CheckpointError, match="step-00000002 is damaged: __0_0"):
-        checkpoint.load(root / "step-00000002", model=model, optim_state=state,
-                        topo=Topology.single())  # fmt: skip
+        checkpoint.load(root / "step-00000002", state=state, topo=Topology.single())
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     path, note = checkpoint.pick_resume(root)
     assert path.name == "step-00000001" and "does not match its sha256" in note
-    meta = checkpoint.load(path, model=model, optim_state=state, topo=Topology.single())
+    meta = checkpoint.load(path, state=state, topo=Topology.single())
     assert meta["m"] == 1 and meta["step"] == 1
 
 
@@ -177,7 +176,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous(tmpfs, tmp_path, runs_ou
     disk = tmpfs(tmp_path / "disk", size="2m")
     root = disk / "checkpoints"
     model, state = _model(seed=1)
-    kw = dict(model=model, optim_state=state, topo=Topology.single())
+    kw = dict(state=state, topo=Topology.single())
     checkpoint.save(root, 1, meta={"m": 1}, **kw)
     step1 = root / "step-00000001"
     page = os.statvfs(disk).f_frsize
@@ -209,7 +208,7 @@ def test_a_full_disk_under_dcps_exception_is_named(tmp_path, monkeypatch):
         raise CheckpointException("save", {0: RuntimeError("unexpected pos 4096 vs 0")})
 
     monkeypatch.setattr(checkpoint, "_write", failing_write)
-    kw = dict(model=None, optim_state={}, meta={}, topo=Topology.single())
+    kw = dict(state={}, meta={}, topo=Topology.single())
     monkeypatch.setattr(checkpoint, "_out_of_space", lambda root: None)
     with pytest.raises(CheckpointException):  # space left: not a full disk, re-raised
         checkpoint.save(tmp_path, 3, **kw)

@@ -215,15 +215,17 @@ def engine_step(
     engine.step(1e-2)
     seen["step"] = dict(topo.stats.calls)
     seen["step bytes"] = dict(topo.stats.bytes)
-    with engine.full_params():
-        param_err = max(
-            (p.detach() - dict(ref.named_parameters())[n].detach()).abs().max().item()
-            for n, p in model.named_parameters()
+    held = engine.held_state()  # this rank's shard of each parameter (what it checkpoints)
+    param_err = max(
+        (held[f"model/{n}"].flat - _shard(engine, p.detach())).abs().max().item()
+        for n, p in ref.named_parameters()
+    )
+    if gather_dtype != "fp32":  # checkpoints see the fp32 masters, not the wire copy
+        seen["full_is_rounded"] = all(
+            torch.equal(h.flat, h.flat.to(wire).float())
+            for key, h in held.items()
+            if key.startswith("model/")
         )
-        if gather_dtype != "fp32":  # checkpoints see the fp32 masters, not the wire copy
-            seen["full_is_rounded"] = all(
-                torch.equal(p, p.to(wire).float()) for p in model.parameters()
-            )
     seen["state"] = engine.model_state_bytes()
     engine.close()
     seen["n_local"] = sum(p.numel() for p in model.parameters())

@@ -103,12 +103,15 @@ def test_the_checker_catches_a_rename_and_a_new_required_parameter():
 
         def step(self, lr: float, extra) -> None: ...
 
-        def optim_state(self, *, templates: bool = False): ...
+        def grad(self, param): ...
+
+        def held_state(self, *, shards: bool = False): ...
 
     found = problems(Renamed, ShardEngine)
     assert any(p.startswith("scale_grads_") for p in found)
     assert any(p.startswith("step: requires") for p in found)
-    assert any(p.startswith("optim_state: keyword 'template'") for p in found)
+    assert any(p.startswith("grad: positional parameter 'p'") for p in found)
+    assert not any(p.startswith("held_state") for p in found)  # an optional extra is fine
 
 
 def test_the_engine_protocols_nest():

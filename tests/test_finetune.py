@@ -187,7 +187,7 @@ def final_state(cfg: RunConfig, out) -> dict[str, torch.Tensor]:
     if cfg.lora:
         apply_lora(model, cfg.lora, arch=cfg.model.arch, seed=123)
     path = checkpoint.latest(Path(out) / "checkpoints")
-    checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
+    checkpoint.load(path, state=checkpoint.model_state(model), topo=Topology.single())
     return {k: v.detach() for k, v in model.named_parameters()}
 
 

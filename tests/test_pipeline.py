@@ -36,7 +36,7 @@ from plait.parallel.pipeline.schedules import (
 )
 from plait.parallel.pipeline.stage import build_stage, check_pipeline, stage_layers
 from plait.topology import Topology
-from plait.train.checkpoint import latest, load
+from plait.train.checkpoint import latest, load, model_state
 from plait.train.config import RunConfig, TrainConfig
 from plait.viz.trace import TraceWriter, read_trace, timeline_from_traces
 
@@ -476,9 +476,7 @@ def test_pp2_checkpoint_loads_on_one_process(pipeline_runs):
 
     def final_weights(out):
         model = build_model(cfg.model, seed=123)
-        load(
-            latest(Path(out) / "checkpoints"), model=model, optim_state=None, topo=Topology.single()
-        )
+        load(latest(Path(out) / "checkpoints"), state=model_state(model), topo=Topology.single())
         return dict(model.named_parameters())
 
     got, want = final_weights(cfg.out), final_weights(ref)
@@ -501,7 +499,7 @@ def test_checkpoints_saved_under_interleaving_zero_bubble_and_tp_load_on_one_pro
         for out in (cfg.out, ref):
             model = build_model(cfg.model, seed=123)
             path = latest(Path(out) / "checkpoints")
-            load(path, model=model, optim_state=None, topo=Topology.single())
+            load(path, state=model_state(model), topo=Topology.single())
             with torch.no_grad():
                 losses.append(model(ids[:, :-1], ids[:, 1:]).mean().item())
         tokens = cfg.layout.global_batch_size * cfg.model.seq_len

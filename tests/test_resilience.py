@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from distributed import _free_port, run_workers
 
 from plait.data import DataConfig, prepare
@@ -108,6 +109,20 @@ def _generations(rank, world, cfg, port):
     return plain, sharded
 
 
+def _whole_optim_state(engine) -> dict:
+    """{name: {key: whole tensor}} of AdamW's state: a sharded replica's gathered over its
+    stage group (collective), a whole replica's as it is."""
+    inner = getattr(engine, "inner", None)
+    if inner is None:
+        return engine._optim_state()
+    out = {n: {"step": inner.optimizer.state(p)["step"]} for n, p in inner.named}
+    for key in ("exp_avg", "exp_avg_sq"):
+        fulls = inner.full_of({p: inner.optimizer.state(p)[key] for _, p in inner.named})
+        for n, p in inner.named:
+            out[n][key] = fulls[p]
+    return out
+
+
 def _scenario(rank, cfg, store, assignments, *, first_number):
     """Two generations of ``assignments`` on fresh models, two steps each, the state copied in
     between; this worker's losses, grad norms, bytes and final state's digests."""
@@ -148,7 +163,7 @@ def _scenario(rank, cfg, store, assignments, *, first_number):
             old.close()
         old = trainer
         if number == first_number + 1:  # whole state (collective over the stage groups)
-            state = trainer.engine.optim_state()
+            state = _whole_optim_state(trainer.engine)
         alive = gen.drop()
         out.setdefault("alive_after_drop", []).append(alive)
     out["digests"] = {
@@ -229,9 +244,10 @@ def same_curve(run: Path, ref: list[dict]) -> None:
             assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4, a["step"]
 
 
-def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, micro: int):
+def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, micro: int,
+                   save: bool = False):  # fmt: skip
     """The failure-free curve of one process (DESIGN.md section 3: every layout reproduces
-    it), in this process: no start-up of its own."""
+    it), in this process: no start-up of its own; ``save``: and its final checkpoint."""
     cfg = RunConfig(
         model=preset("tiny", n_layers=LAYERS, hidden=32, n_heads=2, seq_len=32, vocab_size=256),
         layout=Layout(global_batch_size=batch, micro_batch_size=micro),
@@ -248,7 +264,11 @@ def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, mic
         out=str(out),
     )
     trainer = Trainer(cfg, topo=Topology.single())
-    return [trainer.step(s) for s in range(steps)]
+    records = [trainer.step(s) for s in range(steps)]
+    if save:
+        cfg.save(out / "config.yaml")
+        trainer.save(steps)
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -341,12 +361,13 @@ def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus,
     replacement still be starting then, the run holds for it: chaos.py). Every step once,
     the failure-free curve; every shard bitwise equal on its holders at the end."""
     steps, batch, micro = 80, 64, 8
-    ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
+    ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro,
+                         save=True)  # fmt: skip
     out = tmp_path / "run"
     flags = ["--steps", steps, "--global-batch-size", batch, "--micro-batch-size", micro,
              "--dp", 4, "--pp", 1, "--zero", 2, "--zero-shard-group", 2, "--fault-tolerance", 1,
              "--inject-failure", "2:3,70:0", "--save-every", 20, "--heartbeat-timeout", 3,
-             "--verify-replicas", "--no-progress", "--nnodes", 2,
+             "--verify-replicas", "--async-checkpoint", "--no-progress", "--nnodes", 2,
              "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
     cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", corpus.path,
            "--cache-dir", corpus.cache_dir, "--out", str(out), *map(str, flags)]  # fmt: skip
@@ -369,6 +390,14 @@ def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus,
     worlds = [r["world_size"] for r in records(out) if "world_size" in r]
     assert worlds[0] == 4 and 2 in worlds and worlds.count(4) > 1, worlds
     assert "plait: replicas verified:" in proc.stdout
+    # --async-checkpoint with ZeRO: each worker of the first replica wrote its own shards
+    # from the side thread; loaded whole, they are the single-process run's final weights
+    # (a shard written at the wrong offset, or missing, breaks this)
+    from plait.generate import load_model
+
+    got, want = load_model(out)[2].state_dict(), load_model(tmp_path / "ref")[2].state_dict()
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_whole_node_lost_is_recovered_in_place_and_replaced_on_node_0(corpus, tmp_path):

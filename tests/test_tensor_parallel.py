@@ -523,7 +523,7 @@ def _check_checkpoint(ref_out: Path, out: Path, arch: str) -> None:
     for run in (ref_out, out):
         model = build_model(_model_cfg(arch), seed=1)
         path = checkpoint.latest(run / "checkpoints")
-        checkpoint.load(path, model=model, optim_state=None, topo=Topology.single())
+        checkpoint.load(path, state=checkpoint.model_state(model), topo=Topology.single())
         with torch.no_grad():
             losses.append(model(ids[:, :-1], ids[:, 1:]).mean().item())
     cfg = _model_cfg(arch)  # the final weights: STEPS steps of the curve's bound apart

@@ -152,21 +152,22 @@ def _engine(model, topo):
 
 
 def test_checkpoint_ignores_half_written_and_roundtrips(tmp_path):
+    """What a stage-0 engine holds (parameters and AdamW state) saved and loaded into
+    another model's engine; catches a load that misses the live optimizer state."""
     cfg = preset("tiny", arch="llama", n_layers=2, vocab_size=64, seq_len=8)
     model = build_model(cfg, seed=0)
     topo = Topology.single()
-    state = _engine(model, topo).optim_state(template=True)
-    for t in state["blocks.0.attn.q.weight"].values():
-        t.fill_(3.0)
+    state = _engine(model, topo).held_state()
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[f"optim/blocks.0.attn.q.weight/{key}"].flat.fill_(3.0)
     root = tmp_path / "ckpt"
-    checkpoint.save(root, 5, model=model, optim_state=state, meta={"x": 1}, topo=topo)
+    checkpoint.save(root, 5, state=state, meta={"x": 1}, topo=topo)
     (root / "step-00000009.tmp").mkdir()  # a crash mid-write of a later checkpoint
     assert checkpoint.latest(root).name == "step-00000005"
     other = build_model(cfg, seed=99)
     engine = _engine(other, topo)
-    state2 = engine.optim_state(template=True)
-    meta = checkpoint.load(checkpoint.latest(root), model=other, optim_state=state2, topo=topo)
-    engine.load_optim_state(state2)
+    meta = checkpoint.load(checkpoint.latest(root), state=engine.held_state(), topo=topo)
+    engine.state_loaded()
     assert meta["step"] == 5 and meta["x"] == 1
     for (n, p), (_, q) in zip(model.named_parameters(), other.named_parameters()):
         assert torch.equal(p, q), n

@@ -197,7 +197,7 @@ def test_zero_engine_counts_collectives_per_step(runs):
     ag, rs = ("dp", "all_gather"), ("dp", "reduce_scatter")
     assert 2 * z3_bf16["finish bytes"][ag] == z3["finish bytes"][ag]
     assert z3_bf16["finish bytes"][rs] == z3["finish bytes"][rs]  # gradients stay fp32
-    assert z3_bf16["full_is_rounded"] is False  # full_params: the masters, exactly
+    assert z3_bf16["full_is_rounded"] is False  # held (checkpointed): the masters, exactly
     # bytes: the all-gathers of a step (stages 1, 2) rebuild all 4N bytes (plus padding)
     n = z2["n_local"]
     for seen in (z1, z2):

@@ -35,7 +35,8 @@ def load_model(run: Path):
         from plait.model.quant import apply_qat
 
         apply_qat(model, cfg.qat)
-    checkpoint.load(path, model=model, optim_state=None, topo=Topology.single(), verified=True)
+    checkpoint.load(path, state=checkpoint.model_state(model), topo=Topology.single(),
+                    verified=True)  # fmt: skip
     model.eval()
     return cfg, path, model
 

@@ -39,7 +39,6 @@ and the factory that picks the engine for a ZeRO stage, are in ``engine.py``.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,8 @@ from torch import nn
 from plait import comm
 from plait.layout import DEFAULT_BUCKET_MB
 from plait.parallel.flat import FlatLayout
+from plait.parallel.held import Held
+from plait.parallel.tensor import REPLICATED, shard_spec
 from plait.topology import Axis, Topology
 
 
@@ -341,6 +342,18 @@ def zero_state(optimizer, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return adamw_zero_state(t, optimizer)
 
 
+def whole_state(model: nn.Module, optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, Held]:
+    """``held_state`` of a rank that holds ``model``'s parameters and the optimizer state
+    ``optim`` ({name: {key: tensor}}) whole: ``model/<name>`` and ``optim/<name>/<key>``."""
+    out = {}
+    for name, p in model.named_parameters():
+        spec = shard_spec(p)
+        out[f"model/{name}"] = Held.whole(p.detach(), spec)
+        for key, t in optim.get(name, {}).items():
+            out[f"optim/{name}/{key}"] = Held.whole(t, spec if t.dim() else REPLICATED)
+    return out
+
+
 def elementwise_keys(optimizer) -> tuple[str, ...]:
     """The state ``optimizer`` keeps per element of a tensor (not its scalar step):
     SGD's momentum buffer (none without momentum) or AdamW's two moments."""
@@ -391,20 +404,17 @@ class DataParallel:
     def zero_grad(self) -> None:
         self.grads.zero_grad()
 
-    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """AdamW's state per parameter name, full tensors (``template``: zeros to load into)."""
+    def held_state(self) -> dict[str, Held]:
+        """Every parameter and its optimizer state whole (its tp shard), as live tensors;
+        state the optimizer has not created yet is created as zeros to load into."""
         state = self.optimizer.state
-        if template:
-            for _, p in self.named:
-                if not state.get(p):
-                    state[p] = zero_state(self.optimizer, p)
-        return {n: dict(state[p]) for n, p in self.named if state.get(p)}
+        for _, p in self.named:
+            if not state.get(p):
+                state[p] = zero_state(self.optimizer, p)
+        return whole_state(self.model, {n: state[p] for n, p in self.named})
 
-    def load_optim_state(self, state: dict) -> None:
-        """Nothing to do: ``optim_state(template=True)`` handed out the live tensors."""
-
-    def full_params(self, *, writeback: bool = False):
-        return contextlib.nullcontext()
+    def state_loaded(self) -> None:
+        """Nothing to do: ``held_state`` handed out the live tensors."""
 
     # this rank's shards of the parameters (``dp_algos`` average and mix them)
 

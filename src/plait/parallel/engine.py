@@ -25,16 +25,13 @@ checks every member and its signature). In use (the trainer uses nothing else)::
         engine.scale_grads_(c)        # unscale (fp16) / clip
         engine.step(lr)               # AdamW (+ ZeRO parameter gathers)
         engine.zero_grad()
-    with engine.full_params():        # checkpoint: every parameter materialised
-        checkpoint.save(..., optim_state=engine.optim_state())   # {name: {key: full tensor}}
-    with engine.full_params(writeback=True):   # resume: load whole tensors ...
-        state = engine.optim_state(template=True)
-        checkpoint.load(..., optim_state=state)
-    engine.load_optim_state(state)             # ... and keep this rank's ZeRO shards
+    checkpoint.save(..., state=engine.held_state())   # what this rank holds, as it is
+    checkpoint.load(..., state=engine.held_state())   # resume: loaded in place ...
+    engine.state_loaded()                             # ... stages 1-2 re-gather
     # dp_algos (replicas that differ) average and mix what the optimizer updates:
     for name, p, shard in engine.shards(): ...    # write into ``shard`` ...
     engine.shards_changed()                       # ... then ZeRO 1/2 re-gather
-    full = engine.full_of({p: shard_shaped})      # checkpoints: whole tensors (collective)
+    full = engine.full_of({p: shard_shaped})      # whole tensors (collective)
     engine.shard_of(p, full)                      # ... and back
 
 ``make_optimizer`` receives (name, tensor to update, parameter) triples: the parameter
@@ -50,7 +47,6 @@ own.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -62,6 +58,7 @@ from plait.parallel.data_parallel import (
     DataParallelConfig,
     GradCompression,
 )
+from plait.parallel.held import Held
 from plait.parallel.zero import ZeroDataParallel
 from plait.topology import Topology
 
@@ -96,15 +93,13 @@ class GradientEngine(Protocol):
     def zero_grad(self) -> None:
         """Free the gradients."""
 
-    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's state per parameter name, full tensors (``template``: to load a
-        checkpoint into)."""
+    def held_state(self) -> dict[str, Held]:
+        """What this rank holds of each parameter (``model/<name>``) and optimizer state
+        (``optim/<name>/<key>``), as live tensors (``parallel/held.py``): a checkpoint
+        saves them as they are and loads into them."""
 
-    def load_optim_state(self, state: dict) -> None:
-        """Keep this rank's part of a loaded ``optim_state(template=True)``."""
-
-    def full_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager:
-        """A context in which every parameter is whole (stage 3 gathers them)."""
+    def state_loaded(self) -> None:
+        """After a load into ``held_state``'s tensors (stages 1-2 re-gather: collective)."""
 
     def model_state_bytes(self) -> dict[str, int]:
         """{"params", "grads", "optim", "total", "host"}: bytes this rank holds."""

@@ -28,8 +28,8 @@ reduce-scatter its input):
   one reduce-scatter per unit in the last micro-batch's backward, 4N bytes (HSDP: + an
   all-reduce of 4N/d). Nothing after the step.
 - earlier micro-batches reduce nothing (gradients accumulate unsharded), in every stage.
-- checkpoints: two all-gathers per bucket of AdamW's moments (8N bytes); stage 3 also
-  gathers every unit's parameters (4N bytes).
+- checkpoints: nothing at a save (each rank writes its own shards, ``held_state``); after
+  a load, stages 1-2 re-gather the parameters (one all-gather per bucket, 4N bytes).
 - d == 1: nothing is issued for the shard group; R == 1: nothing across replicas.
 
 The sharding of a parameter is defined once, by ``flat.shard_range``: the parameter
@@ -37,7 +37,7 @@ flattened, padded to a multiple of d, cut into d equal shards; rank i holds shar
 real part, without the padding). It depends only on the parameter's size and d -- not on
 which other parameters share its bucket -- so gradient buckets and stage-3 parameter units
 can group parameters differently, pipeline stages' tied embedding copies shard alike, and
-the checkpoint code cuts a full tensor with the same function. A bucket's flat buffer is
+a checkpoint finds a shard's place in the whole tensor from it (``parallel/held.py``). A bucket's flat buffer is
 rank-major (``flat.FlatLayout`` with d rows): row i is rank i's shard of each parameter in
 turn, so one reduce-scatter leaves each rank exactly its shards, and one all-gather
 rebuilds them all.
@@ -64,7 +64,6 @@ bucket order, after the shard group's reduce-scatters. No thread pool is involve
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -84,11 +83,10 @@ from plait.parallel.data_parallel import (
     tensor_bytes,
 )
 from plait.parallel.flat import FlatLayout, zero_shard
+from plait.parallel.held import Held
+from plait.parallel.tensor import shard_spec
 from plait.parallel.zero_units import Gather, ParamUnits
 from plait.topology import Axis, Topology
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's elementwise state ("step" is a scalar)
-
 
 # --- stage 2 and 3 gradients: reduce-scatter into shards ----------------------------------
 
@@ -316,18 +314,34 @@ class ZeroDataParallel:
     def zero_grad(self) -> None:
         self.grads.zero_grad()
 
-    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """Full (dp-unsharded) AdamW state per parameter name; collective over the shard
-        group unless ``template`` (zeros of the full shapes, to load a checkpoint into)."""
-        if template:
-            return {name: adamw_zero_state(torch.empty(p.shape)) for name, p in self.named}
-        names = {p: name for name, p in self.named}
-        out = {names[p]: {"step": self.optimizer.state(p)["step"].clone()} for _, p in self.named}
-        for key in STATE_KEYS:  # on the device (offload: from the host)
-            fulls = self.full_of({p: self.optimizer.state(p)[key] for _, p in self.named})
-            for p, full in fulls.items():
-                out[names[p]][key] = full
+    def held_state(self) -> dict[str, Held]:
+        """What this rank holds (``parallel/held.py``), as live tensors: its shard of each
+        trainable parameter and of its optimizer state; the frozen parameters (LoRA's
+        base) sharded too under stage 3, whole under stages 1-2. A load writes into these:
+        then ``state_loaded()``."""
+        out, shards = {}, self.units.shards if self.units else {}
+        trainable = dict((p, n) for n, p in self.named)
+        for name, p in self.model.named_parameters():
+            spec = shard_spec(p)
+            shard = self.optimizer.shards[p] if p in trainable else shards.get(p)
+            if shard is None:  # frozen, stages 1-2: whole on every rank
+                out[f"model/{name}"] = Held.whole(p.detach(), spec)
+                continue
+            out[f"model/{name}"] = Held.zero(shard, shape=p.shape, rank=self.rank, n=self.n,
+                                             spec=spec)  # fmt: skip
+            if p not in trainable:
+                continue
+            for key, t in self.optimizer.state(p).items():
+                out[f"optim/{name}/{key}"] = (
+                    Held.zero(t, shape=p.shape, rank=self.rank, n=self.n, spec=spec)
+                    if t.dim() else Held.whole(t)
+                )  # fmt: skip
         return out
+
+    def state_loaded(self) -> None:
+        """After a checkpoint was loaded into ``held_state``'s tensors: the shards are new
+        (offloaded masters re-read them; stages 1-2 re-gather the parameters)."""
+        self.shards_changed()
 
     def full_of(self, tensors: dict) -> dict:
         """Whole tensors from this rank's shards ({parameter: shard-shaped tensor, every
@@ -367,25 +381,6 @@ class ZeroDataParallel:
             if k not in state:
                 state[k] = torch.zeros_like(self.optimizer.targets[p])
         return [state[k] for k in keys]
-
-    def load_optim_state(self, state: dict) -> None:
-        """Take this rank's shards of full state tensors (as ``optim_state`` returns).
-        Call it after loading the parameters: it also refreshes offloaded masters."""
-        self.optimizer.reload_masters()
-        with torch.no_grad():
-            for name, p in self.named:
-                if name not in state:
-                    continue
-                mine = self.optimizer.state(p)
-                mine["step"].copy_(state[name]["step"].reshape(()))
-                for key in STATE_KEYS:
-                    mine[key].copy_(zero_shard(state[name][key], rank=self.rank, n=self.n))
-
-    def full_params(self, *, writeback: bool = False):
-        """Context in which every parameter is whole (stage 3 gathers them; collective)."""
-        if self.units is None:
-            return contextlib.nullcontext()
-        return self.units.full_params(writeback=writeback)
 
     def model_state_bytes(self) -> dict[str, int]:
         params = self.units.nbytes() if self.units else tensor_bytes(p for _, p in self.named)

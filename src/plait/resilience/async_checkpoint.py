@@ -23,6 +23,7 @@ per worker: a save waits for the previous one. Loading needs nothing new
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import pickle
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from plait.parallel.held import Held
 from plait.train import checkpoint, manifest
 
 POST = "ft/ckpt/{}/{}/{}"  # generation, step, rank: pickled (local plan, write results)
@@ -49,10 +51,12 @@ class AsyncSaver:
         self.error: BaseException | None = None
         self.committed: list[int] = []
 
-    def save(self, step: int, state: dict[str, torch.Tensor], meta: dict) -> None:
-        """Hand ``state`` (this rank's tensors, by DCP key) over to the side thread."""
+    def save(self, step: int, state: dict[str, Held], meta: dict) -> None:
+        """Hand ``state`` (what this rank writes, by checkpoint key) over to the side thread:
+        the training thread only copies it to host memory."""
         self.wait()
-        staged = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # host copies
+        staged = {k: dataclasses.replace(h, flat=h.flat.detach().to("cpu", copy=True))
+                  for k, h in state.items()}  # fmt: skip
         rng = torch.get_rng_state()
         self._thread = threading.Thread(
             target=self._run, args=(step, staged, meta, rng), name="plait-ckpt", daemon=True
@@ -87,6 +91,7 @@ class AsyncSaver:
         tmp.mkdir(parents=True, exist_ok=True)
         writer = FileSystemWriter(str(tmp))
         planner = DefaultSavePlanner(flatten_state_dict=False)
+        state = checkpoint.dcp_state(state, tp_rank=0, tp=1)  # no tensor parallelism here
         planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=self.rank == 0)
         writer.set_up_storage_writer(self.rank == 0)
         plan = writer.prepare_local_plan(planner.create_local_plan())
@@ -135,16 +140,10 @@ class AsyncSaver:
         self.committed.append(step)
 
 
-def owned_state(trainer) -> dict[str, torch.Tensor]:
-    """This rank's share of a checkpoint's state: the tensors it writes (module docstring),
-    under ``checkpoint.full_state``'s keys."""
-    owned = {id(p) for p in trainer.engine.counted}
-    optim = trainer.engine.optim_state(template=True)
-    state = {}
-    for name, p in trainer.model.named_parameters():
-        if id(p) not in owned:
-            continue
-        state[f"model/{name}"] = p.detach()
-        for key, t in optim.get(name, {}).items():
-            state[f"optim/{name}/{key}"] = t if t.dim() else t.reshape(1)
-    return state
+def owned_state(trainer) -> dict[str, Held]:
+    """What this rank writes (module docstring): what it holds (``engine.held_state``) of
+    the parameters it counts in the gradient norm, and of their optimizer state."""
+    counted = {name for name, p in trainer.model.named_parameters()
+               if any(p is q for q in trainer.engine.counted)}  # fmt: skip
+    return {key: held for key, held in trainer.engine.held_state().items()
+            if key.split("/", 2)[1] in counted}  # fmt: skip

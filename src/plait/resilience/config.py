@@ -190,8 +190,3 @@ def _check_zero(f: int, layout, res: ResilienceConfig) -> None:
             "--fault-tolerance with --offload-optimizer: the state copy moves device tensors "
             "only; drop --offload-optimizer"
         )
-    if res.async_checkpoint:
-        raise ValueError(
-            "--async-checkpoint with --zero: a sharded replica writes whole tensors, gathered "
-            "in the training thread; drop --async-checkpoint (synchronous saves work)"
-        )

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -374,11 +375,11 @@ def write_fingerprints(trainer: Trainer, path: Path) -> None:
 
 
 def _state_tensors(trainer: Trainer):
-    state = trainer.engine.optim_state()
-    for name, p in trainer.model.named_parameters():
-        yield name, p
-        for key, t in sorted(state.get(name, {}).items()):
-            yield f"{name}/{key}", t
+    """(name, tensor) of what this worker holds: a ZeRO shard is named with its start, so
+    that only workers holding the same shard are compared."""
+    for key, held in sorted(trainer.engine.held_state().items()):
+        yield (f"{key}@{held.lo}" if held.lo or held.flat.numel() < math.prod(held.shape)
+               else key), held.flat  # fmt: skip
 
 
 def _due(done: int, tcfg) -> bool:

@@ -41,7 +41,6 @@ parameters of each stage from the shards (``materialize``) once its state is cop
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -49,9 +48,10 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes
+from plait.parallel.data_parallel import adamw_zero_state, sq_sum, tensor_bytes, whole_state
 from plait.parallel.engine import GradientEngine
 from plait.parallel.flat import FlatLayout
+from plait.parallel.held import Held
 from plait.parallel.zero import ZeroDataParallel
 from plait.resilience.assignment import split_shard, unit_of, with_shard
 from plait.resilience.generation import Generation, unit_order
@@ -191,19 +191,20 @@ class ReplicaEngine:
             p.grad = None
         self.reduced = False
 
-    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def _optim_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's live state per parameter name (created as zeros where not stepped yet)."""
         state = self.optimizer.state
-        if template:
-            for _, p in self.named:
-                if not state.get(p):
-                    state[p] = adamw_zero_state(p, self.optimizer)
-        return {n: dict(state[p]) for n, p in self.named if state.get(p)}
+        for _, p in self.named:
+            if not state.get(p):
+                state[p] = adamw_zero_state(p, self.optimizer)
+        return {n: state[p] for n, p in self.named}
 
-    def load_optim_state(self, state: dict) -> None:
-        """Nothing to do: ``optim_state(template=True)`` handed out the live tensors."""
+    def held_state(self) -> dict[str, Held]:
+        """Every parameter and its AdamW state whole, as live tensors."""
+        return whole_state(self.model, self._optim_state())
 
-    def full_params(self, *, writeback: bool = False):
-        return contextlib.nullcontext()
+    def state_loaded(self) -> None:
+        """Nothing to do: ``held_state`` handed out the live tensors."""
 
     def model_state_bytes(self) -> dict[str, int]:
         params = tensor_bytes(p for _, p in self.named)
@@ -222,7 +223,7 @@ class ReplicaEngine:
     def unit_tensors(self, names: list[str]) -> list[torch.Tensor]:
         """The live tensors of the parameters ``names``, each followed by its AdamW
         moments: what a unit's copy moves."""
-        state, params = self.optim_state(template=True), dict(self.named)
+        state, params = self._optim_state(), dict(self.named)
         return [t for n in names for t in (params[n].data, *(state[n][k] for k in MOMENTS))]
 
     def adam_step(self) -> float:
@@ -230,7 +231,7 @@ class ReplicaEngine:
         return float(steps[0]) if steps else 0.0
 
     def set_adam_step(self, step: float) -> None:
-        for s in self.optim_state(template=True).values():
+        for s in self._optim_state().values():
             s["step"].fill_(step)
 
     def materialize(self) -> None:
@@ -289,12 +290,13 @@ class ShardedReplicaEngine(ReplicaEngine):
         self.inner.zero_grad()
         self.reduced = False
 
-    def optim_state(self, *, template: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """Whole AdamW state (collective over the stage group unless ``template``)."""
-        return self.inner.optim_state(template=template)
+    def held_state(self) -> dict:
+        """This worker's shards of the parameters and their AdamW state (``zero.py``)."""
+        return self.inner.held_state()
 
-    def load_optim_state(self, state: dict) -> None:
-        self.inner.load_optim_state(state)
+    def state_loaded(self) -> None:
+        """The parameters re-gathered over the stage group (collective)."""
+        self.inner.state_loaded()
 
     def model_state_bytes(self) -> dict[str, int]:
         return self.inner.model_state_bytes()

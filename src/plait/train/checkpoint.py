@@ -1,13 +1,22 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), written atomically, each
-file checked against a manifest before anything reaches the model.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), sharded: each rank writes only
+what it holds and reads only what its layout needs; written atomically, each file checked
+against a manifest before anything reaches the model.
 
 Layout of ``OUT/checkpoints/step-00000100/``: the DCP files (``.metadata``, ``*.distcp``)
-holding every parameter and its optimizer state under the parameter's global name, as the
-*full* (unsharded) tensor; ``meta.json`` (step, loss scale, model config);
-``rng-rank-K.pt`` per rank (its CPU and GPU generators); and ``manifest.json``, the size and SHA-256 of every other file (``manifest.py``).
-Because tensors are stored whole and cut on load by the same sharding functions the runtime
-uses, a checkpoint loads into any layout: different dp, tp, pp or ZeRO stage. DCP writes
-each tensor once even when several ranks hold it.
+holding every parameter and its optimizer state under the parameter's global name
+(``model/<name>``, ``optim/<name>/<key>``) at its *global* (tp-unsharded, unpadded) shape;
+``meta.json`` (step, loss scale, model config); ``rng-rank-K.pt`` per rank (its CPU and GPU
+generators); and ``manifest.json``, the size and SHA-256 of every other file
+(``manifest.py``).
+
+Sharded: the caller hands ``save`` and ``load`` {key: ``Held``} (``parallel/held.py``):
+what this rank holds of each tensor -- its tp shard, or the ZeRO range of it -- as live
+views. Each is given to DCP as the boxes of the global tensor it covers (DTensor's
+checkpoint protocol, ``_Boxes``): a save writes exactly those boxes (a box several ranks
+hold -- dp replicas, a tied copy -- is written once, DCP's de-duplication), and a load asks
+for exactly those boxes and DCP reads them from whichever saved chunks overlap them. So no
+rank ever gathers a tensor whole, a save's extra memory is one box's host copy at a time,
+and a checkpoint loads into any layout (different dp, tp, pp or ZeRO stage).
 
 Atomicity: everything is written into ``step-N.tmp``; each rank fsyncs and hashes the files
 it wrote (``.manifest-rank-K.json``); once all ranks are done, rank 0 merges those into the
@@ -21,16 +30,15 @@ with its size and digest. ``pick_resume`` takes the newest checkpoint that verif
 in one line which ones it skipped and why.
 
 Communication: ``save`` issues three world barriers around DCP's own collectives (planning
-and the final gather of write results), all on the topology's world group (never the
-default group: a resilient run's generations each build their own); every rank calls it at
-the same step, so the order is the same everywhere. ``verify`` and ``pick_resume`` with a
-multi-rank ``topo`` issue world all-reduces of small int64 tensors on ``topo.device`` (the
-candidate step; the manifest's file count; one (kind, size) row per file): each rank reads
-about 1/world of the bytes, and every decision is taken from the reduced values, so every
-rank runs the same number of all-reduces in the same order and returns the same answer.
-
-Known limit: every rank materialises full tensors of the parameters it holds while saving
-and loading; fine at the sizes plait trains on CPU, wasteful for very large tp/ZeRO-3 runs.
+and the final gather of write results: small objects, gathered to rank 0 and scattered
+back), all on the topology's world group (never the default group: a resilient run's
+generations each build their own); every rank calls it at the same step, so the order is
+the same everywhere. ``load`` issues DCP's planning collectives (the same on every rank).
+No tensor data moves between ranks. ``verify`` and ``pick_resume`` with a multi-rank
+``topo`` issue world all-reduces of small int64 tensors on ``topo.device`` (the candidate
+step; the manifest's file count; one (kind, size) row per file): each rank reads about
+1/world of the bytes, and every decision is taken from the reduced values, so every rank
+runs the same number of all-reduces in the same order and returns the same answer.
 """
 
 from __future__ import annotations
@@ -46,9 +54,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from plait import comm
-from plait.parallel.tensor import full_shape, shard_spec, tp_gather, tp_shard
+from plait.parallel.held import Held
+from plait.parallel.tensor import shard_spec
 from plait.topology import Topology
 from plait.train import manifest
 
@@ -116,46 +131,82 @@ def read_meta(path: Path) -> dict:
         ) from None
 
 
-def full_state(
-    model, optim_state: dict[str, dict[str, torch.Tensor]], topo: Topology, *, prefix: str = "",
-    extra: dict | None = None,
-) -> dict:  # fmt: skip
-    """Flat DCP state: ``<prefix>model/<name>`` and ``<prefix>optim/<name>/<key>`` as full
-    tensors, and ``extra`` entries {key: (tensor, parameter whose tp sharding it has, or
-    None: stored as it is)} -- the data-parallel algorithms' per-replica state (dp_algos)."""
-    state = {}
-    for name, p in model.named_parameters():
-        spec = shard_spec(p)
-        state[f"{prefix}model/{name}"] = tp_gather(p.detach(), spec, topo=topo)
-        for key, t in optim_state.get(name, {}).items():
-            state[f"{prefix}optim/{name}/{key}"] = (
-                tp_gather(t, spec, topo=topo) if t.dim() else t.reshape(1)
+def model_state(model, *, prefix: str = "") -> dict[str, Held]:
+    """{``<prefix>model/<name>``: each parameter whole} -- what a process that holds the
+    whole model (``generate``, a single-process run) reads or writes."""
+    return {f"{prefix}model/{n}": Held.whole(p.detach(), shard_spec(p))
+            for n, p in model.named_parameters()}  # fmt: skip
+
+
+class _Boxes(torch.Tensor):
+    """One checkpoint tensor as DCP sees it on this rank: its global size, and the boxes of
+    it this rank holds (global offsets, live view). It implements the checkpoint protocol
+    DTensor implements (``__create_write_items__``, ``__create_chunk_list__``,
+    ``__get_tensor_shard__``), which DCP's default planners ask of any tensor; nothing else
+    may be done with it."""
+
+    @staticmethod
+    def __new__(cls, size, dtype, boxes):
+        t = torch.Tensor._make_wrapper_subclass(cls, size, dtype=dtype)
+        t.boxes = boxes
+        return t
+
+    def __init__(self, size, dtype, boxes):
+        super().__init__()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"a checkpoint's box list does not support {func}")
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=view.shape),
+                    properties=TensorProperties.create_from_tensor(view),
+                    size=self.size(),
+                ),
             )
-    for key, (t, p) in sorted((extra or {}).items()):  # sorted: the same tp_gather order
-        state[key] = tp_gather(t, shard_spec(p), topo=topo) if p is not None else t
-    return state
+            for offsets, view in self.boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, view in self.boxes:
+            if torch.Size(offsets) == index.offset:
+                return view
+        raise ValueError(f"{index.fqn}: this rank holds no box at {tuple(index.offset)}")
+
+
+def dcp_state(state: dict[str, Held], *, tp_rank: int, tp: int) -> dict[str, _Boxes]:
+    """``state`` as DCP's state dict: each tensor the boxes of it this rank holds."""
+    out = {}
+    for key, held in state.items():
+        boxes = held.boxes(tp_rank=tp_rank, tp=tp)
+        out[key] = _Boxes(torch.Size(held.global_shape(tp)), held.flat.dtype, boxes)
+    return out
 
 
 def save(
     root: Path,
     step: int,
     *,
-    model,
-    optim_state: dict,
+    state: dict[str, Held],
     meta: dict,
     topo: Topology,
     keep: int = 2,
-    prefix: str = "",
-    extra: dict | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` (collective: every rank calls it). A write that fails for
-    want of space or permission raises CheckpointWriteError with one line. ``prefix`` and
-    ``extra``: see ``full_state``."""
+    """Write checkpoint ``step`` (collective: every rank calls it) from ``state``, what this
+    rank holds of each tensor (module docstring). A write that fails for want of space or
+    permission raises CheckpointWriteError with one line."""
     root = Path(root)
     previous = latest(root)
     try:
-        return _write(root, step, model=model, optim_state=optim_state, meta=meta, topo=topo,
-                      keep=keep, prefix=prefix, extra=extra)  # fmt: skip
+        return _write(root, step, state=state, meta=meta, topo=topo, keep=keep)
     except BaseException as e:
         # DCP's CheckpointException (a BaseException) wraps every rank's failure, which
         # may be torch.save's RuntimeError for a full disk: the space left decides too
@@ -176,8 +227,7 @@ def save(
         ) from e
 
 
-def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep, prefix="",
-           extra=None) -> Path:  # fmt: skip
+def _write(root: Path, step: int, *, state, meta, topo, keep) -> Path:
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
     if topo.rank == 0:
@@ -186,11 +236,10 @@ def _write(root: Path, step: int, *, model, optim_state, meta, topo, keep, prefi
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     comm.barrier(topo=topo)
-    state = full_state(model, optim_state, topo, prefix=prefix, extra=extra)
     writer = _Writer(tmp)
     with warnings.catch_warnings():  # DCP warns that one process means no_dist; we know
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=writer, process_group=topo.world_group,
+        dcp.save(dcp_state(state, tp_rank=topo.tp_rank, tp=topo.tp), storage_writer=writer, process_group=topo.world_group,
                  no_dist=not _dist())  # fmt: skip
     torch.save(rng_state(topo.device), tmp / f"rng-rank-{topo.rank}.pt")
     manifest.fsync(tmp / f"rng-rank-{topo.rank}.pt")  # DCP fsyncs its own files
@@ -376,63 +425,30 @@ def _agree_max(value: int, topo: Topology | None) -> int:
 def load(
     path: Path,
     *,
-    model,
-    optim_state: dict | None,
+    state: dict[str, Held],
     topo: Topology,
     verified: bool = False,
-    prefix: str = "",
-    extra: dict | None = None,
 ) -> dict:
-    """Load ``path`` into ``model`` (and into the tensors of ``optim_state``, in place,
-    which must already have the local shapes); returns the checkpoint's meta. Unless
-    ``verified`` (by ``pick_resume``), the files are checked against the manifest first
-    (collective when ``topo`` has several ranks). ``prefix``: read ``<prefix>model/...``
-    and ``<prefix>optim/...``; ``extra``: {key: (tensor to fill, parameter or None)}, as
-    ``full_state`` writes them."""
+    """Read checkpoint ``path`` into ``state``'s tensors, in place (what this rank holds of
+    each tensor, module docstring); returns the checkpoint's meta. Unless ``verified`` (by
+    ``pick_resume``), the files are checked against the manifest first (collective when
+    ``topo`` has several ranks)."""
     path = Path(path)
     problem = None if verified else verify(path, topo=topo)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     meta = read_meta(path)
-    targets = {}
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        spec = shard_spec(p)
-        targets[f"{prefix}model/{name}"] = torch.empty(
-            full_shape(p.shape, spec, topo.tp), dtype=p.dtype
-        )
-        for key, t in (optim_state or {}).get(name, {}).items():
-            shape = full_shape(t.shape, spec, topo.tp) if t.dim() else (1,)
-            targets[f"{prefix}optim/{name}/{key}"] = torch.empty(shape, dtype=t.dtype)
-    for key, (t, p) in (extra or {}).items():
-        shape = full_shape(t.shape, shard_spec(p), topo.tp) if p is not None else t.shape
-        targets[key] = torch.empty(shape, dtype=t.dtype)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, checkpoint_id=str(path), process_group=topo.world_group,
+            dcp.load(dcp_state(state, tp_rank=topo.tp_rank, tp=topo.tp),
+                     checkpoint_id=str(path), process_group=topo.world_group,
                      no_dist=not _dist())  # fmt: skip
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
         first = _root_cause(e)
         raise CheckpointError(
             f"checkpoint {path} could not be loaded into this model: {first}"
         ) from None
-    with torch.no_grad():
-        for name, p in params.items():
-            spec = shard_spec(p)
-            full = targets[f"{prefix}model/{name}"]
-            p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
-            for key, t in (optim_state or {}).get(name, {}).items():
-                full = targets[f"{prefix}optim/{name}/{key}"]
-                t.copy_(
-                    tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp)
-                    if t.dim()
-                    else full.reshape(())
-                )
-        for key, (t, p) in (extra or {}).items():
-            full = targets[key]
-            t.copy_(tp_shard(full, shard_spec(p), tp_rank=topo.tp_rank, tp=topo.tp) if p is not None
-                    else full)  # fmt: skip
     rng = path / f"rng-rank-{topo.rank}.pt"
     if rng.exists():
         set_rng_state(torch.load(rng, weights_only=True), topo.device)

@@ -44,9 +44,10 @@ from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
+from plait.parallel.held import Held
 from plait.parallel.pipeline.executor import PipelineRunner
 from plait.parallel.pipeline.stage import build_stage
-from plait.parallel.tensor import TPGradSync
+from plait.parallel.tensor import REPLICATED, TPGradSync, shard_spec
 from plait.topology import Topology
 from plait.train import checkpoint, optim
 from plait.train.config import RunConfig
@@ -285,32 +286,37 @@ class Trainer:
             entries = self.dp_algo.resume(checkpoint.read_meta(path))
         except ResumeError as e:
             raise checkpoint.CheckpointError(f"--resume: {path}: {e}") from None
-        with engine.full_params(writeback=True):  # ZeRO-3: whole while loading
-            optim_state = engine.optim_state(template=True)
-            meta = checkpoint.load(path, model=self.model, optim_state=optim_state, topo=self.topo,
-                                   verified=True, **entries)  # fmt: skip
-        engine.load_optim_state(optim_state)  # keeps this rank's ZeRO shard
+        meta = checkpoint.load(path, state=self.checkpoint_state(**entries), topo=self.topo,
+                               verified=True)  # fmt: skip
+        engine.state_loaded()  # ZeRO 1-2: the parameters re-gathered from the loaded shards
         self.dp_algo.loaded(meta["step"], meta)
         if meta.get("loss_scale"):
             self.scaler.load_state_dict(meta["loss_scale"])
         return meta["step"]
 
     def save(self, step: int) -> None:
-        with self.engine.full_params():  # full tensors, whatever the ZeRO stage
-            checkpoint.save(
-                self.out / "checkpoints",
-                step,
-                model=self.model,
-                optim_state=self.engine.optim_state(),
-                meta={
-                    "model": self.cfg.model.to_dict(),
-                    "loss_scale": self.scaler.state_dict(),
-                    **self.dp_algo.meta(),
-                },
-                topo=self.topo,
-                keep=self.cfg.train.keep_checkpoints,
-                **self.dp_algo.checkpoint_state(),  # every replica's, and their average
-            )
+        checkpoint.save(
+            self.out / "checkpoints",
+            step,
+            state=self.checkpoint_state(**self.dp_algo.checkpoint_state()),
+            meta={
+                "model": self.cfg.model.to_dict(),
+                "loss_scale": self.scaler.state_dict(),
+                **self.dp_algo.meta(),
+            },
+            topo=self.topo,
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def checkpoint_state(self, *, prefix: str = "", extra: dict | None = None) -> dict[str, Held]:
+        """What this rank saves or loads (``checkpoint.py``): what the engine holds, its
+        keys under ``prefix`` (a replica of ``--dp-algo`` local SGD keeps its own), and the
+        dp algorithm's ``extra`` entries {key: (tensor, parameter whose tp sharding it has,
+        or None)}."""
+        state = {f"{prefix}{key}": held for key, held in self.engine.held_state().items()}
+        for key, (t, p) in (extra or {}).items():
+            state[key] = Held.whole(t, shard_spec(p) if p is not None else REPLICATED)
+        return state
 
     # -- one step ----------------------------------------------------------------------
 
