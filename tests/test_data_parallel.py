@@ -8,9 +8,11 @@ the curve comparison) are shared with ``test_zero.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -18,6 +20,8 @@ import pytest
 import torch
 from distributed import place_resume_checkpoint, run_workers
 from numerics import assert_same_run
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from plait import comm
 from plait.data import DataConfig, prepare
@@ -92,21 +96,78 @@ def resume_from(cfg: RunConfig, checkpoint_dir: Path) -> RunConfig:
     return cfg
 
 
+class LargestAllocation(TorchDispatchMode):
+    """The largest tensor (bytes) any op creates while active -- not counting outputs that
+    share storage with an input (views, in-place ops, collectives into their arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor)}  # fmt: skip
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.bytes = max(self.bytes, t.nbytes)
+        return out
+
+
+@contextlib.contextmanager
+def probe_checkpoints():
+    """{"save", "load": the largest tensor created while a checkpoint's state is built and
+    saved or loaded; "param": the largest tp shard of one tensor this rank holds a part
+    of}, filled while ``Trainer`` saves and resumes inside the context."""
+    from plait.train import checkpoint, loop
+
+    probe = {"save": 0, "load": 0, "param": 0}
+    real = {
+        "save": checkpoint.save,
+        "load": checkpoint.load,
+        "state": loop.Trainer.checkpoint_state,
+    }
+
+    def watched(fn, what):
+        def run(*a, **k):
+            with LargestAllocation() as mode:
+                try:
+                    return fn(*a, **k)
+                finally:
+                    probe[what] = max(probe[what], mode.bytes)
+                    for held in (k.get("state") or {}).values():
+                        probe["param"] = max(probe["param"],
+                                             math.prod(held.shape) * held.flat.element_size())  # fmt: skip
+
+        return run
+
+    checkpoint.save, checkpoint.load = watched(real["save"], "save"), watched(real["load"], "load")
+    loop.Trainer.checkpoint_state = watched(real["state"], "save")  # save and resume alike
+    try:
+        yield probe
+    finally:
+        checkpoint.save, checkpoint.load = real["save"], real["load"]
+        loop.Trainer.checkpoint_state = real["state"]
+
+
 def train_cases(rank, world, cases):
     """Worker: train every config in turn on one process group; rank 0 returns each run's
-    metrics, every rank the model-state bytes it measured and how many parameters it holds."""
+    metrics, every rank the model-state bytes it measured, how many parameters it holds and
+    what its checkpoints allocated (``probe_checkpoints``)."""
     results = []
     for cfg in cases:
         place_resume_checkpoint(rank, cfg)
         lay = cfg.layout
         topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
-        last = train(cfg, topo=topo)
+        with probe_checkpoints() as probe:
+            last = train(cfg, topo=topo)
         state = {"total": last["model_state_bytes"], "host": last.get("host_state_bytes", 0)}
         results.append(
             {
                 "metrics": read_metrics(cfg.out) if rank == 0 else None,
                 "state": state,
                 "n_local": local_params(cfg, topo),
+                "checkpoint_alloc": probe,
             }
         )
     return results

@@ -128,8 +128,9 @@ def _w4_cases(data, root):
         )
     cases["tp2-dp2-z2"] = run_config(data, root / "tp-z2", dp=2, tp=2, zero=2)
     cases["tp2-dp2-z3-sp-llama"] = run_config(
-        data, root / "tp-sp", arch="llama", dp=2, tp=2, zero=3, sequence_parallel=True
-    )
+        data, root / "tp-sp", arch="llama", dp=2, tp=2, zero=3, sequence_parallel=True,
+        train={"save_every": 10},
+    )  # fmt: skip
     return cases
 
 
@@ -270,6 +271,28 @@ def test_resume_across_dp_size_and_stage(runs):
         steps = [m["step"] for m in results[name]["metrics"]]
         assert steps == list(range(11, STEPS + 1)), name
         assert_same_curve(_curve(results[name]), ref[10:], name)
+
+
+def test_checkpoints_never_allocate_more_than_one_parameter(runs):
+    """Saves (dp 2 ZeRO-1; dp 4 ZeRO-3; tp 2 x dp 2 ZeRO-3 with sequence parallelism) and
+    resumes (into dp 4 ZeRO-3, dp 2 x pp 2 ZeRO-1, dp 4 ZeRO-2 offloaded): on every rank,
+    the largest tensor created while the checkpoint state is built and written or read is
+    no larger than the largest tensor it holds a part of (its tp shard). Catches a gather at
+    a save or load: a tp_gather of a vocabulary-parallel weight (twice its shard), a ZeRO-3
+    unit gathered whole (several parameters), whole-tensor load targets of a tp run."""
+    checked = set()
+    for world in ("w2", "w4"):
+        cases, ranks = runs[world]
+        for rank, (_, results, _) in enumerate(ranks):
+            for name, result in zip(cases, results):
+                probe = result["checkpoint_alloc"]
+                if not probe["param"]:
+                    continue  # neither saved nor resumed
+                checked.add(name)
+                assert 0 < probe["save"] + probe["load"], (name, rank, probe)
+                assert max(probe["save"], probe["load"]) <= probe["param"], (name, rank, probe)
+    want = {"dp2-z1", "dp4-z3", "tp2-dp2-z3-sp-llama", "resume-A", "resume-B", "resume-A-offload"}
+    assert want <= checked, checked
 
 
 def test_adamw_state_step_lives_where_the_optimizer_reads_it():

@@ -4,9 +4,10 @@ collective, so training goes on while the files are written.
 
 Communication: none through process groups (so a side thread may do it: DESIGN.md section
 8). The training thread copies this rank's share of the state to host memory and returns.
-Each tensor is written by exactly one rank -- its holder in the first pipeline, the same
-rank that counts it in the gradient norm -- so no planning collective is needed to
-deduplicate. The side thread runs the steps of ``dcp.save`` without its collectives: its
+Each tensor is written by the workers of the first replica that count it in the gradient
+norm, each its own part (``engine.held_state``: the whole tensor, or its ZeRO shard inside
+the replica's stage group), so no planning collective is needed to deduplicate (the
+scalar AdamW ``step`` each shard holder writes is de-duplicated by rank 0's plan). The side thread runs the steps of ``dcp.save`` without its collectives: its
 local plan, the file prefix ``__{rank}_`` the global plan would give it, the writes
 (fsynced), then hashes its files into ``.manifest-rank-K.json`` and posts its plan and
 write results to the coordinator's store. Rank 0's thread waits for every rank's post,

@@ -1,0 +1,169 @@
+"""Peak memory of a checkpoint's save and load beside the training step's, per rank, in real
+multi-process runs (issue 25: a save must not gather the model or optimizer whole).
+
+    python benchmarks/checkpoint_memory.py          # ~2 minutes on 2 CPU cores
+
+Two layouts of 4 gloo processes, the trainer ``plait train`` runs: ``--dp 4 --zero 3`` and
+``--tp 2 --dp 2 --zero 1``; a GPT of 4 layers x 768 hidden and a vocabulary of 16,384 (40.8M
+parameters: 653 MB of fp32 weights, gradients and AdamW state in all), 4 sequences of 64
+tokens a step. Per rank, as the growth of the process's peak resident set over what it held
+before (``VmHWM`` reset through ``/proc/self/clear_refs``; ``MALLOC_MMAP_THRESHOLD_`` set so
+that freed tensors go back to the OS):
+
+- train: building the trainer and two steps;
+- save: ``Trainer.save`` (the DCP write and its manifest), over what the trained rank holds;
+- load: building a fresh trainer and ``Trainer.restore`` (resuming the saved checkpoint).
+
+and the ratios save / train and load / train. Before checkpoints were sharded, a save
+gathered every parameter and AdamW moment whole on every rank (ZeRO-3: ~4x the rank's model
+state at dp 4). Not a tensor tracker: ``torch.distributed._tools.mem_tracker`` does not see
+the storages ZeRO-3 grows with ``untyped_storage().resize_()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAYOUTS = {"dp4-zero3": dict(dp=4, zero=3), "tp2-dp2-zero1": dict(tp=2, dp=2, zero=1)}
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakRSS:
+    """Peak resident-set growth over a block (Linux): reset VmHWM, read it after."""
+
+    def __enter__(self):
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.base = _status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = _status("VmHWM") - self.base
+        return False
+
+
+def run_config(layout: dict, out: Path, *, resume: bool):
+    from plait.data import DataConfig
+    from plait.layout import Layout
+    from plait.model.config import preset
+    from plait.train.config import RunConfig, TrainConfig
+
+    model = preset("tiny", n_layers=4, hidden=768, n_heads=12, seq_len=64, vocab_size=16384)
+    lay = Layout(global_batch_size=4 * layout["dp"], micro_batch_size=4, **layout)
+    train = TrainConfig(steps=2, eval_every=0, eval_batches=1, progress=False, resume=resume,
+                        keep_checkpoints=1, save_every=10**9)  # fmt: skip
+    return RunConfig(model=model, layout=lay, data=DataConfig(tokenizer="bytes"), train=train,
+                     out=str(out))  # fmt: skip
+
+
+def worker(rank: int, name: str, out: str) -> dict:
+    from plait.data import prepare
+    from plait.topology import Topology
+    from plait.train.loop import Trainer
+
+    layout = LAYOUTS[name]
+    cfg = run_config(layout, Path(out), resume=False)
+    prepare(cfg.data)  # the token cache, before anything is measured
+    topo = Topology.build(pp=1, dp=layout["dp"], tp=layout.get("tp", 1))
+    with PeakRSS() as train:
+        trainer = Trainer(cfg, topo=topo)
+        for step in range(2):
+            trainer.step(step)
+    with PeakRSS() as save:
+        trainer.save(2)
+    save_peak = save.base + save.peak - train.base  # the trained state and the save
+    trainer.engine.close()
+    del trainer
+    with PeakRSS() as load:
+        fresh = Trainer(run_config(layout, Path(out), resume=True), topo=topo)
+        assert fresh.restore() == 2
+    return {"train": train.peak, "save": save_peak, "load": load.peak}
+
+
+def _entry(rank: int, world: int, port: int, name: str, out: str, result_dir: str):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    try:
+        res = {"ok": worker(rank, name, out)}
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        res = {"error": traceback.format_exc()}
+    Path(result_dir, f"{rank}.json").write_text(json.dumps(res))
+    os._exit(0)
+
+
+def run(name: str) -> list[dict]:
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = 4
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.get_context("spawn")
+        args = (world, port, name, str(Path(d) / "run"), d)
+        procs = [ctx.Process(target=_entry, args=(r, *args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        results = []
+        for r in range(world):
+            path = Path(d, f"{r}.json")
+            if not path.exists():
+                sys.exit(f"checkpoint_memory: worker {r} died (exit code {procs[r].exitcode})")
+            res = json.loads(path.read_text())
+            if "error" in res:
+                sys.exit(f"checkpoint_memory: worker {r} failed:\n{res['error']}")
+            results.append(res["ok"])
+        return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated")
+    args = ap.parse_args(argv)
+    names = args.layouts.split(",")
+    if unknown := [n for n in names if n not in LAYOUTS]:
+        print(f"checkpoint_memory: --layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
+        return 2
+    t0 = time.time()
+    mib = 2**20
+    print(f"{'layout':<15} {'rank':>4} {'train MiB':>10} {'save MiB':>9} {'load MiB':>9} "
+          f"{'save/train':>10} {'load/train':>10}")  # fmt: skip
+    for name in names:
+        for rank, r in enumerate(run(name)):
+            print(f"{name:<15} {rank:>4} {r['train'] / mib:>10.1f} {r['save'] / mib:>9.1f} "
+                  f"{r['load'] / mib:>9.1f} {r['save'] / r['train']:>10.2f} "
+                  f"{r['load'] / r['train']:>10.2f}")  # fmt: skip
+    print(f"({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
