@@ -29,7 +29,7 @@ from plait.layout import Layout
 from plait.model.config import preset
 from plait.resilience.assignment import Assignment, Pipeline, sources
 from plait.resilience.config import ResilienceConfig
-from plait.topology import Topology
+from plait.topology import Axis, Topology
 from plait.train.config import RunConfig, TrainConfig
 from plait.train.loop import Trainer
 
@@ -115,11 +115,18 @@ def _whole_optim_state(engine) -> dict:
     inner = getattr(engine, "inner", None)
     if inner is None:
         return engine._optim_state()
+    import torch.distributed as dist
+
     out = {n: {"step": inner.optimizer.state(p)["step"]} for n, p in inner.named}
+    group = inner.shard_topo.group(Axis.DP)
     for key in ("exp_avg", "exp_avg_sq"):
-        fulls = inner.full_of({p: inner.optimizer.state(p)[key] for _, p in inner.named})
         for n, p in inner.named:
-            out[n][key] = fulls[p]
+            shard = inner.optimizer.state(p)[key].reshape(-1)
+            size = -(-p.numel() // inner.n)  # shard_range's equal shards, padded
+            rows = [torch.zeros(size) for _ in range(inner.n)]
+            dist.all_gather(rows, torch.nn.functional.pad(shard, (0, size - shard.numel())),
+                            group=group)  # fmt: skip
+            out[n][key] = torch.cat(rows)[: p.numel()].view(p.shape)
     return out
 
 

@@ -51,6 +51,8 @@ from plait.data import IGNORE_INDEX
 from plait.dp_algos.compression import Int8Sum
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
 from plait.parallel.flat import FlatLayout
+from plait.parallel.held import Held
+from plait.parallel.tensor import shard_spec
 from plait.topology import Axis, Topology
 
 SHARED_KEYS = frozenset({"anchor", "outer_momentum", "ef21_total"})
@@ -97,13 +99,14 @@ class DPAlgorithm:
         return {"dp_algo": {**self.cfg.to_dict(), "replicas": self.num_replicas}}
 
     def checkpoint_state(self) -> dict:
-        """Keyword arguments for ``checkpoint.save``: ``prefix`` of this replica's model and
-        optimizer entries and ``extra`` entries {key: (tensor, parameter or None)}."""
+        """What a checkpoint holds besides the engine's state (``Trainer.checkpoint_state``):
+        ``prefix`` of this replica's model and optimizer entries and ``extra`` entries
+        {key: Held} (``parallel/held.py``: what this rank holds of each)."""
         return {"prefix": "", "extra": {}}
 
     def resume(self, meta: dict) -> dict:
-        """Keyword arguments for ``checkpoint.load`` of a checkpoint with ``meta`` (the
-        ``extra`` tensors are filled in place), or ResumeError."""
+        """What to load of a checkpoint with ``meta``, as ``checkpoint_state`` says (the
+        ``extra`` entries are live tensors, filled in place), or ResumeError."""
         saved = meta.get("dp_algo") or {}
         if saved.get("algo", "allreduce") != "allreduce":
             raise ResumeError(
@@ -118,30 +121,20 @@ class DPAlgorithm:
 
     # helpers for subclasses
 
-    def _param_entries(self, section: str, state: dict, *, full: bool) -> dict:
-        """{f"{section}/{name}/{key}": (whole tensor, parameter)} for per-parameter state
-        {name: {key: shard-shaped tensor}}; ``full`` gathers ZeRO shards (collective)."""
+    def _param_entries(self, section: str, state: dict) -> dict[str, Held]:
+        """{f"{section}/{name}/{key}": what this rank holds} of per-parameter state
+        {name: {key: tensor shaped like the parameter, or like this rank's shard of it}},
+        as live views: a save writes them, a load fills them."""
         params = {name: p for name, p, _ in self.engine.shards()}
         out = {}
-        keys = sorted({k for d in state.values() for k in d})
-        for key in keys:
-            have = {params[n]: d[key] for n, d in state.items() if key in d}
-            if not have:
-                continue
-            if full:  # every parameter must be there: the gather is per bucket
-                have = {p: have.get(p, _zeros_shard(self.engine, p)) for p in params.values()}
-                have = self.engine.full_of({p: t.reshape(-1) for p, t in have.items()})
-            for name, p in params.items():
-                if p in have and name in state and key in state[name]:
-                    out[f"{section}/{name}/{key}"] = (have[p].reshape(p.shape), p)
+        for name, d in state.items():
+            p = params[name]
+            for key, t in d.items():
+                out[f"{section}/{name}/{key}"] = (
+                    Held.whole(t.reshape(p.shape), shard_spec(p)) if t.numel() == p.numel()
+                    else self.engine.held_of(p, t)
+                )  # fmt: skip
         return out
-
-
-def _zeros_shard(engine, p) -> torch.Tensor:
-    for _, q, shard in engine.shards():
-        if q is p:
-            return torch.zeros_like(shard).reshape(-1)
-    raise KeyError("parameter not in the engine")
 
 
 class Synchronous(DPAlgorithm):
@@ -183,14 +176,18 @@ class Synchronous(DPAlgorithm):
     def checkpoint_state(self) -> dict:
         if self.compression is None:
             return super().checkpoint_state()
+        return {"prefix": "", "extra": self._codec_entries()}
+
+    def _codec_entries(self) -> dict[str, Held]:
+        """The codec's state: per replica (EF21's local estimate, PowerSGD's error), shared
+        (EF21's sum) and per tp rank (PowerSGD's Q)."""
         state = self._codec_state()
         per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
         shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
-        full = self.layout.zero >= 2
-        extra = self._param_entries(f"replica-{self._sender()}/algo", per, full=full)
-        extra.update(self._param_entries("algo", shared, full=full))
-        extra.update(self._raw_entries())
-        return {"prefix": "", "extra": extra}
+        out = self._param_entries(f"replica-{self._sender()}/algo", per)
+        out.update(self._param_entries("algo", shared))
+        out.update(self._raw_entries())
+        return out
 
     def _codec_state(self) -> dict:
         """{name: {key: tensor shaped like this rank's shard of the parameter}}."""
@@ -202,11 +199,11 @@ class Synchronous(DPAlgorithm):
             out[name] = {k: t.reshape(shards[name].shape) for k, t in d.items()}
         return out
 
-    def _raw_entries(self) -> dict:
+    def _raw_entries(self) -> dict[str, Held]:
         """PowerSGD's Q: shaped (columns, rank) of this rank's tp shard, so kept per tp rank
         (a layout with another tp restarts it from the seed)."""
         q = getattr(self.compression.codec, "q", None) or {}
-        return {f"algo/{name}/powersgd_q.tp{self.topo.tp_rank}of{self.topo.tp}": (t, None)
+        return {f"algo/{name}/powersgd_q.tp{self.topo.tp_rank}of{self.topo.tp}": Held.whole(t)
                 for name, t in q.items()}  # fmt: skip
 
     def resume(self, meta: dict) -> dict:
@@ -216,44 +213,11 @@ class Synchronous(DPAlgorithm):
             return plan  # another codec (or none): its state starts afresh
         if saved.get("replicas") != self.num_replicas:
             return plan
-        # what ``checkpoint_state`` writes, as tensors to load into (whole, this tp shard)
-        self._resume_targets = {
-            k: (
-                torch.empty(p.shape if p is not None else t.shape, dtype=t.dtype, device=t.device),
-                p,
-            )
-            for k, (t, p) in self._templates().items()
-        }
-        return {"prefix": "", "extra": self._resume_targets}
-
-    def _templates(self) -> dict:
-        state = self._codec_state()
-        out = {}
-        params = {name: p for name, p, _ in self.engine.shards()}
-        for name, d in state.items():
-            for key, t in d.items():
-                section = "algo" if key in SHARED_KEYS else f"replica-{self._sender()}/algo"
-                out[f"{section}/{name}/{key}"] = (t, params[name])
-        out.update(self._raw_entries())
-        return out
+        return {"prefix": "", "extra": self._codec_entries()}  # loaded in place
 
     def loaded(self, step: int, meta: dict) -> None:
-        if self.compression is None:
-            return
-        self.compression.set_step(step)
-        codec = self.compression.codec
-        shards = {name: p for name, p, _ in self.engine.shards()}
-        stores = {"ef21_local": "local", "ef21_total": "total", "powersgd_error": "error"}
-        with torch.no_grad():
-            for key, (t, _) in (getattr(self, "_resume_targets", None) or {}).items():
-                _, name, what = _split_key(key)
-                if what.startswith("powersgd_q"):
-                    codec.q[name].copy_(t)
-                    continue
-                value = self.engine.shard_of(shards[name], t) if self.layout.zero >= 2 else t
-                target = getattr(codec, stores[what])[name]
-                target.copy_(value.reshape(target.shape))
-        self._resume_targets = None
+        if self.compression is not None:
+            self.compression.set_step(step)
 
 
 def _split_key(key: str) -> tuple[str, str, str]:
@@ -414,15 +378,19 @@ class Replicas(DPAlgorithm):
         return {}
 
     def checkpoint_state(self) -> dict:
-        shards = self.engine.shards()
-        mean = self.engine.full_of({p: m for (_, p, _), m in zip(shards, self.mean_shards())})
-        extra = {f"model/{name}": (mean[p].reshape(p.shape), p) for name, p, _ in shards}
+        shards = self.engine.shards()  # the replicas' average first (collective), then ...
+        extra = {f"model/{name}": self.engine.held_of(p, mean)
+                 for (name, p, _), mean in zip(shards, self.mean_shards())}  # fmt: skip
+        extra.update(self._algo_entries())  # ... this replica's and the shared state
+        return {"prefix": f"replica-{self.index}/", "extra": extra}
+
+    def _algo_entries(self) -> dict[str, Held]:
         state = self.algo_state()
         per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
         shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
-        extra.update(self._param_entries(f"replica-{self.index}/algo", per, full=True))
-        extra.update(self._param_entries("algo", shared, full=True))
-        return {"prefix": f"replica-{self.index}/", "extra": extra}
+        out = self._param_entries(f"replica-{self.index}/algo", per)
+        out.update(self._param_entries("algo", shared))
+        return out
 
     def resume(self, meta: dict) -> dict:
         saved = meta.get("dp_algo") or {}
@@ -443,30 +411,13 @@ class Replicas(DPAlgorithm):
                 f"the checkpoint's local SGD ran with --compress {saved.get('compress')}, this "
                 f"run with --compress {self.cfg.compress}: resume with the checkpoint's setting"
             )
-        state = self.algo_state()
-        per = {n: {k: t for k, t in d.items() if k not in SHARED_KEYS} for n, d in state.items()}
-        shared = {n: {k: t for k, t in d.items() if k in SHARED_KEYS} for n, d in state.items()}
-        targets = {}
-        params = {name: p for name, p, _ in self.engine.shards()}
-        for section, part in ((f"replica-{self.index}/algo", per), ("algo", shared)):
-            for name, d in part.items():
-                for key in d:
-                    p = params[name]
-                    whole = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                    targets[f"{section}/{name}/{key}"] = (whole, p)
-        self._resumed = targets
+        targets = self._algo_entries()  # live: loaded in place
+        self._resumed = bool(targets)
         return {"prefix": f"replica-{self.index}/", "extra": targets}
 
     def loaded(self, step: int, meta: dict) -> None:
-        """Copy the loaded algorithm state into this rank's shards of it."""
-        targets = getattr(self, "_resumed", None)
-        state = self.algo_state()
-        params = {name: p for name, p, _ in self.engine.shards()}
-        with torch.no_grad():
-            for key, (t, _) in (targets or {}).items():
-                _, name, what = _split_key(key)
-                state[name][what].view(-1).copy_(self.engine.shard_of(params[name], t).reshape(-1))
-        self.fresh_state(loaded=bool(targets))
+        """The algorithm state came in place; what it did not hold starts afresh."""
+        self.fresh_state(loaded=bool(getattr(self, "_resumed", False)))
         self._resumed = None
 
     @torch.no_grad()

@@ -433,12 +433,10 @@ class DataParallel:
         state = self.optimizer.state[p]
         return [state[k] for k in elementwise_keys(self.optimizer)]
 
-    def full_of(self, tensors: dict) -> dict:
-        """Full tensors from shard-shaped ones ({parameter: tensor}): here the same."""
-        return dict(tensors)
-
-    def shard_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-        return full
+    def held_of(self, p: nn.Parameter, t: torch.Tensor) -> Held:
+        """What this rank holds of a tensor shaped like ``p`` when it holds ``t`` (shaped like
+        ``p``'s shard: here ``p`` whole)."""
+        return Held.whole(t.reshape(p.shape), shard_spec(p))
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients (as of the last ``finish()``:

@@ -31,8 +31,7 @@ checks every member and its signature). In use (the trainer uses nothing else)::
     # dp_algos (replicas that differ) average and mix what the optimizer updates:
     for name, p, shard in engine.shards(): ...    # write into ``shard`` ...
     engine.shards_changed()                       # ... then ZeRO 1/2 re-gather
-    full = engine.full_of({p: shard_shaped})      # whole tensors (collective)
-    engine.shard_of(p, full)                      # ... and back
+    engine.held_of(p, shard_shaped)               # checkpoints: its place in the whole
 
 ``make_optimizer`` receives (name, tensor to update, parameter) triples: the parameter
 itself (stage 0) or this rank's shard of it (stages 1-3), so that rules about parameters
@@ -124,11 +123,9 @@ class ShardEngine(GradientEngine, Protocol):
     def shard_state(self, p: nn.Parameter) -> list[torch.Tensor]:
         """The optimizer's elementwise state of ``p``'s shard (zeros if not stepped yet)."""
 
-    def full_of(self, tensors: dict) -> dict:
-        """Whole tensors from shard-shaped ones ({parameter: tensor}; collective)."""
-
-    def shard_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a whole tensor shaped like ``p``."""
+    def held_of(self, p: nn.Parameter, t: torch.Tensor) -> Held:
+        """What this rank holds of a tensor shaped like ``p`` when it holds ``t``, shaped like
+        its shard of ``p`` (``parallel/held.py``; checkpoints of ``dp_algos`` state)."""
 
 
 # The hook that sums this rank's gradient shards across ZeRO shard groups in place:

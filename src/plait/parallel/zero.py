@@ -343,23 +343,11 @@ class ZeroDataParallel:
         (offloaded masters re-read them; stages 1-2 re-gather the parameters)."""
         self.shards_changed()
 
-    def full_of(self, tensors: dict) -> dict:
-        """Whole tensors from this rank's shards ({parameter: shard-shaped tensor, every
-        parameter}): one all-gather per bucket (stage 3: per unit) over the shard group."""
-        pending = []
-        for params, layout in self.gather_groups:  # issued together, in bucket order ...
-            row = layout.pack_row([tensors[p] for p in params], like=params[0].detach())
-            pending.append(Gather(row, topo=self.shard_topo))
-        out = {}
-        for (params, layout), gather in zip(self.gather_groups, pending):  # ... then unpacked
-            fulls = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
-            layout.unpack(gather.rows(), fulls)
-            out.update(zip(params, fulls))
-        return out
-
-    def shard_of(self, p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a whole tensor shaped like ``p`` (a flat view)."""
-        return zero_shard(full, rank=self.rank, n=self.n)
+    def held_of(self, p: nn.Parameter, t: torch.Tensor) -> Held:
+        """What this rank holds of a tensor shaped like ``p`` when it holds ``t``, a tensor
+        shaped like its shard of ``p`` (``dp_algos`` state): for checkpoints."""
+        return Held.zero(t.reshape(-1), shape=p.shape, rank=self.rank, n=self.n,
+                         spec=shard_spec(p))  # fmt: skip
 
     def shards(self) -> list[tuple[str, nn.Parameter, torch.Tensor]]:
         """(name, parameter, this rank's shard of it: the tensor the optimizer updates)."""

@@ -47,7 +47,7 @@ from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.held import Held
 from plait.parallel.pipeline.executor import PipelineRunner
 from plait.parallel.pipeline.stage import build_stage
-from plait.parallel.tensor import REPLICATED, TPGradSync, shard_spec
+from plait.parallel.tensor import TPGradSync
 from plait.topology import Topology
 from plait.train import checkpoint, optim
 from plait.train.config import RunConfig
@@ -311,12 +311,9 @@ class Trainer:
     def checkpoint_state(self, *, prefix: str = "", extra: dict | None = None) -> dict[str, Held]:
         """What this rank saves or loads (``checkpoint.py``): what the engine holds, its
         keys under ``prefix`` (a replica of ``--dp-algo`` local SGD keeps its own), and the
-        dp algorithm's ``extra`` entries {key: (tensor, parameter whose tp sharding it has,
-        or None)}."""
+        dp algorithm's ``extra`` entries (``DPAlgorithm.checkpoint_state``)."""
         state = {f"{prefix}{key}": held for key, held in self.engine.held_state().items()}
-        for key, (t, p) in (extra or {}).items():
-            state[key] = Held.whole(t, shard_spec(p) if p is not None else REPLICATED)
-        return state
+        return {**state, **(extra or {})}
 
     # -- one step ----------------------------------------------------------------------
 
