@@ -97,8 +97,10 @@ def resume_from(cfg: RunConfig, checkpoint_dir: Path) -> RunConfig:
 
 
 class LargestAllocation(TorchDispatchMode):
-    """The largest tensor (bytes) any op creates while active -- not counting outputs that
-    share storage with an input (views, in-place ops, collectives into their arguments)."""
+    """The largest floating-point tensor (bytes) any op creates while active -- not counting
+    outputs that share storage with an input (views, in-place ops, collectives into their
+    arguments), nor the byte tensors of DCP's object collectives (its pickled plans: their
+    size is the number of chunks', not the model's)."""
 
     def __init__(self):
         super().__init__()
@@ -109,7 +111,8 @@ class LargestAllocation(TorchDispatchMode):
         seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                 if isinstance(t, torch.Tensor)}  # fmt: skip
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            if (isinstance(t, torch.Tensor) and t.is_floating_point()
+                    and t.untyped_storage().data_ptr() not in seen):  # fmt: skip
                 self.bytes = max(self.bytes, t.nbytes)
         return out
 

@@ -280,7 +280,7 @@ def test_checkpoints_never_allocate_more_than_one_parameter(runs):
     no larger than the largest tensor it holds a part of (its tp shard). Catches a gather at
     a save or load: a tp_gather of a vocabulary-parallel weight (twice its shard), a ZeRO-3
     unit gathered whole (several parameters), whole-tensor load targets of a tp run."""
-    checked = set()
+    checked, largest = set(), 0
     for world in ("w2", "w4"):
         cases, ranks = runs[world]
         for rank, (_, results, _) in enumerate(ranks):
@@ -289,10 +289,11 @@ def test_checkpoints_never_allocate_more_than_one_parameter(runs):
                 if not probe["param"]:
                     continue  # neither saved nor resumed
                 checked.add(name)
-                assert 0 < probe["save"] + probe["load"], (name, rank, probe)
+                largest = max(largest, probe["save"], probe["load"])
                 assert max(probe["save"], probe["load"]) <= probe["param"], (name, rank, probe)
     want = {"dp2-z1", "dp4-z3", "tp2-dp2-z3-sp-llama", "resume-A", "resume-B", "resume-A-offload"}
     assert want <= checked, checked
+    assert largest > 0  # the probe saw the boxes' host copies (it is not blind)
 
 
 def test_adamw_state_step_lives_where_the_optimizer_reads_it():
