@@ -273,6 +273,7 @@ def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, mic
     trainer = Trainer(cfg, topo=Topology.single())
     records = [trainer.step(s) for s in range(steps)]
     if save:
+        out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
         trainer.save(steps)
     return records
@@ -399,12 +400,15 @@ def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus,
     assert "plait: replicas verified:" in proc.stdout
     # --async-checkpoint with ZeRO: each worker of the first replica wrote its own shards
     # from the side thread; loaded whole, they are the single-process run's final weights
-    # (a shard written at the wrong offset, or missing, breaks this)
+    # (a shard written at the wrong offset, or missing, breaks this). Not the key biases:
+    # their gradient is zero in exact arithmetic (softmax ignores q . b_k, the same for
+    # every key), so AdamW steps on rounding noise that differs with the layout.
     from plait.generate import load_model
 
     got, want = load_model(out)[2].state_dict(), load_model(tmp_path / "ref")[2].state_dict()
-    for name, t in want.items():
-        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=name)
+    bad = [n for n, t in want.items() if "attn.k.bias" not in n
+           and not torch.allclose(got[n], t, rtol=1e-4, atol=1e-5)]  # fmt: skip
+    assert not bad, bad
 
 
 def test_a_whole_node_lost_is_recovered_in_place_and_replaced_on_node_0(corpus, tmp_path):
