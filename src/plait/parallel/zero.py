@@ -191,7 +191,7 @@ class ShardedOptimizer:
     def __init__(self, named, shards: dict, *, make_optimizer: Callable, offload: bool,
                  device: torch.device):  # fmt: skip
         self.named = named
-        self.shards, self.offload = shards, offload
+        self.shards, self.offload, self.device = shards, offload, device
         pin = offload and device.type == "cuda"
         self.targets = {}
         for _, p in named:
@@ -214,13 +214,16 @@ class ShardedOptimizer:
             self.targets[p].grad = (
                 grads[p].to("cpu", non_blocking=True) if self.offload else grads[p]
             )
-        if self.offload:
-            _sync(grads)
+        if self.offload:  # the host reads them next
+            host_waits_for_copies(self.device)
         self.optimizer.step()
         if self.offload:  # ... and the updated shards come back
+            # No wait: the device's stream runs these copies before any kernel that reads
+            # the shards, and the host next writes the masters in the next step's
+            # optimizer step, after that step's wait (or in ``reload_masters``, a copy
+            # queued behind these).
             for _, p in self.named:
                 self.shards[p].copy_(self.targets[p], non_blocking=True)
-            _sync(self.shards)
         for t in self.targets.values():
             t.grad = None
 
@@ -240,9 +243,15 @@ class ShardedOptimizer:
         return {"device": 0, "host": states + masters} if self.offload else {"device": states}
 
 
-def _sync(tensors: dict) -> None:
-    if any(t.is_cuda for t in tensors.values()):
-        torch.cuda.synchronize()
+def host_waits_for_copies(device: torch.device) -> None:
+    """Before the host reads what non-blocking device-to-host copies wrote: wait for an
+    event recorded behind them on the stream that queued them -- those copies and what
+    preceded them there, not every stream of the device (``torch.cuda.synchronize``).
+    Nothing to wait for on the CPU, where copies are done when they return."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
 
 
 # --- the engine ----------------------------------------------------------------------------
