@@ -183,8 +183,9 @@ def assert_same_curve(records: list[dict], ref: list[dict], what: str = "", arch
     assert_same_run(records, ref, cfg, 8 * cfg.seq_len, what)
 
 
-def reference_metrics(data, root: Path, arch="gpt2", steps=STEPS) -> list[dict]:
-    cfg = run_config(data, root / f"ref-{arch}-{steps}", arch=arch, train={"steps": steps})
+def reference_metrics(data, root: Path, arch="gpt2", steps=STEPS, dtype="fp32") -> list[dict]:
+    name = f"ref-{arch}-{steps}" + ("" if dtype == "fp32" else f"-{dtype}")
+    cfg = run_config(data, root / name, arch=arch, train={"steps": steps}, dtype=dtype)
     train(cfg, topo=Topology.single())
     return read_metrics(cfg.out)
 
@@ -224,8 +225,10 @@ def engine_step(
     """One step of two micro-batches through the engine, checked against the whole batch
     on one process: dp communication per phase, the reduced gradients, the new weights,
     the model-state bytes. ``gather_dtype`` (stage 3): the weights cross the wire, and so
-    reach the forward, rounded to it; the reference is given the same rounded weights, so
-    the gradients still agree to fp32 summation order."""
+    reach the forward, rounded to it, and both models run under autocast to it (the
+    linear layers' weights are then held in it); the reference is given the same rounded
+    weights and runs one sequence per micro-batch (bf16 GEMM outputs depend on how rows
+    are batched), so the gradients still agree to fp32 summation order."""
     topo = Topology.build(pp=1, dp=world, tp=1)
     tcfg = TrainConfig(lr=1e-2, warmup=0)
     cfg = tiny()
@@ -233,12 +236,18 @@ def engine_step(
     tokens = ids[:, 1:].numel()
 
     ref = build_model(cfg, seed=0)
+    autocast, rows = contextlib.nullcontext, [ids]
     if gather_dtype != "fp32":
         wire = {"bf16": torch.bfloat16, "fp16": torch.float16}[gather_dtype]
         with torch.no_grad():
             for p in ref.parameters():
                 p.copy_(p.to(wire).float())
-    (ref(ids[:, :-1], ids[:, 1:]).sum() / tokens).backward()
+        autocast = functools.partial(torch.autocast, "cpu", dtype=wire)
+        rows = ids.split(1)
+    for mb in rows:
+        with autocast():
+            loss = ref(mb[:, :-1], mb[:, 1:]).sum() / tokens
+        loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     opt = optim.build_adamw([(n, p, p) for n, p in ref.named_parameters()], tcfg)
     opt.step()
@@ -262,7 +271,9 @@ def engine_step(
     seen = {}
     topo.stats.reset()
     for i, mb in enumerate(local.split(1)):
-        (model(mb[:, :-1], mb[:, 1:]).sum() / tokens).backward()
+        with autocast():
+            loss = model(mb[:, :-1], mb[:, 1:]).sum() / tokens
+        loss.backward()
         seen[f"after micro-batch {i + 1}"] = dict(topo.stats.calls)
     seen["launched by hooks"] = engine.grads.launched_by_hooks
     seen["buckets"] = len(engine.grads.buckets)

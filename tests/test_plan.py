@@ -185,7 +185,8 @@ def test_emitted_config_round_trips_through_train_dry_run(capsys, tmp_path):
          "512", "--top", "1"], capsys, tmp_path)  # fmt: skip
     text = path.read_text()
     assert "model: gpt3-2.7b" in text and "global-batch-size: 512" in text
-    assert main(["train", "--dry-run", "--config", str(path)]) == 0
+    # a layout of 64 A100s, validated on this host: its memory is not theirs
+    assert main(["train", "--dry-run", "--skip-memory-check", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "plait train --dry-run: ok: 2,651,553,280 parameters, 64 workers" in out
     # a resized model writes its sizes

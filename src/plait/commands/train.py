@@ -3,8 +3,9 @@ and report.
 
     plait train --model tiny --steps 200           # the embedded corpus, one worker
     plait train --config run.yaml --dp 2 --tp 2    # a config file; flags override it
-    plait train ... --dry-run                      # validate, build on meta, stop
+    plait train ... --dry-run                      # validate, build on meta, say if it fits
     plait train --out runs/x --resume              # from its newest checkpoint
+    plait train ... --skip-memory-check            # start even if the estimate does not fit
 
 Communication: none in this process. ``plait.train.launch`` starts the workers, whose
 collectives are theirs (``train/loop.py`` and ``parallel/``).
@@ -12,14 +13,23 @@ collectives are theirs (``train/loop.py`` and ``parallel/``).
 The flags only override config fields (``cli_args`` converts them); ``build_run_config``
 makes the ``RunConfig`` the workers read from ``config.yaml``. A run stopped by Ctrl-C
 exits 130, by SIGTERM 143; errors a user can cause print one line and return 2.
+
+The memory check (``memory_fit``), before any worker starts and before the data is
+prepared: the fullest rank's estimated peak (``plait simulate``'s memory model, exact
+for even pipeline stages) against the device's memory -- on a CPU, the host's
+MemAvailable over the workers started on it. A layout that does not fit is refused in
+one line with the estimate, the limit and the fastest layout of as many workers that fits
+(``plan``'s search); ``--dry-run`` says "does not fit" (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from plait.cli_args import model_config, model_layout_parser
@@ -74,6 +84,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "safetensors); the model's sizes come from it")  # fmt: skip
     g.add_argument("--dry-run", action="store_true", default=None,
                    help="validate, build the model on the meta device, and stop")  # fmt: skip
+    g.add_argument("--skip-memory-check", action="store_true", default=None,
+                   help="start even if the estimated peak memory per rank exceeds the "
+                   "device's (or, on a CPU, the host's available memory per worker)")  # fmt: skip
     g = p.add_argument_group("quantisation-aware training")
     g.add_argument("--qat", choices=("int8", "int4"),
                    help="quantisation-aware training of the block linear layers")  # fmt: skip
@@ -117,10 +130,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if values["dtype"] is None:  # bf16 where GPUs want it, fp32 on a CPU
             values["dtype"] = _default_train_dtype()
         cfg = build_run_config(values)
+        nnodes = values.get("nnodes") or 1
+        fit = None if values.get("skip_memory_check") else memory_fit(cfg, nnodes=nnodes)
         if values.get("dry_run"):
             if cfg.train.resume:
                 _check_resume(cfg)
-            return _dry_run(cfg)
+            return _dry_run(cfg, fit)
+        if fit is not None and not fit.fits:  # before any worker, and before the data
+            raise UserError(fit.refusal())
         _check_gpu_peak(cfg)
         from plait.train import run_folder
 
@@ -318,7 +335,8 @@ def _with_vocab(cfg, vocab: int):
     return dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=vocab))
 
 
-def _dry_run(cfg) -> int:
+def _dry_run(cfg, fit: MemoryFit | None) -> int:
+    """Validate and build on meta; say whether the estimated peak fits (exit 2 if not)."""
     from plait.model.sizes import num_params
     from plait.model.transformer import build_model
     from plait.sim.memory import average_model_state
@@ -328,12 +346,140 @@ def _dry_run(cfg) -> int:
     lay = cfg.layout
     # with LoRA the frozen base keeps no gradients or optimizer state (as plait info says)
     per_rank = average_model_state(cfg.model, lay, cfg.lora)["device"]
-    print(
-        f"plait train --dry-run: ok: {n:,} parameters, {lay.world_size} workers "
+    verdict = "ok" if fit is None or fit.fits else "does not fit"
+    line = (
+        f"plait train --dry-run: {verdict}: {n:,} parameters, {lay.world_size} workers "
         f"(dp={lay.dp} tp={lay.tp} pp={lay.pp}), {lay.num_microbatches} micro-batches of "
         f"{lay.micro_batch_size}, ~{per_rank / 2**30:.2f} GiB model state per rank"
     )
-    return 0
+    if fit is None:
+        print(line)
+        return 0
+    print(f"{line}; {fit.summary()}" + ("" if fit.fits else f"; {fit.advice()}"))
+    return 0 if fit.fits else 2
+
+
+# -- the memory check ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """A run's estimated peak memory per rank against what this machine gives each.
+
+    ``estimate``: ``plait simulate``'s peak (``sim.memory.memory_per_rank``: model
+    state, the schedule's activations at the micro-batch size, ZeRO-3's buffers, the
+    framework's overhead) of the fullest rank; ``limit``: the device's memory, or on a CPU
+    the host's available memory divided among the workers started here; ``nearest``: the
+    fastest layout of as many workers that fits (``plan``'s search), as flags, or None."""
+
+    estimate: float
+    limit: float
+    where: str  # what the limit is
+    nearest: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate <= self.limit
+
+    def summary(self) -> str:
+        return (
+            f"peak ~{self.estimate / GiB:.1f} GiB per rank estimated, "
+            f"{self.limit / GiB:.1f} GiB {self.where}"
+        )
+
+    def advice(self) -> str:
+        if self.nearest is None:
+            return "no layout of as many workers fits: use more workers, a smaller model or a shorter --seq-len"
+        return f"nearest layout that fits: {self.nearest}"
+
+    def refusal(self) -> str:
+        return (
+            f"does not fit: {self.summary()}; {self.advice()} "
+            "(or --skip-memory-check to start anyway)"
+        )
+
+
+GiB = 2**30
+
+
+def memory_fit(cfg, *, nnodes: int = 1) -> MemoryFit | None:
+    """``MemoryFit`` of ``cfg`` on this machine (the nearest layout only when it does not
+    fit); None where the limit is unknown (no /proc/meminfo) or the simulator cannot
+    model the run."""
+    from plait.sim.simulate import simulate
+
+    local = max(1, cfg.layout.world_size // nnodes)
+    device = _local_device(local)
+    if device is None:
+        return None
+    hw, where = device
+    algo = None if cfg.dp_algo.algo == "allreduce" and cfg.dp_algo.compress is None else cfg.dp_algo
+    try:
+        res = simulate(cfg.model, cfg.layout, hw, runtime="plait", exact=False, lora=cfg.lora,
+                       dp_algo=algo)  # fmt: skip
+    except ValueError:  # a run the model does not cover: no check rather than a wrong one
+        return None
+    fit = MemoryFit(res.peak_mem_bytes, hw.memory_bytes, where)
+    if fit.fits:
+        return fit
+    return dataclasses.replace(fit, nearest=_nearest_fit(cfg, hw, algo))
+
+
+def _local_device(workers: int):
+    """(hardware entry with this machine's memory per rank, what that memory is), or None.
+    A GPU: its total memory (``get_device_properties``: ``mem_get_info`` would keep a
+    CUDA context on it in this process for the whole run). A CPU: MemAvailable over the
+    ``workers`` started here."""
+    import torch
+
+    from plait.sim.hardware import BUILTIN, DEFAULT_GPU, gpu_peak_flops
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        peaks = gpu_peak_flops(name)
+        base = next((h for h in BUILTIN.values() if h.peak_flops == peaks), BUILTIN[DEFAULT_GPU])
+        total = torch.cuda.get_device_properties(0).total_memory
+        return dataclasses.replace(base, memory_bytes=total), f"on the {name}"
+    available = _mem_available()
+    if available is None:
+        return None
+    each = available / workers
+    return dataclasses.replace(BUILTIN["cpu"], memory_bytes=each), (
+        f"available (the host's MemAvailable over {workers} worker{'s' * (workers > 1)})"
+    )
+
+
+def _mem_available(path: str = "/proc/meminfo") -> float | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def _nearest_fit(cfg, hw, algo) -> str | None:
+    """The fastest layout of ``cfg``'s workers that fits ``hw`` (``plan``'s search), as
+    flags; None if none does."""
+    from plait.sim.search import PlanRequest, search, space_for
+
+    lay = cfg.layout
+    try:
+        plan = search(PlanRequest(
+            model=cfg.model, hardware=hw, n_devices=lay.world_size,
+            global_batch_size=lay.global_batch_size, dtype=lay.dtype, runtime="plait",
+            space=space_for("plait"), top_k=1, exact=False, dp_algo=algo,
+        ))  # fmt: skip
+    except ValueError:  # nothing fits
+        return None
+    c = plan.best.candidate
+    flags = [f"--dp {c.dp}", f"--tp {c.tp}", f"--pp {c.pp}"]
+    if c.pp > 1:
+        flags += [f"--vpp {c.vpp}"] * (c.vpp > 1) + [f"--schedule {c.schedule}"]
+    flags += [f"--zero {c.zero}", f"--micro-batch-size {c.micro_batch_size}"]
+    flags += ["--sequence-parallel"] * c.sequence_parallel + [f"--recompute {c.recompute}"]
+    return f"{' '.join(flags)} (~{plan.best.result.peak_mem_bytes / GiB:.1f} GiB)"
 
 
 def _report(cfg) -> None:

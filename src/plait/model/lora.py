@@ -143,6 +143,10 @@ class LoRA(nn.Module):
         else:
             raise TypeError(f"LoRA needs a parallel linear layer, got {type(layer).__name__}")
 
+    def autocast_params(self) -> list[nn.Parameter]:
+        """Both factors: only ``F.linear`` reads them (``ColumnParallelLinear``'s)."""
+        return [self.A, self.B]
+
     def forward(self, x):  # (..., in or in/t) -> (..., out/t or out)
         # scaled at rank r, not at the output width: one (..., out) temporary fewer
         return F.linear(F.linear(x, self.A) * self.scale, self.B)

@@ -375,6 +375,12 @@ class ColumnParallelLinear(nn.Module):
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return enter_tp(x, self.topo, self.sequence_parallel)
 
+    def autocast_params(self) -> list[nn.Parameter]:
+        """The parameters only ``F.linear`` reads, which autocast computes with in the
+        compute dtype anyway: ZeRO-3 may hold them gathered in it (``zero_units.py``)."""
+        quantised = self.weight_quant is not None  # fake-quantised from the fp32 weight
+        return [p for p in (None if quantised else self.weight, self.bias) if p is not None]
+
     def forward(self, x, *, entered: bool = False):  # (..., in) -> (..., out / tp)
         """``entered=True``: x already went through ``self.enter`` -- several column-parallel
         layers reading one input (q, k, v) share one f / all-gather."""
@@ -414,6 +420,11 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel and topo.tp > 1:
             mark_sequence_parallel(self.bias)
         self.lora, self.weight_quant = None, None  # see _weight
+
+    def autocast_params(self) -> list[nn.Parameter]:
+        """As ``ColumnParallelLinear``'s: the weight (the bias is added after the tp
+        reduction, outside ``F.linear``, in the dtype it is held in)."""
+        return [self.weight] if self.weight_quant is None else []
 
     def forward(self, x):  # (..., in / tp) -> (..., out)
         y = F.linear(x, _weight(self))

@@ -44,9 +44,10 @@ rebuilds them all.
 
 Mixed precision (FSDP2's policy): under ``--dtype bf16`` / ``fp16`` stage 3 gathers each
 unit in the compute dtype -- half the bytes (counted so) -- from its fp32 shards, which stay
-the master weights the optimizer updates; the gathered values land in the unit's fp32
-buffer, where autocast's casts of them to the compute dtype are exact. Gradients are
-reduce-scattered in fp32. Stages 1-2 gather the updated fp32 parameters themselves.
+the master weights the optimizer updates, and holds the linear layers' weights in it
+(``zero_units.py``: the same numbers autocast computes with). Their gradients arrive in
+that dtype and are summed over micro-batches and reduce-scattered in fp32
+(``ReduceScatterGrads``). Stages 1-2 gather the updated fp32 parameters themselves.
 
 Order and overlap, and why this cannot deadlock under NCCL. Every collective is issued
 with ``async_op=True`` from the thread that runs the model -- the training loop (stage-1/2
@@ -94,7 +95,15 @@ from plait.topology import Axis, Topology
 class ReduceScatterGrads(GradReducer):
     """Each bucket's gradients are packed rank-major, freed, and reduce-scattered over the
     shard group into a row holding this rank's shards (HSDP: then summed over the
-    replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s shard."""
+    replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s shard.
+
+    Gradients are reduced in fp32 whatever the parameter's dtype. A parameter held in the
+    compute dtype (stage 3 under bf16 / fp16) gets its gradient from autograd in that dtype
+    -- the values autocast's cast would have carried back to an fp32 parameter -- and
+    each micro-batch's but the last is moved into an fp32 sum (``_fold``) as it arrives,
+    so micro-batches add up in fp32 as an fp32 ``p.grad`` would."""
+
+    grad_dtype = torch.float32
 
     def __init__(self, model, *, topo, cfg, defer, shard_topo: Topology, across_topo, n, rank,
                  groups=None, across=None):  # fmt: skip
@@ -104,6 +113,28 @@ class ReduceScatterGrads(GradReducer):
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.shard_topo, self.across_topo = shard_topo, across_topo
         self.shards: dict[nn.Parameter, torch.Tensor] = {}
+        self.sums: dict[nn.Parameter, torch.Tensor] = {}  # fp32 sums of earlier micro-batches
+
+    def _grad_ready(self, index: int, param) -> None:
+        bucket = self.buckets[index]
+        last = bucket.microbatches == self.cfg.num_microbatches - 1
+        if param.dtype != self.grad_dtype and not last:
+            self._fold(param)
+        super()._grad_ready(index, param)
+
+    def _fold(self, p: nn.Parameter) -> None:
+        """Move ``p.grad`` into its fp32 sum (a + b: the order an fp32 ``p.grad`` adds in)."""
+        if p.grad is not None:
+            prev = self.sums.get(p)
+            self.sums[p] = p.grad.float() if prev is None else prev.add_(p.grad)
+            p.grad = None
+
+    def _grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The micro-batches' gradient of ``p``: its fp32 sum and ``p.grad``, if any."""
+        if p not in self.sums:
+            return p.grad
+        self._fold(p)
+        return self.sums.pop(p)
 
     def _make_buckets(self, params, *, deferred):
         if self.groups is None or deferred:
@@ -117,8 +148,8 @@ class ReduceScatterGrads(GradReducer):
         return FlatLayout.of(params, n=self.n, rank=self.rank)
 
     def _launch(self, bucket: Bucket) -> None:
-        p0 = bucket.params[0]
-        flat = bucket.layout.pack([p.grad for p in bucket.params], like=p0)
+        like = torch.empty(0, dtype=self.grad_dtype, device=bucket.params[0].device)
+        flat = bucket.layout.pack([self._grad_of(p) for p in bucket.params], like=like)
         for p in bucket.params:
             p.grad = None  # the full gradient is no longer needed
         shard = torch.empty(
@@ -143,6 +174,7 @@ class ReduceScatterGrads(GradReducer):
     def zero_grad(self) -> None:
         super().zero_grad()
         self.shards.clear()
+        self.sums.clear()
 
 
 # --- the optimizer on shards ---------------------------------------------------------------
@@ -157,7 +189,7 @@ class ShardedOptimizer:
     def __init__(self, named, shards: dict, *, make_optimizer: Callable, offload: bool,
                  device: torch.device):  # fmt: skip
         self.named = named
-        self.shards, self.offload = shards, offload
+        self.shards, self.offload, self.device = shards, offload, device
         pin = offload and device.type == "cuda"
         self.targets = {}
         for _, p in named:
@@ -180,13 +212,16 @@ class ShardedOptimizer:
             self.targets[p].grad = (
                 grads[p].to("cpu", non_blocking=True) if self.offload else grads[p]
             )
-        if self.offload:
-            _sync(grads)
+        if self.offload:  # the host reads them next
+            host_waits_for_copies(self.device)
         self.optimizer.step()
         if self.offload:  # ... and the updated shards come back
+            # No wait: the device's stream runs these copies before any kernel that reads
+            # the shards, and the host next writes the masters in the next step's
+            # optimizer step, after that step's wait (or in ``reload_masters``, a copy
+            # queued behind these).
             for _, p in self.named:
                 self.shards[p].copy_(self.targets[p], non_blocking=True)
-            _sync(self.shards)
         for t in self.targets.values():
             t.grad = None
 
@@ -206,9 +241,15 @@ class ShardedOptimizer:
         return {"device": 0, "host": states + masters} if self.offload else {"device": states}
 
 
-def _sync(tensors: dict) -> None:
-    if any(t.is_cuda for t in tensors.values()):
-        torch.cuda.synchronize()
+def host_waits_for_copies(device: torch.device) -> None:
+    """Before the host reads what non-blocking device-to-host copies wrote: wait for an
+    event recorded behind them on the stream that queued them -- those copies and what
+    preceded them there, not every stream of the device (``torch.cuda.synchronize``).
+    Nothing to wait for on the CPU, where copies are done when they return."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
 
 
 # --- the engine ----------------------------------------------------------------------------
@@ -230,7 +271,7 @@ class ZeroDataParallel:
         self.units = None
         if self.zero == 3:
             self.units = ParamUnits(model, shard_topo=self.shard_topo, n=self.n, rank=self.rank,
-                                    wire_dtype=cfg.gather_torch_dtype)  # fmt: skip
+                                    wire_dtype=cfg.gather_torch_dtype, keep=defer)  # fmt: skip
             shards = self.units.shards
         else:
             shards = {p: zero_shard(p.detach(), rank=self.rank, n=self.n) for _, p in self.named}

@@ -9,27 +9,30 @@ parameters on this rank, w bytes each on the wire: 4, or 2 under ``--dtype bf16`
 per unit before its forward and again before its backward, every micro-batch, 2wm(N + F)
 bytes per step (8m(N + F) in fp32); the next unit's gather is issued (prefetched) when a
 unit starts, in forward order in the forward and in reverse order in the backward.
-``full_params`` (checkpoints) gathers every unit once more, in fp32, 4(N + F) bytes.
-Nothing else: the gradients' reduce-scatters are ``zero.py``'s. ``Gather`` is also the
-all-gather of rank-major rows that stages 1-2 use for their parameters and every stage
-for checkpoints (``zero.py``). d == 1: nothing is issued (the row is the whole unit).
+Nothing else (checkpoints read and write the shards, ``zero.py``): the gradients'
+reduce-scatters are ``zero.py``'s. ``Gather`` is also the all-gather of rank-major rows
+that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the row is the whole unit).
 
 Why it cannot deadlock under NCCL: every gather is issued with ``async_op=True`` from the
-thread that runs the model (a forward pre-hook, a tensor hook as the backward reaches the
-unit's output, or the training loop for ``full_params``) and waited on right before the
+thread that runs the model (a forward pre-hook, or a tensor hook as the backward reaches
+the unit's output) and waited on right before the
 unit is used. All ranks of a shard group run the same model over the same schedule, and
 autograd orders a backward deterministically, so they issue the same gathers in the same
 order. An unused prefetch is waited on before it is dropped.
 
-Memory: a unit's full parameters are a flat buffer (``unit.full``, each parameter a view
-into it, ``flat.FlatLayout``) whose storage is resized to zero while the unit is not
+Memory: a unit's full parameters are flat buffers (``unit.buffers``, each parameter a
+view into one, ``flat.FlatLayout``) whose storage is resized to zero while the unit is not
 gathered; with frozen parameters (LoRA) a unit is freed once its trainable gradients and
-its input's gradient are in.
+its input's gradient are in. Under ``--dtype bf16`` / ``fp16`` the parameters only
+``F.linear`` reads (``compute_dtype_params``) are held in the compute dtype -- FSDP2's
+``param_dtype``: autocast would multiply by a compute-dtype copy of them anyway, so the
+numbers are the same and the copy is gone, and so is the whole-model set of such copies
+that autocast kept for the backward -- and the others (norms, embeddings) in fp32, read as
+before; a block's gathered bytes are about half of fp32's. Checkpoints hold the fp32
+shards (the masters), never a gathered unit.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -63,21 +66,21 @@ class Gather:
 
 
 class Unit:
-    """Parameters gathered and freed together (a block, the embedding, the norm + head)."""
+    """Parameters gathered and freed together (a block, the embedding, the norm + head).
 
-    def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int):
+    ``low``: the ids of parameters held gathered in ``compute_dtype`` (module docstring,
+    Memory); the others are held in their own dtype (fp32)."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int,
+                 compute_dtype: torch.dtype | None = None, low=frozenset()):  # fmt: skip
         self.name, self.params = name, params
         self.layout = FlatLayout.of(params, n=n, rank=rank)  # the rows gathered
-        p0, whole = params[0], FlatLayout.of(params)  # ... into ``full``: one after another
-        self.full = whole.pack([p.detach() for p in params], like=p0)
-        self.full_bytes = self.full.untyped_storage().nbytes()
-        self.slices = whole.views(self.full)
         self.row = self.layout.pack_row(
-            [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=p0
+            [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=params[0]
         )
-        for p, flat in zip(params, self.slices):
-            p.data = flat.view_as(p)  # from now on p lives in ``full``
-        self.full.untyped_storage().resize_(0)  # ... which exists only while gathered
+        held = [compute_dtype if id(p) in low else p.dtype for p in params]
+        self._hold(params, held)  # from now on each p lives in a buffer of ``buffers``
+        self.free_storage()  # ... which exists only while gathered
         self.gathered = False
         self.pending: Gather | None = None
         self.trainable = [p for p in params if p.requires_grad]  # their gradients free it
@@ -91,8 +94,36 @@ class Unit:
         self.next_forward: Unit | None = None
         self.next_backward: Unit | None = None
 
+    def _hold(self, params, dtypes) -> None:
+        """One flat buffer per dtype, each parameter a view into its dtype's buffer (one
+        after another, in unit order)."""
+        device = params[0].device
+        self.buffers, self.slices = [], [None] * len(params)
+        for dtype in dict.fromkeys(dtypes):
+            idx = [i for i, d in enumerate(dtypes) if d == dtype]
+            whole = FlatLayout.of([params[i] for i in idx])
+            buf = torch.empty(whole.numel, dtype=dtype, device=device)
+            self.buffers.append(buf)
+            for i, view in zip(idx, whole.views(buf)):
+                self.slices[i] = view
+                params[i].data = view.view_as(params[i])
+        self.nbytes = [b.untyped_storage().nbytes() for b in self.buffers]
 
-def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Module, nn.Module]]:
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the unit's parameters while gathered."""
+        return sum(self.nbytes)
+
+    def allocate(self) -> None:
+        for buf, nbytes in zip(self.buffers, self.nbytes):
+            buf.untyped_storage().resize_(nbytes)
+
+    def free_storage(self) -> None:
+        for buf in self.buffers:
+            buf.untyped_storage().resize_(0)
+
+
+def _units_of(chunk: nn.Module, **kw) -> list[tuple[Unit, nn.Module, nn.Module]]:
     """(unit, entry module, exit module) of one chunk, in forward order of first use.
 
     A ``Transformer`` chunk: one unit per block; the other parameters (embedding, final
@@ -100,24 +131,44 @@ def _units_of(chunk: nn.Module, *, n: int, rank: int) -> list[tuple[Unit, nn.Mod
     chunk without one, at the final norm) and left when the chunk returns -- a tied
     embedding is used at both ends. Any other module: one unit for all of it. Frozen
     parameters (a LoRA run's base) belong to units too: sharding them is what ZeRO-3
-    offers fine-tuning; only their gradients and optimizer state do not exist.
+    offers fine-tuning; only their gradients and optimizer state do not exist. ``kw``:
+    ``Unit``'s (shard count, rank, and what is held in the compute dtype).
     """
     params = list(chunk.named_parameters())
     blocks = getattr(chunk, "blocks", None)
     if blocks is None:
-        return [(Unit("chunk", [p for _, p in params], n=n, rank=rank), chunk, chunk)]
+        return [(Unit("chunk", [p for _, p in params], **kw), chunk, chunk)]
     out = []
     rest = [p for name, p in params if not name.startswith("blocks.")]
     pre, post = getattr(chunk, "pre", False), getattr(chunk, "post", False)
     if rest:
         entry = chunk.embed if pre else getattr(chunk, "norm", chunk)
         exit_ = chunk if post else chunk.embed
-        out.append((Unit("rest", rest, n=n, rank=rank), entry, exit_))
+        out.append((Unit("rest", rest, **kw), entry, exit_))
     for key, block in blocks.items():
         ps = list(block.parameters())
         if ps:
-            out.append((Unit(f"blocks.{key}", ps, n=n, rank=rank), block, block))
+            out.append((Unit(f"blocks.{key}", ps, **kw), block, block))
     return out
+
+
+def compute_dtype_params(model: nn.Module, keep=()) -> set[int]:
+    """Ids of the parameters that every module holding them reads only through
+    ``F.linear`` (their ``autocast_params()``: the parallel linear layers' weights, the
+    column-parallel biases, LoRA's factors) -- autocast multiplies by a compute-dtype copy
+    of them anyway -- less ``keep`` (those whose gradient another component completes in
+    ``p.grad``: it must stay fp32)."""
+    listed, held = set(), {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            held.setdefault(id(p), []).append(module)
+        if hasattr(module, "autocast_params"):
+            listed |= {(id(module), id(p)) for p in module.autocast_params()}
+    kept = {id(p) for p in keep}
+    return {
+        pid for pid, mods in held.items()
+        if pid not in kept and all((id(m), pid) in listed for m in mods)
+    }  # fmt: skip
 
 
 def _in_backward() -> bool:
@@ -129,12 +180,15 @@ class ParamUnits:
     parameters exist only between its gather and its free (module docstring)."""
 
     def __init__(self, model: nn.Module, *, shard_topo: Topology, n: int, rank: int,
-                 wire_dtype: torch.dtype | None = None):  # fmt: skip
+                 wire_dtype: torch.dtype | None = None, keep=()):  # fmt: skip
         self.shard_topo, self.wire_dtype = shard_topo, wire_dtype
         self.units: list[Unit] = []
         self._hooks = []
+        low = set()  # held in the compute dtype (the wire's, when it is not fp32)
+        if wire_dtype not in (None, torch.float32):
+            low = compute_dtype_params(model, keep)
         for chunk in model_chunks(model):
-            found = _units_of(chunk, n=n, rank=rank)
+            found = _units_of(chunk, n=n, rank=rank, compute_dtype=wire_dtype, low=low)
             units = [u for u, _, _ in found]
             rest = [u for u in units if u.name == "rest"]
             blocks = [u for u in units if u.name != "rest"]
@@ -177,7 +231,7 @@ class ParamUnits:
             return
         pending, unit.pending = unit.pending or self._start(unit), None
         flat = pending.rows()
-        unit.full.untyped_storage().resize_(unit.full_bytes)
+        unit.allocate()
         unit.layout.unpack(flat, unit.slices)
         unit.gathered = True
 
@@ -185,7 +239,7 @@ class ParamUnits:
         if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
             unit.pending.rows()
             unit.pending = None
-        unit.full.untyped_storage().resize_(0)
+        unit.free_storage()
         unit.gathered = False
 
     # hooks
@@ -239,27 +293,6 @@ class ParamUnits:
                 and (not unit.trainable or but is None and unit.frozen)
             ):
                 unit.grads_in = unit.waits_input = False
-                self.free(unit)
-
-    @contextlib.contextmanager
-    def full_params(self, *, writeback: bool):
-        """Every unit gathered in full precision (the master values, whatever the wire
-        dtype of training); with ``writeback``, the shards re-cut from the (possibly
-        overwritten) full parameters on exit."""
-        for unit in self.units:
-            self.free(unit)
-        for unit in self.units:
-            unit.pending = Gather(unit.row, topo=self.shard_topo)
-        for unit in self.units:
-            self.gather(unit)
-        try:
-            yield
-        finally:
-            for unit in self.units:
-                if writeback:
-                    n, rank = unit.layout.n, unit.layout.rank
-                    shards = [zero_shard(f, rank=rank, n=n) for f in unit.slices]
-                    unit.row.copy_(unit.layout.pack_row(shards, like=unit.row))
                 self.free(unit)
 
     def nbytes(self) -> int:

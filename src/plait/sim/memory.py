@@ -18,9 +18,11 @@
   all come out of the schedule. The last stage also keeps, per micro-batch in flight,
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
   loss: T (2 h e + V / t (e + 4)) bytes (Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
-- ZeRO-3 keeps two gathered layers (the current one and the prefetched next, in the
-  weights' dtype: plait gathers bf16 values into its fp32 unit buffers) and one layer's
-  full gradient before it is reduce-scattered.
+- ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
+  layer's full gradient before it is reduce-scattered. A gathered layer holds its linear
+  weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
+  plait and FSDP2, half of fp32 -- and its norms in the weights' dtype
+  (``gathered_layer_bytes``).
 - Framework overhead: the hardware entry's fixed ``framework_overhead_bytes``.
 """
 
@@ -153,14 +155,33 @@ def chunk_activation_bytes(
     return held, min(layers * w_keep, held)
 
 
+def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """One block's parameters as ZeRO-3 holds them gathered on a tp rank. The weights of
+    its matrix multiplies and the biases added inside them (q, k, v, the MLP's first
+    layer: column-parallel, split over tp) are held in the dtype they are gathered in --
+    under bf16 / fp16 the compute dtype for plait and FSDP2 (``gather_in_compute_dtype``),
+    which is what autocast would multiply by anyway; the norms and the biases added after
+    a tp reduction (replicated over tp) in the weights' own dtype (plait: fp32)."""
+    h, t = cfg.hidden, layout.tp
+    w = runtime.state_bytes(layout.dtype)[0]
+    e = runtime.param_comm_bytes(layout.dtype)
+    inside = sizes.layer_matmul_params(cfg)
+    if cfg.biases:
+        inside += h + 2 * cfg.kv_dim + cfg.ffn_hidden
+    return inside / t * e + (sizes.layer_params(cfg) - inside) * w
+
+
 def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
     """ZeRO-3's working buffers on one device: two gathered layers (the current one and
-    the prefetched next) and one layer's full gradient before its reduce-scatter."""
+    the prefetched next, ``gathered_layer_bytes``) and one layer's full gradient before
+    its reduce-scatter."""
     if layout.zero != 3:
         return 0.0
-    layer = sizes.layer_params(cfg) / layout.tp
-    w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)  # gathered into weight buffers
-    return layer * (2 * w_bytes + g_bytes)
+    _, g_bytes, _ = runtime.state_bytes(layout.dtype)
+    return (
+        2 * gathered_layer_bytes(cfg, layout, runtime)
+        + sizes.layer_params(cfg) / layout.tp * g_bytes
+    )
 
 
 def memory_per_rank(

@@ -17,7 +17,9 @@ validated the config and prepared the data, so errors here are unexpected ones.
 GPU notes. Every tensor the step hands to a collective lives on ``topo.device``: the
 micro-batch losses are summed on the device and read, with the squared gradient norm, the
 bubble and every rank's peak memory, in one all-reduce per step (``_reduce_stats``), which
-is the step's only host synchronisation. The collectives of a step come in the same order
+is the step's only host synchronisation (nothing calls ``torch.cuda.synchronize``: the
+pipeline's bubble is read from CUDA events that sync has completed, a step late, and
+ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, and the data-parallel hooks in
 backward order), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
 and the engine's step. On CUDA, fp32 matmuls use TF32 and AdamW is fused.

@@ -243,6 +243,7 @@ class _Step:
     losses: list = field(default_factory=list)  # last stage: per micro-batch loss share
     busy_s: float = 0.0  # compute time on this rank
     cuda_spans: list = field(default_factory=list)  # (start, end) events of compute, on CUDA
+    cuda_step: torch.cuda.Event | None = None  # CUDA: the event at the step's start
 
 
 @dataclass
@@ -260,7 +261,9 @@ class PipelineRunner:
     schedule's list of items. Same interface as the loop's ``LocalRunner``: gradients
     accumulate in ``.grad``; ``train_step`` returns this rank's share of the global mean
     loss (a device scalar, non-zero on the last stage only) and leaves the measured
-    ``bubble_fraction`` (1 - compute time / step time, on this rank) of the step.
+    ``bubble_fraction`` (1 - compute time / step time, on this rank) of the step -- on
+    CUDA of the step before, whose events have completed by then: reading this step's
+    would wait for the device (``_read_completed``).
     """
 
     def __init__(
@@ -304,9 +307,11 @@ class PipelineRunner:
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in stage.chunks]
         self.bubble_fraction = 0.0
         self.steps = 0
-        # On CUDA compute is asynchronous: its time comes from events; the trace then
-        # shows when the CPU issued each action.
+        # On CUDA compute is asynchronous: its time comes from events, read once they
+        # have completed (``_read_completed``); the trace shows when the CPU issued each
+        # action.
         self.cuda_timing = topo.device.type == "cuda"
+        self._unread: list[tuple] = []  # CUDA: (start, end, spans) of steps not read yet
         self.trace = None
         if trace_dir is not None:
             self.trace = TraceWriter(
@@ -329,14 +334,16 @@ class PipelineRunner:
             )
         self.steps += 1
         start = now_us()
+        if self.cuda_timing:
+            st.cuda_step = _event()
         self._run(self.train_actions, st)
         self._sync_tied_grads()
-        if st.cuda_spans:
-            torch.cuda.synchronize(self.topo.device)
-            st.busy_s = sum(a.elapsed_time(b) for a, b in st.cuda_spans) / 1e3
         end = now_us()
-        elapsed_s = (end - start) / 1e6
-        self.bubble_fraction = max(0.0, 1.0 - st.busy_s / elapsed_s) if elapsed_s > 0 else 0.0
+        if self.cuda_timing:  # GPU time, read once the events have completed: no host wait
+            self._unread.append((st.cuda_step, _event(), st.cuda_spans))
+            self._read_completed()
+        else:
+            self.bubble_fraction = bubble_of(st.busy_s, (end - start) / 1e6)
         if self.trace is not None:
             self.trace.add(
                 f"step {self.steps}",
@@ -368,6 +375,15 @@ class PipelineRunner:
             total += t
         return total
 
+    def _read_completed(self) -> None:
+        """CUDA: the bubble of the newest earlier step whose events have completed (the
+        loop's statistics sync after each step guarantees the previous one's), so that
+        nothing waits for the device here: the step reported is one behind on CUDA."""
+        while len(self._unread) > 1 and self._unread[0][1].query():
+            start, end, spans = self._unread.pop(0)
+            busy_ms = sum(a.elapsed_time(b) for a, b in spans)
+            self.bubble_fraction = bubble_of(busy_ms / 1e3, start.elapsed_time(end) / 1e3)
+
     # -- running the items -------------------------------------------------------------
 
     def _run(self, items: list[Item], st: _Step) -> None:
@@ -388,13 +404,11 @@ class PipelineRunner:
             self._await_input(item, st)
             t0 = now_us()
             if self.cuda_timing:
-                span = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                span[0].record()
+                span = _event()
             handlers[item.op](item, st)
             t1 = now_us()
-            if self.cuda_timing:  # GPU time, read once at the step's end
-                span[1].record()
-                st.cuda_spans.append(span)
+            if self.cuda_timing:  # GPU time, read once the events have completed
+                st.cuda_spans.append((span, _event()))
             else:
                 st.busy_s += (t1 - t0) / 1e6
             self._traced(item, t0, t1, st, cat="compute")
@@ -569,3 +583,15 @@ class PipelineRunner:
 
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bubble_of(busy_s: float, step_s: float) -> float:
+    """The fraction of a step this rank did not compute: 1 - busy / step time."""
+    return max(0.0, 1.0 - busy_s / step_s) if step_s > 0 else 0.0
+
+
+def _event() -> torch.cuda.Event:
+    """A timing event recorded on the current stream (no host wait)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
