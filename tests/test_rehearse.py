@@ -9,7 +9,6 @@ process (the rehearsal itself never starts one).
 
 from __future__ import annotations
 
-import torch
 from distributed import run_workers
 from test_data_parallel import make_data, run_config
 
