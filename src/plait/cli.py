@@ -9,6 +9,7 @@
     plait simulate [flags]      predict step time, MFU and memory of a layout on a cluster
     plait plan [flags]          rank every layout of a model on a cluster; write the best
     plait calibrate             measure this machine into a hardware file for simulate / plan
+    plait rehearse [flags]      one rank's real step at full size on fake tensors, vs simulate
     plait viz schedule ...      draw a pipeline schedule
 
 Errors a user can cause end with one line on stderr and exit code 2; a run stopped by
@@ -33,6 +34,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict]:
         generate,
         info,
         plan,
+        rehearse,
         report,
         simulate,
         train,
@@ -46,7 +48,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict]:
     for name, module in [("train", train), ("generate", generate), ("export", export),
                          ("checkpoint", checkpoint), ("report", report), ("info", info),
                          ("simulate", simulate), ("viz", viz), ("plan", plan),
-                         ("calibrate", calibrate)]:  # fmt: skip
+                         ("calibrate", calibrate), ("rehearse", rehearse)]:  # fmt: skip
         verbs[name] = (module, module.add_parser(sub))
     return parser, verbs
 

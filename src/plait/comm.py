@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from plait.topology import Call
+
 ReduceOp = dist.ReduceOp
 
 if TYPE_CHECKING:
@@ -112,7 +114,8 @@ def all_reduce(
         return None
     check_device(topo, "all_reduce", t)
     n = topo.size(axis)
-    topo.stats.record(_axis_name(axis), "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    topo.stats.record(_axis_name(axis), "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t),
+                      dtype=t.dtype)  # fmt: skip
     return _guard(
         topo, "all_reduce", axis, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op)
     )
@@ -146,7 +149,7 @@ def _single_tensor(op: str, fn, out, t, topo: Topology, axis, async_op: bool):
     check_device(topo, op, out, t)
     full = _nbytes(out if op == "all_gather" else t)  # the gathered / reduced buffer
     n = topo.size(axis)
-    topo.stats.record(_axis_name(axis), op, full, (n - 1) / n * full)
+    topo.stats.record(_axis_name(axis), op, full, (n - 1) / n * full, dtype=t.dtype)
     flat_out, flat_in = out.view(-1), t.contiguous().view(-1)
     return _guard(topo, op, axis, lambda: fn(flat_out, flat_in, group=group, async_op=async_op))
 
@@ -185,7 +188,8 @@ def broadcast(t: torch.Tensor, *, topo: Topology, axis: Axis, src_index: int = 0
         return t
     check_device(topo, "broadcast", t)
     n = topo.size(axis)
-    topo.stats.record(_axis_name(axis), "broadcast", _nbytes(t), (n - 1) / n * _nbytes(t))
+    topo.stats.record(_axis_name(axis), "broadcast", _nbytes(t), (n - 1) / n * _nbytes(t),
+                      dtype=t.dtype)  # fmt: skip
     src = topo.group_ranks[axis][src_index]
     _guard(topo, "broadcast", axis, lambda: dist.broadcast(t, src=src, group=group))
     return t
@@ -209,13 +213,24 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], *, topo: Topology, axis:
         topo.stats.record(_axis_name(axis), kind, _nbytes(t), _nbytes(t) if kind == "send" else 0)
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, t, peer, group=group))
-    return _guard(topo, "send/recv", axis, lambda: dist.batch_isend_irecv(p2p))
+    works = _guard(topo, "send/recv", axis, lambda: dist.batch_isend_irecv(p2p))
+    stats = topo.stats
+    if stats.log is not None:  # the batch as one entry, and where its waits will point
+        stats.posted.update(dict.fromkeys(map(id, works or []), len(stats.log)))
+        messages = tuple((kind, peer, _nbytes(t)) for kind, t, peer in ops)
+        stats.note(Call(_axis_name(axis), "batch", str(ops[0][1].dtype).removeprefix("torch."),
+                        sum(m[2] for m in messages), messages))  # fmt: skip
+    return works
 
 
 def wait(works, *, topo: Topology, what: str = "send/recv", axis="pp") -> None:
-    for w in works or []:
-        if w is not None:
-            _guard(topo, what, axis, w.wait)
+    works = [w for w in works or [] if w is not None]
+    if topo.stats.log is not None and works:  # which logged batches this waits for
+        batches = {topo.stats.posted.pop(id(w), None) for w in works} - {None}
+        if batches:
+            topo.stats.note(Call(_axis_name(axis), "wait", "", 0, tuple(sorted(batches))))
+    for w in works:
+        _guard(topo, what, axis, w.wait)
 
 
 def world_all_reduce(t: torch.Tensor, *, topo: Topology, op=ReduceOp.SUM) -> torch.Tensor:
@@ -225,9 +240,24 @@ def world_all_reduce(t: torch.Tensor, *, topo: Topology, op=ReduceOp.SUM) -> tor
         return t
     check_device(topo, "world_all_reduce", t)
     n = topo.world_size
-    topo.stats.record("world", "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t))
+    topo.stats.record("world", "all_reduce", _nbytes(t), 2 * (n - 1) / n * _nbytes(t),
+                      dtype=t.dtype)  # fmt: skip
     _guard(topo, "all_reduce", "world", lambda: dist.all_reduce(t, op=op, group=topo.world_group))
     return t
+
+
+def host_values(t: torch.Tensor) -> list:
+    """``t.tolist()``: the one read of a step's reduced statistics on the host. Under
+    ``plait rehearse`` the tensors are fake (shapes and dtypes, no storage: there are no
+    values to read), so zeros of ``t``'s shape stand in and the step goes on through the
+    code a real one runs; the rehearsal reports none of them."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        assert t.dim() <= 1, "statistics are a scalar or a vector"
+        zero = 0.0 if t.is_floating_point() else 0
+        return [zero] * t.numel() if t.dim() else zero
+    return t.tolist()
 
 
 def barrier(*, topo: Topology, axis: Axis | None = None) -> None:

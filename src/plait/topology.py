@@ -32,26 +32,54 @@ import datetime
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 
+class Call(NamedTuple):
+    """One entry of ``CommStats.log``: a collective, a batch of point-to-point messages
+    (``op`` "batch"; ``peers``: (kind, global peer rank, bytes) of each message, in
+    posting order), or the wait for earlier batches (``op`` "wait"; ``peers``: their
+    entries' indices in the log)."""
+
+    axis: str
+    op: str
+    dtype: str
+    nbytes: int
+    peers: tuple = ()
+
+
 @dataclass
 class CommStats:
     """What a topology's collectives moved: calls and bytes per (axis, operation), counted
-    by ``comm.py`` (its docstring gives the byte conventions)."""
+    by ``comm.py`` (its docstring gives the byte conventions). With ``log`` a list, every
+    call is also appended to it as a ``Call``, in the order issued (``plait rehearse``
+    compares that order between a rehearsal and a real run)."""
 
     calls: Counter = field(default_factory=Counter)  # (axis, op) -> number of calls
     bytes: Counter = field(default_factory=Counter)  # (axis, op) -> bytes (see module doc)
     sent: Counter = field(default_factory=Counter)  # (axis, op) -> bytes on the wire (float)
     enabled: bool = True
+    log: list[Call] | None = None
+    posted: dict = field(default_factory=dict, repr=False)  # id(work) -> its batch's log index
 
-    def record(self, axis: str, op: str, nbytes: int, sent: float = 0.0) -> None:
+    def record(self, axis: str, op: str, nbytes: int, sent: float = 0.0, *,
+               dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        """Count one call; with its ``dtype`` also log it (the messages of a batch are
+        counted one by one and logged as one entry: ``note``)."""
         if self.enabled:
             self.calls[(axis, op)] += 1
             self.bytes[(axis, op)] += int(nbytes)
             self.sent[(axis, op)] += sent
+            if dtype is not None:
+                self.note(Call(axis, op, str(dtype).removeprefix("torch."), int(nbytes)))
+
+    def note(self, call: Call) -> None:
+        """Append ``call`` to the log, if there is one (counts nothing)."""
+        if self.enabled and self.log is not None:
+            self.log.append(call)
 
     def reset(self) -> None:
         self.calls.clear()

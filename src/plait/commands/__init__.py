@@ -1,5 +1,5 @@
 """One module per ``plait`` verb: ``train``, ``generate``, ``export``, ``checkpoint``,
-``report``, ``info``, ``simulate``, ``plan``, ``calibrate``, ``viz``. Each has
+``report``, ``info``, ``simulate``, ``plan``, ``calibrate``, ``viz``, ``rehearse``. Each has
 ``add_parser(sub)``, which adds its subparser to the one ``plait.cli`` builds, and
 ``run(args, parser)``, which runs it from the parsed arguments (``parser``: its own
 subparser, whose flags are the keys a ``--config`` file may hold) and returns the exit

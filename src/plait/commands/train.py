@@ -44,6 +44,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         sub, "train", config_help="YAML or TOML file of flag values (flags override it)",
         help="train a model", description="Train a model (starts dp x tp x pp workers).",
     )  # fmt: skip
+    add_train_arguments(p)
+    return p
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``plait train`` beyond the model and layout (``plait rehearse`` takes
+    them too)."""
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int)
     g.add_argument("--lr", type=float)
@@ -114,7 +121,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--nnodes", type=int)
     g.add_argument("--node-rank", type=int)
     g.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0")
-    return p
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

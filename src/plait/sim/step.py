@@ -97,13 +97,21 @@ def tied_sync(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> 
     return collectives.all_reduce_time(nbytes, 2, costs.pp_boundary_link(hw, layout, 0, p - 1))
 
 
+def stats_bytes(layout: Layout) -> int:
+    """The step's statistics vector (``Trainer._reduce_stats``): loss, bubble, one |g|^2
+    (a replica's each, when replicas differ: not modelled here) and every rank's peak
+    memory, 8 bytes each: 8 (3 + W)."""
+    return 8 * (3 + layout.world_size)
+
+
 def stats_time(layout: Layout, hw: Hardware) -> float:
-    """The loss and gradient-norm scalars (24 bytes) all-reduced over every rank: a sync
-    point before the optimizer step."""
+    """The step's statistics (``stats_bytes``) all-reduced over every rank: a sync point
+    before the optimizer step."""
     world = layout.world_size
     if world == 1:
         return 0.0
-    return collectives.all_reduce_time(24, world, collectives.group_link(hw, world, 1))
+    return collectives.all_reduce_time(stats_bytes(layout), world,
+                                       collectives.group_link(hw, world, 1))  # fmt: skip
 
 
 def exposed_weight_gather(seconds: float, first_forward: float, rt: Runtime) -> float:

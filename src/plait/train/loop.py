@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import time
@@ -178,24 +179,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        # data: prepared by the launcher already, so this only opens the cache
-        data = prepare(cfg.data)
-        self.sampler = GlobalBatchSampler(
-            data.train,
-            seq_len=model_cfg.seq_len,
-            global_batch=cfg.layout.global_batch_size,
-            seed=tcfg.seed,
-            name=data.source,
-            mask=data.train_mask,  # instruction data: loss on the answers only
-        )
-        self.val_set = val_pairs(
-            data.val,
-            data.val_mask,
-            seq_len=model_cfg.seq_len,
-            batch=cfg.layout.global_batch_size,
-            num_batches=tcfg.eval_batches,
-            name=data.source,
-        )
+        self.sampler, self.val_set = self.open_data()
 
         # model and its parallel wrapping
         if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
@@ -210,7 +194,11 @@ class Trainer:
                 recompute=layout.recompute,
                 sequence_parallel=layout.sequence_parallel,
             )
-        model.to(topo.device)
+        # moved only when it is elsewhere: a no-op move still swaps every tensor, which
+        # the fake tensors of a rehearsal (plait.rehearse) refuse
+        held = itertools.chain(model.parameters(), model.buffers())
+        if any(t.device != topo.device for t in held):
+            model.to(topo.device)
         if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
             from plait.model import hf
 
@@ -270,6 +258,30 @@ class Trainer:
             else model_flops_per_token(model_cfg, model_cfg.seq_len)
         )
         self.peak_flops = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
+
+    def open_data(self) -> tuple[GlobalBatchSampler, list]:
+        """The training batches' sampler and the validation pairs. Prepared by the
+        launcher already, so this only opens the cache; ``plait rehearse`` gives
+        synthetic batches of the same shapes instead (``plait.rehearse``)."""
+        cfg, tcfg = self.cfg, self.cfg.train
+        data = prepare(cfg.data)
+        sampler = GlobalBatchSampler(
+            data.train,
+            seq_len=cfg.model.seq_len,
+            global_batch=cfg.layout.global_batch_size,
+            seed=tcfg.seed,
+            name=data.source,
+            mask=data.train_mask,  # instruction data: loss on the answers only
+        )
+        val_set = val_pairs(
+            data.val,
+            data.val_mask,
+            seq_len=cfg.model.seq_len,
+            batch=cfg.layout.global_batch_size,
+            num_batches=tcfg.eval_batches,
+            name=data.source,
+        )
+        return sampler, val_set
 
     # -- restore and save --------------------------------------------------------------
 
@@ -398,7 +410,7 @@ class Trainer:
         stats[2 + algo.norm_slot] = self.engine.grad_sq_local()
         stats[norms + topo.rank] = peak_memory_bytes(topo.device)
         comm.world_all_reduce(stats, topo=topo)
-        values = stats.tolist()
+        values = comm.host_values(stats)  # (a rehearsal's fake tensors read as zeros)
         loss = values[0] / (algo.num_replicas if algo.replicas_differ else 1)  # their mean
         self._reduced = StepStats(step=step, grad_sq_sum=values[2 + algo.norm_slot], loss=loss,
                                   bubble_fraction=values[1],

@@ -40,11 +40,15 @@ def build_adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over ``params``: (name, tensor to update, the parameter it belongs to) -- the
     parameter itself, or this rank's ZeRO shard of it. Weight decay follows ``decays`` of
     the parameter. Fused (one kernel for every tensor) when the tensors live on a GPU,
-    multi-tensor (foreach) otherwise."""
+    multi-tensor (foreach) otherwise. A rehearsal's fake tensors (``plait.rehearse``)
+    stand for a GPU's: fused too, which is also the one path that never reads the step
+    count on the host (foreach does, and a fake tensor has no value to read)."""
+    from torch._subclasses.fake_tensor import is_fake
+
     decay, no_decay = [], []
     for _, t, p in params:
         (decay if decays(p) else no_decay).append(t)
-    on_gpu = any(t.is_cuda for _, t, _ in params)
+    on_gpu = any(t.is_cuda or is_fake(t) for _, t, _ in params)
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": cfg.weight_decay},

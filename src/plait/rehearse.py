@@ -1,0 +1,467 @@
+"""Rehearse one rank's real training program at any size on a CPU (``plait rehearse``).
+
+Communication: none leaves this process. Each rank is rehearsed on its own, one after
+another, under PyTorch's fake process group (``init_process_group("fake")``: every
+collective and every ``batch_isend_irecv`` completes at once and moves nothing) with
+every tensor a fake one (``FakeTensorMode``: shapes and dtypes, no storage), so the
+rank's program issues exactly the calls a real run's would -- through ``comm.py``, which
+logs each one (``CommStats.log``: axis, dtype, bytes, in the order issued; a batch of
+point-to-point messages as one entry, and the waits on it) -- and nothing can deadlock
+here. Whether the point-to-point batches recorded from every stage's rank could deadlock
+under NCCL is asked of ``nccl_p2p.resolve``, the model ``schedules.validate`` uses
+(``check_p2p``).
+
+What runs is the ``Trainer`` of ``train/loop.py`` -- build, then two optimizer steps
+through ``Trainer.step`` -- with two differences from ``plait train``: the batches are
+synthetic (``SyntheticBatches``: zeros of the real shapes; no data preparation, no
+tokenizer, the vocabulary of the model preset), and the values a step reads back on the
+host are zeros (``comm.host_values``: a fake tensor has none). The checkpoint
+save/restore phase is not rehearsed yet.
+
+Memory: ``torch.distributed._tools.mem_tracker.MemTracker`` sees every storage the rank
+allocates and frees (a fake tensor's storage has its real size) and labels new ones by
+where they are made (forward, backward, optimizer step). ``RankMemory`` adds plait's own
+roles, looked up at every new peak from the trainer's objects: parameters (this rank's
+shards under ZeRO-3), gradients, optimizer state, and buffers (ZeRO-3's gathered units,
+gathers in flight and packed gradients awaiting their reduce-scatter, module buffers);
+what is left is activations (made in a forward), temporaries (made in a backward or an
+optimizer step) and other state made at build. The peak of each phase (build, step 1,
+step 2) is reported with its split.
+
+Fake tensors live on the CPU here, so the rank runs the program of its CPU twin with two
+GPU choices taken: fused AdamW (``optim.build_adamw``) and one host read per step.
+Autocast follows the CPU's rules (matmuls in bf16, as on CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.topology import Axis, Call, Topology, coords
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "buffers", "activations",
+              "temporaries", "other")  # fmt: skip
+PHASES = ("build", "step 1", "step 2")
+
+
+class SyntheticBatches:
+    """Stands in for ``GlobalBatchSampler``: every step's rows are zeros of the real
+    shapes ((rows, T) inputs and targets, int64), every target takes a loss."""
+
+    mask = None
+
+    def __init__(self, *, global_batch: int, seq_len: int):
+        self.global_batch, self.seq_len = global_batch, seq_len
+
+    def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (hi - lo, self.seq_len)
+        return torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64)
+
+    def local_batch(self, step: int, *, dp_rank: int, dp: int):
+        per = self.global_batch // dp
+        return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
+
+    def target_count(self, step: int) -> int:
+        return self.global_batch * self.seq_len
+
+
+def _trainer_class():
+    from plait.train.loop import Trainer
+
+    class RehearsalTrainer(Trainer):
+        """The ``Trainer``, reading synthetic batches instead of a prepared corpus."""
+
+        def open_data(self):
+            batches = SyntheticBatches(global_batch=self.cfg.layout.global_batch_size,
+                                       seq_len=self.cfg.model.seq_len)  # fmt: skip
+            return batches, []
+
+    return RehearsalTrainer
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def _stable_roles(trainer) -> list[tuple[str, torch.Tensor]]:
+    """(category, tensor) of the tensors that keep their role from the build on:
+    parameters (this rank's rows under ZeRO-3), ZeRO-3's unit buffers and module buffers,
+    optimizer state (AdamW's lazily made state is labelled by ``MemTracker`` itself, as
+    it is made inside the optimizer's step)."""
+    engine, model = trainer.engine, trainer.model
+    out = []
+    opt = getattr(engine, "optimizer", None)
+    torch_opt = getattr(opt, "optimizer", opt)
+    if torch_opt is not None:
+        out += [("optimizer", t) for s in torch_opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)]  # fmt: skip
+        if getattr(opt, "offload", False):  # host masters
+            out += [("optimizer", t) for t in opt.targets.values()]
+    units = getattr(engine, "units", None)
+    if units is not None:  # ZeRO-3: the rows are the parameters, ``full`` a buffer
+        out += [("parameters", u.row) for u in units.units]
+        out += [("buffers", u.full) for u in units.units]
+    out += [("parameters", p) for p in model.parameters()]
+    out += [("buffers", t) for t in model.buffers()]
+    return out
+
+
+def _passing_roles(trainer, params: list) -> list[tuple[str, torch.Tensor]]:
+    """(category, tensor) of the tensors whose role lasts part of a step: gradients
+    (autograd's ``p.grad``, a bucket's flat buffer, a reduce-scatter's shard) and buffers
+    in flight (ZeRO-3 gathers, packed gradients awaiting their reduce-scatter)."""
+    engine = trainer.engine
+    out = [("gradients", p.grad) for p in params if p.grad is not None]
+    for b in getattr(getattr(engine, "grads", None), "buckets", ()):
+        if b.flat is not None:
+            out.append(("gradients", b.flat))
+        if isinstance(b.handle, tuple):  # a reduce-scatter in flight: (work, input, shard)
+            out += [("buffers", b.handle[1]), ("gradients", b.handle[2])]
+    units = getattr(engine, "units", None)
+    for u in units.units if units is not None else ():
+        if u.pending is not None:
+            out += [("buffers", t) for t in (u.pending.out, u.pending.src) if t is not None]
+    return out
+
+
+def _memtracker_class():
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import (
+        _TOTAL_KEY,
+        MemTracker,
+        _MemRefType,
+        _UpdateType,
+    )
+
+    label = {"parameters": _MemRefType.PARAM, "buffers": _MemRefType.BUFFER,
+             "optimizer": _MemRefType.OPT, "gradients": _MemRefType.GRAD}  # fmt: skip
+    category = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers",
+                _MemRefType.OPT: "optimizer", _MemRefType.GRAD: "gradients",
+                _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
+                _MemRefType.OTH: "other"}  # fmt: skip
+
+    class RankMemory(MemTracker):
+        """``MemTracker`` with plait's roles (module docstring) and a peak per phase.
+
+        It keeps ``MemTracker``'s accounting of storages and its labels by where a
+        storage is made; the tensors of lasting roles are relabelled once built
+        (``built``), those of passing roles looked up at each new peak. Per-module
+        statistics are not kept (its module hooks only follow activation checkpointing
+        here), so a module may run any number of times in a phase -- every micro-batch
+        does. This leans on ``MemTracker``'s internals (``_WINFO``, ``_curr_mem_snap``,
+        ``_update_snap``, the hook methods), torch 2.13's; a test rehearses a small model
+        against a real run's measured peak to catch a change.
+        """
+
+        def __init__(self):
+            super().__init__()
+            self.trainer, self.params = None, []
+            self.peak, self.split = 0, dict.fromkeys(CATEGORIES, 0)
+
+        # module hooks: activation checkpointing's recomputed forward only
+        def _pre_fw_hook(self, module, inputs):
+            if self._mod_tracker.is_bw and self._ac_mod is None:
+                self._ac_mod, self._in_ac = weakref.ref(module), True
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod, self._in_ac = None, False
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # ``tensor.device`` of a fake tensor is an operator call too: most of the calls
+            # a step makes (the autograd engine asks for every tensor's), allocating nothing
+            if func is torch.ops.prim.device.default:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def current(self) -> int:
+            return sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
+
+        def _update_peak_stats(self, peak_state) -> None:
+            total = self.current()
+            if total > self.peak:
+                self.peak, self.split = total, self.breakdown()
+
+        def reset_peak(self) -> None:
+            self.peak, self.split = self.current(), self.breakdown()
+
+        def _winfos(self, pairs):
+            """(category, winfo) of each storage of ``pairs``' tensors, once each."""
+            seen = set()
+            for role, t in pairs:
+                for st in get_untyped_storages(t):
+                    winfo, _ = self._WINFO.get(st, (None, None))
+                    if winfo is not None and id(winfo) not in seen:
+                        seen.add(id(winfo))
+                        yield role, winfo
+
+        def breakdown(self) -> dict[str, int]:
+            """Bytes held now per category (module docstring)."""
+            out = dict.fromkeys(CATEGORIES, 0)
+            for snap in self._curr_mem_snap.values():
+                for k, v in snap.items():
+                    if k != _TOTAL_KEY:
+                        out[category[k]] += v
+            if self.trainer is not None:
+                for role, winfo in self._winfos(_passing_roles(self.trainer, self.params)):
+                    out[category[winfo.reftype]] -= winfo.mem_consumed
+                    out[role] += winfo.mem_consumed
+            return out
+
+        def built(self, trainer) -> None:
+            """After the build: label the lasting roles' storages; what the build made
+            without a role is ``other`` state."""
+            self.trainer, self.params = trainer, list(trainer.model.parameters())
+            for st in list(self._WINFO.keys()):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None and winfo.reftype == _MemRefType.ACT:
+                    self._relabel(winfo, _MemRefType.OTH)
+            for role, winfo in self._winfos(_stable_roles(trainer)):
+                self._relabel(winfo, label[role])
+
+        def _relabel(self, winfo, reftype) -> None:
+            if winfo.reftype != reftype:
+                old, winfo.reftype = winfo.reftype, reftype
+                self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+
+    return RankMemory
+
+
+# -- one rank ----------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    name: str
+    peak: int  # bytes
+    split: dict[str, int]  # category -> bytes at that peak
+    seconds: float
+
+
+@dataclass
+class RankReport:
+    """What rehearsing one rank found."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    phases: list[Phase] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)  # build and both steps, in order
+    step_calls: list[Call] = field(default_factory=list)  # step 2's only
+
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.peak)
+
+    def bytes_per_axis(self) -> dict[str, int]:
+        """Counted bytes per axis of one step (step 2's), ``comm.py``'s convention."""
+        out = Counter()
+        for c in self.step_calls:
+            out[c.axis] += c.nbytes  # a wait counts 0
+        return dict(out)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+            "tp_rank": self.tp_rank,
+            "phases": [dataclasses.asdict(p) for p in self.phases],
+            "calls": [c._asdict() for c in self.step_calls],
+            "bytes_per_axis": self.bytes_per_axis(),
+        }  # fmt: skip
+
+
+def rehearse_rank(cfg, rank: int) -> RankReport:
+    """Build rank ``rank`` of ``cfg``'s layout and run two optimizer steps on fake
+    tensors under the fake process group (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    lay = cfg.layout
+    world = lay.world_size
+    if dist.is_initialized():
+        raise RuntimeError("plait rehearse runs in a process without a process group")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
+        topo.stats.log = []
+        c = coords(rank, pp=lay.pp, dp=lay.dp, tp=lay.tp)
+        report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP])
+        with FakeTensorMode(), _memtracker_class()() as mem:
+            t0 = time.perf_counter()
+            trainer = _trainer_class()(cfg, topo=topo)
+            mem.built(trainer)
+            # the build's peak came before the roles existed: its split is what the build
+            # leaves, and the rest of its peak was transient (temporaries)
+            held = mem.breakdown()
+            held["temporaries"] += mem.peak - sum(held.values())
+            report.phases.append(Phase("build", mem.peak, held, time.perf_counter() - t0))
+            trainer.model.train()
+            for step in range(2):
+                mem.reset_peak()
+                t0 = time.perf_counter()
+                mark = len(topo.stats.log)
+                trainer.step(step)
+                report.phases.append(
+                    Phase(f"step {step + 1}", mem.peak, mem.split, time.perf_counter() - t0)
+                )
+            report.step_calls = [  # waits name batches by their index in this slice
+                c._replace(peers=tuple(i - mark for i in c.peers)) if c.op == "wait" else c
+                for c in topo.stats.log[mark:]
+            ]
+            report.calls = list(topo.stats.log)
+            trainer.close()
+            mem.trainer = mem.params = None
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def rehearse(cfg, ranks: list[int], *, progress=None) -> list[RankReport]:
+    """``rehearse_rank`` of each rank, one after another; ``progress(line)`` is told of
+    each as it starts."""
+    out = []
+    for rank in ranks:
+        if progress is not None:
+            progress(f"rank {rank} of {cfg.layout.world_size}")
+        out.append(rehearse_rank(cfg, rank))
+    return out
+
+
+def parse_ranks(text: str, layout) -> list[int]:
+    """``--ranks``: "all-stages" (dp 0, tp 0 of every pipeline stage), or a comma list of
+    ranks and ``LAST``. ValueError (one line) on anything else."""
+    from plait.topology import rank_of
+
+    world = layout.world_size
+    if text.strip() == "all-stages":
+        return [rank_of(pp_rank=i, dp_rank=0, tp_rank=0, dp=layout.dp, tp=layout.tp)
+                for i in range(layout.pp)]  # fmt: skip
+    ranks = []
+    for part in text.split(","):
+        part = part.strip()
+        if part.upper() == "LAST":
+            ranks.append(world - 1)
+        elif part.isdigit() and int(part) < world:
+            ranks.append(int(part))
+        else:
+            raise ValueError(
+                f"--ranks {text}: {part!r} is not a rank of this layout's {world} "
+                f"(give ranks 0..{world - 1} or LAST, comma-separated, or all-stages)"
+            )
+    return list(dict.fromkeys(ranks))
+
+
+# -- the point-to-point check ----------------------------------------------------------------
+
+
+def p2p_programs(reports: list[RankReport], layout) -> list | None:
+    """The recorded batches of one pipeline (one rank per stage, same dp and tp ranks) as
+    ``nccl_p2p`` programs: a ``Post`` per batch (each message tagged with its bytes, so
+    that a send and its receive must agree on the size) and a ``Compute`` where the
+    executor waited for a batch holding a receive (waits for send-only batches are the
+    executor letting them go, not waits; NCCL's model asks that every batch finish).
+    None when the reports do not hold every stage of one pipeline."""
+    from plait.nccl_p2p import Compute, Message, Post
+
+    by_stage = {}
+    for r in reports:
+        by_stage.setdefault((r.dp_rank, r.tp_rank), {})[r.pp_rank] = r
+    pipeline = next((s for s in by_stage.values() if len(s) == layout.pp), None)
+    if pipeline is None or layout.pp < 2:
+        return None
+    programs = []
+    for stage in range(layout.pp):
+        report, items, where = pipeline[stage], [], {}
+        for i, c in enumerate(report.step_calls):
+            if c.op == "batch":
+                where[i] = len(items)
+                messages = tuple(
+                    Message(
+                        kind,
+                        coords(peer, pp=layout.pp, dp=layout.dp, tp=layout.tp)[Axis.PP],
+                        tag=nbytes,
+                    )
+                    for kind, peer, nbytes in c.peers
+                )
+                items.append(Post(messages))
+            elif c.op == "wait":
+                for b in c.peers:
+                    post = items[where[b]]
+                    if any(m.kind == "recv" for m in post.messages):
+                        items.append(Compute(waits_for=where[b]))
+        programs.append(items)
+    return programs
+
+
+def check_p2p(reports: list[RankReport], layout) -> str:
+    """Run the recorded batches under NCCL's point-to-point model (``nccl_p2p.resolve``):
+    "ok: ...", "skipped: ..." or "FAILED: ..." in one line."""
+    from plait.nccl_p2p import P2PDeadlock, P2PMismatch, resolve
+
+    if layout.pp < 2:
+        return "skipped: no pipeline (nothing point-to-point)"
+    programs = p2p_programs(reports, layout)
+    if programs is None:
+        return "skipped: needs one rank of every stage (--ranks all-stages)"
+    try:
+        resolve(programs, what="the recorded batches deadlock")
+    except (P2PDeadlock, P2PMismatch) as e:
+        return f"FAILED: {e}"
+    n = sum(1 for items in programs for it in items if type(it).__name__ == "Post")
+    return f"ok: {n} batches of {layout.pp} stages complete under NCCL's semantics"
+
+
+# -- held against the performance model ------------------------------------------------------
+
+
+def predicted(cfg, pp_rank: int) -> dict:
+    """What the performance model says of a rank of pipeline rank ``pp_rank`` in the same
+    layout, runtime ``plait``: memory per category (``sim/memory.py``'s
+    ``memory_per_rank``, no framework overhead) and counted bytes per axis of a step
+    (``sim/traffic.py``)."""
+    from plait.sim.memory import memory_per_rank
+    from plait.sim.pipeline import compile_schedule
+    from plait.sim.runtime import get_runtime
+    from plait.sim.simulate import layers_per_stage
+    from plait.sim.traffic import bytes_per_axis
+
+    model, lay = cfg.model, cfg.layout
+    rt = get_runtime("plait")
+    stage_layers = layers_per_stage(model, lay)
+    compiled = compile_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
+    mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]
+    memory = {"parameters": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer,
+              "buffers": mem.buffers, "activations": mem.activations,
+              "total": mem.total}  # fmt: skip
+    return {"memory": memory, "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank)}
+
+
+def compared(report: RankReport, cfg) -> dict:
+    """Rehearsed beside simulated for one rank: step 2's peak memory per category and
+    counted bytes per axis, each with the ratio rehearsed / simulated (None where the
+    model has no figure)."""
+    sim = predicted(cfg, report.pp_rank)
+    peak = report.phases[-1]
+    rows = {}
+    for cat in (*CATEGORIES, "total"):
+        got = peak.peak if cat == "total" else peak.split[cat]
+        want = sim["memory"].get(cat)
+        rows[cat] = (got, want, got / want if want else None)
+    got_bytes = report.bytes_per_axis()
+    axes = {}
+    for axis in sorted(set(got_bytes) | set(sim["bytes"])):
+        got, want = got_bytes.get(axis, 0), sim["bytes"].get(axis)
+        axes[axis] = (got, want, got / want if want else None)
+    return {"memory": rows, "bytes": axes}

@@ -1,0 +1,87 @@
+"""Bytes one rank's collectives move in a step, per axis, as ``comm.py`` counts them: the
+byte side of the cost model's communication (``costs.py``, ``step.py``), which turns the
+same quantities into seconds. ``plait rehearse`` holds these figures against the calls a
+rehearsed rank actually issues.
+
+Communication: none (a formula). Per micro-batch of T = b s tokens, hidden h, e bytes per
+activation element (``costs.ACT_BYTES``), t = tp, on a pipeline rank whose chunks hold
+L_c layers:
+
+- tp: per layer forward 2 all-reduces of T h e and backward 2 more (sequence
+  parallelism: 4 all-gathers / reduce-scatters each way, the same bytes twice over);
+  ``--recompute full`` repeats the forward's. The embedding's all-reduce (stage 0), the
+  head's backward all-reduce and the loss's 12 T bytes (last stage), and with the
+  scatter/gather the all-gather of every received pipeline message (T h e).
+- pp: per boundary of a chunk and micro-batch, the activation out and its gradient back,
+  T h e / t each (the scatter), send and receive both counted; with tied embeddings the
+  first and last stages swap their copy's gradient once per step (V h 4 / t each way).
+- dp: ZeRO 0 all-reduces the gradients (P g bytes, P this rank's parameters, g
+  ``Runtime.grad_comm_bytes``); ZeRO 1 (plait: whole) / 2 (reduce-scatter) and then
+  all-gathers the updated weights; ZeRO 3 all-gathers every unit before its forward and
+  its backward in every micro-batch (P w each, w ``Runtime.param_comm_bytes``) and
+  reduce-scatters the gradients (every micro-batch, or once where the runtime
+  accumulates them whole); HSDP adds the all-reduce of the shard across replicas.
+- world: the step's statistics, 8 (2 + R + W) bytes (``step.stats_bytes``).
+"""
+
+from __future__ import annotations
+
+from plait.layout import Layout
+from plait.model.config import ModelConfig
+from plait.sim.costs import ACT_BYTES, dp_groups
+from plait.sim.memory import stage_params
+from plait.sim.runtime import Runtime
+from plait.sim.step import stats_bytes
+
+
+def bytes_per_axis(
+    model: ModelConfig, layout: Layout, runtime: Runtime, stage_layers: list[int], pp_rank: int
+) -> dict[str, float]:
+    """Counted bytes per axis ("tp", "pp", "dp", "world") of one optimizer step on a rank
+    of pipeline rank ``pp_rank`` (module docstring); axes of size 1 are left out."""
+    p, v, m, t = layout.pp, layout.vpp, layout.num_microbatches, layout.tp
+    S = p * v
+    T, h, e = layout.micro_batch_size * model.seq_len, model.hidden, ACT_BYTES[layout.dtype]
+    sp = layout.sequence_parallel and t > 1
+    out: dict[str, float] = {}
+    chunks = [(c * p + pp_rank, stage_layers[c * p + pp_rank]) for c in range(v)]
+    if t > 1:
+        per_layer = 4 * T * h * e * (2 if sp else 1)
+        if layout.recompute == "full":
+            per_layer *= 1.5
+        tp = 0.0
+        for stage, layers in chunks:
+            tp += layers * per_layer
+            if stage == 0:
+                tp += T * h * e * (2 if sp else 1)  # the embedding's reduction
+            if stage == S - 1:
+                tp += T * h * e * (2 if sp else 1) + 12 * T  # the head's; the loss's
+            if p > 1 and not sp and runtime.pp_scatter_gather:  # gathers of received slices
+                tp += T * h * e * ((stage > 0) + (stage < S - 1))
+        out["tp"] = m * tp
+    if p > 1:
+        share = t if (runtime.pp_scatter_gather or sp) else 1
+        messages = sum(2 * ((stage > 0) + (stage < S - 1)) for stage, _ in chunks)
+        pp = m * messages * T * h * e / share
+        if model.tied_embeddings and pp_rank in (0, p - 1):
+            pp += 2 * model.vocab_size * h * 4 / t
+        out["pp"] = pp
+    if layout.dp > 1:
+        params = sum(stage_params(model, layout, layers, stage == 0, stage == S - 1)
+                     for stage, layers in chunks)  # fmt: skip
+        g = params * runtime.grad_comm_bytes(layout.dtype)
+        shard, replicas = dp_groups(layout)
+        across = g / shard if replicas > 1 else 0.0
+        if layout.zero == 0:
+            dp = g
+        elif layout.zero in (1, 2):
+            gather = params * runtime.param_comm_bytes(layout.dtype)  # the updated weights
+            dp = (g if layout.zero == 1 and runtime.zero1_grad_all_reduce else g + across) + gather
+        else:
+            w = runtime.param_comm_bytes(layout.dtype)
+            reduces = m if runtime.zero3_reduce_per_microbatch else 1
+            dp = 2 * m * params * w + reduces * (g + across)
+        out["dp"] = dp
+    if layout.world_size > 1:
+        out["world"] = stats_bytes(layout)
+    return out
