@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from plait import comm, dp_algos
-from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
+from plait.data import IGNORE_INDEX, inputs_targets, prepare, train_sampler, val_set
 from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
 from plait.model import lora, quant
@@ -55,6 +55,7 @@ from plait.train.metrics import (
     Progress,
     peak_memory_bytes,
     peak_tflops,
+    source_tokens,
     write_rank_summary,
 )
 
@@ -175,24 +176,17 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        # data: prepared by the launcher already, so this only opens the cache
+        # data: prepared by the launcher already, so this only opens the cache; instruction
+        # data's targets are masked to the answers, a mixture's rows drawn by weight
         data = prepare(cfg.data)
-        self.sampler = GlobalBatchSampler(
-            data.train,
-            seq_len=model_cfg.seq_len,
-            global_batch=cfg.layout.global_batch_size,
+        self.sampler = train_sampler(
+            data, seq_len=model_cfg.seq_len, global_batch=cfg.layout.global_batch_size,
             seed=tcfg.seed,
-            name=data.source,
-            mask=data.train_mask,  # instruction data: loss on the answers only
-        )
-        self.val_set = val_pairs(
-            data.val,
-            data.val_mask,
-            seq_len=model_cfg.seq_len,
-            batch=cfg.layout.global_batch_size,
+        )  # fmt: skip
+        self.val_set = val_set(
+            data, seq_len=model_cfg.seq_len, batch=cfg.layout.global_batch_size,
             num_batches=tcfg.eval_batches,
-            name=data.source,
-        )
+        )  # fmt: skip
 
         # model and its parallel wrapping
         if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
@@ -352,6 +346,7 @@ class Trainer:
         flops_per_s = tokens_per_s * self.flops_per_token / topo.world_size
         model_state = engine.model_state_bytes()
         rec = record_of(stats, lr=lr, tokens=self.tokens_per_step, grad_norm=grad_norm)
+        rec.update(source_tokens(self.sampler, step))  # a mixture's tokens seen per source
         rec.update({
             **({"loss_tokens": loss_tokens} if loss_tokens != self.tokens_per_step else {}),
             "step_time_s": step_time,
