@@ -39,6 +39,7 @@ from plait.data.corpus import Corpus, RecordError, Unit, UnitStats, read_unit
 # Below this many bytes a corpus is tokenised in this process (starting workers costs more).
 PARALLEL_MIN_BYTES = 32 << 20
 COMMIT_SECONDS = 10.0
+ENCODE_CHARS = 1 << 20  # characters per call of the tokenizer
 PROGRESS_SECONDS = 5.0
 JOURNAL_FORMAT = 1
 
@@ -206,17 +207,30 @@ def _encode(unit: Unit, state: dict | None = None):
             pieces += _pieces(doc)
     except RecordError as e:
         return e
-    eot = [] if tokenizer.eot_id is None else [np.array([tokenizer.eot_id], dtype=np.uint32)]
+    eot = [] if tokenizer.eot_id is None else [np.array([tokenizer.eot_id], dtype=dtype)]
     parts, num_documents, num_chars = [], 0, 0
-    if pieces:
-        for ids, (text, last) in zip(tokenizer.encode_batch([p for p, _ in pieces]), pieces):
-            parts.append(ids)
+    for batch in _batches(pieces):
+        # in batches of ENCODE_CHARS: the tokenizer's per-token objects of a whole unit
+        # would take ~100 bytes a token; its ids alone take 2 or 4
+        for ids, (text, last) in zip(tokenizer.encode_batch([p for p, _ in batch]), batch):
+            parts.append(ids.astype(dtype))
             if last:
                 parts += eot
                 num_documents += 1
             num_chars += len(text)
-    ids = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
     return ids, stats, num_documents, num_chars
+
+
+def _batches(pieces: list[tuple[str, bool]]):
+    start, size = 0, 0
+    for i, (text, _) in enumerate(pieces):
+        size += len(text)
+        if size >= ENCODE_CHARS:
+            yield pieces[start : i + 1]
+            start, size = i + 1, 0
+    if start < len(pieces):
+        yield pieces[start:]
 
 
 class _Progress:

@@ -301,10 +301,14 @@ def prepare_mixture(cfg, sources: list[tuple[str, float]], *, log: Callable[[str
     """Prepare each source with one tokenizer (module docstring)."""
     from plait.data import tokens
 
-    _check_sources(cfg, sources)
     tokenizer = cfg.tokenizer
     if tokenizer == "bpe":
-        tokenizer = str(_shared_bpe(cfg, [p for p, _ in sources], log))
+        tokenizer = _shared_bpe_path(cfg, [p for p, _ in sources])
+    subs = [dataclasses.replace(cfg, path=p, tokenizer=str(tokenizer)) for p, _ in sources]
+    if not (Path(tokenizer).is_file() or tokenizer == "bytes") or not all(map(tokens.cached, subs)):
+        _check_sources(cfg, sources)  # (every rank of a run opens caches that exist: no check)
+    if cfg.tokenizer == "bpe":
+        _train_shared_bpe(cfg, [p for p, _ in sources], Path(tokenizer), log)
     parts = []
     for path, weight in sources:
         log(f"data: source {path} (weight {weight:.3g})")
@@ -341,19 +345,27 @@ def _check_sources(cfg, sources) -> None:
             find_corpus(path, cfg.text_column).units()
 
 
-def _shared_bpe(cfg, paths: list[str], log: Callable[[str], None]) -> Path:
-    """One BPE trained on every text source in order, cached by their identities."""
+def _shared_bpe_path(cfg, paths: list[str]) -> Path:
+    """Where the BPE shared by these sources lives, keyed by their identities."""
     from plait.data.corpus import find_corpus
-    from plait.data.tokenizer import train_bpe
-    from plait.data.tokens import _exclusive, _write_atomically, cache_root
+    from plait.data.tokens import cache_root
 
     corpora = [find_corpus(p, cfg.text_column) for p in paths]
     key = {"format": 1, "vocab_size": cfg.vocab_size, "corpora": [c.identity() for c in corpora]}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    folder = cache_root(cfg) / f"mixbpe{cfg.vocab_size}-{digest}"
-    path = folder / "tokenizer.json"
+    return cache_root(cfg) / f"mixbpe{cfg.vocab_size}-{digest}" / "tokenizer.json"
+
+
+def _train_shared_bpe(cfg, paths: list[str], path: Path, log: Callable[[str], None]) -> None:
+    """One BPE trained on every text source in order, written to ``path`` once."""
+    from plait.data.corpus import find_corpus
+    from plait.data.tokenizer import train_bpe
+    from plait.data.tokens import _exclusive, _write_atomically
+
     if path.is_file():
-        return path
+        return
+    folder = path.parent
+    corpora = [find_corpus(p, cfg.text_column) for p in paths]
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -365,4 +377,3 @@ def _shared_bpe(cfg, paths: list[str], log: Callable[[str], None]) -> Path:
                 f"{len(corpora)} sources")  # fmt: skip
             tokenizer = train_bpe(docs, vocab_size=cfg.vocab_size)
             _write_atomically(path, tokenizer.save)
-    return path

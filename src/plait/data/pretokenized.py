@@ -208,6 +208,13 @@ def prepare(cfg, root: Path, *, log: Callable[[str], None]):
     )
 
 
+def checked(cfg, root: Path) -> bool:
+    """Whether ``cfg.path`` was checked against ``cfg.tokenizer`` before (meta.json)."""
+    if cfg.tokenizer == "bpe":
+        return False
+    return (root / _fingerprint(open_token_file(cfg.path), cfg) / "meta.json").is_file()
+
+
 def _fingerprint(tf: TokenFile, cfg) -> str:
     st = tf.bin_path.stat()
     tok = cfg.tokenizer

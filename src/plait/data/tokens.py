@@ -180,6 +180,20 @@ def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None,
     return _open(folder, corpus, cfg)
 
 
+def cached(cfg: DataConfig) -> bool:
+    """Whether ``prepare(cfg)`` of one source would only open a finished cache."""
+    from plait.data import pretokenized
+
+    try:
+        if pretokenized.is_token_file(cfg.path):
+            return pretokenized.checked(cfg, cache_root(cfg))
+        return _complete(
+            cache_root(cfg) / _fingerprint(find_corpus(cfg.path, cfg.text_column), cfg)
+        )
+    except (DataError, OSError):
+        return False
+
+
 def cache_root(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache/plait"
 
