@@ -4,7 +4,7 @@
     python benchmarks/prepare_throughput.py --mb 100 --workers 2   # the memory check's other size
 
 Generates a Parquet corpus of ``--mb`` MB (rows drawn from the standard library's own
-source files, 16 shards) and a byte-level BPE of 4096 ids trained on 8 MB of it, then
+source files, in shards of 12.5 MB) and a byte-level BPE of 4096 ids trained on 8 MB of it, then
 tokenises the corpus with the same tokenizer two ways, each in a fresh process:
 
 - ``plait``: ``prepare`` with ``--workers`` processes into a fresh cache;
@@ -36,7 +36,9 @@ def make_corpus(root: Path, mb: int) -> Path:
     texts = [f.read_text(errors="replace") for f in stdlib_files()]
     folder = root / f"corpus{mb}"
     folder.mkdir(parents=True, exist_ok=True)
-    target, shards, done, i = mb * 1_000_000, 16, 0, 0
+    # shards of 12.5 MB whatever the size (200 MB: 16), so a larger corpus has more shards
+    # of the same size, as a real one does: memory depends on the shard, not the corpus
+    target, shards, done, i = mb * 1_000_000, max(1, round(mb / 12.5)), 0, 0
     for shard in range(shards):
         rows, size = [], 0
         while size < target / shards:
