@@ -210,7 +210,7 @@ def test_cache_is_reused_and_keyed_on_inputs(tmp_path, monkeypatch):
         raise AssertionError("the cache should have been reused")
 
     monkeypatch.setattr(tokens_mod, "train_bpe", boom)
-    monkeypatch.setattr(tokens_mod, "_tokenise", boom)
+    monkeypatch.setattr(tokens_mod.build, "tokenise", boom)
     second = prepare(_cfg(tmp_path, folder, vocab_size=320, val_fraction=0.1))
     assert second.cache_path == first.cache_path
     assert np.array_equal(first.train, second.train) and np.array_equal(first.val, second.val)

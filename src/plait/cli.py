@@ -1,6 +1,7 @@
 """``plait`` command line: a thin shell over the library.
 
     plait train [flags]         train (starts dp x tp x pp workers)
+    plait prepare --data PATH   tokenise the data into the token cache (train does it too)
     plait generate --run DIR    sample text from a trained run
     plait export --run DIR      the newest checkpoint as a Hugging Face model folder
     plait checkpoint verify DIR check a run's checkpoints against their manifests
@@ -34,6 +35,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict]:
         generate,
         info,
         plan,
+        prepare,
         rehearse,
         report,
         simulate,
@@ -45,8 +47,9 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     verbs = {}
-    for name, module in [("train", train), ("generate", generate), ("export", export),
-                         ("checkpoint", checkpoint), ("report", report), ("info", info),
+    for name, module in [("train", train), ("prepare", prepare), ("generate", generate),
+                         ("export", export), ("checkpoint", checkpoint), ("report", report),
+                         ("info", info),
                          ("simulate", simulate), ("viz", viz), ("plan", plan),
                          ("calibrate", calibrate), ("rehearse", rehearse)]:  # fmt: skip
         verbs[name] = (module, module.add_parser(sub))

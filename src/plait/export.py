@@ -101,7 +101,7 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
 
 def _quantized(out: Path, cfg, state: dict, data, opts: ExportOptions) -> list[str]:
     """Quantise a whole model with torchao, write it, and report the perplexity change."""
-    from plait.data import val_pairs
+    from plait.data import val_set
     from plait.model import quant
     from plait.model.transformer import build_model
 
@@ -111,9 +111,9 @@ def _quantized(out: Path, cfg, state: dict, data, opts: ExportOptions) -> list[s
     model = build_model(cfg.model, seed=cfg.train.seed)
     model.load_state_dict(state)
     model.eval()
-    pairs = val_pairs(
-        data.val, data.val_mask, seq_len=cfg.model.seq_len, batch=cfg.layout.global_batch_size,
-        num_batches=cfg.train.eval_batches, name=data.source,
+    pairs = val_set(  # the run's own validation batches (of every source of a mixture)
+        data, seq_len=cfg.model.seq_len, batch=cfg.layout.global_batch_size,
+        num_batches=cfg.train.eval_batches,
     )  # fmt: skip
     before, tokens = val_loss(model, pairs)
     layers = quant.quantize_model(model, qcfg)

@@ -66,7 +66,8 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
         if run:
             d = raw.get("data") or {}
             flat.update(data=d.get("path"), tokenizer=d.get("tokenizer"),
-                        cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"))  # fmt: skip
+                        cache_dir=d.get("cache_dir"), val_fraction=d.get("val_fraction"),
+                        text_column=d.get("text_column"))  # fmt: skip
             if "out" in raw:
                 flat["out"] = raw["out"]
             res = dict(raw.get("resilience") or {})  # a run's, like its data and folder

@@ -34,9 +34,10 @@ from pathlib import Path
 
 from plait.cli_args import model_config, model_layout_parser
 from plait.commands.common import UserError, die, merged_values
+from plait.commands.prepare import add_data_flags
 
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
-              "val_fraction": "val_fraction"}  # fmt: skip
+              "val_fraction": "val_fraction", "text_column": "text_column"}  # fmt: skip
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -77,10 +78,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile each transformer block (first steps pay the compile)")  # fmt: skip
     g.add_argument("--no-progress", action="store_true", default=None)
     g = p.add_argument_group("data and output")
-    g.add_argument("--data", help="text file, folder of text, or JSONL; default: embedded corpus")
-    g.add_argument("--tokenizer", help="bpe | bytes | path/to/tokenizer.json")
-    g.add_argument("--cache-dir")
-    g.add_argument("--val-fraction", type=float)
+    add_data_flags(g)
     g.add_argument("--out", help="run folder (default runs/<time>)")
     g.add_argument("--resume", action="store_true", default=None,
                    help="continue from the newest checkpoint in --out that verifies")  # fmt: skip
@@ -294,7 +292,7 @@ def _check_resume(cfg) -> None:
 
 def _train(cfg, values: dict) -> None:
     """Prepare the data, write config.yaml, run the workers and report."""
-    from plait.data import prepare
+    from plait.data import check_held_out, prepare
     from plait.train.launch import launch
 
     out = Path(cfg.out)
@@ -307,12 +305,7 @@ def _train(cfg, values: dict) -> None:
             "use the data and tokenizer it was trained with"
         )
     cfg = _with_vocab(cfg, data.tokenizer.vocab_size)
-    seq_need = cfg.model.seq_len + 1
-    if len(data.val) < seq_need:
-        raise UserError(
-            f"--data: the held-out split has {len(data.val)} tokens but a sequence needs "
-            f"{seq_need}; give more text or a larger --val-fraction"
-        )
+    check_held_out(data, cfg.model.seq_len)  # of each source of a mixture
     cfg.save(out / "config.yaml")
     lay = cfg.layout
     print(

@@ -5,10 +5,16 @@
     rows = sampler.local(step, dp_rank=dp_rank, dp=dp)  # (64 / dp, 257): inputs [:, :-1], targets [:, 1:]
     val = val_batches(ds.val, seq_len=256, batch=64, num_batches=4, name=ds.source)
 
-One idea per file: ``corpus`` finds the documents, ``tokenizer`` turns text into ids,
-``tokens`` builds and opens the on-disk cache, ``sampler`` cuts it into batches.
+    # any --data, a mixture "web.parquet:0.7,code/:0.3" included:
+    sampler = train_sampler(prepare(cfg), seq_len=256, global_batch=64, seed=0)
+
+One idea per file: ``corpus`` finds the documents (``columnar`` reads Parquet and Arrow),
+``tokenizer`` turns text into ids, ``build`` tokenises on every core, ``tokens`` builds and
+opens the on-disk cache, ``pretokenized`` maps token files as they are, ``sampler`` cuts a
+stream into batches and ``mixture`` mixes several by weight. docs/data.md has the formats.
 """
 
+from plait.data.mixture import Mixture, MixtureSampler, check_held_out, train_sampler, val_set
 from plait.data.sampler import (
     IGNORE_INDEX,
     GlobalBatchSampler,
@@ -29,6 +35,11 @@ __all__ = [
     "IGNORE_INDEX",
     "HFTokenizer",
     "inputs_targets",
+    "Mixture",
+    "MixtureSampler",
+    "check_held_out",
+    "train_sampler",
+    "val_set",
     "prepare",
     "val_batches",
     "val_pairs",

@@ -95,15 +95,7 @@ class GlobalBatchSampler:
         return self.rows(step, *self._dp_rows(dp_rank, dp))
 
     def _dp_rows(self, dp_rank: int, dp: int) -> tuple[int, int]:
-        """Rows [lo, hi) of the global batch that dp rank ``dp_rank`` of ``dp`` takes."""
-        if dp < 1 or self.global_batch % dp:
-            raise ValueError(
-                f"--global-batch-size {self.global_batch} is not divisible by --dp {dp}"
-            )
-        if not 0 <= dp_rank < dp:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
-        per = self.global_batch // dp
-        return dp_rank * per, (dp_rank + 1) * per
+        return dp_rows(self.global_batch, dp_rank, dp)
 
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of rows [lo, hi) of step ``step``, gathering only those: a
@@ -134,6 +126,16 @@ class GlobalBatchSampler:
 
     def _gather(self, window_ids: np.ndarray) -> torch.Tensor:
         return _windows(self.tokens, window_ids * self.seq_len, self.seq_len + 1)
+
+
+def dp_rows(global_batch: int, dp_rank: int, dp: int) -> tuple[int, int]:
+    """Rows [lo, hi) of the global batch that dp rank ``dp_rank`` of ``dp`` takes."""
+    if dp < 1 or global_batch % dp:
+        raise ValueError(f"--global-batch-size {global_batch} is not divisible by --dp {dp}")
+    if not 0 <= dp_rank < dp:
+        raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp})")
+    per = global_batch // dp
+    return dp_rank * per, (dp_rank + 1) * per
 
 
 def val_batches(

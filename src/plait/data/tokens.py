@@ -11,15 +11,24 @@ process or any other, memory-maps the result:
         meta.json        written last: its presence means the folder is complete
         .lock            flock'ed while one process builds; the others wait, then reuse
 
+While it is being built, ``tokens.bin.partial`` and ``tokens.progress.json`` hold the units
+tokenised so far, so a build that dies resumes where it stopped (``build.py``).
+
 The fingerprint hashes the corpus identity (see ``Corpus.identity``) and the tokenizer
 settings. Each file is written under a temporary name and renamed into place, so a crash
 leaves either nothing or a complete file, never half of one. ``val_fraction`` is not part of
 the fingerprint: the split is computed when the cache is opened, so changing it is free.
+
+Two other kinds of ``--data`` bypass the corpus: pre-tokenized files, memory-mapped as they
+are (``pretokenized.py``), and weighted mixtures of sources, each prepared as above
+(``mixture.py``). A source the user got wrong (no such column, a damaged Parquet footer, a
+token file the tokenizer cannot have made) is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.corpus import Corpus, find_corpus
+from plait.data import build
+from plait.data.corpus import DEFAULT_TEXT_COLUMN, Corpus, Unit, find_corpus
 from plait.data.tokenizer import (
     EOT_TOKEN,
     ByteTokenizer,
@@ -51,10 +61,8 @@ logger = logging.getLogger(__name__)
 
 # Bump when the token stream for the same inputs changes (e.g. how documents are split).
 CACHE_FORMAT = 1
-# Tokenising hands the tokenizer batches of about this many characters (it uses all cores
-# within a batch), and cuts documents longer than PIECE_CHARS at a line break so one huge
-# file does not run on one core. The cut only changes how the text around it is merged.
-BATCH_CHARS = 4 << 20
+# Tokenising cuts documents longer than PIECE_CHARS at a line break, so a document's
+# pieces can go to several cores. The cut only changes how the text around it is merged.
 PIECE_CHARS = 1 << 20
 
 Tokenizer = ByteTokenizer | HFTokenizer
@@ -64,11 +72,14 @@ Tokenizer = ByteTokenizer | HFTokenizer
 class DataConfig:
     """What to train on and how to tokenise it. Read by ``prepare``."""
 
-    path: str | None = None  # None: the embedded corpus; else a text file, folder or .jsonl
+    # None: the embedded corpus; else a text file or folder, .jsonl, .parquet, a datasets
+    # folder, a .bin token file, or a mixture "web.parquet:0.7,code/:0.3" (mixture.py)
+    path: str | None = None
     tokenizer: str = "bpe"  # "bpe" | "bytes" | path to a tokenizer.json
     vocab_size: int = 4096  # for "bpe", the special token included
-    val_fraction: float = 0.01  # held-out tail of the token stream
+    val_fraction: float = 0.01  # held-out tail of the token stream (of each source)
     cache_dir: str | None = None  # None: ~/.cache/plait
+    text_column: str = DEFAULT_TEXT_COLUMN  # of JSON Lines records and Parquet / Arrow tables
 
     def __post_init__(self) -> None:
         for name in ("path", "cache_dir"):
@@ -93,6 +104,12 @@ class DataConfig:
                 f"--val-fraction {self.val_fraction}: must be in [0, 1); 0.01 holds out the "
                 "last 1% of the tokens"
             )
+        if not isinstance(self.text_column, str) or not self.text_column:
+            raise ValueError(f"--text-column {self.text_column!r}: give a column name, e.g. text")
+        if self.path is not None:
+            from plait.data.mixture import parse_sources
+
+            parse_sources(self.path)  # a ValueError (one line) for a malformed mixture
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,20 +131,34 @@ class Dataset:
     val_mask: np.ndarray | None = None
 
 
-def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None) -> Dataset:
-    """Discover, tokenise and cache the corpus once; later calls open the cache.
+def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None,
+            workers: int | None = None):  # fmt: skip
+    """Discover, tokenise and cache the corpus once; later calls open the cache. Returns a
+    Dataset, or a ``mixture.Mixture`` of them when ``cfg.path`` lists weighted sources.
 
     Safe to call from every worker at once: one builds under a file lock, the rest wait for
-    it and reuse its result. Raises DataError (one line) for anything the user can fix.
+    it and reuse its result. ``workers``: tokenising processes (default: every core).
+    Raises DataError (one line) for anything the user can fix.
     """
+    from plait.data import mixture, pretokenized
+
     log = log or logger.info
-    corpus = find_corpus(cfg.path)
+    sources = mixture.parse_sources(cfg.path) if cfg.path is not None else None
+    if sources is not None and len(sources) > 1:
+        return mixture.prepare_mixture(cfg, sources, log=log, workers=workers)
+    if sources is not None:  # "path:weight" of one source is that source
+        cfg = dataclasses.replace(cfg, path=sources[0][0])
+    if cfg.path is not None and pretokenized.is_token_file(cfg.path):
+        return pretokenized.prepare(cfg, cache_root(cfg), log=log)
+    corpus = find_corpus(cfg.path, cfg.text_column)
     fingerprint = _fingerprint(corpus, cfg)
-    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache/plait"
+    root = cache_root(cfg)
     folder = root / fingerprint
     if _complete(folder):
         log(f"data: reusing the token cache {folder}")
     else:
+        units = corpus.units()  # refuses an unreadable source before anything is written
+        fresh = not folder.exists()
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -139,8 +170,38 @@ def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None) -> Dat
             if _complete(folder):  # another process built it while we waited
                 log(f"data: reusing the token cache {folder}")
             else:
-                _build(folder, corpus, cfg, log)
+                try:
+                    _build(folder, corpus, units, cfg, log, workers)
+                except DataError:  # the data is wrong: keep nothing of this build
+                    build.discard(folder / "tokens.bin")
+                    if fresh:
+                        _remove_folder(folder)
+                    raise
     return _open(folder, corpus, cfg)
+
+
+def cached(cfg: DataConfig) -> bool:
+    """Whether ``prepare(cfg)`` of one source would only open a finished cache."""
+    from plait.data import pretokenized
+
+    try:
+        if pretokenized.is_token_file(cfg.path):
+            return pretokenized.checked(cfg, cache_root(cfg))
+        return _complete(
+            cache_root(cfg) / _fingerprint(find_corpus(cfg.path, cfg.text_column), cfg)
+        )
+    except (DataError, OSError):
+        return False
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache/plait"
+
+
+def _remove_folder(folder: Path) -> None:
+    for f in folder.iterdir():
+        f.unlink(missing_ok=True)
+    folder.rmdir()
 
 
 def _fingerprint(corpus: Corpus, cfg: DataConfig) -> str:
@@ -195,7 +256,8 @@ def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(folder: Path, corpus: Corpus, cfg: DataConfig, log: Callable[[str], None]) -> None:
+def _build(folder: Path, corpus: Corpus, units: list[Unit], cfg: DataConfig,
+           log: Callable[[str], None], workers: int | None) -> None:  # fmt: skip
     for leftover in folder.glob("*.tmp"):  # from a build that crashed
         leftover.unlink(missing_ok=True)
     tok_path = folder / "tokenizer.json"
@@ -218,11 +280,10 @@ def _build(folder: Path, corpus: Corpus, cfg: DataConfig, log: Callable[[str], N
                 ),
             ),
         )
-    else:
-        _write_atomically(
-            folder / "tokens.bin",
-            lambda tmp: counts.update(_tokenise(corpus, tokenizer, dtype, tmp, log)),
-        )
+    else:  # resumable: tokens.bin.partial until it is complete (build.py)
+        counts.update(build.tokenise(corpus, units, tokenizer, dtype, folder / "tokens.bin",
+                                     workers=workers, log=log))  # fmt: skip
+        counts = {k: counts[k] for k in ("num_tokens", "num_documents", "num_chars")}
     if counts["num_documents"] == 0:
         (folder / "tokens.bin").unlink()
         raise DataError(f"{corpus.label}: no text found (every document is empty)")
@@ -263,30 +324,6 @@ def _make_tokenizer(corpus: Corpus, cfg: DataConfig, log: Callable[[str], None])
     return tokenizer
 
 
-def _tokenise(
-    corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: Path, log: Callable[[str], None]
-) -> dict[str, int]:
-    """Write every document's ids, each followed by the end-of-text id, to ``out``."""
-    eot = [] if tokenizer.eot_id is None else [np.array([tokenizer.eot_id], dtype=np.uint32)]
-    num_tokens = num_chars = num_documents = 0
-    with open(out, "wb") as f:
-        for batch in _batches(corpus.documents(log)):
-            pieces = [text for text, _ in batch]
-            parts = []
-            for ids, (text, last) in zip(tokenizer.encode_batch(pieces), batch):
-                parts.append(ids)
-                if last:
-                    parts += eot
-                    num_documents += 1
-                num_chars += len(text)
-            ids = np.concatenate(parts).astype(dtype)
-            ids.tofile(f)
-            num_tokens += len(ids)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"num_tokens": num_tokens, "num_documents": num_documents, "num_chars": num_chars}
-
-
 def _tokenise_examples(corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: Path,
                        mask_out: Path) -> dict[str, int]:  # fmt: skip
     """Instruction examples: their ids to ``out`` and their loss mask to ``mask_out``."""
@@ -315,28 +352,17 @@ def _tokenise_examples(corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: P
             "num_trained_tokens": num_trained}  # fmt: skip
 
 
-def _batches(documents: Iterator[str]) -> Iterator[list[tuple[str, bool]]]:
-    """Group documents into batches of about BATCH_CHARS; each item is (piece, is_last_piece)."""
-    batch, size = [], 0
-    for doc in documents:
-        for piece, last in _pieces(doc):
-            batch.append((piece, last))
-            size += len(piece)
-            if size >= BATCH_CHARS:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _pieces(doc: str) -> Iterator[tuple[str, bool]]:
-    start = 0
+def _pieces(doc: str) -> list[tuple[str, bool]]:
+    """``doc`` cut at line breaks into pieces of at most PIECE_CHARS, each with whether it
+    is the document's last (the end-of-text follows it)."""
+    out, start = [], 0
     while len(doc) - start > PIECE_CHARS:
         cut = doc.rfind("\n", start + PIECE_CHARS // 2, start + PIECE_CHARS) + 1
         cut = cut or start + PIECE_CHARS  # no line break near the limit: cut anywhere
-        yield doc[start:cut], False
+        out.append((doc[start:cut], False))
         start = cut
-    yield doc[start:], True
+    out.append((doc[start:], True))
+    return out
 
 
 def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from plait import comm, dp_algos
-from plait.data import IGNORE_INDEX, GlobalBatchSampler, inputs_targets, prepare, val_pairs
+from plait.data import IGNORE_INDEX, inputs_targets, prepare, train_sampler, val_set
 from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
 from plait.model import lora, quant
@@ -59,6 +59,7 @@ from plait.train.metrics import (
     Progress,
     peak_memory_bytes,
     peak_tflops,
+    source_tokens,
     write_rank_summary,
 )
 
@@ -259,29 +260,22 @@ class Trainer:
         )
         self.peak_flops = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
 
-    def open_data(self) -> tuple[GlobalBatchSampler, list]:
+    def open_data(self) -> tuple:
         """The training batches' sampler and the validation pairs. Prepared by the
-        launcher already, so this only opens the cache; ``plait rehearse`` gives
+        launcher already, so this only opens the cache; instruction data's targets are
+        masked to the answers, a mixture's rows drawn by weight. ``plait rehearse`` gives
         synthetic batches of the same shapes instead (``plait.rehearse``)."""
         cfg, tcfg = self.cfg, self.cfg.train
         data = prepare(cfg.data)
-        sampler = GlobalBatchSampler(
-            data.train,
-            seq_len=cfg.model.seq_len,
-            global_batch=cfg.layout.global_batch_size,
+        sampler = train_sampler(
+            data, seq_len=cfg.model.seq_len, global_batch=cfg.layout.global_batch_size,
             seed=tcfg.seed,
-            name=data.source,
-            mask=data.train_mask,  # instruction data: loss on the answers only
-        )
-        val_set = val_pairs(
-            data.val,
-            data.val_mask,
-            seq_len=cfg.model.seq_len,
-            batch=cfg.layout.global_batch_size,
+        )  # fmt: skip
+        val = val_set(
+            data, seq_len=cfg.model.seq_len, batch=cfg.layout.global_batch_size,
             num_batches=tcfg.eval_batches,
-            name=data.source,
-        )
-        return sampler, val_set
+        )  # fmt: skip
+        return sampler, val
 
     # -- restore and save --------------------------------------------------------------
 
@@ -369,6 +363,7 @@ class Trainer:
         flops_per_s = tokens_per_s * self.flops_per_token / topo.world_size
         model_state = engine.model_state_bytes()
         rec = record_of(stats, lr=lr, tokens=self.tokens_per_step, grad_norm=grad_norm)
+        rec.update(source_tokens(self.sampler, step))  # a mixture's tokens seen per source
         rec.update({
             **({"loss_tokens": loss_tokens} if loss_tokens != self.tokens_per_step else {}),
             "step_time_s": step_time,

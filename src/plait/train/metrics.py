@@ -79,6 +79,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def source_tokens(sampler, step: int) -> dict:
+    """``{"source_tokens": {source: tokens}}``: the tokens each source of a mixture gave
+    steps 0..``step`` (the same on every rank and after a resume: ``data/mixture.py``);
+    nothing for one source, whose count is the step's ``tokens`` times the steps."""
+    seen = getattr(sampler, "tokens_seen", None)
+    return {} if seen is None else {"source_tokens": seen(step)}
+
+
 class MetricsWriter:
     """Appends one JSON object per step to ``metrics.jsonl`` (rank 0 only); with
     ``tensorboard``, also every numeric key as a TensorBoard scalar (tag = the key, x = the
@@ -120,8 +128,8 @@ class MetricsWriter:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and not isinstance(value, bool) and key != "step":
+            for key, value in _scalars(record):
+                if key != "step":
                     self.tb.add_scalar(key, value, record["step"])
             self.tb.flush()  # readable while the run goes on
 
@@ -129,6 +137,15 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def _scalars(record: dict, prefix: str = ""):
+    """(tag, number) of every numeric value, a nested dict's as ``key/inner``."""
+    for key, value in record.items():
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            yield prefix + key, value
 
 
 def write_rank_summary(out: Path, *, topo, model_state: dict, steps: int) -> Path:
