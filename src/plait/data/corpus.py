@@ -132,12 +132,13 @@ class Corpus:
         if log and replaced:
             log(f"data: {replaced} file(s) in {self.label} had bytes that are not UTF-8 (replaced)")
 
-    def examples(self):
-        """Instruction examples as (text, trained) segments (``instruct.py``)."""
+    def examples(self, chat=None):
+        """Instruction examples as (text, trained) segments (``instruct.py``; ``chat``: a
+        tokenizer's chat template to render conversations with)."""
         from plait.data import instruct
 
         for f in self.files:
-            yield from instruct.examples(f, self.display(f))
+            yield from instruct.examples(f, self.display(f), chat)
 
 
 def find_corpus(path: str | None) -> Corpus:

@@ -328,9 +328,10 @@ def save(folder: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig) -
     return folder
 
 
-def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig) -> bool:
+def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig, chat_template=None) -> bool:
     """Write a ``tokenizers`` tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``
-    (``AutoTokenizer.from_pretrained`` and ``plait train --tokenizer FOLDER`` read it).
+    (``AutoTokenizer.from_pretrained`` and ``plait train --tokenizer FOLDER`` read it),
+    with ``chat_template`` (the one the run's conversations were rendered with) if given.
     False for plait's byte tokenizer, which has no such file (its ids are UTF-8 bytes)."""
     from plait.data.tokenizer import HFTokenizer
 
@@ -341,6 +342,8 @@ def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig) -> bool:
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
     if tokenizer.eot_id is not None:
         conf["eos_token"] = tokenizer.decode([tokenizer.eot_id])
+    if chat_template is not None:
+        conf["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
     return True
 
