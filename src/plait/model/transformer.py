@@ -99,27 +99,28 @@ def sliding_window_attention(q, k, v, window: int, **sdpa) -> torch.Tensor:
     """Causal attention in which the query at position p sees keys p - window + 1 .. p
     (Mistral's sliding window, Hugging Face's convention), without a T x T mask.
 
-    The queries are cut into chunks of ``window``; chunk c attends to key chunks c - 1 and
-    c, the only ones in reach, under one (window, 2 window) band mask. Work and memory are
-    O(T window), not O(T^2): at T = 32k and a 4k window the mask is 32 MiB (per chunk
-    shape, shared by batch and heads), not the 1 GiB of a full one. ``sdpa``: keywords of
+    The queries are cut into chunks of ``window``. The first chunk is plain causal
+    attention; every later chunk c attends to key chunks c - 1 and c, the only ones in
+    reach, under one (window, 2 window) band mask that all chunks, sequences and heads
+    share. Work and memory are O(T window), not O(T^2): at a 4k window the mask is 32 MiB
+    whatever T, where a full one is 1 GiB at T = 32k. ``sdpa``: keywords of
     ``F.scaled_dot_product_attention`` (dropout_p, enable_gqa).
     """
     B, H, T, D = q.shape
     w = window
     C = -(-T // w)  # chunks
     pad = C * w - T  # padded queries are dropped; padded keys lie in every real query's future
-    q = F.pad(q, (0, 0, 0, pad)).view(B, H, C, w, D).transpose(1, 2)  # (B, C, H, w, D)
-    # one empty chunk before the first, then key chunks c - 1 and c side by side
-    k, v = (F.pad(x, (0, 0, w, pad)).unfold(2, 2 * w, w).permute(0, 2, 1, 4, 3) for x in (k, v))
-    # k, v: (B, C, K, 2w, D); query i of a chunk sees key j of its pair iff i < j <= i + w
+    first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w],
+                                           is_causal=True, **sdpa)  # fmt: skip
+    q = F.pad(q[:, :, w:], (0, 0, 0, pad)).view(B, H, C - 1, w, D).transpose(1, 2)
+    # key chunks c - 1 and c side by side for chunk c: (B, C-1, K, 2w, D)
+    k, v = (F.pad(x, (0, 0, 0, pad)).unfold(2, 2 * w, w).permute(0, 2, 1, 4, 3) for x in (k, v))
     i = torch.arange(w, device=q.device)[:, None]
     j = torch.arange(2 * w, device=q.device)[None, :]
-    band = (j > i) & (j <= i + w)  # (w, 2w)
-    mask = band.expand(C, w, 2 * w).clone()
-    mask[0, :, :w] = False  # the empty chunk before the first
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], **sdpa)  # (B, C, H, w, D)
-    return y.transpose(1, 2).reshape(B, H, C * w, D)[:, :, :T]
+    band = (j > i) & (j <= i + w)  # query i of a chunk sees key j of its pair iff i < j <= i + w
+    rest = F.scaled_dot_product_attention(q, k, v, attn_mask=band, **sdpa)  # (B, C-1, H, w, D)
+    rest = rest.transpose(1, 2).reshape(B, H, (C - 1) * w, D)
+    return torch.cat([first, rest], dim=2)[:, :, :T]
 
 
 class Attention(nn.Module):
