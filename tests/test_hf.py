@@ -57,7 +57,8 @@ def test_what_does_not_map_is_one_line(tmp_path):
     bad = {
         "bert": {**cfg, "model_type": "bert"},
         "rope_scaling": {**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}},
-        "'llama3'": {**cfg, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+        "'dynamic'": {**cfg, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5}},
+        "lacks 'factor'": {**cfg, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
         "attention_bias": {**cfg, "attention_bias": True},
     }
     for key, d in bad.items():

@@ -22,6 +22,27 @@ PUBLISHED = {  # Brown et al. 2020 Table 2.1; Touvron et al. 2023; Meta's Llama 
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.6e9,
     "llama3-405b": 405.9e9,
+    "llama3.2-1b": 1.24e9,  # Meta's Llama 3.2 card
+    "llama3.2-3b": 3.21e9,
+    "qwen2.5-0.5b": 0.49e9,  # the Qwen2.5 model cards
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-72b": 72.7e9,
+    "qwen3-8b": 8.2e9,  # the Qwen3 model card
+    "mistral-7b": 7.24e9,  # Jiang et al. 2023
+}
+
+# The exact counts: the bf16 checkpoints' safetensors index total_size / 2 (Hugging Face),
+# where q/k/v biases (Qwen2.5), q/k norms and 128-wide heads (Qwen3) and tied embeddings
+# (Llama 3.2, Qwen2.5 0.5B) all count.
+EXACT = {
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-72b": 72_706_203_648,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-8b": 8_190_735_360,
+    "mistral-7b": 7_241_732_096,
 }
 
 
@@ -30,7 +51,17 @@ def test_parameter_counts_match_published(name):
     assert num_params(preset(name)) == pytest.approx(PUBLISHED[name], rel=0.02)
 
 
-@pytest.mark.parametrize("name", ["gpt3-175b", "llama-65b", "llama3-405b", "gpt2-124m"])
+@pytest.mark.parametrize("name", EXACT)
+def test_parameter_counts_are_the_checkpoints(name):
+    """Catches a size formula that forgets a family's own tensors (biases, norms, tying)."""
+    assert num_params(preset(name)) == EXACT[name]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["gpt3-175b", "llama-65b", "llama3-405b", "gpt2-124m", "llama3.2-1b", "qwen2.5-7b",
+     "qwen3-8b", "mistral-7b"],
+)  # fmt: skip
 def test_meta_build_allocates_nothing_and_matches_formula(name):
     cfg = preset(name)
     model = build_model(cfg, device="meta")
@@ -38,7 +69,7 @@ def test_meta_build_allocates_nothing_and_matches_formula(name):
     assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_built_model_matches_formula_and_shapes(arch):
     cfg = preset("tiny", arch=arch, n_layers=2)
     model = build_model(cfg, seed=0)

@@ -11,7 +11,7 @@ import argparse
 
 from plait.dp_algos.config import ALGOS, EF21_STARTS, TOPOLOGIES, DPAlgoConfig
 from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
-from plait.model.config import ARCHS, PRESETS, ModelConfig, preset
+from plait.model.config import FLAVOURS, PRESETS, ModelConfig, preset
 
 MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "layers": "n_layers",
@@ -70,7 +70,8 @@ def model_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help=f"preset: {', '.join(PRESETS)} (default tiny)")
-    g.add_argument("--arch", choices=ARCHS, default=None, help="flavour of the preset")
+    g.add_argument("--arch", choices=FLAVOURS, default=None,
+                   help="flavour of the preset: block design and its family's defaults")  # fmt: skip
     g.add_argument("--layers", type=int, default=None)
     g.add_argument("--hidden", type=int, default=None)
     g.add_argument("--heads", type=int, default=None)

@@ -92,8 +92,11 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
         hf.save(out, state, cfg.model)
         notes.append(hf.WEIGHTS)
     if data is not None:
-        if hf.save_tokenizer(out, data.tokenizer, cfg.model):
-            notes.append("tokenizer.json")
+        from plait.data.instruct import chat_template
+
+        chat = chat_template(cfg.data.tokenizer)  # what the run's conversations were in
+        if hf.save_tokenizer(out, data.tokenizer, cfg.model, chat and chat.template):
+            notes.append("tokenizer.json" + (" (with its chat template)" if chat else ""))
         else:
             notes.append("no tokenizer file (--tokenizer bytes: ids are UTF-8 bytes)")
     return out, notes

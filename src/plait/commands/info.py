@@ -2,6 +2,7 @@
 without building anything (``model/sizes.py``; model state from ``sim/memory.py``).
 
     plait info --model llama-65b
+    plait info --model qwen2.5-72b --tp 8 --pp 4 --dtype bf16
     plait info --model llama2-7b --micro-batch-size 1 --dtype bf16 --lora-rank 16 \\
         --recompute full --dp 8 --zero 3
 
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     n = num_params(model)
     print(f"model {values.get('model') or 'tiny'} ({model.arch})")
     for k, v in model.to_dict().items():
-        print(f"  {k:<12} {v}")
+        print(f"  {k:<15} {v}")
     print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
     flops = model_flops_per_token(model)
     if lora is not None:

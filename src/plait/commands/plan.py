@@ -252,7 +252,7 @@ def _budget(values: dict, model, hw):
     util, seen = 0.4, set()  # first guess of 6 N D / (devices x peak x time)
     for _ in range(6):
         cfg, tokens = chinchilla_model(
-            budget * 86400 * peak * util, arch=values.get("arch") or model.arch,
+            budget * 86400 * peak * util, arch=model.arch,  # --arch llama3: the llama arch
             vocab_size=model.vocab_size, seq_len=model.seq_len,
         )  # fmt: skip
         if cfg in seen:

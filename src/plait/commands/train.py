@@ -246,10 +246,13 @@ def _hf_model(values: dict):
     """The model of ``--init-hf DIR``; a size flag that disagrees with it is an error."""
     from plait.cli_args import MODEL_FLAGS
     from plait.model import hf
+    from plait.model.config import FLAVOURS
 
     model = hf.read_config(values["init_hf"])
     for flag, name in [*MODEL_FLAGS.items(), ("arch", "arch")]:
         given = values.get(flag)
+        if flag == "arch" and given in FLAVOURS:  # --arch llama3 names the llama arch
+            given = FLAVOURS[given]["arch"]
         if given is not None and given != getattr(model, name) and flag != "vocab_size":
             raise UserError(
                 f"--{flag.replace('_', '-')} {given} disagrees with --init-hf "

@@ -207,12 +207,13 @@ class Corpus:
             out.append(Unit("text", run, 0, len(self.files), run_bytes))
         return out
 
-    def examples(self):
-        """Instruction examples as (text, trained) segments (``instruct.py``)."""
+    def examples(self, chat=None):
+        """Instruction examples as (text, trained) segments (``instruct.py``; ``chat``: a
+        tokenizer's chat template to render conversations with)."""
         from plait.data import instruct
 
         for f in self.files:
-            yield from instruct.examples(f, self.display(f))
+            yield from instruct.examples(f, self.display(f), chat)
 
 
 def find_corpus(path: str | None, text_column: str = DEFAULT_TEXT_COLUMN) -> Corpus:

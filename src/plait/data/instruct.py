@@ -14,6 +14,14 @@ An example is a list of segments (text, trained). Rendering (``TEMPLATE``, versi
 - messages: each message as ``<|ROLE|>\\n`` + content + ``\\n``; an assistant message's
   content and its newline are trained, everything else (headers, system and user turns)
   is context.
+- messages, when ``--tokenizer`` is a Hugging Face tokenizer folder with a chat template
+  (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``): the
+  conversation as the template renders it (``ChatTemplate``: transformers'
+  ``apply_chat_template``). Each assistant turn is trained as what the template adds to
+  the conversation before it rendered with the generation prompt -- its content and its
+  end-of-turn token, not the header the prompt already holds -- so the mask follows the
+  assistant turns in the model's own format. Special tokens the template writes
+  (``<|im_start|>``, ``<|eot_id|>``) are encoded as the special tokens they are.
 
 Each segment is tokenised on its own (a BPE merge never straddles a prompt / completion
 boundary, so the boundary between context and targets is exact), and the example ends
@@ -27,6 +35,7 @@ attention is causal across the whole window, as in GPT-style packing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,8 +71,77 @@ def first_record(path: Path):
     return None
 
 
-def segments(record, where: str) -> Segments:
-    """The (text, trained) segments of one example; DataError naming ``where`` if bad."""
+class ChatTemplate:
+    """The chat template of a Hugging Face tokenizer folder, rendered by transformers'
+    ``apply_chat_template`` (the tokenizer is loaded on first use)."""
+
+    def __init__(self, folder: Path, template: str | list):
+        self.folder, self.template = folder, template  # as tokenizer_config.json holds it
+        self._tokenizer = None
+
+    @property
+    def digest(self) -> str:
+        """What the token cache is keyed on: the template's text."""
+        return hashlib.sha256(json.dumps(self.template).encode()).hexdigest()
+
+    def render(self, messages: list[dict], *, generation_prompt: bool, where: str) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        try:
+            return self._tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as e:  # jinja's TemplateError, or the template's raise_exception
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"{where}: the chat template of {self.folder} fails ({reason})")
+
+
+def chat_template(tokenizer: str) -> ChatTemplate | None:
+    """The chat template of ``--tokenizer`` when it is a folder that has one, else None."""
+    folder = Path(tokenizer).expanduser()
+    if tokenizer in ("bpe", "bytes") or not folder.is_dir():
+        return None
+    if (folder / "chat_template.jinja").is_file():
+        return ChatTemplate(folder, (folder / "chat_template.jinja").read_text(encoding="utf-8"))
+    try:
+        conf = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    template = conf.get("chat_template") if isinstance(conf, dict) else None
+    return ChatTemplate(folder, template) if template else None
+
+
+def _rendered(msgs: list[dict], chat: ChatTemplate, where: str) -> Segments:
+    """A conversation's segments as ``chat`` renders it (module docstring): render the turns
+    before each assistant message with the generation prompt (context), then with that
+    message (what it adds is trained). A template whose earlier turns read differently
+    once a later one follows cannot be cut so, and is refused."""
+    out: Segments = []
+    done = ""
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = chat.render(msgs[:i], generation_prompt=True, where=where)
+        full = chat.render(msgs[: i + 1], generation_prompt=False, where=where)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise DataError(
+                f"{where}: the chat template of {chat.folder} renders earlier turns "
+                "differently once a later one follows, so the assistant turns cannot be "
+                "cut out; train on prompt / completion records instead"
+            )
+        out += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        done = full
+    whole = chat.render(msgs, generation_prompt=False, where=where)
+    if whole.startswith(done):  # turns after the last assistant one: context
+        out.append((whole[len(done) :], False))
+    return [(text, trained) for text, trained in out if text]
+
+
+def segments(record, where: str, chat: ChatTemplate | None = None) -> Segments:
+    """The (text, trained) segments of one example; DataError naming ``where`` if bad.
+    ``chat``: render chat ``messages`` with this template (module docstring)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object with prompt/completion or messages")
     if "messages" in record:
@@ -84,6 +162,9 @@ def segments(record, where: str) -> Segments:
             out.append((m["content"] + "\n", trained))
         if not any(t for _, t in out):
             raise DataError(f"{where}: no assistant message, so nothing to train on")
+        if chat is not None:
+            return _rendered([{"role": m["role"], "content": m["content"]} for m in msgs],
+                             chat, where)  # fmt: skip
         return out
     for key in ("prompt", "completion"):
         if not isinstance(record.get(key), str):
@@ -96,8 +177,9 @@ def segments(record, where: str) -> Segments:
     return [(record["prompt"], False), (record["completion"], True)]
 
 
-def examples(path: Path, shown: str) -> Iterator[Segments]:
-    """Every example of an instruction JSON Lines file, in file order."""
+def examples(path: Path, shown: str, chat: ChatTemplate | None = None) -> Iterator[Segments]:
+    """Every example of an instruction JSON Lines file, in file order (``chat``: see
+    ``segments``)."""
     with open(path, encoding="utf-8-sig", errors="replace") as lines:
         for n, line in enumerate(lines, start=1):
             if not line.strip():
@@ -107,14 +189,21 @@ def examples(path: Path, shown: str) -> Iterator[Segments]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            yield segments(record, where)
+            yield segments(record, where, chat)
 
 
-def encode(tokenizer, batch: list[Segments]) -> list[tuple[np.ndarray, np.ndarray]]:
+def encode(
+    tokenizer, batch: list[Segments], *, special: bool = False
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, mask) of each example: segments tokenised separately (one batch call), then
-    the end-of-text token (module docstring); mask is uint8, 1 on trained tokens."""
+    the end-of-text token (module docstring); mask is uint8, 1 on trained tokens.
+    ``special``: a special token's spelling in the text is that token (a chat template's
+    rendering), not plain text (a corpus's)."""
     shards = [text for ex in batch for text, _ in ex]
-    encoded = iter(tokenizer.encode_batch(shards))
+    if special:
+        encoded = iter(tokenizer.encode(text) for text in shards)
+    else:
+        encoded = iter(tokenizer.encode_batch(shards))
     out = []
     for ex in batch:
         ids, mask = [], []

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data import build
+from plait.data import build, instruct
 from plait.data.corpus import DEFAULT_TEXT_COLUMN, Corpus, Unit, find_corpus
 from plait.data.tokenizer import (
     EOT_TOKEN,
@@ -214,6 +214,8 @@ def _fingerprint(corpus: Corpus, cfg: DataConfig) -> str:
         p = p / "tokenizer.json" if p.is_dir() else p
         load_tokenizer(cfg.tokenizer)  # a DataError now rather than after the corpus walk
         tok_key, tok_name = {"kind": "file", "sha256": _sha256(p.read_bytes())}, "tokfile"
+        if corpus.instruct and (chat := instruct.chat_template(cfg.tokenizer)):
+            tok_key["chat_template"] = chat.digest  # it renders the conversations
     key = {"format": CACHE_FORMAT, "corpus": corpus.identity(), "tokenizer": tok_key}
     digest = _sha256(json.dumps(key, sort_keys=True).encode())[:16]
     return f"{corpus.kind}-{tok_name}-{digest}"  # readable in `ls ~/.cache/plait`
@@ -271,12 +273,13 @@ def _build(folder: Path, corpus: Corpus, units: list[Unit], cfg: DataConfig,
     dtype = token_dtype(tokenizer.vocab_size)
     counts = {}
     if corpus.instruct:  # the mask first: meta.json, written last, vouches for both
+        chat = instruct.chat_template(cfg.tokenizer)  # None: plait's own rendering
         _write_atomically(
             folder / "mask.bin",
             lambda mask_tmp: _write_atomically(
                 folder / "tokens.bin",
                 lambda tmp: counts.update(
-                    _tokenise_examples(corpus, tokenizer, dtype, tmp, mask_tmp)
+                    _tokenise_examples(corpus, tokenizer, dtype, tmp, mask_tmp, chat)
                 ),
             ),
         )
@@ -325,20 +328,19 @@ def _make_tokenizer(corpus: Corpus, cfg: DataConfig, log: Callable[[str], None])
 
 
 def _tokenise_examples(corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: Path,
-                       mask_out: Path) -> dict[str, int]:  # fmt: skip
-    """Instruction examples: their ids to ``out`` and their loss mask to ``mask_out``."""
-    from plait.data import instruct
-
+                       mask_out: Path, chat=None) -> dict[str, int]:  # fmt: skip
+    """Instruction examples: their ids to ``out`` and their loss mask to ``mask_out``
+    (``chat``: the tokenizer folder's chat template, ``instruct.ChatTemplate``)."""
     num_tokens = num_chars = num_documents = num_trained = 0
     with open(out, "wb") as f, open(mask_out, "wb") as m:
         batch = []
-        for ex in [*corpus.examples(), None]:  # None: flush the last batch
+        for ex in [*corpus.examples(chat), None]:  # None: flush the last batch
             if ex is not None:
                 batch.append(ex)
                 num_chars += len(instruct.text(ex))
                 if len(batch) < 1024:
                     continue
-            for ids, mask in instruct.encode(tokenizer, batch):
+            for ids, mask in instruct.encode(tokenizer, batch, special=chat is not None):
                 ids.astype(dtype).tofile(f)
                 mask.tofile(m)
                 num_tokens += len(ids)

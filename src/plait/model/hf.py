@@ -1,17 +1,22 @@
-"""Hugging Face weights in and out: plait's two flavours are the Hugging Face GPT-2
-(``GPT2LMHeadModel``) and LLaMA (``LlamaForCausalLM``) architectures, so a model moves
-between them by renaming tensors (and, for GPT-2, transposing its ``Conv1D`` weights and
-splitting the fused q/k/v projection).
+"""Hugging Face weights in and out: plait's model is the Hugging Face GPT-2
+(``GPT2LMHeadModel``), LLaMA (``LlamaForCausalLM``: Llama 1 to 3.2), Qwen2 / Qwen2.5,
+Qwen3 and Mistral architectures, so a model moves between them by renaming tensors (and,
+for GPT-2, transposing its ``Conv1D`` weights and splitting the fused q/k/v projection).
 
     full = hf.to_hf(state, cfg)           # plait names -> Hugging Face names
     state = hf.from_hf(full, cfg)         # and back (exactly)
     hf.save(folder, state, cfg)           # config.json + model.safetensors (from_pretrained)
     cfg, state = hf.load(folder)          # a folder written by save_pretrained, or by save
 
-Tensors are whole (unsharded, the unpadded vocabulary), as ``train.checkpoint`` stores
-them; ``load_into`` cuts them for a tensor-parallel or pipeline rank. What does not map is
-refused in one line: another architecture, biases in LLaMA projections, a rotary scaling,
-GPT-2 options plait's block does not have.
+The ``config.json``'s ``model_type`` picks plait's ``arch`` (gpt2, llama, qwen2, qwen3,
+mistral); its fields map onto ``ModelConfig``'s: ``head_dim``, ``tie_word_embeddings``,
+``rope_scaling`` / ``rope_parameters`` of ``rope_type`` llama3 (Llama 3.1 / 3.2),
+Mistral's ``sliding_window``. Tensors are whole (unsharded, the unpadded vocabulary), as
+``train.checkpoint`` stores them; ``load_into`` cuts them for a tensor-parallel or pipeline
+rank. What does not map is refused in one line naming the field: another architecture,
+biases plait's block does not have (LLaMA's ``attention_bias``, which includes o_proj), a
+rotary scaling other than llama3, Qwen's sliding-window layers, GPT-2 options plait's
+block does not have.
 
 Name map (block i; gpt2 on the left of each pair is Hugging Face's):
     transformer.wte / wpe                  embed.tokens / embed.positions
@@ -20,9 +25,13 @@ Name map (block i; gpt2 on the left of each pair is Hugging Face's):
     transformer.h.i.attn.c_proj            blocks.i.attn.o          (transposed)
     transformer.h.i.mlp.c_fc / c_proj      blocks.i.mlp.fc / proj   (transposed)
     transformer.ln_f                       norm                     (lm_head tied to wte)
-    model.embed_tokens, model.norm, lm_head            embed.tokens, norm, head
+and for llama, qwen2, qwen3 and mistral alike:
+    model.embed_tokens, model.norm, lm_head            embed.tokens, norm, head (absent
+                                                       when tied)
     model.layers.i.input_layernorm / post_attention_layernorm    blocks.i.ln1 / ln2
     model.layers.i.self_attn.{q,k,v,o}_proj            blocks.i.attn.{q,k,v,o}
+    model.layers.i.self_attn.{q,k,v}_proj.bias         blocks.i.attn.{q,k,v}.bias  (qwen2)
+    model.layers.i.self_attn.{q,k}_norm                blocks.i.attn.{q,k}_norm    (qwen3)
     model.layers.i.mlp.{gate,up,down}_proj             blocks.i.mlp.{gate,up,down}
 """
 
@@ -33,9 +42,18 @@ from pathlib import Path
 
 import torch
 
-from plait.model.config import ModelConfig
+from plait.model.config import ModelConfig, RopeScaling
 
 WEIGHTS = "model.safetensors"
+
+# plait arch (= Hugging Face model_type) -> the class its config.json names
+FAMILIES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 class HFError(ValueError):
@@ -58,69 +76,126 @@ def hf_config(cfg: ModelConfig) -> dict:
             "scale_attn_weights": True, "torch_dtype": "float32",
             "bos_token_id": None, "eos_token_id": None,  # plait's tokenizers have their own
         }  # fmt: skip
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    # rope_theta and rope_scaling at the top level, as the published configs have them
+    # (transformers 4 reads them there; 5 folds them into rope_parameters itself)
+    out = {
+        "architectures": [FAMILIES[cfg.arch]], "model_type": cfg.arch,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
         "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.dropout,
-        "initializer_range": cfg.init_std, "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "attention_dropout": cfg.dropout, "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tied_embeddings, "torch_dtype": "float32",
     }  # fmt: skip
+    if cfg.rope_scaling is not None:
+        sc = cfg.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+            "high_freq_factor": sc.high_freq_factor,
+            "original_max_position_embeddings": sc.original_seq_len,
+        }  # fmt: skip
+    if cfg.arch in ("llama", "qwen3"):
+        out["attention_bias"] = False
+    if cfg.arch == "llama":
+        out["mlp_bias"] = False
+    if cfg.arch in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+    if cfg.arch == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    return out
 
 
 def model_config(d: dict, *, source: str = "config.json") -> ModelConfig:
-    """plait's ``ModelConfig`` for a Hugging Face ``config.json`` (GPT-2 or LLaMA)."""
+    """plait's ``ModelConfig`` for a Hugging Face ``config.json``; ``HFError`` (one line
+    naming the field) for what plait cannot represent."""
     kind = d.get("model_type")
     try:
         if kind == "gpt2":
-            act = d.get("activation_function", "gelu_new")
-            if act not in ("gelu_new", "gelu_pytorch_tanh"):
-                raise HFError(f"{source}: activation_function {act!r}; plait's GPT-2 uses "
-                              "tanh GELU (gelu_new)")  # fmt: skip
-            for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-                if d.get(key):
-                    raise HFError(f"{source}: {key} is not supported by plait's GPT-2 block")
-            return ModelConfig(
-                arch="gpt2", n_layers=d["n_layer"], hidden=d["n_embd"], n_heads=d["n_head"],
-                ffn_hidden=d.get("n_inner") or 4 * d["n_embd"], vocab_size=d["vocab_size"],
-                seq_len=d["n_positions"], norm_eps=d.get("layer_norm_epsilon", 1e-5),
-                dropout=d.get("resid_pdrop", 0.0), init_std=d.get("initializer_range", 0.02),
-            )  # fmt: skip
-        if kind == "llama":
-            for key in ("attention_bias", "mlp_bias"):
-                if d.get(key):
-                    raise HFError(f"{source}: {key} is not supported (plait's LLaMA projections "
-                                  "have no biases)")  # fmt: skip
-            # rotary base: top-level (transformers 4) or in rope_parameters (5); scaled
-            # variants (linear, dynamic, llama3, yarn, ...) are not plait's rotary
-            rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
-            kind = rope.get("rope_type", rope.get("type", "default"))
-            if kind != "default":
-                raise HFError(f"{source}: rope_scaling / rope_type {kind!r} is not supported; "
-                              "plait uses plain rotary positions")  # fmt: skip
-            if d.get("pretraining_tp", 1) != 1:
-                raise HFError(f"{source}: pretraining_tp {d['pretraining_tp']} is not supported")
-            if d.get("tie_word_embeddings"):
-                raise HFError(f"{source}: tied embeddings are not supported for llama")
-            if d.get("hidden_act", "silu") != "silu":
-                raise HFError(f"{source}: hidden_act {d['hidden_act']!r}; plait's LLaMA uses silu")
-            heads, hidden = d["num_attention_heads"], d["hidden_size"]
-            if d.get("head_dim") not in (None, hidden // heads):
-                raise HFError(f"{source}: head_dim {d['head_dim']} is not hidden_size / heads")
-            return ModelConfig(
-                arch="llama", n_layers=d["num_hidden_layers"], hidden=hidden, n_heads=heads,
-                n_kv_heads=d.get("num_key_value_heads") or heads,
-                ffn_hidden=d["intermediate_size"], vocab_size=d["vocab_size"],
-                seq_len=d["max_position_embeddings"], norm_eps=d.get("rms_norm_eps", 1e-6),
-                rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
-                dropout=d.get("attention_dropout", 0.0), init_std=d.get("initializer_range", 0.02),
-            )  # fmt: skip
+            return _gpt2_config(d, source)
+        if kind in FAMILIES:
+            return _rotary_config(d, kind, source)
     except KeyError as e:
         raise HFError(f"{source}: no {e.args[0]!r}") from None
-    raise HFError(f"{source}: model_type {kind!r}; plait maps gpt2 and llama")
+    except HFError:
+        raise
+    except (ValueError, TypeError) as e:  # ModelConfig's own checks, in its words
+        raise HFError(f"{source}: {str(e).splitlines()[0]}") from None
+    raise HFError(f"{source}: model_type {kind!r}; plait maps {', '.join(FAMILIES)}")
+
+
+def _gpt2_config(d: dict, source: str) -> ModelConfig:
+    act = d.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise HFError(f"{source}: activation_function {act!r}; plait's GPT-2 uses "
+                      "tanh GELU (gelu_new)")  # fmt: skip
+    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if d.get(key):
+            raise HFError(f"{source}: {key} is not supported by plait's GPT-2 block")
+    return ModelConfig(
+        arch="gpt2", n_layers=d["n_layer"], hidden=d["n_embd"], n_heads=d["n_head"],
+        ffn_hidden=d.get("n_inner") or 4 * d["n_embd"], vocab_size=d["vocab_size"],
+        seq_len=d["n_positions"], norm_eps=d.get("layer_norm_epsilon", 1e-5),
+        dropout=d.get("resid_pdrop", 0.0), init_std=d.get("initializer_range", 0.02),
+    )  # fmt: skip
+
+
+def _rotary_config(d: dict, kind: str, source: str) -> ModelConfig:
+    """llama, qwen2, qwen3, mistral: one block, told apart by ``arch`` (model/config.py)."""
+    refuse = {  # field -> why, when the config sets it (truthy)
+        "attention_bias": "biases on q, k, v and o",
+        "mlp_bias": "biases in the MLP",
+        "use_sliding_window": "sliding-window layers (plait's window is mistral's, on all layers)",
+    }
+    if kind == "qwen2":
+        refuse.pop("attention_bias")  # Qwen2 has q/k/v biases whatever this says
+    for key, what in refuse.items():
+        if d.get(key):
+            raise HFError(f"{source}: {key} {d[key]!r}: plait's {kind} block has no {what}")
+    if d.get("pretraining_tp", 1) != 1:
+        raise HFError(f"{source}: pretraining_tp {d['pretraining_tp']} is not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        raise HFError(f"{source}: hidden_act {d['hidden_act']!r}; plait's {kind} uses silu")
+    kinds = set(d.get("layer_types") or ["full_attention"])
+    if kind != "mistral" and kinds != {"full_attention"}:
+        raise HFError(f"{source}: layer_types {sorted(kinds)}; plait attends fully on every layer")
+    heads = d["num_attention_heads"]
+    window = d.get("sliding_window") if kind == "mistral" else None
+    return ModelConfig(
+        arch=kind, n_layers=d["num_hidden_layers"], hidden=d["hidden_size"], n_heads=heads,
+        n_kv_heads=d.get("num_key_value_heads") or heads, head_dim=d.get("head_dim"),
+        ffn_hidden=d["intermediate_size"], vocab_size=d["vocab_size"],
+        seq_len=d["max_position_embeddings"], norm_eps=d.get("rms_norm_eps", 1e-6),
+        **_rope(d, source), sliding_window=window,
+        tied_embeddings=bool(d.get("tie_word_embeddings", False)),
+        dropout=d.get("attention_dropout", 0.0), init_std=d.get("initializer_range", 0.02),
+    )  # fmt: skip
+
+
+def _rope(d: dict, source: str) -> dict:
+    """``rope_theta`` and ``rope_scaling`` from a config of transformers 4 (top-level
+    ``rope_theta``, ``rope_scaling``) or 5 (``rope_parameters``); only the default
+    rotation and Llama 3.1's llama3 scaling are plait's."""
+    rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFError(f"{source}: partial_rotary_factor is not supported; plait rotates the "
+                      "whole head")  # fmt: skip
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind != "llama3":
+        raise HFError(f"{source}: rope_scaling / rope_type {kind!r} is not supported; plait "
+                      "has plain rotary positions and Llama 3.1's llama3 scaling")  # fmt: skip
+    try:
+        scaling = RopeScaling(
+            factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_seq_len=rope["original_max_position_embeddings"],
+        )  # fmt: skip
+    except KeyError as e:
+        raise HFError(f"{source}: rope_scaling of rope_type 'llama3' lacks {e.args[0]!r}") from None
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
 # -- tensors -------------------------------------------------------------------------------
@@ -136,6 +211,8 @@ _LLAMA = {  # plait suffix in block i -> Hugging Face suffix in layer i
     "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
+_QKV_BIAS = {f"attn.{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
+_QK_NORM = {f"attn.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
 _GPT2 = {  # transposed Conv1D weights, plain biases and norms
     "ln1.weight": "ln_1.weight", "ln1.bias": "ln_1.bias",
     "ln2.weight": "ln_2.weight", "ln2.bias": "ln_2.bias",
@@ -145,16 +222,23 @@ _GPT2 = {  # transposed Conv1D weights, plain biases and norms
 }  # fmt: skip
 
 
+def _block_names(cfg: ModelConfig) -> dict[str, str]:
+    """plait suffix -> Hugging Face suffix of every tensor of a rotary block."""
+    return {**_LLAMA, **(_QKV_BIAS if cfg.qkv_bias else {}), **(_QK_NORM if cfg.qk_norm else {})}
+
+
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face tensors for plait's full state dict (every name of the whole model)."""
+    """Hugging Face tensors for plait's full state dict (every name of the whole model);
+    a tied model's ``lm_head`` is the token embedding, as ``save_pretrained`` has it."""
     _check_names(state, cfg)
     out = {}
-    if cfg.arch == "llama":
+    if cfg.rotary:
         out["model.embed_tokens.weight"] = state["embed.tokens.weight"]
         out["model.norm.weight"] = state["norm.weight"]
-        out["lm_head.weight"] = state["head.weight"]
+        head = "embed.tokens.weight" if cfg.tied_embeddings else "head.weight"
+        out["lm_head.weight"] = state[head]
         for i in range(cfg.n_layers):
-            for ours, theirs in _LLAMA.items():
+            for ours, theirs in _block_names(cfg).items():
                 out[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
         return {k: v.contiguous() for k, v in out.items()}
     out["transformer.wte.weight"] = state["embed.tokens.weight"]
@@ -173,17 +257,18 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
 
 
 def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """plait's full state dict for Hugging Face tensors (``lm_head`` of a tied GPT-2 and
-    rotary/attention buffers are ignored)."""
+    """plait's full state dict for Hugging Face tensors (the ``lm_head`` of a tied model
+    and rotary/attention buffers are ignored)."""
     try:
-        if cfg.arch == "llama":
+        if cfg.rotary:
             out = {
                 "embed.tokens.weight": hf["model.embed_tokens.weight"],
                 "norm.weight": hf["model.norm.weight"],
-                "head.weight": hf["lm_head.weight"],
             }
+            if not cfg.tied_embeddings:
+                out["head.weight"] = hf["lm_head.weight"]
             for i in range(cfg.n_layers):
-                for ours, theirs in _LLAMA.items():
+                for ours, theirs in _block_names(cfg).items():
                     out[f"blocks.{i}.{ours}"] = hf[f"model.layers.{i}.{theirs}"]
         else:
             out = {
@@ -243,9 +328,10 @@ def save(folder: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig) -
     return folder
 
 
-def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig) -> bool:
+def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig, chat_template=None) -> bool:
     """Write a ``tokenizers`` tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``
-    (``AutoTokenizer.from_pretrained`` and ``plait train --tokenizer FOLDER`` read it).
+    (``AutoTokenizer.from_pretrained`` and ``plait train --tokenizer FOLDER`` read it),
+    with ``chat_template`` (the one the run's conversations were rendered with) if given.
     False for plait's byte tokenizer, which has no such file (its ids are UTF-8 bytes)."""
     from plait.data.tokenizer import HFTokenizer
 
@@ -256,6 +342,8 @@ def save_tokenizer(folder: str | Path, tokenizer, cfg: ModelConfig) -> bool:
     conf = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len}
     if tokenizer.eot_id is not None:
         conf["eos_token"] = tokenizer.decode([tokenizer.eot_id])
+    if chat_template is not None:
+        conf["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
     return True
 

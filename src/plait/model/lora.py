@@ -108,15 +108,17 @@ class LoRAConfig:
     def check_model(self, cfg: ModelConfig) -> None:
         """ValueError (one line) if a target does not exist in ``cfg``'s flavour."""
         for t in self.targets:
-            if cfg.arch not in TARGETS[t]:
-                have = ",".join(k for k, v in TARGETS.items() if cfg.arch in v)
+            if cfg.block not in TARGETS[t]:
+                have = ",".join(k for k, v in TARGETS.items() if cfg.block in v)
                 raise ValueError(
                     f"--lora-targets {t}: the {cfg.arch} block has no such layer (it has {have})"
                 )
 
     def modules(self, arch: str) -> dict[str, str]:
-        """Block-relative module path -> target name, e.g. {"attn.q": "q"}."""
-        return {TARGETS[t][arch]: t for t in self.targets}
+        """Block-relative module path -> target name, e.g. {"attn.q": "q"}. Every arch
+        but gpt2 has the llama block's layers."""
+        block = "gpt2" if arch == "gpt2" else "llama"
+        return {TARGETS[t][block]: t for t in self.targets}
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}

@@ -6,7 +6,8 @@ loads onto the Hugging Face model that ``hf.save`` wrote for the base weights.
 
 PEFT stores ``base_model.model.<module>.lora_A.weight`` (r, in) and ``.lora_B.weight``
 (out, r) and computes ``lora_B(lora_A(x)) * lora_alpha / r``, plait's ``scale * B A x``
-(``model/lora.py``). LLaMA's projections map one to one (``q`` -> ``self_attn.q_proj``).
+(``model/lora.py``). LLaMA's projections (and Qwen's, Mistral's) map one to one (``q`` ->
+``self_attn.q_proj``).
 GPT-2 fuses q, k and v into one ``Conv1D`` ``c_attn`` (C -> 3C): the adapters of the q/k/v
 targets present become one adapter of rank n r (n of them) with A the n A's stacked and B
 block-diagonal, so ``c_attn``'s update is exactly [B_q A_q x, B_k A_k x, B_v A_v x] (zero
@@ -49,7 +50,7 @@ def adapter_tensors(
             return (state[f"blocks.{i}.{layer}.lora.A"].detach().float(),
                     state[f"blocks.{i}.{layer}.lora.B"].detach().float())  # fmt: skip
 
-        if model_cfg.arch == "llama":
+        if model_cfg.rotary:
             for t in cfg.targets:
                 a, b = ab(t)
                 _put(out, f"model.layers.{i}.{_LLAMA[t]}", a, b)
@@ -69,7 +70,7 @@ def adapter_tensors(
             if len(qkv) > 1:
                 fields["rank_pattern"] = {"c_attn": len(qkv) * r}
                 fields["alpha_pattern"] = {"c_attn": len(qkv) * cfg.alpha}
-    if model_cfg.arch == "llama":
+    if model_cfg.rotary:
         names = "|".join(sorted(_LLAMA[t].replace(".", r"\.") for t in cfg.targets))
         fields["target_modules"] = rf"model\.layers\.\d+\.({names})"
     else:

@@ -6,8 +6,9 @@ check them against the parameters the runtime actually builds.
 FLOP convention (model FLOPs, as in Narayanan et al. 2021 and the PaLM paper's MFU):
 every matrix multiply counts 2 FLOPs per multiply-add; a training step is forward (1x)
 plus backward (2x), so each weight costs 6 FLOPs per token; attention scores and their
-application to the values add 12 * layers * seq_len * hidden per token (the full square,
-not halved for the causal mask, as Megatron-LM counts it). Recomputation is *not*
+application to the values add 12 * layers * seq_len * heads * head_dim per token (that is
+the hidden size unless ``head_dim`` sets its own; the full square, not halved for the
+causal mask nor cut to a sliding window, as Megatron-LM counts it). Recomputation is *not*
 counted: that is hardware FLOPs (HFU), see ``hardware_flops_per_token``. Norms, softmax,
 activations and the optimizer are ignored. For GPT with h = hidden, l = layers,
 s = seq_len, V = vocab this is 72 l h^2 (1 + s/(6h) + V/(12 l h)) per token, the
@@ -22,7 +23,7 @@ from plait.model.config import ModelConfig
 def layer_matmul_params(cfg: ModelConfig) -> int:
     """Weights of one block that take part in matrix multiplies (no biases, no norms)."""
     h = cfg.hidden
-    attn = 2 * h * h + 2 * h * cfg.kv_dim  # q and o; k and v
+    attn = 2 * h * cfg.q_dim + 2 * h * cfg.kv_dim  # q and o; k and v
     mlp = (2 if cfg.arch == "gpt2" else 3) * h * cfg.ffn_hidden
     return attn + mlp
 
@@ -37,7 +38,18 @@ def layer_params(cfg: ModelConfig) -> int:
         n += 2 * 2 * h  # two LayerNorms, weight and bias
     else:
         n += 2 * h  # two RMSNorm weights
+    if cfg.qkv_bias:
+        n += cfg.q_dim + 2 * cfg.kv_dim
+    if cfg.qk_norm:
+        n += 2 * cfg.head_dim  # one RMSNorm weight for every query head, one for every key head
     return n
+
+
+def layer_tensors(cfg: ModelConfig) -> int:
+    """Parameter tensors of one block as plait builds it (separate q, k, v)."""
+    if cfg.biases:
+        return 16  # 6 linears and 2 LayerNorms, each with a weight and a bias
+    return 9 + (3 if cfg.qkv_bias else 0) + (2 if cfg.qk_norm else 0)  # 7 linears, 2 norms
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -63,7 +75,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float
     """Training FLOPs (forward + backward) per token, model-FLOPs convention (module doc)."""
     s = cfg.seq_len if seq_len is None else seq_len
     dense = cfg.n_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden  # + logits
-    attention = 12 * cfg.n_layers * s * cfg.hidden
+    attention = 12 * cfg.n_layers * s * cfg.q_dim
     return 6.0 * dense + attention
 
 
@@ -84,9 +96,9 @@ def hardware_flops_per_token(
     s = cfg.seq_len if seq_len is None else seq_len
     flops = model_flops_per_token(cfg, s)
     if recompute == "full":
-        flops += 2.0 * cfg.n_layers * layer_matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.hidden
+        flops += 2.0 * cfg.n_layers * layer_matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.q_dim
     elif recompute == "selective":
-        flops += 4.0 * cfg.n_layers * s * cfg.hidden
+        flops += 4.0 * cfg.n_layers * s * cfg.q_dim
     elif recompute != "none":
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
     return flops
@@ -165,7 +177,8 @@ def activation_bytes_per_layer(
         2 s b h  (/ t with sequence parallelism)   full recomputation (the block input)
     Parts: the QKV and FC1 inputs and two norm inputs (4 h elements per token, split by
     t only under sequence parallelism) and two dropout masks (2 h bytes); inside the
-    tensor-parallel region Q, K, V and the attention output (2 h + 2 kv) and the MLP
+    tensor-parallel region Q, K, V and the attention output (2 q + 2 kv, q = heads x
+    head size, h unless ``head_dim`` is set) and the MLP
     (GELU: its input and output, 2 f; SwiGLU: gate, up and their product, 3 f); the
     attention core keeps the softmax output (a s per token), with dropout also its
     mask and output (5 a s bytes in all at 2 bytes). Fused attention keeps no s x s
@@ -182,7 +195,7 @@ def activation_bytes_per_layer(
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
     replicated = 4 * h * e + (2 * h if masks else 0)
     mlp = (2 if cfg.arch == "gpt2" else 3) * cfg.ffn_hidden
-    split = (2 * h + 2 * kv + mlp) * e
+    split = (2 * cfg.q_dim + 2 * kv + mlp) * e
     if flash_attention:
         core = 4 * cfg.n_heads
     elif recompute == "selective":

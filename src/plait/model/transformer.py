@@ -33,6 +33,7 @@ from plait.parallel.tensor import (
     enter_tp,
     full_shape,
     mark_sequence_parallel,
+    mark_tp_partial,
     sequence_shard,
     shard_spec,
     tp_shard,
@@ -61,9 +62,28 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return RMSNorm(cfg.hidden, cfg.norm_eps)
 
 
-def rotary_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """The D/2 rotary frequencies theta^(-2i/D); under ``rope_scaling`` (Llama 3.1) the long
+    wavelengths are divided by its factor and the band between its two cut-offs is
+    interpolated smoothly (``RopeScaling``)."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_cut = sc.original_seq_len / sc.low_freq_factor  # longer wavelengths: divided
+    high_cut = sc.original_seq_len / sc.high_freq_factor  # shorter ones: kept
+    smooth = (sc.original_seq_len / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    scaled = torch.where(wavelen > low_cut, inv_freq / sc.factor, inv_freq)
+    between = (wavelen >= high_cut) & (wavelen <= low_cut)
+    return torch.where(between, (1 - smooth) * scaled / sc.factor + smooth * scaled, scaled)
+
+
+def rotary_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rotary_frequencies(cfg, device)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (T, D/2)
     return angles.cos(), angles.sin()
 
@@ -75,9 +95,40 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def sliding_window_attention(q, k, v, window: int, **sdpa) -> torch.Tensor:
+    """Causal attention in which the query at position p sees keys p - window + 1 .. p
+    (Mistral's sliding window, Hugging Face's convention), without a T x T mask.
+
+    The queries are cut into chunks of ``window``. The first chunk is plain causal
+    attention; every later chunk c attends to key chunks c - 1 and c, the only ones in
+    reach, under one (window, 2 window) band mask that all chunks, sequences and heads
+    share. Work and memory are O(T window), not O(T^2): at a 4k window the mask is 32 MiB
+    whatever T, where a full one is 1 GiB at T = 32k. ``sdpa``: keywords of
+    ``F.scaled_dot_product_attention`` (dropout_p, enable_gqa).
+    """
+    B, H, T, D = q.shape
+    w = window
+    C = -(-T // w)  # chunks
+    pad = C * w - T  # padded queries are dropped; padded keys lie in every real query's future
+    first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w],
+                                           is_causal=True, **sdpa)  # fmt: skip
+    q = F.pad(q[:, :, w:], (0, 0, 0, pad)).view(B, H, C - 1, w, D).transpose(1, 2)
+    # key chunks c - 1 and c side by side for chunk c: (B, C-1, K, 2w, D)
+    k, v = (F.pad(x, (0, 0, 0, pad)).unfold(2, 2 * w, w).permute(0, 2, 1, 4, 3) for x in (k, v))
+    i = torch.arange(w, device=q.device)[:, None]
+    j = torch.arange(2 * w, device=q.device)[None, :]
+    band = (j > i) & (j <= i + w)  # query i of a chunk sees key j of its pair iff i < j <= i + w
+    rest = F.scaled_dot_product_attention(q, k, v, attn_mask=band, **sdpa)  # (B, C-1, H, w, D)
+    rest = rest.transpose(1, 2).reshape(B, H, (C - 1) * w, D)
+    return torch.cat([first, rest], dim=2)[:, :, :T]
+
+
 class Attention(nn.Module):
-    """Heads split over tp: q, k, v column-parallel (by heads), the output projection
-    row-parallel. Under sequence parallelism x is (B, T/tp, C) and so is the output."""
+    """Heads split over tp: q, k, v column-parallel (by heads, their biases with them), the
+    output projection row-parallel. Under sequence parallelism x is (B, T/tp, C) and so is
+    the output. qwen3's q/k norms act on each head's vector, so every tp rank applies the
+    same (replicated) weights to its own heads: their gradients are partial sums over tp
+    (``mark_tp_partial``), completed by ``TPGradSync``."""
 
     def __init__(
         self,
@@ -96,39 +147,49 @@ class Attention(nn.Module):
         kv_replicas = max(1, tp // cfg.n_kv_heads)
         self.n_kv_heads = max(1, cfg.n_kv_heads // tp)
         kv_spec = ShardSpec(dim=0, replicas=kv_replicas)
-        col = dict(topo=topo, bias=cfg.biases, sequence_parallel=sequence_parallel)
-        self.q = ColumnParallelLinear(cfg.hidden, cfg.hidden, **col)
+        col = dict(topo=topo, bias=cfg.biases or cfg.qkv_bias, sequence_parallel=sequence_parallel)
+        self.q = ColumnParallelLinear(cfg.hidden, cfg.q_dim, **col)
         self.k = ColumnParallelLinear(cfg.hidden, cfg.kv_dim, spec=kv_spec, **col)
         self.v = ColumnParallelLinear(cfg.hidden, cfg.kv_dim, spec=kv_spec, **col)
-        self.o = RowParallelLinear(cfg.hidden, cfg.hidden, **col)
+        self.o = RowParallelLinear(
+            cfg.q_dim, cfg.hidden, topo=topo, bias=cfg.biases, sequence_parallel=sequence_parallel
+        )
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            if tp > 1:
+                mark_tp_partial(self.q_norm.weight)
+                mark_tp_partial(self.k_norm.weight)
 
     def _core(self, q, k, v):
         dropout = self.cfg.dropout if self.training else 0.0
+        gqa = self.n_kv_heads != self.n_heads
+        window = self.cfg.sliding_window
         # attention probabilities of this rank's heads: a tp region, per-shard stream
         with tp_shard_rng(self.topo) if dropout else contextlib.nullcontext():
+            if window is not None and q.shape[-2] > window:
+                return sliding_window_attention(q, k, v, window, dropout_p=dropout, enable_gqa=gqa)
             return F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                is_causal=True,
-                dropout_p=dropout,
-                enable_gqa=self.n_kv_heads != self.n_heads,
+                q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa
             )
 
     def forward(self, x, rope=None):  # (B, T, C) -> (B, T, C)
         x = self.q.enter(x)  # one f (or all-gather) for q, k and v together
         B, T, _ = x.shape
         D = self.cfg.head_dim
-        q = self.q(x, entered=True).view(B, T, self.n_heads, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.k(x, entered=True).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
+        q = self.q(x, entered=True).view(B, T, self.n_heads, D)  # (B, T, H, D)
+        k = self.k(x, entered=True).view(B, T, self.n_kv_heads, D)  # (B, T, K, D)
         v = self.v(x, entered=True).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.selective_recompute and self.training:
             y = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             y = self._core(q, k, v)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * D)  # (B, T, C/tp)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * D)  # (B, T, H*D), this rank's heads
         return self.o(y)
 
 
@@ -259,7 +320,7 @@ class Transformer(nn.Module):
         self._rope_cache: dict = {}
 
     def _rope(self, T: int, device):
-        if self.cfg.arch != "llama":
+        if not self.cfg.rotary:
             return None
         key = (T, str(device))
         if key not in self._rope_cache:
@@ -322,7 +383,7 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     leaf = name.rsplit(".", 2)
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    if len(leaf) >= 2 and leaf[-2] in ("ln1", "ln2", "norm"):
+    if len(leaf) >= 2 and leaf[-2] in ("ln1", "ln2", "norm", "q_norm", "k_norm"):
         return torch.ones(shape)
     std = cfg.init_std
     if name.endswith(("attn.o.weight", "mlp.proj.weight", "mlp.down.weight")):

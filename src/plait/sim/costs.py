@@ -70,7 +70,7 @@ ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # copy, SiLU, the gate product, 2 adds.
 LAYER_KERNELS = {"gpt2": (13, 6), "llama": (41, 7)}  # (forward kernels, linears)
 END_KERNELS = {"embedding": (3, 2), "head": (8, 8)}  # (forward, backward)
-LAYER_TENSORS = {"gpt2": 16, "llama": 9}  # parameter tensors of one block (plait.model)
+LAYER_TENSORS = {"gpt2": 16, "llama": 9}  # plait's blocks (sizes.layer_tensors adds qwen's)
 # Megatron-style blocks: fused QKV and (llama) fused gate/up; gpt2 with biases:
 # qkv, proj, fc1, fc2 (weight + bias each) and two LayerNorms (weight + bias)
 FUSED_LAYER_TENSORS = {"gpt2": 12, "llama": 6}
@@ -169,12 +169,12 @@ def layer_cost(
     # Memory-bound elements per token (forward); backward streams twice as much.
     elems = 10 * h / (t if sp else 1)
     elems += (2 if cfg.arch == "gpt2" else 3) * f_t
-    if cfg.arch == "llama":
+    if cfg.rotary:
         elems += 2 * (a_t + kv_t) * d
     elems += softmax_elems
     mem_fwd = stream_time(hw, elems * T * e)
 
-    kernels, linears = LAYER_KERNELS[cfg.arch]
+    kernels, linears = LAYER_KERNELS[cfg.block]
     ov = hw.op_overhead
     fwd = fwd_gemm + attn_fwd + mem_fwd + kernels * ov
     bwd_input = bwd_in_gemm + attn_bwd + 2 * mem_fwd + kernels * ov
@@ -384,14 +384,17 @@ def zero3_layer_comm(
 def layer_tensors(cfg: ModelConfig, runtime: Runtime) -> int:
     """Parameter tensors of one block: plait's model (``LAYER_TENSORS``, separate q, k, v)
     or the fused-QKV blocks of the other runtimes (``FUSED_LAYER_TENSORS``)."""
-    return (LAYER_TENSORS if runtime.name == "plait" else FUSED_LAYER_TENSORS)[cfg.arch]
+    if runtime.name == "plait":
+        return sizes.layer_tensors(cfg)
+    # qwen2: one fused q/k/v bias; qwen3: the q and k norms
+    return FUSED_LAYER_TENSORS[cfg.block] + (1 if cfg.qkv_bias else 0) + (2 if cfg.qk_norm else 0)
 
 
 def stage_tensors(cfg: ModelConfig, layers: int, first: bool, last: bool) -> int:
     """Parameter tensors one rank holds for a virtual stage of ``layers`` blocks (as
     ``memory.stage_params``: the first stage has the token (and gpt2 position) embedding,
     the last the final norm and the head or its tied copy)."""
-    n = layers * LAYER_TENSORS[cfg.arch]
+    n = layers * sizes.layer_tensors(cfg)
     if first:
         n += 2 if cfg.arch == "gpt2" else 1
     if last:
