@@ -405,6 +405,33 @@ def test_signals_end_with_one_line_and_the_conventional_code(corpus, tmp_path, s
     assert not any(_alive(w) for w in workers)
 
 
+def test_export_reads_and_writes_one_part_at_a_time(base, tmp_path, monkeypatch):
+    """plait export streams: each read of the checkpoint asks for exactly one part (the
+    embedding, one block, the rest: hf.export_groups) and each part becomes one file of
+    Hugging Face's sharded safetensors. Catches an export that loads the whole model (one
+    read of everything) or writes it as one file."""
+    from plait import export
+    from plait.generate import build_as_trained, locate
+    from plait.model import hf
+    from plait.train import checkpoint
+
+    asked, real = [], checkpoint.load
+
+    def load(path, *, state, **kw):
+        asked.append(sorted(k.removeprefix("model/") for k in state))
+        return real(path, state=state, **kw)
+
+    monkeypatch.setattr(checkpoint, "load", load)
+    out, _ = export.export(base, tmp_path / "hf", export.ExportOptions())
+    names = [n for n, _ in build_as_trained(locate(base)[0], device="meta").named_parameters()]
+    assert asked == [sorted(g) for g in hf.export_groups(names)]
+    assert len(asked) >= 3
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(files) == len(asked)
+
+
 def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
     """A run's checkpoint goes out as a Hugging Face folder that transformers loads with
     the same logits, and comes back in with --init-hf under other layouts: the first step
@@ -417,7 +444,7 @@ def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
 
     out = tmp_path / "hf"
     proc = plait("export", "--run", base, "--out", out, check=True)
-    assert "wrote" in proc.stdout and (out / "model.safetensors").exists()
+    assert "wrote" in proc.stdout and (out / "model.safetensors.index.json").exists()
     _, _, model = load_run(base)
     ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(

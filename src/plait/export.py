@@ -7,7 +7,11 @@
     plait export --run R --quantize int8     # weight-only int8 / int4 (model/quant.py), with
                                              #   the validation perplexity before and after
 
-Everything runs in one process on whole tensors (the checkpoint is stored whole).
+One process. The weights stream: the checkpoint is read one part at a time (the embedding,
+each block, the rest: ``hf.export_groups``), whole tensors of that part only, converted
+and written as one file of Hugging Face's sharded safetensors, so the process holds one
+part beside the adapters (LoRA) -- never the model. ``--quantize`` is the exception: it
+evaluates the model before and after, so it holds it whole.
 """
 
 from __future__ import annotations
@@ -63,17 +67,13 @@ def val_loss(model, pairs) -> tuple[float, int]:
 def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list[str]]:
     """Write the export; returns (folder, what was written / measured, for the user)."""
     from plait.data import DataError, prepare
-    from plait.generate import load_model
+    from plait.generate import locate
     from plait.model import hf, lora
 
-    cfg, path, model = load_model(run)
+    cfg, path = locate(run)
     opts.check(cfg, run)
     out = Path(out or run / "hf")
-    state = {k: v.detach() for k, v in model.named_parameters()}
     notes = [f"{cfg.model.arch}, {path.name}"]
-    if opts.merge_lora:
-        state = lora.merged_state(state, cfg.lora)
-        notes.append(f"LoRA r={cfg.lora.rank} merged")
     try:
         data = prepare(cfg.data)
     except DataError as e:
@@ -81,16 +81,32 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
     if opts.quantize:
         if data is None:
             raise ExportError("--quantize needs the run's data for the validation perplexity")
-        notes += _quantized(out, cfg, lora.base_state(state), data, opts)
-    elif opts.adapter:
-        from plait.model import peft
+        from plait.generate import load_model
 
-        hf.save(out, lora.base_state(state), cfg.model)
-        peft.save_adapter(out / "adapter", state, cfg.model, cfg.lora, base=str(out))
-        notes.append(f"adapter/ (PEFT LoRA r={cfg.lora.rank}: {', '.join(cfg.lora.targets)})")
+        state = {k: v.detach() for k, v in load_model(run)[2].named_parameters()}
+        if opts.merge_lora:
+            state = lora.merged_state(state, cfg.lora)
+            notes.append(f"LoRA r={cfg.lora.rank} merged")
+        notes += _quantized(out, cfg, lora.base_state(state), data, opts)
     else:
-        hf.save(out, state, cfg.model)
-        notes.append(hf.WEIGHTS)
+        adapters = {}
+
+        def parts():
+            for part in checkpoint_parts(cfg, path):
+                adapters.update({k: v for k, v in part.items() if lora.is_adapter(k)})
+                yield (
+                    lora.merged_state(part, cfg.lora) if opts.merge_lora else lora.base_state(part)
+                )
+
+        hf.save_parts(out, parts(), cfg.model)
+        if opts.merge_lora:
+            notes.append(f"LoRA r={cfg.lora.rank} merged")
+        notes.append("model-*.safetensors")
+        if opts.adapter:
+            from plait.model import peft
+
+            peft.save_adapter(out / "adapter", adapters, cfg.model, cfg.lora, base=str(out))
+            notes.append(f"adapter/ (PEFT LoRA r={cfg.lora.rank}: {', '.join(cfg.lora.targets)})")
     if data is not None:
         from plait.data.instruct import chat_template
 
@@ -100,6 +116,23 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
         else:
             notes.append("no tokenizer file (--tokenizer bytes: ids are UTF-8 bytes)")
     return out, notes
+
+
+def checkpoint_parts(cfg, path: Path):
+    """The checkpoint's parameters, one ``hf.export_groups`` part at a time: {name: whole
+    tensor} read from the checkpoint's shards (DCP reads only that part's chunks)."""
+    from plait.generate import build_as_trained
+    from plait.model import hf
+    from plait.parallel.held import Held
+    from plait.topology import Topology
+    from plait.train import checkpoint
+
+    skeleton = dict(build_as_trained(cfg, device="meta").named_parameters())
+    for group in hf.export_groups(list(skeleton)):
+        part = {n: torch.empty(skeleton[n].shape, dtype=skeleton[n].dtype) for n in group}
+        state = {f"model/{n}": Held.whole(t) for n, t in part.items()}
+        checkpoint.load(path, state=state, topo=Topology.single(), verified=True)
+        yield part
 
 
 def _quantized(out: Path, cfg, state: dict, data, opts: ExportOptions) -> list[str]:

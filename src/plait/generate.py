@@ -14,8 +14,8 @@ from plait.train import checkpoint
 from plait.train.config import RunConfig
 
 
-def load_model(run: Path):
-    """(config, checkpoint path, model with its weights) of a run folder's newest checkpoint."""
+def locate(run: Path):
+    """(config, newest checkpoint that verifies) of a run folder, or ValueError (one line)."""
     run = Path(run)
     if not (run / "config.yaml").exists():
         raise ValueError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
@@ -26,7 +26,13 @@ def load_model(run: Path):
         raise ValueError(str(e)) from None
     if "skipped" in note:
         logging.getLogger("plait").warning("plait: %s", note.replace("resuming", "loading", 1))
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    return cfg, path
+
+
+def build_as_trained(cfg: RunConfig, *, device=None):
+    """The whole model as the run trained it: LoRA adapters beside the frozen base, block
+    weights fake-quantised (QAT); ``device="meta"``: names and shapes only."""
+    model = build_model(cfg.model, seed=cfg.train.seed, device=device or "cpu")
     if cfg.lora:  # the checkpoint holds the adapters beside the frozen base
         from plait.model.lora import apply_lora
 
@@ -35,6 +41,13 @@ def load_model(run: Path):
         from plait.model.quant import apply_qat
 
         apply_qat(model, cfg.qat)
+    return model
+
+
+def load_model(run: Path):
+    """(config, checkpoint path, model with its weights) of a run folder's newest checkpoint."""
+    cfg, path = locate(run)
+    model = build_as_trained(cfg)
     checkpoint.load(path, state=checkpoint.model_state(model), topo=Topology.single(),
                     verified=True)  # fmt: skip
     model.eval()

@@ -6,6 +6,7 @@ for GPT-2, transposing its ``Conv1D`` weights and splitting the fused q/k/v proj
     full = hf.to_hf(state, cfg)           # plait names -> Hugging Face names
     state = hf.from_hf(full, cfg)         # and back (exactly)
     hf.save(folder, state, cfg)           # config.json + model.safetensors (from_pretrained)
+    hf.save_parts(folder, parts, cfg)     # ... or sharded, one part (a block) at a time
     cfg, state = hf.load(folder)          # a folder written by save_pretrained, or by save
 
 The ``config.json``'s ``model_type`` picks plait's ``arch`` (gpt2, llama, qwen2, qwen3,
@@ -231,28 +232,45 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
     """Hugging Face tensors for plait's full state dict (every name of the whole model);
     a tied model's ``lm_head`` is the token embedding, as ``save_pretrained`` has it."""
     _check_names(state, cfg)
+    out = to_hf_part(state, cfg)
+    if cfg.rotary and cfg.tied_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def to_hf_part(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors for any part of plait's state dict that holds whole blocks (a
+    block's q, k and v together: GPT-2 fuses them): ``export_groups``' parts, or all of it.
+    A tied model's ``lm_head`` is left out (``save`` stores it once, as the embedding)."""
     out = {}
     if cfg.rotary:
-        out["model.embed_tokens.weight"] = state["embed.tokens.weight"]
-        out["model.norm.weight"] = state["norm.weight"]
-        head = "embed.tokens.weight" if cfg.tied_embeddings else "head.weight"
-        out["lm_head.weight"] = state[head]
-        for i in range(cfg.n_layers):
-            for ours, theirs in _block_names(cfg).items():
-                out[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
-        return {k: v.contiguous() for k, v in out.items()}
-    out["transformer.wte.weight"] = state["embed.tokens.weight"]
-    out["transformer.wpe.weight"] = state["embed.positions.weight"]
-    out["transformer.ln_f.weight"] = state["norm.weight"]
-    out["transformer.ln_f.bias"] = state["norm.bias"]
-    for i in range(cfg.n_layers):
-        b, h = f"blocks.{i}.", f"transformer.h.{i}."
-        for ours, theirs in _GPT2.items():
-            t = state[b + ours]
-            out[h + theirs] = t.t() if t.dim() == 2 else t
-        qkv = [state[f"{b}attn.{x}.weight"] for x in "qkv"]
-        out[h + "attn.c_attn.weight"] = torch.cat(qkv, dim=0).t()
-        out[h + "attn.c_attn.bias"] = torch.cat([state[f"{b}attn.{x}.bias"] for x in "qkv"])
+        top = {"embed.tokens.weight": "model.embed_tokens.weight",
+               "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}  # fmt: skip
+        block = _block_names(cfg)
+    else:
+        top = {"embed.tokens.weight": "transformer.wte.weight",
+               "embed.positions.weight": "transformer.wpe.weight",
+               "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias"}  # fmt: skip
+        block = _GPT2
+    for name, t in state.items():
+        if name in top:
+            out[top[name]] = t
+        elif name.startswith("blocks."):
+            i, _, ours = name.removeprefix("blocks.").partition(".")
+            if cfg.rotary and ours in block:
+                out[f"model.layers.{i}.{block[ours]}"] = t
+            elif cfg.rotary:
+                raise HFError(f"{name}: no Hugging Face {cfg.arch} tensor holds it")
+            elif ours in block:
+                out[f"transformer.h.{i}.{block[ours]}"] = t.t() if t.dim() == 2 else t
+            elif ours in ("attn.q.weight", "attn.q.bias"):  # q, k, v fused: at q's turn
+                kind, b = ours.rpartition(".")[2], f"blocks.{i}."
+                qkv = torch.cat([state[f"{b}attn.{x}.{kind}"] for x in "qkv"], dim=0)
+                out[f"transformer.h.{i}.attn.c_attn.{kind}"] = qkv.t() if kind == "weight" else qkv
+            elif ours not in ("attn.k.weight", "attn.k.bias", "attn.v.weight", "attn.v.bias"):
+                raise HFError(f"{name}: no Hugging Face {cfg.arch} tensor holds it")
+        else:
+            raise HFError(f"{name}: no Hugging Face {cfg.arch} tensor holds it")
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -324,6 +342,49 @@ def save(folder: str | Path, state: dict[str, torch.Tensor], cfg: ModelConfig) -
     tmp = folder / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / WEIGHTS)
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    return folder
+
+
+def export_groups(names: list[str]) -> list[list[str]]:
+    """plait's parameter names in the parts ``save_parts`` writes one at a time: the
+    embedding, each block, then the rest (final norm, head)."""
+    embed = [n for n in names if n.startswith("embed.")]
+    blocks: dict[int, list[str]] = {}
+    for n in names:
+        if n.startswith("blocks."):
+            blocks.setdefault(int(n.split(".")[1]), []).append(n)
+    rest = [n for n in names if not n.startswith(("embed.", "blocks."))]
+    return [g for g in (embed, *(blocks[i] for i in sorted(blocks)), rest) if g]
+
+
+def save_parts(folder: str | Path, parts, cfg: ModelConfig) -> Path:
+    """Write ``config.json`` and the weights as Hugging Face's sharded safetensors
+    (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, what
+    ``from_pretrained`` reads), one file per part: ``parts`` yields plait state dicts
+    (``export_groups``' parts), each converted, written and dropped before the next, so
+    that one part is in memory at a time."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("model*.safetensors*"):  # a previous export's files
+        old.unlink()
+    written, weight_map, total = [], {}, 0
+    for i, state in enumerate(parts):
+        tensors = to_hf_part({k: v.detach().cpu() for k, v in state.items()}, cfg)
+        name = f"model-{i + 1:05d}.safetensors"  # renamed once the count is known
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        written.append((name, list(tensors)))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors, state
+    n = len(written)
+    for i, (name, keys) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        (folder / name).replace(folder / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
     return folder
 
