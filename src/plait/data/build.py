@@ -6,7 +6,7 @@ tokenise one unit at a time -- reading in the workers too, so JSON and Parquet d
 scale with the cores -- and the parent appends their ids to ``tokens.bin.partial`` in unit
 order. At most ``2 x workers`` units are in flight, so memory is a few units whatever the
 corpus size. Each unit's documents are cut into pieces and encoded exactly as one process
-would (``tokens._pieces``), so the stream does not depend on the number of workers.
+would (``cut_document``), so the stream does not depend on the number of workers.
 
 Resuming: every COMMIT_SECONDS the parent fsyncs the partial file and then records, in
 ``tokens.progress.json``, how many units and tokens it holds (and a digest of the plan).
@@ -196,7 +196,6 @@ def _init(state: dict) -> None:
 def _encode(unit: Unit, state: dict | None = None):
     """One unit's ids (end-of-text after each document, in the cache's dtype), its stats,
     documents and characters; a bad JSON Lines record is returned, not raised."""
-    from plait.data.tokens import _pieces
 
     state = state or _WORKER
     corpus, tokenizer, dtype = state["corpus"], state["tokenizer"], state["dtype"]
@@ -204,7 +203,7 @@ def _encode(unit: Unit, state: dict | None = None):
     pieces = []
     try:
         for doc in read_unit(corpus, unit, stats):
-            pieces += _pieces(doc)
+            pieces += cut_document(doc)
     except RecordError as e:
         return e
     eot = [] if tokenizer.eot_id is None else [np.array([tokenizer.eot_id], dtype=dtype)]
@@ -267,3 +266,21 @@ class _Progress:
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+# Tokenising cuts documents longer than PIECE_CHARS at a line break, so a document's
+# pieces can go to several cores. The cut only changes how the text around it is merged.
+PIECE_CHARS = 1 << 20
+
+
+def cut_document(doc: str) -> list[tuple[str, bool]]:
+    """``doc`` cut at line breaks into pieces of at most PIECE_CHARS, each with whether it
+    is the document's last (the end-of-text follows it)."""
+    out, start = [], 0
+    while len(doc) - start > PIECE_CHARS:
+        cut = doc.rfind("\n", start + PIECE_CHARS // 2, start + PIECE_CHARS) + 1
+        cut = cut or start + PIECE_CHARS  # no line break near the limit: cut anywhere
+        out.append((doc[start:cut], False))
+        start = cut
+    out.append((doc[start:], True))
+    return out

@@ -297,15 +297,16 @@ def check_held_out(data, seq_len: int) -> None:
 
 
 def prepare_mixture(cfg, sources: list[tuple[str, float]], *, log: Callable[[str], None],
-                    workers: int | None) -> Mixture:  # fmt: skip
-    """Prepare each source with one tokenizer (module docstring)."""
-    from plait.data import tokens
-
+                    workers: int | None, prepare_source: Callable,
+                    is_cached: Callable) -> Mixture:  # fmt: skip
+    """Prepare each source with one tokenizer (module docstring): ``prepare_source`` and
+    ``is_cached`` are ``tokens.prepare`` and ``tokens.cached`` (passed in: that module
+    calls this one)."""
     tokenizer = cfg.tokenizer
     if tokenizer == "bpe":
         tokenizer = _shared_bpe_path(cfg, [p for p, _ in sources])
     subs = [dataclasses.replace(cfg, path=p, tokenizer=str(tokenizer)) for p, _ in sources]
-    if not (Path(tokenizer).is_file() or tokenizer == "bytes") or not all(map(tokens.cached, subs)):
+    if not (Path(tokenizer).is_file() or tokenizer == "bytes") or not all(map(is_cached, subs)):
         _check_sources(cfg, sources)  # (every rank of a run opens caches that exist: no check)
     if cfg.tokenizer == "bpe":
         _train_shared_bpe(cfg, [p for p, _ in sources], Path(tokenizer), log)
@@ -313,7 +314,7 @@ def prepare_mixture(cfg, sources: list[tuple[str, float]], *, log: Callable[[str
     for path, weight in sources:
         log(f"data: source {path} (weight {weight:.3g})")
         sub = dataclasses.replace(cfg, path=path, tokenizer=tokenizer)
-        parts.append(tokens.prepare(sub, log=log, workers=workers))
+        parts.append(prepare_source(sub, log=log, workers=workers))
     return Mixture(parts=tuple(parts), names=tuple(p for p, _ in sources),
                    weights=tuple(w for _, w in sources), source=f"--data {cfg.path}")  # fmt: skip
 
@@ -347,8 +348,8 @@ def _check_sources(cfg, sources) -> None:
 
 def _shared_bpe_path(cfg, paths: list[str]) -> Path:
     """Where the BPE shared by these sources lives, keyed by their identities."""
+    from plait.data.cache import cache_root
     from plait.data.corpus import find_corpus
-    from plait.data.tokens import cache_root
 
     corpora = [find_corpus(p, cfg.text_column) for p in paths]
     key = {"format": 1, "vocab_size": cfg.vocab_size, "corpora": [c.identity() for c in corpora]}
@@ -358,9 +359,9 @@ def _shared_bpe_path(cfg, paths: list[str]) -> Path:
 
 def _train_shared_bpe(cfg, paths: list[str], path: Path, log: Callable[[str], None]) -> None:
     """One BPE trained on every text source in order, written to ``path`` once."""
+    from plait.data.cache import exclusive, write_atomically
     from plait.data.corpus import find_corpus
     from plait.data.tokenizer import train_bpe
-    from plait.data.tokens import _exclusive, _write_atomically
 
     if path.is_file():
         return
@@ -370,10 +371,10 @@ def _train_shared_bpe(cfg, paths: list[str], path: Path, log: Callable[[str], No
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"cache folder {folder.parent}: cannot create it ({e.strerror})")
-    with _exclusive(folder / ".lock", log):
+    with exclusive(folder / ".lock", log):
         if not path.is_file():
             docs = itertools.chain.from_iterable(c.documents() for c in corpora)
             log(f"data: training one byte-level BPE of {cfg.vocab_size} ids on the "
                 f"{len(corpora)} sources")  # fmt: skip
             tokenizer = train_bpe(docs, vocab_size=cfg.vocab_size)
-            _write_atomically(path, tokenizer.save)
+            write_atomically(path, tokenizer.save)

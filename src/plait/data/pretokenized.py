@@ -157,8 +157,8 @@ def scan_max_id(tokens: np.ndarray) -> int:
 
 def prepare(cfg, root: Path, *, log: Callable[[str], None]):
     """The Dataset of a pre-tokenized ``cfg.path``: checked once, then memory-mapped."""
+    from plait.data.cache import Dataset, split_point
     from plait.data.tokenizer import ByteTokenizer, load_tokenizer
-    from plait.data.tokens import Dataset, split_point
 
     shown = cfg.path
     if cfg.tokenizer == "bpe":

@@ -27,20 +27,20 @@ token file the tokenizer cannot have made) is refused before anything is written
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from plait.data import build, instruct
+from plait.data.cache import Dataset, cache_root, exclusive, split_point, write_atomically
 from plait.data.corpus import DEFAULT_TEXT_COLUMN, Corpus, Unit, find_corpus
 from plait.data.tokenizer import (
     EOT_TOKEN,
@@ -52,18 +52,10 @@ from plait.data.tokenizer import (
 )
 from plait.errors import DataError
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no cross-process lock, concurrent prepares are unsafe
-    fcntl = None
-
 logger = logging.getLogger(__name__)
 
 # Bump when the token stream for the same inputs changes (e.g. how documents are split).
 CACHE_FORMAT = 1
-# Tokenising cuts documents longer than PIECE_CHARS at a line break, so a document's
-# pieces can go to several cores. The cut only changes how the text around it is merged.
-PIECE_CHARS = 1 << 20
 
 Tokenizer = ByteTokenizer | HFTokenizer
 
@@ -112,25 +104,6 @@ class DataConfig:
             parse_sources(self.path)  # a ValueError (one line) for a malformed mixture
 
 
-@dataclass(frozen=True, eq=False)
-class Dataset:
-    """A prepared corpus: its tokenizer and its train / validation token streams.
-
-    ``train`` and ``val`` are read-only memory maps (uint16 when the vocabulary fits, else
-    uint32): opening a dataset costs nothing and every process shares the page cache.
-    """
-
-    tokenizer: Tokenizer
-    train: np.ndarray
-    val: np.ndarray
-    cache_path: Path
-    fingerprint: str
-    source: str  # how messages name the data, e.g. "--data books/"; pass as name= to samplers
-    num_documents: int
-    train_mask: np.ndarray | None = None  # instruction data: 1 where the loss is taken
-    val_mask: np.ndarray | None = None
-
-
 def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None,
             workers: int | None = None):  # fmt: skip
     """Discover, tokenise and cache the corpus once; later calls open the cache. Returns a
@@ -145,7 +118,8 @@ def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None,
     log = log or logger.info
     sources = mixture.parse_sources(cfg.path) if cfg.path is not None else None
     if sources is not None and len(sources) > 1:
-        return mixture.prepare_mixture(cfg, sources, log=log, workers=workers)
+        return mixture.prepare_mixture(cfg, sources, log=log, workers=workers,
+                                       prepare_source=prepare, is_cached=cached)  # fmt: skip
     if sources is not None:  # "path:weight" of one source is that source
         cfg = dataclasses.replace(cfg, path=sources[0][0])
     if cfg.path is not None and pretokenized.is_token_file(cfg.path):
@@ -166,7 +140,7 @@ def prepare(cfg: DataConfig, *, log: Callable[[str], None] | None = None,
                 f"cache folder {root}: cannot create it ({e.strerror}); set DataConfig.cache_dir "
                 "to a writable folder"
             )
-        with _exclusive(folder / ".lock", log):
+        with exclusive(folder / ".lock", log):
             if _complete(folder):  # another process built it while we waited
                 log(f"data: reusing the token cache {folder}")
             else:
@@ -192,10 +166,6 @@ def cached(cfg: DataConfig) -> bool:
         )
     except (DataError, OSError):
         return False
-
-
-def cache_root(cfg: DataConfig) -> Path:
-    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else Path.home() / ".cache/plait"
 
 
 def _remove_folder(folder: Path) -> None:
@@ -239,25 +209,6 @@ def _complete(folder: Path) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: Path, log: Callable[[str], None]) -> Iterator[None]:
-    """Hold an flock on ``lock_path``. The kernel drops it if the holder dies, so a crashed
-    builder never leaves the others waiting forever."""
-    with open(lock_path, "a") as f:
-        if fcntl is None:
-            yield
-            return
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"data: another process is preparing {lock_path.parent}; waiting for it")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _build(folder: Path, corpus: Corpus, units: list[Unit], cfg: DataConfig,
            log: Callable[[str], None], workers: int | None) -> None:  # fmt: skip
     for leftover in folder.glob("*.tmp"):  # from a build that crashed
@@ -267,16 +218,16 @@ def _build(folder: Path, corpus: Corpus, units: list[Unit], cfg: DataConfig,
         tokenizer = load_tokenizer(tok_path)
     else:
         tokenizer = _make_tokenizer(corpus, cfg, log)
-        _write_atomically(tok_path, tokenizer.save)
+        write_atomically(tok_path, tokenizer.save)
 
     start = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
     counts = {}
     if corpus.instruct:  # the mask first: meta.json, written last, vouches for both
         chat = instruct.chat_template(cfg.tokenizer)  # None: plait's own rendering
-        _write_atomically(
+        write_atomically(
             folder / "mask.bin",
-            lambda mask_tmp: _write_atomically(
+            lambda mask_tmp: write_atomically(
                 folder / "tokens.bin",
                 lambda tmp: counts.update(
                     _tokenise_examples(corpus, tokenizer, dtype, tmp, mask_tmp, chat)
@@ -304,7 +255,7 @@ def _build(folder: Path, corpus: Corpus, units: list[Unit], cfg: DataConfig,
         "mask": corpus.instruct,
         **counts,
     }
-    _write_atomically(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    write_atomically(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     log(f"data: token cache ready at {folder}")
 
 
@@ -354,28 +305,6 @@ def _tokenise_examples(corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: P
             "num_trained_tokens": num_trained}  # fmt: skip
 
 
-def _pieces(doc: str) -> list[tuple[str, bool]]:
-    """``doc`` cut at line breaks into pieces of at most PIECE_CHARS, each with whether it
-    is the document's last (the end-of-text follows it)."""
-    out, start = [], 0
-    while len(doc) - start > PIECE_CHARS:
-        cut = doc.rfind("\n", start + PIECE_CHARS // 2, start + PIECE_CHARS) + 1
-        cut = cut or start + PIECE_CHARS  # no line break near the limit: cut anywhere
-        out.append((doc[start:cut], False))
-        start = cut
-    out.append((doc[start:], True))
-    return out
-
-
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _open(folder: Path, corpus: Corpus, cfg: DataConfig) -> Dataset:
     meta = json.loads((folder / "meta.json").read_text())
     tokenizer = load_tokenizer(folder / "tokenizer.json", flag="token cache")
@@ -399,21 +328,4 @@ def _open(folder: Path, corpus: Corpus, cfg: DataConfig) -> Dataset:
     )
 
 
-def split_point(tokens: np.ndarray, val_fraction: float, eot_id: int | None) -> int:
-    """Where validation starts: ``val_fraction`` of the tokens from the end, moved to the
-    nearest document start within half the validation length so no document straddles
-    the split (kept where it is when there is none, e.g. one long document).
-
-    Worked example: 1,000 tokens, val_fraction 0.1 -> the cut is at 900; an end-of-text at
-    index 880 moves it to 881 (val has 119 tokens), one at 960 would move it to 961.
-    """
-    n = len(tokens)
-    num_val = round(n * val_fraction)
-    cut = n - num_val
-    if num_val == 0 or eot_id is None:
-        return cut
-    lo, hi = max(cut - num_val // 2, 0), min(cut + num_val // 2, n - 1)
-    starts = np.flatnonzero(np.asarray(tokens[lo:hi]) == eot_id) + lo + 1
-    if len(starts) == 0:
-        return cut
-    return int(starts[np.argmin(np.abs(starts - cut))])
+__all__ = ["DataConfig", "Dataset", "cache_root", "cached", "prepare", "split_point"]
