@@ -50,7 +50,7 @@ from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.held import Held
 from plait.parallel.pipeline.executor import PipelineRunner
 from plait.parallel.pipeline.stage import build_stage
-from plait.parallel.tensor import TPGradSync
+from plait.parallel.tensor import TPGradSync, weight_casts
 from plait.topology import Topology
 from plait.train import checkpoint, optim
 from plait.train.config import RunConfig
@@ -78,12 +78,13 @@ class LocalRunner:
         (summed there: reading it per micro-batch would stall the host)."""
         device = inputs_targets(micro_batches[0])[0].device
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for mb in micro_batches:  # (B, T+1) windows, or (inputs, targets) (B, T) each
-            with self.autocast():
-                token_loss = self.model(*inputs_targets(mb))  # (B*T,)
-            loss = token_loss.sum() / tokens_global
-            (loss * loss_scale).backward()
-            total += loss.detach()
+        with weight_casts():  # one compute-dtype copy of each weight for the step
+            for mb in micro_batches:  # (B, T+1) windows, or (inputs, targets) (B, T) each
+                with self.autocast():
+                    token_loss = self.model(*inputs_targets(mb))  # (B*T,)
+                loss = token_loss.sum() / tokens_global
+                (loss * loss_scale).backward()
+                total += loss.detach()
         return total
 
     @torch.no_grad()

@@ -78,6 +78,7 @@ from plait.parallel.pipeline.schedules import (
     validate,
 )
 from plait.parallel.pipeline.stage import PipelineStage
+from plait.parallel.tensor import weight_casts
 from plait.topology import Axis, Topology
 from plait.viz.trace import TraceWriter, now_us
 
@@ -336,7 +337,8 @@ class PipelineRunner:
         start = now_us()
         if self.cuda_timing:
             st.cuda_step = _event()
-        self._run(self.train_actions, st)
+        with weight_casts():  # one compute-dtype copy of each weight, not one per micro-batch
+            self._run(self.train_actions, st)
         self._sync_tied_grads()
         end = now_us()
         if self.cuda_timing:  # GPU time, read once the events have completed: no host wait
