@@ -89,3 +89,30 @@ def assert_within_bf16_rounding(got: list[dict], ref: list[dict], what=""):
         assert all(e <= U16 * (k + 1) ** 0.5 for k, e in enumerate(errs)), (what, key, errs)
         if key == "loss":
             assert max(errs) <= U16, (what, errs)
+
+
+def attention_chain(*, head_dim: int, keys: int, score_sum: float, group: int, cp: int) -> float:
+    """Length of the float32 rounding chain of attention's output, log-sum-exp and dQ/dK/dV
+    (context-parallel or not), each error bounded by ``attention_chain * U32`` times that
+    quantity's magnitude (tests/test_context.py computes the magnitudes in float64).
+
+    First order in u, Higham's bound for each sum (n - 1 terms' worth of u times the
+    terms' magnitudes), D = ``head_dim``, T = ``keys`` (the longest row), A =
+    ``score_sum`` (the largest scale * sum_d |q_d k_d|), g = ``group`` (query heads per
+    key/value head), N = ``cp`` (blocks merged per row; partial dK/dV summed per key):
+
+    - a score q.k: D terms and the scale, error (D + 1) u A;
+    - the log-sum-exp: that, the T-term normaliser and its exps, the log, and one
+      log-add-exp of a few roundings per merged block: (D + 1) A + T + 4N + 3, times u
+      (1 + |lse|);
+    - so each recomputed probability P = exp(s - lse) is within Lp u relative,
+      Lp = 2 (D + 1) A + T + 4N + 4;
+    - out = P V: Lp + T + 1 (magnitude P |V|); dV = P^T dO: Lp + T + N (P^T |dO|);
+    - dP = dO V^T: D terms; Delta = rowsum(dO O) - dLSE: D + Lp + T + 1; so dS = P (dP -
+      Delta) is within 2 Lp + 2 D + T + 2 of P (|dO| |V|^T + rowsum(...) + |dLSE|);
+    - dQ = scale dS K and dK = scale dS^T Q: T more terms, and for dK g heads and N
+      partial sums: 2 Lp + 2 D + 2 T + g + N + 3.
+
+    The largest, used for all five: 4 (D + 1) A + 4 T + 2 D + g + 9 N + 12."""
+    d, t = head_dim, keys
+    return 4 * (d + 1) * score_sum + 4 * t + 2 * d + group + 9 * cp + 12

@@ -267,3 +267,21 @@ def barrier(*, topo: Topology, axis: Axis | None = None) -> None:
     group = topo.world_group if axis is None else topo.group(axis)
     if group is not None:
         _guard(topo, "barrier", axis or "world", lambda: dist.barrier(group=group))
+
+
+def all_to_all_into(out: torch.Tensor, t: torch.Tensor, *, topo: Topology, axis: Axis):
+    """``t`` as n equal consecutive pieces: piece j goes to the j-th rank of ``axis``, and
+    ``out``'s piece i is what the i-th rank sent here (NCCL's ``all_to_all_single``; the
+    Ulysses exchange of ``parallel/context.py``). Counted: ``t``; sent: (n-1)/n of it (the
+    piece a rank keeps does not travel). With an axis of size 1, ``out`` is ``t`` copied."""
+    group = topo.group(axis)
+    if group is None:
+        out.view(-1).copy_(t.reshape(-1))
+        return None
+    check_device(topo, "all_to_all", out, t)
+    n = topo.size(axis)
+    topo.stats.record(_axis_name(axis), "all_to_all", _nbytes(t), (n - 1) / n * _nbytes(t),
+                      dtype=t.dtype)  # fmt: skip
+    flat_out, flat_in = out.view(-1), t.contiguous().view(-1)
+    return _guard(topo, "all_to_all", axis,
+                  lambda: dist.all_to_all_single(flat_out, flat_in, group=group))  # fmt: skip
