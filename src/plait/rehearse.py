@@ -104,9 +104,9 @@ def _stable_roles(trainer) -> list[tuple[str, torch.Tensor]]:
         if getattr(opt, "offload", False):  # host masters
             out += [("optimizer", t) for t in opt.targets.values()]
     units = getattr(engine, "units", None)
-    if units is not None:  # ZeRO-3: the rows are the parameters, ``full`` a buffer
+    if units is not None:  # ZeRO-3: the rows are the parameters, the gathered ones buffers
         out += [("parameters", u.row) for u in units.units]
-        out += [("buffers", u.full) for u in units.units]
+        out += [("buffers", b) for u in units.units for b in u.buffers]
     out += [("parameters", p) for p in model.parameters()]
     out += [("buffers", t) for t in model.buffers()]
     return out
