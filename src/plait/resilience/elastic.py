@@ -371,7 +371,9 @@ def write_fingerprints(trainer: Trainer, path: Path) -> None:
     for name, t in _state_tensors(trainer):
         data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         prints[name] = hashlib.sha256(data.tobytes()).hexdigest()
-    path.write_text(json.dumps(prints))
+    from plait.train.run_folder import write_fresh
+
+    write_fresh(path, json.dumps(prints))
 
 
 def _state_tensors(trainer: Trainer):
