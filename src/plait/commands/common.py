@@ -21,8 +21,11 @@ class UserError(Exception):
 
 def die(prog: str, msg: str, code: int = 2) -> int:
     """Print ``plait PROG: error: MSG`` on stderr and return ``code`` (the exit code)."""
+    from plait.errors import printable
+
     label = "" if code in (130, 143) else "error: "  # a signal is the user's choice
-    print(f"plait {prog}: {label}{msg}", file=sys.stderr)
+    # the line may quote a worker, a store or a file: no control character reaches the terminal
+    print(f"plait {prog}: {label}{printable(msg)}", file=sys.stderr)
     return code
 
 

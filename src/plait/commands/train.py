@@ -139,7 +139,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return die("train", str(e).strip().splitlines()[0])
     except launch.LaunchError as e:
         if e.detail:  # the worker could not write its log: the detail once, here
-            print(e.detail.rstrip(), file=sys.stderr)
+            from plait.errors import printable
+
+            print(printable(e.detail.rstrip(), lines=True), file=sys.stderr)
         return die("train", str(e), code=e.code)
     finally:
         if lock is not None:
