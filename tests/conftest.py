@@ -3,12 +3,17 @@ import errno
 import gc
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 # tests/ holds helpers (distributed.py) imported by the test modules.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Checkpoints are signed with a key of the user (train/manifest.py): the tests' own, made on
+# first use in a folder of this session, never ~/.config/plait/key. Worker processes inherit it.
+os.environ.setdefault("PLAIT_KEY_FILE", str(Path(tempfile.mkdtemp(prefix="plait-key-")) / "key"))
 
 MS_RDONLY, MNT_DETACH = 1, 2  # <sys/mount.h>
 

@@ -29,6 +29,7 @@ class ExportOptions:
     adapter: bool = False
     quantize: str | None = None  # int8 | int4
     group_size: int | None = None  # int4; None: the run's --quant-group-size, else 32
+    trust: str | None = None  # --trust-checkpoint: checkpoints under it load unsigned
 
     def check(self, cfg, run: Path) -> None:
         if self.merge_lora and self.adapter:
@@ -66,7 +67,7 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
     from plait.generate import load_model
     from plait.model import hf, lora
 
-    cfg, path, model = load_model(run)
+    cfg, path, model = load_model(run, trust=opts.trust)
     opts.check(cfg, run)
     out = Path(out or run / "hf")
     state = {k: v.detach() for k, v in model.named_parameters()}

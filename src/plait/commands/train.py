@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from plait.cli_args import model_config, model_layout_parser
-from plait.commands.common import UserError, die, merged_values
+from plait.commands.common import TRUST_HELP, UserError, die, merged_values
 
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
               "val_fraction": "val_fraction"}  # fmt: skip
@@ -69,6 +69,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint in --out that verifies")  # fmt: skip
     g.add_argument("--resume-from", type=int, metavar="STEP",
                    help="continue from the checkpoint of this step")  # fmt: skip
+    g.add_argument("--trust-checkpoint", metavar="PATH", help=TRUST_HELP)
     g.add_argument("--init-hf", metavar="DIR",
                    help="start from a Hugging Face GPT-2 / LLaMA folder (config.json + "
                    "safetensors); the model's sizes come from it")  # fmt: skip
@@ -262,7 +263,8 @@ def _check_resume(cfg) -> None:
     from plait.train import checkpoint
 
     root = Path(cfg.out) / "checkpoints"
-    path, _ = checkpoint.pick_resume(root, cfg.train.resume_from, hashes=False)
+    path, _ = checkpoint.pick_resume(root, cfg.train.resume_from, hashes=False,
+                                     trust=cfg.train.trust_checkpoint)  # fmt: skip
     meta = checkpoint.read_meta(path)
     if meta.get("model") and meta["model"] != {**cfg.model.to_dict(), **_vocab_of(meta)}:
         raise UserError(

@@ -43,6 +43,7 @@ class TrainConfig:
     threads: int | None = None  # torch threads per worker; None: cores / local workers
     resume: bool = False  # continue from the newest checkpoint in --out that verifies
     resume_from: int | None = None  # continue from this step's checkpoint (implies resume)
+    trust_checkpoint: str | None = None  # checkpoints under it load unsigned (docs/security.md)
     init_hf: str | None = None  # start from a Hugging Face model folder's weights
     compile: bool = False  # torch.compile each transformer block
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl
