@@ -102,8 +102,8 @@ def read_secret(folder: Path) -> bytes:
 class SignedStore:
     """A store whose ``set`` signs and whose ``get`` / ``check`` verify (module docstring).
 
-    A refused message is logged -- the first refusal of each key, then every 100th, so a
-    flood cannot fill a disk -- to the ``plait.signed_store`` logger, or, when given, by
+    A refused message is logged -- the first of each kind on each key, then every 100th on
+    the key, so a flood cannot fill a disk -- to the ``plait.signed_store`` logger, or, when given, by
     ``on_reject(key, why, count)`` instead; ``rejected`` counts them by key."""
 
     def __init__(self, store, secret: bytes, *, on_reject=None):
@@ -112,6 +112,7 @@ class SignedStore:
         self._seq = 0
         self._lock = threading.Lock()
         self.rejected: dict[str, int] = {}
+        self._logged: set[tuple[str, str]] = set()
 
     @property
     def port(self) -> int:
@@ -166,7 +167,8 @@ class SignedStore:
 
     def _reject(self, key: str, why: str) -> None:
         n = self.rejected[key] = self.rejected.get(key, 0) + 1
-        if n == 1 or n % 100 == 0:
+        if (key, why) not in self._logged or n % 100 == 0:
+            self._logged.add((key, why))
             if self.on_reject is not None:
                 self.on_reject(key, why, n)
             else:
