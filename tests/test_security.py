@@ -187,6 +187,9 @@ def test_stores_listen_on_their_one_address():
         socket.create_connection(("127.0.0.1", other.port), timeout=5).close()
     from plait.train.launch import host_rendezvous, torchrun_args
 
+    liveness.check_shared("127.0.0.1")  # an address, as given: the user's choice
+    with pytest.raises(ValueError, match="loopback address no other node reaches"):
+        liveness.check_shared("localhost")  # a name node 0 resolves to loopback
     rdzv = host_rendezvous(1, None)  # torchrun's, shared: nothing binds a port of its own
     assert ("127.0.0.1", rdzv.port) in _listening([os.getpid()])
     argv = torchrun_args(world=2, nnodes=1, node_rank=0, rdzv_endpoint=None, config=Path("c"),

@@ -100,6 +100,7 @@ class Coordinator:
         self.secret = signed_store.new_secret()
         if nnodes > 1:  # node 0 hosts the store where every node's agent and worker finds it
             host, _, port = endpoint.rpartition(":")
+            liveness.check_shared(host)
             signed_store.write_secret(self.out, self.secret)  # for the other nodes' agents
             self.store = self._host(port=int(port), bind=host)
             self.address = endpoint
@@ -564,3 +565,5 @@ def coordinate(cfg: RunConfig, *, nnodes: int = 1, endpoint: str | None = None) 
     finally:
         coord.print_recoveries()
         coord.shutdown()
+        if nnodes > 1:  # the agents have read it; the run's secret dies with the run
+            (Path(cfg.out) / signed_store.SECRET_FILE).unlink(missing_ok=True)

@@ -104,6 +104,8 @@ def host_rendezvous(nnodes: int, rdzv_endpoint: str | None):
     from plait.train import liveness
 
     host, port = rendezvous_address(nnodes, rdzv_endpoint)
+    if nnodes > 1:
+        liveness.check_shared(host)
     try:
         return liveness.listen(host, port or 0, multi_tenant=True)
     except OSError as e:
@@ -153,7 +155,8 @@ def children_by_rank(parent: int | None = None) -> dict[int, int]:
     children, found in /proc, each with the RANK of its environment."""
     parent = os.getpid() if parent is None else parent
     out = {}
-    for entry in Path("/proc").iterdir():
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
         if not entry.name.isdigit():
             continue
         try:

@@ -34,6 +34,7 @@ that hosts the store, never to another run on the same folder.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import socket
 import threading
@@ -80,6 +81,26 @@ def listen(host: str, port: int = 0, *, multi_tenant: bool = False):
     return TCPStore(host.strip("[]"), port, is_master=True, wait_for_workers=False,
                     multi_tenant=multi_tenant, master_listen_fd=sock.detach(),
                     timeout=datetime.timedelta(seconds=30))  # fmt: skip
+
+
+def check_shared(host: str) -> None:
+    """ValueError (one line) when ``--rdzv-endpoint``'s host, given as a name, resolves on
+    this machine to a loopback address (Debian maps its own hostname to 127.0.1.1): node 0
+    would listen where no other node reaches it. An address given as such is taken as is."""
+    name = host.strip("[]")
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    try:
+        resolved = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ValueError(f"--rdzv-endpoint {name}: cannot resolve it ({e.strerror or e})") from None
+    if ipaddress.ip_address(resolved).is_loopback:
+        raise ValueError(f"--rdzv-endpoint {name} is {resolved} on this machine, a loopback "
+                         "address no other node reaches; give node 0's address on the "
+                         "nodes' network")  # fmt: skip
 
 
 def host(port: int = 0, *, bind: str = "127.0.0.1", secret: bytes, on_reject=None) -> SignedStore:
