@@ -273,6 +273,7 @@ def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, mic
     trainer = Trainer(cfg, topo=Topology.single())
     records = [trainer.step(s) for s in range(steps)]
     if save:
+        out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.yaml")
         trainer.save(steps)
     return records
