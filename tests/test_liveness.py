@@ -36,6 +36,7 @@ class Beats:
     def beat(self, rank: int) -> None:
         self.n[rank] = self.n.get(rank, 0) + 1
         self.store.set(liveness.BEAT.format(rank), str(self.n[rank]))
+        self.store.raw.check([liveness.BEAT.format(rank)])  # a set is not acknowledged: read
 
 
 def test_watchdog_names_the_rank_whose_heartbeat_stopped(store):

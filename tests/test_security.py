@@ -535,6 +535,17 @@ def _attack_run(out: Path, flags: list, forge) -> dict:
     return seen
 
 
+def _plant(raw, key: str, value, *, wrong: bool) -> None:
+    """A forged value where a real one never is overwritten (overwriting a real last word or
+    checkpoint post is a denial of service, not what these tests are after): unsigned where
+    the key is absent, then signed with the wrong secret where the unsigned plant still is."""
+    value = value.encode() if isinstance(value, str) else value
+    if wrong:
+        raw.compare_set(key, value, SignedStore(raw, WRONG).sign(key, value))
+    else:
+        raw.compare_set(key, "", value)
+
+
 def _forge_liveness(ports, victim_pid, *, marker: Path):
     raws = [_raw(port) for port in ports]  # the launcher's stores: liveness, rendezvous
     for wrong in (False, True):  # each kind stays long enough for the watchdog to read it
@@ -542,8 +553,9 @@ def _forge_liveness(ports, victim_pid, *, marker: Path):
             store = SignedStore(raw, WRONG) if wrong else raw
             for rank in (0, 1):
                 store.set(liveness.PID.format(rank), str(victim_pid))
-                store.set(liveness.STATUS.format(rank), json.dumps(
-                    {"code": 2, "message": "\x1b[31mpwned\x1b[0m", "log": None, "detail": None}))  # fmt: skip
+                _plant(raw, liveness.STATUS.format(rank), json.dumps(
+                    {"code": 2, "message": "\x1b[31mpwned\x1b[0m", "log": None, "detail": None}),
+                    wrong=wrong)  # fmt: skip
                 store.set(liveness.BEAT.format(rank), "1")
         time.sleep(1.0)
 
@@ -611,11 +623,12 @@ def test_a_resilient_run_ignores_forged_protocol_messages(tmp_path):
             store.set(nodes.SPAWN.format(1), "9:0,")
             for w in (0, 1):
                 store.set(liveness.PID.format(w), str(victim_pid))
-                store.set(liveness.STATUS.format(w), json.dumps({"code": 2, "message": "pwned"}))
-            for step in (30, 60, 90, 120):
-                for rank in (0, 1):
-                    store.set(async_checkpoint.POST.format(0, step, rank),
-                              pickle.dumps(Payload(marker)))  # fmt: skip
+                _plant(raw, liveness.STATUS.format(w), json.dumps({"code": 2, "message": "pwned"}),
+                       wrong=store is not raw)  # fmt: skip
+            for step in (30, 60, 90, 120):  # never over a rank's real post: that is a
+                for rank in (0, 1):  # denial of service, not what this test is after
+                    key = async_checkpoint.POST.format(0, step, rank)
+                    _plant(raw, key, pickle.dumps(Payload(marker)), wrong=store is not raw)
             time.sleep(1.0)
 
     seen = _attack_run(out, ["--dp", 2, "--steps", 120, "--fault-tolerance", 1, "--save-every", 30,
