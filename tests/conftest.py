@@ -1,14 +1,24 @@
+import atexit
 import ctypes
 import errno
 import gc
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 # tests/ holds helpers (distributed.py) imported by the test modules.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Checkpoints are signed with a key of the user (train/manifest.py): the tests' own, made on
+# first use in a folder of this session, never ~/.config/plait/key. Worker processes inherit it.
+if "PLAIT_KEY_FILE" not in os.environ:
+    _KEYS = tempfile.mkdtemp(prefix="plait-key-")
+    os.environ["PLAIT_KEY_FILE"] = str(Path(_KEYS) / "key")
+    atexit.register(shutil.rmtree, _KEYS, True)
 
 MS_RDONLY, MNT_DETACH = 1, 2  # <sys/mount.h>
 

@@ -19,27 +19,43 @@ class Clock:
         return self.t
 
 
+SECRET = bytes(range(32))
+
+
 @pytest.fixture
 def store():
-    return liveness.host()
+    return liveness.host(secret=SECRET)
+
+
+class Beats:
+    """A worker's heartbeat counter, set as ``Heartbeat`` sets it (signed values)."""
+
+    def __init__(self, store):
+        self.store, self.n = store, {}
+
+    def beat(self, rank: int) -> None:
+        self.n[rank] = self.n.get(rank, 0) + 1
+        self.store.set(liveness.BEAT.format(rank), str(self.n[rank]))
+        self.store.raw.check([liveness.BEAT.format(rank)])  # a set is not acknowledged: read
 
 
 def test_watchdog_names_the_rank_whose_heartbeat_stopped(store):
     clock = Clock()
     dog = liveness.Watchdog(store, ranks=[0, 1, 2], stale_s=5.0, clock=clock)
-    worker = liveness.connect(f"127.0.0.1:{store.port}")
+    worker = liveness.connect(f"127.0.0.1:{store.port}", secret=SECRET)
+    beats = Beats(worker)
     for rank in (0, 1):  # rank 2 never starts: not watched
         store.set(liveness.PID.format(rank), str(1000 + rank))
     for _ in range(4):  # both beat for 6 s, then rank 1 freezes
-        worker.add(liveness.BEAT.format(0), 1)
-        worker.add(liveness.BEAT.format(1), 1)
+        beats.beat(0)
+        beats.beat(1)
         assert dog.poll() == []
         clock.t += 2.0
     for _ in range(2):  # 4 s of silence: still under the limit
-        worker.add(liveness.BEAT.format(0), 1)
+        beats.beat(0)
         assert dog.poll() == []
         clock.t += 2.0
-    worker.add(liveness.BEAT.format(0), 1)
+    beats.beat(0)
     found = dog.poll()
     assert [(s.rank, s.pid) for s in found] == [(1, 1001)] and found[0].silent_s >= 5.0
     clock.t += 10.0  # reported once; rank 0 said its last word, so it is no longer watched
@@ -48,10 +64,10 @@ def test_watchdog_names_the_rank_whose_heartbeat_stopped(store):
 
 
 def test_heartbeat_thread_beats_and_watchdog_thread_calls_back(store):
-    hb = liveness.Heartbeat(liveness.connect(f"127.0.0.1:{store.port}"), rank=3, interval=0.05,
-                            pid=4242).start()  # fmt: skip
+    hb = liveness.Heartbeat(liveness.connect(f"127.0.0.1:{store.port}", secret=SECRET),
+                            rank=3, interval=0.05, pid=4242).start()  # fmt: skip
     time.sleep(0.3)
-    assert store.add(liveness.BEAT.format(3), 0) >= 3
+    assert int(store.get(liveness.BEAT.format(3))) >= 3
     silences = []
     dog = liveness.Watchdog(store, ranks=[3], stale_s=0.3).start(silences.append, every=0.05)
     time.sleep(0.5)

@@ -7,6 +7,18 @@ that raises them, so that no two modules import each other for an exception clas
 
 from __future__ import annotations
 
+import re
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with control characters escaped (``\\x1b``), so that text from a store, a
+    file or a worker cannot drive the terminal it is printed on; tabs stay, and newlines
+    too with ``lines`` (else they are escaped as well)."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return text if lines else text.replace("\n", "\\n")
+
 
 class DataError(ValueError):
     """A data problem the user caused and can fix.

@@ -33,6 +33,7 @@ class ExportOptions:
     adapter: bool = False
     quantize: str | None = None  # int8 | int4
     group_size: int | None = None  # int4; None: the run's --quant-group-size, else 32
+    trust: str | None = None  # --trust-checkpoint: checkpoints under it load unsigned
 
     def check(self, cfg, run: Path) -> None:
         if self.merge_lora and self.adapter:
@@ -70,7 +71,7 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
     from plait.generate import locate
     from plait.model import hf, lora
 
-    cfg, path = locate(run)
+    cfg, path = locate(run, trust=opts.trust)
     opts.check(cfg, run)
     out = Path(out or run / "hf")
     notes = [f"{cfg.model.arch}, {path.name}"]
@@ -83,7 +84,7 @@ def export(run: Path, out: Path | None, opts: ExportOptions) -> tuple[Path, list
             raise ExportError("--quantize needs the run's data for the validation perplexity")
         from plait.generate import load_model
 
-        state = {k: v.detach() for k, v in load_model(run)[2].named_parameters()}
+        state = {k: v.detach() for k, v in load_model(run, trust=opts.trust)[2].named_parameters()}
         if opts.merge_lora:
             state = lora.merged_state(state, cfg.lora)
             notes.append(f"LoRA r={cfg.lora.rank} merged")

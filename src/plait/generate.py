@@ -14,14 +14,15 @@ from plait.train import checkpoint
 from plait.train.config import RunConfig
 
 
-def locate(run: Path):
-    """(config, newest checkpoint that verifies) of a run folder, or ValueError (one line)."""
+def locate(run: Path, *, trust=None):
+    """(config, newest checkpoint that verifies) of a run folder, or ValueError (one line):
+    signed by this user, or under ``trust`` (``--trust-checkpoint``)."""
     run = Path(run)
     if not (run / "config.yaml").exists():
         raise ValueError(f"--run {run}: no config.yaml there; pass a folder made by plait train")
     cfg = RunConfig.load(run / "config.yaml")
     try:  # the newest checkpoint that verifies
-        path, note = checkpoint.pick_resume(run / "checkpoints", flag=f"--run {run}")
+        path, note = checkpoint.pick_resume(run / "checkpoints", flag=f"--run {run}", trust=trust)
     except checkpoint.CheckpointError as e:
         raise ValueError(str(e)) from None
     if "skipped" in note:
@@ -44,9 +45,10 @@ def build_as_trained(cfg: RunConfig, *, device=None):
     return model
 
 
-def load_model(run: Path):
-    """(config, checkpoint path, model with its weights) of a run folder's newest checkpoint."""
-    cfg, path = locate(run)
+def load_model(run: Path, *, trust=None):
+    """(config, checkpoint path, model with its weights) of a run folder's newest checkpoint
+    that verifies (``locate``)."""
+    cfg, path = locate(run, trust=trust)
     model = build_as_trained(cfg)
     checkpoint.load(path, state=checkpoint.model_state(model), topo=Topology.single(),
                     verified=True)  # fmt: skip
@@ -54,9 +56,9 @@ def load_model(run: Path):
     return cfg, path, model
 
 
-def load_run(run: Path):
+def load_run(run: Path, *, trust=None):
     """(config, tokenizer, model with the newest checkpoint's weights) of a run folder."""
-    cfg, _, model = load_model(run)
+    cfg, _, model = load_model(run, trust=trust)
     return cfg, prepare(cfg.data).tokenizer, model
 
 
@@ -87,8 +89,9 @@ def sample(
     return x[0, len(ids or [0]) :].tolist()
 
 
-def generate_text(run: Path, prompt: str, *, max_new_tokens=120, temperature=0.8, seed=0) -> str:
-    _, tok, model = load_run(run)
+def generate_text(run: Path, prompt: str, *, max_new_tokens=120, temperature=0.8, seed=0,
+                  trust=None) -> str:  # fmt: skip
+    _, tok, model = load_run(run, trust=trust)
     new = sample(
         model, tok.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
     )

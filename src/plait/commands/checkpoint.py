@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from plait.commands.common import die
+from plait.commands.common import TRUST_HELP, die
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -24,11 +24,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     verify.add_argument(
         "dir", metavar="DIR", help="a run folder, its checkpoints/ or a step-N folder"
     )
+    verify.add_argument("--trust-checkpoint", metavar="PATH", help=TRUST_HELP)
     return p
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``verify``, the one action."""
+    from plait.errors import printable
     from plait.train import checkpoint, manifest
 
     target = Path(args.dir)
@@ -43,13 +45,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     damaged = 0
     for folder in folders:
         t0 = time.perf_counter()
-        problem = checkpoint.verify(folder)
+        problem = checkpoint.verify(folder, trust=args.trust_checkpoint)
         if problem is None:
-            files = manifest.read(folder)
+            files = manifest.read(folder, trust=args.trust_checkpoint)
             size = sum(e["size"] for e in files.values())
             print(f"{folder}: ok ({len(files)} files, {size / 2**20:.1f} MiB, "
                   f"{manifest.HASH} checked in {time.perf_counter() - t0:.2f} s)")  # fmt: skip
         else:
             damaged += 1
-            print(f"{folder}: damaged: {problem}")
+            what = "refused" if manifest.UNSIGNED in problem else "damaged"
+            print(f"{folder}: {what}: {printable(problem)}")
     return 1 if damaged else 0

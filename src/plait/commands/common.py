@@ -14,6 +14,10 @@ from pathlib import Path
 
 import yaml
 
+TRUST_HELP = ("load checkpoints under PATH although their manifest is not signed with your "
+              "plait key: loading runs code their author can choose (a DCP .metadata is a "
+              "pickle); only for checkpoints you trust (docs/security.md)")  # fmt: skip
+
 
 class UserError(Exception):
     """Bad input: printed as one line, exit code 2."""
@@ -21,8 +25,11 @@ class UserError(Exception):
 
 def die(prog: str, msg: str, code: int = 2) -> int:
     """Print ``plait PROG: error: MSG`` on stderr and return ``code`` (the exit code)."""
+    from plait.errors import printable
+
     label = "" if code in (130, 143) else "error: "  # a signal is the user's choice
-    print(f"plait {prog}: {label}{msg}", file=sys.stderr)
+    # the line may quote a worker, a store or a file: no control character reaches the terminal
+    print(f"plait {prog}: {label}{printable(msg)}", file=sys.stderr)
     return code
 
 
@@ -76,6 +83,7 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
             flat.update(res)
         flat.pop("resume", None)
         flat.pop("resume_from", None)
+        flat.pop("trust_checkpoint", None)  # trust is given each time, never inherited
         return {k: v for k, v in flat.items() if v is not None}
     return {str(k).replace("-", "_"): v for k, v in raw.items()}
 

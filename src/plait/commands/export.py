@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.commands.common import UserError, die
+from plait.commands.common import TRUST_HELP, UserError, die
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -31,6 +31,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "the validation perplexity change")  # fmt: skip
     p.add_argument("--quant-group-size", type=int, metavar="G",
                    help="int4: input features per scale (default: the run's, else 32)")  # fmt: skip
+    p.add_argument("--trust-checkpoint", metavar="PATH", help=TRUST_HELP)
     return p
 
 
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     try:
         opts = ExportOptions(merge_lora=bool(args.merge_lora), adapter=bool(args.adapter),
-                             quantize=args.quantize, group_size=args.quant_group_size)  # fmt: skip
+                             quantize=args.quantize, group_size=args.quant_group_size,
+                             trust=args.trust_checkpoint)  # fmt: skip
         out, notes = export(Path(args.run), Path(args.out) if args.out else None, opts)
     except (UserError, ValueError, OSError, checkpoint.CheckpointError) as e:
         return die("export", str(e).strip().splitlines()[0])

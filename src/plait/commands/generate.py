@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.commands.common import die
+from plait.commands.common import TRUST_HELP, die
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trust-checkpoint", metavar="PATH", help=TRUST_HELP)
     return p
 
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         text = generate_text(
             Path(args.run), args.prompt, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, seed=args.seed,
+            temperature=args.temperature, seed=args.seed, trust=args.trust_checkpoint,
         )  # fmt: skip
     except (ValueError, OSError) as e:
         return die("generate", str(e).strip().splitlines()[0])

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plait.cli_args import model_config, model_layout_parser
-from plait.commands.common import UserError, die, merged_values
+from plait.commands.common import TRUST_HELP, UserError, die, merged_values
 from plait.commands.prepare import add_data_flags
 
 DATA_FLAGS = {"data": "path", "tokenizer": "tokenizer", "cache_dir": "cache_dir",
@@ -84,6 +84,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest checkpoint in --out that verifies")  # fmt: skip
     g.add_argument("--resume-from", type=int, metavar="STEP",
                    help="continue from the checkpoint of this step")  # fmt: skip
+    g.add_argument("--trust-checkpoint", metavar="PATH", help=TRUST_HELP)
     g.add_argument("--init-hf", metavar="DIR",
                    help="start from a Hugging Face GPT-2 / LLaMA folder (config.json + "
                    "safetensors); the model's sizes come from it")  # fmt: skip
@@ -160,7 +161,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return die("train", str(e).strip().splitlines()[0])
     except launch.LaunchError as e:
         if e.detail:  # the worker could not write its log: the detail once, here
-            print(e.detail.rstrip(), file=sys.stderr)
+            from plait.errors import printable
+
+            print(printable(e.detail.rstrip(), lines=True), file=sys.stderr)
         return die("train", str(e), code=e.code)
     finally:
         if lock is not None:
@@ -284,7 +287,8 @@ def _check_resume(cfg) -> None:
     from plait.train import checkpoint
 
     root = Path(cfg.out) / "checkpoints"
-    path, _ = checkpoint.pick_resume(root, cfg.train.resume_from, hashes=False)
+    path, _ = checkpoint.pick_resume(root, cfg.train.resume_from, hashes=False,
+                                     trust=cfg.train.trust_checkpoint)  # fmt: skip
     meta = checkpoint.read_meta(path)
     if meta.get("model") and meta["model"] != {**cfg.model.to_dict(), **_vocab_of(meta)}:
         raise UserError(

@@ -14,6 +14,11 @@ write results to the coordinator's store. Rank 0's thread waits for every rank's
 builds DCP's ``.metadata`` from the plans, and commits as every checkpoint is committed
 (``checkpoint._commit``: ``meta.json``, the manifest last, the folder renamed).
 
+A post is JSON, signed like every message on the store (``signed_store.py``), and read
+back field by field into DCP's dataclasses (``post_of`` / ``plan_of``): nothing read from
+the store is unpickled, and a post that does not verify or parse is never used (rank 0
+then gives up on that checkpoint as if the rank had not written).
+
 Atomic as the synchronous path: until the rename there is only ``step-N.tmp``. A rank that
 dies mid-write leaves it so; rank 0 gives up when its generation is dropped (or after the
 collective timeout), and the previous checkpoint stays the newest. One write is in flight
@@ -23,10 +28,9 @@ per worker: a save waits for the previous one. Loading needs nothing new
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
-import pickle
+import re
 import shutil
 import threading
 import time
@@ -37,7 +41,7 @@ import torch
 from plait.parallel.held import Held
 from plait.train import checkpoint, manifest
 
-POST = "ft/ckpt/{}/{}/{}"  # generation, step, rank: pickled (local plan, write results)
+POST = "ft/ckpt/{}/{}/{}"  # generation, step, rank: JSON of (local plan, write results)
 
 
 class AsyncSaver:
@@ -112,7 +116,7 @@ class AsyncSaver:
         names = [r.storage_data.relative_path for r in results] + [rng_name]
         part = json.dumps(manifest.entries(tmp, names)).encode()
         manifest.write_synced(tmp / f"{checkpoint.PART}{self.rank}.json", part)
-        post = base64.b64encode(pickle.dumps((plan, results)))
+        post = json.dumps(post_of(plan, results))
         self.store.set(POST.format(self.generation, step, self.rank), post)
 
     def _commit(self, tmp: Path, step: int, meta: dict) -> None:
@@ -121,11 +125,22 @@ class AsyncSaver:
 
         keys = [POST.format(self.generation, step, r) for r in range(self.world)]
         deadline = time.monotonic() + self.timeout
-        while not self.store.check(keys):
+        posts = {}
+        while len(posts) < self.world:
+            for r, key in enumerate(keys):
+                if r not in posts:
+                    payload = self.store.get(key)  # verified, or None
+                    post = plan_of(payload, rank=r) if payload is not None else None
+                    if post is not None:
+                        posts[r] = post
+            if len(posts) == self.world:
+                break
             if self._abandon.is_set() or time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint step {step}: not every rank wrote its share")
             time.sleep(0.01)
-        posts = [pickle.loads(base64.b64decode(self.store.get(k))) for k in keys]
+        posts = [posts[r] for r in range(self.world)]
+        for key in keys:
+            self.store.delete_key(key)
         planner = DefaultSavePlanner(flatten_state_dict=False)
         _, metadata = planner.create_global_plan([p for p, _ in posts])
         writer = FileSystemWriter(str(tmp))
@@ -139,6 +154,95 @@ class AsyncSaver:
         for old in checkpoint.checkpoint_dirs(self.root)[: -self.keep] if self.keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         self.committed.append(step)
+
+
+def post_of(plan, results) -> dict:
+    """What rank 0 needs of a rank's local plan and write results, as JSON: each box it
+    writes (name, offsets, sizes, the tensor's size and dtype) and where it went."""
+    items = []
+    for item in plan.items:
+        data = item.tensor_data
+        assert data is not None and item.index.offset is not None  # boxes only (dcp_state)
+        items.append({"fqn": item.index.fqn, "offsets": list(data.chunk.offsets),
+                      "sizes": list(data.chunk.sizes), "size": list(data.size),
+                      "dtype": str(data.properties.dtype).removeprefix("torch.")})  # fmt: skip
+    writes = [{"fqn": r.index.fqn, "offsets": list(r.index.offset), "bytes": r.size_in_bytes,
+               "file": r.storage_data.relative_path, "offset": r.storage_data.offset,
+               "length": r.storage_data.length,
+               "transforms": list(r.storage_data.transform_descriptors or [])}
+              for r in results]  # fmt: skip
+    return {"items": items, "writes": writes}
+
+
+def plan_of(payload: bytes, *, rank: int):
+    """(SavePlan, [WriteResult]) from rank ``rank``'s post; None unless every field has the
+    type ``post_of`` gives it, every dtype is a torch dtype and every file one this rank
+    writes (``__{rank}_N.distcp``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    try:
+        post = json.loads(payload)
+        items, writes = post["items"], post["writes"]
+        plan = SavePlan(items=[
+            WriteItem(
+                index=MetadataIndex(_text(i["fqn"]), torch.Size(_dims(i["offsets"]))),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(_dims(i["offsets"])),
+                                               sizes=torch.Size(_dims(i["sizes"]))),
+                    properties=TensorProperties(dtype=_dtype(i["dtype"])),
+                    size=torch.Size(_dims(i["size"])),
+                ),
+            )
+            for i in items
+        ])  # fmt: skip
+        file = re.compile(rf"__{rank}_\d+\.distcp")
+        results = [
+            WriteResult(
+                index=MetadataIndex(_text(w["fqn"]), torch.Size(_dims(w["offsets"]))),
+                size_in_bytes=_dims([w["bytes"]])[0],
+                storage_data=_StorageInfo(
+                    relative_path=_text(w["file"], file), offset=_dims([w["offset"]])[0],
+                    length=_dims([w["length"]])[0],
+                    transform_descriptors=[_text(t) for t in w["transforms"]] or None,
+                ),
+            )
+            for w in writes
+        ]  # fmt: skip
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return plan, results
+
+
+def _text(value, pattern: re.Pattern | None = None) -> str:
+    if not isinstance(value, str) or (pattern is not None and not pattern.fullmatch(value)):
+        raise ValueError(f"not a name here: {value!r:.40}")
+    return value
+
+
+def _dims(values) -> list[int]:
+    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
+        raise ValueError("not a list of sizes")
+    return values
+
+
+def _dtype(name) -> torch.dtype:
+    dtype = getattr(torch, _text(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {name!r:.40}")
+    return dtype
 
 
 def owned_state(trainer) -> dict[str, Held]:

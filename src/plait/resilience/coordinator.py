@@ -3,7 +3,13 @@ dies while the run lives: DESIGN.md section 7) that hosts the store, starts the 
 watches them, and decides each generation.
 
 Communication: none through process groups. The store it hosts carries the liveness keys
-(``train/liveness.py``) and the resilience protocol (``protocol.py``).
+(``train/liveness.py``) and the resilience protocol (``protocol.py``). It listens on
+127.0.0.1 for one node, on ``--rdzv-endpoint``'s address for several, and every message on
+it is signed with a secret this coordinator makes for the run (``signed_store.py``): its
+workers get it in their environment, the other nodes' agents from ``.run-secret`` (mode
+0600) in the shared run folder. A message that does not verify is ignored and logged to
+``logs/coordinator.jsonl`` (event "rejected"). Signals go only to the processes it (or a
+node's agent) started: ``nodes.Local`` holds the ``Popen``.
 
 What it does, every 20 ms:
 
@@ -37,13 +43,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.errors import LaunchError
+from plait import signed_store
+from plait.errors import LaunchError, printable
 from plait.resilience import nodes, protocol
 from plait.resilience.assignment import assign, grid_assignment, sources
 from plait.resilience.chaos import Chaos
 from plait.resilience.templates import build_templates, choose
 from plait.train import liveness
 from plait.train.config import RunConfig
+from plait.train.run_folder import open_nofollow
 
 POLL_S = 0.02
 READY_TIMEOUT_S = 300.0  # a replacement that is not ready by then no longer holds chaos
@@ -88,12 +96,18 @@ class Coordinator:
         lay = cfg.layout
         self.world = lay.world_size
         self.nnodes, self.per_node = nnodes, self.world // nnodes
+        self.events = open_nofollow(self.out / "logs" / "coordinator.jsonl", "a")
+        self.secret = signed_store.new_secret()
         if nnodes > 1:  # node 0 hosts the store where every node's agent and worker finds it
-            self.store = liveness.host(port=int(endpoint.rpartition(":")[2]))
+            host, _, port = endpoint.rpartition(":")
+            liveness.check_shared(host)
+            signed_store.write_secret(self.out, self.secret)  # for the other nodes' agents
+            self.store = self._host(port=int(port), bind=host)
             self.address = endpoint
         else:
-            self.store = liveness.host()
+            self.store = self._host()
             self.address = f"127.0.0.1:{self.store.port}"
+        self.store.set(protocol.RUN, "1")
         self.gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.rows, self.mbs = lay.global_batch_size, lay.micro_batch_size
         hw = hardware_for("cuda" if self.gpus else "cpu")
@@ -111,11 +125,22 @@ class Coordinator:
         self.held: tuple[int, int] | None = None  # the ft/hold published last (gen, step)
         self.dog = liveness.Watchdog(self.store, ranks=[], stale_s=self.res.heartbeat_timeout)
         self.nodes = nodes.NodeWatch(self.store, nnodes=nnodes, stale_s=self.res.heartbeat_timeout)
-        self.events = open(self.out / "logs" / "coordinator.jsonl", "a")  # noqa: SIM115
+        self.spawns: dict[int, list[str]] = {}  # node -> the "w:l" items asked of its agent
         self.failure: tuple[float, str] | None = None  # (when, what) of the first evidence
         self.requested = False
         self.last_progress: dict[int, tuple[int, float, float]] = {}
         self.durations: dict[int, float] = {}  # each worker's last step time before a pause
+
+    def _host(self, *, port: int = 0, bind: str = "127.0.0.1"):
+        def rejected(key: str, why: str, n: int) -> None:
+            self.log("rejected", key=key, why=why, count=n)
+
+        try:
+            return liveness.host(port, bind=bind, secret=self.secret, on_reject=rejected)
+        except OSError as e:
+            raise ValueError(f"--rdzv-endpoint {bind}:{port}: node 0 cannot listen there "
+                             f"({e.strerror or e}); give an address of this machine and a "
+                             "free port") from None  # fmt: skip
 
     # -- processes -------------------------------------------------------------------
 
@@ -126,10 +151,12 @@ class Coordinator:
         self.next_worker += 1
         if node == 0:
             cmd, env = nodes.worker_command(config=self.out / "config.yaml", address=self.address,
-                                            worker=w, local_rank=local_rank, world=self.world)  # fmt: skip
+                                            worker=w, local_rank=local_rank, world=self.world,
+                                            secret=self.secret)  # fmt: skip
             handle = nodes.Local(subprocess.Popen(cmd, env=env))
         else:
-            self.store.append(nodes.SPAWN.format(node), f"{w}:{local_rank},")
+            self.spawns.setdefault(node, []).append(f"{w}:{local_rank}")
+            self.store.set(nodes.SPAWN.format(node), ",".join(self.spawns[node]))
             handle = nodes.Remote(self.store, w)
         self.procs[w] = Proc(w, handle, node, local_rank, spawned=time.monotonic())
         self.dog.ranks.append(w)
@@ -199,9 +226,7 @@ class Coordinator:
                 if self.reform():
                     continue
             elif self.grows():
-                self.store.add(
-                    protocol.REQUEST, self.gen + 1 - int(self.store.add(protocol.REQUEST, 0))
-                )
+                protocol.request(self.store, self.gen + 1)
                 self.requested, self.request_t = True, now
             time.sleep(POLL_S)
 
@@ -316,11 +341,10 @@ class Coordinator:
     def progress(self) -> dict[int, tuple[int, float, float]]:
         out = {}
         for w in self.members():
-            key = protocol.PROGRESS.format(w)
-            if not self.store.check([key]):
+            seen = protocol.progress(self.store, w)
+            if seen is None:
                 continue
-            step, t, phase = self.store.get(key).decode().split()
-            step, t = int(step), float(t)
+            step, t, phase = seen
             prev = self.last_progress.get(w)
             if prev is not None and prev[0] == step:
                 out[w] = (*prev[:3], phase)
@@ -470,9 +494,9 @@ class Coordinator:
         """The log line of each generation past the first, once its lead resumed training
         (it stores the line: the lead may run on another node)."""
         for g in range(self.printed + 1, self.gen + 1):
-            key = protocol.TIMING.format(g)
-            if self.store.check([key]):  # an earlier one without a line never resumed
-                print(json.loads(self.store.get(key))["line"], flush=True)
+            timing = protocol.load_json(self.store.get(protocol.TIMING.format(g)))
+            if timing is not None:  # an earlier one without a line never resumed
+                print(printable(str(timing.get("line"))), flush=True)
                 self.printed = g
 
     def publish(self, decision: dict) -> None:
@@ -541,3 +565,5 @@ def coordinate(cfg: RunConfig, *, nnodes: int = 1, endpoint: str | None = None) 
     finally:
         coord.print_recoveries()
         coord.shutdown()
+        if nnodes > 1:  # the agents have read it; the run's secret dies with the run
+            (Path(cfg.out) / signed_store.SECRET_FILE).unlink(missing_ok=True)

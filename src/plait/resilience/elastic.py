@@ -17,7 +17,8 @@ One generation, from the worker's side::
 Communication: the generation's (``generation.py``: the groups; ``transfer.py``: the state
 copy; ``engines.py``: gradients; the pipeline executor and the trainer's statistics),
 plus one world all-reduce (MAX) of two flags per step (leave; hold), and the store
-(``protocol.py``) between generations. The side thread (``Watcher``) reads store keys and
+(``protocol.py``, every message signed: ``signed_store.py``) between generations; the
+generation's process groups are set up on the store's raw interface (torch's own keys). The side thread (``Watcher``) reads store keys and
 touches no process group. A chaos hold repeats the flags' all-reduce on every rank alike
 (each repeat is decided by the previous one's result), so the ranks' collectives still
 match one for one.
@@ -96,10 +97,10 @@ class Watcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.request = int(self.store.add(protocol.REQUEST, 0))
-                if self.chaos and self.store.check([protocol.HOLD]):
-                    g, s = self.store.get(protocol.HOLD).decode().split()
-                    self.hold = (int(g), int(s))
+                self.request = protocol.requested(self.store)
+                hold = protocol.hold(self.store) if self.chaos else None
+                if hold is not None:
+                    self.hold = hold
             except Exception:  # noqa: BLE001 - the coordinator is gone; the run is over
                 return
             self._stop.wait(0.1)
@@ -160,7 +161,7 @@ class Worker:
         gen, why = None, None
         try:
             self._roll_forward(d.get("rollforward"))
-            gen = Generation(store=self.store, number=d["gen"], assignment=assignment,
+            gen = Generation(store=self.store.raw, number=d["gen"], assignment=assignment,
                              worker=self.worker, backend=self.backend, device=self.device, timeout=self.timeout)  # fmt: skip
             t_formed = time.time()
             trainer, start, received = self._build(gen, assignment, d)
@@ -371,7 +372,9 @@ def write_fingerprints(trainer: Trainer, path: Path) -> None:
     for name, t in _state_tensors(trainer):
         data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         prints[name] = hashlib.sha256(data.tobytes()).hexdigest()
-    path.write_text(json.dumps(prints))
+    from plait.train.run_folder import write_fresh
+
+    write_fresh(path, json.dumps(prints))
 
 
 def _state_tensors(trainer: Trainer):

@@ -3,15 +3,20 @@ and watches workers on its own node directly and on every other node through tha
 launcher, the node agent (``plait train --nnodes N --node-rank K`` with K > 0).
 
 Communication: none through process groups; only the coordinator's store, which node 0's
-launcher hosts on ``--rdzv-endpoint``'s port (all interfaces) and every agent and worker
-reaches at that address. The keys (``{n}`` a node, ``{w}`` a worker id)::
+launcher hosts on ``--rdzv-endpoint`` (that address only) and every agent and worker reaches
+there. Every key is signed with the run's secret (``signed_store.py``: the agent reads it
+from ``.run-secret`` in the shared run folder and checks it on ``ft/run``); a value that
+does not verify or parse is ignored. The keys (``{n}`` a node, ``{w}`` a worker id)::
 
-    ft/node/{n}/spawn     "w:l,..."   appended by the coordinator: start worker w here, local rank l
-    ft/signal/{w}         "9,19,..."  appended by the coordinator: deliver these signals
+    ft/node/{n}/spawn     "w:l,..."   set by the coordinator, the whole list each time: start
+                                      worker w here, local rank l
+    ft/signal/{w}         "9,19,..."  set by the coordinator, the whole list each time:
+                                      deliver these signals (only SIGKILL, SIGSTOP, SIGCONT,
+                                      SIGTERM), to the process this agent started as w
     ft/exit/{w}           returncode  set by the agent when the worker's process ended
     ft/nodes/stop         "1"         set by the coordinator: the run is over
     ft/node/{n}/done      "1"         set by the agent as it leaves (the store may go then)
-    ft/node/{n}/beat      a counter   added to by the agent every loop: the node is alive
+    ft/node/{n}/beat      a counter   set by the agent every loop: the node is alive
 
 An agent acts on the keys ten times a second; it touches no process group, so it holds
 nothing NCCL could wait on. A dead worker is replaced on its own node (by that node's
@@ -24,35 +29,47 @@ report ("lost with node n") -- the same path as any death. Not covered: the coor
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from plait import signed_store
+
 SPAWN, SIGNALS, EXIT, STOP = "ft/node/{}/spawn", "ft/signal/{}", "ft/exit/{}", "ft/nodes/stop"
 DONE, BEAT = "ft/node/{}/done", "ft/node/{}/beat"
 POLL_S = 0.1
+SIGNALS_SENT = {int(s) for s in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT, signal.SIGTERM)}
 
 
 def worker_command(*, config: Path, address: str, worker: int, local_rank: int,
-                   world: int) -> tuple[list[str], dict]:  # fmt: skip
+                   world: int, secret: bytes) -> tuple[list[str], dict]:  # fmt: skip
     """The command line and environment of worker ``worker`` (``plait.train.worker``):
-    its device is ``local_rank``, wrapped onto this node's GPUs when it has fewer."""
+    its device is ``local_rank``, wrapped onto this node's GPUs when it has fewer; the
+    run's ``secret`` goes in the environment (readable by this user only)."""
     import torch
 
     local_rank %= max(torch.cuda.device_count() if torch.cuda.is_available() else 1, 1)
     env = {**os.environ, "RANK": str(worker), "LOCAL_RANK": str(local_rank),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           signed_store.ENV: secret.hex()}  # fmt: skip
     cmd = [sys.executable, "-m", "plait.train.worker", "--config", str(config),
            "--liveness", address]  # fmt: skip
     return cmd, env
 
 
-def _list(store, key: str) -> list[str]:
-    if not store.check([key]):
+def _numbers(store, key: str, width: int) -> list[tuple[int, ...]]:
+    """A signed list "a:b,c:d,..." of ``width`` integers per item; [] when absent, refused
+    or malformed (the whole list: it is written whole)."""
+    payload = store.get(key)
+    if payload is None:
         return []
-    return [x for x in store.get(key).decode().split(",") if x]
+    items = [x.split(b":") for x in payload.split(b",") if x]
+    if not all(len(x) == width and all(v.isdigit() for v in x) for x in items):
+        return []
+    return [tuple(map(int, x)) for x in items]
 
 
 class Local:
@@ -80,13 +97,17 @@ class Remote:
 
     def __init__(self, store, worker: int):
         self.store, self.worker, self.pid = store, worker, None
+        self.sent: list[str] = []
 
     def poll(self) -> int | None:
-        key = EXIT.format(self.worker)
-        return int(self.store.get(key)) if self.store.check([key]) else None
+        payload = self.store.get(EXIT.format(self.worker))
+        if payload is None or not payload.lstrip(b"-").isdigit():
+            return None
+        return int(payload)
 
     def signal(self, signum: int) -> None:
-        self.store.append(SIGNALS.format(self.worker), f"{signum},")
+        self.sent.append(str(int(signum)))
+        self.store.set(SIGNALS.format(self.worker), ",".join(self.sent))
 
     def wait(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -103,24 +124,28 @@ def serve(*, store, config: Path, address: str, node: int, world: int, log=print
     procs: dict[int, subprocess.Popen] = {}
     delivered: dict[int, int] = {}
     reported: set[int] = set()
+    beats = 0
     try:
         while True:
-            store.add(BEAT.format(node), 1)
-            for item in _list(store, SPAWN.format(node)):
-                w, local_rank = map(int, item.split(":"))
+            beats += 1
+            store.set(BEAT.format(node), str(beats))
+            for w, local_rank in _numbers(store, SPAWN.format(node), 2):
                 if w not in procs:
                     cmd, env = worker_command(config=config, address=address, worker=w,
-                                              local_rank=local_rank, world=world)  # fmt: skip
+                                              local_rank=local_rank, world=world,
+                                              secret=store.secret)  # fmt: skip
                     procs[w] = subprocess.Popen(cmd, env=env)
                     log(f"plait: node {node}: started worker {w} (pid {procs[w].pid})")
-            for w, p in procs.items():
-                sigs = _list(store, SIGNALS.format(w))
+            for w, p in procs.items():  # only to the processes this agent started
+                sigs = [s for (s,) in _numbers(store, SIGNALS.format(w), 1)]
                 for signum in sigs[delivered.get(w, 0) :]:
+                    if signum not in SIGNALS_SENT:
+                        continue
                     try:
-                        os.kill(p.pid, int(signum))
+                        os.kill(p.pid, signum)
                     except ProcessLookupError:
                         pass
-                delivered[w] = len(sigs)
+                delivered[w] = max(delivered.get(w, 0), len(sigs))
                 if w not in reported and p.poll() is not None:
                     store.set(EXIT.format(w), str(p.returncode))
                     reported.add(w)
@@ -155,7 +180,8 @@ class NodeWatch:
     def poll(self) -> None:
         now = time.time()
         for n, (last, _) in self.seen.items():
-            beats = int(self.store.add(BEAT.format(n), 0))
+            payload = self.store.get(BEAT.format(n))
+            beats = int(payload) if payload is not None and payload.isdigit() else last
             if beats != last:
                 self.seen[n] = (beats, now)
 

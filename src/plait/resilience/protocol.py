@@ -2,9 +2,12 @@
 coordinator's ``TCPStore`` (the liveness keys of ``train/liveness.py`` are the rest).
 
 Communication: store reads and writes only, never a process group; so a worker's side
-thread may use it (DESIGN.md section 8). Keys (``G`` a generation, ``W`` a worker id)::
+thread may use it (DESIGN.md section 8). Every key is signed with the run's secret
+(``signed_store.py``); a value that does not verify, or is not the JSON (or numbers) this
+module writes, is ignored as if absent. Keys (``G`` a generation, ``W`` a worker id)::
 
-    ft/gen              the newest generation with a decision (an integer, "add" 0 to read)
+    ft/run              "1", set first by the coordinator: a node agent checks its secret on it
+    ft/gen              the newest generation with a decision (an integer)
     ft/decision/G       the coordinator's decision for generation G (JSON, below)
     ft/request          a generation number: the workers of any older one leave it at the
                         next step boundary (a new worker is ready; the coordinator's call)
@@ -34,6 +37,7 @@ from __future__ import annotations
 import json
 import time
 
+RUN = "ft/run"
 GEN = "ft/gen"
 DECISION = "ft/decision/{}"
 REQUEST = "ft/request"
@@ -44,15 +48,41 @@ HOLD = "ft/hold"
 TIMING = "ft/timing/{}"
 
 
+def number(payload: bytes | None, default: int = -1) -> int:
+    """An integer written by ``store.set(key, str(n))``; ``default`` when absent or not one."""
+    if payload is None or not payload.lstrip(b"-").isdigit():
+        return default
+    return int(payload)
+
+
+def load_json(payload: bytes | None, kind: type = dict):
+    """A JSON value of type ``kind`` read from the store; None when absent or malformed."""
+    try:
+        value = json.loads(payload) if payload is not None else None
+    except ValueError:
+        return None
+    return value if isinstance(value, kind) else None
+
+
 def current_gen(store) -> int:
-    return int(store.add(GEN, 0))
+    """The newest generation with a decision (-1: none yet)."""
+    return number(store.get(GEN))
 
 
 def publish(store, decision: dict) -> None:
     """Write a decision, then announce it (a reader that sees the number finds the JSON)."""
     g = decision["gen"]
     store.set(DECISION.format(g), json.dumps(decision))
-    store.add(GEN, g - current_gen(store))
+    store.set(GEN, str(g))
+
+
+def request(store, gen: int) -> None:
+    """Ask the members of generations before ``gen`` to leave at their next boundary."""
+    store.set(REQUEST, str(gen))
+
+
+def requested(store) -> int:
+    return number(store.get(REQUEST), default=0)
 
 
 def wait_decision(store, *, after: int, poll: float = 0.005, timeout: float | None = None) -> dict:
@@ -61,7 +91,9 @@ def wait_decision(store, *, after: int, poll: float = 0.005, timeout: float | No
     while True:
         g = current_gen(store)
         if g > after:
-            return json.loads(store.get(DECISION.format(g)))
+            d = load_json(store.get(DECISION.format(g)))
+            if d is not None and d.get("gen") == g:
+                return d
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"no decision after generation {after} in {timeout:g} s")
         time.sleep(poll)
@@ -72,6 +104,40 @@ def report_left(store, gen: int, worker: int, report: dict) -> None:
 
 
 def reports(store, gen: int, workers) -> dict[int, dict]:
-    """The reports of ``workers`` that have left generation ``gen``."""
-    keys = {w: LEFT.format(gen, w) for w in workers}
-    return {w: json.loads(store.get(k)) for w, k in keys.items() if store.check([k])}
+    """The reports of ``workers`` that have left generation ``gen`` (well-formed ones)."""
+    out = {}
+    for w in workers:
+        r = load_json(store.get(LEFT.format(gen, w)))
+        if r is not None and _report_ok(r):
+            out[w] = r
+    return out
+
+
+def _report_ok(r: dict) -> bool:
+    return (
+        type(r.get("done")) is int
+        and isinstance(r.get("units"), list)
+        and all(isinstance(u, str) for u in r["units"])
+        and isinstance(r.get("t"), int | float)
+        and isinstance(r.get("stats"), dict | type(None))
+        and isinstance(r.get("why", ""), str)
+    )
+
+
+def hold(store) -> tuple[int, int] | None:
+    """``ft/hold`` as (generation, step), or None."""
+    payload = store.get(HOLD)
+    parts = payload.split() if payload is not None else []
+    if len(parts) != 2 or not all(p.lstrip(b"-").isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def progress(store, worker: int) -> tuple[int, float, str] | None:
+    """``ft/progress/W`` as (step, wall time, phase), or None."""
+    payload = store.get(PROGRESS.format(worker))
+    try:
+        step, t, phase = payload.decode().split()
+        return int(step), float(t), phase
+    except (AttributeError, ValueError):
+        return None

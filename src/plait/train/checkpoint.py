@@ -25,9 +25,11 @@ manifest, writes it last (temporary name, fsync, rename) and renames the folder 
 by the next save; a failed write (no space left, say) removes it at once. Either way the
 previous checkpoint stays intact.
 
-Verification (``verify``, ``pick_resume``): every file listed in the manifest must exist
-with its size and digest. ``pick_resume`` takes the newest checkpoint that verifies and says
-in one line which ones it skipped and why.
+Verification (``verify``, ``pick_resume``): the manifest must be signed with this user's
+key (``manifest.py``; ``trust``: a folder the user vouches for instead), and every file it
+lists must exist with its size and digest -- before DCP reads ``.metadata``, a pickle.
+``pick_resume`` takes the newest checkpoint that verifies and says in one line which ones
+it skipped and why.
 
 Communication: ``save`` issues three world barriers around DCP's own collectives (planning
 and the final gather of write results: small objects, gathered to rank 0 and scattered
@@ -331,14 +333,17 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def verify(path: Path, *, topo: Topology | None = None, hashes: bool = True) -> str | None:
-    """None when every file of checkpoint ``path`` matches its manifest, else one line saying
-    what is wrong (``hashes=False``: sizes only, from ``stat``). With a multi-rank ``topo``
-    this is collective: the files are split over the ranks by size and every rank returns
-    the same answer (module docstring)."""
+def verify(path: Path, *, topo: Topology | None = None, hashes: bool = True,
+           trust=None) -> str | None:  # fmt: skip
+    """None when every file of checkpoint ``path`` matches its manifest, signed by this
+    user (or ``path`` is under ``trust``), else one line saying what is wrong
+    (``hashes=False``: sizes only, from ``stat``). With a multi-rank ``topo`` this is
+    collective: the files are split over the ranks by size, each rank also checks the
+    ``.metadata`` it will unpickle, and every rank returns the same answer (module
+    docstring)."""
     path = Path(path)
     try:
-        files, trouble = manifest.read(path), None
+        files, trouble = manifest.read(path, trust=trust), None
     except manifest.ManifestError as e:
         files, trouble = {}, str(e)
     if topo is None or topo.world_group is None:
@@ -353,6 +358,7 @@ def verify(path: Path, *, topo: Topology | None = None, hashes: bool = True) -> 
     if not names:
         return None
     mine = manifest.split(files, topo.world_size)[topo.rank]
+    mine = sorted(set(mine) | ({".metadata"} & set(files)))
     found = torch.zeros(len(names), 2, dtype=torch.int64)  # (kind + 1, size found) per file
     for p in manifest.check(path, files, mine, hashes=hashes):
         found[names.index(p.name)] = torch.tensor([_KINDS.index(p.kind) + 1, p.found])
@@ -374,6 +380,7 @@ def pick_resume(
     topo: Topology | None = None,
     hashes: bool = True,
     flag: str = "--resume",
+    trust=None,
 ) -> tuple[Path, str]:
     """The checkpoint to resume from: ``step``'s, or else the newest that verifies; and one
     line saying which step and what was skipped and why. Raises CheckpointError (one line,
@@ -393,7 +400,7 @@ def pick_resume(
             break
         tried.add(candidate)
         path = root / f"step-{candidate:08d}"
-        problem = verify(path, topo=topo, hashes=hashes)
+        problem = verify(path, topo=topo, hashes=hashes, trust=trust)
         if problem is None:
             note = f"resuming from step {candidate} ({path})"
             return path, note + "".join(f"; skipped {n}: {p}" for n, p in skipped)
@@ -428,13 +435,14 @@ def load(
     state: dict[str, Held],
     topo: Topology,
     verified: bool = False,
+    trust=None,
 ) -> dict:
     """Read checkpoint ``path`` into ``state``'s tensors, in place (what this rank holds of
     each tensor, module docstring); returns the checkpoint's meta. Unless ``verified`` (by
     ``pick_resume``), the files are checked against the manifest first (collective when
     ``topo`` has several ranks)."""
     path = Path(path)
-    problem = None if verified else verify(path, topo=topo)
+    problem = None if verified else verify(path, topo=topo, trust=trust)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
     meta = read_meta(path)

@@ -6,7 +6,6 @@ written to ``config.yaml`` in full (every default resolved) and read back by the
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +43,7 @@ class TrainConfig:
     threads: int | None = None  # torch threads per worker; None: cores / local workers
     resume: bool = False  # continue from the newest checkpoint in --out that verifies
     resume_from: int | None = None  # continue from this step's checkpoint (implies resume)
+    trust_checkpoint: str | None = None  # checkpoints under it load unsigned (docs/security.md)
     init_hf: str | None = None  # start from a Hugging Face model folder's weights
     compile: bool = False  # torch.compile each transformer block
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl
@@ -145,9 +145,10 @@ class RunConfig:
         )
 
     def save(self, path: Path) -> None:
-        tmp = Path(path).with_suffix(f".tmp.{os.getpid()}")  # every node writes its own
-        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-        tmp.replace(path)
+        from plait.train.run_folder import write_fresh
+
+        # every node writes its own temporary file; a link at ``path`` is replaced, not followed
+        write_fresh(Path(path), yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:

@@ -1,9 +1,11 @@
 """Liveness of worker processes: heartbeats, a watchdog that names the rank that stopped,
 and each worker's last word, all through a store its supervisor hosts.
 
-Communication: none through process groups. Each worker's heartbeat thread increments one
-key of a ``TCPStore`` hosted by the supervising process (the launcher; the resilience
-coordinator later) every ``interval`` seconds, and the supervisor reads the keys. No
+Communication: none through process groups. Each worker's heartbeat thread sets one key of
+a ``TCPStore`` hosted by the supervising process (the launcher; the resilience coordinator
+later) every ``interval`` seconds, and the supervisor reads the keys. The store listens on
+one address only (``listen``: loopback for a single node) and every key is signed with the
+run's secret (``signed_store.py``): a message that does not verify is ignored. No
 collective is issued from the side thread, and the training thread's collectives are not
 touched, so nothing here can deadlock or reorder collectives under NCCL (DESIGN.md
 section 8). The store lives in the supervisor, which outlives the workers (section 7).
@@ -11,7 +13,10 @@ section 8). The store lives in the supervisor, which outlives the workers (secti
 Keys (``K`` a global rank)::
 
     liveness/pid/K     the worker's process id, set once at start: from then on it is watched
-    liveness/beat/K    a counter, +1 per heartbeat
+                       (shown to the user; a signal goes to the launcher's own child, never
+                       to a pid read from the store)
+    liveness/beat/K    a counter, +1 per heartbeat (a signed value: a stranger can neither
+                       fake a beat nor replay an old one)
     liveness/status/K  the worker's last word (JSON): {"code": 0} when its work completed,
                        else the exit code, one line for the user, and where the detail is
 
@@ -29,10 +34,14 @@ that hosts the store, never to another run on the same folder.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
+
+from plait.signed_store import SignedStore, secret_from_env
 
 PID, BEAT, STATUS = "liveness/pid/{}", "liveness/beat/{}", "liveness/status/{}"
 MIN_STALE_S = 3.0  # below this, a busy machine's scheduling jitter would look like a hang
@@ -50,30 +59,81 @@ def interval_for(stale_s: float) -> float:
     return min(1.0, stale_s / 5)
 
 
-def host(port: int = 0):
-    """A store for the run's workers, on ``port`` (0: a free one); the server listens on
-    every interface, so other nodes reach it at this node's address."""
+def listen(host: str, port: int = 0, *, multi_tenant: bool = False):
+    """A ``TCPStore`` server listening on ``host``'s address only (a ``TCPStore`` binds
+    every interface by itself, whatever its host name): the socket is bound here and handed
+    over. ``multi_tenant``: a later ``TCPStore(..., port, multi_tenant=True)`` in this
+    process (torchrun's rendezvous) shares this server instead of binding its own."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    return TCPStore(host.strip("[]"), port, is_master=True, wait_for_workers=False,
+                    multi_tenant=multi_tenant, master_listen_fd=sock.detach(),
                     timeout=datetime.timedelta(seconds=30))  # fmt: skip
 
 
-def connect(address: str, *, timeout: float = 30.0):
-    """A client of the supervisor's store at ``HOST:PORT``."""
+def check_shared(host: str) -> None:
+    """ValueError (one line) when ``--rdzv-endpoint``'s host, given as a name, resolves on
+    this machine to a loopback address (Debian maps its own hostname to 127.0.1.1): node 0
+    would listen where no other node reaches it. An address given as such is taken as is."""
+    name = host.strip("[]")
+    try:
+        ipaddress.ip_address(name)
+        return
+    except ValueError:
+        pass
+    try:
+        resolved = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ValueError(f"--rdzv-endpoint {name}: cannot resolve it ({e.strerror or e})") from None
+    if ipaddress.ip_address(resolved).is_loopback:
+        raise ValueError(f"--rdzv-endpoint {name} is {resolved} on this machine, a loopback "
+                         "address no other node reaches; give node 0's address on the "
+                         "nodes' network")  # fmt: skip
+
+
+def host(port: int = 0, *, bind: str = "127.0.0.1", secret: bytes, on_reject=None) -> SignedStore:
+    """A store for the run's workers on ``bind``:``port`` (0: a free one), listening on
+    that address only: loopback for one node, the ``--rdzv-endpoint`` interface for
+    several; signed with the run's ``secret``."""
+    return SignedStore(listen(bind, port), secret, on_reject=on_reject)
+
+
+def connect(address: str, *, timeout: float = 30.0, secret: bytes | None = None) -> SignedStore:
+    """A client of the supervisor's store at ``HOST:PORT``, signing with ``secret`` (by
+    default this process's, from its launcher: ``signed_store.ENV``)."""
+    secret = secret_from_env() if secret is None else secret
+    return SignedStore(connect_raw(address, timeout=timeout), secret)
+
+
+def connect_raw(address: str, *, timeout: float = 30.0):
+    """A plain ``TCPStore`` client of ``HOST:PORT`` (a node agent's, before it has the
+    run's secret)."""
     from torch.distributed import TCPStore
 
     host_name, _, port = address.rpartition(":")
-    return TCPStore(host_name, int(port), is_master=False, wait_for_workers=False,
+    return TCPStore(host_name.strip("[]"), int(port), is_master=False, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
 
 
 class Heartbeat:
-    """Worker side: a daemon thread that increments ``liveness/beat/K`` every ``interval``
-    seconds. Give it its own store client (a store client is one connection)."""
+    """Worker side: a daemon thread that sets ``liveness/beat/K`` to 1, 2, 3 ... every
+    ``interval`` seconds. Give it its own store client (a store client is one connection)."""
 
     def __init__(self, store, *, rank: int, interval: float, pid: int):
         self.store, self.rank, self.interval = store, rank, interval
+        self.beats = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="plait-heartbeat", daemon=True)
         store.set(PID.format(rank), str(pid))
@@ -88,7 +148,8 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.store.add(BEAT.format(self.rank), 1)
+                self.beats += 1
+                self.store.set(BEAT.format(self.rank), str(self.beats))
             except Exception:  # noqa: BLE001 - the supervisor is gone: nobody to tell
                 return
             self._stop.wait(self.interval)
@@ -110,6 +171,7 @@ class Watchdog:
     def __init__(self, store, *, ranks, stale_s: float, clock=time.monotonic):
         self.store, self.ranks, self.stale_s, self.clock = store, list(ranks), stale_s, clock
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        self._pids: dict[int, int] = {}  # the ranks that started, and their word on their pid
         self.silent: list[Silence] = []
         self._stop = threading.Event()
         self._thread = None
@@ -118,16 +180,21 @@ class Watchdog:
         now, found = self.clock(), []
         done = {s.rank for s in self.silent}
         for rank in self.ranks:
-            if rank in done or not self.store.check([PID.format(rank)]):
-                continue  # already reported, or not started yet
+            if rank in done:
+                continue  # already reported
+            pid = self._pids.get(rank) or _int(self.store.get(PID.format(rank)))
+            if pid is None:
+                continue  # not started yet
+            self._pids[rank] = pid  # watched from now on, whatever the key says later
             if self.store.check([STATUS.format(rank)]):
                 continue  # it has said its last word
-            beats = self.store.add(BEAT.format(rank), 0)
             last = self._seen.get(rank)
+            beats = _int(self.store.get(BEAT.format(rank)))
+            if beats is None:  # no beat yet (or a message that did not verify)
+                beats = last[0] if last is not None else 0
             if last is None or beats != last[0]:
                 self._seen[rank] = (beats, now)
             elif now - last[1] >= self.stale_s:
-                pid = int(self.store.get(PID.format(rank)))
                 found.append(Silence(rank=rank, pid=pid, silent_s=now - last[1]))
         self.silent += found
         return found
@@ -154,6 +221,10 @@ class Watchdog:
             self._thread.join()
 
 
+def _int(payload: bytes | None) -> int | None:
+    return int(payload) if payload is not None and payload.isdigit() else None
+
+
 def report(store, rank: int, *, code: int, message: str = "", log=None, detail=None) -> None:
     """A worker's last word: code 0 when its work completed; else the exit code, one line
     for the user, the log file holding the traceback (None when it could not be written)
@@ -163,7 +234,25 @@ def report(store, rank: int, *, code: int, message: str = "", log=None, detail=N
 
 
 def reports(store, ranks) -> dict[int, dict]:
-    """The last words of the ``ranks`` that said one."""
-    return {
-        r: json.loads(store.get(STATUS.format(r))) for r in ranks if store.check([STATUS.format(r)])
-    }
+    """The last words of the ``ranks`` that said one (signed, and of the form ``report``
+    writes: anything else is ignored)."""
+    out = {}
+    for r in ranks:
+        word = _status(store.get(STATUS.format(r)))
+        if word is not None:
+            out[r] = word
+    return out
+
+
+def _status(payload: bytes | None) -> dict | None:
+    try:
+        word = json.loads(payload) if payload is not None else None
+    except ValueError:
+        return None
+    ok = (
+        isinstance(word, dict)
+        and type(word.get("code")) is int
+        and isinstance(word.get("message", ""), str)
+        and all(isinstance(word.get(k), str | type(None)) for k in ("log", "detail"))
+    )
+    return word if ok else None

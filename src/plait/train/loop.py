@@ -287,7 +287,8 @@ class Trainer:
         if not tcfg.resume:
             return 0
         root = self.out / "checkpoints"
-        path, note = checkpoint.pick_resume(root, tcfg.resume_from, topo=self.topo)  # verified
+        path, note = checkpoint.pick_resume(root, tcfg.resume_from, topo=self.topo,
+                                            trust=tcfg.trust_checkpoint)  # verified  # fmt: skip
         if self.topo.rank == 0:
             print(f"plait: {note}", flush=True)
         engine = self.engine

@@ -5,7 +5,16 @@ a single byte reaches the model.
 (DCP shards, RNG states, meta data, per-replica state ...)::
 
     {"format": "plait-manifest/1", "hash": "sha256",
-     "files": {"__0_0.distcp": {"size": 1433622, "sha256": "9f2c..."}, ...}}
+     "files": {"__0_0.distcp": {"size": 1433622, "sha256": "9f2c..."}, ...},
+     "signature": "hmac-sha256:5be1..."}
+
+Signed: a checkpoint's DCP ``.metadata`` is a pickle, and loading a pickle runs whatever
+code its author put in it. So the manifest carries an HMAC-SHA256, under a key of this user
+(``user_key``: ``~/.config/plait/key``, mode 0600, made on first use; ``PLAIT_KEY_FILE``
+names another), of everything else in it, and ``read`` refuses a manifest whose signature
+does not verify -- unless the folder is under a path the user trusts (``--trust-checkpoint
+PATH``). A verified manifest lists the digest of every file, ``.metadata`` included, so
+nothing reaches DCP that this user's plait did not write (``docs/security.md``).
 
 It is written last, to a temporary name, fsynced and renamed into place, so a manifest is
 either absent or complete. ``check`` compares files against it: a missing file, a size that
@@ -27,14 +36,19 @@ result).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 NAME = "manifest.json"
 FORMAT = "plait-manifest/1"
 HASH = "sha256"
+SIGNATURE = "hmac-sha256:"
+KEY_ENV = "PLAIT_KEY_FILE"
+UNSIGNED = "is not signed with this user's plait key"
 
 
 class ManifestError(ValueError):
@@ -72,11 +86,72 @@ def entries(folder: Path, names) -> dict[str, dict]:
     }
 
 
+def key_path() -> Path:
+    return Path(os.environ.get(KEY_ENV) or Path.home() / ".config" / "plait" / "key")
+
+
+def user_key(*, create: bool) -> bytes | None:
+    """This user's checkpoint key (32 random bytes, hex, in ``key_path()``, mode 0600);
+    made on first use when ``create`` (atomically: a process that loses the race reads
+    the winner's), else None when there is none."""
+    path = key_path()
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        if not create:
+            return None
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # fails if another process made one meanwhile: use theirs
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        key = bytes.fromhex(os.read(fd, 4096).decode().strip())
+    except ValueError:
+        key = b""
+    finally:
+        os.close(fd)
+    if len(key) < 16:
+        raise ManifestError(f"{path} is not a plait key (set {KEY_ENV} to another file)")
+    return key
+
+
+def signature(data: dict, key: bytes) -> str:
+    """The HMAC of a manifest's content (all but its signature), in a canonical form."""
+    body = {k: v for k, v in data.items() if k != "signature"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return SIGNATURE + hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def trusted(folder: Path, trust) -> bool:
+    """Whether ``folder`` is ``trust`` or inside it (``--trust-checkpoint PATH``)."""
+    if not trust:
+        return False
+    folder, trust = Path(folder).resolve(), Path(trust).resolve()
+    return folder == trust or trust in folder.parents
+
+
 def write(folder: Path, files: dict[str, dict]) -> Path:
-    """Write ``folder/manifest.json`` atomically (temporary name, fsync, rename)."""
+    """Write ``folder/manifest.json`` atomically (temporary name, fsync, rename), signed
+    with this user's key."""
     path = Path(folder) / NAME
     tmp = path.with_name(NAME + ".tmp")
     data = {"format": FORMAT, "hash": HASH, "files": dict(sorted(files.items()))}
+    data["signature"] = signature(data, user_key(create=True))
     write_synced(tmp, json.dumps(data, indent=1).encode())
     os.replace(tmp, path)
     return path
@@ -97,8 +172,9 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def read(folder: Path) -> dict[str, dict]:
-    """The files listed in ``folder``'s manifest; ManifestError when it is absent or damaged."""
+def read(folder: Path, *, trust=None) -> dict[str, dict]:
+    """The files listed in ``folder``'s manifest; ManifestError when it is absent, damaged,
+    or not signed with this user's key (unless ``folder`` is under ``trust``)."""
     path = Path(folder) / NAME
     try:
         data = json.loads(path.read_bytes())
@@ -114,6 +190,22 @@ def read(folder: Path) -> dict[str, dict]:
         raise ManifestError(f"{NAME} is missing (not written completely, or by an older plait)")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ManifestError(f"{NAME} is damaged ({type(e).__name__}: {str(e)[:80]})")
+    if not trusted(folder, trust):
+        try:
+            key = user_key(create=False)
+        except (OSError, ManifestError):
+            key = None
+        mark = data.get("signature")
+        if (
+            key is None
+            or not isinstance(mark, str)
+            or not hmac.compare_digest(mark.encode(), signature(data, key).encode())
+        ):
+            raise ManifestError(
+                f"{NAME} {UNSIGNED} ({key_path()}), and loading a checkpoint runs code its "
+                "author can choose (its DCP .metadata is a pickle): if you trust its author, "
+                f"--trust-checkpoint {Path(folder)} loads it"
+            )
     return files
 
 

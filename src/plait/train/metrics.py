@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from plait.train.run_folder import open_nofollow, refuse_links, write_fresh
+
 
 def _cache_dir() -> Path:
     return Path.home() / ".cache" / "plait"
@@ -112,6 +114,8 @@ class MetricsWriter:
                 raise ValueError(f"--tensorboard needs the tensorboard package ({e})") from None
             purge = None if truncate_after is None else truncate_after + 1
             self.tb = SummaryWriter(log_dir=str(self.path.parent), purge_step=purge)
+        if enabled:
+            refuse_links(self.path.parent, [self.path.name])  # before it is even read
         if enabled and truncate_after is not None and self.path.exists():
             # On resume, drop records past the checkpoint so the file has one line per step.
             keep = [
@@ -119,13 +123,14 @@ class MetricsWriter:
                 for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= truncate_after
             ]
-            self.path.write_text("".join(line + "\n" for line in keep))
+            with open_nofollow(self.path, "w") as f:
+                f.write("".join(line + "\n" for line in keep))
         elif enabled:
-            self.path.write_text("")
+            open_nofollow(self.path, "w").close()
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with open_nofollow(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in _scalars(record):
@@ -168,9 +173,7 @@ def write_rank_summary(out: Path, *, topo, model_state: dict, steps: int) -> Pat
         "comm": comm,
     }  # fmt: skip
     path = folder / f"rank-{topo.rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
+    write_fresh(path, json.dumps(record, indent=1))
     return path
 
 

@@ -8,17 +8,27 @@ drops the lock when its process ends, however it ends, so the file left behind b
 died is a stale lock and is simply taken over. POSIX locks also hold across machines on NFS
 (v4, or v3 with lockd), where a multi-node run keeps its folder.
 
+Links: a run folder may be writable by others (a shared scratch space), and a symbolic link
+planted there as ``run.lock`` or ``metrics.jsonl`` would turn plait's write into an
+overwrite of the link's target. So the files plait writes there are opened without
+following a link (``open_nofollow``: O_NOFOLLOW, O_EXCL where created fresh), and ``claim``
+refuses, in one line, a folder where one of them is a link. (A linked sub-folder, such as
+``checkpoints`` on a larger disk, is the owner's choice and is followed.)
+
 Communication: none.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
 import socket
 from pathlib import Path
+
+WRITTEN = ("run.lock", "config.yaml", "metrics.jsonl", ".run-secret")  # and logs/*
 
 
 class RunFolderError(ValueError):
@@ -67,9 +77,12 @@ def claim(out: Path, *, node_rank: int = 0) -> RunLock:
         raise RunFolderError(f"--out {out}: cannot create the folder ({e.strerror}); "
                              "give a folder you can write to")  # fmt: skip
     path = out / lock_name(node_rank)
+    refuse_links(out, [lock_name(node_rank)])
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _link_error(path) from None
         raise RunFolderError(f"--out {out} is not writable ({e.strerror}); "
                              "give a folder you can write to")  # fmt: skip
     try:
@@ -90,13 +103,61 @@ def claim(out: Path, *, node_rank: int = 0) -> RunLock:
         os.close(fd)
         raise RunFolderError(f"--out {out} is not writable ({e.strerror}); "
                              "give a folder with free space you can write to")  # fmt: skip
+    try:
+        refuse_links(out)
+    except RunFolderError:
+        os.close(fd)
+        raise
     return RunLock(path, fd, created=created)
+
+
+def refuse_links(out: Path, names=None) -> None:
+    """RunFolderError (one line) when a file plait writes in ``out`` is a symbolic link."""
+    out = Path(out)
+    paths = [out / n for n in (WRITTEN if names is None else names)]
+    if names is None and (out / "logs").is_dir():
+        paths += sorted((out / "logs").iterdir())
+    for path in paths:
+        if path.is_symlink():
+            raise _link_error(path)
+
+
+def _link_error(path: Path) -> RunFolderError:
+    return RunFolderError(f"{path} is a symbolic link; plait writes no file of a run folder "
+                          "through a link (it would overwrite its target): remove it")  # fmt: skip
+
+
+def open_nofollow(path: Path, mode: str = "a", *, fresh: bool = False):
+    """``open(path, mode)`` for "a" or "w", never through a symbolic link (RunFolderError,
+    one line); ``fresh``: the file must not exist yet (O_EXCL: a temporary name)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_APPEND if mode == "a" else os.O_TRUNC
+    if fresh:
+        flags |= os.O_EXCL
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _link_error(Path(path)) from None
+        raise
+    return os.fdopen(fd, mode)
+
+
+def write_fresh(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a fresh temporary file renamed over it (a link at
+    ``path`` is replaced, never followed)."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    with open_nofollow(tmp, "w", fresh=True) as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def owner(path: Path) -> str:
     """Who holds the lock, in words, from the file's contents."""
     try:
         o = json.loads(Path(path).read_text())
-        return f"pid {o['pid']} on {o['host']}, since {o['since']}"
+        return f"pid {int(o['pid'])} on {o['host']}, since {o['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return f"see {path}"

@@ -40,7 +40,7 @@ def _log_to(path: Path) -> Path | None:
     appending; None when it cannot be opened (stderr stays where it was)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
     except OSError:
         return None
     sys.stderr.flush()
@@ -53,11 +53,13 @@ def _append(log: Path | None, text: str) -> bool:
     """Whether ``text`` reached the log (a full disk may refuse it)."""
     if log is None:
         return False
+    from plait.train.run_folder import open_nofollow
+
     try:
-        with open(log, "a") as f:
+        with open_nofollow(log, "a") as f:
             f.write(text)
         return True
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
