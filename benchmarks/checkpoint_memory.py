@@ -23,9 +23,7 @@ the storages ZeRO-3 grows with ``untyped_storage().resize_()``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import gc
 import json
 import os
 import socket
@@ -38,33 +36,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from data_parallel import PeakRSS  # the peak resident set of a block (benchmarks/)
 
 LAYOUTS = {"dp4-zero3": dict(dp=4, zero=3), "tp2-dp2-zero1": dict(tp=2, dp=2, zero=1)}
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRSS:
-    """Peak resident-set growth over a block (Linux): reset VmHWM, read it after."""
-
-    def __enter__(self):
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
-        self.base = _status("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")
-        return self
-
-    def __exit__(self, *exc):
-        self.peak = _status("VmHWM") - self.base
-        return False
 
 
 def run_config(layout: dict, out: Path, *, resume: bool):
