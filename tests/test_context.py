@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from distributed import run_workers
+from numerics import U32, attention_chain
 
 from plait.nccl_p2p import P2PDeadlock, Post, resolve
 from plait.parallel.context import (
@@ -21,8 +23,6 @@ from plait.parallel.context import (
     unshard,
 )
 from plait.topology import Axis, Topology
-from tests.distributed import run_workers
-from tests.numerics import U32, attention_chain
 
 
 def test_shard_worked_example_and_round_trip():
