@@ -345,3 +345,45 @@ def test_mixture_validation_draws_every_source(tmp_path):
     found = [next(s for s, a in enumerate(alphabets) if bytes(r[r != 3].tolist()).decode()[0] in a)
              for r in rows]  # fmt: skip
     assert sorted(found) == [0, 0, 0, 0, 1, 1, 2, 2]
+
+
+def test_a_resumed_mixture_run_continues_the_uninterrupted_run(tmp_path):
+    """plait train's Trainer on a three-source mixture: 6 steps saving at step 3, then a
+    fresh Trainer resuming from that checkpoint runs steps 4-6 with the uninterrupted
+    run's losses and per-source token counts, exactly (one process, the same arithmetic).
+    Catches a resume that restarts the mixture's order (other rows: other losses) or
+    loses its per-source counts."""
+    import dataclasses
+
+    from plait.layout import Layout
+    from plait.model.config import preset
+    from plait.topology import Topology
+    from plait.train.config import RunConfig, TrainConfig
+    from plait.train.loop import Trainer
+
+    _, _ = _mixture(tmp_path)  # the sources and their caches
+    spec = ",".join(f"{tmp_path / f's{k}.jsonl'}:{w}" for k, w in enumerate((0.7, 0.2, 0.1)))
+    cfg = RunConfig(
+        model=preset("tiny", n_layers=1, hidden=32, n_heads=2, seq_len=16, vocab_size=256),
+        layout=Layout(global_batch_size=4, micro_batch_size=2),
+        data=_cfg(tmp_path, spec, val_fraction=0.05),
+        train=TrainConfig(
+            steps=6, eval_every=0, eval_batches=1, progress=False, lr=3e-3, warmup=1
+        ),  # fmt: skip
+        out=str(tmp_path / "run"),
+    )
+    whole = Trainer(cfg, topo=Topology.single())
+    records = []
+    for step in range(6):
+        records.append(whole.step(step))
+        if step == 2:
+            whole.save(3)
+    resumed_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
+    resumed = Trainer(resumed_cfg, topo=Topology.single())
+    start = resumed.restore()
+    assert start == 3
+    again = [resumed.step(step) for step in range(start, 6)]
+    for want, got in zip(records[3:], again):
+        assert got["loss"] == want["loss"], (want["step"], got["loss"], want["loss"])
+        assert got["source_tokens"] == want["source_tokens"]
+    assert len(records[-1]["source_tokens"]) == 3
