@@ -255,3 +255,52 @@ def test_one_process_is_the_reference():
     for name, t in got.items():
         assert ((t.double() - ref[name]).abs() <= tol * mag[name]).all(), name
     assert sum(topo.stats.calls.values()) == 0
+
+
+# ---------------------------------------------------------------- wired into the model
+
+
+def test_context_shard_gives_each_rank_its_chunks_and_whole_documents():
+    """The trainer's cut (``loop.context_shard``): each cp rank's inputs and targets are its
+    head-tail chunks of the same windows (targets still the next token of each input), and
+    both ranks carry the document ids of the whole sequences. Catches targets shifted after
+    sharding (a chunk's last target would be the other chunk's first token) and document
+    ids computed on a shard (they would restart at 0 on every rank)."""
+    from plait.train.loop import context_shard
+
+    rows = torch.tensor([[5, 1, 0, 2, 3, 0, 4, 6, 7], [0, 8, 9, 0, 1, 2, 3, 4, 5]])  # (B, T+1)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    for r in range(2):
+        ((i, t, d),) = context_shard([rows], cp=2, cp_rank=r, eot=0)
+        assert torch.equal(i, shard(inputs, cp=2, index=r))
+        assert torch.equal(t, shard(targets, cp=2, index=r))
+        assert torch.equal(d, document_ids(inputs, 0))
+    assert document_ids(inputs, 0)[0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert context_shard([rows], cp=1, cp_rank=0, eot=None) == [rows]  # untouched
+
+
+def test_document_mask_keeps_each_document_to_itself():
+    """LLaMA (rotary positions: attention sees only relative ones), float64: the logits of
+    two documents packed into one sequence with ``documents`` equal each document's logits
+    alone; without it the second document's differ. Catches a mask not applied, applied
+    across the wrong axis, one that lets a token see the next document or its own future,
+    or an end-of-text token counted into the next document."""
+    from plait.model.config import preset
+    from plait.model.transformer import build_model
+
+    cfg = preset("tiny", arch="llama", n_layers=2, hidden=64, n_heads=4, vocab_size=256,
+                 seq_len=32)  # fmt: skip
+    model = build_model(cfg, seed=0).double().eval()
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(1, 256, (1, 12), generator=g)
+    a[0, -1] = 0  # end of text closes document a
+    b = torch.randint(1, 256, (1, 20), generator=g)
+    packed = torch.cat([a, b], dim=1)
+    with torch.no_grad():
+        masked = model(packed, documents=document_ids(packed, 0))
+        plain = model(packed)
+        alone_a, alone_b = model(a), model(b)
+    # the rotary tables are fp32 (apply_rotary): equal to their rounding, not float64's
+    torch.testing.assert_close(masked[:, :12], alone_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(masked[:, 12:], alone_b, atol=1e-5, rtol=1e-5)
+    assert (plain[:, 12:] - alone_b).abs().max() > 1e-2

@@ -57,6 +57,19 @@ def make_data(root: Path) -> DataConfig:
     return data
 
 
+def make_documents(root: Path) -> DataConfig:
+    """A corpus of short documents (JSON Lines, one per record: 40-100 bytes each), so
+    that every 32-token window of the tiny model crosses an end-of-text token or two --
+    what --document-mask acts on."""
+    rng = random.Random(1)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 18)))})
+             for _ in range(3000)]  # fmt: skip
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    data = DataConfig(path=str(root / "docs.jsonl"), tokenizer="bytes", cache_dir=str(root / "c"))
+    prepare(data)
+    return data
+
+
 def run_config(data: DataConfig, out: Path, *, arch="gpt2", train=None, **layout) -> RunConfig:
     train_cfg = TrainConfig(
         **{
@@ -161,7 +174,7 @@ def train_cases(rank, world, cases):
     for cfg in cases:
         place_resume_checkpoint(rank, cfg)
         lay = cfg.layout
-        topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
+        topo = Topology.build(pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)
         with probe_checkpoints() as probe:
             last = train(cfg, topo=topo)
         state = {"total": last["model_state_bytes"], "host": last.get("host_state_bytes", 0)}
@@ -183,9 +196,11 @@ def assert_same_curve(records: list[dict], ref: list[dict], what: str = "", arch
     assert_same_run(records, ref, cfg, 8 * cfg.seq_len, what)
 
 
-def reference_metrics(data, root: Path, arch="gpt2", steps=STEPS, dtype="fp32") -> list[dict]:
+def reference_metrics(data, root: Path, arch="gpt2", steps=STEPS, dtype="fp32",
+                      **layout) -> list[dict]:  # fmt: skip
     name = f"ref-{arch}-{steps}" + ("" if dtype == "fp32" else f"-{dtype}")
-    cfg = run_config(data, root / name, arch=arch, train={"steps": steps}, dtype=dtype)
+    name += "".join(f"-{k}" for k in layout)
+    cfg = run_config(data, root / name, arch=arch, train={"steps": steps}, dtype=dtype, **layout)
     train(cfg, topo=Topology.single())
     return read_metrics(cfg.out)
 

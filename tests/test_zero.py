@@ -1,7 +1,8 @@
 """ZeRO stages 1-3, offload and hybrid sharding: the sharding function, collective counts
 and bytes per step, per-rank model-state bytes against the formula, single-process loss
-curves for dp 2 and 4 (alone, with tp 2, with pp 2), and resuming a checkpoint under a
-different dp size and stage.
+curves for dp 2 and 4 (alone, with tp 2, with pp 2), context parallelism (cp 2 and 4, each
+exchange mode, composed with tp, pp and ZeRO-3, and document masking), and resuming a
+checkpoint under a different dp size, stage and cp.
 
 Process groups are the expensive part, so one module fixture runs everything in two:
 world 2 (engine steps, dp 2 curves with and without offload, saving run B), then world 4
@@ -26,6 +27,7 @@ from test_data_parallel import (
     assert_same_curve,
     engine_step,
     make_data,
+    make_documents,
     reference_metrics,
     resume_from,
     run_checks,
@@ -223,7 +225,7 @@ W2_ENGINE = [
 W4_ENGINE = [{"zero": 1, "shard_group": 2}, {"zero": 2, "shard_group": 2}, {"zero": 3}]
 
 
-def _w2_cases(data, root):
+def _w2_cases(data, docs, root):
     return {
         "dp2-z1": run_config(data, root / "dp2-z1", dp=2, zero=1, train={"save_every": 10}),
         "dp2-z2": run_config(data, root / "dp2-z2", dp=2, zero=2, micro_batch_size=1),
@@ -233,10 +235,16 @@ def _w2_cases(data, root):
         "dp2-z3-bf16": run_config(
             data, root / "dp2-z3-bf16", dp=2, zero=3, dtype="bf16", train={"steps": BF16_STEPS}
         ),
+        # context parallelism (parallel/context.py), each exchange mode once in this group
+        "cp2-ring": run_config(data, root / "cp2", cp=2),
+        "cp2-a2a-llama": run_config(data, root / "cp2-a2a", arch="llama", cp=2, cp_mode="a2a"),
+        "cp2-allgather-docs": run_config(
+            docs, root / "cp2-ag-docs", cp=2, cp_mode="allgather", document_mask=True
+        ),
     }
 
 
-def _w4_cases(data, root):
+def _w4_cases(data, docs, root):
     """dp 4 at every stage; with tp 2 / pp 2 / hybrid sharding the stages that change the
     gradient path (2, 3) -- stage 1 with them is stage 0's path plus the sharded AdamW
     that the engine steps check; llama (untied head, RMSNorm) under tp 2 with sequence
@@ -261,18 +269,28 @@ def _w4_cases(data, root):
         data, root / "tp-sp", arch="llama", dp=2, tp=2, zero=3, sequence_parallel=True,
         train={"save_every": 10},
     )  # fmt: skip
+    # context parallelism composed: gradients over dp x cp (ZeRO-3 shards over it), the
+    # cp ring beside tp with sequence parallelism, pipeline stages of cp-sharded sequences
+    cases["cp4-allgather"] = run_config(data, root / "cp4-ag", cp=4, cp_mode="allgather")
+    cases["cp2-tp2-sp-llama"] = run_config(
+        data, root / "cp-tp", arch="llama", cp=2, tp=2, sequence_parallel=True
+    )
+    cases["cp2-pp2"] = run_config(data, root / "cp-pp", cp=2, pp=2)
+    cases["cp2-dp2-z3"] = run_config(data, root / "cp-z3", cp=2, dp=2, zero=3)
+    cases["cp4-ring-docs"] = run_config(docs, root / "cp4-docs", cp=4, document_mask=True)
     return cases
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero")
-    data = make_data(root)
+    data, docs = make_data(root), make_documents(root)
     ref = {arch: reference_metrics(data, root, arch) for arch in ("gpt2", "llama")}
+    ref["gpt2-docs"] = reference_metrics(docs, root, "gpt2", document_mask=True)
     ref["gpt2-bf16"] = reference_metrics(data, root, "gpt2", steps=BF16_STEPS, dtype="bf16")
-    w2 = _w2_cases(data, root)
+    w2 = _w2_cases(data, docs, root)
     w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
-    w4 = _w4_cases(data, root)
+    w4 = _w4_cases(data, docs, root)
     # Run B (dp 2, zero 1; the world-2 group) saved step 10: resume it with dp 4, zero 3.
     # Run A (dp 4, zero 3; an earlier case of this group) saved step 10: resume it with
     # dp 2, zero 1 -- in a world of 4, as dp 2 x pp 2 -- and with dp 4, zero 2, offloaded.
@@ -283,6 +301,10 @@ def runs(tmp_path_factory):
     w4["resume-A"] = resume_from(
         run_config(data, root / "resume-A", dp=2, pp=2, zero=1), root / "dp4-z3" / step10
     )
+    # and as dp 2 x cp 2 (ZeRO-1 over the four ranks of dp x cp)
+    w4["resume-A-cp"] = resume_from(
+        run_config(data, root / "resume-A-cp", dp=2, cp=2, zero=1), root / "dp4-z3" / step10
+    )
     w4["resume-A-offload"] = resume_from(
         run_config(data, root / "resume-A-o", dp=4, zero=2, offload_optimizer=True),
         root / "dp4-z3" / step10,
@@ -292,7 +314,7 @@ def runs(tmp_path_factory):
 
 
 def _expected_state_dp(cfg) -> int:
-    return cfg.layout.zero_shard_group or cfg.layout.dp
+    return cfg.layout.zero_shard_group or cfg.layout.dp * cfg.layout.cp  # cp: shards over dp x cp
 
 
 def test_zero_engine_counts_collectives_per_step(runs):
@@ -361,10 +383,16 @@ def _curve(result) -> list[dict]:
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
 def test_every_layout_reproduces_the_single_process_curve(runs, world):
+    """Every fp32 case's loss and gradient norm of every step on the single-process curve
+    (``numerics.assert_same_run``); a --document-mask case on the single-process curve with
+    the same mask. With cp: catches gradients reduced over dp alone (not dp x cp), a loss
+    counted once per cp rank, a chunk given the wrong positions or labels, an exchange mode
+    that loses a block or attends across documents (ring, allgather and a2a each appear,
+    composed with tp + sequence parallelism, pp, and ZeRO-3 over dp x cp)."""
     cases, ranks = runs[world]
     (_, results, _) = ranks[0]
     for (name, cfg), result in zip(cases.items(), results):
-        ref = runs["ref"][cfg.model.arch]
+        ref = runs["ref"][cfg.model.arch + ("-docs" if cfg.layout.document_mask else "")]
         if name.startswith("resume") or cfg.layout.dtype != "fp32":
             continue
         assert_same_curve(_curve(result), ref, name, cfg.model.arch)
@@ -418,7 +446,7 @@ def test_resume_across_dp_size_and_stage(runs):
     ref = runs["ref"]["gpt2"]
     cases, ranks = runs["w4"]
     results = dict(zip(cases, ranks[0][1]))
-    for name in ("resume-B", "resume-A", "resume-A-offload"):
+    for name in ("resume-B", "resume-A", "resume-A-cp", "resume-A-offload"):
         steps = [m["step"] for m in results[name]["metrics"]]
         assert steps == list(range(11, STEPS + 1)), name
         assert_same_curve(_curve(results[name]), ref[10:], name)
@@ -442,7 +470,8 @@ def test_checkpoints_never_allocate_more_than_one_parameter(runs):
                 checked.add(name)
                 largest = max(largest, probe["save"], probe["load"])
                 assert max(probe["save"], probe["load"]) <= probe["param"], (name, rank, probe)
-    want = {"dp2-z1", "dp4-z3", "tp2-dp2-z3-sp-llama", "resume-A", "resume-B", "resume-A-offload"}
+    want = {"dp2-z1", "dp4-z3", "tp2-dp2-z3-sp-llama", "resume-A", "resume-B", "resume-A-offload",
+            "resume-A-cp"}  # fmt: skip
     assert want <= checked, checked
     assert largest > 0  # the probe saw the boxes' host copies (it is not blind)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from plait.dp_algos.config import ALGOS, EF21_STARTS, TOPOLOGIES, DPAlgoConfig
-from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
+from plait.layout import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES, Layout
 from plait.model.config import FLAVOURS, PRESETS, ModelConfig, preset
 
 MODEL_FLAGS = {  # flag dest -> ModelConfig field
@@ -28,6 +28,9 @@ LAYOUT_FLAGS = (
     "dp",
     "tp",
     "pp",
+    "cp",
+    "cp_mode",
+    "document_mask",
     "vpp",
     "schedule",
     "micro_batch_size",
@@ -89,6 +92,13 @@ def layout_parent() -> argparse.ArgumentParser:
     g.add_argument("--dp", type=int, default=None, help="data-parallel replicas")
     g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks")
     g.add_argument("--pp", type=int, default=None, help="pipeline stages")
+    g.add_argument("--cp", type=int, default=None,
+                   help="context-parallel ranks: each holds 1/cp of every sequence")  # fmt: skip
+    g.add_argument("--cp-mode", choices=CP_MODES, default=None,
+                   help="how --cp exchanges keys and values: ring (default), allgather, a2a "
+                   "(Ulysses); docs/context-parallel.md")  # fmt: skip
+    g.add_argument("--document-mask", action="store_true", default=None,
+                   help="attention stops at end-of-text tokens (packed documents)")  # fmt: skip
     g.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
     g.add_argument("--schedule", choices=SCHEDULES, default=None)
     g.add_argument("--pp-layout", type=_int_list, default=None, help="layers per stage: 5,6,6,5")

@@ -14,6 +14,7 @@ from plait.model.config import ModelConfig
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "selective", "full")
+CP_MODES = ("ring", "allgather", "a2a")  # parallel/context.py
 
 
 def check_tp_split(model: ModelConfig, tp: int) -> None:
@@ -40,12 +41,17 @@ DEFAULT_BUCKET_MB = 25.0
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """dp x tp x pp processes; a global batch of ``global_batch_size`` sequences split into
-    ``num_microbatches`` micro-batches of ``micro_batch_size`` on each data-parallel rank."""
+    """dp x cp x tp x pp processes; a global batch of ``global_batch_size`` sequences split
+    into ``num_microbatches`` micro-batches of ``micro_batch_size`` on each data-parallel
+    rank, each sequence split over the ``cp`` ranks of a context-parallel ring (every cp rank
+    of a dp rank takes the same rows)."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence
+    cp_mode: str = "ring"  # ring | allgather | a2a (parallel/context.py)
+    document_mask: bool = False  # attention stops at end-of-text tokens
     vpp: int = 1  # model chunks per pipeline rank (interleaved schedule)
     schedule: str = "1f1b"
     micro_batch_size: int = 1
@@ -61,7 +67,7 @@ class Layout:
     bucket_mb: float = DEFAULT_BUCKET_MB  # data-parallel gradient buckets (ZeRO 0-2)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "vpp", "micro_batch_size", "global_batch_size"):
+        for name in ("dp", "tp", "pp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.schedule not in SCHEDULES:
@@ -106,10 +112,12 @@ class Layout:
                 )
         if self.offload_optimizer and self.zero == 0:
             raise ValueError("--offload-optimizer needs --zero 1, 2 or 3")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"--cp-mode {self.cp_mode!r}: choose one of {', '.join(CP_MODES)}")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def num_microbatches(self) -> int:
@@ -151,3 +159,37 @@ class Layout:
             )
         if self.sequence_parallel and model.seq_len % tp:
             raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp {tp}")
+        if self.cp > 1:
+            check_cp_split(model, self)
+        if self.document_mask and model.sliding_window is not None:
+            raise ValueError("--document-mask does not combine with a sliding window yet")
+
+
+def check_cp_split(model: ModelConfig, layout: Layout) -> None:
+    """Raise ValueError (one line naming the flags) if context parallelism of ``layout.cp``
+    cannot split ``model``'s sequences (parallel/context.py holds the reasons)."""
+    cp, tp = layout.cp, layout.tp
+    if model.seq_len % (2 * cp):
+        raise ValueError(
+            f"--cp {cp} needs --seq-len ({model.seq_len}) divisible by 2 x --cp = {2 * cp} "
+            "(each cp rank holds two equal chunks of every sequence)"
+        )
+    if layout.sequence_parallel and (model.seq_len // cp) % tp:
+        raise ValueError(
+            f"--sequence-parallel with --cp {cp} needs --seq-len / --cp "
+            f"({model.seq_len // cp}) divisible by --tp {tp}"
+        )
+    if layout.cp_mode == "a2a":
+        heads, kv = model.n_heads // tp, max(1, model.n_kv_heads // tp)
+        if heads % cp or kv % cp:
+            raise ValueError(
+                f"--cp-mode a2a splits each tp rank's {heads} attention heads and {kv} "
+                f"key/value heads over --cp {cp}, which must divide both; use --cp-mode ring "
+                "or allgather"
+            )
+    if model.sliding_window is not None:
+        raise ValueError("--cp does not support --sliding-window yet; use --cp 1")
+    if model.dropout:
+        raise ValueError(
+            "--cp computes attention without dropout; use --dropout 0 (the default) with --cp"
+        )

@@ -1,7 +1,7 @@
-"""The rank grid: axes pp, dp, tp (tp fastest-varying), and the process groups of each axis.
+"""The rank grid: axes pp, dp, cp, tp (tp fastest-varying), and the process groups of each axis.
 
-Global rank = (pp_rank * dp + dp_rank) * tp + tp_rank. Worked example, 8 ranks with
-tp=2, pp=2, dp=2:
+Global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. Worked example, 8
+ranks with tp=2, pp=2, dp=2 (cp=1):
 
     rank:      0  1  2  3  4  5  6  7
     pp_rank:   0  0  0  0  1  1  1  1
@@ -11,6 +11,16 @@ tp=2, pp=2, dp=2:
     tp groups: [0,1] [2,3] [4,5] [6,7]   (neighbours: tensor parallelism wants the fastest link)
     dp groups: [0,2] [1,3] [4,6] [5,7]
     pp groups: [0,4] [1,5] [2,6] [3,7]
+
+Context parallelism (cp) sits between dp and tp, as in Megatron-Core: tensor parallelism
+keeps the fastest link, and the cp ring comes next (its K/V exchange runs every layer). The
+cp ranks of one dp rank take the same rows and split each sequence (parallel/context.py),
+so gradients are reduced over dp x cp: ``grad_view`` is the topology the data-parallel
+engines see, whose dp axis is that product. Because cp is laid out right after dp, merging
+the two gives a grid of its own -- dp' = dp x cp, dp_rank' = dp_rank x cp + cp_rank --
+and every engine runs on it unchanged. Worked example, 8 ranks with cp=2, dp=2, tp=2:
+cp groups [0,2] [1,3] [4,6] [5,7]; dp groups [0,4] [1,5] [2,6] [3,7]; dp x cp groups
+[0,2,4,6] [1,3,5,7].
 
 ``Topology`` is built once per worker and passed by keyword. It is immutable; after a
 failure a new one is built (on a new store prefix), never patched. Process groups live
@@ -28,8 +38,10 @@ rank's own pipeline, ``dp`` the number of pipelines.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -121,40 +133,58 @@ class Axis(str, enum.Enum):
     PP = "pp"
     DP = "dp"
     TP = "tp"
+    CP = "cp"
 
 
-def coords(rank: int, *, pp: int, dp: int, tp: int) -> dict[Axis, int]:
-    """Coordinates of a global rank: ``coords(5, pp=2, dp=2, tp=2) == {PP: 1, DP: 0, TP: 1}``."""
-    if not 0 <= rank < pp * dp * tp:
-        raise ValueError(f"rank {rank} outside a grid of {pp * dp * tp} ranks")
-    return {Axis.TP: rank % tp, Axis.DP: (rank // tp) % dp, Axis.PP: rank // (tp * dp)}
+GRID = (Axis.PP, Axis.DP, Axis.CP, Axis.TP)  # slowest- to fastest-varying
 
 
-def rank_of(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def coords(rank: int, *, pp: int, dp: int, tp: int, cp: int = 1) -> dict[Axis, int]:
+    """Coordinates of a global rank: ``coords(5, pp=2, dp=2, tp=2) == {PP: 1, DP: 0, CP: 0,
+    TP: 1}``."""
+    if not 0 <= rank < pp * dp * cp * tp:
+        raise ValueError(f"rank {rank} outside a grid of {pp * dp * cp * tp} ranks")
+    return {
+        Axis.TP: rank % tp,
+        Axis.CP: (rank // tp) % cp,
+        Axis.DP: (rank // (tp * cp)) % dp,
+        Axis.PP: rank // (tp * cp * dp),
+    }
 
 
-def axis_groups(axis: Axis, *, pp: int, dp: int, tp: int) -> list[list[int]]:
+def rank_of(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int, cp_rank: int = 0,
+            cp: int = 1) -> int:  # fmt: skip
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+
+def axis_groups(axis: Axis, *, pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
     """Every group along ``axis``, in a fixed order (each rank must create them identically)."""
-    sizes = {Axis.PP: pp, Axis.DP: dp, Axis.TP: tp}
-    others = [a for a in (Axis.PP, Axis.DP, Axis.TP) if a != axis]
+    sizes = {Axis.PP: pp, Axis.DP: dp, Axis.CP: cp, Axis.TP: tp}
+    others = [a for a in GRID if a != axis]
     groups = []
-    for i in range(sizes[others[0]]):
-        for j in range(sizes[others[1]]):
-            fixed = {others[0]: i, others[1]: j}
-            groups.append(
-                [
-                    rank_of(
-                        pp_rank=fixed.get(Axis.PP, k) if axis != Axis.PP else k,
-                        dp_rank=fixed.get(Axis.DP, k) if axis != Axis.DP else k,
-                        tp_rank=fixed.get(Axis.TP, k) if axis != Axis.TP else k,
-                        dp=dp,
-                        tp=tp,
-                    )
-                    for k in range(sizes[axis])
-                ]
-            )
+    for fixed in itertools.product(*(range(sizes[a]) for a in others)):
+        at = dict(zip(others, fixed))
+        members = []
+        for k in range(sizes[axis]):
+            at[axis] = k
+            members.append(rank_of(pp_rank=at[Axis.PP], dp_rank=at[Axis.DP], cp_rank=at[Axis.CP],
+                                   tp_rank=at[Axis.TP], dp=dp, cp=cp, tp=tp))  # fmt: skip
+        groups.append(members)
     return groups
+
+
+def dp_cp_groups(*, pp: int, dp: int, tp: int, cp: int) -> list[list[int]]:
+    """The groups gradients are reduced over: every (dp, cp) pair of one (pp, tp) place,
+    in rank order -- which is dp-major, so a group's i-th member has dp' rank i."""
+    return [
+        sorted(
+            rank_of(pp_rank=i, dp_rank=d, cp_rank=c, tp_rank=t, dp=dp, cp=cp, tp=tp)
+            for d in range(dp)
+            for c in range(cp)
+        )  # fmt: skip
+        for i in range(pp)
+        for t in range(tp)
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +198,7 @@ class Topology:
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    cp: int = 1
     rank: int = 0
     groups: dict = field(default_factory=dict)  # Axis -> ProcessGroup, for axes of size > 1
     group_ranks: dict = field(default_factory=dict)  # Axis -> list of global ranks
@@ -179,6 +210,8 @@ class Topology:
     # number of ranks. None: read off the grid.
     place: tuple[int, int, int] | None = None
     world: int | None = None
+    # cp > 1: the dp x cp group (its ProcessGroup, its global ranks): ``grad_view``
+    dp_cp: tuple | None = None
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Topology:
@@ -194,6 +227,7 @@ class Topology:
         pp: int,
         dp: int,
         tp: int,
+        cp: int = 1,
         device: torch.device | str = "cpu",
         timeout: datetime.timedelta | None = None,
     ) -> Topology:
@@ -202,32 +236,40 @@ class Topology:
         ``timeout`` bounds every collective on the axis groups; new_group does not inherit
         the world group's timeout (it would default to 30 minutes), so it is passed here.
         """
-        world = pp * dp * tp
+        world = pp * dp * cp * tp
         if not dist.is_initialized():
             if world != 1:
                 raise RuntimeError("Topology.build needs torch.distributed initialised")
             return cls.single(device)
         if dist.get_world_size() != world:
             raise ValueError(
-                f"layout pp={pp} x dp={dp} x tp={tp} = {world} ranks but "
+                f"layout pp={pp} x dp={dp} x cp={cp} x tp={tp} = {world} ranks but "
                 f"{dist.get_world_size()} processes were started"
             )
         rank = dist.get_rank()
         groups, group_ranks = {}, {}
-        for axis in (Axis.TP, Axis.DP, Axis.PP):
-            for ranks in axis_groups(axis, pp=pp, dp=dp, tp=tp):
+        for axis in (Axis.TP, Axis.CP, Axis.DP, Axis.PP):
+            for ranks in axis_groups(axis, pp=pp, dp=dp, cp=cp, tp=tp):
                 # new_group is collective over the world even for groups we are not in.
                 pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     group_ranks[axis] = ranks
                     if pg is not None:
                         groups[axis] = pg
+        dp_cp = None
+        if cp > 1:  # gradients are reduced over dp x cp (``grad_view``)
+            for ranks in dp_cp_groups(pp=pp, dp=dp, cp=cp, tp=tp):
+                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                if rank in ranks:
+                    dp_cp = (pg, ranks)
         # the world as a group of its own: communication never uses the default group
         world_group = dist.new_group(list(range(world)), timeout=timeout) if world > 1 else None
         return cls(
             pp=pp,
             dp=dp,
             tp=tp,
+            cp=cp,
+            dp_cp=dp_cp,
             rank=rank,
             groups=groups,
             group_ranks=group_ranks,
@@ -346,17 +388,37 @@ class Topology:
         )
         return replica, across
 
+    def grad_view(self) -> Topology:
+        """The topology the data-parallel engines see: ``self`` without cp; with cp, the
+        same grid with dp and cp merged into one axis of dp x cp ranks (module docstring),
+        whose dp group is the dp x cp group. Shares ``stats``: its traffic counts on the
+        "dp" axis. Creates no group (``build`` made the dp x cp ones)."""
+        if self.cp == 1:
+            return self
+        pg, members = self.dp_cp
+        groups = {a: g for a, g in self.groups.items() if a not in (Axis.DP, Axis.CP)}
+        if pg is not None:
+            groups[Axis.DP] = pg
+        return dataclasses.replace(
+            self,
+            dp=self.dp * self.cp,
+            cp=1,
+            groups=groups,
+            group_ranks={**self.group_ranks, Axis.DP: members, Axis.CP: [self.rank]},
+            dp_cp=None,
+        )
+
     @property
     def world_size(self) -> int:
-        return self.world if self.world is not None else self.pp * self.dp * self.tp
+        return self.world if self.world is not None else self.pp * self.dp * self.cp * self.tp
 
     def size(self, axis: Axis) -> int:
-        return {Axis.PP: self.pp, Axis.DP: self.dp, Axis.TP: self.tp}[axis]
+        return {Axis.PP: self.pp, Axis.DP: self.dp, Axis.CP: self.cp, Axis.TP: self.tp}[axis]
 
     def coord(self, axis: Axis) -> int:
-        if self.place is not None:
-            return dict(zip((Axis.PP, Axis.DP, Axis.TP), self.place))[axis]
-        return coords(self.rank, pp=self.pp, dp=self.dp, tp=self.tp)[axis]
+        if self.place is not None:  # resilient runs: no cp (RunConfig refuses it)
+            return dict(zip((Axis.PP, Axis.DP, Axis.TP, Axis.CP), (*self.place, 0)))[axis]
+        return coords(self.rank, pp=self.pp, dp=self.dp, cp=self.cp, tp=self.tp)[axis]
 
     def group(self, axis: Axis):
         return self.groups.get(axis)
@@ -364,6 +426,10 @@ class Topology:
     @property
     def tp_rank(self) -> int:
         return self.coord(Axis.TP)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord(Axis.CP)
 
     @property
     def dp_rank(self) -> int:

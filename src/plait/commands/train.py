@@ -311,13 +311,20 @@ def _train(cfg, values: dict) -> None:
             f"but the tokenizer ({cfg.data.tokenizer}) has {data.tokenizer.vocab_size}; "
             "use the data and tokenizer it was trained with"
         )
+    if cfg.layout.document_mask and data.tokenizer.eot_id is None:
+        raise UserError(
+            f"--document-mask: the tokenizer ({cfg.data.tokenizer}) has no end-of-text "
+            "token to find documents by; use one that has (bpe, bytes) or drop the flag"
+        )
     cfg = _with_vocab(cfg, data.tokenizer.vocab_size)
     check_held_out(data, cfg.model.seq_len)  # of each source of a mixture
     cfg.save(out / "config.yaml")
     lay = cfg.layout
     print(
         f"plait: training {values.get('model') or 'tiny'} ({cfg.model.arch}) on "
-        f"dp={lay.dp} tp={lay.tp} pp={lay.pp} for {cfg.train.steps} steps -> {out}",
+        f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"
+        + (f" cp={lay.cp}" if lay.cp > 1 else "")
+        + f" for {cfg.train.steps} steps -> {out}",
         flush=True,
     )
     launch(

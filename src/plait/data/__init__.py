@@ -19,6 +19,7 @@ from plait.data.sampler import (
     IGNORE_INDEX,
     GlobalBatchSampler,
     inputs_targets,
+    model_kwargs,
     val_batches,
     val_pairs,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "IGNORE_INDEX",
     "HFTokenizer",
     "inputs_targets",
+    "model_kwargs",
     "Mixture",
     "MixtureSampler",
     "check_held_out",

@@ -191,10 +191,19 @@ def with_targets(
 
 def inputs_targets(mb) -> tuple[torch.Tensor, torch.Tensor]:
     """A micro-batch as (inputs, targets): either windows (B, T+1) of the token stream
-    (every next token a target) or an (inputs, targets) pair from ``local_batch``."""
+    (every next token a target) or an (inputs, targets) pair from ``local_batch`` -- or an
+    (inputs, targets, documents) triple (``model_kwargs``)."""
     if isinstance(mb, torch.Tensor):
         return mb[:, :-1], mb[:, 1:]
-    return mb
+    return mb[0], mb[1]
+
+
+def model_kwargs(mb) -> dict:
+    """The model's keywords beyond (inputs, targets) for a micro-batch: ``documents`` (B, s),
+    the document ids of its whole sequences, when it carries them (--document-mask)."""
+    if isinstance(mb, torch.Tensor) or len(mb) < 3:
+        return {}
+    return {"documents": mb[2]}
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:

@@ -8,6 +8,13 @@ A ``Transformer`` may hold the whole model or one pipeline chunk of it: ``layers
 global block indices it owns, ``pre`` adds the embedding and ``post`` the final norm, head
 and loss. Parameter names carry global block indices (``blocks.7.attn.q.weight``) so every
 layout names -- and therefore initialises -- every weight identically.
+
+Context parallelism (``topo.cp`` > 1): the model sees this cp rank's shard of every sequence
+(its two head-tail chunks, ``parallel/context.py``), T = s / cp tokens. Positions (learned
+or rotary) are the global positions of those tokens, and attention runs over the whole
+sequence through the cp ring (``context_attention``); everything else is per token and
+unchanged. Document masking: ``forward``'s ``documents`` (B, s), the document id of every
+token of the whole sequences, restricts attention to a token's own document.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
+from plait.parallel.context import ContextLayout, context_attention, shard
 from plait.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -41,7 +50,7 @@ from plait.parallel.tensor import (
     vocab_parallel_cross_entropy,
     vocab_spec,
 )
-from plait.topology import Topology
+from plait.topology import Axis, Topology
 
 
 class RMSNorm(nn.Module):
@@ -82,10 +91,20 @@ def rotary_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
     return torch.where(between, (1 - smooth) * scaled / sc.factor + smooth * scaled, scaled)
 
 
-def rotary_tables(cfg: ModelConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(cfg: ModelConfig, seq_len: int, device,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """cos and sin (T, D/2) of positions 0 .. seq_len - 1, or of ``positions`` (T,)."""
     inv_freq = rotary_frequencies(cfg, device)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (T, D/2)
+    pos = torch.arange(seq_len, device=device) if positions is None else positions
+    angles = torch.outer(pos.float(), inv_freq)  # (T, D/2)
     return angles.cos(), angles.sin()
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) True where a query may attend to a key: causal and in its document."""
+    T = documents.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,10 +156,12 @@ class Attention(nn.Module):
         topo: Topology,
         selective_recompute: bool,
         sequence_parallel: bool = False,
+        cp_mode: str = "ring",
     ):
         super().__init__()
         tp = topo.tp
         self.cfg, self.topo, self.selective_recompute = cfg, topo, selective_recompute
+        self.cp_mode = cp_mode
         self.n_heads = cfg.n_heads // tp
         # Fewer key/value heads than tp ranks: each kv head is replicated on tp/K ranks
         # (their weight gradients are summed by TPGradSync).
@@ -161,10 +182,19 @@ class Attention(nn.Module):
                 mark_tp_partial(self.q_norm.weight)
                 mark_tp_partial(self.k_norm.weight)
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, span=None):
         dropout = self.cfg.dropout if self.training else 0.0
         gqa = self.n_kv_heads != self.n_heads
         window = self.cfg.sliding_window
+        if span is not None and span.layout is not None:  # the cp ring: whole sequences
+            with torch.autocast(q.device.type, enabled=False):  # fp32 inside (context.py)
+                return context_attention(q, k, v, layout=span.layout, topo=self.topo,
+                                         axis=Axis.CP, mode=self.cp_mode)[0]  # fmt: skip
+        if span is not None:  # documents, one rank: a causal, per-document mask
+            with tp_shard_rng(self.topo) if dropout else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=span.mask, dropout_p=dropout, enable_gqa=gqa
+                )
         # attention probabilities of this rank's heads: a tp region, per-shard stream
         with tp_shard_rng(self.topo) if dropout else contextlib.nullcontext():
             if window is not None and q.shape[-2] > window:
@@ -173,7 +203,7 @@ class Attention(nn.Module):
                 q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa
             )
 
-    def forward(self, x, rope=None):  # (B, T, C) -> (B, T, C)
+    def forward(self, x, rope=None, span=None):  # (B, T, C) -> (B, T, C)
         x = self.q.enter(x)  # one f (or all-gather) for q, k and v together
         B, T, _ = x.shape
         D = self.cfg.head_dim
@@ -186,9 +216,9 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.selective_recompute and self.training:
-            y = checkpoint(self._core, q, k, v, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, span, use_reentrant=False)
         else:
-            y = self._core(q, k, v)
+            y = self._core(q, k, v, span)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * D)  # (B, T, H*D), this rank's heads
         return self.o(y)
 
@@ -218,7 +248,13 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, *, topo: Topology, recompute: str, sequence_parallel: bool = False
+        self,
+        cfg: ModelConfig,
+        *,
+        topo: Topology,
+        recompute: str,
+        sequence_parallel: bool = False,
+        cp_mode: str = "ring",
     ):
         super().__init__()
         self.recompute_full = recompute == "full"
@@ -228,20 +264,30 @@ class Block(nn.Module):
             topo=topo,
             selective_recompute=recompute == "selective",
             sequence_parallel=sequence_parallel,
+            cp_mode=cp_mode,
         )
         self.ln2 = make_norm(cfg)
         self.mlp = MLP(cfg, topo=topo, sequence_parallel=sequence_parallel)
         # the residual stream: replicated over tp, or a sequence shard (per-shard masks)
         self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
 
-    def _forward(self, x, rope):
-        x = x + self.drop(self.attn(self.ln1(x), rope))
+    def _forward(self, x, rope, span=None):
+        x = x + self.drop(self.attn(self.ln1(x), rope, span))
         return x + self.drop(self.mlp(self.ln2(x)))
 
-    def forward(self, x, rope=None):
+    def forward(self, x, rope=None, span=None):
         if self.recompute_full and self.training:
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
-        return self._forward(x, rope)
+            return checkpoint(self._forward, x, rope, span, use_reentrant=False)
+        return self._forward(x, rope, span)
+
+
+class Span(NamedTuple):
+    """What attention needs beyond q, k and v (None when it is plain causal attention over
+    the tokens at hand): with cp, the ring's ``layout`` (its documents included); without,
+    the causal per-document ``mask`` (B, 1, T, T)."""
+
+    layout: ContextLayout | None = None
+    mask: torch.Tensor | None = None
 
 
 class Embedding(nn.Module):
@@ -259,10 +305,12 @@ class Embedding(nn.Module):
         self.positions = nn.Embedding(cfg.seq_len, cfg.hidden) if positions else None
         self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
 
-    def forward(self, ids):  # (B, T) -> (B, T, C) or (B, T/tp, C)
+    def forward(self, ids, positions=None):  # (B, T) -> (B, T, C) or (B, T/tp, C)
         x = self.tokens(ids)
         if self.positions is not None:
-            pos = self.positions(torch.arange(ids.shape[1], device=ids.device))[None]  # (1, T, C)
+            if positions is None:
+                positions = torch.arange(ids.shape[1], device=ids.device)
+            pos = self.positions(positions)[None]  # (1, T, C)
             x = x + (sequence_shard(pos, self.topo) if self.sequence_parallel else pos)
         return self.drop(x)
 
@@ -280,6 +328,7 @@ class Transformer(nn.Module):
         post: bool = True,
         recompute: str = "none",
         sequence_parallel: bool = False,
+        cp_mode: str = "ring",
     ):
         super().__init__()
         topo = topo or Topology.single()
@@ -296,7 +345,9 @@ class Transformer(nn.Module):
             )
         self.blocks = nn.ModuleDict(
             {
-                str(i): Block(cfg, topo=topo, recompute=recompute, sequence_parallel=sp)
+                str(i): Block(
+                    cfg, topo=topo, recompute=recompute, sequence_parallel=sp, cp_mode=cp_mode
+                )
                 for i in layers
             }
         )
@@ -319,13 +370,21 @@ class Transformer(nn.Module):
                     mark_sequence_parallel(p)
         self._rope_cache: dict = {}
 
-    def _rope(self, T: int, device):
+    def _rope(self, T: int, device, positions=None):
+        """Rotary tables of the T tokens held (positions 0 .. T-1, or ``positions``)."""
         if not self.cfg.rotary:
             return None
         key = (T, str(device))
         if key not in self._rope_cache:
-            self._rope_cache[key] = rotary_tables(self.cfg, T, device)
+            self._rope_cache[key] = rotary_tables(self.cfg, T, device, positions)
         return self._rope_cache[key]
+
+    def _positions(self, s: int, device) -> torch.Tensor | None:
+        """Global positions of the tokens this cp rank holds (None without cp)."""
+        cp = self.topo.cp
+        if cp == 1:
+            return None
+        return shard(torch.arange(s, device=device), cp=cp, index=self.topo.cp_rank, dim=0)
 
     def logits(self, x):  # (B, T, C) or (B, T/tp, C) -> (B, T, V/tp)
         """This rank's vocabulary slice of the logits; where tp does not divide the
@@ -335,10 +394,15 @@ class Transformer(nn.Module):
             return self.head(x)
         return F.linear(enter_tp(x, self.topo, self.sequence_parallel), self.embed.tokens.weight)
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, documents=None):
         """ids (B, T) if ``pre`` else hidden (B, T, C) -- (B, T/tp, C), this rank's sequence
         shard, under sequence parallelism. Returns hidden in the same form unless ``post``;
-        then the per-token loss (B*T,) if targets are given, else the logits (B, T, V/tp)."""
+        then the per-token loss (B*T,) if targets are given, else the logits (B, T, V/tp).
+        With cp, T is this rank's s / cp tokens of each sequence (module docstring);
+        ``documents`` (B, s): document ids of the whole sequences, or None (no mask)."""
+        held = x.shape[1] * (self.topo.tp if self.sequence_parallel and not self.pre else 1)
+        s = held * self.topo.cp  # tokens per whole sequence
+        positions = self._positions(s, x.device)
         if self.pre:
             if x.shape[1] > self.cfg.seq_len:
                 raise ValueError(
@@ -350,11 +414,15 @@ class Transformer(nn.Module):
                     f"--sequence-parallel needs the sequence length ({x.shape[1]}) divisible "
                     f"by --tp {self.topo.tp}"
                 )
-            x = self.embed(x)
-        T = x.shape[1] * (self.topo.tp if self.sequence_parallel else 1)
-        rope = self._rope(T, x.device)
+            x = self.embed(x, positions)
+        rope = self._rope(held, x.device, positions)
+        span = None
+        if self.topo.cp > 1:
+            span = Span(layout=ContextLayout(cp=self.topo.cp, seq_len=s, documents=documents))
+        elif documents is not None:
+            span = Span(mask=document_mask(documents))
         for block in self.blocks.values():
-            x = block(x, rope)
+            x = block(x, rope, span)
         if not self.post:
             return x
         logits = self.logits(x)

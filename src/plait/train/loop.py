@@ -40,12 +40,13 @@ from pathlib import Path
 import torch
 
 from plait import comm, dp_algos
-from plait.data import IGNORE_INDEX, inputs_targets, prepare, train_sampler, val_set
+from plait.data import IGNORE_INDEX, inputs_targets, model_kwargs, prepare, train_sampler, val_set
 from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
 from plait.model import lora, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks
+from plait.parallel.context import document_ids, shard
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.held import Held
 from plait.parallel.pipeline.executor import PipelineRunner
@@ -81,7 +82,7 @@ class LocalRunner:
         with weight_casts():  # one compute-dtype copy of each weight for the step
             for mb in micro_batches:  # (B, T+1) windows, or (inputs, targets) (B, T) each
                 with self.autocast():
-                    token_loss = self.model(*inputs_targets(mb))  # (B*T,)
+                    token_loss = self.model(*inputs_targets(mb), **model_kwargs(mb))  # (B*T,)
                 loss = token_loss.sum() / tokens_global
                 (loss * loss_scale).backward()
                 total += loss.detach()
@@ -93,7 +94,7 @@ class LocalRunner:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for mb in micro_batches:
             with self.autocast():
-                total += self.model(*inputs_targets(mb)).sum() / tokens_global
+                total += self.model(*inputs_targets(mb), **model_kwargs(mb)).sum() / tokens_global
         return total
 
 
@@ -110,6 +111,23 @@ def _split(batch, micro_batch_size: int) -> list:
     if isinstance(batch, torch.Tensor):
         return list(batch.split(micro_batch_size))
     return list(zip(*(t.split(micro_batch_size) for t in batch)))
+
+
+def context_shard(micro_batches: list, *, cp: int, cp_rank: int, eot: int | None) -> list:
+    """What one cp rank feeds the model (``parallel/context.py``): each micro-batch as
+    (inputs, targets) of its two head-tail chunks of every sequence, and with ``eot`` (not
+    None: --document-mask) the document ids (B, s) of the whole sequences, which every cp
+    rank computes from the same rows. Unchanged when neither applies."""
+    if cp == 1 and eot is None:
+        return micro_batches
+    out = []
+    for mb in micro_batches:
+        inputs, targets = inputs_targets(mb)
+        docs = () if eot is None else (document_ids(inputs, eot),)
+        if cp > 1:
+            inputs, targets = (shard(t, cp=cp, index=cp_rank, dim=1) for t in (inputs, targets))
+        out.append((inputs, targets, *docs))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +200,8 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
 
         self.sampler, self.val_set = self.open_data()
+        # --document-mask: attention stops at the tokenizer's end-of-text id
+        self.eot = getattr(self, "eot_id", None) if layout.document_mask else None
 
         # model and its parallel wrapping
         if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
@@ -195,6 +215,7 @@ class Trainer:
                 topo=topo,
                 recompute=layout.recompute,
                 sequence_parallel=layout.sequence_parallel,
+                cp_mode=layout.cp_mode,
             )
         # moved only when it is elsewhere: a no-op move still swaps every tensor, which
         # the fake tensors of a rehearsal (plait.rehearse) refuse
@@ -222,7 +243,11 @@ class Trainer:
         # engine then runs inside one replica when replicas differ (dp_algos/algorithm.py).
         # A resilient run (Part) is plain all-reduce on its own engine across pipelines
         # (RunConfig refuses --fault-tolerance with another --dp-algo or --compress).
-        self.dp_algo = dp_algos.build(cfg.dp_algo, topo=topo, layout=layout, seed=tcfg.seed)
+        # With cp, the gradients are reduced over dp x cp: the engines see that merged axis
+        # as their dp (Topology.grad_view); the cp ranks of a replica hold the same weights.
+        self.dp_algo = dp_algos.build(
+            cfg.dp_algo, topo=topo.grad_view(), layout=layout, seed=tcfg.seed
+        )
         if part is not None:
             make_engine = part.make_engine
         else:
@@ -244,7 +269,7 @@ class Trainer:
                 model,
                 topo=topo,
                 layout=layout,
-                seq_len=model_cfg.seq_len,
+                seq_len=model_cfg.seq_len // layout.cp,  # the tokens this rank holds
                 autocast=autocast,
                 trace_dir=self.out / "traces" if tcfg.trace else None,
             )
@@ -268,6 +293,7 @@ class Trainer:
         synthetic batches of the same shapes instead (``plait.rehearse``)."""
         cfg, tcfg = self.cfg, self.cfg.train
         data = prepare(cfg.data)
+        self.eot_id = data.tokenizer.eot_id
         sampler = train_sampler(
             data, seq_len=cfg.model.seq_len, global_batch=cfg.layout.global_batch_size,
             seed=tcfg.seed,
@@ -333,6 +359,12 @@ class Trainer:
             return batch[self.part.rows[0] : self.part.rows[1]]
         return batch.chunk(self.layout.dp)[self.topo.dp_rank]
 
+    def _micro_batches(self, rows) -> list:
+        """This rank's rows on the device, cut into micro-batches, each sequence split over
+        the cp ring and carrying its document ids (``context_shard``)."""
+        mbs = _split([t.to(self.topo.device) for t in rows], self.layout.micro_batch_size)
+        return context_shard(mbs, cp=self.topo.cp, cp_rank=self.topo.cp_rank, eot=self.eot)
+
     def step(self, step: int) -> dict:
         """Optimizer step ``step`` (from 0); returns its metrics record."""
         topo, layout = self.topo, self.layout
@@ -348,7 +380,7 @@ class Trainer:
         # without any answer token trains nothing)
         loss_tokens = self.sampler.target_count(step)
         loss_share = runner.train_step(
-            _split([t.to(topo.device) for t in batch], layout.micro_batch_size),
+            self._micro_batches(batch),
             loss_scale=scaler.scale,
             # the replica's own mean when replicas differ (dp_algos/algorithm.py)
             tokens_global=max(algo.loss_tokens(self.sampler, step, loss_tokens), 1),
@@ -446,13 +478,12 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the validation batches (every rank calls it)."""
-        layout, topo = self.layout, self.topo
+        topo = self.topo
         total = 0.0
         self.model.eval()
         for inputs, targets in self.val_set:
-            mine = [self._rows(t).to(topo.device) for t in (inputs, targets)]
             share = self.runner.eval_step(
-                _split(mine, layout.micro_batch_size),
+                self._micro_batches([self._rows(t) for t in (inputs, targets)]),
                 tokens_global=max(int((targets != IGNORE_INDEX).sum()), 1),
             )
             if self.reports_loss:

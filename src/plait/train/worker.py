@@ -132,7 +132,8 @@ def main(argv=None) -> int:
             if world > 1:
                 dist.init_process_group(backend=backend, timeout=timeout, **bind)
             lay = cfg.layout
-            topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp, device=device, timeout=timeout)
+            topo = Topology.build(pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp, device=device,
+                                  timeout=timeout)  # fmt: skip
             from plait.train.loop import train
 
             train(cfg, topo=topo)

@@ -65,7 +65,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from plait import comm
-from plait.data.sampler import inputs_targets
+from plait.data.sampler import inputs_targets, model_kwargs
 from plait.layout import Layout
 from plait.parallel.pipeline.schedules import (
     SEND_OPS,
@@ -454,7 +454,9 @@ class PipelineRunner:
     def _forward(self, a: Action, st: _Step) -> None:
         key = (a.microbatch, a.chunk)
         chunk = self.stage.chunks[a.chunk]
-        inputs, targets = inputs_targets(st.micro_batches[a.microbatch])  # (B, T) each
+        mb = st.micro_batches[a.microbatch]
+        inputs, targets = inputs_targets(mb)  # (B, T) each
+        kw = model_kwargs(mb)  # documents (B, s), for every chunk's attention
         if self._is_first(a.chunk):
             x = inputs
         else:
@@ -463,7 +465,7 @@ class PipelineRunner:
                 x.requires_grad_(True)
                 st.inputs[key] = x
         with self.autocast():
-            out = chunk(x, targets) if self._is_last(a.chunk) else chunk(x)
+            out = chunk(x, targets, **kw) if self._is_last(a.chunk) else chunk(x, **kw)
         if self._is_last(a.chunk):  # out: per-token loss (B*T,)
             loss = out.sum() / st.tokens_global
             st.losses.append(loss.detach())

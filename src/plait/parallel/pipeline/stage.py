@@ -133,6 +133,7 @@ def build_stage(
             post=s == num_stages - 1,
             recompute=layout.recompute,
             sequence_parallel=layout.sequence_parallel,
+            cp_mode=layout.cp_mode,
             device=device,
         )
         if model_cfg.tied_embeddings and s == num_stages - 1:
