@@ -259,6 +259,7 @@ class RankReport:
     dp_rank: int
     tp_rank: int
     phases: list[Phase] = field(default_factory=list)
+    cp_rank: int = 0
     calls: list[Call] = field(default_factory=list)  # build and both steps, in order
     step_calls: list[Call] = field(default_factory=list)  # step 2's only
 
@@ -294,10 +295,10 @@ def rehearse_rank(cfg, rank: int) -> RankReport:
         raise RuntimeError("plait rehearse runs in a process without a process group")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        topo = Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp)
+        topo = Topology.build(pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)
         topo.stats.log = []
-        c = coords(rank, pp=lay.pp, dp=lay.dp, tp=lay.tp)
-        report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP])
+        c = coords(rank, pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)
+        report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP], cp_rank=c[Axis.CP])
         with FakeTensorMode(), _memtracker_class()() as mem:
             t0 = time.perf_counter()
             trainer = _trainer_class()(cfg, topo=topo)
@@ -346,8 +347,8 @@ def parse_ranks(text: str, layout) -> list[int]:
 
     world = layout.world_size
     if text.strip() == "all-stages":
-        return [rank_of(pp_rank=i, dp_rank=0, tp_rank=0, dp=layout.dp, tp=layout.tp)
-                for i in range(layout.pp)]  # fmt: skip
+        return [rank_of(pp_rank=i, dp_rank=0, tp_rank=0, dp=layout.dp, tp=layout.tp,
+                        cp=layout.cp) for i in range(layout.pp)]  # fmt: skip
     ranks = []
     for part in text.split(","):
         part = part.strip()
@@ -377,7 +378,7 @@ def p2p_programs(reports: list[RankReport], layout) -> list | None:
 
     by_stage = {}
     for r in reports:
-        by_stage.setdefault((r.dp_rank, r.tp_rank), {})[r.pp_rank] = r
+        by_stage.setdefault((r.dp_rank, r.cp_rank, r.tp_rank), {})[r.pp_rank] = r
     pipeline = next((s for s in by_stage.values() if len(s) == layout.pp), None)
     if pipeline is None or layout.pp < 2:
         return None
@@ -390,7 +391,9 @@ def p2p_programs(reports: list[RankReport], layout) -> list | None:
                 messages = tuple(
                     Message(
                         kind,
-                        coords(peer, pp=layout.pp, dp=layout.dp, tp=layout.tp)[Axis.PP],
+                        coords(peer, pp=layout.pp, dp=layout.dp, cp=layout.cp, tp=layout.tp)[
+                            Axis.PP
+                        ],
                         tag=nbytes,
                     )
                     for kind, peer, nbytes in c.peers

@@ -104,7 +104,8 @@ def report(r, compared: dict) -> str:
     """One rank's table: peak memory per phase and category beside the model's (step 2's
     peak), counted bytes per axis beside the model's, and the calls of a step."""
     times = ", ".join(f"{p.name} {p.seconds:.1f} s" for p in r.phases)
-    lines = [f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, tp {r.tp_rank}): {times}",
+    lines = [f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, cp {r.cp_rank}, tp {r.tp_rank}): "
+             f"{times}",
              f"  {'memory (GiB) at the peak':26s}" + "".join(f"{p.name:>9s}" for p in r.phases)
              + f"{'simulated':>11s}{'ratio':>8s}"]  # fmt: skip
     for cat, (_, want, ratio) in compared["memory"].items():
