@@ -253,8 +253,9 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> Routing:
         """x (N, C) -> this micro-batch's ``Routing`` (module docstring)."""
         cfg, E, K = self.cfg, self.cfg.moe_experts, self.cfg.moe_top_k
+        dt = torch.promote_types(x.dtype, torch.float32)  # fp32, or the input's wider type
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # (N, E) fp32
+            logits = F.linear(x.to(dt), self.router.weight.to(dt))  # (N, E)
         if cfg.moe_router == "softmax":
             scores = probs = logits.softmax(-1)
         else:
@@ -265,10 +266,10 @@ class MoE(nn.Module):
         weights = scores.gather(-1, idx)
         if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        counts = torch.bincount(idx.reshape(-1), minlength=E).float()
+        counts = torch.bincount(idx.reshape(-1), minlength=E).to(dt)
         z = logits.logsumexp(-1).square()  # (N,)
         stats = torch.cat([counts, probs.detach().sum(0), z.detach().sum()[None],
-                           x.new_full((1,), x.shape[0], dtype=torch.float32)])  # fmt: skip
+                           x.new_full((1,), x.shape[0], dtype=dt)])  # fmt: skip
         for axis in self.token_axes:  # the whole micro-batch's
             comm.all_reduce(stats, topo=self.topo, axis=axis)
         counts, prob_sum, z_sum, n = stats[:E], stats[E : 2 * E], stats[2 * E], stats[2 * E + 1]
