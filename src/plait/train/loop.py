@@ -22,7 +22,7 @@ pipeline's bubble is read from CUDA events that sync has completed, a step late,
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, and the data-parallel hooks in
 backward order), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
-and the engine's step. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
+the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
 from __future__ import annotations
