@@ -22,7 +22,10 @@ MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "vocab_size": "vocab_size",
     "seq_len": "seq_len",
     "dropout": "dropout",
-}
+    **{f: f for f in ("moe_experts", "moe_top_k", "moe_every", "moe_shared_experts",
+                      "moe_ffn_hidden", "moe_router", "moe_norm_topk", "moe_capacity_factor",
+                      "moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_rate")},
+}  # fmt: skip
 
 LAYOUT_FLAGS = (
     "dp",
@@ -83,6 +86,30 @@ def model_parent() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--seq-len", type=int, default=None)
     g.add_argument("--dropout", type=float, default=None)
+    g = p.add_argument_group("mixture of experts (model/moe.py)")
+    g.add_argument("--moe-experts", type=int, metavar="E", default=None,
+                   help="routed experts per MoE block (default 0: dense)")  # fmt: skip
+    g.add_argument("--moe-top-k", type=int, metavar="K", default=None,
+                   help="experts each token goes to (default 2)")  # fmt: skip
+    g.add_argument("--moe-every", type=int, metavar="M", default=None,
+                   help="every M-th block is MoE, the others dense (default 1)")  # fmt: skip
+    g.add_argument("--moe-shared-experts", type=int, metavar="S", default=None,
+                   help="always-on experts beside the routed ones (default 0)")  # fmt: skip
+    g.add_argument("--moe-ffn-hidden", type=int, default=None,
+                   help="FFN width of one expert (default --ffn-hidden)")  # fmt: skip
+    g.add_argument("--moe-router", choices=("softmax", "sigmoid"), default=None,
+                   help="router scores (fp32); sigmoid normalises the top-k weights")  # fmt: skip
+    g.add_argument("--moe-norm-topk", action=argparse.BooleanOptionalAction, default=None,
+                   help="divide the top-k weights by their sum (default on)")  # fmt: skip
+    g.add_argument("--moe-capacity-factor", type=float, metavar="C", default=None,
+                   help="drop the lowest-scoring assignments beyond C x fair share "
+                   "(default: dropless)")  # fmt: skip
+    g.add_argument("--moe-aux-loss-coef", type=float, default=None,
+                   help="Switch load-balancing loss (default 0.01)")  # fmt: skip
+    g.add_argument("--moe-z-loss-coef", type=float, default=None,
+                   help="router z-loss (default 0)")  # fmt: skip
+    g.add_argument("--moe-bias-rate", type=float, metavar="R", default=None,
+                   help="auxiliary-loss-free balancing: expert bias step (default 0: off)")  # fmt: skip
     return p
 
 

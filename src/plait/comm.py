@@ -285,3 +285,31 @@ def all_to_all_into(out: torch.Tensor, t: torch.Tensor, *, topo: Topology, axis:
     flat_out, flat_in = out.view(-1), t.contiguous().view(-1)
     return _guard(topo, "all_to_all", axis,
                   lambda: dist.all_to_all_single(flat_out, flat_in, group=group))  # fmt: skip
+
+
+def all_to_all_v(
+    out: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    out_splits: list[int],
+    in_splits: list[int],
+    topo: Topology,
+    axis: Axis,
+):
+    """Rows of ``t`` in consecutive pieces of ``in_splits`` rows: piece j goes to the j-th
+    rank of ``axis``; ``out``'s piece i (``out_splits[i]`` rows) is what the i-th rank sent
+    here (``all_to_all_single`` with splits: expert parallelism's token exchange). Any
+    piece may be empty. Counted: ``t``; sent: the rows that leave this rank. With an axis
+    of size 1, ``out`` is ``t`` copied."""
+    group = topo.group(axis)
+    if group is None:
+        out.copy_(t)
+        return None
+    check_device(topo, "all_to_all", out, t)
+    me = topo.group_ranks[axis].index(topo.rank)
+    row = _nbytes(t[:1]) if t.shape[0] else 0
+    topo.stats.record(_axis_name(axis), "all_to_all", _nbytes(t),
+                      (t.shape[0] - in_splits[me]) * row, dtype=t.dtype)  # fmt: skip
+    return _guard(topo, "all_to_all", axis,
+                  lambda: dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits,
+                                                 group=group))  # fmt: skip

@@ -22,7 +22,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from plait.model.sizes import activation_bytes_per_layer, model_flops_per_token, num_params
+    from plait.model.sizes import (
+        activation_bytes_per_layer,
+        active_params,
+        model_flops_per_token,
+        num_params,
+    )
     from plait.sim.memory import average_model_state
 
     try:
@@ -38,8 +43,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     n = num_params(model)
     print(f"model {values.get('model') or 'tiny'} ({model.arch})")
     for k, v in model.to_dict().items():
-        print(f"  {k:<15} {v}")
+        if model.moe or not k.startswith("moe_"):  # a dense model's listing stays as it was
+            print(f"  {k:<15} {v}")
     print(f"parameters           {n:,} ({n / 1e9:.3f} B)")
+    if model.moe:
+        a = active_params(model)
+        print(f"active per token     {a:,} ({a / 1e9:.3f} B, {a / n:.1%}): top-"
+              f"{model.moe_top_k} of {model.moe_experts} experts in {model.n_moe_layers} of "
+              f"{model.n_layers} blocks; FLOPs count these")  # fmt: skip
     flops = model_flops_per_token(model)
     if lora is not None:
         from plait.model.lora import model_flops_per_token as lora_flops

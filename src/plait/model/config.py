@@ -15,6 +15,11 @@ block plus what sets it apart:
     qwen3    RMSNorm of each head's queries and keys before the rotation (Qwen3)
     mistral  ``sliding_window``: each token attends to the last W tokens only
 
+Any of them may be a mixture of experts (``moe_experts`` > 0, ``model/moe.py``): every
+``moe_every``-th block's MLP is replaced by ``moe_experts`` expert MLPs of the block's kind
+(GELU or SwiGLU) and a router that sends each token to ``moe_top_k`` of them -- Mixtral is
+llama (or mistral) with 8 experts, top 2; Qwen3-MoE is qwen3 with 128, top 8.
+
 Fields that vary within a family (``head_dim``, ``tied_embeddings``, ``rope_scaling``,
 ``sliding_window``) are fields; what a family always has (``qkv_bias``, ``qk_norm``) is a
 property of ``arch``. Any preset can be built in any flavour (``preset("tiny",
@@ -87,6 +92,18 @@ class ModelConfig:
     tied_embeddings: bool | None = None  # None: the arch's (gpt2 tied, the others not)
     dropout: float = 0.0
     init_std: float = 0.02
+    # mixture of experts (model/moe.py); 0 experts: every block is dense
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1  # block i is MoE when (i + 1) % moe_every == 0 (Qwen's sparse step)
+    moe_shared_experts: int = 0  # always-on experts of moe_ffn_hidden each (DeepSeek, Qwen)
+    moe_ffn_hidden: int | None = None  # None: ffn_hidden
+    moe_router: str = "softmax"  # or sigmoid (DeepSeek-V3); scores in fp32
+    moe_norm_topk: bool = True  # top-k weights divided by their sum (always with sigmoid)
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE)
+    moe_bias_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -132,6 +149,48 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         self._check_family_fields()
+        self._check_moe_fields()
+
+    def _check_moe_fields(self) -> None:
+        if self.moe_experts < 0:
+            raise ValueError(f"--moe-experts must be 0 (dense) or more, got {self.moe_experts}")
+        if self.moe_ffn_hidden is None:
+            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+        if not self.moe:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"--moe-top-k must be between 1 and --moe-experts "
+                             f"{self.moe_experts}, got {self.moe_top_k}")  # fmt: skip
+        if self.moe_every < 1 or self.moe_every > self.n_layers:
+            raise ValueError(f"--moe-every must be between 1 and --layers {self.n_layers}, got "
+                             f"{self.moe_every}")  # fmt: skip
+        if self.moe_shared_experts < 0:
+            raise ValueError(f"--moe-shared-experts must be 0 or more, got "
+                             f"{self.moe_shared_experts}")  # fmt: skip
+        if self.moe_ffn_hidden < 1:
+            raise ValueError(f"--moe-ffn-hidden must be at least 1, got {self.moe_ffn_hidden}")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            raise ValueError(f"--moe-router {self.moe_router!r}: choose softmax or sigmoid")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ValueError(f"--moe-capacity-factor must be positive, got "
+                             f"{self.moe_capacity_factor} (leave it out for dropless)")  # fmt: skip
+        for name in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts: some blocks' MLPs are routed experts."""
+        return self.moe_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Block ``i`` (from 0) holds experts: every ``moe_every``-th, the last of each run
+        of ``moe_every`` (Qwen-MoE's ``decoder_sparse_step``)."""
+        return self.moe and (i + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def _check_family_fields(self) -> None:
         if isinstance(self.rope_scaling, dict):  # as to_dict wrote it (config.yaml)
@@ -191,6 +250,9 @@ class ModelConfig:
         resized = {"hidden", "n_heads"} & changes.keys() and "head_dim" not in changes
         if resized and self.head_dim * self.n_heads == self.hidden:
             changes["head_dim"] = None
+        derived = self.moe_ffn_hidden == self.ffn_hidden and "moe_ffn_hidden" not in changes
+        if "ffn_hidden" in changes and derived:
+            changes["moe_ffn_hidden"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:

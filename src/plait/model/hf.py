@@ -34,6 +34,20 @@ and for llama, qwen2, qwen3 and mistral alike:
     model.layers.i.self_attn.{q,k,v}_proj.bias         blocks.i.attn.{q,k,v}.bias  (qwen2)
     model.layers.i.self_attn.{q,k}_norm                blocks.i.attn.{q,k}_norm    (qwen3)
     model.layers.i.mlp.{gate,up,down}_proj             blocks.i.mlp.{gate,up,down}
+
+Mixtures of experts: ``MixtralForCausalLM`` (plait's llama, or mistral with a window, with
+``moe_experts``) and ``Qwen3MoeForCausalLM`` (qwen3 with experts; ``decoder_sparse_step``
+is ``moe_every``, its dense blocks keep ``intermediate_size``). Their published files hold
+one tensor per expert; plait stacks them (E, ...). In an MoE block i:
+    Mixtral: model.layers.i.block_sparse_moe.gate                blocks.i.mlp.router
+             ...block_sparse_moe.experts.j.{w1,w3,w2}             blocks.i.mlp.experts.
+                                                                 {w_gate,w_up,w_down}[j]
+    Qwen3-MoE: model.layers.i.mlp.gate                           blocks.i.mlp.router
+             ...mlp.experts.j.{gate,up,down}_proj                 the same stacks
+Routing maps as it is: softmax scores, top-k, Mixtral's weights renormalised
+(``moe_norm_topk``), Qwen3-MoE's as ``norm_topk_prob`` says; ``router_aux_loss_coef`` is
+``moe_aux_loss_coef``. Shared experts, a sigmoid router, Qwen's ``mlp_only_layers`` and
+MoE blocks of other families are refused in one line.
 """
 
 from __future__ import annotations
@@ -55,6 +69,11 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
 }
+
+
+# Hugging Face model_type of a mixture of experts -> (plait arch, class)
+MOE_FAMILIES = {"mixtral": ("llama", "MixtralForCausalLM"),
+                "qwen3_moe": ("qwen3", "Qwen3MoeForCausalLM")}  # fmt: skip
 
 
 class HFError(ValueError):
@@ -104,6 +123,46 @@ def hf_config(cfg: ModelConfig) -> dict:
         out["use_sliding_window"] = False
     if cfg.arch == "mistral":
         out["sliding_window"] = cfg.sliding_window
+    if cfg.moe:
+        out.update(_moe_hf_config(cfg))
+    return out
+
+
+def moe_family(cfg: ModelConfig) -> str:
+    """The Hugging Face model_type of an MoE config (``HFError``: none holds it)."""
+    family = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}.get(cfg.arch)
+    if family is None:
+        raise HFError(f"a mixture of experts of --arch {cfg.arch} has no Hugging Face family "
+                      "plait maps; use llama or mistral (Mixtral) or qwen3 (Qwen3-MoE)")  # fmt: skip
+    why = None
+    if cfg.moe_shared_experts:
+        why = "--moe-shared-experts"
+    elif cfg.moe_router != "softmax":
+        why = "--moe-router sigmoid"
+    elif family == "mixtral" and cfg.moe_every != 1:
+        why = "--moe-every (Mixtral's blocks are all MoE)"
+    elif family == "mixtral" and not cfg.moe_norm_topk:
+        why = "--no-moe-norm-topk (Mixtral renormalises its top-k weights)"
+    elif family == "mixtral" and cfg.moe_ffn_hidden != cfg.ffn_hidden:
+        why = "--moe-ffn-hidden other than --ffn-hidden"
+    if why:
+        raise HFError(f"{why}: Hugging Face's {family} has no such option")
+    return family
+
+
+def _moe_hf_config(cfg: ModelConfig) -> dict:
+    family = moe_family(cfg)
+    out = {"architectures": [MOE_FAMILIES[family][1]], "model_type": family,
+           "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": cfg.moe_aux_loss_coef,
+           "output_router_logits": False}  # fmt: skip
+    if family == "mixtral":
+        out.update(num_local_experts=cfg.moe_experts, router_jitter_noise=0.0)
+        out["sliding_window"] = cfg.sliding_window
+        out.pop("mlp_bias", None)
+    else:
+        out.update(num_experts=cfg.moe_experts, moe_intermediate_size=cfg.moe_ffn_hidden,
+                   decoder_sparse_step=cfg.moe_every, norm_topk_prob=cfg.moe_norm_topk,
+                   mlp_only_layers=[])  # fmt: skip
     return out
 
 
@@ -116,13 +175,16 @@ def model_config(d: dict, *, source: str = "config.json") -> ModelConfig:
             return _gpt2_config(d, source)
         if kind in FAMILIES:
             return _rotary_config(d, kind, source)
+        if kind in MOE_FAMILIES:
+            return _moe_config(d, kind, source)
     except KeyError as e:
         raise HFError(f"{source}: no {e.args[0]!r}") from None
     except HFError:
         raise
     except (ValueError, TypeError) as e:  # ModelConfig's own checks, in its words
         raise HFError(f"{source}: {str(e).splitlines()[0]}") from None
-    raise HFError(f"{source}: model_type {kind!r}; plait maps {', '.join(FAMILIES)}")
+    raise HFError(f"{source}: model_type {kind!r}; plait maps "
+                  f"{', '.join([*FAMILIES, *MOE_FAMILIES])}")  # fmt: skip
 
 
 def _gpt2_config(d: dict, source: str) -> ModelConfig:
@@ -171,6 +233,26 @@ def _rotary_config(d: dict, kind: str, source: str) -> ModelConfig:
         tied_embeddings=bool(d.get("tie_word_embeddings", False)),
         dropout=d.get("attention_dropout", 0.0), init_std=d.get("initializer_range", 0.02),
     )  # fmt: skip
+
+
+def _moe_config(d: dict, kind: str, source: str) -> ModelConfig:
+    """Mixtral (llama, or mistral when it has a window) and Qwen3-MoE (qwen3 + experts)."""
+    arch = MOE_FAMILIES[kind][0]
+    if kind == "mixtral" and d.get("sliding_window"):
+        arch = "mistral"
+    base = _rotary_config({**d, "model_type": arch}, arch, source)
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    if experts is None:
+        raise HFError(f"{source}: no 'num_experts' / 'num_local_experts'")
+    if d.get("mlp_only_layers"):
+        raise HFError(f"{source}: mlp_only_layers {d['mlp_only_layers']}: plait's dense "
+                      "blocks are every block but each decoder_sparse_step-th")  # fmt: skip
+    moe = dict(moe_experts=experts, moe_top_k=d["num_experts_per_tok"],
+               moe_aux_loss_coef=d.get("router_aux_loss_coef", 0.01))  # fmt: skip
+    if kind == "qwen3_moe":
+        moe.update(moe_ffn_hidden=d["moe_intermediate_size"], moe_every=d.get("decoder_sparse_step", 1),
+                   moe_norm_topk=bool(d.get("norm_topk_prob", False)))  # fmt: skip
+    return base.replace(**moe)
 
 
 def _rope(d: dict, source: str) -> dict:
@@ -228,6 +310,36 @@ def _block_names(cfg: ModelConfig) -> dict[str, str]:
     return {**_LLAMA, **(_QKV_BIAS if cfg.qkv_bias else {}), **(_QK_NORM if cfg.qk_norm else {})}
 
 
+_EXPERTS = {  # model_type -> (block prefix, router, {plait stack: per-expert name})
+    "mixtral": ("block_sparse_moe.", "gate.weight",
+                {"w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight"}),
+    "qwen3_moe": ("mlp.", "gate.weight", {"w_gate": "gate_proj.weight",
+                                          "w_up": "up_proj.weight", "w_down": "down_proj.weight"}),
+}  # fmt: skip
+
+
+def _moe_to_hf(i: str, ours: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensors of one plait tensor of MoE block ``i`` (a stack: E of them)."""
+    prefix, router, stacks = _EXPERTS[moe_family(cfg)]
+    base = f"model.layers.{i}.{prefix}"
+    if ours == "mlp.router.weight":
+        return {base + router: t}
+    stack = ours.removeprefix("mlp.experts.")
+    if stack not in stacks:
+        raise HFError(f"blocks.{i}.{ours}: no Hugging Face {cfg.arch} tensor holds it")
+    return {f"{base}experts.{j}.{stacks[stack]}": t[j] for j in range(t.shape[0])}
+
+
+def _moe_from_hf(hf: dict, i: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    prefix, router, stacks = _EXPERTS[moe_family(cfg)]
+    base = f"model.layers.{i}.{prefix}"
+    out = {f"blocks.{i}.mlp.router.weight": hf[base + router]}
+    for stack, theirs in stacks.items():
+        experts = [hf[f"{base}experts.{j}.{theirs}"] for j in range(cfg.moe_experts)]
+        out[f"blocks.{i}.mlp.experts.{stack}"] = torch.stack(experts)
+    return out
+
+
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face tensors for plait's full state dict (every name of the whole model);
     a tied model's ``lm_head`` is the token embedding, as ``save_pretrained`` has it."""
@@ -243,6 +355,8 @@ def to_hf_part(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     block's q, k and v together: GPT-2 fuses them): ``export_groups``' parts, or all of it.
     A tied model's ``lm_head`` is left out (``save`` stores it once, as the embedding)."""
     out = {}
+    if cfg.moe:
+        moe_family(cfg)  # one line for what no Hugging Face family holds
     if cfg.rotary:
         top = {"embed.tokens.weight": "model.embed_tokens.weight",
                "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}  # fmt: skip
@@ -257,7 +371,9 @@ def to_hf_part(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
             out[top[name]] = t
         elif name.startswith("blocks."):
             i, _, ours = name.removeprefix("blocks.").partition(".")
-            if cfg.rotary and ours in block:
+            if cfg.rotary and cfg.is_moe_layer(int(i)) and ours.startswith("mlp."):
+                out.update(_moe_to_hf(i, ours, t, cfg))
+            elif cfg.rotary and ours in block:
                 out[f"model.layers.{i}.{block[ours]}"] = t
             elif cfg.rotary:
                 raise HFError(f"{name}: no Hugging Face {cfg.arch} tensor holds it")
@@ -286,8 +402,12 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
             if not cfg.tied_embeddings:
                 out["head.weight"] = hf["lm_head.weight"]
             for i in range(cfg.n_layers):
+                moe_block = cfg.is_moe_layer(i)
                 for ours, theirs in _block_names(cfg).items():
-                    out[f"blocks.{i}.{ours}"] = hf[f"model.layers.{i}.{theirs}"]
+                    if not (moe_block and ours.startswith("mlp.")):
+                        out[f"blocks.{i}.{ours}"] = hf[f"model.layers.{i}.{theirs}"]
+                if moe_block:
+                    out.update(_moe_from_hf(hf, i, cfg))
         else:
             out = {
                 "embed.tokens.weight": hf["transformer.wte.weight"],

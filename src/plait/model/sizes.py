@@ -13,6 +13,11 @@ counted: that is hardware FLOPs (HFU), see ``hardware_flops_per_token``. Norms, 
 activations and the optimizer are ignored. For GPT with h = hidden, l = layers,
 s = seq_len, V = vocab this is 72 l h^2 (1 + s/(6h) + V/(12 l h)) per token, the
 formula of Narayanan et al. 2021 without its recomputation term.
+
+Mixtures of experts (``cfg.moe``): a MoE block's MLP holds E routed experts, S shared
+ones and a router (E x h); a token goes through K routed and the S shared. Parameters
+count every expert (``num_params``: what memory holds); FLOPs count the active ones
+(``active_params``: the router, K + S experts), as MFU does for Mixtral / DeepSeek.
 """
 
 from __future__ import annotations
@@ -26,6 +31,51 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
     attn = 2 * h * cfg.q_dim + 2 * h * cfg.kv_dim  # q and o; k and v
     mlp = (2 if cfg.arch == "gpt2" else 3) * h * cfg.ffn_hidden
     return attn + mlp
+
+
+def expert_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of one expert MLP (GELU: 2 h F, SwiGLU: 3 h F; F = ``moe_ffn_hidden``)."""
+    return (2 if cfg.arch == "gpt2" else 3) * cfg.hidden * cfg.moe_ffn_hidden
+
+
+def moe_mlp_matmul_params(cfg: ModelConfig, *, active: bool = False) -> int:
+    """Matmul weights of a MoE block's MLP: the router and every expert (``active``: the
+    K routed experts a token goes through) plus the shared ones."""
+    routed = cfg.moe_top_k if active else cfg.moe_experts
+    return (routed + cfg.moe_shared_experts) * expert_matmul_params(
+        cfg
+    ) + cfg.moe_experts * cfg.hidden
+
+
+def _moe_mlp_biases(cfg: ModelConfig, *, active: bool = False) -> int:
+    if not cfg.biases:
+        return 0
+    routed = cfg.moe_top_k if active else cfg.moe_experts
+    shared = (
+        cfg.moe_shared_experts * cfg.moe_ffn_hidden + cfg.hidden if cfg.moe_shared_experts else 0
+    )
+    return routed * (cfg.moe_ffn_hidden + cfg.hidden) + shared
+
+
+def _dense_mlp_matmul_params(cfg: ModelConfig) -> int:
+    return (2 if cfg.arch == "gpt2" else 3) * cfg.hidden * cfg.ffn_hidden
+
+
+def _moe_extra(cfg: ModelConfig, *, active: bool, matmul_only: bool) -> int:
+    """What the MoE blocks add over dense blocks, in all (``n_moe_layers`` of them)."""
+    if not cfg.moe:
+        return 0
+    extra = moe_mlp_matmul_params(cfg, active=active) - _dense_mlp_matmul_params(cfg)
+    if not matmul_only and cfg.biases:
+        extra += _moe_mlp_biases(cfg, active=active) - (cfg.ffn_hidden + cfg.hidden)
+    return cfg.n_moe_layers * extra
+
+
+def blocks_matmul_params(cfg: ModelConfig, *, active: bool = True) -> int:
+    """Matmul weights of all the blocks (``active``: those a token goes through)."""
+    return cfg.n_layers * layer_matmul_params(cfg) + _moe_extra(
+        cfg, active=active, matmul_only=True
+    )
 
 
 def layer_params(cfg: ModelConfig) -> int:
@@ -67,14 +117,21 @@ def final_norm_params(cfg: ModelConfig) -> int:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """Total parameter count (tied embeddings counted once)."""
-    return cfg.n_layers * layer_params(cfg) + embedding_params(cfg) + final_norm_params(cfg)
+    """Total parameter count (tied embeddings counted once; every expert)."""
+    blocks = cfg.n_layers * layer_params(cfg) + _moe_extra(cfg, active=False, matmul_only=False)
+    return blocks + embedding_params(cfg) + final_norm_params(cfg)
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token goes through: ``num_params`` with K routed experts of E."""
+    blocks = cfg.n_layers * layer_params(cfg) + _moe_extra(cfg, active=True, matmul_only=False)
+    return blocks + embedding_params(cfg) + final_norm_params(cfg)
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token, model-FLOPs convention (module doc)."""
     s = cfg.seq_len if seq_len is None else seq_len
-    dense = cfg.n_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden  # + logits
+    dense = blocks_matmul_params(cfg) + cfg.vocab_size * cfg.hidden  # active, + logits
     attention = 12 * cfg.n_layers * s * cfg.q_dim
     return 6.0 * dense + attention
 
@@ -96,7 +153,7 @@ def hardware_flops_per_token(
     s = cfg.seq_len if seq_len is None else seq_len
     flops = model_flops_per_token(cfg, s)
     if recompute == "full":
-        flops += 2.0 * cfg.n_layers * layer_matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.q_dim
+        flops += 2.0 * blocks_matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.q_dim
     elif recompute == "selective":
         flops += 4.0 * cfg.n_layers * s * cfg.q_dim
     elif recompute != "none":

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
+from plait.model.moe import MoE
 from plait.parallel.context import ContextLayout, context_attention, shard
 from plait.parallel.tensor import (
     ColumnParallelLinear,
@@ -247,6 +248,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention then MLP, each on a pre-norm residual branch. Block ``layer`` of a mixture
+    of experts (``cfg.is_moe_layer``) has a ``MoE`` as its MLP (``ep``: its expert-parallel
+    group, ``model/moe.py``)."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -255,6 +260,8 @@ class Block(nn.Module):
         recompute: str,
         sequence_parallel: bool = False,
         cp_mode: str = "ring",
+        layer: int = 0,
+        ep=None,
     ):
         super().__init__()
         self.recompute_full = recompute == "full"
@@ -267,7 +274,10 @@ class Block(nn.Module):
             cp_mode=cp_mode,
         )
         self.ln2 = make_norm(cfg)
-        self.mlp = MLP(cfg, topo=topo, sequence_parallel=sequence_parallel)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, topo=topo, sequence_parallel=sequence_parallel, ep=ep)
+        else:
+            self.mlp = MLP(cfg, topo=topo, sequence_parallel=sequence_parallel)
         # the residual stream: replicated over tp, or a sequence shard (per-shard masks)
         self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
 
@@ -329,6 +339,7 @@ class Transformer(nn.Module):
         recompute: str = "none",
         sequence_parallel: bool = False,
         cp_mode: str = "ring",
+        ep=None,
     ):
         super().__init__()
         topo = topo or Topology.single()
@@ -346,7 +357,13 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict(
             {
                 str(i): Block(
-                    cfg, topo=topo, recompute=recompute, sequence_parallel=sp, cp_mode=cp_mode
+                    cfg,
+                    topo=topo,
+                    recompute=recompute,
+                    sequence_parallel=sp,
+                    cp_mode=cp_mode,
+                    layer=i,
+                    ep=ep,
                 )
                 for i in layers
             }
@@ -446,15 +463,17 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     (seed, config, name), never on the layout.
 
     GPT-2 scheme: normal(0, init_std) for weights, residual output projections scaled by
-    1/sqrt(2 * layers), zero biases, unit norm weights.
+    1/sqrt(2 * layers), zero biases, unit norm weights. Stacked experts (E, ...) are one
+    tensor: an expert-parallel rank's share is a slice of it (``init_weights``).
     """
     leaf = name.rsplit(".", 2)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", ".b_fc", ".b_proj")):  # (the last two: stacked experts')
         return torch.zeros(shape)
     if len(leaf) >= 2 and leaf[-2] in ("ln1", "ln2", "norm", "q_norm", "k_norm"):
         return torch.ones(shape)
     std = cfg.init_std
-    if name.endswith(("attn.o.weight", "mlp.proj.weight", "mlp.down.weight")):
+    if name.endswith(("attn.o.weight", "mlp.proj.weight", "mlp.down.weight", ".w_proj",
+                      ".w_down")):  # fmt: skip
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     g = torch.Generator().manual_seed(_param_seed(seed, name))
     return torch.randn(shape, generator=g) * std
@@ -465,7 +484,13 @@ def init_weights(model: Transformer, seed: int) -> None:
     topo = model.topo
     for name, p in model.named_parameters():
         spec = shard_spec(p)
-        full = init_value(model.cfg, name, full_shape(p.shape, spec, topo.tp), seed)
+        shape = full_shape(p.shape, spec, topo.tp)
+        experts = getattr(p, "expert_shard", None)  # (E, first held): an ep rank's experts
+        if experts is not None:
+            shape = (experts[0], *shape[1:])
+        full = init_value(model.cfg, name, shape, seed)
+        if experts is not None:
+            full = full.narrow(0, experts[1], p.shape[0])
         p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
 
 
@@ -485,7 +510,8 @@ def build_model(
 ) -> Transformer:
     """Build (a chunk of) the model with its deterministic initial weights. ``chunk``:
     ``Transformer``'s keywords (``topo``, ``layers``, ``pre``, ``post``, ``recompute``,
-    ``sequence_parallel``). On the ``meta`` device nothing is allocated or initialised:
+    ``sequence_parallel``, ``ep``: the (topo, axis) of the MoE layers' expert-parallel
+    group). On the ``meta`` device nothing is allocated or initialised:
     for sizes and memory of large presets.
 
     ``sequence_parallel`` (with tp > 1): activations between the tp regions are sequence

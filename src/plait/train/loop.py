@@ -22,7 +22,7 @@ pipeline's bubble is read from CUDA events that sync has completed, a step late,
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, and the data-parallel hooks in
 backward order), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
-and the engine's step. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
+the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from plait import comm, dp_algos
 from plait.data import IGNORE_INDEX, inputs_targets, model_kwargs, prepare, train_sampler, val_set
 from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
-from plait.model import lora, quant
+from plait.model import lora, moe, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks
 from plait.parallel.context import document_ids, shard
@@ -379,17 +379,21 @@ class Trainer:
         # the global mean over the targets that take a loss (all, unless masked; a batch
         # without any answer token trains nothing)
         loss_tokens = self.sampler.target_count(step)
-        loss_share = runner.train_step(
-            self._micro_batches(batch),
-            loss_scale=scaler.scale,
-            # the replica's own mean when replicas differ (dp_algos/algorithm.py)
-            tokens_global=max(algo.loss_tokens(self.sampler, step, loss_tokens), 1),
-        )
+        # MoE aux losses: coef x their mean over the step's micro-batches (model/moe.py)
+        aux_scale = scaler.scale * layout.micro_batch_size / self.cfg.layout.global_batch_size
+        with moe.aux_loss_scale(aux_scale):
+            loss_share = runner.train_step(
+                self._micro_batches(batch),
+                loss_scale=scaler.scale,
+                # the replica's own mean when replicas differ (dp_algos/algorithm.py)
+                tokens_global=max(algo.loss_tokens(self.sampler, step, loss_tokens), 1),
+            )
         self.tp_grad_sync.finish()
         engine.finish()
         algo.finish_grads(step)  # post-local SGD's warm-up: the gradients across replicas
         stats = self._reduce_stats(step, loss_share)
         grad_norm, found_inf = self.update(stats, lr=lr)
+        moe.update_expert_bias(self.model, topo)  # aux-loss-free balancing (one all-reduce)
         algo.after_step(step)  # average (local SGD, DiLoCo's outer step) or mix (gossip)
         step_time = time.perf_counter() - t0
 

@@ -1,0 +1,377 @@
+"""Mixture of experts: the routed MLP that replaces a block's dense one (issue 28).
+
+Communication (t = tp size; per MoE layer and micro-batch of b sequences of s tokens,
+hidden h, e bytes per activation element, E experts, L MoE layers on this rank):
+
+- tensor parallelism: exactly the dense MLP's -- the tokens enter the tp region once (f,
+  or the sequence-parallel all-gather) and the experts' partial outputs leave it once (g,
+  or the reduce-scatter), b*s*h*e counted bytes each way (``parallel/tensor.py``). The
+  router runs inside the region on the whole micro-batch (replicated over tp: E*h
+  multiply-adds a token, nothing beside the experts'), so every tp rank makes the same
+  routing decisions and routing needs no collective.
+- ``token_groups(topo)``: the axes over which one micro-batch's routed tokens are split
+  (none today: tp ranks route the gathered micro-batch; the cp axis joins when wired).
+  Over each, per layer and micro-batch, one all-reduce of [load counts (E), probability
+  sums (E), z sum, tokens] in fp32, 4 (2E + 2) bytes, so that the auxiliary losses and
+  the counts are those of the whole micro-batch. Nothing when the tuple is empty.
+- expert parallelism (``ep=(topo, axis)``): ``parallel/expert.py``'s dispatch.
+- per optimizer step with ``moe_bias_rate`` > 0 (``update_expert_bias``): one all-reduce
+  over dp of the step's load counts of every MoE layer this rank holds, 4 L E bytes
+  (``balance_axes``: dp, then any token group).
+All are issued from the training thread in program order, with sizes fixed by the config
+(E, L), so every rank of a group issues the same calls in the same order: no deadlock
+under NCCL's rules.
+
+Routing: scores in fp32 -- softmax, or sigmoid (DeepSeek-V3) -- over E experts; each token
+picks the K best by score plus ``expert_bias`` (aux-loss-free balancing: the bias steers
+the choice, never the weights); its weights are the chosen scores, divided by their sum
+(``moe_norm_topk``, always with sigmoid). Dropless by default: every token reaches its K
+experts. With ``moe_capacity_factor`` C an expert takes at most ceil(C N K / E) of the N
+tokens' assignments of its micro-batch, the highest-scoring (ties: the earlier token),
+so the same tokens are dropped in every layout. A dropped assignment adds nothing (its
+token keeps the residual stream and the other experts).
+
+Auxiliary losses (Switch's load balance E sum_e f_e P_e, f_e the fraction of assignments
+and P_e the mean probability of expert e; ST-MoE's z-loss, the mean squared log-sum-exp
+of the router logits) reach the gradient without travelling through the pipeline:
+``_AttachAux`` adds their gradient when the layer's output gradient passes, scaled by
+``aux_loss_scale`` (the runner sets loss scale / micro-batches per step), so the step
+optimises coef * their mean over the step's micro-batches whatever the layout.
+
+Experts are stacked weights (E_local, ...) run as a loop over the tokens sorted by
+expert (a grouped GEMM would read the same layout); their FFN is split over tp like the
+dense MLP (first GEMM(s) by output columns, last by input rows); gpt2's last bias is
+added on tp rank 0 only, so the tp sum adds it once.
+
+Shape letters: N tokens of the micro-batch (B*T), C hidden, E experts, K top-k, M routed
+assignments, F expert FFN width (on this tp rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait import comm
+from plait.parallel.tensor import ShardSpec, enter_tp, leave_tp, mark_tp_partial, set_shard
+from plait.topology import Axis, Topology
+
+_AUX_SCALE = 1.0  # the gradient of the aux losses in the backward (aux_loss_scale)
+
+
+@contextlib.contextmanager
+def aux_loss_scale(scale: float):
+    """Backward passes in the body scale the aux losses' gradient by ``scale``: the runner
+    passes loss scale x micro-batch size / global batch size, so that a step optimises
+    coef x (mean over its micro-batches) -- the same at any dp / tp / pp layout. Outside,
+    1: one forward and ``loss.backward()`` optimise the loss plus coef x aux."""
+    global _AUX_SCALE
+    outer, _AUX_SCALE = _AUX_SCALE, scale
+    try:
+        yield
+    finally:
+        _AUX_SCALE = outer
+
+
+def token_groups(topo: Topology) -> tuple[Axis, ...]:
+    """The axes over which one micro-batch's routed tokens are split, whose load counts
+    (and router statistics) each layer sums per micro-batch. None: tp ranks route the
+    whole micro-batch (under sequence parallelism, after its all-gather) and dp ranks
+    hold whole micro-batches. (Context parallelism adds its axis here.)"""
+    return ()
+
+
+def balance_axes(topo: Topology) -> tuple[Axis, ...]:
+    """Every axis over which ranks hold other tokens of a step: dp and the token groups
+    (the expert bias is updated from the whole step's load)."""
+    return (Axis.DP, *token_groups(topo))
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``y``; in the backward, the aux loss gets gradient ``_AUX_SCALE / t``
+    (every tp rank computes the same aux loss and the router's gradients are summed over
+    tp: f's all-reduce, ``mark_tp_partial``)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, tp):
+        ctx.tp = tp
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), _AUX_SCALE / ctx.tp, device=grad.device), None
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing: ``idx`` (N, K) chosen experts, ``weights`` (N, K) fp32
+    differentiable, ``keep`` (N, K) or None (dropless), ``counts`` (E,) assignments per
+    expert before drops over the whole micro-batch, ``aux`` the differentiable aux loss
+    (coefficients applied; this rank's share), ``aux_value`` / ``z_value`` (the whole
+    micro-batch's, detached)."""
+
+    idx: torch.Tensor
+    weights: torch.Tensor
+    keep: torch.Tensor | None
+    counts: torch.Tensor
+    aux: torch.Tensor | None
+    aux_value: torch.Tensor
+    z_value: torch.Tensor
+
+
+def capacity(cfg, tokens: int) -> int | None:
+    """Assignments an expert takes from a micro-batch of ``tokens``: ceil(C N K / E)."""
+    if cfg.moe_capacity_factor is None:
+        return None
+    return math.ceil(cfg.moe_capacity_factor * tokens * cfg.moe_top_k / cfg.moe_experts)
+
+
+def capacity_keep(idx: torch.Tensor, score: torch.Tensor, *, num_experts: int, cap: int):
+    """(N, K) mask of the assignments kept: per expert its ``cap`` best by ``score``,
+    ties to the earlier token (stable sorts: deterministic on any device)."""
+    flat_e, flat_s = idx.reshape(-1), score.reshape(-1)
+    order = torch.sort(flat_s, descending=True, stable=True).indices
+    order = order[torch.sort(flat_e[order], stable=True).indices]  # by expert, best first
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(order.numel(), device=idx.device) - starts[flat_e[order]]
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[order] = rank < cap
+    return keep.view_as(idx)
+
+
+class Experts(nn.Module):
+    """``n`` expert MLPs of width ``ffn``, stacked: gpt2 ``w_fc`` (n, F, C), ``b_fc``
+    (n, F), ``w_proj`` (n, C, F), ``b_proj`` (n, C); llama ``w_gate``, ``w_up`` (n, F, C),
+    ``w_down`` (n, C, F). F is split over tp (``ShardSpec``) like the dense MLP's.
+    ``of``: (experts in all, index of the first held) when ``n`` is an ep rank's share."""
+
+    def __init__(self, cfg, n: int, ffn: int, *, topo: Topology, of: tuple[int, int] | None = None):
+        super().__init__()
+        self.arch, self.topo, self.n = cfg.block, topo, n
+        h, tp = cfg.hidden, topo.tp
+        if ffn % tp:
+            raise ValueError(f"expert FFN width {ffn} does not split over --tp {tp}")
+        f = ffn // tp
+
+        def param(*shape, dim):
+            p = set_shard(nn.Parameter(torch.empty(*shape)), ShardSpec(dim=dim))
+            if of is not None:
+                p.expert_shard = of  # init_weights: slice of the (of[0], ...) full tensor
+            return p
+
+        if self.arch == "gpt2":
+            self.w_fc, self.b_fc = param(n, f, h, dim=1), param(n, f, dim=1)
+            self.w_proj, self.b_proj = param(n, h, f, dim=2), param(n, h, dim=None)
+            if tp > 1:  # added on tp rank 0 only (bias_share), summed over tp
+                mark_tp_partial(self.b_proj)
+            self.register_buffer("bias_share", torch.tensor(float(topo.tp_rank == 0)),
+                                 persistent=False)  # fmt: skip
+        else:
+            self.w_gate, self.w_up = param(n, f, h, dim=1), param(n, f, h, dim=1)
+            self.w_down = param(n, h, f, dim=2)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (M, C) sorted by expert, ``counts[e]`` rows for expert e -> (M, C), a partial
+        sum over tp. An expert with no rows still takes part (zero gradients)."""
+        out = []
+        for e, xe in enumerate(x.split(counts)):
+            if self.arch == "gpt2":
+                hid = F.gelu(F.linear(xe, self.w_fc[e], self.b_fc[e]), approximate="tanh")
+                y = F.linear(hid, self.w_proj[e]) + self.b_proj[e] * self.bias_share
+            else:
+                hid = F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e])
+                y = F.linear(hid, self.w_down[e])
+            out.append(y)
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    """The routed MLP of one block: router, ``experts`` (all E, or this ep rank's E/n
+    with ``ep=(topo, axis)``), optional ``shared`` experts every token goes through.
+    x (B, T, C) -- (B, T/t, C) under sequence parallelism -- to the same shape.
+
+    ``token_axes``: where the micro-batch's tokens are split (default ``token_groups``)."""
+
+    def __init__(self, cfg, *, topo: Topology, sequence_parallel: bool = False, ep=None,
+                 token_axes: tuple | None = None):  # fmt: skip
+        super().__init__()
+        self.cfg, self.topo, self.sequence_parallel, self.ep = cfg, topo, sequence_parallel, ep
+        self.token_axes = token_groups(topo) if token_axes is None else tuple(token_axes)
+        E, n_ep = cfg.moe_experts, 1 if ep is None else ep[0].size(ep[1])
+        if E % n_ep:
+            raise ValueError(f"--moe-experts {E} do not split over --ep {n_ep}")
+        self.router = nn.Linear(cfg.hidden, E, bias=False)
+        if topo.tp > 1:
+            mark_tp_partial(self.router.weight)
+        if cfg.moe_bias_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(E))
+        else:
+            self.expert_bias = None
+        of = None
+        if ep is not None:
+            of = (E, ep[0].group_ranks[ep[1]].index(ep[0].rank) * (E // n_ep))
+        self.experts = Experts(cfg, E // n_ep, cfg.moe_ffn_hidden, topo=topo, of=of)
+        self.shared = None
+        if cfg.moe_shared_experts:
+            width = cfg.moe_shared_experts * cfg.moe_ffn_hidden
+            self.shared = Experts(cfg, 1, width, topo=topo)
+        self.reset_stats()
+        self._bias_load = torch.zeros(E, dtype=torch.float64)
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        E = self.cfg.moe_experts
+        self._load = torch.zeros(E, dtype=torch.float64)  # assignments per expert
+        self._dropped = torch.zeros((), dtype=torch.float64)
+        self._aux = torch.zeros(2, dtype=torch.float64)  # aux, z summed over micro-batches
+        self._micro_batches = 0
+
+    def _record(self, r: Routing) -> None:
+        """A training forward's statistics (not a recomputation's: it would count twice)."""
+        if not self.training or torch._C._current_graph_task_id() != -1:
+            return
+        dev = r.counts.device
+        if self._load.device != dev:
+            self._load, self._dropped = self._load.to(dev), self._dropped.to(dev)
+            self._aux, self._bias_load = self._aux.to(dev), self._bias_load.to(dev)
+        self._load += r.counts
+        self._bias_load += r.counts
+        if r.keep is not None:
+            self._dropped += (~r.keep).sum()
+        self._aux += torch.stack([r.aux_value, r.z_value])
+        self._micro_batches += 1
+
+    # -- routing -------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """x (N, C) -> this micro-batch's ``Routing`` (module docstring)."""
+        cfg, E, K = self.cfg, self.cfg.moe_experts, self.cfg.moe_top_k
+        dt = torch.promote_types(x.dtype, torch.float32)  # fp32, or the input's wider type
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.to(dt), self.router.weight.to(dt))  # (N, E)
+        if cfg.moe_router == "softmax":
+            scores = probs = logits.softmax(-1)
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+        pick = scores if self.expert_bias is None else scores.detach() + self.expert_bias
+        idx = pick.topk(K, dim=-1).indices  # (N, K)
+        weights = scores.gather(-1, idx)
+        if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        counts = torch.bincount(idx.reshape(-1), minlength=E).to(dt)
+        z = logits.logsumexp(-1).square()  # (N,)
+        stats = torch.cat([counts, probs.detach().sum(0), z.detach().sum()[None],
+                           x.new_full((1,), x.shape[0], dtype=dt)])  # fmt: skip
+        for axis in self.token_axes:  # the whole micro-batch's
+            comm.all_reduce(stats, topo=self.topo, axis=axis)
+        counts, prob_sum, z_sum, n = stats[:E], stats[E : 2 * E], stats[2 * E], stats[2 * E + 1]
+        frac = counts / (n * K)  # f_e: sums to 1
+        aux_value, z_value = E * (frac * prob_sum / n).sum(), z_sum / n
+        aux = None
+        if cfg.moe_aux_loss_coef > 0:  # this rank's tokens' share, with the global f and n
+            aux = cfg.moe_aux_loss_coef * E * (frac * probs.sum(0) / n).sum()
+        if cfg.moe_z_loss_coef > 0:
+            z_loss = cfg.moe_z_loss_coef * z.sum() / n
+            aux = z_loss if aux is None else aux + z_loss
+        keep, cap = None, capacity(cfg, int(n.item()) if self.token_axes else x.shape[0])
+        if cap is not None:
+            keep = capacity_keep(idx, scores.detach().gather(-1, idx), num_experts=E, cap=cap)
+        return Routing(idx, weights, keep, counts, aux, aux_value, z_value)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def forward(self, x):  # (B, T, C) or (B, T/t, C) -> the same
+        x = enter_tp(x, self.topo, self.sequence_parallel)
+        B, T, C = x.shape
+        xf = x.reshape(B * T, C)
+        r = self.route(xf)
+        self._record(r)
+        y = self._routed(xf, r)  # (N, C), partial over tp
+        if self.shared is not None:
+            y = y + self.shared(xf, [xf.shape[0]])
+        if r.aux is not None and torch.is_grad_enabled():
+            y = _AttachAux.apply(y, r.aux, self.topo.tp)
+        return leave_tp(y.view(B, T, C), self.topo, self.sequence_parallel)
+
+    def _routed(self, xf: torch.Tensor, r: Routing) -> torch.Tensor:
+        """Permute the kept assignments to expert order, run the experts (here or over
+        the ep group), and add each back to its token times its weight."""
+        N, K = r.idx.shape
+        E = self.cfg.moe_experts
+        expert = r.idx.reshape(-1)
+        token = torch.arange(N, device=xf.device).repeat_interleave(K)
+        weight = r.weights.reshape(-1)
+        if r.keep is not None:
+            kept = r.keep.reshape(-1)
+            expert, token, weight = expert[kept], token[kept], weight[kept]
+        order = torch.argsort(expert, stable=True)  # (M,), tokens by expert
+        token, weight = token[order], weight[order]
+        counts = torch.bincount(expert, minlength=E)
+        xs = xf[token]  # (M, C)
+        if self.ep is None:
+            ys = self.experts(xs, counts.tolist())
+        else:
+            from plait.parallel.expert import expert_parallel
+
+            ys = expert_parallel(xs, counts, self.experts, topo=self.ep[0], axis=self.ep[1])
+        ys = ys * weight.to(ys.dtype)[:, None]
+        return ys.new_zeros(N, xf.shape[1]).index_add(0, token, ys)
+
+
+# -- the model's MoE layers --------------------------------------------------------------
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_stats(model: nn.Module, *, reset: bool = True) -> dict:
+    """This rank's MoE statistics since the last reset, over its MoE layers (a rank's
+    micro-batches are whole: no reduction is needed for them; dp ranks differ): tokens
+    per expert (min / max / mean per layer and micro-batch, imbalance = max / mean, the
+    largest over layers), dropped fraction of the assignments, and the mean aux and z
+    losses (unscaled by their coefficients). {} without MoE layers or micro-batches."""
+    layers = [m for m in moe_layers(model) if m._micro_batches]
+    if not layers:
+        return {}
+    loads = torch.stack([m._load / m._micro_batches for m in layers])  # (L, E)
+    mean = loads.mean(-1)
+    aux = torch.stack([m._aux / m._micro_batches for m in layers]).mean(0)
+    dropped = sum(m._dropped for m in layers)
+    assigned = sum(m._load.sum() for m in layers)
+    values = comm.host_values(torch.cat([
+        loads.min(-1).values.min()[None], loads.max(-1).values.max()[None], mean.mean()[None],
+        (loads.max(-1).values / mean.clamp_min(1e-12)).max()[None],
+        (dropped / assigned.clamp_min(1))[None], aux,
+    ]).double())  # fmt: skip
+    if reset:
+        for m in layers:
+            m.reset_stats()
+    keys = ("moe_tokens_min", "moe_tokens_max", "moe_tokens_mean", "moe_imbalance",
+            "moe_dropped", "moe_aux_loss", "moe_z_loss")  # fmt: skip
+    return dict(zip(keys, values))
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, topo: Topology) -> None:
+    """After an optimizer step: each MoE layer's expert bias += rate * sign(mean load -
+    load), the load summed over the step's micro-batches and over every rank holding
+    other tokens (``balance_axes``): one all-reduce per axis of (L, E) counts. Every rank
+    of a dp group holds the same layers, so every one issues it. Resets the step's load."""
+    layers = [m for m in moe_layers(model) if m.expert_bias is not None]
+    if not layers:
+        return
+    load = torch.stack([m._bias_load.to(m.expert_bias.device) for m in layers]).float()
+    for axis in balance_axes(topo):
+        comm.all_reduce(load, topo=topo, axis=axis)
+    for m, lo in zip(layers, load):
+        m.expert_bias += m.cfg.moe_bias_rate * torch.sign(lo.mean() - lo)
+        m._bias_load = torch.zeros_like(m._bias_load)
