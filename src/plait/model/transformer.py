@@ -20,6 +20,7 @@ token of the whole sequences, restricts attention to a token's own document.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
 from plait.model.moe import MoE
 from plait.parallel.context import ContextLayout, context_attention, shard
+from plait.parallel.flat import resize_storage
 from plait.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -479,19 +481,53 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     return torch.randn(shape, generator=g) * std
 
 
+def _initial_shard(cfg: ModelConfig, name: str, p: torch.Tensor, topo: Topology, seed: int):
+    """This rank's part of parameter ``name``'s initial value (``init_value``): its tp
+    shard, of its experts only under expert parallelism."""
+    spec = shard_spec(p)
+    shape = full_shape(p.shape, spec, topo.tp)
+    experts = getattr(p, "expert_shard", None)  # (E, first held): an ep rank's experts
+    if experts is not None:
+        shape = (experts[0], *shape[1:])
+    full = init_value(cfg, name, shape, seed)
+    if experts is not None:
+        full = full.narrow(0, experts[1], p.shape[0])
+    return tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp)
+
+
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
-    topo = model.topo
     for name, p in model.named_parameters():
-        spec = shard_spec(p)
-        shape = full_shape(p.shape, spec, topo.tp)
-        experts = getattr(p, "expert_shard", None)  # (E, first held): an ep rank's experts
-        if experts is not None:
-            shape = (experts[0], *shape[1:])
-        full = init_value(model.cfg, name, shape, seed)
-        if experts is not None:
-            full = full.narrow(0, experts[1], p.shape[0])
-        p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
+        p.copy_(_initial_shard(model.cfg, name, p, model.topo, seed))
+
+
+def defer_init(model: Transformer, seed: int) -> None:
+    """Give each parameter of a model built on meta an ``init_value()`` that makes its
+    initial value (what ``init_weights`` would copy in) when called: ZeRO-3 calls it one
+    parameter at a time as it fills this rank's shards (``zero_units.initial_value``), so
+    the model is never held whole."""
+    for name, p in model.named_parameters():
+        p.init_value = functools.partial(_initial_shard, model.cfg, name, p, model.topo, seed)
+
+
+def hollow(model: nn.Module, device: torch.device | str) -> None:
+    """Replace each parameter of a model built on meta by one on ``device`` that holds no
+    storage (allocated and released one at a time: at most one parameter's bytes at once),
+    keeping its attributes (tp shard spec, ``init_value``). What a ZeRO-3 engine then points
+    into its unit buffers (``zero_units``); nothing may hold a meta parameter before this."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                resize_storage(t, 0)
+                q = nn.Parameter(t, requires_grad=p.requires_grad)
+                for key, value in p.__dict__.items():  # (a fake tensor's own stay)
+                    q.__dict__.setdefault(key, value)
+                new[id(p)] = q
+            module._parameters[name] = new[id(p)]
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -511,8 +547,9 @@ def build_model(
     """Build (a chunk of) the model with its deterministic initial weights. ``chunk``:
     ``Transformer``'s keywords (``topo``, ``layers``, ``pre``, ``post``, ``recompute``,
     ``sequence_parallel``, ``ep``: the (topo, axis) of the MoE layers' expert-parallel
-    group). On the ``meta`` device nothing is allocated or initialised:
-    for sizes and memory of large presets.
+    group). On the ``meta`` device nothing is allocated or initialised: for sizes and
+    memory of large presets, and for ZeRO-3, which initialises each parameter's shard from
+    its ``init_value()`` (``defer_init``).
 
     ``sequence_parallel`` (with tp > 1): activations between the tp regions are sequence
     shards; the gradients of the tp-replicated parameters then need ``TPGradSync``."""
@@ -520,4 +557,6 @@ def build_model(
         model = Transformer(cfg, **chunk)
     if str(device) != "meta":
         init_weights(model, seed)
+    else:
+        defer_init(model, seed)
     return model

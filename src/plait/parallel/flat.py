@@ -40,6 +40,13 @@ import torch
 # --- the one sharding definition ----------------------------------------------------------
 
 
+def resize_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Resize ``t``'s storage to ``nbytes`` (0 frees it; the tensor keeps its shape). Not
+    seen by ``plait rehearse``'s memory tracker (a storage's resize_ does not pass through
+    PyTorch's dispatcher): it counts a freed ZeRO-3 unit as still held."""
+    t.untyped_storage().resize_(nbytes)
+
+
 def shard_size(numel: int, n: int) -> int:
     """Elements in each of the n shards of a tensor (the last may be part padding)."""
     return math.ceil(numel / n)

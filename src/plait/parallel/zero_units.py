@@ -39,7 +39,7 @@ from torch import nn
 
 from plait import comm
 from plait.parallel.data_parallel import model_chunks, tensor_bytes, weak_method
-from plait.parallel.flat import FlatLayout, zero_shard
+from plait.parallel.flat import FlatLayout, resize_storage, zero_shard
 from plait.topology import Axis, Topology
 
 # --- asynchronous gathers of rank-major rows ---------------------------------------------
@@ -65,6 +65,17 @@ class Gather:
 # --- stage 3 parameters: gathered per unit, on demand --------------------------------------
 
 
+def initial_value(p: nn.Parameter, device: torch.device) -> torch.Tensor:
+    """``p``'s value on ``device``: its own, or -- for a parameter whose initialisation was
+    deferred, as a ZeRO-3 model's is (``Trainer.build``; ``transformer.defer_init``, then
+    ``hollow``) -- the initial value its ``init_value`` makes now (this rank's tp shard of
+    the parameter)."""
+    make = p.__dict__.pop("init_value", None)
+    if make is not None:
+        return make().to(device)
+    return p.detach()
+
+
 class Unit:
     """Parameters gathered and freed together (a block, the embedding, the norm + head).
 
@@ -72,12 +83,16 @@ class Unit:
     Memory); the others are held in their own dtype (fp32)."""
 
     def __init__(self, name: str, params: list[nn.Parameter], *, n: int, rank: int,
-                 compute_dtype: torch.dtype | None = None, low=frozenset()):  # fmt: skip
+                 compute_dtype: torch.dtype | None = None, low=frozenset(),
+                 device: torch.device | None = None):  # fmt: skip
         self.name, self.params = name, params
+        self.device = device if device is not None else params[0].device
         self.layout = FlatLayout.of(params, n=n, rank=rank)  # the rows gathered
-        self.row = self.layout.pack_row(
-            [zero_shard(p.detach(), rank=rank, n=n) for p in params], like=params[0]
-        )
+        # one parameter at a time: a model built on meta is initialised here, shard by
+        # shard (``initial_value``), and never exists whole
+        shards = (zero_shard(initial_value(p, self.device), rank=rank, n=n) for p in params)
+        like = torch.empty(0, dtype=params[0].dtype, device=self.device)
+        self.row = self.layout.pack_row(shards, like=like)
         held = [compute_dtype if id(p) in low else p.dtype for p in params]
         self._hold(params, held)  # from now on each p lives in a buffer of ``buffers``
         self.free_storage()  # ... which exists only while gathered
@@ -97,7 +112,7 @@ class Unit:
     def _hold(self, params, dtypes) -> None:
         """One flat buffer per dtype, each parameter a view into its dtype's buffer (one
         after another, in unit order)."""
-        device = params[0].device
+        device = self.device
         self.buffers, self.slices = [], [None] * len(params)
         for dtype in dict.fromkeys(dtypes):
             idx = [i for i, d in enumerate(dtypes) if d == dtype]
@@ -116,11 +131,11 @@ class Unit:
 
     def allocate(self) -> None:
         for buf, nbytes in zip(self.buffers, self.nbytes):
-            buf.untyped_storage().resize_(nbytes)
+            resize_storage(buf, nbytes)
 
     def free_storage(self) -> None:
         for buf in self.buffers:
-            buf.untyped_storage().resize_(0)
+            resize_storage(buf, 0)
 
 
 def _units_of(chunk: nn.Module, **kw) -> list[tuple[Unit, nn.Module, nn.Module]]:
@@ -188,7 +203,8 @@ class ParamUnits:
         if wire_dtype not in (None, torch.float32):
             low = compute_dtype_params(model, keep)
         for chunk in model_chunks(model):
-            found = _units_of(chunk, n=n, rank=rank, compute_dtype=wire_dtype, low=low)
+            found = _units_of(chunk, n=n, rank=rank, compute_dtype=wire_dtype, low=low,
+                              device=shard_topo.device)  # fmt: skip
             units = [u for u, _, _ in found]
             rest = [u for u in units if u.name == "rest"]
             blocks = [u for u in units if u.name != "rest"]

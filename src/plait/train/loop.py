@@ -45,7 +45,7 @@ from plait.dp_algos.algorithm import ResumeError
 from plait.layout import Layout
 from plait.model import lora, moe, quant
 from plait.model.sizes import model_flops_per_token
-from plait.model.transformer import build_model, compile_blocks
+from plait.model.transformer import build_model, compile_blocks, hollow
 from plait.parallel.context import document_ids, shard
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.held import Held
@@ -203,15 +203,22 @@ class Trainer:
         # --document-mask: attention stops at the tokenizer's end-of-text id
         self.eot = getattr(self, "eot_id", None) if layout.document_mask else None
 
-        # model and its parallel wrapping
+        # model and its parallel wrapping. ZeRO-3 builds it on meta: the engine makes each
+        # parameter's shard from its initial value, one parameter at a time (a 70B model at
+        # dp 64 never holds 280 GB on a rank); --init-hf, LoRA and QAT write into whole
+        # parameters first, and MoE holds a buffer (the expert bias), so they build it whole.
+        meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat or model_cfg.moe)
+        device = "meta" if meta else "cpu"
         if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
             model = build_stage(
-                model_cfg, layout, topo=topo, seed=tcfg.seed, method=layout.pp_partition
-            )
+                model_cfg, layout, topo=topo, seed=tcfg.seed, method=layout.pp_partition,
+                device=device,
+            )  # fmt: skip
         else:
             model = build_model(
                 model_cfg,
                 seed=tcfg.seed,
+                device=device,
                 topo=topo,
                 recompute=layout.recompute,
                 sequence_parallel=layout.sequence_parallel,
@@ -220,7 +227,9 @@ class Trainer:
         # moved only when it is elsewhere: a no-op move still swaps every tensor, which
         # the fake tensors of a rehearsal (plait.rehearse) refuse
         held = itertools.chain(model.parameters(), model.buffers())
-        if any(t.device != topo.device for t in held):
+        if meta:  # parameters on the device without storage, filled by the ZeRO-3 engine
+            hollow(model, topo.device)
+        elif any(t.device != topo.device for t in held):
             model.to(topo.device)
         if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
             from plait.model import hf
