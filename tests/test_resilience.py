@@ -468,3 +468,67 @@ def test_more_than_f_failures_fall_back_to_the_checkpoint(corpus, reference, tmp
     ckpts = checkpoint.checkpoint_dirs(out / "checkpoints")
     assert [c.name for c in ckpts] == [f"step-{s:08d}" for s in (8, 12)]  # keeps 2
     assert all(checkpoint.verify(c) is None for c in ckpts)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _worker_pids(out: Path, node_pid: int) -> list[int]:
+    """The worker processes started by the launcher ``node_pid`` (its children running
+    plait.train.worker)."""
+    from plait.train.launch import children_by_rank
+
+    return list(children_by_rank(node_pid).values())
+
+
+def test_launchers_killed_or_terminated_leave_no_workers_behind(corpus, tmp_path):
+    """Two launchers of a --fault-tolerance run. Node 1's agent gets SIGTERM: it exits
+    within seconds and its workers with it (an agent that let a store call or its workers
+    hold it broke this). Node 0's launcher, the coordinator, gets SIGKILL: nobody can stop
+    its workers, yet they are gone within a few seconds -- the parent-death signal
+    (liveness.die_with_parent); without it they waited in collectives until their
+    --collective-timeout, holding their devices."""
+    out = tmp_path / "run"
+    flags = ["--steps", 100000, "--dp", 4, "--pp", 1, "--fault-tolerance", 1,
+             "--heartbeat-timeout", 3, "--no-progress", "--nnodes", 2,
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", corpus.path,
+           "--cache-dir", corpus.cache_dir, "--out", str(out), *map(str, flags)]  # fmt: skip
+    launchers = [subprocess.Popen([*cmd, "--node-rank", str(n)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for n in (0, 1)]  # fmt: skip
+    node0, node1 = launchers
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() or len(records(out)) < 3:
+            assert time.time() < deadline and node0.poll() is None, node0.stderr.read()[-2000:]
+            time.sleep(0.1)
+        workers = {n: _worker_pids(out, p.pid) for n, p in enumerate(launchers)}
+        assert len(workers[0]) == 2 and len(workers[1]) == 2, workers
+        deadline = time.time() + 120
+        t0 = time.monotonic()
+        node1.send_signal(signal.SIGTERM)
+        node1.wait(timeout=10)
+        assert time.monotonic() - t0 < 6.0, time.monotonic() - t0
+        assert node1.returncode == 143, node1.stderr.read()[-4000:]
+        assert not [p for p in workers[1] if _alive(p)], workers[1]
+        # node 0 goes on (in place) without node 1: its workers train, nothing stops them
+        done = len(records(out))
+        while len(records(out)) < done + 3:
+            assert time.time() < deadline and node0.poll() is None, node0.stderr.read()[-2000:]
+            time.sleep(0.1)
+        workers[0] = _worker_pids(out, node0.pid)
+        node0.kill()
+        node0.wait()
+        t0 = time.monotonic()
+        while [p for p in workers[0] if _alive(p)] and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert not [p for p in workers[0] if _alive(p)], workers[0]
+        print(f"workers of node 0 gone {time.monotonic() - t0:.2f} s after its SIGKILL")
+    finally:
+        for p in launchers:
+            p.kill()

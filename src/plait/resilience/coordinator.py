@@ -54,6 +54,7 @@ from plait.train.config import RunConfig
 from plait.train.run_folder import open_nofollow
 
 POLL_S = 0.02
+SHUTDOWN_S, KILL_WAIT_S = 3.0, 2.0  # at the end: SIGTERM's grace, then SIGKILL's wait
 READY_TIMEOUT_S = 300.0  # a replacement that is not ready by then no longer holds chaos
 
 
@@ -509,18 +510,25 @@ class Coordinator:
         protocol.publish(self.store, {"gen": self.gen, **decision})
 
     def _wait_exit(self, grace: float = 10.0) -> None:
-        deadline = time.time() + grace
-        for p in self.procs.values():
-            if p.dead and p.handle.poll() is None:
-                continue  # lost with its node: no exit will be reported
+        """Until every process has exited, for ``grace`` seconds in all; SIGKILL to those
+        left, then at most ``KILL_WAIT_S`` more (a node that is gone reports no exit)."""
+        deadline = time.monotonic() + grace
+        left = [p for p in self.procs.values() if p.handle.poll() is None
+                and (self.nodes.alive(p.node) or not p.dead)]  # fmt: skip
+        for p in left:  # (one lost with its node is skipped: no exit will be reported)
+            if p.dead:  # expelled (hung, or cut off) and still there: it holds nothing
+                p.handle.signal(signal.SIGKILL)
+        for p in left:
             try:
-                p.handle.wait(max(0.0, deadline - time.time()))
+                p.handle.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.handle.signal(signal.SIGKILL)
-                try:
-                    p.handle.wait(grace)
-                except subprocess.TimeoutExpired:  # on a node that is gone: nobody reports
-                    self.log("unreported exit", worker=p.worker, node=p.node)
+        deadline = time.monotonic() + KILL_WAIT_S
+        for p in left:
+            try:
+                p.handle.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # on a node that is gone: nobody reports
+                self.log("unreported exit", worker=p.worker, node=p.node)
 
     def fatal(self, word: dict) -> LaunchError:
         log = word.get("log")
@@ -528,14 +536,17 @@ class Coordinator:
         return LaunchError(word["message"] + where, code=word["code"], detail=word.get("detail"))
 
     def shutdown(self) -> None:
+        """Within ``SHUTDOWN_S`` + ``KILL_WAIT_S`` + 2 s whatever the workers and nodes do
+        (a SIGTERM to the launcher must end it in seconds): SIGCONT + SIGTERM to every
+        process, SIGKILL to those left, and the agents' goodbyes."""
         self.store.set(nodes.STOP, "1")  # the agents end once their workers have
         for p in self.procs.values():
             if p.handle.poll() is None:
-                p.handle.signal(signal.SIGCONT)
+                p.handle.signal(signal.SIGCONT)  # an expelled worker still stopped, say
                 p.handle.signal(signal.SIGTERM)
-        self._wait_exit(5.0)
+        self._wait_exit(SHUTDOWN_S)
         alive = [n for n in range(1, self.nnodes) if self.nodes.alive(n)]
-        nodes.wait_agents(self.store, alive, timeout=5.0)  # then the store may go
+        nodes.wait_agents(self.store, alive, timeout=2.0)  # then the store may go
         self.events.close()
 
 
