@@ -58,7 +58,11 @@ def worker_command(*, config: Path, address: str, worker: int, local_rank: int,
     env = {**os.environ, "RANK": str(worker), "LOCAL_RANK": str(local_rank),
            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           signed_store.ENV: secret.hex(), **liveness.parent_env()}  # fmt: skip
+           signed_store.ENV: secret.hex(), **liveness.parent_env(),
+           # NCCL: a failed or timed-out collective aborts its communicators and raises in
+           # the training thread (2, CleanUpOnly), instead of ending the process (torch's
+           # default, 3): recovery in place needs the process (docs/resilience.md)
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")}  # fmt: skip
     cmd = [sys.executable, "-m", "plait.train.worker", "--config", str(config),
            "--liveness", address]  # fmt: skip
     return cmd, env
