@@ -21,9 +21,10 @@ does not verify or parse is ignored. The keys (``{n}`` a node, ``{w}`` a worker 
 An agent acts on the keys ten times a second; it touches no process group, so it holds
 nothing NCCL could wait on. A dead worker is replaced on its own node (by that node's
 agent), or, when that node is gone, on the least loaded node alive. A node is gone when its
-agent's beat stops for ``--heartbeat-timeout``; its workers' heartbeats stop too, the
-coordinator's SIGKILL finds nobody to deliver it, so each is declared dead without an exit
-report ("lost with node n") -- the same path as any death. Not covered: the coordinator's node dying ends the run (``docs/resilience.md``).
+agent's beat stops for ``--heartbeat-timeout``; its workers' heartbeats stop too, so each
+is declared dead without an exit report (silent, or "lost with node n") -- the same path as
+any death: the survivors abort their generation on the coordinator's ``ft/abort``, and
+nothing needs to reach the lost node. Not covered: the coordinator's node dying ends the run (``docs/resilience.md``).
 """
 
 from __future__ import annotations
