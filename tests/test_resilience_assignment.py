@@ -301,3 +301,59 @@ def test_the_availability_model_orders_the_strategies_as_failures_grow():
     )
     # redundant computation pays its extra forward even without failures
     assert m.rc_step_s > m.step_s
+
+
+def test_step_watchdog_declares_a_stall_after_k_times_the_median_and_not_before():
+    """The coordinator's step-progress watchdog (``Coordinator.stall_check``), on a fake
+    clock: steps of 1 s, then none. A failure is declared once no step started for
+    max(10 x the median, 2 x --heartbeat-timeout) = 10 s, not at 9 s; a checkpoint being
+    written or a chaos hold is never a stall. Breaks if the watchdog fires on a slow but
+    moving run, never fires, or times a save as a hang."""
+    from plait.resilience import coordinator as c
+
+    class Fake(c.Coordinator):
+        def __init__(self):
+            self.failure, self.requested, self.held, self.gen = None, False, None, 0
+            self.res = ResilienceConfig(fault_tolerance=1, heartbeat_timeout=3)
+            self.chaos = Chaos(self.res)
+            self.stall, self.step_times, self.stall_polled = None, [], 0.0
+            self.seen, self.noted = {}, []
+
+        def progress(self):
+            return self.seen
+
+        def log(self, event, **kw):
+            pass
+
+        def note_failure(self, when, what, *, declared=True):
+            self.noted.append(what)
+            self.failure = (when, what)
+
+    clock = [100.0]
+    c.time.monotonic, real = (lambda: clock[0]), c.time.monotonic
+    try:
+        f = Fake()
+        for step in range(1, 6):  # 1 s a step
+            f.seen = {0: (step, 0.0, 1.0, "step"), 1: (step, 0.0, 1.0, "step")}
+            f.stall_check(clock[0])
+            clock[0] += 1.0
+        clock[0] += 8.0  # 9 s into step 5 (started at 104): no stall yet
+        f.stall_check(clock[0])
+        assert f.noted == []
+        f.seen = {0: (5, 0.0, 1.0, "save"), 1: (5, 0.0, 1.0, "step")}
+        clock[0] += 30.0  # a checkpoint: as long as it takes
+        f.stall_check(clock[0])
+        assert f.noted == []
+        f.seen = {0: (5, 0.0, 1.0, "step"), 1: (5, 0.0, 1.0, "step")}
+        f.stall_check(clock[0])  # the save ended: timed afresh
+        clock[0] += 9.5
+        f.held = (0, 7)  # a chaos hold: no step is expected
+        f.stall_check(clock[0])
+        assert f.noted == [] and f.stall is None
+        f.held = None
+        f.stall_check(clock[0])
+        clock[0] += 10.5
+        f.stall_check(clock[0])
+        assert len(f.noted) == 1 and "no step completed in 10.5 s" in f.noted[0], f.noted
+    finally:
+        c.time.monotonic = real

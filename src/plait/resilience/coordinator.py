@@ -15,16 +15,19 @@ What it does, every 20 ms:
 
 - **Liveness.** A worker is dead when its process exits without its last word (a signal,
   an out-of-memory kill, a crash of the interpreter), or when its heartbeat stopped for
-  ``--heartbeat-timeout`` seconds (then it is killed: a hung process must not come back
-  and write). A worker whose last word is an error (bad input, a bug, gradients that are
+  ``--heartbeat-timeout`` seconds, or when it does not leave an aborted generation; a
+  generation is broken too when no member starts a step for 10 x the median step time
+  (``stall_check``). The coordinator publishes ``ft/abort``: every survivor aborts the
+  generation's groups from its side thread, and recovery never waits on killing anyone
+  (a dead worker that runs again finds itself expelled and exits, writing nothing). A worker whose last word is an error (bad input, a bug, gradients that are
   not finite) ends the run with that line, as a failure no re-forming would cure.
 - **Chaos.** ``--inject-failure`` / ``--chaos-every`` (``chaos.py``): SIGKILL or SIGSTOP to
   real worker processes. A shot due while a replacement is on its way holds the run
   (``ft/hold``) at the boundary before its step until the replacement has joined.
 - **Re-forming.** On a death, or when a worker reports it left the generation, it waits
-  for every living member to report (each drops the broken generation at once, so a peer
-  waiting in a collective fails within milliseconds; one that still has not reported
-  after the heartbeat timeout is killed), then decides the next generation
+  for every living member to report (each aborts and drops the broken generation at once,
+  so a peer waiting in a collective fails within milliseconds; one that still has not
+  reported after the heartbeat timeout + 5 s is expelled), then decides the next generation
   (``decide``): where the run is (the most steps any survivor applied), who rolls
   forward, the template combination for the workers it has (``templates.choose``), who
   holds what (``assignment.assign``), who sends what to whom (``assignment.sources``) -- or, when
@@ -54,6 +57,13 @@ from plait.train.config import RunConfig
 from plait.train.run_folder import open_nofollow
 
 POLL_S = 0.02
+# The step-progress watchdog (``stall_check``). 10 x the median: stragglers (a garbage
+# collection, a slow data read, a noisy neighbour) stay within 2-3 x; a step 10 x slower is
+# a hang for any practical purpose. The floor, 2 x --heartbeat-timeout (20 s by default):
+# steps of milliseconds would otherwise trip on a scheduling hiccup, and a hang that stops
+# the heartbeat too is the heartbeat's to find, sooner.
+STALL_K, STALL_FLOOR_X, STALL_WINDOW, STALL_POLL_S = 10.0, 2.0, 50, 1.0
+SHUTDOWN_S, KILL_WAIT_S = 3.0, 2.0  # at the end: SIGTERM's grace, then SIGKILL's wait
 READY_TIMEOUT_S = 300.0  # a replacement that is not ready by then no longer holds chaos
 
 
@@ -63,7 +73,6 @@ class Proc:
     handle: nodes.Local | nodes.Remote  # the process, on this node or through its agent
     node: int = 0
     local_rank: int = 0
-    killed_at: float | None = None  # when SIGKILL went out (silent, or would not leave)
     ready: bool = False
     dead: bool = False
     finished: bool = False
@@ -128,6 +137,11 @@ class Coordinator:
         self.spawns: dict[int, list[str]] = {}  # node -> the "w:l" items asked of its agent
         self.failure: tuple[float, str] | None = None  # (when, what) of the first evidence
         self.requested = False
+        self.aborted: tuple[int, int] = (-1, 0)  # the ft/abort published last (gen, dead)
+        self.broken = -1  # the newest generation declared broken
+        self.stall: tuple[int, float] | None = None  # (newest step started, when) of members
+        self.step_times: list[float] = []  # the last STALL_WINDOW step times
+        self.stall_polled = 0.0
         self.last_progress: dict[int, tuple[int, float, float]] = {}
         self.durations: dict[int, float] = {}  # each worker's last step time before a pause
 
@@ -162,12 +176,6 @@ class Coordinator:
         self.dog.ranks.append(w)
         self.log("spawn", worker=w, node=node, pid=handle.pid)
         return w
-
-    def _lost(self, p: Proc) -> bool:
-        """A worker of a node that is gone: it went silent (the watchdog sent SIGKILL) or
-        would not leave its generation, no exit was reported, and its node's agent no
-        longer beats (a worker whose agent alone died still beats: it is not lost)."""
-        return p.killed_at is not None and not self.nodes.alive(p.node)
 
     def place_replacement(self, p: Proc) -> tuple[int, int]:
         """(node, local rank) for the replacement of ``p``: its node and device, or, if
@@ -237,8 +245,7 @@ class Coordinator:
             if p.dead or p.finished:
                 continue
             code = p.handle.poll()
-            lost = code is None and self._lost(p)
-            if code is None and not lost:
+            if code is None:
                 if not p.ready and not p.dead and self.store.check([protocol.READY.format(w)]):
                     p.ready = True
                 continue
@@ -248,27 +255,17 @@ class Coordinator:
                 continue
             if word is not None:  # an error no re-forming cures: the run ends with it
                 raise self.fatal(word)
-            p.dead = True
-            if w in self.dog.ranks:
-                self.dog.ranks.remove(w)
-            how = _signal_name(code)
-            if p.signal in ("stop", "hung"):
-                how = "no heartbeat: killed by the watchdog"
-            if lost:
-                how = f"lost with node {p.node}: no heartbeat, no exit report"
-            what = f"worker {w} died ({how})"
-            self.log("death", worker=w, returncode=code, signal=p.signal, how=how)
-            if w in self.members():
-                self.note_failure(now, what + self._during(w))
-            if self.res.respawn and not self.all_finished_soon():
-                self.spawn(*self.place_replacement(p))
+            self.expel(p, _signal_name(code), now, code=code)
         for s in self.dog.poll():
-            if self.procs[s.rank].dead:
+            p = self.procs[s.rank]
+            if p.dead or p.finished:
                 continue
             self.log("silent", worker=s.rank, silent_s=s.silent_s)
-            self.procs[s.rank].signal = self.procs[s.rank].signal or "hung"
-            self.procs[s.rank].killed_at = time.time()
-            self.procs[s.rank].handle.signal(signal.SIGKILL)
+            how = (f"no heartbeat for {s.silent_s:.1f} s" if self.nodes.alive(p.node) else
+                   f"lost with node {p.node}: no heartbeat, no exit report")  # fmt: skip
+            self.expel(p, how, now)
+        if self.gen >= 0:
+            self.stall_check(now)
         if self.gen >= 0 and self.chaos.enabled:
             reforming = self.failure is not None or self.requested
             copies, coming = 0 if reforming else self.copies(), self.coming()
@@ -280,15 +277,76 @@ class Coordinator:
                     self.send(shot.worker, shot.signal)
                     if shot.signal == "kill":  # the failure starts now, not when it is seen
                         self.note_failure(time.time(), f"worker {shot.worker} died (SIGKILL)"
-                                          f"{self._during(shot.worker)}")  # fmt: skip
+                                          f"{self._during(shot.worker)}", declared=False)  # fmt: skip
                     else:
                         self.note_failure(time.time(), f"worker {shot.worker} hung (SIGSTOP)"
-                                          f"{self._during(shot.worker)}")  # fmt: skip
+                                          f"{self._during(shot.worker)}", declared=False)  # fmt: skip
             self.hold(self.chaos.hold_step(copies=copies, coming=coming))
         left = protocol.reports(self.store, self.gen, self.members())
-        if left and self.failure is None and not self.requested:
+        if left and self.broken != self.gen and not self.requested:
             first = min(left.values(), key=lambda r: r["t"])
             self.note_failure(first["t"], f"a worker saw: {first['why']}")
+
+    def stall_check(self, now: float) -> None:
+        """The step-progress watchdog: a failure of the generation when no member has
+        started a new step for ``STALL_K`` x the median step time (at least
+        ``STALL_FLOOR_X`` x --heartbeat-timeout) while nothing explains it (a checkpoint
+        or an evaluation in progress, a hold, a re-forming) -- a hang whose heartbeats
+        still beat (a stuck kernel, a collective that never completes). The generation is
+        aborted on every member; those that leave re-form as usual (the step redone), and
+        one that does not (stuck outside any collective) is expelled as unresponsive."""
+        if self.failure is not None or self.requested or (self.held and self.held[1]):
+            self.stall = None
+            return
+        if not self.chaos.enabled and now - self.stall_polled < STALL_POLL_S:
+            return  # a read per member: not every 20 ms on a thousand workers
+        self.stall_polled = now
+        seen = self.progress()
+        if not seen or any(p[3] != "step" for p in seen.values()):
+            self.stall = None  # saving or evaluating: as long as it takes
+            return
+        step, t = max(p[0] for p in seen.values()), time.monotonic()
+        if self.stall is None or self.stall[0] != step:
+            if self.stall is not None and step == self.stall[0] + 1:
+                self.step_times = [*self.step_times[-(STALL_WINDOW - 1) :], t - self.stall[1]]
+            self.stall = (step, t)
+            return
+        if len(self.step_times) < 3:
+            return
+        median = sorted(self.step_times)[len(self.step_times) // 2]
+        limit = max(STALL_K * median, STALL_FLOOR_X * self.res.heartbeat_timeout)
+        if t - self.stall[1] > limit:
+            self.log("stall", gen=self.gen, step=step, waited_s=t - self.stall[1], median_s=median)
+            self.note_failure(now, f"no step completed in {t - self.stall[1]:.1f} s (median "
+                              f"step {median:.2f} s) during step {step}")  # fmt: skip
+
+    def expel(self, p: Proc, how: str, now: float, *, code: int | None = None) -> None:
+        """Declare worker ``p`` dead: a failure of its generation (every survivor aborts
+        its groups: ``ft/abort``), a replacement started. Nothing is sent to it: a hung or
+        cut-off worker that runs again finds itself expelled and exits writing nothing
+        (``elastic.Watcher``), so recovery never waits on a kill reaching it."""
+        w = p.worker
+        p.dead = True
+        if w in self.dog.ranks:
+            self.dog.ranks.remove(w)
+        self.log("death", worker=w, returncode=code, signal=p.signal, how=how)
+        if w in self.members():
+            self.note_failure(now, f"worker {w} died ({how}){self._during(w)}")
+        else:
+            self.publish_abort()  # the expelled list only
+        if self.res.respawn and not self.all_finished_soon():
+            self.spawn(*self.place_replacement(p))
+
+    def publish_abort(self) -> None:
+        """``ft/abort``: the current generation is broken (once a failure is noted) and
+        who is expelled (every worker declared dead so far)."""
+        dead = [w for w, p in self.procs.items() if p.dead]
+        gen = self.broken
+        if (gen, len(dead)) != self.aborted:
+            protocol.abort(self.store, gen, dead)
+            self.aborted = (gen, len(dead))
+            if gen >= 0:
+                self.log("abort", gen=gen, dead=dead)
 
     def coming(self) -> bool:
         """Whether a replacement is on its way: a worker started less than
@@ -334,9 +392,16 @@ class Coordinator:
         p = self.last_progress.get(w)
         return f" during step {p[0]}" if p else ""
 
-    def note_failure(self, when: float, what: str) -> None:
+    def note_failure(self, when: float, what: str, *, declared: bool = True) -> None:
+        """A failure of the current generation, from ``when``. ``declared``: the
+        coordinator's own finding (an exit, a silence, a member's report), which aborts the
+        generation on every survivor; a chaos shot only dates it (the finding must come
+        from the detection, as for a real failure)."""
         if self.failure is None or when < self.failure[0]:
             self.failure = (when, what)
+        if declared:
+            self.broken = self.gen
+            self.publish_abort()
 
     def progress(self) -> dict[int, tuple[int, float, float]]:
         out = {}
@@ -398,12 +463,9 @@ class Coordinator:
         if len(left) < len(living):
             if time.time() - started < self.res.heartbeat_timeout + 5:
                 return False
-            for w in set(living) - set(left):  # blocked although its peers dropped: stop it
-                p = self.procs[w]
-                if p.killed_at is None:  # once (on a node that is gone it never exits)
-                    self.log("unresponsive", worker=w)
-                    self.send(w, "kill")
-                    p.killed_at = time.time()
+            for w in sorted(set(living) - set(left)):  # beating, but it does not leave
+                self.log("unresponsive", worker=w)
+                self.expel(self.procs[w], "did not leave its aborted generation", time.time())
             return False
         decision = self.decide(left)
         if decision is None:
@@ -509,18 +571,25 @@ class Coordinator:
         protocol.publish(self.store, {"gen": self.gen, **decision})
 
     def _wait_exit(self, grace: float = 10.0) -> None:
-        deadline = time.time() + grace
-        for p in self.procs.values():
-            if p.dead and p.handle.poll() is None:
-                continue  # lost with its node: no exit will be reported
+        """Until every process has exited, for ``grace`` seconds in all; SIGKILL to those
+        left, then at most ``KILL_WAIT_S`` more (a node that is gone reports no exit)."""
+        deadline = time.monotonic() + grace
+        left = [p for p in self.procs.values() if p.handle.poll() is None
+                and (self.nodes.alive(p.node) or not p.dead)]  # fmt: skip
+        for p in left:  # (one lost with its node is skipped: no exit will be reported)
+            if p.dead:  # expelled (hung, or cut off) and still there: it holds nothing
+                p.handle.signal(signal.SIGKILL)
+        for p in left:
             try:
-                p.handle.wait(max(0.0, deadline - time.time()))
+                p.handle.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.handle.signal(signal.SIGKILL)
-                try:
-                    p.handle.wait(grace)
-                except subprocess.TimeoutExpired:  # on a node that is gone: nobody reports
-                    self.log("unreported exit", worker=p.worker, node=p.node)
+        deadline = time.monotonic() + KILL_WAIT_S
+        for p in left:
+            try:
+                p.handle.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # on a node that is gone: nobody reports
+                self.log("unreported exit", worker=p.worker, node=p.node)
 
     def fatal(self, word: dict) -> LaunchError:
         log = word.get("log")
@@ -528,14 +597,17 @@ class Coordinator:
         return LaunchError(word["message"] + where, code=word["code"], detail=word.get("detail"))
 
     def shutdown(self) -> None:
+        """Within ``SHUTDOWN_S`` + ``KILL_WAIT_S`` + 2 s whatever the workers and nodes do
+        (a SIGTERM to the launcher must end it in seconds): SIGCONT + SIGTERM to every
+        process, SIGKILL to those left, and the agents' goodbyes."""
         self.store.set(nodes.STOP, "1")  # the agents end once their workers have
         for p in self.procs.values():
             if p.handle.poll() is None:
-                p.handle.signal(signal.SIGCONT)
+                p.handle.signal(signal.SIGCONT)  # an expelled worker still stopped, say
                 p.handle.signal(signal.SIGTERM)
-        self._wait_exit(5.0)
+        self._wait_exit(SHUTDOWN_S)
         alive = [n for n in range(1, self.nnodes) if self.nodes.alive(n)]
-        nodes.wait_agents(self.store, alive, timeout=5.0)  # then the store may go
+        nodes.wait_agents(self.store, alive, timeout=2.0)  # then the store may go
         self.events.close()
 
 

@@ -19,14 +19,17 @@ copy; ``engines.py``: gradients; the pipeline executor and the trainer's statist
 plus one world all-reduce (MAX) of two flags per step (leave; hold), and the store
 (``protocol.py``, every message signed: ``signed_store.py``) between generations; the
 generation's process groups are set up on the store's raw interface (torch's own keys). The side thread (``Watcher``) reads store keys and
-touches no process group. A chaos hold repeats the flags' all-reduce on every rank alike
+issues no collective; on the coordinator's ``ft/abort`` it aborts the current generation's
+groups (``Generation.abort``), which only makes the training thread's pending and later
+collectives of that generation fail. A chaos hold repeats the flags' all-reduce on every rank alike
 (each repeat is decided by the previous one's result), so the ranks' collectives still
 match one for one.
 
 Why nothing is left pending and why recovery cannot deadlock (under NCCL as on gloo):
 
-- Every rank leaves a broken generation at a known point: the collective that failed
-  raises in the training thread (this rank issues nothing after it), or, for a planned
+- Every rank leaves a broken generation at a known point: the collective that failed, or
+  that the coordinator's abort ended (a failure it declared: a silent or exited worker, a
+  stalled step), raises in the training thread (this rank issues nothing after it), or, for a planned
   change, at a step boundary all ranks agree on by the flag's all-reduce (every rank
   has issued exactly the same collectives before it). The generation is then dropped
   at once (NCCL: communicators aborted, never reused; gloo: destroyed), which also makes
@@ -84,12 +87,21 @@ def _line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
-class Watcher:
-    """Side thread: reads ``ft/request`` (and, with chaos, ``ft/hold``) ten times a second
-    on a store client of its own. Touches no process group (DESIGN.md section 8)."""
+EXPELLED_EXIT = 3  # the exit code of a worker that finds itself expelled (ft/abort)
 
-    def __init__(self, store, *, chaos: bool = False):
+
+class Watcher:
+    """Side thread: reads ``ft/request``, ``ft/abort`` (and, with chaos, ``ft/hold``) ten
+    times a second on a store client of its own. On ``ft/abort`` it aborts the current
+    generation's groups (``Worker.abort``: NCCL's abort, or gloo's connections shut down),
+    which issues nothing and only makes the training thread's collectives fail; it issues
+    no collective itself (DESIGN.md section 8). Finding this worker among the expelled, it
+    ends the process at once (``EXPELLED_EXIT``): a worker that was stopped or cut off
+    while the run went on without it must not write."""
+
+    def __init__(self, store, *, chaos: bool = False, worker: int = -1, on_abort=None):
         self.store, self.request, self.chaos = store, 0, chaos
+        self.worker, self.on_abort = worker, on_abort
         self.hold = (-1, 0)  # (generation, step) of ft/hold
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="plait-watcher", daemon=True).start()
@@ -101,12 +113,28 @@ class Watcher:
                 hold = protocol.hold(self.store) if self.chaos else None
                 if hold is not None:
                     self.hold = hold
+                gen, dead = protocol.aborted(self.store)
             except Exception:  # noqa: BLE001 - the coordinator is gone; the run is over
                 return
+            if self.worker in dead:
+                expelled(self.worker, gen)
+            if gen >= 0 and self.on_abort is not None:
+                self.on_abort(gen)
             self._stop.wait(0.1)
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def expelled(worker: int, gen: int) -> None:
+    """End this process now, writing nothing but one line to its own log: the coordinator
+    declared it dead and generation ``gen`` went on without it."""
+    import os
+    import sys
+
+    sys.stderr.write(f"worker {worker}: expelled (declared dead in generation {gen}); exiting\n")
+    sys.stderr.flush()
+    os._exit(EXPELLED_EXIT)
 
 
 @dataclass
@@ -129,7 +157,10 @@ class Worker:
         self.timeout = datetime.timedelta(seconds=cfg.train.collective_timeout)
         res = cfg.resilience
         self.chaos = bool(res.inject_failure or res.chaos_every)
-        self.watcher = Watcher(watcher_store, chaos=self.chaos)
+        self._lock = threading.Lock()  # the current generation, between the two threads
+        self.current: Generation | None = None  # set once formed, cleared before its drop
+        self.watcher = Watcher(watcher_store, chaos=self.chaos, worker=worker,
+                               on_abort=self.abort)  # fmt: skip
         self.held = Held()
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         self.saver = None  # --async-checkpoint: this generation's writer
@@ -155,6 +186,25 @@ class Worker:
         finally:
             self.watcher.stop()
 
+    # -- the coordinator's word --------------------------------------------------------
+
+    def abort(self, number: int) -> None:
+        """From the watcher: generation ``number`` is broken; if it is this worker's
+        current one, abort its groups (once), so that the training thread returns from the
+        collective it waits in, with an error, and leaves as from any failure."""
+        with self._lock:
+            gen = self.current
+            if gen is not None and gen.number == number and not gen.aborted:
+                gen.abort()
+
+    def fence(self) -> None:
+        """Before a write that only a member may make (metrics, checkpoint, report): exit
+        if the coordinator has expelled this worker meanwhile (stopped, or cut off, and
+        resumed since): its steps are the past of a generation that went on without it."""
+        gen, dead = protocol.aborted(self.store)
+        if self.worker in dead:
+            expelled(self.worker, gen)
+
     # -- one generation --------------------------------------------------------------
 
     def generation(self, d: dict, assignment: Assignment) -> str:
@@ -163,6 +213,8 @@ class Worker:
             self._roll_forward(d.get("rollforward"))
             gen = Generation(store=self.store.raw, number=d["gen"], assignment=assignment,
                              worker=self.worker, backend=self.backend, device=self.device, timeout=self.timeout)  # fmt: skip
+            with self._lock:
+                self.current = gen
             t_formed = time.time()
             trainer, start, received = self._build(gen, assignment, d)
             t_copied = time.time()
@@ -171,6 +223,8 @@ class Worker:
             if not is_comm_failure(e):
                 raise
             why, self.t_error = _line(e), time.time()
+            if gen is not None and gen.aborted:
+                why = f"aborted by the coordinator ({why})"
         return self._leave(gen, d["gen"], why)  # out of the except: the traceback is gone
 
     def _roll_forward(self, rf: dict | None) -> None:
@@ -234,6 +288,8 @@ class Worker:
             self.saver.wait()
             self.saver = None
         t_drop = time.time()
+        with self._lock:  # the watcher aborts nothing of it from here on
+            self.current = None
         alive = gen.drop() if gen is not None else abort_partial()
         stats = held.trainer.last_reduced() if held.trainer is not None else None
         if stats is not None and stats.step == held.done:
@@ -251,6 +307,7 @@ class Worker:
             "alive_groups": alive,  # of the dropped generation, still referenced (0)
             **(getattr(gen, "drop_times", None) or {}),
         }
+        self.fence()
         protocol.report_left(self.store, number, self.worker, report)
         self.in_step = False
         return "left"
@@ -296,7 +353,10 @@ class Worker:
             )
             rec["recovery_s"] = recovery if step == start and recovery is not None else 0.0
             if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
+                self._progress(done, "eval")
                 rec["val_loss"] = trainer.evaluate()
+            if lead:
+                self.fence()
             metrics.write(rec)
             if lead and tcfg.progress and (done % tcfg.log_every == 0 or done in (1, tcfg.steps)):
                 print(f"step {done:>6}/{tcfg.steps}  loss {rec['loss']:.4f}  "
@@ -314,6 +374,7 @@ class Worker:
         return "finished"
 
     def _save(self, trainer: Trainer, step: int) -> None:
+        self.fence()
         if self.saver is None:
             trainer.save(step)
             return
@@ -323,9 +384,9 @@ class Worker:
         self.saver.save(step, async_checkpoint.owned_state(trainer), meta)
 
     def _progress(self, step: int, phase: str) -> None:
-        """For chaos only: the step this worker runs (or saves), for the coordinator."""
-        if self.chaos:
-            self.store.set(protocol.PROGRESS.format(self.worker), f"{step} {time.time()} {phase}")
+        """The step this worker runs (or saves, or evaluates after), for the coordinator's
+        step-progress watchdog and chaos: one store write per step."""
+        self.store.set(protocol.PROGRESS.format(self.worker), f"{step} {time.time()} {phase}")
 
     def _boundary(self, gen: Generation, step: int) -> bool:
         """Whether every rank leaves the generation before ``step``: one all-reduce (MAX)

@@ -12,7 +12,8 @@ stage group (the K workers sharding one stage of one replica) in assignment orde
 
 Why the broken generation leaves nothing pending, and why re-forming cannot deadlock.
 A generation is only ever left at a known point: the training thread raises out of the
-collective that failed (or, for a planned change, at a step boundary agreed by an
+collective that failed, or that ``abort`` ended (the coordinator declared a failure; called
+from the worker's side thread, it issues nothing) (or, for a planned change, at a step boundary agreed by an
 all-reduce), so no collective of this rank is left half-issued behind it, and ``drop``
 then aborts every group of the generation (``_abort_process_group``: on NCCL
 ``ncclCommAbort``, which also ends kernels still waiting on a dead peer; a communicator
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
+import socket
 import time
 import weakref
 
@@ -109,6 +112,8 @@ class Generation:
         self._topologies: list[Topology] = []
         self._refs: list[weakref.ref] = []
         kw = {"device_id": self.device} if self.device.type == "cuda" else {}
+        self.aborted = False
+        before = _sockets() if self.device.type != "cuda" else {}
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"gen{number}", store),
@@ -124,6 +129,11 @@ class Generation:
         self.units = replica_groups(assignment)
         self.groups = {r: self._group(r) for r in sorted(set(self.units.values()))}
         self.stage_groups = {r: self._group(r) for r in stage_groups(assignment)}
+        # gloo's connections of this generation (its groups connect eagerly, all of them
+        # here): what ``abort`` shuts down
+        self._inodes = (
+            set(_sockets().values()) - set(before.values()) if self.device.type != "cuda" else set()
+        )
         i, j = assignment.place(worker)
         mine = assignment.pipelines[i]
         pipe_ranks = [members.index(w) for w in mine.workers]
@@ -201,6 +211,41 @@ class Generation:
             stats=self.topo.stats,
         )
 
+    def abort(self) -> None:
+        """Make every collective of this generation, pending or future, fail at once:
+        callable from a side thread while the training thread waits in one (module
+        docstring). NCCL: ``ProcessGroup.abort()`` of each group (``ncclCommAbort``).
+        gloo: no call of torch 2.13 does it (measured: ``abort()``, ``shutdown()``,
+        ``_abort_process_group`` and ``destroy_process_group`` from a side thread left a
+        pending all-reduce waiting until its timeout), but a connection that closes does:
+        the generation's TCP connections are shut down (``shutdown(2)``: the descriptors
+        stay gloo's to close), so its pending reads fail in milliseconds ("Connection closed
+        by peer") here and at the peers. Listening sockets are left alone (gloo aborts the
+        process when its accept fails)."""
+        self.aborted = True
+        if self.device.type == "cuda":
+            groups = [ref() for ref in self._refs]
+            if dist.is_initialized():
+                groups.append(dist.distributed_c10d._get_default_group())
+            for group in groups:
+                if group is not None:
+                    group.abort()
+            return
+        for fd, inode in _sockets().items():
+            if inode not in self._inodes:
+                continue
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue  # closed meanwhile
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # not connected (any more)
+            finally:
+                sock.detach()
+
     def drop(self) -> int:
         """Abort every group of this generation and let go of them (module docstring).
         Returns how many of its groups are still referenced (0 when all went away)."""
@@ -222,6 +267,19 @@ class Generation:
             torch.cuda.synchronize(self.device)
         self.drop_times = {"abort_s": t1 - t0, "gc_s": time.perf_counter() - t1}
         return sum(ref() is not None for ref in self._refs)
+
+
+def _sockets() -> dict[int, str]:
+    """{file descriptor: socket inode} of this process's sockets."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[int(name)] = target
+    return out
 
 
 def abort_partial() -> int:

@@ -17,6 +17,11 @@ module writes, is ignored as if absent. Keys (``G`` a generation, ``W`` a worker
     ft/hold             "G S": the members of generation G stop at the boundary before
                         step S (S = 0: nowhere) -- chaos waits for a replacement
     ft/timing/G         the new generation's rank 0: when it formed, copied state, resumed
+    ft/abort            {"gen": G, "dead": [W, ...]}: generation G is broken (the coordinator
+                        declared a failure in it): every member aborts its groups from its
+                        side thread; the workers in "dead" (every one declared dead so far:
+                        silent, exited, lost, unresponsive) are expelled and exit, writing
+                        nothing, whenever they run again
 
 A decision: ``{"gen": G, "assignment": Assignment JSON, "step": S, "moves": [[receiver, unit,
 sender], ...], "keep": {W: [units]}, "fallback": bool, "rollforward": {...} | null,
@@ -46,6 +51,7 @@ LEFT = "ft/left/{}/{}"
 PROGRESS = "ft/progress/{}"
 HOLD = "ft/hold"
 TIMING = "ft/timing/{}"
+ABORT = "ft/abort"
 
 
 def number(payload: bytes | None, default: int = -1) -> int:
@@ -141,3 +147,16 @@ def progress(store, worker: int) -> tuple[int, float, str] | None:
         return int(step), float(t), phase
     except (AttributeError, ValueError):
         return None
+
+
+def abort(store, gen: int, dead) -> None:
+    """Declare generation ``gen`` broken and the workers ``dead`` expelled (``ft/abort``)."""
+    store.set(ABORT, json.dumps({"gen": gen, "dead": sorted(dead)}))
+
+
+def aborted(store) -> tuple[int, frozenset[int]]:
+    """``ft/abort`` as (generation, expelled workers); (-1, {}) when absent or malformed."""
+    d = load_json(store.get(ABORT))
+    if d is None or type(d.get("gen")) is not int or not isinstance(d.get("dead"), list):
+        return -1, frozenset()
+    return d["gen"], frozenset(w for w in d["dead"] if type(w) is int)

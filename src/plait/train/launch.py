@@ -248,7 +248,9 @@ def _launch(cfg: RunConfig, *, nnodes: int, node_rank: int, rdzv_endpoint) -> No
     log = out / "logs" / ("launcher.log" if node_rank == 0 else f"launcher-node-{node_rank}.log")
     failure = None
     # torchrun hands its environment down: the workers get the secret there
-    with _torch_logs_to(log), _environment({}, force={signed_store.ENV: secret.hex()}):
+    # and this process's id: torchrun starts them from here, and they die with it
+    force = {signed_store.ENV: secret.hex(), **liveness.parent_env()}
+    with _torch_logs_to(log), _environment({}, force=force):
         watchdog = liveness.Watchdog(store, ranks=ranks, stale_s=stale_s).start(_kill)
         try:
             run(get_args_parser().parse_args(argv))

@@ -26,6 +26,15 @@ swapping itself to death, a driver call that never returns while holding the GIL
 The watchdog times the counters with its own monotonic clock, so no two machines' clocks
 are ever compared, and a status ends the watch (a finished worker stops beating).
 
+**Workers never outlive their launcher.** A worker asks the kernel for SIGKILL when the
+thread that started it dies (``die_with_parent``: Linux ``PR_SET_PDEATHSIG``), then checks
+that its parent is still the process named in ``PLAIT_PARENT_PID`` (its launcher, or a
+node's agent, sets it): a parent that died before the request leaves the worker adopted by
+another process, and it exits at once. So a launcher killed with SIGKILL (the OOM killer,
+an operator's ``kill -9``) takes its workers with it within milliseconds, instead of
+leaving them holding GPUs and waiting in collectives. The signal follows the parent
+*thread*: workers are started from the launcher's main thread.
+
 Because the status travels through the store, a worker can report failures that leave no
 room on disk for a file (a full or read-only file system), and a report belongs to the run
 that hosts the store, never to another run on the same folder.
@@ -33,9 +42,12 @@ that hosts the store, never to another run on the same folder.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import ipaddress
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -44,7 +56,32 @@ from dataclasses import dataclass
 from plait.signed_store import SignedStore, secret_from_env
 
 PID, BEAT, STATUS = "liveness/pid/{}", "liveness/beat/{}", "liveness/status/{}"
+PARENT_ENV = "PLAIT_PARENT_PID"  # the process a worker must not outlive
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MIN_STALE_S = 3.0  # below this, a busy machine's scheduling jitter would look like a hang
+
+
+def parent_env() -> dict[str, str]:
+    """The environment entry naming this process as its workers' parent (``die_with_parent``)."""
+    return {PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (module docstring); exit
+    at once (code 1) if the parent named in ``PLAIT_PARENT_PID`` is already gone. False
+    where it cannot be asked (not Linux, or no parent named): nothing is promised then."""
+    expected = os.environ.get(PARENT_ENV, "")
+    if not expected.isdigit():
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return False
+    if os.getppid() != int(expected):  # the parent died before the request: adopted
+        os._exit(1)
+    return True
 
 
 def stale_after(collective_timeout: float) -> float:

@@ -91,6 +91,9 @@ def _failure(e: BaseException, rank: int) -> tuple[int, str]:
 
 
 def main(argv=None) -> int:
+    from plait.train import liveness
+
+    liveness.die_with_parent()  # first: a launcher killed now must not leave this process
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
