@@ -260,3 +260,75 @@ def test_layout_label_and_memory_units():
     assert GiB == 2**30
     assert isinstance(make_layout(c, PlanRequest(model=preset("tiny"), hardware=A100,
                                                   n_devices=1, global_batch_size=4)), Layout)  # fmt: skip
+
+
+# -- context parallelism -----------------------------------------------------------------------
+
+
+def _long(seq_len: int, **kw) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(preset("llama2-7b"), seq_len=seq_len, **kw)
+
+
+def test_plan_picks_cp_when_one_sequence_does_not_fit():
+    """LLaMA-2 7B at 64k tokens on 8 H100s, tp = pp = 1 and no full recomputation: one
+    sequence's activations (~300 GiB) fit no dp layout, so every layout shown splits the
+    sequence (cp > 1) and every cp = 1 layout is rejected for memory (a planner that
+    ignores cp finds nothing; one that does not divide activations by cp too)."""
+    req = PlanRequest(model=_long(65536), hardware=get_hardware("h100-sxm"), n_devices=8,
+                      global_batch_size=8, top_k=3,
+                      space=Space(tp=(1,), pp=(1,), recompute=("none", "selective")))  # fmt: skip
+    plan = search(req)
+    assert plan.entries and all(e.candidate.cp > 1 for e in plan.entries)
+    assert all(e.layout.cp == e.candidate.cp and e.result.fits for e in plan.entries)
+    assert all(r.candidate.cp == 1 for r in plan.best_rejected)
+    with pytest.raises(ValueError, match="no layout fits"):
+        search(PlanRequest(model=_long(65536), hardware=get_hardware("h100-sxm"), n_devices=8,
+                           global_batch_size=8, top_k=3,
+                           space=Space(tp=(1,), pp=(1,), cp=(1,),
+                                       recompute=("none", "selective"))))  # fmt: skip
+
+
+def test_cp_joins_the_search_only_for_long_sequences_and_valid_modes():
+    """Below CP_MIN_SEQ_LEN the space is what it was (no cp candidate); from it, every cp
+    dividing the devices with each mode the heads allow -- a2a only where cp divides the
+    key/value heads per tp rank (LLaMA-2 70B: 8 of them) -- and ``--cp`` pins it."""
+    from plait.sim.search import CP_MIN_SEQ_LEN, candidates
+
+    hw = get_hardware("h100-sxm")
+    short = PlanRequest(model=_long(4096), hardware=hw, n_devices=16, global_batch_size=16)
+    assert {c.cp for c in candidates(short)} == {1}
+    cfg = _long(CP_MIN_SEQ_LEN, n_kv_heads=8)
+    long = PlanRequest(model=cfg, hardware=hw, n_devices=16, global_batch_size=16)
+    pairs = {(c.tp, c.cp, c.cp_mode) for c in candidates(long)}
+    assert (1, 16, "ring") in pairs and (1, 16, "allgather") in pairs
+    assert (1, 8, "a2a") in pairs and (1, 16, "a2a") not in pairs  # 8 kv heads
+    assert (2, 4, "a2a") in pairs and (2, 8, "a2a") not in pairs  # 4 kv heads per tp rank
+    pinned = PlanRequest(model=_long(4096), hardware=hw, n_devices=16, global_batch_size=16,
+                         space=space_for("plait", {"cp": 4, "cp_mode": "ring"}))  # fmt: skip
+    assert {(c.cp, c.cp_mode) for c in candidates(pinned)} == {(4, "ring")}
+    assert all(c.dp * c.tp * c.pp * c.cp == 16 for c in candidates(pinned))
+
+
+def test_cp_mode_is_picked_by_predicted_time():
+    """At cp 8 across nodes (tp 8 fills each node), the plan's pick among the modes that
+    can split the heads is the one the simulator predicts fastest for that layout -- no
+    rule -- and the two predictions differ (the pick is not a tie broken by order)."""
+    hw = get_hardware("h100-sxm")
+    req = PlanRequest(model=_long(32768), hardware=hw, n_devices=64, global_batch_size=8,
+                      runtime="megatron-core", top_k=1, exact=False,
+                      space=Space(tp=(8,), pp=(1,), cp=(8,), zero=(1,), recompute=("none",),
+                                  sequence_parallel=(True,), micro_batch_size=(1,)))  # fmt: skip
+    best = search(req).best
+    times = {}
+    for mode in ("ring", "allgather", "a2a"):  # a2a cannot split 4 heads per tp rank over 8
+        try:
+            res = simulate(req.model, best.layout.replace(cp_mode=mode), hw,
+                           runtime="megatron-core", exact=False)  # fmt: skip
+        except ValueError:
+            continue
+        times[mode] = res.iter_time_s
+    assert set(times) == {"ring", "allgather"} and len(set(times.values())) == 2
+    assert best.candidate.cp_mode == min(times, key=times.get)
+    assert best.result.iter_time_s == pytest.approx(min(times.values()))

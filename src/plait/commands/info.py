@@ -5,6 +5,12 @@ without building anything (``model/sizes.py``; model state from ``sim/memory.py`
     plait info --model qwen2.5-72b --tp 8 --pp 4 --dtype bf16
     plait info --model llama2-7b --micro-batch-size 1 --dtype bf16 --lora-rank 16 \\
         --recompute full --dp 8 --zero 3
+    plait info --model llama2-7b --seq-len 32768 --cp 4 --dtype bf16 --recompute selective
+
+With ``--cp N`` each rank holds s / N tokens of every sequence: activations are those of
+s / N tokens (the cp attention keeps Q, K, V, its output and a log-sum-exp, never the
+s x s scores), the model state is sharded by ZeRO over dp x cp ranks, and one more line
+gives what one layer's exchange holds while it runs (``sim/context.py``).
 
 Errors a user can cause print one line and return 2.
 """
@@ -67,19 +73,28 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"model state per rank {st['device'] / gib:.3f} GiB on the device: weights "
         f"{st['params'] / gib:.3f}, gradients {st['grads'] / gib:.3f}, optimizer "
         f"{st['optim'] / gib:.3f} (fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} "
-        f"dp={layout.dp} zero={layout.zero}"
+        f"dp={layout.dp}{f' cp={layout.cp}' if layout.cp > 1 else ''} zero={layout.zero}"
         + (", LoRA" if lora else "")
         + ")"
         + (f"; host {st['host'] / gib:.3f}" if st["host"] else "")
     )
+    cp, held = layout.cp, model.seq_len // layout.cp
     act = activation_bytes_per_layer(
-        model, micro_batch_size=layout.micro_batch_size, tp=layout.tp,
+        model, micro_batch_size=layout.micro_batch_size, seq_len=held, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-        act_bytes=4 if layout.dtype == "fp32" else 2,
+        act_bytes=4 if layout.dtype == "fp32" else 2, flash_attention=cp > 1,
     ) * model.n_layers / layout.pp  # fmt: skip
+    tokens = f"{held} of {model.seq_len} tokens per sequence at cp={cp}" if cp > 1 else (
+        f"{model.seq_len} tokens")  # fmt: skip
     print(
         f"activations per rank {act / gib:.3f} GiB per micro-batch in flight "
-        f"({layout.micro_batch_size} x {model.seq_len} tokens, {layout.dtype}, "
+        f"({layout.micro_batch_size} x {tokens}, {layout.dtype}, "
         f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
     )
+    if cp > 1:
+        from plait.sim.context import buffer_bytes
+
+        buf = buffer_bytes(model, layout, flash_attention=False)  # plait's math attention
+        print(f"cp exchange          {buf / gib:.3f} GiB held by one layer's {layout.cp_mode} "
+              f"attention while it runs (K/V in flight and fp32 block scores)")  # fmt: skip
     return 0

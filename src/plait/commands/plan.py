@@ -73,6 +73,8 @@ def config_text(entry, model, preset_name: str | None, header: str, dp_algo=None
         "zero": lay.zero, "sequence-parallel": lay.sequence_parallel,
         "recompute": lay.recompute, "dtype": lay.dtype,
     })  # fmt: skip
+    if lay.cp > 1:
+        out.update({"cp": lay.cp, "cp-mode": lay.cp_mode})
     if dp_algo is not None:  # --dp-algo / --compress as planned: the fields set
         default = type(dp_algo)().to_dict()
         for k, v in dp_algo.to_dict().items():
@@ -111,6 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     g.add_argument("--max-tp", type=int, default=None, help="default: devices per node")
     g.add_argument("--max-vpp", type=int, default=8, help="model chunks per rank (default 8)")
+    g.add_argument("--max-cp", type=int, default=16,
+                   help="context-parallel ranks, searched from --seq-len 8192 (default 16)")  # fmt: skip
     g.add_argument("--max-micro-batch-size", type=int, default=None)
     g.add_argument("--no-replay", action="store_true",
                    help="report the closed-form figures without replaying the winners")  # fmt: skip
@@ -161,7 +165,7 @@ def _request(values: dict, model, hw, tokens: float | None):
     if n is None:
         if not all(pins.get(k) for k in ("dp", "tp", "pp")):
             raise ValueError("--gpus is required (or pin all of --dp, --tp and --pp)")
-        n = pins["dp"] * pins["tp"] * pins["pp"]
+        n = pins["dp"] * pins["tp"] * pins["pp"] * (pins.get("cp") or 1)
     G = values.get("global_batch_size")
     if values.get("global_batch_tokens") is not None:
         t = parse_count(values["global_batch_tokens"], "--global-batch-tokens")
@@ -179,12 +183,12 @@ def _request(values: dict, model, hw, tokens: float | None):
     dtype = values.get("dtype") or default_dtype(hw.peak_flops)
     runtime = values.get("runtime") or DEFAULT_RUNTIME
     space_pins = {k: pins.get(k) for k in ("tp", "pp", "dp", "vpp", "schedule", "micro_batch_size",
-                                           "zero", "recompute")}  # fmt: skip
+                                           "zero", "recompute", "cp", "cp_mode")}  # fmt: skip
     if pins.get("sequence_parallel"):
         space_pins["sequence_parallel"] = True
     space = space_for(
         runtime, space_pins, max_tp=values.get("max_tp"), max_vpp=values.get("max_vpp") or 8,
-        max_micro_batch_size=values.get("max_micro_batch_size"),
+        max_micro_batch_size=values.get("max_micro_batch_size"), max_cp=values.get("max_cp") or 16,
     )  # fmt: skip
     from plait.cli_args import dp_algo_config
 

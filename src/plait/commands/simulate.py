@@ -24,6 +24,7 @@ from plait.sim.hardware import BUILTIN, DEFAULT_GPU
 from plait.sim.runtime import DEFAULT_RUNTIME, PROFILES
 
 GiB = 2**30
+MiB = 2**20
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -105,10 +106,13 @@ def _run_one(args: argparse.Namespace) -> int:
         if gpus < 1:
             return fail(f"--gpus must be at least 1, got {gpus}")
         if values.get("dp") is None:
-            per_replica = (values.get("tp") or 1) * (values.get("pp") or 1)
+            per_replica = (
+                (values.get("tp") or 1) * (values.get("pp") or 1) * (values.get("cp") or 1)
+            )
             if gpus % per_replica:
+                cp = " x --cp" if (values.get("cp") or 1) > 1 else ""
                 return fail(
-                    f"--gpus {gpus} is not divisible by --tp x --pp = {per_replica}; "
+                    f"--gpus {gpus} is not divisible by --tp x --pp{cp} = {per_replica}; "
                     f"use a multiple of {per_replica}"
                 )
             values["dp"] = gpus // per_replica
@@ -153,8 +157,9 @@ def _run_one(args: argparse.Namespace) -> int:
 
 
 def _layout_line(layout) -> str:
+    cp = f" cp={layout.cp} {layout.cp_mode}" if layout.cp > 1 else ""
     return (
-        f"dp={layout.dp} tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+        f"dp={layout.dp}{cp} tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
         f"{layout.schedule} mbs={layout.micro_batch_size}"
     )
 
@@ -182,6 +187,7 @@ def report(res, model, layout, name: str = "model") -> str:
         f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, buffers "
         f"{mem.buffers / GiB:.1f}, overhead {mem.overhead / GiB:.1f} GiB (pipeline rank {mem.rank})",
         *_dp_algo_lines(res),
+        *_cp_lines(res, model, layout),
         "breakdown  "
         + ", ".join(
             f"{k.replace('_', ' ')} {v:.3g} s ({v / res.iter_time_s:.1%})"
@@ -191,6 +197,24 @@ def report(res, model, layout, name: str = "model") -> str:
         "hardware FLOPs add what recomputation repeats",
     ]
     return "\n".join(lines)
+
+
+def _cp_lines(res, model, layout) -> list[str]:
+    """``--cp``: the ring's traffic per layer and step, and what it holds (sim/context.py)."""
+    if layout.cp == 1:
+        return []
+    from plait.sim import context as cp_sim
+
+    nb = cp_sim.layer_bytes(model, layout)
+    steps = layout.num_microbatches * model.n_layers / layout.pp  # layers a rank runs, per step
+    exposed = res.breakdown.get("cp_comm", 0.0)
+    return [
+        f"cp traffic {layout.cp_mode} over {layout.cp} ranks: {nb.fwd_sent / MiB:,.1f} MiB sent "
+        f"forward + {nb.bwd_sent / MiB:,.1f} MiB backward per layer and micro-batch, "
+        f"{nb.sent * steps / GiB:,.2f} GiB per step per rank; {exposed:.3g} s exposed",
+        f"cp memory  activations of {model.seq_len // layout.cp:,} of {model.seq_len:,} tokens "
+        f"per sequence; +{res.memory.cp_buffers / GiB:.2f} GiB held by one layer's exchange",
+    ]
 
 
 def _dp_algo_lines(res) -> list[str]:

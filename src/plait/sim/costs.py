@@ -47,11 +47,12 @@ parallelism the activations are already sliced). Data parallelism and ZeRO: see
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
+from plait.sim import context as cp_sim
 from plait.sim.collectives import (
     all_gather_time,
     all_reduce_time,
@@ -116,6 +117,8 @@ class LayerCost:
     bwd_tp: float
     recompute: float
     recompute_tp: float
+    fwd_cp: float = 0.0  # exposed context-parallel exchanges (sim/context.py)
+    bwd_cp: float = 0.0  # with full recomputation, the forward's exchanges again
 
 
 def _local_heads(cfg: ModelConfig, tp: int) -> tuple[float, float]:
@@ -129,7 +132,7 @@ def layer_cost(
     s = cfg.seq_len if seq_len is None else seq_len
     b, t, dtype = layout.micro_batch_size, layout.tp, layout.dtype
     e = ACT_BYTES[dtype]
-    T = b * s
+    T = b * s // layout.cp  # each cp rank holds s / cp tokens of every sequence
     h, d = cfg.hidden, cfg.head_dim
     a_t, kv_t = _local_heads(cfg, t)
     f_t = cfg.ffn_hidden / t
@@ -149,12 +152,22 @@ def layer_cost(
 
     # Attention core
     heads = b * a_t
-    if runtime.flash_attention:
+    cp_math = layout.cp > 1 and (runtime.cp_math_attention or not runtime.flash_attention)
+    if runtime.flash_attention and not cp_math:
         n_blk = max(1, math.ceil(s / FLASH_BLOCK))
         causal = (n_blk + 1) / (2 * n_blk)
-        flops = 4.0 * T * s * a_t * d * causal
+        flops = 4.0 * T * s * a_t * d * causal  # with cp: 1/cp of it (head-tail)
         rate = hw.peak(dtype) * hw.efficiency.attention_rate(runtime.attention_native)
         attn_fwd, attn_bwd, attn_re = flops / rate, 2.5 * flops / rate, 0.0
+        softmax_elems = 0.0
+    elif cp_math:  # math attention in fp32 over the blocks it computes (sim/context.py)
+        rows, cols, n = cp_sim.score_blocks(replace(cfg, seq_len=s), layout)
+        scores = gemm_time(hw, "fp32", rows, cols, d, n)
+        values = gemm_time(hw, "fp32", rows, d, cols, n)
+        softmax = stream_time(hw, 2 * n * rows * cols * 4)
+        attn_fwd = scores + values + softmax
+        attn_bwd = 2 * (scores + values) + 2 * softmax + scores  # + the scores recomputed
+        attn_re = attn_fwd
         softmax_elems = 0.0
     else:
         scores = gemm_time(hw, dtype, s, s, d, heads)  # Q K^T
@@ -202,13 +215,16 @@ def layer_cost(
         else:
             fwd_tp = bwd_tp = 2 * all_reduce_time(nbytes, t, link)
 
+    fwd_cp, bwd_cp = cp_sim.layer_comm(replace(cfg, seq_len=s), layout, hw, attn_fwd, attn_bwd)
     if layout.recompute == "full":
         recompute, recompute_tp = fwd, fwd_tp
+        bwd_cp += fwd_cp  # the recomputed forward exchanges again
     elif layout.recompute == "selective":
         recompute, recompute_tp = attn_re, 0.0
     else:
         recompute, recompute_tp = 0.0, 0.0
-    return LayerCost(fwd, fwd_tp, bwd_input, bwd_w_gemm, bwd_tp, recompute, recompute_tp)
+    return LayerCost(fwd, fwd_tp, bwd_input, bwd_w_gemm, bwd_tp, recompute, recompute_tp,
+                     fwd_cp, bwd_cp)  # fmt: skip
 
 
 # -- embedding, head and loss --------------------------------------------------------------
@@ -226,7 +242,7 @@ class EndCost:
 
 
 def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
-    T, e, t = layout.micro_batch_size * cfg.seq_len, ACT_BYTES[layout.dtype], layout.tp
+    T, e, t = layout.micro_batch_size * cfg.seq_len // layout.cp, ACT_BYTES[layout.dtype], layout.tp
     h = cfg.hidden
     k_fwd, k_bwd = END_KERNELS["embedding"]
     fwd = stream_time(hw, 3 * T * h * e) + k_fwd * hw.op_overhead  # gather rows (+ positions)
@@ -242,7 +258,7 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
 
 
 def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
-    T, e, t = layout.micro_batch_size * cfg.seq_len, ACT_BYTES[layout.dtype], layout.tp
+    T, e, t = layout.micro_batch_size * cfg.seq_len // layout.cp, ACT_BYTES[layout.dtype], layout.tp
     h, V_t = cfg.hidden, cfg.vocab_size / t
     dtype = layout.dtype
     f, bi, bw = linear_times(hw, dtype, T, V_t, h)
@@ -284,7 +300,8 @@ def pp_message_time(
     al. 2021); otherwise every tp rank sends the whole activation (each over its own
     share of the link, as ``link`` is per device)."""
     t = layout.tp
-    nbytes = layout.micro_batch_size * cfg.seq_len * cfg.hidden * ACT_BYTES[layout.dtype]
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    nbytes = tokens * cfg.hidden * ACT_BYTES[layout.dtype]
     if not runtime.pp_scatter_gather:
         return p2p_time(nbytes / (t if layout.sequence_parallel else 1), link)
     time = p2p_time(nbytes / t, link)
@@ -294,10 +311,10 @@ def pp_message_time(
 
 
 def pp_boundary_link(hw: Hardware, layout: Layout, rank: int, peer: int) -> Link | None:
-    """Link between pipeline ranks ``rank`` and ``peer`` (rank order pp, dp, tp)."""
+    """Link between pipeline ranks ``rank`` and ``peer`` (rank order pp, dp, cp, tp)."""
     if rank == peer:
         return None
-    block = layout.dp * layout.tp  # global ranks per pipeline rank
+    block = layout.dp * layout.cp * layout.tp  # global ranks per pipeline rank
     lo, hi = min(rank, peer), max(rank, peer)
     dpn = hw.devices_per_node
     # every global rank from the first of pipeline rank lo to the last of hi in one node?
@@ -309,10 +326,19 @@ def pp_boundary_link(hw: Hardware, layout: Layout, rank: int, peer: int) -> Link
 # -- data parallelism, ZeRO, optimizer ------------------------------------------------------
 
 
+def grad_ranks(layout: Layout) -> int:
+    """Ranks a gradient is reduced over: dp x cp (the cp ranks of a dp rank hold the same
+    weights and different tokens; ``Topology.grad_view``). cp sits right after dp in the
+    rank order, so the group is one contiguous axis of stride tp."""
+    return layout.dp * layout.cp
+
+
 def dp_groups(layout: Layout) -> tuple[int, int]:
-    """(shard group size, replicas across shard groups) of the dp axis."""
-    shard = layout.zero_shard_group or layout.dp if layout.zero else 1
-    return shard, layout.dp // shard
+    """(shard group size, replicas across shard groups) of the dp x cp axis the
+    data-parallel engines see (``grad_ranks``)."""
+    dp = grad_ranks(layout)
+    shard = layout.zero_shard_group or dp if layout.zero else 1
+    return shard, dp // shard
 
 
 def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) -> dict:
@@ -325,9 +351,10 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
     row into the weights (streamed at the elementwise rate). ZeRO 3 does its
     communication per layer and micro-batch instead (``zero3_layer_comm``); only the HSDP
     replica all-reduce is left here.
+    With cp the data-parallel axis is dp x cp (``grad_ranks``).
     Returns {"grad": s, "param": s}.
     """
-    dp, t = layout.dp, layout.tp
+    dp, t = grad_ranks(layout), layout.tp
     if dp <= 1:
         return {"grad": 0.0, "param": 0.0}
     gbytes = params * runtime.grad_comm_bytes(layout.dtype)

@@ -23,6 +23,12 @@
   weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
   plait and FSDP2, half of fp32 -- and its norms in the weights' dtype
   (``gathered_layer_bytes``).
+- Context parallelism (``sim/context.py``): every per-token figure above counts the
+  s / cp tokens a cp rank holds, and the cp attention keeps no scores (only Q, K, V, the
+  output and a fp32 log-sum-exp: fused attention's accounting, whatever the runtime);
+  ``cp_buffers`` is what one layer's exchange holds while it runs
+  (``context.buffer_bytes``: the K/V blocks in flight, the gathered sequence, or the
+  head-sharded Q/K/V, per mode).
 - Framework overhead: the hardware entry's fixed ``framework_overhead_bytes``.
 """
 
@@ -34,6 +40,7 @@ from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import in_flight_bound
+from plait.sim import context as cp_sim
 from plait.sim.costs import ACT_BYTES, dp_groups
 from plait.sim.pipeline import Compiled, peak_held
 from plait.sim.runtime import Runtime
@@ -50,14 +57,18 @@ class Memory:
     activations: float
     buffers: float  # ZeRO-3 gathered layers
     overhead: float
+    cp_buffers: float = 0.0  # one layer's context-parallel exchange (sim/context.py)
 
     @property
     def total(self) -> float:
         return (
-            self.weights + self.grads + self.optimizer + self.activations + self.buffers
-        ) + self.overhead
+            (self.weights + self.grads + self.optimizer + self.activations + self.buffers)
+            + self.overhead
+            + self.cp_buffers
+        )
 
     def to_dict(self) -> dict:
+        cp = {"cp_buffers": self.cp_buffers} if self.cp_buffers else {}
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -66,6 +77,7 @@ class Memory:
             "activations": self.activations,
             "buffers": self.buffers,
             "overhead": self.overhead,
+            **cp,
             "total": self.total,
         }
 
@@ -125,24 +137,26 @@ def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
     """Bytes the last stage keeps per micro-batch in flight for the final norm, the head
     and the loss: T (2 h e + V / t (e + 4))."""
     e = ACT_BYTES[layout.dtype]
-    tokens = layout.micro_batch_size * cfg.seq_len
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     return tokens * (2 * cfg.hidden * e + cfg.vocab_size / layout.tp * (e + 4))
 
 
 def chunk_activation_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int
 ) -> tuple[float, float]:
-    """(bytes its blocks hold per in-flight micro-batch, of which kept until W)."""
+    """(bytes its blocks hold per in-flight micro-batch, of which kept until W). With cp,
+    of the s / cp tokens a rank holds, and no scores (module docstring)."""
     e = ACT_BYTES[layout.dtype]
-    b, t, s = layout.micro_batch_size, layout.tp, cfg.seq_len
+    b, t, s = layout.micro_batch_size, layout.tp, cfg.seq_len // layout.cp
     per_layer = sizes.activation_bytes_per_layer(
         cfg,
         micro_batch_size=b,
+        seq_len=s,
         tp=t,
         sequence_parallel=layout.sequence_parallel,
         recompute=layout.recompute,
         act_bytes=e,
-        flash_attention=runtime.flash_attention,
+        flash_attention=runtime.flash_attention or layout.cp > 1,
     )
     tokens = b * s
     # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
@@ -244,5 +258,7 @@ def memory_per_rank(
         if lora is not None and buffers:  # a layer's gradient awaiting its reduce-scatter
             layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
-        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead))
+        fused = runtime.flash_attention and not runtime.cp_math_attention
+        cp = cp_sim.buffer_bytes(cfg, layout, fused)
+        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp))
     return out

@@ -13,7 +13,8 @@ Reading a row
     applicable / not reported) differ:
 
     - layers, hidden, heads, seq, vocab, gpu, n_gpus, tp, pp, gbs_seqs are required
-      (dp may be left out when n_gpus = tp x pp x dp gives it); cp must be 1.
+      (dp may be left out when n_gpus = tp x pp x cp x dp gives it). cp empty: 1;
+      cp_mode empty: ring (Megatron-Core's p2p default); allgather or a2a (Ulysses).
     - kv_heads empty: = heads. ffn empty: 4 x hidden. Architecture: GELU MLP (``gpt2``)
       when ffn = 4 x hidden and there is no grouped-query attention, else SwiGLU
       (``llama``).
@@ -318,9 +319,9 @@ def row_spec(row: dict) -> RowSpec:
     missing = [c for c in REQUIRED if not _raw(row, c) or _unknown(row, c)]
     if missing:
         raise RowError(f"incomplete configuration: no {', '.join(missing)}")
-    cp = _int(row, "cp", 1)
-    if cp not in (None, 1):
-        raise RowError(f"context parallelism (cp={cp}) is not modelled")
+    cp = _int(row, "cp", 1) or 1
+    cp_mode = (_raw(row, "cp_mode") or "ring").strip().lower()
+    cp_mode = {"p2p": "ring", "all_gather": "allgather", "ulysses": "a2a"}.get(cp_mode, cp_mode)
     layers, hidden, heads = _int(row, "layers"), _int(row, "hidden"), _int(row, "heads")
     kv = _int(row, "kv_heads", heads) or heads
     ffn = _int(row, "ffn", 4 * hidden) or 4 * hidden
@@ -339,17 +340,17 @@ def row_spec(row: dict) -> RowSpec:
     except ValueError as e:
         raise RowError(str(e)) from None
     n_gpus, tp, pp = _int(row, "n_gpus"), _int(row, "tp"), _int(row, "pp")
-    dp = _int(row, "dp", n_gpus // (tp * pp))
+    dp = _int(row, "dp", n_gpus // (tp * pp * cp))
     if dp is None:
-        dp = n_gpus // (tp * pp)
-    if tp * pp * dp != n_gpus:
-        raise RowError(f"tp {tp} x pp {pp} x dp {dp} != n_gpus {n_gpus}")
+        dp = n_gpus // (tp * pp * cp)
+    if tp * pp * cp * dp != n_gpus:
+        raise RowError(f"tp {tp} x pp {pp} x cp {cp} x dp {dp} != n_gpus {n_gpus}")
     runtime = runtime_for(row)
     knobs, assumed = _filled(row, runtime, tp)
     vpp = knobs["vpp"]
     try:
         layout = Layout(
-            dp=dp, tp=tp, pp=pp, vpp=vpp, global_batch_size=_int(row, "gbs_seqs"),
+            dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, vpp=vpp, global_batch_size=_int(row, "gbs_seqs"),
             micro_batch_size=knobs["mbs"], dtype=_dtype(row),
             schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
             sequence_parallel=knobs["sp"], recompute=knobs["recompute"], zero=knobs["zero"],
@@ -371,8 +372,9 @@ def simulate_row(spec: RowSpec, *, exact: bool = True, hardware: Hardware | None
 
 
 def describe_layout(layout: Layout) -> str:
+    cp = f"cp={layout.cp} {layout.cp_mode} " if layout.cp > 1 else ""
     return (
-        f"tp={layout.tp} pp={layout.pp} dp={layout.dp} vpp={layout.vpp} "
+        f"tp={layout.tp} pp={layout.pp} {cp}dp={layout.dp} vpp={layout.vpp} "
         f"mbs={layout.micro_batch_size} recompute={layout.recompute} "
         f"sp={int(layout.sequence_parallel)} zero={layout.zero}"
     )

@@ -11,6 +11,11 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   s x s score matrix in device memory, causal blocks skipped, the backward recomputes
   the scores (2.5x the forward's FLOPs). Otherwise attention is two batched GEMMs plus
   a softmax that streams the s x s scores through memory, and stores them.
+- ``cp_math_attention``: context-parallel attention (``--cp``) runs as math attention in
+  fp32 over the blocks it computes, scores materialised block by block
+  (``parallel/context.py``'s CPU path, which plait runs on every device until it calls
+  a fused kernel that returns its log-sum-exp); otherwise as the fused kernels of
+  Transformer Engine's ring attention. ``sim/context.py`` prices both.
 - ``attention_native``: the fused attention kernels are the device's newest generation
   (Transformer Engine's cuDNN attention, FlashAttention-3 on Hopper) rather than
   FlashAttention-2's (``Efficiency.attention_native``).
@@ -69,6 +74,7 @@ class Runtime:
     name: str
     flash_attention: bool = True
     attention_native: bool = False
+    cp_math_attention: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
@@ -108,6 +114,7 @@ class Runtime:
 PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
+        cp_math_attention=True,
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
         gather_in_compute_dtype=True,

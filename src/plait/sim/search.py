@@ -13,7 +13,15 @@ The search space
     the schedules gpipe, 1f1b, zb-h1 and interleaved-1f1b with 2..``--max-vpp`` chunks
     per rank (pp vpp at most the layers, micro-batches a multiple of pp); ZeRO 0-3 (one stage
     only without data parallelism); sequence parallelism on or off (only with tp > 1);
-    recomputation none, selective or full. One pipeline rank runs every schedule alike,
+    recomputation none, selective or full; context parallelism (cp > 1, each rank holding
+    s / cp tokens of every sequence, ``sim/context.py``) for sequences of at least
+    ``CP_MIN_SEQ_LEN`` tokens (or when ``--cp`` pins it): every cp dividing the devices
+    left by tp x pp (dp = devices / (tp pp cp)), at most ``--max-cp``, with 2 cp dividing
+    the sequence, and each exchange mode that can split the heads -- ring, allgather, a2a
+    -- priced as a layout of its own, so the mode is picked by predicted step time (few
+    key/value heads make allgather's K/V cheap, a2a needs heads divisible by cp, ring
+    hides behind the blocks). Below that length activations are small and cp only adds
+    exchanges, so the space stays as it was. One pipeline rank runs every schedule alike,
     so pp = 1 is tried with 1f1b only. A runtime profile (``--runtime``) narrows the space
     to what that software could do (``RUNTIME_FEATURES``); any layout flag (``--tp 8``,
     ``--schedule 1f1b``, ``--zero 1`` ...) pins that axis.
@@ -71,10 +79,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from plait.layout import DTYPES, RECOMPUTE, SCHEDULES, Layout
+from plait.layout import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES, Layout, check_cp_split
 from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import bubble_formula, in_flight_bound
+from plait.sim import context as cp_sim
 from plait.sim import costs, step
 from plait.sim.hardware import Hardware
 from plait.sim.memory import (
@@ -93,6 +102,9 @@ SLACK = 0.995  # the time bound is taken this much lower (module docstring)
 # many units in all (~2 s).
 REPLAY_BUDGET = 16384
 FOLD = 1e-3  # relative step-time difference below which two layouts tie
+# Context parallelism joins the search from this sequence length (module docstring): Llama 3
+# trained 8k-token sequences without it and turned it on for its 128k phase.
+CP_MIN_SEQ_LEN = 8192
 TOKENS_PER_PARAM = 20  # Chinchilla (Hoffmann et al. 2022): compute-optimal tokens / parameter
 
 # What the software each runtime profile models could do (the rest is searched fully).
@@ -106,11 +118,16 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
         zero=(0,),
         sequence_parallel=(False,),
         recompute=("none", "full"),
+        cp=(1,),
     ),
     "megatron-deepspeed": dict(
-        schedule=("1f1b",), zero=(0, 1), sequence_parallel=(False,), recompute=("none", "full")
+        schedule=("1f1b",),
+        zero=(0, 1),
+        sequence_parallel=(False,),
+        recompute=("none", "full"),
+        cp=(1,),
     ),
-    "fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3)),
+    "fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3), cp=(1,)),
 }
 
 
@@ -126,11 +143,16 @@ class Candidate(NamedTuple):
     zero: int
     sequence_parallel: bool
     recompute: str
+    cp: int = 1
+    cp_mode: str = "ring"
 
     def label(self) -> str:
-        """Short form for tables: ``tp8 pp8 dp16 interleaved v2 mbs1 z1 sp selective``."""
+        """Short form for tables: ``tp8 pp8 dp16 interleaved v2 mbs1 z1 sp selective``
+        (with context parallelism ``tp8 pp1 dp2 cp4 ring ...``)."""
         sched = {"interleaved-1f1b": f"interleaved v{self.vpp}"}.get(self.schedule, self.schedule)
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp} {self.cp_mode}")
         if self.pp > 1:
             parts.append(sched)
         parts += [f"mbs{self.micro_batch_size}", f"z{self.zero}"]
@@ -154,9 +176,12 @@ class Space:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple[str, ...] = RECOMPUTE
+    cp: tuple[int, ...] | None = None  # None: 1, and more from CP_MIN_SEQ_LEN tokens
+    cp_mode: tuple[str, ...] = CP_MODES
     max_tp: int | None = None  # None: the hardware's devices per node
     max_vpp: int = 8
     max_micro_batch_size: int | None = None
+    max_cp: int = 16
 
     def __post_init__(self) -> None:
         bad = [s for s in self.schedule if s not in SCHEDULES]
@@ -166,6 +191,8 @@ class Space:
             raise ValueError(f"--max-vpp must be at least 1, got {self.max_vpp}")
         if self.max_tp is not None and self.max_tp < 1:
             raise ValueError(f"--max-tp must be at least 1, got {self.max_tp}")
+        if self.max_cp < 1:
+            raise ValueError(f"--max-cp must be at least 1, got {self.max_cp}")
 
     def narrowed(self, **allowed: tuple) -> Space:
         """This space intersected with ``allowed`` values per axis."""
@@ -299,27 +326,61 @@ def candidates(req: PlanRequest):
         for pp in _divisors(n // tp):
             if pp > L or (sp_.pp is not None and pp not in sp_.pp):
                 continue
-            dp = n // (tp * pp)
-            if G % dp or (sp_.dp is not None and dp not in sp_.dp):
-                continue
-            # without data parallelism there is nothing to shard: every stage is the same
-            zeros = sp_.zero if dp > 1 else sp_.zero[:1]
-            for mbs in _divisors(G // dp):
-                if sp_.micro_batch_size is not None:
-                    if mbs not in sp_.micro_batch_size:
-                        continue
-                elif sp_.max_micro_batch_size and mbs > sp_.max_micro_batch_size:
+            for cp, mode in _cp_choices(req, tp, pp):
+                dp = n // (tp * pp * cp)
+                if G % dp or (sp_.dp is not None and dp not in sp_.dp):
                     continue
-                m = G // (dp * mbs)
-                for schedule, vpp in _schedules(sp_, pp, m, L):
-                    for seq_par in sp_.sequence_parallel:
-                        if seq_par and (tp == 1 or (mbs * cfg.seq_len) % tp):
-                            continue
-                        for recompute in sp_.recompute:
-                            for zero in zeros:
-                                yield Candidate(
-                                    tp, pp, dp, vpp, schedule, mbs, zero, seq_par, recompute
-                                )
+                yield from _per_replica(req, tp, pp, dp, cp, mode)
+
+
+def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str):
+    """The candidates of one (tp, pp, dp, cp, mode): micro-batch, schedule, sequence
+    parallelism, recomputation and ZeRO stage."""
+    cfg, G, sp_, L = req.model, req.global_batch_size, req.space, req.model.n_layers
+    # without data parallelism (over dp x cp) there is nothing to shard
+    zeros = sp_.zero if dp * cp > 1 else sp_.zero[:1]
+    for mbs in _divisors(G // dp):
+        if sp_.micro_batch_size is not None:
+            if mbs not in sp_.micro_batch_size:
+                continue
+        elif sp_.max_micro_batch_size and mbs > sp_.max_micro_batch_size:
+            continue
+        m = G // (dp * mbs)
+        for schedule, vpp in _schedules(sp_, pp, m, L):
+            for seq_par in sp_.sequence_parallel:
+                if seq_par and (tp == 1 or (mbs * cfg.seq_len // cp) % tp):
+                    continue
+                for recompute in sp_.recompute:
+                    for zero in zeros:
+                        yield Candidate(
+                            tp, pp, dp, vpp, schedule, mbs, zero, seq_par, recompute, cp, mode
+                        )
+
+
+def _cp_choices(req: PlanRequest, tp: int, pp: int) -> list[tuple[int, str]]:
+    """(cp, mode) pairs for tp x pp (module docstring): (1, "ring") alone below
+    ``CP_MIN_SEQ_LEN`` tokens unless ``--cp`` pins more."""
+    cfg, sp_ = req.model, req.space
+    if sp_.cp is not None:
+        allowed = sp_.cp
+    elif cfg.seq_len >= CP_MIN_SEQ_LEN:
+        allowed = tuple(c for c in _divisors(req.n_devices // (tp * pp)) if c <= sp_.max_cp)
+    else:
+        allowed = (1,)
+    out = []
+    for cp in allowed:
+        if (req.n_devices // (tp * pp)) % cp:
+            continue
+        if cp == 1:
+            out.append((1, "ring"))
+            continue
+        for mode in sp_.cp_mode:
+            try:  # the same checks as the trainer's (sequence parallelism aside)
+                check_cp_split(cfg, Layout(cp=cp, tp=tp, cp_mode=mode))
+            except ValueError:
+                continue
+            out.append((cp, mode))
+    return out
 
 
 def _schedules(space: Space, pp: int, m: int, L: int) -> list[tuple[str, int]]:
@@ -347,7 +408,7 @@ def make_layout(c: Candidate, req: PlanRequest) -> Layout:
         dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
         micro_batch_size=c.micro_batch_size, global_batch_size=req.global_batch_size,
         zero=c.zero, sequence_parallel=c.sequence_parallel, recompute=c.recompute,
-        dtype=req.dtype,
+        dtype=req.dtype, cp=c.cp, cp_mode=c.cp_mode,
     )  # fmt: skip
 
 
@@ -382,18 +443,20 @@ class _Bounds:
         self._memo_tables: dict[str, dict] = {}
 
     @_memo
-    def proto(self, tp, pp, dp, mbs, sp, recompute, zero) -> Layout:
+    def proto(self, tp, pp, dp, mbs, sp, recompute, zero, cp=1, mode="ring") -> Layout:
         """A layout with these fields, for the cost functions (batch: one micro-batch)."""
         return Layout(
             dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=mbs * dp,
             sequence_parallel=sp, recompute=recompute, zero=zero, dtype=self.req.dtype,
+            cp=cp, cp_mode=mode,
         )  # fmt: skip
 
     @_memo
-    def layer(self, tp, mbs, sp, recompute, z3_dp):
-        """One layer's ``step.LayerStep`` (``z3_dp``: the ZeRO-3 shard group, 0 for none);
-        embedding and head (F, B); activation bytes of a layer and of the head."""
-        lay = self.proto(tp, 1, z3_dp or 1, mbs, sp, recompute, 3 if z3_dp else 0)
+    def layer(self, tp, mbs, sp, recompute, z3_dp, cp=1, mode="ring"):
+        """One layer's ``step.LayerStep`` (``z3_dp``: the data-parallel ranks of the ZeRO-3
+        shard group, 0 for none; the group spans them x cp); embedding and head (F, B);
+        activation bytes of a layer and of the head; one layer's cp exchange buffers."""
+        lay = self.proto(tp, 1, z3_dp or 1, mbs, sp, recompute, 3 if z3_dp else 0, cp, mode)
         if z3_dp:  # ZeRO-3's gradient reduction may spread over the step's micro-batches
             lay = lay.replace(global_batch_size=self.req.global_batch_size)
         e = costs.embedding_cost(self.cfg, lay, self.hw)
@@ -402,7 +465,9 @@ class _Bounds:
                 h.bwd_input + h.bwd_tp + h.bwd_weight)  # fmt: skip
         held = chunk_activation_bytes(self.cfg, lay, self.rt, 1)[0]
         layer = step.layer_step(self.cfg, lay, self.hw, self.rt)
-        return layer, ends, held, last_stage_buffers(self.cfg, lay)
+        fused = self.rt.flash_attention and not self.rt.cp_math_attention
+        cp_buf = cp_sim.buffer_bytes(self.cfg, lay, fused)
+        return layer, ends, held, last_stage_buffers(self.cfg, lay), cp_buf
 
     @_memo
     def ranks(self, tp, pp, vpp):
@@ -427,10 +492,10 @@ class _Bounds:
         )  # fmt: skip
 
     @_memo
-    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp):
+    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp, cp=1, mode="ring"):
         """(busiest rank's F + B of one micro-batch; per rank the F of its first chunk; per
         rank its B, with one chunk per rank), summed as ``simulate._action_costs`` does."""
-        layer, (fe, be, fh, bh), _, _ = self.layer(tp, mbs, sp, recompute, z3_dp)
+        layer, (fe, be, fh, bh), _, _, _ = self.layer(tp, mbs, sp, recompute, z3_dp, cp, mode)
         f, b = layer.fwd, layer.bwd
         layers, chunk0, _, first, last, _, _ = self.ranks(tp, pp, vpp)
         total = layers * (f + b) + first * (fe + be) + last * (fh + bh)
@@ -438,15 +503,16 @@ class _Bounds:
         return float(total.max()), fwd0, layers * b + first * be + last * bh
 
     @_memo
-    def hop(self, tp, pp, dp, mbs, sp):
+    def hop(self, tp, pp, dp, mbs, sp, cp=1):
         """The slowest stage-to-stage message (the closed form's fill is 2 (S - 1) of them)."""
-        lay = self.proto(tp, pp, dp, mbs, sp, "none", 0)
+        lay = self.proto(tp, pp, dp, mbs, sp, "none", 0, cp)
         return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw, self.rt))
 
     @_memo
-    def dp_times(self, tp, pp, vpp, dp, zero):
-        """Per rank (gradient reduction, weight gather) seconds; optimizer seconds."""
-        lay = self.proto(tp, pp, dp, 1, False, "none", zero)
+    def dp_times(self, tp, pp, vpp, dp, zero, cp=1):
+        """Per rank (gradient reduction, weight gather) seconds; optimizer seconds (the
+        gradients reduced over dp x cp, ``costs.grad_ranks``)."""
+        lay = self.proto(tp, pp, dp, 1, False, "none", zero, cp)
         params = self.ranks(tp, pp, vpp)[-1]
         tied = step.tied_sync(self.cfg, lay, self.hw, self.rt)
         times = {n: costs.dp_comm_time(n, lay, self.hw, self.rt) for n in set(params.tolist())}
@@ -458,9 +524,9 @@ class _Bounds:
         return grad, gather, costs.optimizer_time(float(params.max()), lay, self.hw, self.rt)
 
     @_memo
-    def act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m):
+    def act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m, cp=1):
         """Per rank, activation bytes held at some instant of the schedule (module doc)."""
-        _, _, held, head = self.layer(tp, mbs, sp, recompute, 0)
+        _, _, held, head, _ = self.layer(tp, mbs, sp, recompute, 0, cp)
         _, _, smallest, _, last, last_layers, _ = self.ranks(tp, pp, vpp)
         flight = np.array([
             in_flight_bound(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vpp, rank=r)
@@ -469,13 +535,15 @@ class _Bounds:
         return np.maximum(flight * smallest * held, last * (last_layers * held + head))
 
     @_memo
-    def state(self, tp, dp, zero):
-        """Model-state bytes per parameter on a device, and ZeRO-3's layer buffers."""
+    def state(self, tp, dp, zero, cp=1):
+        """Model-state bytes per parameter on a device (ZeRO shards over dp x cp), and
+        ZeRO-3's layer buffers."""
         w_b, g_b, o_b = self.rt.state_bytes(self.req.dtype)
         per_param = sizes.model_state_breakdown(
-            1.0, dp=dp if zero else 1, zero=zero, param_bytes=w_b, grad_bytes=g_b, optim_bytes=o_b
-        )["device"]
-        lay = self.proto(tp, 1, dp, 1, False, "none", zero)
+            1.0, dp=dp * cp if zero else 1, zero=zero, param_bytes=w_b, grad_bytes=g_b,
+            optim_bytes=o_b,
+        )["device"]  # fmt: skip
+        lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp)
         return per_param, zero3_buffer_bytes(self.cfg, lay, self.rt)
 
     def time(self, c: Candidate) -> float:
@@ -483,13 +551,13 @@ class _Bounds:
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         busiest, fwd0, bwd = self.work(
             c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
-            c.dp if c.zero == 3 else 0,
+            c.dp if c.zero == 3 else 0, c.cp, c.cp_mode,
         )  # fmt: skip
         pipe = m * busiest * (1 + bubble_formula(c.schedule, c.pp, m, c.vpp))
         if c.pp > 1:
-            hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel)
+            hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp)
             pipe += 2 * (c.pp * c.vpp - 1) * hop
-        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero)
+        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero, c.cp)
         if not self.rt.overlap_grad_reduce:
             pipe += float(grad.max())
         elif c.vpp == 1:  # streamed during the backward, the rest after it
@@ -503,11 +571,13 @@ class _Bounds:
         """A lower bound on the peak bytes per device, closed form or replayed (module
         docstring): the fullest pipeline rank."""
         params = self.ranks(c.tp, c.pp, c.vpp)[-1]
-        per_param, z3_buffers = self.state(c.tp, c.dp, c.zero)
+        per_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp)
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         act = self.act(c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
-                       c.schedule, m)  # fmt: skip
-        fixed = self.hw.framework_overhead_bytes + z3_buffers
+                       c.schedule, m, c.cp)  # fmt: skip
+        cp_buf = self.layer(c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, 0, c.cp,
+                            c.cp_mode)[-1]  # fmt: skip
+        fixed = self.hw.framework_overhead_bytes + z3_buffers + cp_buf
         return float((params * per_param + act).max()) + fixed
 
 
@@ -532,7 +602,7 @@ def search(req: PlanRequest) -> Plan:
     for seconds, c, res in _fastest_first(req, heap, rejected, counts):
         # A layout that only changes ZeRO stage or recomputation of a better one, at the
         # same predicted time, is the same plan with more memory: fold it into that one.
-        fold = c._replace(zero=0, recompute="")
+        fold = c._replace(zero=0, recompute="", cp_mode="")
         if folded.get(fold, -1.0) >= seconds * (1 - FOLD):
             continue
         lay = make_layout(c, req)

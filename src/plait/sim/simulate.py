@@ -127,7 +127,7 @@ def simulate(
     on_node = min(layout.world_size, hardware.devices_per_node)
     if on_node <= hardware.compute_slots:
         return res
-    block = layout.dp * layout.tp  # global ranks per pipeline rank
+    block = layout.dp * layout.cp * layout.tp  # global ranks per pipeline rank
     share = 1.0
     for _ in range(12):
         active = sum(min(1.0, res.busy_s[g // block] / res.iter_time_s) for g in range(on_node))
@@ -161,7 +161,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     if n_devices is not None and n_devices != layout.world_size:
         raise ValueError(
             f"--gpus {n_devices} does not match --dp {layout.dp} x --tp {layout.tp} x "
-            f"--pp {layout.pp} = {layout.world_size}"
+            f"--pp {layout.pp}{f' x --cp {layout.cp}' if layout.cp > 1 else ''} = "
+            f"{layout.world_size}"
         )
     peak = hw.peak(layout.dtype)  # raises if the dtype has no fast path
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
@@ -232,7 +233,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     # Breakdown on the busiest pipeline rank; every chunk's F and B run m times.
     busy = [m * sum(sum(x) for x in split[r]) for r in range(p)]
     crit = max(range(p), key=busy.__getitem__)
-    comp, tp, z3 = (m * sum(x[i] for x in split[crit]) for i in range(3))
+    comp, tp, z3, cp = (m * sum(x[i] for x in split[crit]) for i in range(4))
     idle = max(0.0, pipe_end - busy[crit])
     pp_comm = min(idle, max(0.0, pipe_end - free_end))
     breakdown = {
@@ -243,6 +244,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
         "dp_comm": z3 + (step_sync - pipe_end) + gather + sync,
         "optimizer": opt,
     }
+    if layout.cp > 1:  # exposed context-parallel exchanges (sim/context.py)
+        breakdown["cp_comm"] = cp
 
     memory = memory_per_rank(model, layout, rt, stage_layers, hw.framework_overhead_bytes, compiled,
                              lora=lora)  # fmt: skip
@@ -328,7 +331,7 @@ def _formula_pipeline(layout, cost, p2p):
 
 def _action_costs(model, layout, hw, rt, stage_layers):
     """``cost[rank][chunk]`` = (F, B, BI, W) seconds of one micro-batch, and ``split[rank]
-    [chunk]`` = (compute, exposed tp, exposed ZeRO-3) seconds of F + B together."""
+    [chunk]`` = (compute, exposed tp, exposed ZeRO-3, exposed cp) seconds of F + B together."""
     p, v = layout.pp, layout.vpp
     S = p * v
     layer = step.layer_step(model, layout, hw, rt)
@@ -347,9 +350,9 @@ def _action_costs(model, layout, hw, rt, stage_layers):
             bi = n * layer.bwd_input + hd.bwd_input + hd.bwd_tp
             w = n * layer.bwd_weight + e.bwd_weight + hd.bwd_weight
             row.append((f, bi + w, bi, w))
-            comp, tp, z3 = (n * x for x in layer.parts)
+            comp, tp, z3, cp = (n * x for x in layer.parts)
             comp += e.fwd + hd.fwd + hd.bwd_input + e.bwd_weight + hd.bwd_weight
-            parts.append((comp, tp + e.fwd_tp + hd.fwd_tp + hd.bwd_tp, z3))
+            parts.append((comp, tp + e.fwd_tp + hd.fwd_tp + hd.bwd_tp, z3, cp))
         cost.append(tuple(row))
         split.append(parts)
     return tuple(cost), split

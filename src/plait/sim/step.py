@@ -32,14 +32,15 @@ class LayerStep:
 
     @property
     def fwd(self) -> float:
-        """F: compute, exposed tp collectives, exposed ZeRO-3 gather."""
-        return self.cost.fwd + self.cost.fwd_tp + self.zero3_fwd
+        """F: compute, exposed tp collectives and cp exchanges, exposed ZeRO-3 gather."""
+        return self.cost.fwd + self.cost.fwd_tp + self.cost.fwd_cp + self.zero3_fwd
 
     @property
     def bwd_input(self) -> float:
-        """BI: input gradients, recomputation, their tp collectives, exposed ZeRO-3."""
+        """BI: input gradients, recomputation, their tp collectives and cp exchanges,
+        exposed ZeRO-3."""
         c = self.cost
-        return c.bwd_input + c.recompute + c.bwd_tp + c.recompute_tp + self.zero3_bwd
+        return c.bwd_input + c.recompute + c.bwd_tp + c.recompute_tp + c.bwd_cp + self.zero3_bwd
 
     @property
     def bwd_weight(self) -> float:
@@ -50,11 +51,12 @@ class LayerStep:
         return self.bwd_input + self.bwd_weight
 
     @property
-    def parts(self) -> tuple[float, float, float]:
-        """(compute, exposed tp, exposed ZeRO-3) seconds of F + B together."""
+    def parts(self) -> tuple[float, float, float, float]:
+        """(compute, exposed tp, exposed ZeRO-3, exposed cp) seconds of F + B together."""
         c = self.cost
         compute = c.fwd + c.bwd_input + c.recompute + c.bwd_weight
-        return compute, c.fwd_tp + c.bwd_tp + c.recompute_tp, self.zero3_fwd + self.zero3_bwd
+        return (compute, c.fwd_tp + c.bwd_tp + c.recompute_tp, self.zero3_fwd + self.zero3_bwd,
+                c.fwd_cp + c.bwd_cp)  # fmt: skip
 
 
 def layer_step(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> LayerStep:

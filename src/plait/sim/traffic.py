@@ -3,7 +3,7 @@ byte side of the cost model's communication (``costs.py``, ``step.py``), which t
 same quantities into seconds. ``plait rehearse`` holds these figures against the calls a
 rehearsed rank actually issues.
 
-Communication: none (a formula). Per micro-batch of T = b s tokens, hidden h, e bytes per
+Communication: none (a formula). Per micro-batch of T = b s / cp tokens (a cp rank's share), hidden h, e bytes per
 activation element (``costs.ACT_BYTES``), t = tp, on a pipeline rank whose chunks hold
 L_c layers:
 
@@ -21,6 +21,10 @@ L_c layers:
   its backward in every micro-batch (P w each, w ``Runtime.param_comm_bytes``) and
   reduce-scatters the gradients (every micro-batch, or once where the runtime
   accumulates them whole); HSDP adds the all-reduce of the shard across replicas.
+- cp: per layer the exchanges of ``sim/context.py``'s ``layer_bytes`` (counted), forward
+  and backward; ``--recompute full`` repeats the forward's. The gradients' dp traffic
+  runs over dp x cp ranks (``costs.grad_ranks``) and counts on the dp axis, as
+  ``Topology.grad_view`` counts it.
 - world: the step's statistics, 8 (2 + R + W) bytes (``step.stats_bytes``).
 """
 
@@ -28,7 +32,8 @@ from __future__ import annotations
 
 from plait.layout import Layout
 from plait.model.config import ModelConfig
-from plait.sim.costs import ACT_BYTES, dp_groups
+from plait.sim import context as cp_sim
+from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks
 from plait.sim.memory import stage_params
 from plait.sim.runtime import Runtime
 from plait.sim.step import stats_bytes
@@ -41,7 +46,11 @@ def bytes_per_axis(
     of pipeline rank ``pp_rank`` (module docstring); axes of size 1 are left out."""
     p, v, m, t = layout.pp, layout.vpp, layout.num_microbatches, layout.tp
     S = p * v
-    T, h, e = layout.micro_batch_size * model.seq_len, model.hidden, ACT_BYTES[layout.dtype]
+    T, h, e = (
+        layout.micro_batch_size * model.seq_len // layout.cp,
+        model.hidden,
+        ACT_BYTES[layout.dtype],
+    )
     sp = layout.sequence_parallel and t > 1
     out: dict[str, float] = {}
     chunks = [(c * p + pp_rank, stage_layers[c * p + pp_rank]) for c in range(v)]
@@ -66,7 +75,11 @@ def bytes_per_axis(
         if model.tied_embeddings and pp_rank in (0, p - 1):
             pp += 2 * model.vocab_size * h * 4 / t
         out["pp"] = pp
-    if layout.dp > 1:
+    if layout.cp > 1:
+        nb = cp_sim.layer_bytes(model, layout)
+        per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
+        out["cp"] = m * sum(layers for _, layers in chunks) * per_layer
+    if grad_ranks(layout) > 1:
         params = sum(stage_params(model, layout, layers, stage == 0, stage == S - 1)
                      for stage, layers in chunks)  # fmt: skip
         g = params * runtime.grad_comm_bytes(layout.dtype)
