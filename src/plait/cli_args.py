@@ -34,6 +34,7 @@ LAYOUT_FLAGS = (
     "cp",
     "cp_mode",
     "document_mask",
+    "ep",
     "vpp",
     "schedule",
     "micro_batch_size",
@@ -126,6 +127,8 @@ def layout_parent() -> argparse.ArgumentParser:
                    "(Ulysses); docs/context-parallel.md")  # fmt: skip
     g.add_argument("--document-mask", action="store_true", default=None,
                    help="attention stops at end-of-text tokens (packed documents)")  # fmt: skip
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel ranks (of the --dp ranks): MoE experts split over them")  # fmt: skip
     g.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank")
     g.add_argument("--schedule", choices=SCHEDULES, default=None)
     g.add_argument("--pp-layout", type=_int_list, default=None, help="layers per stage: 5,6,6,5")

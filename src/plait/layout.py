@@ -52,6 +52,7 @@ class Layout:
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence
     cp_mode: str = "ring"  # ring | allgather | a2a (parallel/context.py)
     document_mask: bool = False  # attention stops at end-of-text tokens
+    ep: int = 1  # expert parallelism: MoE experts split over ep of the dp ranks (not more ranks)
     vpp: int = 1  # model chunks per pipeline rank (interleaved schedule)
     schedule: str = "1f1b"
     micro_batch_size: int = 1
@@ -67,7 +68,7 @@ class Layout:
     bucket_mb: float = DEFAULT_BUCKET_MB  # data-parallel gradient buckets (ZeRO 0-2)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "vpp", "micro_batch_size", "global_batch_size"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.schedule not in SCHEDULES:
@@ -112,6 +113,11 @@ class Layout:
                 )
         if self.offload_optimizer and self.zero == 0:
             raise ValueError("--offload-optimizer needs --zero 1, 2 or 3")
+        if self.dp % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide --dp {self.dp} (expert-parallel ranks are carved "
+                "out of the data-parallel ones)"
+            )
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r}: choose one of {', '.join(CP_MODES)}")
 
@@ -161,6 +167,13 @@ class Layout:
             raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp {tp}")
         if self.cp > 1:
             check_cp_split(model, self)
+        if self.ep > 1 and not model.moe:
+            raise ValueError(f"--ep {self.ep} needs a mixture of experts (--moe-experts)")
+        if self.ep > 1 and model.moe_experts % self.ep:
+            raise ValueError(
+                f"--ep {self.ep} must divide --moe-experts {model.moe_experts} (each rank "
+                "holds the same number of experts)"
+            )
         if self.document_mask and model.sliding_window is not None:
             raise ValueError("--document-mask does not combine with a sliding window yet")
 

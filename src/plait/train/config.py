@@ -113,6 +113,11 @@ class RunConfig:
                 "replica's parameters and AdamW state); drop --dp-algo / --compress / "
                 "--optimizer sgd, or --fault-tolerance"
             )
+        if self.layout.ep > 1:
+            raise ValueError(
+                "--ep is not wired into the trainer yet (MoE models train with their experts "
+                "on every rank); use --ep 1"
+            )
         if self.layout.cp > 1 and self.resilience.enabled:
             raise ValueError(
                 "--fault-tolerance with --cp is not covered yet (templates hold no cp "
