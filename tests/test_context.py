@@ -304,3 +304,35 @@ def test_document_mask_keeps_each_document_to_itself():
     torch.testing.assert_close(masked[:, :12], alone_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(masked[:, 12:], alone_b, atol=1e-5, rtol=1e-5)
     assert (plain[:, 12:] - alone_b).abs().max() > 1e-2
+
+
+def test_fused_cpu_blocks_equal_the_math_blocks():
+    """A block on PyTorch's fused CPU kernel (no documents) against the math path (the same
+    block with every token in one document: the same mask, computed from scores), float64,
+    GQA: out, LSE and dq/dk/dv of a causal block whose keys run past its queries' start
+    (split into the visible part and the causal square) and of a fully visible one. Catches
+    a wrong split (the square not the last Tq keys), a backward fed the block's own LSE
+    instead of the merged one, and GQA gradients not summed over the shared heads."""
+    from plait.parallel.context import attend, attend_backward
+
+    g = torch.Generator().manual_seed(0)
+    B, H, K, D, Tq = 2, 4, 2, 8, 6
+    for causal, Tk in ((True, 3 * Tq), (True, Tq), (False, 2 * Tq)):
+        q = torch.randn(B, H, Tq, D, dtype=torch.float64, generator=g)
+        k, v = (torch.randn(B, K, Tk, D, dtype=torch.float64, generator=g) for _ in range(2))
+        dout = torch.randn(B, H, Tq, D, dtype=torch.float64, generator=g)
+        k_pos = torch.arange(Tk)
+        q_pos = k_pos[Tk - Tq :] if causal else torch.arange(Tk, Tk + Tq)
+        one = dict(
+            q_doc=torch.zeros(B, Tq, dtype=torch.long), k_doc=torch.zeros(B, Tk, dtype=torch.long)
+        )
+        kw = dict(q_pos=q_pos, k_pos=k_pos, causal=causal, scale=D**-0.5)
+        out, lse = attend(q, k, v, **kw)
+        ref_out, ref_lse = attend(q, k, v, **kw, **one)
+        torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+        delta = (dout * out).sum(-1)
+        got = attend_backward(q, k, v, dout, delta, lse, out=out, **kw)
+        want = attend_backward(q, k, v, dout, delta, lse, **kw, **one)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -46,9 +46,12 @@ within its document -- packed sequences stop at their end-of-text tokens.
 
 Numerics: every block's scores, softmax and output are computed in fp32 (or the input's
 wider type) by ``attend`` and merged by their log-sum-exp in fp32 (``merge``); the output
-is cast back to the input type once. This is math attention, which materialises each
-block's scores: the CPU path. On CUDA the same program would call a fused kernel that
-returns its log-sum-exp (not built yet).
+is cast back to the input type once. On the CPU, a block without document masks runs on
+PyTorch's fused attention kernel, which returns its log-sum-exp and never holds the
+block's (B, H, Tq, Tk) scores (``_attend_fused``: a causal block is cut into its visible
+keys and the causal square; the backward is the kernel's, fed the merged output and LSE);
+document-masked blocks, and every block on CUDA, run math attention, which materialises
+each block's scores (CUDA's fused kernels that return an LSE are not wired yet).
 
 Shape letters: B batch, H query heads, K key/value heads, D head size, S tokens held by
 this rank (s / N: two chunks of c), T tokens of a block.
@@ -212,11 +215,75 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+# -- the fused kernel (CPU): no (B, H, Tq, Tk) scores held --------------------------------
+
+
+def _fused(q, q_doc) -> bool:
+    """Whether a block runs on PyTorch's fused CPU attention kernel, which returns its
+    log-sum-exp and never holds the block's scores (``_scaled_dot_product_flash_attention
+    _for_cpu``): on the CPU, without document masks (a document mask is a (B, Tq, Tk)
+    tensor of its own and can leave a row with no key, which the math path defines).
+    CUDA's fused kernels are not wired yet: they run the math path."""
+    return q.device.type == "cpu" and q_doc is None
+
+
+def _kernel_inputs(q, k, v):
+    """q, k, v in fp32 (or wider), contiguous, K/V repeated to q's heads (GQA)."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    g = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(g, dim=1) if g > 1 else x for x in (k, v))
+    return (x.to(dt).contiguous() for x in (q, k, v))
+
+
+def _diagonal_split(Tq: int, Tk: int, causal: bool) -> list[tuple[slice, bool]]:
+    """The keys of a block as (slice, causal) parts the kernel's own causal flag covers: a
+    causal block's queries are its last Tq keys (the query chunk closes every key set the
+    exchanges build), so the keys before them are all visible and the last Tq are the
+    top-left-aligned causal square."""
+    if not causal:
+        return [(slice(0, Tk), False)]
+    parts = [(slice(0, Tk - Tq), False)] if Tk > Tq else []
+    return parts + [(slice(Tk - Tq, Tk), True)]
+
+
+def _attend_fused(q, k, v, *, causal, scale):
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, k, v = _kernel_inputs(q, k, v)
+    out = lse = None
+    for keys, diag in _diagonal_split(q.shape[-2], k.shape[-2], causal):
+        o, l_ = op(q, k[..., keys, :], v[..., keys, :], 0.0, diag, scale=scale)
+        out, lse = (o, l_) if out is None else merge(out, lse, o, l_)
+    return out, lse
+
+
+def _attend_backward_fused(q, k, v, dout, out, lse, *, causal, scale):
+    """The kernel's backward of one block given the *merged* out and lse of its queries
+    (it recomputes P = exp(S - lse) and takes rowsum(dO * O) as delta: the ring flash-
+    attention backward)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    B, K, Tk, D = k.shape
+    qf, kf, vf = _kernel_inputs(q, k, v)
+    dout, out = (x.to(qf.dtype).contiguous() for x in (dout, out))
+    lse = lse.to(qf.dtype).contiguous()
+    dq = torch.zeros_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    for keys, diag in _diagonal_split(q.shape[-2], Tk, causal):
+        a, b, c = op(dout, qf, kf[..., keys, :].contiguous(), vf[..., keys, :].contiguous(),
+                     out, lse, 0.0, diag, scale=scale)  # fmt: skip
+        dq += a
+        dk[..., keys, :] += b
+        dv[..., keys, :] += c
+    g = q.shape[1] // K
+    return dq, dk.view(B, K, g, Tk, D).sum(2), dv.view(B, K, g, Tk, D).sum(2)
+
+
 def attend(q, k, v, *, q_pos, k_pos, q_doc=None, k_doc=None, causal=True, scale: float):
     """Masked attention of one block with its log-sum-exp: q (B, H, Tq, D), k/v
     (B, K, Tk, D), global positions ``q_pos`` (Tq,) / ``k_pos`` (Tk,), document ids
     (B, Tq) / (B, Tk) or None (``causal`` False: no key follows any query). Returns out (B, H, Tq, D) and lse (B, H, Tq), both fp32 (or
     the input's wider type); a row that sees no key has out 0 and lse -inf."""
+    if _fused(q, q_doc):
+        return _attend_fused(q, k, v, causal=causal, scale=scale)
     s = _scores(q, k, scale, _mask(q_pos, k_pos, q_doc, k_doc, causal))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
@@ -225,11 +292,15 @@ def attend(q, k, v, *, q_pos, k_pos, q_doc=None, k_doc=None, causal=True, scale:
 
 
 def attend_backward(q, k, v, dout, delta, lse, *, q_pos, k_pos, q_doc=None, k_doc=None,
-                    causal=True, scale: float):  # fmt: skip
+                    causal=True, scale: float, out=None):  # fmt: skip
     """Gradients of one block given the *merged* ``lse`` of its queries and ``delta`` =
     rowsum(dO * O) - dLSE (B, H, Tq): P is recomputed as exp(S - lse), dS = P (dP - delta)
     (the flash-attention backward, blockwise). Returns fp32 dq (B, H, Tq, D), dk and dv
-    (B, K, Tk, D) (summed over the query heads sharing each key/value head)."""
+    (B, K, Tk, D) (summed over the query heads sharing each key/value head). ``out``: the
+    merged output of these queries, given when no gradient reaches the LSE (delta is then
+    rowsum(dO * O)): the fused kernel's backward, which takes it instead of delta."""
+    if out is not None and _fused(q, q_doc):
+        return _attend_backward_fused(q, k, v, dout, out, lse, causal=causal, scale=scale)
     s = _scores(q, k, scale, _mask(q_pos, k_pos, q_doc, k_doc, causal))
     p = torch.exp(s - _finite(lse)[..., None])  # (B, H, Tq, Tk)
     dt, g = s.dtype, q.shape[1] // k.shape[1]
@@ -444,6 +515,7 @@ class _RingAttention(torch.autograd.Function):
                     dqa, dk, dv = attend_backward(
                         q[..., rows, :], _slots(kv[0], picks, c), _slots(kv[1], picks, c),
                         dout[..., rows, :], delta[..., rows], lse[..., rows], scale=scale,
+                        out=None if dlse is not None else out[..., rows, :],
                         **_block_args(layout, mine[a], held, picks, q.device),
                     )  # fmt: skip
                     dq[..., rows, :] += dqa
@@ -502,6 +574,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dq[..., rows, :], dk, dv = attend_backward(
                 q[..., rows, :], full[0][..., upto, :], full[1][..., upto, :],
                 dout[..., rows, :], delta[..., rows], lse[..., rows], scale=scale,
+                out=None if dlse is not None else out[..., rows, :],
                 **_block_args(layout, g, tuple(range(g + 1)), range(g + 1), q.device),
             )  # fmt: skip
             dfull[0][..., upto, :] += dk
@@ -563,7 +636,8 @@ class _UlyssesAttention(torch.autograd.Function):
         pos = torch.arange(layout.seq_len, device=qh.device)
         docs = layout.documents
         dq, dk, dv = attend_backward(qh, kh, vh, dout, delta, lse, q_pos=pos, k_pos=pos,
-                                     q_doc=docs, k_doc=docs, scale=scale)  # fmt: skip
+                                     q_doc=docs, k_doc=docs, scale=scale,
+                                     out=None if dlse is not None else o)  # fmt: skip
         d = _to_sequence(torch.cat([dq, dk, dv], dim=1).to(qh.dtype), ring)  # (B, ..., S, D)
         H, K = ctx.heads
         per = (H + 2 * K) // n
