@@ -181,9 +181,9 @@ class Coordinator:
         """(node, local rank) for the replacement of ``p``: its node and device, or, if
         its node is gone, the node alive with the fewest workers and its lowest free local
         rank (several workers per device if none is free)."""
-        if self.nodes.alive(p.node):
+        if self.nodes.fresh(p.node):
             return p.node, p.local_rank
-        live = {n: [] for n in {0} | {q.node for q in self.procs.values()} if self.nodes.alive(n)}
+        live = {n: [] for n in {0} | {q.node for q in self.procs.values()} if self.nodes.fresh(n)}
         for q in self.procs.values():
             if q.node in live and not q.dead:
                 live[q.node].append(q.local_rank)

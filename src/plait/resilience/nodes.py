@@ -270,3 +270,9 @@ class NodeWatch:
 
     def alive(self, node: int) -> bool:
         return node == 0 or time.time() - self.seen[node][1] < self.stale_s
+
+    def fresh(self, node: int, within: float = 10 * POLL_S) -> bool:
+        """Whether ``node``'s agent beat in the last ``within`` seconds (ten of its beats):
+        where a replacement may go. A node whose workers fell silent together is often
+        still "alive" by its last beat a moment longer; it gets no replacement."""
+        return node == 0 or time.time() - self.seen[node][1] < within
