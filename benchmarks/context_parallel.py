@@ -21,15 +21,15 @@ fp32, the embedded corpus. Per rank, after building the trainer and one warm-up 
   beside the step.
 
 The last line is the issue's bar: the step's memory at cp 4 over cp 1, at the longest
-sequence (<= 0.30 wanted). cp 1 runs PyTorch's SDPA (which on CPU keeps no score
-matrix); cp > 1 runs parallel/context.py's math attention, whose fp32 block scores are
-transient. The cp ranks time-share the 2 cores (4 processes at cp 4), so step times at
+sequence (<= 0.30 wanted). cp 1 runs PyTorch's SDPA and cp > 1 parallel/context.py's
+blocks on PyTorch's fused CPU kernel: neither keeps a score matrix. The cp ranks time-share the 2 cores (4 processes at cp 4), so step times at
 cp > 1 include that contention: the simulator models it too (``compute_slots``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -125,10 +125,14 @@ def predict(seq_len: int, cp: int, mode: str) -> dict:
     from plait.layout import Layout
     from plait.model.config import ModelConfig
     from plait.sim import get_hardware, simulate
+    from plait.sim.runtime import get_runtime
 
     model = ModelConfig(**MODEL, vocab_size=256, seq_len=seq_len)
     lay = Layout(cp=cp, cp_mode=mode, global_batch_size=1, micro_batch_size=1)
-    res = simulate(model, lay, get_hardware("cpu"))
+    # plait's cp blocks run on PyTorch's fused CPU kernel here (no document masks): the
+    # plait runtime with fused cp attention (its default prices CUDA's math blocks)
+    runtime = dataclasses.replace(get_runtime("plait"), cp_math_attention=False)
+    res = simulate(model, lay, get_hardware("cpu"), runtime=runtime)
     mem = res.memory
     return {"step_s": res.iter_time_s, "mem": mem.activations + mem.cp_buffers}
 

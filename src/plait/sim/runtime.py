@@ -12,10 +12,11 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   the scores (2.5x the forward's FLOPs). Otherwise attention is two batched GEMMs plus
   a softmax that streams the s x s scores through memory, and stores them.
 - ``cp_math_attention``: context-parallel attention (``--cp``) runs as math attention in
-  fp32 over the blocks it computes, scores materialised block by block
-  (``parallel/context.py``'s CPU path, which plait runs on every device until it calls
-  a fused kernel that returns its log-sum-exp); otherwise as the fused kernels of
-  Transformer Engine's ring attention. ``sim/context.py`` prices both.
+  fp32 over the blocks it computes, scores materialised block by block (what
+  ``parallel/context.py`` runs on CUDA, and for document-masked blocks everywhere, until
+  it calls CUDA's fused kernels that return their log-sum-exp; on the CPU its other
+  blocks run PyTorch's fused kernel); otherwise as fused kernels (Transformer Engine's
+  ring attention). ``sim/context.py`` prices both.
 - ``attention_native``: the fused attention kernels are the device's newest generation
   (Transformer Engine's cuDNN attention, FlashAttention-3 on Hopper) rather than
   FlashAttention-2's (``Efficiency.attention_native``).
