@@ -190,3 +190,22 @@ def test_simulate_cli_prints_cp_lines(capsys):
     assert "dp=1 cp=4 ring tp=2" in out
     assert "cp traffic ring over 4 ranks" in out and "cp memory  activations of 8,192" in out
     assert "cp comm" in out
+
+
+def test_recomputation_exchanges_again():
+    """Selective recomputation checkpoints the attention core and full recomputation the
+    whole layer: either runs the cp exchange's forward again in the backward, so a step's
+    cp bytes are the layer's counted bytes plus its forward's, per layer and micro-batch
+    (what ``plait rehearse`` counts: gpt3-125m at cp 2, 0.422 GiB without and 0.492 with,
+    both equal to this). Catches selective recomputation priced as if the exchange ran
+    once (LLaMA-3 8B at 32k tokens and cp 4: 14.0 simulated vs 17.0 GiB rehearsed)."""
+    from plait.sim.runtime import get_runtime
+    from plait.sim.traffic import bytes_per_axis
+
+    cfg = _model()
+    for mode in ("ring", "allgather", "a2a"):
+        nb = cp_sim.layer_bytes(cfg, _layout(2, mode))
+        for recompute, extra in (("none", 0.0), ("selective", 1.0), ("full", 1.0)):
+            lay = _layout(2, mode, recompute=recompute)
+            got = bytes_per_axis(cfg, lay, get_runtime("plait"), [cfg.n_layers], 0)["cp"]
+            assert got == pytest.approx(cfg.n_layers * (nb.counted + extra * nb.fwd_counted))

@@ -221,6 +221,7 @@ def layer_cost(
         bwd_cp += fwd_cp  # the recomputed forward exchanges again
     elif layout.recompute == "selective":
         recompute, recompute_tp = attn_re, 0.0
+        bwd_cp += fwd_cp  # the attention core, cp exchange included, runs again
     else:
         recompute, recompute_tp = 0.0, 0.0
     return LayerCost(fwd, fwd_tp, bwd_input, bwd_w_gemm, bwd_tp, recompute, recompute_tp,

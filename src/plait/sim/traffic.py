@@ -77,7 +77,8 @@ def bytes_per_axis(
         out["pp"] = pp
     if layout.cp > 1:
         nb = cp_sim.layer_bytes(model, layout)
-        per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
+        # recomputation (full, or selective's attention core) runs the exchange again
+        per_layer = nb.counted + (nb.fwd_counted if layout.recompute != "none" else 0.0)
         out["cp"] = m * sum(layers for _, layers in chunks) * per_layer
     if grad_ranks(layout) > 1:
         params = sum(stage_params(model, layout, layers, stage == 0, stage == S - 1)
