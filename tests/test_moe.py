@@ -475,6 +475,7 @@ def test_every_layout_reports_the_same_routing_statistics(group, corpus):
     assert _metrics(refs["llama"])[-1]["moe_dropped"] > 0  # capacity drops some: tested
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load, no_dist
 def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1_and_4_on_the_curve(group, corpus):
     """Step 2 of the ep 2 x dp 2 x tp 2 run resumed at ep 1 and ep 4 (dp 4, ZeRO 1): steps 3-4
     stay on the single-process curve (an expert shard saved or loaded at the wrong rows,
