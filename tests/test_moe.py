@@ -177,12 +177,15 @@ CFGS = {  # gpt2: every block MoE, a shared expert; llama: dense + MoE, capacity
 }  # fmt: skip
 
 
-def _run_cfg(arch, data, out, *, mb=2, steps=STEPS, **layout) -> RunConfig:
+def _run_cfg(arch, data, out, *, mb=2, steps=STEPS, save_every=0, resume=False,
+             **layout) -> RunConfig:  # fmt: skip
+    train = TrainConfig(steps=steps, warmup=2, eval_every=0, eval_batches=1, progress=False,
+                        save_every=save_every, resume=resume)  # fmt: skip
     return RunConfig(
         model=_cfg(arch, **CFGS[arch]),
         layout=Layout(micro_batch_size=mb, global_batch_size=8, **layout),
         data=data,
-        train=TrainConfig(steps=steps, warmup=2, eval_every=0, eval_batches=1, progress=False),
+        train=train,
         out=str(out),
     )
 
@@ -352,14 +355,28 @@ def _group_worker(rank, world, root, data, layouts):
     result["token_split"] = _token_split_aux(rank, world, pair)
     result["runs"] = {}
     for name, arch, kw in layouts:
-        topo = Topology.build(pp=1, dp=kw.get("dp", 1), tp=kw.get("tp", 1))
+        topo = Topology.build(pp=kw.get("pp", 1), dp=kw.get("dp", 1), tp=kw.get("tp", 1))
         out = Path(root) / f"{name}-{arch}"
         if rank == 0:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
         dist.barrier()
-        train(_run_cfg(arch, data, out, **kw), topo=topo)
+        train(_run_cfg(arch, data, out, **kw, save_every=2 if name == SAVED else 0), topo=topo)
         result["runs"][(name, arch)] = str(out)
+    result["resumed"] = {}
+    saved = Path(root) / f"{SAVED}-llama"
+    for name, kw in RESUMED:  # step 2 of the ep 2 run, resumed at another ep and dp
+        topo = Topology.build(pp=1, dp=kw["dp"], tp=1)
+        out = Path(root) / name
+        if rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+            (out / "checkpoints").mkdir(parents=True)
+            shutil.copytree(saved / "checkpoints" / "step-00000002",
+                            out / "checkpoints" / "step-00000002")  # fmt: skip
+            shutil.copy(saved / "metrics.jsonl", out / "metrics.jsonl")
+        dist.barrier()
+        train(_run_cfg("llama", data, out, resume=True, **kw), topo=topo)
+        result["resumed"][name] = str(out)
     return result
 
 
@@ -367,7 +384,17 @@ LAYOUTS = [  # dp 4: one micro-batch per rank (the reference: 4 on one); tp 2 wi
     ("dp4", "llama", dict(dp=4)),
     ("dp2-tp2", "gpt2", dict(dp=2, tp=2)),
     ("dp2-tp2-sp", "llama", dict(dp=2, tp=2, sequence_parallel=True)),
+    # --ep: gpt2 dropless (a shared expert), llama with capacity and the expert bias; the
+    # llama pp 2 run's first stage holds only the dense block (moe_every 2)
+    ("ep2-dp2-tp2-sp", "llama", dict(dp=2, tp=2, ep=2, sequence_parallel=True)),
+    ("ep2-dp4", "gpt2", dict(dp=4, ep=2)),  # edp groups of 2: experts reduced over them
+    ("ep2-dp2-tp2", "gpt2", dict(dp=2, tp=2, ep=2)),
+    ("ep4-dp4-zero2", "gpt2", dict(dp=4, ep=4, zero=2)),
+    ("ep2-dp4-zero1", "llama", dict(dp=4, ep=2, zero=1)),
+    ("ep2-dp2-pp2", "llama", dict(dp=2, pp=2, ep=2)),
 ]
+SAVED = "ep2-dp2-tp2-sp"  # saves at step 2: resumed at ep 1 and ep 4 (dp 4, tp 1)
+RESUMED = [("resumed-ep1-dp4", dict(dp=4)), ("resumed-ep4-dp4", dict(dp=4, ep=4, zero=1))]
 
 
 @pytest.fixture(scope="module")
@@ -428,3 +455,81 @@ def test_loss_curves_match_single_process(group, corpus):
     for (name, arch), out in group[0]["runs"].items():
         cfg = _cfg(arch, **CFGS[arch])
         assert_same_run(_metrics(out), _metrics(refs[arch]), cfg, 8 * cfg.seq_len, name)
+
+
+MOE_KEYS = ("moe_tokens_min", "moe_tokens_max", "moe_tokens_mean", "moe_imbalance",
+            "moe_dropped", "moe_aux_loss", "moe_z_loss")  # fmt: skip
+
+
+def test_every_layout_reports_the_same_routing_statistics(group, corpus):
+    """Each metrics record's tokens per expert, imbalance, dropped fraction and aux / z
+    losses equal the single-process run's at every layout (dp, tp, pp, ep, ZeRO): the
+    statistics are summed over the ranks holding other tokens and other layers, once per
+    tp group. Counting a tp group's copies twice, one rank's tokens only, or one pp
+    stage's layers only fails it."""
+    _, _, refs = corpus
+    for (name, arch), out in group[0]["runs"].items():
+        for got, ref in zip(_metrics(out), _metrics(refs[arch]), strict=True):
+            for key in MOE_KEYS:
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), (name, key)
+    assert _metrics(refs["llama"])[-1]["moe_dropped"] > 0  # capacity drops some: tested
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load, no_dist
+def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1_and_4_on_the_curve(group, corpus):
+    """Step 2 of the ep 2 x dp 2 x tp 2 run resumed at ep 1 and ep 4 (dp 4, ZeRO 1): steps 3-4
+    stay on the single-process curve (an expert shard saved or loaded at the wrong rows,
+    or the expert bias restarted at zero, leaves it), and the checkpoint holds the expert
+    bias, moved off zero, at its global shape."""
+    import torch.distributed.checkpoint as dcp
+
+    root, _, refs = corpus
+    cfg = _cfg("llama", **CFGS["llama"])
+    for name, out in group[0]["resumed"].items():
+        got = _metrics(out)
+        assert [r["step"] for r in got] == [1, 2, 3, 4], name
+        assert_same_run(got, _metrics(refs["llama"]), cfg, 8 * cfg.seq_len, name)
+    path = Path(root) / f"{SAVED}-llama" / "checkpoints" / "step-00000002"
+    key = "buffers/blocks.1.mlp.expert_bias"
+    assert key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    bias = {key: torch.zeros(cfg.moe_experts)}
+    dcp.load(bias, checkpoint_id=str(path), no_dist=True)
+    assert bias[key].abs().sum() > 0
+
+
+def test_held_rows_place_an_ep_ranks_experts_in_the_global_tensor():
+    """An ep rank's (E/ep, ...) experts, whole or a ZeRO range, are boxes of the (E, ...)
+    tensor at its rows; a tp split still shifts its own dim. Fails if ``rows`` is ignored
+    (every ep rank would write rows 0..E/ep)."""
+    from plait.parallel.held import Held
+    from plait.parallel.tensor import ShardSpec
+
+    t = torch.arange(2 * 3 * 4.0).view(2, 3, 4)  # ep rank 1 of 2 of E = 4, tp 2 on dim 1
+    held = Held.whole(t, ShardSpec(dim=1))
+    held = type(held)(flat=held.flat, lo=0, shape=held.shape, spec=held.spec, rows=(2, 4))
+    assert held.global_shape(tp=2) == (4, 6, 4)
+    [(offsets, view)] = held.boxes(tp_rank=1, tp=2)
+    assert offsets == (2, 3, 0) and torch.equal(view, t)
+    part = Held.zero(t.reshape(-1)[12:], shape=t.shape, rank=1, n=2, spec=ShardSpec(dim=1))
+    part = type(part)(flat=part.flat, lo=part.lo, shape=part.shape, spec=part.spec, rows=(2, 4))
+    assert [o for o, _ in part.boxes(tp_rank=0, tp=2)] == [(3, 0, 0)]
+
+
+def test_ep_refusals_are_one_line():
+    """--ep with ZeRO-3, LoRA or a dp algorithm, and --fault-tolerance with MoE: one
+    ValueError line naming the flags (a missing check would build and fail later)."""
+    from plait.dp_algos.config import DPAlgoConfig
+    from plait.model.lora import LoRAConfig
+    from plait.resilience.config import ResilienceConfig
+
+    data = DataConfig(path="x.txt")
+    for extra, layout, msg in (
+        ({}, dict(dp=2, ep=2, zero=3), "--ep 2 with --zero 3"),
+        ({"lora": LoRAConfig(rank=4)}, dict(dp=2, ep=2), "--lora-rank with --ep 2"),
+        ({"dp_algo": DPAlgoConfig(algo="diloco", sync_every=4)}, dict(dp=2, ep=2), "with --ep"),
+        ({"resilience": ResilienceConfig(fault_tolerance=1)}, dict(dp=2), "--fault-tolerance"),
+    ):
+        with pytest.raises(ValueError, match=msg) as err:
+            RunConfig(model=_cfg(), layout=Layout(global_batch_size=8, **layout), data=data,
+                      train=TrainConfig(), out="o", **extra)  # fmt: skip
+        assert "\n" not in str(err.value)

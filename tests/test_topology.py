@@ -84,12 +84,14 @@ def _shard_groups(rank, world):
         "sums": sums,
         "timeout": (shard.timeout.total_seconds(), across.timeout.total_seconds()),
         "counted": topo.stats is shard.stats is across.stats,
+        "dp_ranks": (shard.dp_rank, across.dp_rank),
     }
 
 
 @pytest.mark.slow
 def test_shard_groups_builds_the_hybrid_sharding_groups():
-    """HSDP's shard and across groups come from the topology, with its timeout."""
+    """HSDP's shard and across groups come from the topology, with its timeout, and
+    each knows this rank's place in it (dp_rank; rank % size was wrong for across)."""
     from distributed import run_workers
 
     out = run_workers(4, _shard_groups)
@@ -98,3 +100,5 @@ def test_shard_groups_builds_the_hybrid_sharding_groups():
     assert all(r["sizes"] == (2, 2) and r["counted"] for r in out)
     assert [r["sums"] for r in out] == [[1, 2], [1, 4], [5, 2], [5, 4]]
     assert all(r["timeout"] == (45.0, 45.0) for r in out)
+    # each sub-group's dp_rank is the rank's place in it (--ep's edp engine reads it)
+    assert [r["dp_ranks"] for r in out] == [(0, 0), (1, 0), (0, 1), (1, 1)]

@@ -322,6 +322,7 @@ class Topology:
                 device=self.device,
                 stats=self.stats,
                 timeout=self.timeout,
+                place=(0, members.index(self.rank), 0),  # its dp_rank: its place in the group
             )
 
         return sub("shard", k), sub("across", dp // k)

@@ -324,6 +324,7 @@ def _train(cfg, values: dict) -> None:
         f"plait: training {values.get('model') or 'tiny'} ({cfg.model.arch}) on "
         f"dp={lay.dp} tp={lay.tp} pp={lay.pp}"
         + (f" cp={lay.cp}" if lay.cp > 1 else "")
+        + (f" ep={lay.ep}" if lay.ep > 1 else "")
         + f" for {cfg.train.steps} steps -> {out}",
         flush=True,
     )

@@ -333,31 +333,80 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+_KEYS = ("moe_tokens_min", "moe_tokens_max", "moe_tokens_mean", "moe_imbalance",
+         "moe_dropped", "moe_aux_loss", "moe_z_loss")  # fmt: skip
+
+
+def _layer_of(name: str) -> int:
+    """The global layer index of a module named ``...blocks.<i>.mlp``."""
+    return int(name.split("blocks.")[-1].split(".")[0])
+
+
+def _rows(layers: list[MoE]) -> torch.Tensor:
+    """(L, E + 4) float64: each layer's [assignments per expert (E), dropped, aux sum,
+    z sum, micro-batches] since its last reset."""
+    return torch.stack([torch.cat([m._load.double(), m._dropped.double()[None],
+                                   m._aux.double().to(m._load.device),
+                                   m._load.new_full((1,), m._micro_batches)])
+                        for m in layers])  # fmt: skip
+
+
+def _summary(table: torch.Tensor) -> dict:
+    """``_rows``' table (of any layers, summed over any ranks) -> the metrics: tokens per
+    expert per layer and micro-batch (min / max / mean; imbalance = max / mean, the largest
+    over layers), dropped fraction of the assignments, mean aux and z losses."""
+    table = table[table[:, -1] > 0].double().cpu()
+    if not len(table):
+        return {}
+    mb = table[:, -1:]
+    loads = table[:, :-4] / mb  # (L, E)
+    mean = loads.mean(-1)
+    aux = (table[:, -3:-1] / mb).mean(0)
+    values = torch.cat([
+        loads.min(-1).values.min()[None], loads.max(-1).values.max()[None], mean.mean()[None],
+        (loads.max(-1).values / mean.clamp_min(1e-12)).max()[None],
+        (table[:, -4].sum() / table[:, :-4].sum().clamp_min(1))[None], aux,
+    ])  # fmt: skip
+    return dict(zip(_KEYS, values.tolist()))
+
+
 def moe_stats(model: nn.Module, *, reset: bool = True) -> dict:
-    """This rank's MoE statistics since the last reset, over its MoE layers (a rank's
-    micro-batches are whole: no reduction is needed for them; dp ranks differ): tokens
-    per expert (min / max / mean per layer and micro-batch, imbalance = max / mean, the
-    largest over layers), dropped fraction of the assignments, and the mean aux and z
-    losses (unscaled by their coefficients). {} without MoE layers or micro-batches."""
+    """This rank's MoE statistics since the last reset, over its MoE layers (``_summary``;
+    no reduction: dp ranks differ -- ``stats_table`` is the run's). {} without MoE layers
+    or micro-batches."""
     layers = [m for m in moe_layers(model) if m._micro_batches]
     if not layers:
         return {}
-    loads = torch.stack([m._load / m._micro_batches for m in layers])  # (L, E)
-    mean = loads.mean(-1)
-    aux = torch.stack([m._aux / m._micro_batches for m in layers]).mean(0)
-    dropped = sum(m._dropped for m in layers)
-    assigned = sum(m._load.sum() for m in layers)
-    values = comm.host_values(torch.cat([
-        loads.min(-1).values.min()[None], loads.max(-1).values.max()[None], mean.mean()[None],
-        (loads.max(-1).values / mean.clamp_min(1e-12)).max()[None],
-        (dropped / assigned.clamp_min(1))[None], aux,
-    ]).double())  # fmt: skip
+    out = _summary(_rows(layers))
     if reset:
         for m in layers:
             m.reset_stats()
-    keys = ("moe_tokens_min", "moe_tokens_max", "moe_tokens_mean", "moe_imbalance",
-            "moe_dropped", "moe_aux_loss", "moe_z_loss")  # fmt: skip
-    return dict(zip(keys, values))
+    return out
+
+
+def stats_table(model: nn.Module, cfg, *, count: bool, device) -> torch.Tensor:
+    """(n_layers x (E + 4),) float64 on ``device``: ``_rows`` of this rank's MoE layers at
+    their global layer's row (zeros elsewhere, and everywhere if not ``count``: a tp rank
+    other than 0 routes the same tokens as rank 0), then resets them. Summed over every
+    rank -- dp ranks' other micro-batches, pp stages' other layers -- it is the whole
+    step's, the same at any layout (``summary_of``). Empty without MoE: the trainer adds
+    it to its one statistics all-reduce."""
+    if not cfg.moe:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    table = torch.zeros(cfg.n_layers, cfg.moe_experts + 4, dtype=torch.float64, device=device)
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m._micro_batches:
+            if count:
+                table[_layer_of(name)] = _rows([m])[0].to(device)
+            m.reset_stats()
+    return table.reshape(-1)
+
+
+def summary_of(values, cfg) -> dict:
+    """The metrics (``_summary``) of ``stats_table``'s values summed over the ranks."""
+    if not cfg.moe:
+        return {}
+    return _summary(torch.tensor(values, dtype=torch.float64).view(cfg.n_layers, -1))
 
 
 @torch.no_grad()

@@ -17,6 +17,13 @@ of size (2, 3); ZeRO rank 1 the box at (2, 3) of size (2, 3). With n = 3 (4 + 4 
 rank 1 holds [4, 8): (1, 1) size (1, 2), then (2, 0) size (1, 3) locally, i.e. global
 (1, 4) size (1, 2) and (2, 3) size (1, 3).
 
+Expert parallelism adds one more shift: an ep rank holds experts [first, first + E/ep) of
+an expert weight stacked (E, ...) (``model/moe.py``), so its tensor is rows [first,
+first + E/ep) of dim 0 of the global one (``rows=(first, E)``); the boxes above are cut
+from the (E/ep, ...) tensor and moved down by ``first``. Worked example, w_fc (8, F, C) at
+ep 2: ep rank 1 holds (4, F, C), rows=(4, 8), whole or ZeRO ranges of it, each box at
+offset 4 + its local row.
+
 No rank ever needs a tensor whole to save or load it: a checkpoint (``train/checkpoint.py``)
 gives DCP these boxes as the chunks this rank writes, or reads (DCP then reads from every
 saved chunk that overlaps one: resharding across any layout change).
@@ -71,6 +78,7 @@ class Held:
     lo: int
     shape: tuple[int, ...]
     spec: ShardSpec = REPLICATED
+    rows: tuple[int, int] | None = None  # (first, E): dim 0 is rows [first, ...) of E (ep)
 
     @classmethod
     def whole(cls, t: torch.Tensor, spec: ShardSpec = REPLICATED) -> Held:
@@ -88,7 +96,8 @@ class Held:
         return cls(flat=flat.reshape(-1), lo=lo, shape=tuple(shape), spec=spec)
 
     def global_shape(self, tp: int) -> tuple[int, ...]:
-        return tuple(full_shape(torch.Size(self.shape), self.spec, tp))
+        shape = tuple(full_shape(torch.Size(self.shape), self.spec, tp))
+        return shape if self.rows is None else (self.rows[1], *shape[1:])
 
     def boxes(self, *, tp_rank: int, tp: int) -> list[tuple[tuple, torch.Tensor]]:
         """(global offsets, the live view of that box) for each box this rank holds
@@ -104,6 +113,8 @@ class Held:
             view = self.flat[start - self.lo : start - self.lo + n].view(sizes)
             start += n
             offsets = list(offsets)
+            if self.rows is not None:  # an ep rank's experts (module docstring)
+                offsets[0] += self.rows[0]
             if split:
                 offsets[dim] += shift
                 if size is not None:  # the vocabulary's padding rows are not stored

@@ -113,10 +113,28 @@ class RunConfig:
                 "replica's parameters and AdamW state); drop --dp-algo / --compress / "
                 "--optimizer sgd, or --fault-tolerance"
             )
-        if self.layout.ep > 1:
+        if self.resilience.enabled and self.model.moe:
             raise ValueError(
-                "--ep is not wired into the trainer yet (MoE models train with their experts "
-                "on every rank); use --ep 1"
+                "--fault-tolerance with --moe-experts is not covered yet (recovery moves "
+                "parameters and AdamW state between replicas, not the expert bias or the ep "
+                "groups); drop one of the two"
+            )
+        ep = self.layout.ep
+        if ep > 1 and self.layout.zero == 3:
+            raise ValueError(
+                f"--ep {ep} with --zero 3 is not built yet (stage 3 gathers a block's "
+                "parameters as one unit; experts and dense weights shard over different "
+                "groups); use --zero 2"
+            )
+        if ep > 1 and self.lora is not None:
+            raise ValueError(
+                f"--lora-rank with --ep {ep}: adapters on experts are not built yet (the "
+                "experts would be a frozen base with nothing to train); use --ep 1"
+            )
+        if ep > 1 and not self.dp_algo.plain:
+            raise ValueError(
+                f"--dp-algo / --compress with --ep {ep}: expert gradients are reduced over "
+                "their own group with the plain all-reduce; drop one of the two"
             )
         if self.layout.cp > 1 and self.resilience.enabled:
             raise ValueError(

@@ -20,8 +20,9 @@ bubble and every rank's peak memory, in one all-reduce per step (``_reduce_stats
 is the step's only host synchronisation (nothing calls ``torch.cuda.synchronize``: the
 pipeline's bubble is read from CUDA events that sync has completed, a step late, and
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
-on every rank: the runner's (tensor- and pipeline-parallel, and the data-parallel hooks in
-backward order), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
+on every rank: the runner's (tensor- and pipeline-parallel, MoE dispatch's all-to-alls over
+the ep group, and the data-parallel hooks in backward order: under --ep, the dense
+engine's over dp and the experts' over edp, ``parallel/expert.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
 the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
@@ -46,13 +47,14 @@ from plait.layout import Layout
 from plait.model import lora, moe, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks, hollow
+from plait.parallel import expert
 from plait.parallel.context import document_ids, shard
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.held import Held
 from plait.parallel.pipeline.executor import PipelineRunner
 from plait.parallel.pipeline.stage import build_stage
 from plait.parallel.tensor import TPGradSync, weight_casts
-from plait.topology import Topology
+from plait.topology import Axis, Topology
 from plait.train import checkpoint, optim
 from plait.train.config import RunConfig
 from plait.train.metrics import (
@@ -209,10 +211,16 @@ class Trainer:
         # parameters first, and MoE holds a buffer (the expert bias), so they build it whole.
         meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat or model_cfg.moe)
         device = "meta" if meta else "cpu"
+        # --ep: the MoE layers' experts split over ep groups carved out of dp, their
+        # gradients reduced over the expert-data-parallel group (parallel/expert.py)
+        ep, edp_topo = None, None
+        if layout.ep > 1:  # collective over the world: every rank, before any other group
+            ep_topo, edp_topo = expert.ep_groups(topo, layout.ep)
+            ep = (ep_topo, Axis.DP)
         if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
             model = build_stage(
                 model_cfg, layout, topo=topo, seed=tcfg.seed, method=layout.pp_partition,
-                device=device,
+                device=device, ep=ep,
             )  # fmt: skip
         else:
             model = build_model(
@@ -223,6 +231,7 @@ class Trainer:
                 recompute=layout.recompute,
                 sequence_parallel=layout.sequence_parallel,
                 cp_mode=layout.cp_mode,
+                ep=ep,
             )
         # moved only when it is elsewhere: a no-op move still swaps every tensor, which
         # the fake tensors of a rehearsal (plait.rehearse) refuse
@@ -259,6 +268,8 @@ class Trainer:
         )
         if part is not None:
             make_engine = part.make_engine
+        elif ep is not None:  # dense parameters over dp, experts over edp
+            make_engine = functools.partial(expert.ExpertDataParallel, edp_topo=edp_topo)
         else:
             make_engine = functools.partial(
                 build_data_parallel, compression=self.dp_algo.compression
@@ -358,7 +369,11 @@ class Trainer:
         keys under ``prefix`` (a replica of ``--dp-algo`` local SGD keeps its own), and the
         dp algorithm's ``extra`` entries (``DPAlgorithm.checkpoint_state``)."""
         state = {f"{prefix}{key}": held for key, held in self.engine.held_state().items()}
-        return {**state, **(extra or {})}
+        # the MoE expert bias (aux-loss-free balancing): state, not a parameter, and the
+        # same on every rank that holds its layer (updated from the load over dp)
+        bias = {f"buffers/{name}": Held.whole(b) for name, b in self.model.named_buffers()
+                if name.endswith("expert_bias")}  # fmt: skip
+        return {**state, **bias, **(extra or {})}
 
     # -- one step ----------------------------------------------------------------------
 
@@ -423,6 +438,7 @@ class Trainer:
             # what this rank put on the wire over the dp axis (comm.py's ring convention)
             "dp_bytes_sent": topo.stats.sent_bytes("dp") - sent0,
         })  # fmt: skip
+        rec.update(self.moe_stats)  # tokens per expert, dropped fraction, aux losses
         if model_state["host"]:
             rec["host_state_bytes"] = model_state["host"]  # --offload-optimizer
         if layout.pp > 1 or self.part is not None:
@@ -442,17 +458,26 @@ class Trainer:
         bubble (its own over the world size), of its replica's |g|^2 (its shard, or 0 for
         a copy; R = 1 unless replicas differ, each then clipped on its own norm:
         ``dp_algos``' ``norm_slot``), and its peak memory so far in its own slot (the
-        record takes the largest). 2 + R + W numbers: 8 KiB at 1,024 ranks."""
+        record takes the largest). 2 + R + W numbers: 8 KiB at 1,024 ranks.
+        A MoE model appends its routing statistics (``moe.stats_table``: L (E + 4) numbers,
+        the rows of the layers this rank holds), so that every layout reports the whole
+        step's (``self.moe_stats``)."""
         topo, algo = self.topo, self.dp_algo
         norms = 2 + algo.norm_slots  # where the peaks start
-        stats = torch.zeros(norms + topo.world_size, dtype=torch.float64, device=topo.device)
+        moe_at = norms + topo.world_size
+        routing = moe.stats_table(self.model, self.cfg.model, count=topo.tp_rank == 0,
+                                  device=topo.device)  # fmt: skip
+        stats = torch.zeros(moe_at + routing.numel(), dtype=torch.float64, device=topo.device)
         if self.reports_loss:
             stats[0] = loss_share
         stats[1] = getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size
         stats[2 + algo.norm_slot] = self.engine.grad_sq_local()
         stats[norms + topo.rank] = peak_memory_bytes(topo.device)
+        stats[moe_at:] = routing
         comm.world_all_reduce(stats, topo=topo)
         values = comm.host_values(stats)  # (a rehearsal's fake tensors read as zeros)
+        self.moe_stats = moe.summary_of(values[moe_at:], self.cfg.model)
+        values = values[:moe_at]
         loss = values[0] / (algo.num_replicas if algo.replicas_differ else 1)  # their mean
         self._reduced = StepStats(step=step, grad_sq_sum=values[2 + algo.norm_slot], loss=loss,
                                   bubble_fraction=values[1],

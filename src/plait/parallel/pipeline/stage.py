@@ -116,8 +116,10 @@ def build_stage(
     seed: int,
     method: str = "uniform",
     device="cpu",
+    ep=None,
 ) -> PipelineStage:
-    """Build this rank's chunks (``topo.pp_rank``) with their deterministic initial weights."""
+    """Build this rank's chunks (``topo.pp_rank``) with their deterministic initial weights
+    (``ep``: the MoE layers' expert-parallel group, as ``build_model`` takes it)."""
     check_pipeline(model_cfg, layout, method=method)
     parts = stage_layers(model_cfg, layout, method=method)
     num_stages = layout.num_stages
@@ -135,6 +137,7 @@ def build_stage(
             sequence_parallel=layout.sequence_parallel,
             cp_mode=layout.cp_mode,
             device=device,
+            ep=ep,
         )
         if model_cfg.tied_embeddings and s == num_stages - 1:
             chunk.embed.tokens.weight.grad_owner = False  # rank 0's copy is counted
