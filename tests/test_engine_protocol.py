@@ -21,7 +21,7 @@ from plait.parallel.engine import (
     ShardEngine,
     build_data_parallel,
 )
-from plait.parallel.expert import ExpertDataParallel
+from plait.parallel.expert_engine import ExpertDataParallel
 from plait.parallel.zero import ZeroDataParallel
 from plait.resilience.engines import ReplicaEngine, ShardedReplicaEngine
 from plait.topology import Topology

@@ -22,7 +22,7 @@ pipeline's bubble is read from CUDA events that sync has completed, a step late,
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, MoE dispatch's all-to-alls over
 the ep group, and the data-parallel hooks in backward order: under --ep, the dense
-engine's over dp and the experts' over edp, ``parallel/expert.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
+engine's over dp and the experts' over edp, ``parallel/expert_engine.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
 the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
@@ -47,7 +47,7 @@ from plait.layout import Layout
 from plait.model import lora, moe, quant
 from plait.model.sizes import model_flops_per_token
 from plait.model.transformer import build_model, compile_blocks, hollow
-from plait.parallel import expert
+from plait.parallel import expert_engine as expert
 from plait.parallel.context import document_ids, shard
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.held import Held
@@ -212,7 +212,7 @@ class Trainer:
         meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat or model_cfg.moe)
         device = "meta" if meta else "cpu"
         # --ep: the MoE layers' experts split over ep groups carved out of dp, their
-        # gradients reduced over the expert-data-parallel group (parallel/expert.py)
+        # gradients reduced over the expert-data-parallel group (parallel/expert_engine.py)
         ep, edp_topo = None, None
         if layout.ep > 1:  # collective over the world: every rank, before any other group
             ep_topo, edp_topo = expert.ep_groups(topo, layout.ep)
