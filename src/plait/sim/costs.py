@@ -485,7 +485,11 @@ def stage_tensors(
 
 
 def optimizer_time(
-    params: float, layout: Layout, hw: Hardware, runtime: Runtime, tensors: int = 0,
+    params: float,
+    layout: Layout,
+    hw: Hardware,
+    runtime: Runtime,
+    tensors: int = 0,
     experts: float = 0.0,
 ) -> float:
     """AdamW over this rank's shard of ``params`` in ``tensors`` parameter tensors:

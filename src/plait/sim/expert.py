@@ -145,7 +145,9 @@ def link(hw: Hardware, layout: Layout) -> Link | None:
     return group_link(hw, layout.ep, layout.cp * layout.tp)
 
 
-def layer_comm(cfg: ModelConfig, layout: Layout, hw: Hardware, imbalance: float) -> tuple[float, float]:
+def layer_comm(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, imbalance: float
+) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one MoE layer's dispatch (module docstring)."""
     n = layout.ep
     if n == 1 or not cfg.moe:

@@ -223,7 +223,10 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     if layout.zero != 3:
         return 0.0
     _, g_bytes, _ = runtime.state_bytes(layout.dtype)
-    gathered, grads = gathered_layer_bytes(cfg, layout, runtime), sizes.layer_params(cfg) / layout.tp
+    gathered, grads = (
+        gathered_layer_bytes(cfg, layout, runtime),
+        sizes.layer_params(cfg) / layout.tp,
+    )
     if cfg.moe:
         extra = ep_sim.dense_part_extra(cfg, layout) + ep_sim.expert_params(cfg, layout)
         if extra > 0:
