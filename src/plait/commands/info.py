@@ -12,6 +12,11 @@ s / N tokens (the cp attention keeps Q, K, V, its output and a log-sum-exp, neve
 s x s scores), the model state is sharded by ZeRO over dp x cp ranks, and one more line
 gives what one layer's exchange holds while it runs (``sim/context.py``).
 
+A mixture of experts (``--moe-experts``) shows total and active parameters; with
+``--ep N`` a rank holds E / N of every MoE block's experts, their state sharded by ZeRO
+over the dp / N ranks holding the same experts, and its activations hold the routed rows
+of a balanced router (``sim/expert.py``).
+
 Errors a user can cause print one line and return 2.
 """
 
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"model state per rank {st['device'] / gib:.3f} GiB on the device: weights "
         f"{st['params'] / gib:.3f}, gradients {st['grads'] / gib:.3f}, optimizer "
         f"{st['optim'] / gib:.3f} (fp32 weights+grads, AdamW; tp={layout.tp} pp={layout.pp} "
-        f"dp={layout.dp}{f' cp={layout.cp}' if layout.cp > 1 else ''} zero={layout.zero}"
+        f"dp={layout.dp}{f' cp={layout.cp}' if layout.cp > 1 else ''}"
+        f"{f' ep={layout.ep}' if model.moe else ''} zero={layout.zero}"
         + (", LoRA" if lora else "")
         + ")"
         + (f"; host {st['host'] / gib:.3f}" if st["host"] else "")
@@ -84,6 +90,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
         act_bytes=4 if layout.dtype == "fp32" else 2, flash_attention=cp > 1,
     ) * model.n_layers / layout.pp  # fmt: skip
+    if model.moe:  # the routed MLP's bytes in place of the dense one's (sim/expert.py)
+        from plait.sim.expert import activation_bytes
+
+        e = 4 if layout.dtype == "fp32" else 2
+        T = layout.micro_batch_size * held
+        dense_mlp = T * (2 if model.arch == "gpt2" else 3) * model.ffn_hidden / layout.tp * e
+        if layout.recompute != "full":
+            act += (
+                (activation_bytes(model, layout, 1.0) - dense_mlp) * model.n_moe_layers / layout.pp
+            )
     tokens = f"{held} of {model.seq_len} tokens per sequence at cp={cp}" if cp > 1 else (
         f"{model.seq_len} tokens")  # fmt: skip
     print(
@@ -91,6 +107,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"({layout.micro_batch_size} x {tokens}, {layout.dtype}, "
         f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
     )
+    if model.moe:
+        from plait.sim.expert import expert_params
+
+        x = model.n_moe_layers * expert_params(model, layout) / layout.pp
+        print(f"experts per rank     {x:,.0f} routed expert parameters ({x / n:.1%} of the model) "
+              f"at ep={layout.ep}: {model.moe_experts // layout.ep} of {model.moe_experts} "
+              f"experts per MoE block; state sharded over {layout.dp // layout.ep} edp "
+              f"rank(s) under ZeRO")  # fmt: skip
     if cp > 1:
         from plait.sim.context import buffer_bytes
 

@@ -75,6 +75,8 @@ def config_text(entry, model, preset_name: str | None, header: str, dp_algo=None
     })  # fmt: skip
     if lay.cp > 1:
         out.update({"cp": lay.cp, "cp-mode": lay.cp_mode})
+    if lay.ep > 1:
+        out["ep"] = lay.ep
     if dp_algo is not None:  # --dp-algo / --compress as planned: the fields set
         default = type(dp_algo)().to_dict()
         for k, v in dp_algo.to_dict().items():
@@ -116,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cp", type=int, default=16,
                    help="context-parallel ranks, searched from --seq-len 8192 (default 16)")  # fmt: skip
     g.add_argument("--max-micro-batch-size", type=int, default=None)
+    g.add_argument("--moe-imbalance", type=float, metavar="G", default=None,
+                   help="MoE: most-loaded expert's tokens over the mean the layouts are priced "
+                   "at (default 1.0: balanced)")  # fmt: skip
     g.add_argument("--no-replay", action="store_true",
                    help="report the closed-form figures without replaying the winners")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print the ranked list as JSON")
@@ -183,7 +188,7 @@ def _request(values: dict, model, hw, tokens: float | None):
     dtype = values.get("dtype") or default_dtype(hw.peak_flops)
     runtime = values.get("runtime") or DEFAULT_RUNTIME
     space_pins = {k: pins.get(k) for k in ("tp", "pp", "dp", "vpp", "schedule", "micro_batch_size",
-                                           "zero", "recompute", "cp", "cp_mode")}  # fmt: skip
+                                           "zero", "recompute", "cp", "cp_mode", "ep")}  # fmt: skip
     if pins.get("sequence_parallel"):
         space_pins["sequence_parallel"] = True
     space = space_for(
@@ -198,7 +203,16 @@ def _request(values: dict, model, hw, tokens: float | None):
         runtime=runtime, space=space, top_k=values.get("top") or 10,
         exact=not values.get("no_replay"), tokens=tokens,
         dp_algo=None if algo.algo == "allreduce" and algo.compress is None else algo,
+        moe_imbalance=_moe_imbalance(values),
     )  # fmt: skip
+
+
+def _moe_imbalance(values: dict) -> float:
+    """``--moe-imbalance`` (default 1.0: a balanced router; ``sim/expert.py``)."""
+    g = values.get("moe_imbalance")
+    if g is not None and not values.get("moe_experts"):
+        raise ValueError("--moe-imbalance needs a mixture of experts (--moe-experts)")
+    return 1.0 if g is None else g
 
 
 def _run(args: argparse.Namespace, values: dict) -> int:
@@ -332,7 +346,8 @@ def report(plan, name: str | None = None) -> str:
     for i, e in enumerate(plan.entries, 1):
         r = e.result
         b = r.breakdown
-        comm = (b["tp_comm"] + b["pp_comm"] + b["dp_comm"]) / r.iter_time_s
+        comm = (b["tp_comm"] + b["pp_comm"] + b["dp_comm"] + b.get("cp_comm", 0.0)
+                + b.get("ep_comm", 0.0)) / r.iter_time_s  # fmt: skip
         row = (
             f"{i:>3}  {e.candidate.label():<44} {r.peak_mem_bytes / GiB:>5.1f} GiB "
             f"{('' if e.replayed else '~') + _secs(r.iter_time_s):>9} "

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"software whose behaviour is modelled (default {DEFAULT_RUNTIME})",
     )
+    g.add_argument("--moe-imbalance", type=float, metavar="G", default=None,
+                   help="MoE: most-loaded expert's tokens over the mean (default 1.0: balanced; "
+                   "plait train logs moe_imbalance)")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--timeline", metavar="PNG", default=None, help="draw the simulated step")
     g.add_argument("--runs", metavar="FILE.csv", default=None, help="simulate every row")
@@ -130,8 +133,11 @@ def _run_one(args: argparse.Namespace) -> int:
     lora = lora_config(values)  # a frozen base: its weights held, adapters trained
     if lora is not None:
         lora.check_model(model)
+    imbalance = values.get("moe_imbalance")
+    if imbalance is not None and not model.moe:
+        return fail("--moe-imbalance needs a mixture of experts (--moe-experts)")
     res = simulate(model, layout, hw, gpus, runtime=runtime, keep_timeline=bool(args.timeline),
-                   lora=lora, dp_algo=algo)  # fmt: skip
+                   lora=lora, dp_algo=algo, moe_imbalance=imbalance)  # fmt: skip
     if args.timeline:
         from plait.viz.timeline import draw_timeline
 
@@ -150,7 +156,7 @@ def _run_one(args: argparse.Namespace) -> int:
         out["layout"] = layout.to_dict()
         print(json.dumps(out, indent=2))
     else:
-        print(report(res, model, layout, values.get("model") or "tiny"))
+        print(report(res, model, layout, values.get("model") or "tiny", imbalance, hw))
         if args.timeline:
             print(f"timeline  {args.timeline}")
     return 0
@@ -158,14 +164,18 @@ def _run_one(args: argparse.Namespace) -> int:
 
 def _layout_line(layout) -> str:
     cp = f" cp={layout.cp} {layout.cp_mode}" if layout.cp > 1 else ""
+    ep = f" ep={layout.ep}" if layout.ep > 1 else ""
     return (
-        f"dp={layout.dp}{cp} tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+        f"dp={layout.dp}{ep}{cp} tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
         f"{layout.schedule} mbs={layout.micro_batch_size}"
     )
 
 
-def report(res, model, layout, name: str = "model") -> str:
-    """The human-readable summary ``plait simulate`` prints."""
+def report(res, model, layout, name: str = "model", moe_imbalance: float | None = None,
+           hw=None) -> str:  # fmt: skip
+    """The human-readable summary ``plait simulate`` prints (``moe_imbalance``, ``hw``: a
+    MoE run's, for its expert lines)."""
+    moe_imbalance = 1.0 if moe_imbalance is None else moe_imbalance
     tokens = layout.global_batch_size * model.seq_len
     mem = res.memory
     flags = [f"zero={layout.zero}", f"recompute={layout.recompute}", f"dtype={layout.dtype}"]
@@ -188,6 +198,7 @@ def report(res, model, layout, name: str = "model") -> str:
         f"{mem.buffers / GiB:.1f}, overhead {mem.overhead / GiB:.1f} GiB (pipeline rank {mem.rank})",
         *_dp_algo_lines(res),
         *_cp_lines(res, model, layout),
+        *_moe_lines(res, model, layout, moe_imbalance, hw),
         "breakdown  "
         + ", ".join(
             f"{k.replace('_', ' ')} {v:.3g} s ({v / res.iter_time_s:.1%})"
@@ -215,6 +226,42 @@ def _cp_lines(res, model, layout) -> list[str]:
         f"cp memory  activations of {model.seq_len // layout.cp:,} of {model.seq_len:,} tokens "
         f"per sequence; +{res.memory.cp_buffers / GiB:.2f} GiB held by one layer's exchange",
     ]
+
+
+def _moe_lines(res, model, layout, imbalance, hw) -> list[str]:
+    """A mixture of experts: total and active parameters, what a rank holds of the experts,
+    and with ``--ep`` the dispatch's traffic per layer and step (sim/expert.py)."""
+    if not model.moe:
+        return []
+    from plait.model.sizes import active_params, num_params
+    from plait.sim import expert as ep_sim
+
+    n, a = num_params(model), active_params(model)
+    held = model.n_moe_layers * ep_sim.expert_params(model, layout) / layout.pp
+    lines = [
+        f"experts    {n / 1e9:,.3f} B parameters in all, {a / 1e9:,.3f} B active per token "
+        f"({a / n:.1%}: top-{model.moe_top_k} of {model.moe_experts} in {model.n_moe_layers} "
+        f"of {model.n_layers} blocks; MFU counts these); {held / 1e9:,.3f} B of expert "
+        f"weights per device at ep={layout.ep}, their state sharded over "
+        f"{layout.dp // layout.ep} edp ranks"
+    ]
+    if layout.ep > 1:
+        nb = ep_sim.layer_bytes(model, layout, imbalance)
+        steps = layout.num_microbatches * model.n_moe_layers / layout.pp  # per rank and step
+        if layout.recompute == "full":
+            steps *= 1 + nb.fwd_sent / nb.sent  # the forward's dispatch again
+        where = ""
+        if hw is not None:
+            inside = ep_sim.link(hw, layout) is hw.intra_node
+            where = " inside a node" if inside else " across nodes"
+        lines.append(
+            f"ep traffic all-to-all over {layout.ep} ranks{where}: {nb.fwd_sent / MiB:,.1f} MiB "
+            f"sent forward + {nb.bwd_sent / MiB:,.1f} MiB backward per MoE layer and "
+            f"micro-batch (busiest rank, imbalance {imbalance:g}), "
+            f"{nb.sent * steps / GiB:,.2f} GiB per step; {res.breakdown.get('ep_comm', 0.0):.3g} s "
+            "exposed"
+        )
+    return lines
 
 
 def _dp_algo_lines(res) -> list[str]:

@@ -53,6 +53,7 @@ from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.sim import context as cp_sim
+from plait.sim import expert as ep_sim
 from plait.sim.collectives import (
     all_gather_time,
     all_reduce_time,
@@ -119,6 +120,8 @@ class LayerCost:
     recompute_tp: float
     fwd_cp: float = 0.0  # exposed context-parallel exchanges (sim/context.py)
     bwd_cp: float = 0.0  # with full recomputation, the forward's exchanges again
+    fwd_ep: float = 0.0  # a MoE layer's expert dispatch (sim/expert.py)
+    bwd_ep: float = 0.0  # with full recomputation, the forward's dispatch again
 
 
 def _local_heads(cfg: ModelConfig, tp: int) -> tuple[float, float]:
@@ -127,8 +130,16 @@ def _local_heads(cfg: ModelConfig, tp: int) -> tuple[float, float]:
 
 
 def layer_cost(
-    cfg: ModelConfig, layout: Layout, hw: Hardware, runtime: Runtime, seq_len: int | None = None
+    cfg: ModelConfig,
+    layout: Layout,
+    hw: Hardware,
+    runtime: Runtime,
+    seq_len: int | None = None,
+    *,
+    moe: bool = False,
 ) -> LayerCost:
+    """One block; ``moe``: a MoE block, whose MLP is ``expert.mlp_cost``'s and whose
+    dispatch is ``expert.layer_comm``'s, at ``runtime.moe_imbalance``."""
     s = cfg.seq_len if seq_len is None else seq_len
     b, t, dtype = layout.micro_batch_size, layout.tp, layout.dtype
     e = ACT_BYTES[dtype]
@@ -146,6 +157,10 @@ def layer_cost(
     else:
         up, down = (T, 2 * f_t, h), (T, h, f_t)
     lin = [linear_times(hw, dtype, *g) for g in (qkv, proj, up, down)]
+    mc = None
+    if moe:  # the routed MLP in place of the dense one (sim/expert.py)
+        mc = ep_sim.mlp_cost(replace(cfg, seq_len=s), layout, hw, runtime.moe_imbalance)
+        lin[2:] = [mc.up, mc.down]
     fwd_gemm = sum(x[0] for x in lin)
     bwd_in_gemm = sum(x[1] for x in lin)
     bwd_w_gemm = sum(x[2] for x in lin)
@@ -181,13 +196,17 @@ def layer_cost(
 
     # Memory-bound elements per token (forward); backward streams twice as much.
     elems = 10 * h / (t if sp else 1)
-    elems += (2 if cfg.arch == "gpt2" else 3) * f_t
+    if mc is None:
+        elems += (2 if cfg.arch == "gpt2" else 3) * f_t
     if cfg.rotary:
         elems += 2 * (a_t + kv_t) * d
     elems += softmax_elems
-    mem_fwd = stream_time(hw, elems * T * e)
+    mem_fwd = stream_time(hw, elems * T * e + (mc.stream_bytes if mc else 0.0))
 
     kernels, linears = LAYER_KERNELS[cfg.block]
+    if mc is not None:
+        dense_k, dense_l = ep_sim.DENSE_MLP_KERNELS[cfg.block]
+        kernels, linears = kernels - dense_k + mc.kernels, linears - dense_l + mc.linears
     ov = hw.op_overhead
     fwd = fwd_gemm + attn_fwd + mem_fwd + kernels * ov
     bwd_input = bwd_in_gemm + attn_bwd + 2 * mem_fwd + kernels * ov
@@ -216,16 +235,21 @@ def layer_cost(
             fwd_tp = bwd_tp = 2 * all_reduce_time(nbytes, t, link)
 
     fwd_cp, bwd_cp = cp_sim.layer_comm(replace(cfg, seq_len=s), layout, hw, attn_fwd, attn_bwd)
+    fwd_ep = bwd_ep = 0.0
+    if moe:
+        fwd_ep, bwd_ep = ep_sim.layer_comm(replace(cfg, seq_len=s), layout, hw,
+                                           runtime.moe_imbalance)  # fmt: skip
     if layout.recompute == "full":
         recompute, recompute_tp = fwd, fwd_tp
         bwd_cp += fwd_cp  # the recomputed forward exchanges again
+        bwd_ep += fwd_ep
     elif layout.recompute == "selective":
         recompute, recompute_tp = attn_re, 0.0
         bwd_cp += fwd_cp  # the attention core, cp exchange included, runs again
     else:
         recompute, recompute_tp = 0.0, 0.0
     return LayerCost(fwd, fwd_tp, bwd_input, bwd_w_gemm, bwd_tp, recompute, recompute_tp,
-                     fwd_cp, bwd_cp)  # fmt: skip
+                     fwd_cp, bwd_cp, fwd_ep, bwd_ep)  # fmt: skip
 
 
 # -- embedding, head and loss --------------------------------------------------------------
@@ -327,22 +351,38 @@ def pp_boundary_link(hw: Hardware, layout: Layout, rank: int, peer: int) -> Link
 # -- data parallelism, ZeRO, optimizer ------------------------------------------------------
 
 
-def grad_ranks(layout: Layout) -> int:
+def grad_ranks(layout: Layout, experts: bool = False) -> int:
     """Ranks a gradient is reduced over: dp x cp (the cp ranks of a dp rank hold the same
     weights and different tokens; ``Topology.grad_view``). cp sits right after dp in the
-    rank order, so the group is one contiguous axis of stride tp."""
+    rank order, so the group is one contiguous axis of stride tp. ``experts``: a routed
+    expert's, over the edp = dp / ep ranks that hold it (``sim/expert.py``)."""
+    if experts:
+        return layout.dp // layout.ep * layout.cp
     return layout.dp * layout.cp
 
 
-def dp_groups(layout: Layout) -> tuple[int, int]:
+def grad_stride(layout: Layout, experts: bool = False) -> int:
+    """Rank distance between members of the ``grad_ranks`` group: tp; ep cp tp for the
+    experts' edp group (the ep ranks are consecutive dp ranks)."""
+    return layout.tp * (layout.ep * layout.cp if experts else 1)
+
+
+def dp_groups(layout: Layout, experts: bool = False) -> tuple[int, int]:
     """(shard group size, replicas across shard groups) of the dp x cp axis the
-    data-parallel engines see (``grad_ranks``)."""
-    dp = grad_ranks(layout)
+    data-parallel engines see (``grad_ranks``). Expert state shards over its whole edp
+    group (``--zero-shard-group`` where it divides it)."""
+    dp = grad_ranks(layout, experts)
+    if experts:
+        group = layout.zero_shard_group
+        shard = (group if group and dp % group == 0 else dp) if layout.zero else 1
+        return shard, dp // shard
     shard = layout.zero_shard_group or dp if layout.zero else 1
     return shard, dp // shard
 
 
-def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) -> dict:
+def dp_comm_time(
+    params: float, layout: Layout, hw: Hardware, runtime: Runtime, experts: bool = False
+) -> dict:
     """Seconds of the once-per-step data-parallel communication of ``params`` weights.
 
     ZeRO 0: all-reduce the gradients. ZeRO 1/2: reduce-scatter them over the shard group
@@ -352,17 +392,18 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
     row into the weights (streamed at the elementwise rate). ZeRO 3 does its
     communication per layer and micro-batch instead (``zero3_layer_comm``); only the HSDP
     replica all-reduce is left here.
-    With cp the data-parallel axis is dp x cp (``grad_ranks``).
+    With cp the data-parallel axis is dp x cp (``grad_ranks``); ``experts``: routed expert
+    weights over their edp group.
     Returns {"grad": s, "param": s}.
     """
-    dp, t = grad_ranks(layout), layout.tp
+    dp, t = grad_ranks(layout, experts), grad_stride(layout, experts)
     if dp <= 1:
         return {"grad": 0.0, "param": 0.0}
     gbytes = params * runtime.grad_comm_bytes(layout.dtype)
     pbytes = params * runtime.param_comm_bytes(layout.dtype)
     if layout.zero == 0:
         return {"grad": all_reduce_time(gbytes, dp, group_link(hw, dp, t)), "param": 0.0}
-    shard, replicas = dp_groups(layout)
+    shard, replicas = dp_groups(layout, experts)
     shard_link = group_link(hw, shard, t)
     replica_link = group_link(hw, replicas, t * shard)
     across = all_reduce_time(gbytes / shard, replicas, replica_link)
@@ -377,7 +418,12 @@ def dp_comm_time(params: float, layout: Layout, hw: Hardware, runtime: Runtime) 
 
 
 def zero3_layer_comm(
-    cfg: ModelConfig, layer_params: float, layout: Layout, hw: Hardware, runtime: Runtime
+    cfg: ModelConfig,
+    layer_params: float,
+    layout: Layout,
+    hw: Hardware,
+    runtime: Runtime,
+    experts: bool = False,
 ) -> tuple[float, float]:
     """(forward, backward) seconds of ZeRO-3's per-layer traffic in one micro-batch:
     gather the weights before the forward, again before the backward (and once more for a
@@ -388,11 +434,12 @@ def zero3_layer_comm(
     A runtime that gathers per parameter tensor pays the ring latency once per tensor
     (``collectives.ring_latency``: milliseconds at thousands of ranks), and one that
     gathers into a list of per-rank outputs launches one copy kernel per rank
-    (``Hardware.kernel_launch``)."""
-    if layout.zero != 3:
+    (``Hardware.kernel_launch``). ``experts``: a MoE layer's routed experts, over their edp
+    shard group."""
+    if layout.zero != 3 or layer_params <= 0:
         return 0.0, 0.0
-    shard, _ = dp_groups(layout)
-    link = group_link(hw, shard, layout.tp)
+    shard, _ = dp_groups(layout, experts)
+    link = group_link(hw, shard, grad_stride(layout, experts))
     calls = layer_tensors(cfg, runtime) if runtime.zero3_gather_per_tensor else 1
 
     def collective(nbytes: float, op: str) -> float:
@@ -418,11 +465,17 @@ def layer_tensors(cfg: ModelConfig, runtime: Runtime) -> int:
     return FUSED_LAYER_TENSORS[cfg.block] + (1 if cfg.qkv_bias else 0) + (2 if cfg.qk_norm else 0)
 
 
-def stage_tensors(cfg: ModelConfig, layers: int, first: bool, last: bool) -> int:
+def stage_tensors(
+    cfg: ModelConfig, layers: int, first: bool, last: bool, moe_layers: int = 0
+) -> int:
     """Parameter tensors one rank holds for a virtual stage of ``layers`` blocks (as
     ``memory.stage_params``: the first stage has the token (and gpt2 position) embedding,
-    the last the final norm and the head or its tied copy)."""
+    the last the final norm and the head or its tied copy). A MoE block adds its router
+    and, with shared experts, their stack (the routed stack has the dense MLP's count)."""
     n = layers * sizes.layer_tensors(cfg)
+    if moe_layers:
+        stack = (4 if cfg.block == "gpt2" else 3) if cfg.moe_shared_experts else 0
+        n += moe_layers * (1 + stack)
     if first:
         n += 2 if cfg.arch == "gpt2" else 1
     if last:
@@ -433,7 +486,12 @@ def stage_tensors(cfg: ModelConfig, layers: int, first: bool, last: bool) -> int
 
 
 def optimizer_time(
-    params: float, layout: Layout, hw: Hardware, runtime: Runtime, tensors: int = 0
+    params: float,
+    layout: Layout,
+    hw: Hardware,
+    runtime: Runtime,
+    tensors: int = 0,
+    experts: float = 0.0,
 ) -> float:
     """AdamW over this rank's shard of ``params`` in ``tensors`` parameter tensors:
     memory-bound. Fused Adam reads weight, gradient and both moments (fp32) and writes
@@ -441,10 +499,11 @@ def optimizer_time(
     writes it; master-weight runtimes also write the low-precision copy. Each tensor adds
     ``hw.optimizer_tensor_overhead`` (every rank holds a shard of every tensor under
     ZeRO, so the count does not shrink with dp). Offloaded: gradients down and weights
-    up over PCIe, Adam on the host at its share of host memory bandwidth."""
+    up over PCIe, Adam on the host at its share of host memory bandwidth. ``experts``: routed
+    expert weights, sharded over their edp group."""
     w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)
     shard, _ = dp_groups(layout)
-    n = params / shard
+    n = params / shard + (experts / dp_groups(layout, True)[0] if experts else 0.0)
     per_param = 28 + 2 * g_bytes + (w_bytes if w_bytes < 4 else 0)
     fixed = tensors * hw.optimizer_tensor_overhead
     if layout.offload_optimizer:

@@ -29,6 +29,10 @@
   ``cp_buffers`` is what one layer's exchange holds while it runs
   (``context.buffer_bytes``: the K/V blocks in flight, the gathered sequence, or the
   head-sharded Q/K/V, per mode).
+- Mixtures of experts (``sim/expert.py``): a MoE block holds its router, shared experts
+  and E / ep routed experts; the routed experts' state is sharded by ZeRO over their edp
+  = dp / ep group (``rank_model_state(..., experts=)``), and a MoE block's activations
+  hold the routed rows of the busiest ep rank in place of the dense MLP's.
 - Framework overhead: the hardware entry's fixed ``framework_overhead_bytes``.
 """
 
@@ -41,6 +45,7 @@ from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import in_flight_bound
 from plait.sim import context as cp_sim
+from plait.sim import expert as ep_sim
 from plait.sim.costs import ACT_BYTES, dp_groups
 from plait.sim.pipeline import Compiled, peak_held
 from plait.sim.runtime import Runtime
@@ -82,11 +87,16 @@ class Memory:
         }
 
 
-def stage_params(cfg: ModelConfig, layout: Layout, layers: int, first: bool, last: bool) -> float:
-    """Parameters one tp rank holds for a virtual stage of ``layers`` blocks."""
+def stage_params(
+    cfg: ModelConfig, layout: Layout, layers: int, first: bool, last: bool, moe_layers: int = 0
+) -> float:
+    """Parameters one tp rank holds for a virtual stage of ``layers`` blocks, ``moe_layers``
+    of them MoE blocks, less their routed experts (``expert.expert_params``: sharded over
+    another group)."""
     t = layout.tp
     n = layers * (sizes.layer_matmul_params(cfg) / t + sizes.layer_params(cfg))
     n -= layers * sizes.layer_matmul_params(cfg)  # norms and biases stay replicated
+    n += moe_layers * ep_sim.dense_part_extra(cfg, layout)
     vh = cfg.vocab_size * cfg.hidden / t
     if first:
         n += vh + (cfg.seq_len * cfg.hidden if cfg.arch == "gpt2" else 0)
@@ -102,20 +112,28 @@ def rank_model_state(
     params: float,
     adapters: float | None = None,
     state_bytes: tuple[int, int, int] = (4, 4, 8),
+    experts: float = 0.0,
 ) -> dict[str, float]:
     """``sizes.model_state_breakdown`` of one device holding ``params`` parameters, sharded
     over its ZeRO shard group; ``state_bytes``: bytes per parameter of the weights, the
     gradients and the optimizer state (default plait's: fp32, fp32, AdamW's two fp32
     moments). With ``adapters`` (LoRA) the ``params`` are the frozen base and only the
-    adapters are trained."""
-    shard, _ = dp_groups(layout)
+    adapters are trained. ``experts``: routed expert parameters on top, sharded over their
+    edp group (frozen too under LoRA)."""
     w_bytes, g_bytes, o_bytes = state_bytes
-    return sizes.model_state_breakdown(
-        params if adapters is None else adapters, dp=shard, zero=layout.zero,
-        offload_optimizer=layout.offload_optimizer,
-        param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
-        frozen_params=0 if adapters is None else params,
-    )  # fmt: skip
+    out = None
+    for n, group in ((params, False), (experts, True)):
+        if group and not n:
+            break
+        shard, _ = dp_groups(layout, group)
+        state = sizes.model_state_breakdown(
+            n if adapters is None else (0 if group else adapters), dp=shard, zero=layout.zero,
+            offload_optimizer=layout.offload_optimizer,
+            param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
+            frozen_params=0 if adapters is None else n,
+        )  # fmt: skip
+        out = state if out is None else {k: out[k] + v for k, v in state.items()}
+    return out
 
 
 def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str, float]:
@@ -123,14 +141,17 @@ def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str
     parameters split evenly over the tp x pp ranks, in plait's fp32 weights, gradients and
     AdamW moments: the estimate ``plait info`` and ``plait train --dry-run`` print.
     ``memory_per_rank`` is the per-stage figure (embedding and head where they live, the
-    runtime's bytes)."""
-    params = round(sizes.num_params(cfg) / (layout.tp * layout.pp))  # whole parameters
+    runtime's bytes). A MoE model's routed experts split over ep as well, their state
+    sharded over edp (``sim/expert.py``)."""
+    routed = cfg.n_moe_layers * ep_sim.layer_expert_params(cfg, ep=1, tp=1)  # all of them
+    experts = routed / (layout.ep * layout.tp * layout.pp)
+    params = round((sizes.num_params(cfg) - routed) / (layout.tp * layout.pp))  # whole ones
     adapters = None
     if lora is not None:  # the adapters of the rank's n_layers / pp blocks
         from plait.model.lora import adapter_params_per_layer
 
         adapters = round(cfg.n_layers / layout.pp * adapter_params_per_layer(cfg, lora, layout.tp))
-    return rank_model_state(layout, params, adapters)
+    return rank_model_state(layout, params, adapters, experts=round(experts))
 
 
 def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
@@ -142,10 +163,11 @@ def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
 
 
 def chunk_activation_bytes(
-    cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int
+    cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, moe_layers: int = 0
 ) -> tuple[float, float]:
     """(bytes its blocks hold per in-flight micro-batch, of which kept until W). With cp,
-    of the s / cp tokens a rank holds, and no scores (module docstring)."""
+    of the s / cp tokens a rank holds, and no scores (module docstring). ``moe_layers`` of
+    the ``layers`` are MoE blocks (``expert.activation_bytes`` for their MLP)."""
     e = ACT_BYTES[layout.dtype]
     b, t, s = layout.micro_batch_size, layout.tp, cfg.seq_len // layout.cp
     per_layer = sizes.activation_bytes_per_layer(
@@ -165,8 +187,16 @@ def chunk_activation_bytes(
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
-    held = layers * per_layer
-    return held, min(layers * w_keep, held)
+    held, keep = layers * per_layer, layers * w_keep
+    if moe_layers and layout.recompute != "full":  # the routed MLP's in place of the dense
+        dense_mlp = tokens * (2 if cfg.arch == "gpt2" else 3) * cfg.ffn_hidden / t * e
+        routed = ep_sim.activation_bytes(cfg, layout, runtime.moe_imbalance)
+        held += moe_layers * (routed - dense_mlp)
+        M, R = ep_sim.rows(cfg, layout, runtime.moe_imbalance)
+        F_t = cfg.moe_ffn_hidden / t  # W keeps the experts' inputs and last GEMMs' inputs
+        moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
+        keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
+    return held, min(keep, held)
 
 
 def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
@@ -188,14 +218,21 @@ def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> 
 def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
     """ZeRO-3's working buffers on one device: two gathered layers (the current one and
     the prefetched next, ``gathered_layer_bytes``) and one layer's full gradient before
-    its reduce-scatter."""
+    its reduce-scatter. With MoE blocks, of the larger block: a MoE block gathers its
+    router, shared and E / ep routed experts in the dtype of the matrix weights."""
     if layout.zero != 3:
         return 0.0
     _, g_bytes, _ = runtime.state_bytes(layout.dtype)
-    return (
-        2 * gathered_layer_bytes(cfg, layout, runtime)
-        + sizes.layer_params(cfg) / layout.tp * g_bytes
+    gathered, grads = (
+        gathered_layer_bytes(cfg, layout, runtime),
+        sizes.layer_params(cfg) / layout.tp,
     )
+    if cfg.moe:
+        extra = ep_sim.dense_part_extra(cfg, layout) + ep_sim.expert_params(cfg, layout)
+        if extra > 0:
+            gathered += extra * runtime.param_comm_bytes(layout.dtype)
+            grads += extra
+    return 2 * gathered + grads * g_bytes
 
 
 def memory_per_rank(
@@ -215,19 +252,22 @@ def memory_per_rank(
     p, v = layout.pp, layout.vpp
     last_stage = p * v - 1
     w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
-    weights, heads, params, adapters = [], [], [], []
+    weights, heads, params, adapters, experts = [], [], [], [], []
     head = last_stage_buffers(cfg, layout)
+    moe = ep_sim.stage_moe_layers(cfg, stage_layers)
     for rank in range(p):
-        row, n = [], 0.0
+        row, n, x = [], 0.0, 0.0
         for chunk in range(v):
             stage = chunk * p + rank
             layers = stage_layers[stage]
-            n += stage_params(cfg, layout, layers, stage == 0, stage == last_stage)
-            held, keep = chunk_activation_bytes(cfg, layout, runtime, layers)
+            n += stage_params(cfg, layout, layers, stage == 0, stage == last_stage, moe[stage])
+            x += moe[stage] * ep_sim.expert_params(cfg, layout)
+            held, keep = chunk_activation_bytes(cfg, layout, runtime, layers, moe[stage])
             row.append((held + (head if stage == last_stage else 0.0), keep))
         weights.append(tuple(row))
         heads.append(head if rank == last_stage % p else 0.0)
         params.append(n)
+        experts.append(x)
         if lora is not None:
             from plait.model.lora import adapter_params_per_layer
 
@@ -251,7 +291,7 @@ def memory_per_rank(
         n = params[rank]
         state = rank_model_state(  # LoRA: adapters trained, the base frozen
             layout, n, adapters[rank] if lora is not None else None,
-            state_bytes=(w_bytes, g_bytes, o_bytes),
+            state_bytes=(w_bytes, g_bytes, o_bytes), experts=experts[rank],
         )  # fmt: skip
         w, g, o = state["params"], state["grads"], state["optim"]
         buffers = zero3_buffer_bytes(cfg, layout, runtime)

@@ -62,6 +62,10 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   activation and the receiver all-gathers (Megatron-LM, Narayanan et al. 2021);
   otherwise every tensor-parallel rank sends the whole activation (DeepSpeed's pipeline
   engine, used by Megatron-DeepSpeed).
+- ``moe_imbalance``: not the software but the run's routing, priced here because every
+  cost function reads the runtime: the most-loaded expert's tokens over the mean
+  (``sim/expert.py``; ``simulate(moe_imbalance=)``, ``--moe-imbalance``). 1.0, a balanced
+  router, by default.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class Runtime:
     zero3_reduce_per_microbatch: bool = True
     gather_in_compute_dtype: bool = False
     pp_scatter_gather: bool = True
+    moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     description: str = dataclasses.field(default="", compare=False)
 
     def state_bytes(self, dtype: str) -> tuple[int, int, int]:

@@ -21,7 +21,10 @@ The search space
     -- priced as a layout of its own, so the mode is picked by predicted step time (few
     key/value heads make allgather's K/V cheap, a2a needs heads divisible by cp, ring
     hides behind the blocks). Below that length activations are small and cp only adds
-    exchanges, so the space stays as it was. One pipeline rank runs every schedule alike,
+    exchanges, so the space stays as it was. For a mixture of experts, expert parallelism:
+    every ep dividing both dp and the expert count (``sim/expert.py``: the experts' state
+    falls as 1 / ep, their dispatch grows with it and leaves the node past it), priced
+    like any other axis; a dense model keeps ep = 1. One pipeline rank runs every schedule alike,
     so pp = 1 is tried with 1f1b only. A runtime profile (``--runtime``) narrows the space
     to what that software could do (``RUNTIME_FEATURES``); any layout flag (``--tp 8``,
     ``--schedule 1f1b``, ``--zero 1`` ...) pins that axis.
@@ -70,6 +73,7 @@ recomputation) against the same dense peak. Sparse peaks would halve every utili
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
@@ -85,6 +89,7 @@ from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import bubble_formula, in_flight_bound
 from plait.sim import context as cp_sim
 from plait.sim import costs, step
+from plait.sim import expert as ep_sim
 from plait.sim.hardware import Hardware
 from plait.sim.memory import (
     chunk_activation_bytes,
@@ -119,6 +124,7 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
         sequence_parallel=(False,),
         recompute=("none", "full"),
         cp=(1,),
+        ep=(1,),
     ),
     "megatron-deepspeed": dict(
         schedule=("1f1b",),
@@ -126,8 +132,9 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
         sequence_parallel=(False,),
         recompute=("none", "full"),
         cp=(1,),
+        ep=(1,),
     ),
-    "fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3), cp=(1,)),
+    "fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3), cp=(1,), ep=(1,)),
 }
 
 
@@ -145,12 +152,15 @@ class Candidate(NamedTuple):
     recompute: str
     cp: int = 1
     cp_mode: str = "ring"
+    ep: int = 1
 
     def label(self) -> str:
         """Short form for tables: ``tp8 pp8 dp16 interleaved v2 mbs1 z1 sp selective``
         (with context parallelism ``tp8 pp1 dp2 cp4 ring ...``)."""
         sched = {"interleaved-1f1b": f"interleaved v{self.vpp}"}.get(self.schedule, self.schedule)
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.cp > 1:
             parts.append(f"cp{self.cp} {self.cp_mode}")
         if self.pp > 1:
@@ -178,6 +188,7 @@ class Space:
     recompute: tuple[str, ...] = RECOMPUTE
     cp: tuple[int, ...] | None = None  # None: 1, and more from CP_MIN_SEQ_LEN tokens
     cp_mode: tuple[str, ...] = CP_MODES
+    ep: tuple[int, ...] | None = None  # None: every ep dividing dp and the experts (MoE)
     max_tp: int | None = None  # None: the hardware's devices per node
     max_vpp: int = 8
     max_micro_batch_size: int | None = None
@@ -239,6 +250,7 @@ class PlanRequest:
     exact: bool = True  # replay the K winners exactly
     tokens: float | None = None  # training tokens, for days and device-hours
     dp_algo: object | None = None  # dp_algos.DPAlgoConfig: price every layout with it
+    moe_imbalance: float = 1.0  # a MoE model's most-loaded expert over the mean (sim/expert.py)
 
     def __post_init__(self) -> None:
         if self.n_devices < 1:
@@ -255,6 +267,7 @@ class PlanRequest:
             raise ValueError(f"--top must be at least 1, got {self.top_k}")
         if self.tokens is not None and self.tokens <= 0:
             raise ValueError(f"--tokens must be positive, got {self.tokens:g}")
+        ep_sim.check_imbalance(self.model, self.moe_imbalance)
 
 
 @dataclass(frozen=True)
@@ -330,10 +343,21 @@ def candidates(req: PlanRequest):
                 dp = n // (tp * pp * cp)
                 if G % dp or (sp_.dp is not None and dp not in sp_.dp):
                     continue
-                yield from _per_replica(req, tp, pp, dp, cp, mode)
+                for ep in _ep_choices(req, dp):
+                    yield from _per_replica(req, tp, pp, dp, cp, mode, ep)
 
 
-def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str):
+def _ep_choices(req: PlanRequest, dp: int) -> list[int]:
+    """Expert-parallel sizes for ``dp`` data-parallel ranks: 1 for a dense model; for a
+    MoE model every ep dividing dp and the expert count (or the pinned ones that do)."""
+    E = req.model.moe_experts
+    if not E:
+        return [1] if req.space.ep is None or 1 in req.space.ep else []
+    allowed = req.space.ep or _divisors(dp)
+    return [ep for ep in allowed if dp % ep == 0 and E % ep == 0]
+
+
+def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str, ep: int = 1):
     """The candidates of one (tp, pp, dp, cp, mode): micro-batch, schedule, sequence
     parallelism, recomputation and ZeRO stage."""
     cfg, G, sp_, L = req.model, req.global_batch_size, req.space, req.model.n_layers
@@ -353,7 +377,7 @@ def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str
                 for recompute in sp_.recompute:
                     for zero in zeros:
                         yield Candidate(
-                            tp, pp, dp, vpp, schedule, mbs, zero, seq_par, recompute, cp, mode
+                            tp, pp, dp, vpp, schedule, mbs, zero, seq_par, recompute, cp, mode, ep
                         )
 
 
@@ -408,7 +432,7 @@ def make_layout(c: Candidate, req: PlanRequest) -> Layout:
         dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
         micro_batch_size=c.micro_batch_size, global_batch_size=req.global_batch_size,
         zero=c.zero, sequence_parallel=c.sequence_parallel, recompute=c.recompute,
-        dtype=req.dtype, cp=c.cp, cp_mode=c.cp_mode,
+        dtype=req.dtype, cp=c.cp, cp_mode=c.cp_mode, ep=c.ep,
     )  # fmt: skip
 
 
@@ -439,24 +463,27 @@ class _Bounds:
 
     def __init__(self, req: PlanRequest):
         self.req, self.cfg, self.hw = req, req.model, req.hardware
-        self.rt: Runtime = get_runtime(req.runtime)
+        self.rt: Runtime = dataclasses.replace(
+            get_runtime(req.runtime), moe_imbalance=req.moe_imbalance
+        )
         self._memo_tables: dict[str, dict] = {}
 
     @_memo
-    def proto(self, tp, pp, dp, mbs, sp, recompute, zero, cp=1, mode="ring") -> Layout:
+    def proto(self, tp, pp, dp, mbs, sp, recompute, zero, cp=1, mode="ring", ep=1) -> Layout:
         """A layout with these fields, for the cost functions (batch: one micro-batch)."""
         return Layout(
             dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=mbs * dp,
             sequence_parallel=sp, recompute=recompute, zero=zero, dtype=self.req.dtype,
-            cp=cp, cp_mode=mode,
+            cp=cp, cp_mode=mode, ep=ep,
         )  # fmt: skip
 
     @_memo
-    def layer(self, tp, mbs, sp, recompute, z3_dp, cp=1, mode="ring"):
+    def layer(self, tp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1):
         """One layer's ``step.LayerStep`` (``z3_dp``: the data-parallel ranks of the ZeRO-3
         shard group, 0 for none; the group spans them x cp); embedding and head (F, B);
-        activation bytes of a layer and of the head; one layer's cp exchange buffers."""
-        lay = self.proto(tp, 1, z3_dp or 1, mbs, sp, recompute, 3 if z3_dp else 0, cp, mode)
+        activation bytes of a layer and of the head; one layer's cp exchange buffers; a MoE
+        block's step and activation bytes (the dense block's for a dense model)."""
+        lay = self.proto(tp, 1, z3_dp or ep, mbs, sp, recompute, 3 if z3_dp else 0, cp, mode, ep)
         if z3_dp:  # ZeRO-3's gradient reduction may spread over the step's micro-batches
             lay = lay.replace(global_batch_size=self.req.global_batch_size)
         e = costs.embedding_cost(self.cfg, lay, self.hw)
@@ -467,40 +494,52 @@ class _Bounds:
         layer = step.layer_step(self.cfg, lay, self.hw, self.rt)
         fused = self.rt.flash_attention and not self.rt.cp_math_attention
         cp_buf = cp_sim.buffer_bytes(self.cfg, lay, fused)
-        return layer, ends, held, last_stage_buffers(self.cfg, lay), cp_buf
+        moe_layer, moe_held = layer, held
+        if self.cfg.moe:
+            moe_layer = step.layer_step(self.cfg, lay, self.hw, self.rt, moe=True)
+            moe_held = chunk_activation_bytes(self.cfg, lay, self.rt, 1, 1)[0]
+        return layer, ends, held, last_stage_buffers(self.cfg, lay), cp_buf, moe_layer, moe_held
 
     @_memo
-    def ranks(self, tp, pp, vpp):
+    def ranks(self, tp, pp, vpp, ep=1):
         """Per pipeline rank: layers in all, in chunk 0, in the smallest chunk, whether it
-        holds the first / last stage, layers of the last stage, parameters (one tp rank)."""
+        holds the first / last stage, layers of the last stage, parameters (one tp rank;
+        routed experts apart), MoE layers in all and in chunk 0, routed expert parameters."""
         S = pp * vpp
-        lay = self.proto(tp, pp, 1, 1, False, "none", 0)
+        lay = self.proto(tp, pp, ep, 1, False, "none", 0, 1, "ring", ep)
         staged = Layout(tp=tp, pp=pp, vpp=vpp, schedule=_schedule_of(vpp), global_batch_size=pp)
         counts = layers_per_stage(self.cfg, staged)  # the planner's layouts cut uniformly
+        moe = ep_sim.stage_moe_layers(self.cfg, counts)
         rows = [[counts[c * pp + r] for c in range(vpp)] for r in range(pp)]
+        moe_rows = [[moe[c * pp + r] for c in range(vpp)] for r in range(pp)]
         params = [
-            sum(stage_params(self.cfg, lay, n, c * pp + r == 0, c * pp + r == S - 1)
+            sum(stage_params(self.cfg, lay, n, c * pp + r == 0, c * pp + r == S - 1,
+                             moe_rows[r][c])
                 for c, n in enumerate(row))
             for r, row in enumerate(rows)
         ]  # fmt: skip
         first, last = np.zeros(pp), np.zeros(pp)
         first[0], last[(S - 1) % pp] = 1.0, 1.0
+        moe_layers = np.array([sum(row) for row in moe_rows], float)
         return (
             np.array([sum(row) for row in rows], float), np.array([row[0] for row in rows], float),
             np.array([min(row) for row in rows], float), first, last, counts[-1],
-            np.array(params),
+            np.array(params), moe_layers, np.array([row[0] for row in moe_rows], float),
+            moe_layers * ep_sim.expert_params(self.cfg, lay),
         )  # fmt: skip
 
     @_memo
-    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp, cp=1, mode="ring"):
+    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1):
         """(busiest rank's F + B of one micro-batch; per rank the F of its first chunk; per
         rank its B, with one chunk per rank), summed as ``simulate._action_costs`` does."""
-        layer, (fe, be, fh, bh), _, _, _ = self.layer(tp, mbs, sp, recompute, z3_dp, cp, mode)
-        f, b = layer.fwd, layer.bwd
-        layers, chunk0, _, first, last, _, _ = self.ranks(tp, pp, vpp)
-        total = layers * (f + b) + first * (fe + be) + last * (fh + bh)
-        fwd0 = chunk0 * f + first * fe + (last * fh if vpp == 1 else 0.0)
-        return float(total.max()), fwd0, layers * b + first * be + last * bh
+        layer, (fe, be, fh, bh), _, _, _, routed, _ = self.layer(tp, mbs, sp, recompute, z3_dp,
+                                                                 cp, mode, ep)  # fmt: skip
+        f, b, fm, bm = layer.fwd, layer.bwd, routed.fwd, routed.bwd
+        layers, chunk0, _, first, last, _, _, moe, moe0, _ = self.ranks(tp, pp, vpp, ep)
+        dense = layers - moe
+        total = dense * (f + b) + moe * (fm + bm) + first * (fe + be) + last * (fh + bh)
+        fwd0 = (chunk0 - moe0) * f + moe0 * fm + first * fe + (last * fh if vpp == 1 else 0.0)
+        return float(total.max()), fwd0, dense * b + moe * bm + first * be + last * bh
 
     @_memo
     def hop(self, tp, pp, dp, mbs, sp, cp=1):
@@ -509,25 +548,37 @@ class _Bounds:
         return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw, self.rt))
 
     @_memo
-    def dp_times(self, tp, pp, vpp, dp, zero, cp=1):
+    def dp_times(self, tp, pp, vpp, dp, zero, cp=1, ep=1):
         """Per rank (gradient reduction, weight gather) seconds; optimizer seconds (the
-        gradients reduced over dp x cp, ``costs.grad_ranks``)."""
-        lay = self.proto(tp, pp, dp, 1, False, "none", zero, cp)
-        params = self.ranks(tp, pp, vpp)[-1]
+        gradients reduced over dp x cp, ``costs.grad_ranks``; routed experts' over edp)."""
+        lay = self.proto(tp, pp, dp, 1, False, "none", zero, cp, "ring", ep)
+        rk = self.ranks(tp, pp, vpp, ep)
+        held = list(zip(rk[6].tolist(), rk[9].tolist()))  # (dense, routed experts) per rank
         tied = step.tied_sync(self.cfg, lay, self.hw, self.rt)
-        times = {n: costs.dp_comm_time(n, lay, self.hw, self.rt) for n in set(params.tolist())}
+
+        def reduce(n, x):
+            out = costs.dp_comm_time(n, lay, self.hw, self.rt)
+            if x:
+                more = costs.dp_comm_time(x, lay, self.hw, self.rt, experts=True)
+                out = {k: out[k] + more[k] for k in out}
+            return out
+
+        times = {nx: reduce(*nx) for nx in set(held)}
         if self.req.dp_algo is not None:  # --dp-algo / --compress: at least nothing
-            times = {n: {"grad": 0.0, "param": 0.0} for n in times}
-        grad = np.array([times[n]["grad"] + (tied if r in (0, pp - 1) else 0.0)
-                         for r, n in enumerate(params.tolist())])  # fmt: skip
-        gather = np.array([times[n]["param"] for n in params.tolist()])
-        return grad, gather, costs.optimizer_time(float(params.max()), lay, self.hw, self.rt)
+            times = {nx: {"grad": 0.0, "param": 0.0} for nx in times}
+        grad = np.array([times[nx]["grad"] + (tied if r in (0, pp - 1) else 0.0)
+                         for r, nx in enumerate(held)])  # fmt: skip
+        gather = np.array([times[nx]["param"] for nx in held])
+        opt = max(costs.optimizer_time(n, lay, self.hw, self.rt, 0, x) for n, x in set(held))
+        return grad, gather, opt
 
     @_memo
-    def act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m, cp=1):
-        """Per rank, activation bytes held at some instant of the schedule (module doc)."""
-        _, _, held, head, _ = self.layer(tp, mbs, sp, recompute, 0, cp)
-        _, _, smallest, _, last, last_layers, _ = self.ranks(tp, pp, vpp)
+    def act(self, tp, pp, vpp, mbs, sp, recompute, schedule, m, cp=1, ep=1):
+        """Per rank, activation bytes held at some instant of the schedule (module doc;
+        with MoE blocks, each layer at the lesser of a dense and a MoE block's bytes)."""
+        _, _, dense, head, _, _, routed = self.layer(tp, mbs, sp, recompute, 0, cp, "ring", ep)
+        held = min(dense, routed)
+        _, _, smallest, _, last, last_layers = self.ranks(tp, pp, vpp, ep)[:6]
         flight = np.array([
             in_flight_bound(schedule, num_ranks=pp, num_microbatches=m, num_chunks=vpp, rank=r)
             for r in range(pp)
@@ -535,33 +586,37 @@ class _Bounds:
         return np.maximum(flight * smallest * held, last * (last_layers * held + head))
 
     @_memo
-    def state(self, tp, dp, zero, cp=1):
-        """Model-state bytes per parameter on a device (ZeRO shards over dp x cp), and
-        ZeRO-3's layer buffers."""
+    def state(self, tp, dp, zero, cp=1, ep=1):
+        """Model-state bytes per parameter on a device (ZeRO shards over dp x cp; a routed
+        expert's over dp / ep x cp), and ZeRO-3's layer buffers."""
         w_b, g_b, o_b = self.rt.state_bytes(self.req.dtype)
-        per_param = sizes.model_state_breakdown(
-            1.0, dp=dp * cp if zero else 1, zero=zero, param_bytes=w_b, grad_bytes=g_b,
-            optim_bytes=o_b,
-        )["device"]  # fmt: skip
-        lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp)
-        return per_param, zero3_buffer_bytes(self.cfg, lay, self.rt)
+
+        def per_param(shard):
+            return sizes.model_state_breakdown(
+                1.0, dp=shard if zero else 1, zero=zero, param_bytes=w_b, grad_bytes=g_b,
+                optim_bytes=o_b,
+            )["device"]  # fmt: skip
+
+        lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp, "ring", ep)
+        buffers = zero3_buffer_bytes(self.cfg, lay, self.rt)
+        return per_param(dp * cp), per_param(dp // ep * cp), buffers
 
     def time(self, c: Candidate) -> float:
         """A lower bound on ``simulate(exact=False).iter_time_s`` (module docstring)."""
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         busiest, fwd0, bwd = self.work(
             c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
-            c.dp if c.zero == 3 else 0, c.cp, c.cp_mode,
+            c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep,
         )  # fmt: skip
         pipe = m * busiest * (1 + bubble_formula(c.schedule, c.pp, m, c.vpp))
         if c.pp > 1:
             hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp)
             pipe += 2 * (c.pp * c.vpp - 1) * hop
-        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero, c.cp)
+        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero, c.cp, c.ep)
         if not self.rt.overlap_grad_reduce:
             pipe += float(grad.max())
         elif c.vpp == 1:  # streamed during the backward, the rest after it
-            layers = self.ranks(c.tp, c.pp, c.vpp)[0]
+            layers = self.ranks(c.tp, c.pp, c.vpp, c.ep)[0]
             pipe += float(np.maximum(grad - bwd, grad / layers).max(initial=0.0))
         exposed = max(step.exposed_weight_gather(float(t), float(f), self.rt)
                       for t, f in zip(gather, fwd0))  # fmt: skip
@@ -570,15 +625,16 @@ class _Bounds:
     def memory(self, c: Candidate) -> float:
         """A lower bound on the peak bytes per device, closed form or replayed (module
         docstring): the fullest pipeline rank."""
-        params = self.ranks(c.tp, c.pp, c.vpp)[-1]
-        per_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp)
+        rk = self.ranks(c.tp, c.pp, c.vpp, c.ep)
+        params, experts = rk[6], rk[9]
+        per_param, per_expert_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp, c.ep)
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         act = self.act(c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
-                       c.schedule, m, c.cp)  # fmt: skip
+                       c.schedule, m, c.cp, c.ep)  # fmt: skip
         cp_buf = self.layer(c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, 0, c.cp,
-                            c.cp_mode)[-1]  # fmt: skip
+                            c.cp_mode, c.ep)[4]  # fmt: skip
         fixed = self.hw.framework_overhead_bytes + z3_buffers + cp_buf
-        return float((params * per_param + act).max()) + fixed
+        return float((params * per_param + experts * per_expert_param + act).max()) + fixed
 
 
 def _schedule_of(vpp: int) -> str:
@@ -610,9 +666,8 @@ def search(req: PlanRequest) -> Plan:
         units = c.pp * lay.num_microbatches * c.vpp
         replayed = replaying and (sched in compiled or units <= budget)
         if replayed:
-            res = simulate(
-                req.model, lay, req.hardware, runtime=req.runtime, exact=True, dp_algo=req.dp_algo
-            )
+            res = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=True,
+                           dp_algo=req.dp_algo, moe_imbalance=req.moe_imbalance)  # fmt: skip
             if sched not in compiled:
                 compiled.add(sched)
                 budget -= units
@@ -632,14 +687,8 @@ def search(req: PlanRequest) -> Plan:
         if seconds < entries[0].result.iter_time_s:  # it would have won: say by how much
             if res is None:
                 lay = make_layout(c, req)
-                res = simulate(
-                    req.model,
-                    lay,
-                    req.hardware,
-                    runtime=req.runtime,
-                    exact=False,
-                    dp_algo=req.dp_algo,
-                )
+                res = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=False,
+                               dp_algo=req.dp_algo, moe_imbalance=req.moe_imbalance)  # fmt: skip
             best_rejected.append(Rejected(c, res.iter_time_s, res.peak_mem_bytes))
     return Plan(
         request=req,
@@ -689,7 +738,8 @@ def _fastest_first(req: PlanRequest, heap: list, rejected: _Rejections, counts: 
             yield res.iter_time_s, c, res
             continue
         res = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
-                       exact=False, dp_algo=req.dp_algo)  # fmt: skip
+                       exact=False, dp_algo=req.dp_algo,
+                       moe_imbalance=req.moe_imbalance)  # fmt: skip
         counts["simulated"] += 1
         if res.fits:
             tie = float(f"{res.iter_time_s:.12g}")  # equal times: least memory first

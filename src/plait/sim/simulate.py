@@ -14,7 +14,13 @@ runtime issues it and the optimizer step, and reports:
   ``compute`` and exposed ``tp_comm`` on the busiest pipeline rank, the pipeline
   ``bubble`` and exposed ``pp_comm`` (its idle time, split by replaying once more with
   free transfers), exposed ``dp_comm`` (gradient reduction past the rank's last
-  backward, ZeRO gathers) and ``optimizer``.
+  backward, ZeRO gathers) and ``optimizer``; with ``--cp`` also ``cp_comm``, with
+  ``--ep`` ``ep_comm`` (the experts' dispatch, ``sim/expert.py``).
+
+Mixtures of experts: every stage's MoE blocks cost ``layer_step(moe=True)`` and the
+others the dense block's; the routed experts' gradients are reduced over their edp group
+beside the dense ones over dp (``costs.dp_comm_time(experts=True)``), at the run's
+``moe_imbalance`` (``sim/expert.py``).
 
 Step timeline per pipeline rank r (every dp / tp replica of it behaves the same):
     replay the action lists -> r's compute ends at end_r
@@ -46,6 +52,7 @@ from plait.nccl_p2p import Timeline
 from plait.parallel.pipeline.partition import partition_layers, stage_costs_from_model
 from plait.parallel.pipeline.schedules import ScheduleError, bubble_formula
 from plait.sim import costs, pipeline, step
+from plait.sim import expert as ep_sim
 from plait.sim.hardware import Hardware
 from plait.sim.memory import Memory, memory_per_rank, stage_params
 from plait.sim.pipeline import compile_schedule
@@ -105,6 +112,7 @@ def simulate(
     exact: bool = True,
     lora=None,
     dp_algo=None,
+    moe_imbalance: float | None = None,
 ) -> Result:
     """Simulate one optimizer step. Raises ValueError (one actionable line) when the layout
     cannot run the model or the hardware lacks the dtype; a layout that does not fit in
@@ -121,8 +129,17 @@ def simulate(
     ranking many candidates before simulating the best exactly.
 
     ``dp_algo`` (a ``dp_algos.DPAlgoConfig``): price local SGD, DiLoCo, gossip or a
-    compressed all-reduce instead of the plain one (``sim/dp_algos.py``)."""
+    compressed all-reduce instead of the plain one (``sim/dp_algos.py``).
+
+    ``moe_imbalance``: a MoE model's most-loaded expert over the mean (``sim/expert.py``;
+    default the runtime's, 1.0: balanced)."""
     rt = get_runtime(runtime) if isinstance(runtime, str) else runtime
+    if moe_imbalance is not None:
+        rt = dataclasses.replace(rt, moe_imbalance=moe_imbalance)
+    ep_sim.check_imbalance(model, rt.moe_imbalance)
+    if dp_algo is not None and model.moe and not dp_algo.plain:
+        raise ValueError("--dp-algo / --compress with --moe-experts is not modelled yet; use "
+                         "the plain all-reduce")  # fmt: skip
     res = _simulate(model, layout, hardware, n_devices, rt, keep_timeline, exact, lora, dp_algo)
     on_node = min(layout.world_size, hardware.devices_per_node)
     if on_node <= hardware.compute_slots:
@@ -168,6 +185,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     S = p * v
     stage_layers = layers_per_stage(model, layout)
+    stage_moe = ep_sim.stage_moe_layers(model, stage_layers)
     compiled = None
     if exact:
         try:
@@ -175,7 +193,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
         except ScheduleError as e:
             raise ValueError(str(e)) from None
 
-    cost, split = _action_costs(model, layout, hw, rt, stage_layers)
+    cost, split = _action_costs(model, layout, hw, rt, stage_layers, stage_moe)
     p2p = step.stage_messages(model, layout, hw, rt)
     if compiled is not None:
         rep = pipeline.run(compiled, cost, p2p, record=keep_timeline)
@@ -185,27 +203,33 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     pipe_end, free_end = max(ends), max(rep.free_ends)
 
     # Gradient reduction per pipeline rank, then the step's global sync.
-    # (layers, first, last) of each rank's chunks: what it holds
+    # (layers, first, last, MoE layers) of each rank's chunks: what it holds
     chunks = [
-        [(stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1) for c in range(v)]
+        [(stage_layers[c * p + r], c * p + r == 0, c * p + r == S - 1, stage_moe[c * p + r])
+         for c in range(v)]
         for r in range(p)
-    ]
+    ]  # fmt: skip
+    per_expert_layer = ep_sim.expert_params(model, layout)
+    chunk_experts = [[chunk[3] * per_expert_layer for chunk in row] for row in chunks]
     chunk_params = [[stage_params(model, layout, *chunk) for chunk in row] for row in chunks]
     params = [sum(row) for row in chunk_params]
+    experts = [sum(row) for row in chunk_experts]
     tensors = [sum(costs.stage_tensors(model, *chunk) for chunk in row) for row in chunks]
     tied_sync = step.tied_sync(model, layout, hw, rt)
     finish, gathers, dp_work, syncs = [], [], [], []
     extras = {r: [("p2p", a, b) for a, b in spans] for r, spans in rep.transfer_waits.items()}
     for r in range(p):
-        dp = _dp_time(model, layout, hw, rt, dp_algo, chunks[r], params[r])
+        dp = _dp_time(model, layout, hw, rt, dp_algo, [c[:3] for c in chunks[r]], params[r],
+                      experts[r])  # fmt: skip
         syncs.append(dp["sync"])
         t_grad = dp["grad"] + (tied_sync if r in (0, p - 1) else 0.0)
         if rt.overlap_grad_reduce and t_grad > 0:
             bucket = layout.bucket_mb * 2**20 if rt.bucket_from_layout else rt.grad_bucket_bytes
             gbytes = rt.grad_comm_bytes(layout.dtype)
+            held = params[r] + experts[r]
             shares = [  # (chunk, share of the bytes, buckets; per layer without a size)
-                (c, n / params[r], math.ceil(n * gbytes / bucket) if bucket else stage_layers[c * p + r])
-                for c, n in enumerate(chunk_params[r])
+                (c, n / held, math.ceil(n * gbytes / bucket) if bucket else stage_layers[c * p + r])
+                for c, n in enumerate(a + b for a, b in zip(chunk_params[r], chunk_experts[r]))
             ]  # fmt: skip
             done = _overlapped_reduce(windows[r], shares, t_grad)
         else:
@@ -220,7 +244,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     if stats:
         for r in range(p):
             extras.setdefault(r, []).append(("dp_comm", step_sync - stats, step_sync))
-    opts = [costs.optimizer_time(n, layout, hw, rt, k) for n, k in zip(params, tensors)]
+    opts = [costs.optimizer_time(n, layout, hw, rt, k, x)
+            for n, k, x in zip(params, tensors, experts)]  # fmt: skip
     opt = max(opts)
     gather = max(step.exposed_weight_gather(t, cost[r][0][0], rt) for r, t in enumerate(gathers))
     sync = max(syncs)  # dp_algos: averaging / mixing / decoding after the step, exposed
@@ -233,7 +258,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     # Breakdown on the busiest pipeline rank; every chunk's F and B run m times.
     busy = [m * sum(sum(x) for x in split[r]) for r in range(p)]
     crit = max(range(p), key=busy.__getitem__)
-    comp, tp, z3, cp = (m * sum(x[i] for x in split[crit]) for i in range(4))
+    comp, tp, z3, cp, ep = (m * sum(x[i] for x in split[crit]) for i in range(5))
     idle = max(0.0, pipe_end - busy[crit])
     pp_comm = min(idle, max(0.0, pipe_end - free_end))
     breakdown = {
@@ -246,6 +271,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     }
     if layout.cp > 1:  # exposed context-parallel exchanges (sim/context.py)
         breakdown["cp_comm"] = cp
+    if layout.ep > 1:  # exposed expert dispatch (sim/expert.py)
+        breakdown["ep_comm"] = ep
 
     memory = memory_per_rank(model, layout, rt, stage_layers, hw.framework_overhead_bytes, compiled,
                              lora=lora)  # fmt: skip
@@ -255,7 +282,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
         from plait.sim import dp_algos as sim_dp
 
         algo_mem = max(sim_dp.state_bytes(model, layout, dp_algo, n) for n in params)
-        busiest = _dp_time(model, layout, hw, rt, dp_algo, chunks[crit], params[crit])
+        busiest = _dp_time(model, layout, hw, rt, dp_algo, [c[:3] for c in chunks[crit]],
+                           params[crit])  # fmt: skip
         algo_info = {k: busiest[k] for k in ("bytes_sent", "messages", "latency")}
         algo_info.update(label=dp_algo.label(), state_bytes=algo_mem, sync_s=sync)
     model_flops, hw_flops = costs.flops_per_step(model, layout)
@@ -306,10 +334,15 @@ def layers_per_stage(model: ModelConfig, layout: Layout) -> list[int]:
     return [len(r) for r in parts]
 
 
-def _dp_time(model, layout, hw, rt, dp_algo, chunks, params) -> dict:
-    """{"grad", "param", "sync"} seconds of one pipeline rank's dp work (``dp_algos``)."""
+def _dp_time(model, layout, hw, rt, dp_algo, chunks, params, experts=0.0) -> dict:
+    """{"grad", "param", "sync"} seconds of one pipeline rank's dp work (``dp_algos``);
+    ``experts``: routed expert weights, reduced over their edp group after the dense ones."""
     if dp_algo is None:
-        return {**costs.dp_comm_time(params, layout, hw, rt), "sync": 0.0}
+        out = costs.dp_comm_time(params, layout, hw, rt)
+        if experts:
+            more = costs.dp_comm_time(experts, layout, hw, rt, experts=True)
+            out = {k: out[k] + more[k] for k in out}
+        return {**out, "sync": 0.0}
     from plait.sim import dp_algos as sim_dp
 
     return sim_dp.comm_time(model, layout, hw, rt, dp_algo, chunks=chunks, params=params)
@@ -329,12 +362,14 @@ def _formula_pipeline(layout, cost, p2p):
     return pipeline.Replay([free + fill] * p, [free] * p, windows)
 
 
-def _action_costs(model, layout, hw, rt, stage_layers):
+def _action_costs(model, layout, hw, rt, stage_layers, stage_moe):
     """``cost[rank][chunk]`` = (F, B, BI, W) seconds of one micro-batch, and ``split[rank]
-    [chunk]`` = (compute, exposed tp, exposed ZeRO-3, exposed cp) seconds of F + B together."""
+    [chunk]`` = (compute, exposed tp, exposed ZeRO-3, exposed cp, exposed ep) seconds of
+    F + B together; ``stage_moe[stage]`` of a stage's layers are MoE blocks."""
     p, v = layout.pp, layout.vpp
     S = p * v
-    layer = step.layer_step(model, layout, hw, rt)
+    dense = step.layer_step(model, layout, hw, rt)
+    routed = step.layer_step(model, layout, hw, rt, moe=True) if model.moe else dense
     emb = costs.embedding_cost(model, layout, hw)
     head = costs.head_cost(model, layout, hw)
     none = costs.EndCost()
@@ -343,16 +378,17 @@ def _action_costs(model, layout, hw, rt, stage_layers):
         row, parts = [], []
         for chunk in range(v):
             stage = chunk * p + rank
-            n = stage_layers[stage]
+            k = stage_moe[stage]
+            n = stage_layers[stage] - k
             e = emb if stage == 0 else none
             hd = head if stage == S - 1 else none
-            f = n * layer.fwd + e.fwd + e.fwd_tp + hd.fwd + hd.fwd_tp
-            bi = n * layer.bwd_input + hd.bwd_input + hd.bwd_tp
-            w = n * layer.bwd_weight + e.bwd_weight + hd.bwd_weight
+            f = n * dense.fwd + k * routed.fwd + e.fwd + e.fwd_tp + hd.fwd + hd.fwd_tp
+            bi = n * dense.bwd_input + k * routed.bwd_input + hd.bwd_input + hd.bwd_tp
+            w = n * dense.bwd_weight + k * routed.bwd_weight + e.bwd_weight + hd.bwd_weight
             row.append((f, bi + w, bi, w))
-            comp, tp, z3, cp = (n * x for x in layer.parts)
+            comp, tp, z3, cp, ep = (n * x + k * y for x, y in zip(dense.parts, routed.parts))
             comp += e.fwd + hd.fwd + hd.bwd_input + e.bwd_weight + hd.bwd_weight
-            parts.append((comp, tp + e.fwd_tp + hd.fwd_tp + hd.bwd_tp, z3, cp))
+            parts.append((comp, tp + e.fwd_tp + hd.fwd_tp + hd.bwd_tp, z3, cp, ep))
         cost.append(tuple(row))
         split.append(parts)
     return tuple(cost), split

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.sim import collectives, costs
+from plait.sim import expert as ep_sim
 from plait.sim.hardware import Hardware
 from plait.sim.memory import stage_params
 from plait.sim.runtime import Runtime
@@ -32,15 +33,18 @@ class LayerStep:
 
     @property
     def fwd(self) -> float:
-        """F: compute, exposed tp collectives and cp exchanges, exposed ZeRO-3 gather."""
-        return self.cost.fwd + self.cost.fwd_tp + self.cost.fwd_cp + self.zero3_fwd
+        """F: compute, exposed tp collectives, cp exchanges and expert dispatch, exposed
+        ZeRO-3 gather."""
+        c = self.cost
+        return c.fwd + c.fwd_tp + c.fwd_cp + c.fwd_ep + self.zero3_fwd
 
     @property
     def bwd_input(self) -> float:
-        """BI: input gradients, recomputation, their tp collectives and cp exchanges,
-        exposed ZeRO-3."""
+        """BI: input gradients, recomputation, their tp collectives, cp exchanges and expert
+        dispatch, exposed ZeRO-3."""
         c = self.cost
-        return c.bwd_input + c.recompute + c.bwd_tp + c.recompute_tp + c.bwd_cp + self.zero3_bwd
+        return (c.bwd_input + c.recompute + c.bwd_tp + c.recompute_tp + c.bwd_cp + c.bwd_ep
+                + self.zero3_bwd)  # fmt: skip
 
     @property
     def bwd_weight(self) -> float:
@@ -51,21 +55,29 @@ class LayerStep:
         return self.bwd_input + self.bwd_weight
 
     @property
-    def parts(self) -> tuple[float, float, float, float]:
-        """(compute, exposed tp, exposed ZeRO-3, exposed cp) seconds of F + B together."""
+    def parts(self) -> tuple[float, float, float, float, float]:
+        """(compute, exposed tp, exposed ZeRO-3, exposed cp, exposed ep) seconds of F + B
+        together."""
         c = self.cost
         compute = c.fwd + c.bwd_input + c.recompute + c.bwd_weight
         return (compute, c.fwd_tp + c.bwd_tp + c.recompute_tp, self.zero3_fwd + self.zero3_bwd,
-                c.fwd_cp + c.bwd_cp)  # fmt: skip
+                c.fwd_cp + c.bwd_cp, c.fwd_ep + c.bwd_ep)  # fmt: skip
 
 
-def layer_step(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> LayerStep:
+def layer_step(
+    model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime, moe: bool = False
+) -> LayerStep:
     """A layer's micro-batch with ZeRO-3's traffic (``costs.zero3_layer_comm``), hidden
-    behind the layer's own compute where the runtime prefetches the gathers."""
-    lc = costs.layer_cost(model, layout, hw, rt)
-    z3_fwd, z3_bwd = costs.zero3_layer_comm(
-        model, stage_params(model, layout, 1, False, False), layout, hw, rt
-    )
+    behind the layer's own compute where the runtime prefetches the gathers. ``moe``: a
+    MoE block (``sim/expert.py``), whose routed experts ZeRO-3 gathers over their edp
+    group."""
+    lc = costs.layer_cost(model, layout, hw, rt, moe=moe)
+    dense = stage_params(model, layout, 1, False, False, moe_layers=int(moe))
+    z3_fwd, z3_bwd = costs.zero3_layer_comm(model, dense, layout, hw, rt)
+    if moe:
+        ef, eb = costs.zero3_layer_comm(model, ep_sim.expert_params(model, layout), layout, hw,
+                                        rt, experts=True)  # fmt: skip
+        z3_fwd, z3_bwd = z3_fwd + ef, z3_bwd + eb
     if rt.overlap_param_gather:
         z3_fwd = max(0.0, z3_fwd - lc.fwd)
         z3_bwd = max(0.0, z3_bwd - lc.bwd_input - lc.bwd_weight - lc.recompute)

@@ -25,6 +25,9 @@ L_c layers:
   and backward; ``--recompute full`` repeats the forward's. The gradients' dp traffic
   runs over dp x cp ranks (``costs.grad_ranks``) and counts on the dp axis, as
   ``Topology.grad_view`` counts it.
+- ep: per MoE layer the dispatch of ``sim/expert.py``'s ``layer_bytes`` (balanced;
+  counted), forward and backward; ``--recompute full`` repeats the forward's. Routed
+  experts' gradients reduce over their edp group, counted on the dp axis.
 - world: the step's statistics, 8 (2 + R + W) bytes (``step.stats_bytes``).
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.sim import context as cp_sim
+from plait.sim import expert as ep_sim
 from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks
 from plait.sim.memory import stage_params
 from plait.sim.runtime import Runtime
@@ -80,22 +84,37 @@ def bytes_per_axis(
         # recomputation (full, or selective's attention core) runs the exchange again
         per_layer = nb.counted + (nb.fwd_counted if layout.recompute != "none" else 0.0)
         out["cp"] = m * sum(layers for _, layers in chunks) * per_layer
-    if grad_ranks(layout) > 1:
-        params = sum(stage_params(model, layout, layers, stage == 0, stage == S - 1)
-                     for stage, layers in chunks)  # fmt: skip
-        g = params * runtime.grad_comm_bytes(layout.dtype)
-        shard, replicas = dp_groups(layout)
-        across = g / shard if replicas > 1 else 0.0
-        if layout.zero == 0:
-            dp = g
-        elif layout.zero in (1, 2):
-            gather = params * runtime.param_comm_bytes(layout.dtype)  # the updated weights
-            dp = (g if layout.zero == 1 and runtime.zero1_grad_all_reduce else g + across) + gather
-        else:
-            w = runtime.param_comm_bytes(layout.dtype)
-            reduces = m if runtime.zero3_reduce_per_microbatch else 1
-            dp = 2 * m * params * w + reduces * (g + across)
+    moe_layers = sum(ep_sim.stage_moe_layers(model, stage_layers)[stage] for stage, _ in chunks)
+    if layout.ep > 1 and moe_layers:  # the experts' dispatch (sim/expert.py), balanced
+        nb = ep_sim.layer_bytes(model, layout)
+        per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
+        out["ep"] = m * moe_layers * per_layer
+    moe = ep_sim.stage_moe_layers(model, stage_layers)
+    groups = [(sum(stage_params(model, layout, layers, stage == 0, stage == S - 1, moe[stage])
+                   for stage, layers in chunks), False),
+              (moe_layers * ep_sim.expert_params(model, layout), True)]  # fmt: skip
+    dp = sum(_dp_bytes(params, layout, runtime, experts) for params, experts in groups)
+    if dp:
         out["dp"] = dp
     if layout.world_size > 1:
         out["world"] = stats_bytes(layout)
     return out
+
+
+def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool) -> float:
+    """Counted dp bytes of one step for ``params`` weights (module docstring); ``experts``:
+    routed experts over their edp group (a dp sub-group: counted on the dp axis)."""
+    if grad_ranks(layout, experts) <= 1 or not params:
+        return 0.0
+    m = layout.num_microbatches
+    g = params * runtime.grad_comm_bytes(layout.dtype)
+    shard, replicas = dp_groups(layout, experts)
+    across = g / shard if replicas > 1 else 0.0
+    if layout.zero == 0:
+        return g
+    if layout.zero in (1, 2):
+        gather = params * runtime.param_comm_bytes(layout.dtype)  # the updated weights
+        return (g if layout.zero == 1 and runtime.zero1_grad_all_reduce else g + across) + gather
+    w = runtime.param_comm_bytes(layout.dtype)
+    reduces = m if runtime.zero3_reduce_per_microbatch else 1
+    return 2 * m * params * w + reduces * (g + across)
