@@ -212,7 +212,10 @@ def _one_line_error(proc, *needles):
         (["--cp", "8", "--cp-mode", "a2a"], ["--cp-mode a2a splits", "4 attention heads"]),
         (["--cp", "2", "--dropout", "0.1"], ["--dropout 0"]),
         (["--cp", "2", "--fault-tolerance", "1", "--dp", "2"], ["--fault-tolerance with --cp"]),
-        (["--cp", "2", "--dp", "2", "--dp-algo", "diloco"], ["--dp-algo diloco with --cp"]),
+        (
+            ["--cp", "2", "--dp", "2", "--dp-algo", "diloco", "--sync-every", "4"],
+            ["--dp-algo diloco with --cp"],
+        ),
     ],
 )
 def test_bad_input_one_line(extra, needles, tmp_path):
