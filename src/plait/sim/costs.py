@@ -159,7 +159,8 @@ def layer_cost(
     lin = [linear_times(hw, dtype, *g) for g in (qkv, proj, up, down)]
     mc = None
     if moe:  # the routed MLP in place of the dense one (sim/expert.py)
-        mc = ep_sim.mlp_cost(replace(cfg, seq_len=s), layout, hw, runtime.moe_imbalance)
+        mc = ep_sim.mlp_cost(replace(cfg, seq_len=s), layout, hw, runtime.moe_imbalance,
+                             gemm_time=gemm_time, linear_times=linear_times)  # fmt: skip
         lin[2:] = [mc.up, mc.down]
     fwd_gemm = sum(x[0] for x in lin)
     bwd_in_gemm = sum(x[1] for x in lin)

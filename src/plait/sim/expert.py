@@ -173,9 +173,11 @@ class MLPCost:
     linears: int
 
 
-def mlp_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, imbalance: float) -> MLPCost:
-    """Compute of one MoE block's MLP (module docstring)."""
-    from plait.sim.costs import gemm_time, linear_times
+def mlp_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, imbalance: float, *,
+             gemm_time, linear_times) -> MLPCost:  # fmt: skip
+    """Compute of one MoE block's MLP (module docstring). ``gemm_time`` and
+    ``linear_times``: ``costs.py``'s GEMM timings, handed in by it (costs imports this
+    module)."""
 
     dtype, t, h = layout.dtype, layout.tp, cfg.hidden
     e = act_bytes(layout)
