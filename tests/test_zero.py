@@ -28,6 +28,7 @@ from test_data_parallel import (
     engine_step,
     make_data,
     make_documents,
+    read_metrics,
     reference_metrics,
     resume_from,
     run_checks,
@@ -37,6 +38,7 @@ from test_data_parallel import (
 )
 
 from plait.layout import Layout
+from plait.model.lora import LoRAConfig
 from plait.model.sizes import layer_params, model_state_breakdown, model_state_bytes
 from plait.model.transformer import build_model
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
@@ -46,6 +48,7 @@ from plait.sim.runtime import get_runtime
 from plait.topology import Topology
 from plait.train import optim
 from plait.train.config import TrainConfig
+from plait.train.loop import train
 
 # --- pure logic --------------------------------------------------------------------------
 
@@ -225,6 +228,13 @@ W2_ENGINE = [
 W4_ENGINE = [{"zero": 1, "shard_group": 2}, {"zero": 2, "shard_group": 2}, {"zero": 3}]
 
 
+LORA = LoRAConfig(rank=4, targets=("q", "k", "v", "o"))  # the cp + LoRA case and its reference
+
+
+def _lora(cfg):
+    return dataclasses.replace(cfg, lora=LORA)
+
+
 def _w2_cases(data, docs, root):
     return {
         "dp2-z1": run_config(data, root / "dp2-z1", dp=2, zero=1, train={"save_every": 10}),
@@ -241,6 +251,7 @@ def _w2_cases(data, docs, root):
         "cp2-allgather-docs": run_config(
             docs, root / "cp2-ag-docs", cp=2, cp_mode="allgather", document_mask=True
         ),
+        "cp2-lora": _lora(run_config(data, root / "cp2-lora", cp=2)),  # adapters, base frozen
     }
 
 
@@ -278,6 +289,7 @@ def _w4_cases(data, docs, root):
     cases["cp2-pp2"] = run_config(data, root / "cp-pp", cp=2, pp=2)
     cases["cp2-dp2-z3"] = run_config(data, root / "cp-z3", cp=2, dp=2, zero=3)
     cases["cp4-ring-docs"] = run_config(docs, root / "cp4-docs", cp=4, document_mask=True)
+    cases["cp4-a2a"] = run_config(data, root / "cp4-a2a", cp=4, cp_mode="a2a")
     return cases
 
 
@@ -287,6 +299,9 @@ def runs(tmp_path_factory):
     data, docs = make_data(root), make_documents(root)
     ref = {arch: reference_metrics(data, root, arch) for arch in ("gpt2", "llama")}
     ref["gpt2-docs"] = reference_metrics(docs, root, "gpt2", document_mask=True)
+    lora_ref = _lora(run_config(data, root / "ref-lora"))
+    train(lora_ref, topo=Topology.single())
+    ref["gpt2-lora"] = read_metrics(lora_ref.out)
     ref["gpt2-bf16"] = reference_metrics(data, root, "gpt2", steps=BF16_STEPS, dtype="bf16")
     w2 = _w2_cases(data, docs, root)
     w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
@@ -392,7 +407,8 @@ def test_every_layout_reproduces_the_single_process_curve(runs, world):
     cases, ranks = runs[world]
     (_, results, _) = ranks[0]
     for (name, cfg), result in zip(cases.items(), results):
-        ref = runs["ref"][cfg.model.arch + ("-docs" if cfg.layout.document_mask else "")]
+        ref = runs["ref"][cfg.model.arch + ("-docs" if cfg.layout.document_mask else "")
+                          + ("-lora" if cfg.lora else "")]  # fmt: skip
         if name.startswith("resume") or cfg.layout.dtype != "fp32":
             continue
         assert_same_curve(_curve(result), ref, name, cfg.model.arch)
@@ -426,6 +442,8 @@ def test_model_state_bytes_match_the_formula(runs, world):
     for _, results, _ in ranks:
         for cfg, result in zip(cases.values(), results):
             lay = cfg.layout
+            if cfg.lora:  # adapters only train: test_lora.py holds LoRA's state formula
+                continue
             state_matches_formula(
                 result, dp=_expected_state_dp(cfg), zero=lay.zero, offload=lay.offload_optimizer
             )
