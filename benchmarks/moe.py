@@ -30,19 +30,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
-import socket
 import sys
 import tempfile
 import time
-import traceback
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from data_parallel import PeakRSS  # the peak resident set of a block (benchmarks/)
+from ranks import run_ranks  # n gloo ranks of one thread each (benchmarks/)
 
 BASE = dict(arch="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=4, vocab_size=256,
             seq_len=256)  # fmt: skip
@@ -87,43 +81,9 @@ def worker(kind: str, n: int, ep: int, steps: int) -> dict:
             "a2a": a2a / steps, "loss": rec["loss"]}  # fmt: skip
 
 
-def _entry(rank, world, port, args, result_dir):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=600))  # fmt: skip
-    try:
-        res = {"ok": worker(*args)}
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        res = {"error": traceback.format_exc()}
-    Path(result_dir, f"{rank}.json").write_text(json.dumps(res))
-    os._exit(0)
-
-
 def measure(kind: str, n: int, ep: int, steps: int) -> dict:
     """The slowest rank's step and the largest rank's peak, state and a2a over n ranks."""
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=(r, n, port, (kind, n, ep, steps), d))
-                 for r in range(n)]  # fmt: skip
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        out = []
-        for r in range(n):
-            path = Path(d, f"{r}.json")
-            if not path.exists():
-                sys.exit(f"moe: worker {r} died (exit code {procs[r].exitcode})")
-            res = json.loads(path.read_text())
-            if "error" in res:
-                sys.exit(f"moe: worker {r} failed:\n{res['error']}")
-            out.append(res["ok"])
+    out = run_ranks("moe", worker, n, (kind, n, ep, steps))
     return {k: max(r[k] for r in out) for k in ("step_s", "peak", "state", "a2a")}
 
 
