@@ -4,7 +4,7 @@ load against no balancing and against the Switch aux loss, at what cost in loss;
 the aux loss the same value at ep 1 / 2 / 4. Real runs of ``plait train``, read back from
 their ``metrics.jsonl``.
 
-    python benchmarks/moe_balance.py                    # ~15-30 minutes on 2 shared cores
+    python benchmarks/moe_balance.py                    # ~40 minutes on 2 busy shared cores
     python benchmarks/moe_balance.py --steps 60 --rates 0.001 --ep-steps 2   # a smoke run
 
 Model: the ``tiny`` preset (GPT-2 block, 4 layers x 128 hidden, 4 heads, sequences of
