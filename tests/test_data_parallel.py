@@ -70,6 +70,20 @@ def make_documents(root: Path) -> DataConfig:
     return data
 
 
+def make_instructions(root: Path) -> DataConfig:
+    """Instruction data (JSON Lines of prompt / completion): the loss is taken on the
+    completions only, so each sequence's targets are partly masked."""
+    rng = random.Random(2)
+    lines = [json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9)))
+                         + "?\n", "completion": " ".join(rng.choice(WORDS) for _ in range(6))})
+             for _ in range(2000)]  # fmt: skip
+    (root / "instruct.jsonl").write_text("\n".join(lines) + "\n")
+    data = DataConfig(path=str(root / "instruct.jsonl"), tokenizer="bytes",
+                      cache_dir=str(root / "c"))  # fmt: skip
+    prepare(data)
+    return data
+
+
 def run_config(data: DataConfig, out: Path, *, arch="gpt2", train=None, **layout) -> RunConfig:
     train_cfg = TrainConfig(
         **{

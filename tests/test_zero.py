@@ -28,6 +28,7 @@ from test_data_parallel import (
     engine_step,
     make_data,
     make_documents,
+    make_instructions,
     read_metrics,
     reference_metrics,
     resume_from,
@@ -235,7 +236,7 @@ def _lora(cfg):
     return dataclasses.replace(cfg, lora=LORA)
 
 
-def _w2_cases(data, docs, root):
+def _w2_cases(data, docs, root, instruct):
     return {
         "dp2-z1": run_config(data, root / "dp2-z1", dp=2, zero=1, train={"save_every": 10}),
         "dp2-z2": run_config(data, root / "dp2-z2", dp=2, zero=2, micro_batch_size=1),
@@ -252,6 +253,8 @@ def _w2_cases(data, docs, root):
             docs, root / "cp2-ag-docs", cp=2, cp_mode="allgather", document_mask=True
         ),
         "cp2-lora": _lora(run_config(data, root / "cp2-lora", cp=2)),  # adapters, base frozen
+        # answers only take a loss: masked targets split over the ring like the rest
+        "cp2-instruct": run_config(instruct, root / "cp2-instruct", cp=2),
     }
 
 
@@ -299,11 +302,13 @@ def runs(tmp_path_factory):
     data, docs = make_data(root), make_documents(root)
     ref = {arch: reference_metrics(data, root, arch) for arch in ("gpt2", "llama")}
     ref["gpt2-docs"] = reference_metrics(docs, root, "gpt2", document_mask=True)
+    instruct = make_instructions(root)
+    ref["gpt2-instruct"] = reference_metrics(instruct, root / "instruct")
     lora_ref = _lora(run_config(data, root / "ref-lora"))
     train(lora_ref, topo=Topology.single())
     ref["gpt2-lora"] = read_metrics(lora_ref.out)
     ref["gpt2-bf16"] = reference_metrics(data, root, "gpt2", steps=BF16_STEPS, dtype="bf16")
-    w2 = _w2_cases(data, docs, root)
+    w2 = _w2_cases(data, docs, root, instruct)
     w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
     w4 = _w4_cases(data, docs, root)
     # Run B (dp 2, zero 1; the world-2 group) saved step 10: resume it with dp 4, zero 3.
@@ -403,12 +408,14 @@ def test_every_layout_reproduces_the_single_process_curve(runs, world):
     the same mask. With cp: catches gradients reduced over dp alone (not dp x cp), a loss
     counted once per cp rank, a chunk given the wrong positions or labels, an exchange mode
     that loses a block or attends across documents (ring, allgather and a2a each appear,
-    composed with tp + sequence parallelism, pp, and ZeRO-3 over dp x cp)."""
+    composed with tp + sequence parallelism, pp, ZeRO-3 over dp x cp, LoRA and instruction
+    data, whose masked targets are split over the ring like the rest)."""
     cases, ranks = runs[world]
     (_, results, _) = ranks[0]
     for (name, cfg), result in zip(cases.items(), results):
         ref = runs["ref"][cfg.model.arch + ("-docs" if cfg.layout.document_mask else "")
-                          + ("-lora" if cfg.lora else "")]  # fmt: skip
+                          + ("-lora" if cfg.lora else "")
+                          + ("-instruct" if cfg.data.path.endswith("instruct.jsonl") else "")]  # fmt: skip
         if name.startswith("resume") or cfg.layout.dtype != "fp32":
             continue
         assert_same_curve(_curve(result), ref, name, cfg.model.arch)
