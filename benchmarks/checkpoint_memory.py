@@ -23,20 +23,13 @@ the storages ZeRO-3 grows with ``untyped_storage().resize_()``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import socket
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from data_parallel import PeakRSS  # the peak resident set of a block (benchmarks/)
+from ranks import run_ranks  # n gloo ranks of one thread each (benchmarks/)
 
 LAYOUTS = {"dp4-zero3": dict(dp=4, zero=3), "tp2-dp2-zero1": dict(tp=2, dp=2, zero=1)}
 
@@ -55,7 +48,7 @@ def run_config(layout: dict, out: Path, *, resume: bool):
                      out=str(out))  # fmt: skip
 
 
-def worker(rank: int, name: str, out: str) -> dict:
+def worker(name: str, out: str) -> dict:
     from plait.data import prepare
     from plait.topology import Topology
     from plait.train.loop import Trainer
@@ -79,43 +72,10 @@ def worker(rank: int, name: str, out: str) -> dict:
     return {"train": train.peak, "save": save_peak, "load": load.peak}
 
 
-def _entry(rank: int, world: int, port: int, name: str, out: str, result_dir: str):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
-    try:
-        res = {"ok": worker(rank, name, out)}
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        res = {"error": traceback.format_exc()}
-    Path(result_dir, f"{rank}.json").write_text(json.dumps(res))
-    os._exit(0)
-
-
 def run(name: str) -> list[dict]:
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = 4
+    """Each of 4 ranks' figures for layout ``name`` (``worker``)."""
     with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        args = (world, port, name, str(Path(d) / "run"), d)
-        procs = [ctx.Process(target=_entry, args=(r, *args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        results = []
-        for r in range(world):
-            path = Path(d, f"{r}.json")
-            if not path.exists():
-                sys.exit(f"checkpoint_memory: worker {r} died (exit code {procs[r].exitcode})")
-            res = json.loads(path.read_text())
-            if "error" in res:
-                sys.exit(f"checkpoint_memory: worker {r} failed:\n{res['error']}")
-            results.append(res["ok"])
-        return results
+        return run_ranks("checkpoint_memory", worker, 4, (name, str(Path(d) / "run")))
 
 
 def main(argv=None) -> int:
