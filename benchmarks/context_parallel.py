@@ -29,7 +29,6 @@ cp > 1 include that contention: the simulator models it too (``compute_slots``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time
@@ -90,8 +89,7 @@ def predict(seq_len: int, cp: int, mode: str) -> dict:
     model = ModelConfig(**MODEL, vocab_size=256, seq_len=seq_len)
     lay = Layout(cp=cp, cp_mode=mode, global_batch_size=1, micro_batch_size=1)
     # plait's cp blocks run on PyTorch's fused CPU kernel here (no document masks): the
-    # plait runtime with fused cp attention (its default prices CUDA's math blocks)
-    runtime = dataclasses.replace(get_runtime("plait"), cp_math_attention=False)
+    runtime = get_runtime("plait")  # fused cp attention: no document masks here
     res = simulate(model, lay, get_hardware("cpu"), runtime=runtime)
     mem = res.memory
     return {"step_s": res.iter_time_s, "mem": mem.activations + mem.cp_buffers}

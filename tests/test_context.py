@@ -336,3 +336,115 @@ def test_fused_cpu_blocks_equal_the_math_blocks():
         want = attend_backward(q, k, v, dout, delta, lse, **kw, **one)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _stand_in_kernels(seen: list):
+    """CPU stand-ins for CUDA's two fused kernels, honouring the contracts ``context.py``
+    relies on (their schemas, and their outputs as the CUDA sources allocate them): flash
+    takes fp16/bf16 only, returns out in the input type and lse fp32 (B, H, Tq); efficient
+    returns lse padded to a multiple of 32 rows (garbage past Tq: NaN here) and its backward
+    reads the padded lse back. Both are math attention in fp32 (or wider)."""
+
+    def scores(q, k, causal, scale):
+        dt = torch.promote_types(q.dtype, torch.float32)
+        s = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale
+        if causal:  # square blocks only: top-left and bottom-right agree
+            assert s.shape[-1] == s.shape[-2]
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        return s, dt
+
+    def math(q, k, v, causal, scale):
+        s, dt = scores(q, k, causal, scale)
+        lse = torch.logsumexp(s, -1)
+        return torch.exp(s - lse[..., None]), lse, dt
+
+    def grads(dout, q, k, v, out, lse, causal, scale):
+        s, dt = scores(q, k, causal, scale)
+        p = torch.exp(s - lse.to(dt)[..., None])  # P from the *given* lse, as the kernels do
+        d, o = dout.to(dt), out.to(dt)
+        dv = p.transpose(-1, -2) @ d
+        ds = p * (d @ v.to(dt).transpose(-1, -2) - (d * o).sum(-1, keepdim=True))
+        return (ds @ k.to(dt)) * scale, (ds.transpose(-1, -2) @ q.to(dt)) * scale, dv
+
+    def flash(q, k, v, dropout, causal, debug, *, scale):
+        assert q.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+        seen.append("flash")
+        p, lse, dt = math(q, k, v, causal, scale)
+        return ((p @ v.to(dt)).to(q.dtype), lse.float(), *[None] * 7)
+
+    def flash_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, dropout, causal, s0, s1, *, scale):
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
+        assert (mq, mk) == (q.shape[-2], k.shape[-2]) and out.dtype == q.dtype
+        return tuple(x.to(q.dtype) for x in grads(dout, q, k, v, out, lse, causal, scale))
+
+    def efficient(q, k, v, bias, with_lse, dropout, causal, *, scale):
+        assert bias is None and with_lse and dropout == 0.0
+        seen.append("efficient")
+        p, lse, dt = math(q, k, v, causal, scale)
+        rows = -(-q.shape[-2] // 32) * 32
+        padded = torch.full((*lse.shape[:-1], rows), float("nan"), dtype=lse.dtype)
+        padded[..., : q.shape[-2]] = lse
+        return (p @ v.to(dt)).to(q.dtype), padded, None, None
+
+    def efficient_backward(dout, q, k, v, bias, out, lse, s0, s1, dropout, mask, causal, *, scale):
+        assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[-2]
+        assert list(mask) == [True, True, True, False]
+        g = grads(dout, q, k, v, out, lse[..., : q.shape[-2]], causal, scale)
+        return (*(x.to(q.dtype) for x in g), None)
+
+    return {
+        "_scaled_dot_product_flash_attention": flash,
+        "_scaled_dot_product_flash_attention_backward": flash_backward,
+        "_scaled_dot_product_efficient_attention": efficient,
+        "_scaled_dot_product_efficient_attention_backward": efficient_backward,
+    }
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_cuda_kernel_glue_equals_the_math_blocks(monkeypatch, kernel):
+    """The glue around CUDA's fused kernels (not run here: no GPU), driven through CPU
+    stand-ins that keep the kernels' contracts (``_stand_in_kernels``): out, LSE and
+    dq/dk/dv of causal and visible blocks, GQA, against the math path. Catches an
+    efficient-kernel LSE used unsliced (its NaN padding reaches the merge), a backward
+    handed an unpadded LSE, a flash call in fp32, a causal flag on a non-square part, and
+    bf16 partial outputs merged in bf16 instead of fp32."""
+    from plait.parallel import context
+    from plait.parallel.context import attend, attend_backward
+
+    seen: list = []
+    ops = _stand_in_kernels(seen)
+    monkeypatch.setattr(context, "_op", lambda name: ops[name])
+    monkeypatch.setattr(
+        context, "_kernel", lambda q, k, q_doc: None if q_doc is not None else kernel
+    )
+    # flash takes bf16: its partial outputs and gradients are rounded once each (u = 2^-8);
+    # efficient runs float64 here, where only the summation order differs
+    dt, tol = (torch.bfloat16, 4 * 2**-8) if kernel == "flash" else (torch.float64, 1e-10)
+    g = torch.Generator().manual_seed(1)
+    B, H, K, D, Tq = 2, 4, 2, 8, 6
+    for causal, Tk in ((True, 3 * Tq), (True, Tq), (False, 2 * Tq)):
+        q = torch.randn(B, H, Tq, D, generator=g).to(dt)
+        k, v = (torch.randn(B, K, Tk, D, generator=g).to(dt) for _ in range(2))
+        dout = torch.randn(B, H, Tq, D, generator=g).to(dt)
+        k_pos = torch.arange(Tk)
+        q_pos = k_pos[Tk - Tq :] if causal else torch.arange(Tk, Tk + Tq)
+        one = dict(
+            q_doc=torch.zeros(B, Tq, dtype=torch.long), k_doc=torch.zeros(B, Tk, dtype=torch.long)
+        )
+        kw = dict(q_pos=q_pos, k_pos=k_pos, causal=causal, scale=D**-0.5)
+        seen.clear()
+        out, lse = attend(q, k, v, **kw)
+        assert seen == [kernel] * (2 if causal and Tk > Tq else 1)
+        ref_out, ref_lse = attend(q, k, v, **kw, **one)
+        assert out.dtype == ref_out.dtype and lse.dtype == ref_lse.dtype
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+        torch.testing.assert_close(
+            lse, ref_lse, rtol=1e-5 if dt != torch.float64 else tol, atol=tol
+        )
+        o = out.to(dt)
+        delta = (dout.to(out.dtype) * o.to(out.dtype)).sum(-1)
+        got = attend_backward(q, k, v, dout, delta, ref_lse, out=o, **kw)
+        want = attend_backward(q, k, v, dout, delta, ref_lse, **kw, **one)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))

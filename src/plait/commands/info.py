@@ -116,9 +116,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"experts per MoE block; state sharded over {layout.dp // layout.ep} edp "
               f"rank(s) under ZeRO")  # fmt: skip
     if cp > 1:
-        from plait.sim.context import buffer_bytes
+        from plait.sim.context import buffer_bytes, math_attention
+        from plait.sim.runtime import get_runtime
 
-        buf = buffer_bytes(model, layout, flash_attention=False)  # plait's math attention
+        math = math_attention(layout, get_runtime("plait"))  # document-masked blocks
+        buf = buffer_bytes(model, layout, flash_attention=not math)
+        held = "K/V in flight and fp32 block scores" if math else "K/V in flight"
         print(f"cp exchange          {buf / gib:.3f} GiB held by one layer's {layout.cp_mode} "
-              f"attention while it runs (K/V in flight and fp32 block scores)")  # fmt: skip
+              f"attention while it runs ({held})")  # fmt: skip
     return 0

@@ -46,12 +46,15 @@ within its document -- packed sequences stop at their end-of-text tokens.
 
 Numerics: every block's scores, softmax and output are computed in fp32 (or the input's
 wider type) by ``attend`` and merged by their log-sum-exp in fp32 (``merge``); the output
-is cast back to the input type once. On the CPU, a block without document masks runs on
-PyTorch's fused attention kernel, which returns its log-sum-exp and never holds the
-block's (B, H, Tq, Tk) scores (``_attend_fused``: a causal block is cut into its visible
-keys and the causal square; the backward is the kernel's, fed the merged output and LSE);
-document-masked blocks, and every block on CUDA, run math attention, which materialises
-each block's scores (CUDA's fused kernels that return an LSE are not wired yet).
+is cast back to the input type once. A block without document masks runs on one of
+PyTorch's fused kernels that return their log-sum-exp and never hold the block's (B, H, Tq,
+Tk) scores (``_attend_fused``: a causal block is cut into its visible keys and the causal
+square; the backward is the kernel's, fed the merged output and LSE): the flash kernel for
+CPUs (in fp32), and on CUDA the flash kernel (fp16/bf16: its partial outputs are rounded to
+the input type once each, as single-GPU SDPA's output is) or the memory-efficient kernel,
+as PyTorch's own eligibility checks allow. Document-masked blocks run math attention,
+which materialises each block's scores. The CUDA glue is tested on CPU stand-ins that keep
+the kernels' contracts; it has not run on a GPU yet.
 
 Shape letters: B batch, H query heads, K key/value heads, D head size, S tokens held by
 this rank (s / N: two chunks of c), T tokens of a block.
@@ -215,23 +218,56 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-# -- the fused kernel (CPU): no (B, H, Tq, Tk) scores held --------------------------------
+# -- the fused kernels: no (B, H, Tq, Tk) scores held --------------------------------------
+#
+# Three PyTorch kernels return the log-sum-exp a merge needs (their schemas: aten's
+# native_functions.yaml; their outputs: the kernels' sources):
+#   cpu       _scaled_dot_product_flash_attention_for_cpu: fp32 in, out and lse (B, H, Tq);
+#   flash     _scaled_dot_product_flash_attention (CUDA, fp16/bf16): out in the input type,
+#             lse fp32 (B, H, Tq);
+#   efficient _scaled_dot_product_efficient_attention (CUDA, fp32 too): out in the input
+#             type, lse fp32 (B, H, Tq rounded up to a multiple of 32: the backward loads it in
+#             blocks of 32 rows, so it must be handed a padded lse again).
+# Each runs a block as its visible keys plus its causal square (``_diagonal_split``): the
+# kernels' own causal flag then only ever sees square blocks, where its top-left and
+# bottom-right alignments agree. Partial outputs are merged in fp32 (``merge``); on CUDA the
+# flash kernel's bf16 partial output is rounded once, as single-GPU SDPA's output is.
+
+EFFICIENT_LSE_ALIGN = 32
 
 
-def _fused(q, q_doc) -> bool:
-    """Whether a block runs on PyTorch's fused CPU attention kernel, which returns its
-    log-sum-exp and never holds the block's scores (``_scaled_dot_product_flash_attention
-    _for_cpu``): on the CPU, without document masks (a document mask is a (B, Tq, Tk)
-    tensor of its own and can leave a row with no key, which the math path defines).
-    CUDA's fused kernels are not wired yet: they run the math path."""
-    return q.device.type == "cpu" and q_doc is None
+def _op(name: str):
+    """aten's op ``name`` (one place, so a test can stand in for the CUDA kernels)."""
+    return getattr(torch.ops.aten, name)
 
 
-def _kernel_inputs(q, k, v):
-    """q, k, v in fp32 (or wider), contiguous, K/V repeated to q's heads (GQA)."""
-    dt = torch.promote_types(q.dtype, torch.float32)
+def _kernel(q, k, q_doc) -> str | None:
+    """The fused kernel a block runs on ("cpu", "flash", "efficient"), or None for math
+    attention: never with document masks (a (B, Tq, Tk) mask of its own, which can leave a
+    row with no key; the math path defines that row). On CUDA, PyTorch's own eligibility
+    checks (dtype, head size, GPU architecture) pick flash, then efficient."""
+    if q_doc is not None:
+        return None
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type != "cuda":
+        return None
+    from torch.backends import cuda as backend
+
+    params = backend.SDPAParams(q, k, k, None, 0.0, True, k.shape[1] != q.shape[1])
+    if q.dtype in (torch.float16, torch.bfloat16) and backend.can_use_flash_attention(params):
+        return "flash"
+    if backend.can_use_efficient_attention(params):
+        return "efficient"
+    return None
+
+
+def _kernel_inputs(q, k, v, kernel: str):
+    """q, k, v contiguous with K/V repeated to q's heads (GQA); fp32 (or wider) on the CPU
+    kernel, the input type on CUDA (flash takes fp16/bf16 only)."""
     g = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(g, dim=1) if g > 1 else x for x in (k, v))
+    dt = torch.promote_types(q.dtype, torch.float32) if kernel == "cpu" else q.dtype
     return (x.to(dt).contiguous() for x in (q, k, v))
 
 
@@ -246,30 +282,68 @@ def _diagonal_split(Tq: int, Tk: int, causal: bool) -> list[tuple[slice, bool]]:
     return parts + [(slice(Tk - Tq, Tk), True)]
 
 
-def _attend_fused(q, k, v, *, causal, scale):
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    q, k, v = _kernel_inputs(q, k, v)
+def _kernel_forward(kernel: str, q, k, v, *, causal: bool, scale: float):
+    """One kernel call: out (any float type) and lse (B, H, Tq) fp32."""
+    Tq = q.shape[-2]
+    if kernel == "cpu":
+        return _op("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, causal, scale=scale)
+    if kernel == "flash":
+        out, lse, *_ = _op("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)  # fmt: skip
+        return out, lse
+    out, lse, *_ = _op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, causal, scale=scale)  # fmt: skip
+    return out, lse[..., :Tq]
+
+
+def _kernel_backward(kernel: str, dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    """The kernel's backward of one call given the *merged* out and lse of its queries (it
+    recomputes P = exp(S - lse) and takes rowsum(dO * O) as delta): dq, dk, dv."""
+    if kernel == "cpu":
+        return _op("_scaled_dot_product_flash_attention_for_cpu_backward")(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    none = torch.empty(0, dtype=torch.long, device=q.device)  # philox state: no dropout
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    if kernel == "flash":
+        return _op("_scaled_dot_product_flash_attention_backward")(
+            dout, q, k, v, out, lse, none, none, Tq, Tk, 0.0, causal, none, none, scale=scale
+        )
+    B, H = lse.shape[:2]
+    rows = -(-Tq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
+    padded = torch.zeros(B, H, rows, dtype=lse.dtype, device=lse.device)
+    padded[..., :Tq] = lse
+    bias = torch.empty(0, dtype=q.dtype, device=q.device)
+    dq, dk, dv, _ = _op("_scaled_dot_product_efficient_attention_backward")(
+        dout, q, k, v, bias, out, padded, none, none, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _attend_fused(kernel: str, q, k, v, *, causal, scale):
+    q, k, v = _kernel_inputs(q, k, v, kernel)
     out = lse = None
     for keys, diag in _diagonal_split(q.shape[-2], k.shape[-2], causal):
-        o, l_ = op(q, k[..., keys, :], v[..., keys, :], 0.0, diag, scale=scale)
+        o, l_ = _kernel_forward(kernel, q, k[..., keys, :].contiguous(),
+                                v[..., keys, :].contiguous(), causal=diag, scale=scale)  # fmt: skip
+        o, l_ = (x.to(torch.promote_types(x.dtype, torch.float32)) for x in (o, l_))
         out, lse = (o, l_) if out is None else merge(out, lse, o, l_)
     return out, lse
 
 
-def _attend_backward_fused(q, k, v, dout, out, lse, *, causal, scale):
+def _attend_backward_fused(kernel: str, q, k, v, dout, out, lse, *, causal, scale):
     """The kernel's backward of one block given the *merged* out and lse of its queries
-    (it recomputes P = exp(S - lse) and takes rowsum(dO * O) as delta: the ring flash-
-    attention backward)."""
-    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    (the ring flash-attention backward); fp32 (or wider) gradients, GQA heads summed."""
     B, K, Tk, D = k.shape
-    qf, kf, vf = _kernel_inputs(q, k, v)
-    dout, out = (x.to(qf.dtype).contiguous() for x in (dout, out))
-    lse = lse.to(qf.dtype).contiguous()
-    dq = torch.zeros_like(qf)
-    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    qk, kk, vk = _kernel_inputs(q, k, v, kernel)
+    dout, out = (x.to(qk.dtype).contiguous() for x in (dout, out))
+    lse = lse.to(torch.promote_types(qk.dtype, torch.float32)).contiguous()
+    acc = torch.promote_types(qk.dtype, torch.float32)
+    dq = torch.zeros(qk.shape, dtype=acc, device=q.device)
+    dk, dv = (torch.zeros(kk.shape, dtype=acc, device=q.device) for _ in range(2))
     for keys, diag in _diagonal_split(q.shape[-2], Tk, causal):
-        a, b, c = op(dout, qf, kf[..., keys, :].contiguous(), vf[..., keys, :].contiguous(),
-                     out, lse, 0.0, diag, scale=scale)  # fmt: skip
+        a, b, c = _kernel_backward(kernel, dout, qk, kk[..., keys, :].contiguous(),
+                                   vk[..., keys, :].contiguous(), out, lse, causal=diag,
+                                   scale=scale)  # fmt: skip
         dq += a
         dk[..., keys, :] += b
         dv[..., keys, :] += c
@@ -282,8 +356,9 @@ def attend(q, k, v, *, q_pos, k_pos, q_doc=None, k_doc=None, causal=True, scale:
     (B, K, Tk, D), global positions ``q_pos`` (Tq,) / ``k_pos`` (Tk,), document ids
     (B, Tq) / (B, Tk) or None (``causal`` False: no key follows any query). Returns out (B, H, Tq, D) and lse (B, H, Tq), both fp32 (or
     the input's wider type); a row that sees no key has out 0 and lse -inf."""
-    if _fused(q, q_doc):
-        return _attend_fused(q, k, v, causal=causal, scale=scale)
+    kernel = _kernel(q, k, q_doc)
+    if kernel is not None:
+        return _attend_fused(kernel, q, k, v, causal=causal, scale=scale)
     s = _scores(q, k, scale, _mask(q_pos, k_pos, q_doc, k_doc, causal))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
@@ -299,8 +374,9 @@ def attend_backward(q, k, v, dout, delta, lse, *, q_pos, k_pos, q_doc=None, k_do
     (B, K, Tk, D) (summed over the query heads sharing each key/value head). ``out``: the
     merged output of these queries, given when no gradient reaches the LSE (delta is then
     rowsum(dO * O)): the fused kernel's backward, which takes it instead of delta."""
-    if out is not None and _fused(q, q_doc):
-        return _attend_backward_fused(q, k, v, dout, out, lse, causal=causal, scale=scale)
+    kernel = _kernel(q, k, q_doc) if out is not None else None
+    if kernel is not None:
+        return _attend_backward_fused(kernel, q, k, v, dout, out, lse, causal=causal, scale=scale)
     s = _scores(q, k, scale, _mask(q_pos, k_pos, q_doc, k_doc, causal))
     p = torch.exp(s - _finite(lse)[..., None])  # (B, H, Tq, Tk)
     dt, g = s.dtype, q.shape[1] // k.shape[1]

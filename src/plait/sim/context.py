@@ -40,11 +40,11 @@ apart in the rank order, so the ring stays in one node while tp x cp <= devices 
 - ``a2a``: all-to-alls before and after the attention, nothing hidden; an all-to-all of
   X counted bytes takes (N-1) latency + (N-1)/N X / bandwidth (``all_to_all_time``).
 
-Attention work per rank (``score_blocks``): fused kernels (``runtime.flash_attention``
-without ``cp_math_attention``: Megatron-Core / Transformer Engine) skip the masked half,
-so every rank does 1/N of the causal work (head-tail balances it). plait's path (math
-attention in fp32, ``context.attend``; ``Runtime.cp_math_attention``) materialises the
-scores of the chunks it computes: ring and allgather (2N+1) c x c blocks per head (a query chunk
+Attention work per rank (``score_blocks``): fused kernels (``math_attention`` False:
+Transformer Engine, and plait's ``context.attend`` on CUDA's flash / efficient kernels)
+skip the masked half, so every rank does 1/N of the causal work (head-tail balances it).
+Math attention in fp32 (plait's document-masked blocks, ``Runtime.cp_document_math``, or a
+runtime with ``cp_math_attention``) materialises the scores of the chunks it computes: ring and allgather (2N+1) c x c blocks per head (a query chunk
 against the chunks before it and its own, ``context.attention_work``); a2a the whole
 s x s for H / N heads (no chunk is skipped).
 
@@ -167,6 +167,15 @@ def layer_comm(
         ag = all_gather_time(kv, N, lk)
         return ag, ag + reduce_scatter_time(2 * b * s * k * FP32, N, lk)
     return all_to_all_time(nb.fwd_counted, N, lk), all_to_all_time(nb.bwd_counted, N, lk)
+
+
+def math_attention(layout: Layout, runtime) -> bool:
+    """Whether the cp attention blocks of ``layout`` run as math attention under
+    ``runtime`` (a ``sim.runtime.Runtime``) rather than as fused kernels."""
+    if layout.cp <= 1:
+        return False
+    docs = layout.document_mask and runtime.cp_document_math
+    return runtime.cp_math_attention or not runtime.flash_attention or docs
 
 
 def score_blocks(cfg: ModelConfig, layout: Layout) -> tuple[float, float, float]:

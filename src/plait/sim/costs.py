@@ -168,7 +168,7 @@ def layer_cost(
 
     # Attention core
     heads = b * a_t
-    cp_math = layout.cp > 1 and (runtime.cp_math_attention or not runtime.flash_attention)
+    cp_math = cp_sim.math_attention(layout, runtime)
     if runtime.flash_attention and not cp_math:
         n_blk = max(1, math.ceil(s / FLASH_BLOCK))
         causal = (n_blk + 1) / (2 * n_blk)

@@ -298,7 +298,6 @@ def memory_per_rank(
         if lora is not None and buffers:  # a layer's gradient awaiting its reduce-scatter
             layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
-        fused = runtime.flash_attention and not runtime.cp_math_attention
-        cp = cp_sim.buffer_bytes(cfg, layout, fused)
+        cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp))
     return out

@@ -12,11 +12,12 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   the scores (2.5x the forward's FLOPs). Otherwise attention is two batched GEMMs plus
   a softmax that streams the s x s scores through memory, and stores them.
 - ``cp_math_attention``: context-parallel attention (``--cp``) runs as math attention in
-  fp32 over the blocks it computes, scores materialised block by block (what
-  ``parallel/context.py`` runs on CUDA, and for document-masked blocks everywhere, until
-  it calls CUDA's fused kernels that return their log-sum-exp; on the CPU its other
-  blocks run PyTorch's fused kernel); otherwise as fused kernels (Transformer Engine's
-  ring attention). ``sim/context.py`` prices both.
+  fp32 over the blocks it computes, scores materialised block by block; otherwise as
+  fused kernels returning their log-sum-exp (Transformer Engine's ring attention, and
+  ``parallel/context.py`` on CUDA's flash / memory-efficient kernels).
+  ``cp_document_math``: only document-masked cp blocks (``--document-mask``) run math
+  attention (plait: a document mask is a tensor of its own, which the LSE-returning
+  kernels do not take). ``sim/context.py`` prices both (``math_attention``).
 - ``attention_native``: the fused attention kernels are the device's newest generation
   (Transformer Engine's cuDNN attention, FlashAttention-3 on Hopper) rather than
   FlashAttention-2's (``Efficiency.attention_native``).
@@ -80,6 +81,7 @@ class Runtime:
     flash_attention: bool = True
     attention_native: bool = False
     cp_math_attention: bool = False
+    cp_document_math: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
@@ -120,7 +122,7 @@ class Runtime:
 PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
-        cp_math_attention=True,
+        cp_document_math=True,
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
         gather_in_compute_dtype=True,

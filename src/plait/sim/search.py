@@ -492,8 +492,7 @@ class _Bounds:
                 h.bwd_input + h.bwd_tp + h.bwd_weight)  # fmt: skip
         held = chunk_activation_bytes(self.cfg, lay, self.rt, 1)[0]
         layer = step.layer_step(self.cfg, lay, self.hw, self.rt)
-        fused = self.rt.flash_attention and not self.rt.cp_math_attention
-        cp_buf = cp_sim.buffer_bytes(self.cfg, lay, fused)
+        cp_buf = cp_sim.buffer_bytes(self.cfg, lay, not cp_sim.math_attention(lay, self.rt))
         moe_layer, moe_held = layer, held
         if self.cfg.moe:
             moe_layer = step.layer_step(self.cfg, lay, self.hw, self.rt, moe=True)
