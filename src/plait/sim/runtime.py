@@ -143,10 +143,12 @@ PROFILES: dict[str, Runtime] = {
         overlap_grad_reduce=False,
         master_weights=True,
         grad_reduce_fp32=True,
+        zero1_grad_all_reduce=True,
         pp_scatter_gather=False,
         description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
-        "with fp32 gradient accumulation, reduction after the pipeline flush, DeepSpeed's "
-        "pipeline engine sending whole activations from every tensor-parallel rank",
+        "with fp32 gradient accumulation all-reduced whole after the pipeline flush, "
+        "DeepSpeed's pipeline engine sending whole activations from every tensor-parallel "
+        "rank",
     ),
     "deepspeed-zero3": Runtime(
         name="deepspeed-zero3",
