@@ -6,6 +6,7 @@ Pure logic, no processes. The published-run validation lives in test_sim_runs.py
 import argparse
 import json
 import math
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -183,6 +184,35 @@ def test_efficiency_curve_saturates():
     assert small < large < eff.gemm_max
     assert large == pytest.approx(eff.gemm_max, rel=0.05)
     assert eff.gemm(65536, 65536, eff.gemm_half_k) == pytest.approx(eff.gemm_max / 2, rel=0.01)
+
+
+def test_fused_attention_saturates_with_the_keys_each_query_tile_visits():
+    """Fused attention reaches its long-sequence rate only as the key loop amortises each
+    query tile's prologue and epilogue (``costs.attention_key_saturation``: half speed
+    at ``gemm_half_k`` keys). Catches an attention cost that ignores the sequence length,
+    a saturation over the wrong length (s instead of the causal keys), or one leaking
+    into the unfused path (priced as GEMMs)."""
+    eff, rt = A100.efficiency, PROFILES["fsdp"]
+    assert costs.attention_key_saturation(2 * eff.gemm_half_k, 0.5, eff.gemm_half_k) == 0.5
+
+    def attention_s(s: int, runtime=rt) -> float:  # the attention core alone: t(A/2) - t(A)
+        cfg = ModelConfig(arch="gpt2", n_layers=1, hidden=2048, n_heads=16, vocab_size=50304,
+                          seq_len=s)  # fmt: skip
+        layout = lay(micro_batch_size=16384 // s, global_batch_size=16384 // s)
+        half = A100.replace(efficiency=replace(eff, attention=eff.attention / 2))
+        return (costs.layer_cost(cfg, layout, half, runtime).fwd
+                - costs.layer_cost(cfg, layout, A100, runtime).fwd)  # fmt: skip
+
+    for s in (1024, 2048, 16384):
+        blocks = s // costs.FLASH_BLOCK
+        causal = (blocks + 1) / (2 * blocks)
+        flops = 4.0 * 16384 * s * 2048 * causal  # 16,384 tokens a micro-batch
+        keys = causal * s
+        rate = A100.peak("bf16") * eff.attention * keys / (keys + eff.gemm_half_k)
+        assert attention_s(s) == pytest.approx(flops / rate, rel=1e-6)
+    per_flop = [attention_s(s) / (s * (s // 128 + 1) / (s // 128)) for s in (2048, 16384)]
+    assert per_flop[1] / per_flop[0] == pytest.approx(0.866, abs=0.005)
+    assert attention_s(2048, PROFILES["megatron-lm"]) == 0.0  # unfused: GEMMs, not this rate
 
 
 def test_tp_collectives_per_layer():

@@ -13,7 +13,8 @@ Compute
     (T, 2 f / t, h)). Backward: each GEMM twice, as its input-gradient (M, K, N) and its
     weight-gradient (N, K, M) product (the zero-bubble split times them apart).
     Attention core: with fused attention, 4 T s h / t FLOPs forward, halved by the causal
-    mask, 2.5x that in backward, at ``efficiency.attention`` of peak; unfused, two batched
+    mask, 2.5x that in backward, at ``efficiency.attention`` of peak (a long-sequence
+    figure) times the key loop's saturation ``attention_key_saturation``; unfused, two batched
     GEMMs (b a / t of them, (s, s, d) and (s, d, s)) plus the softmax streaming the scores.
     Memory-bound operations stream their bytes at ``elementwise_bandwidth`` (the memory
     bandwidth unless the hardware file says the kernels are slower): norms and residual
@@ -103,6 +104,20 @@ def stream_time(hw: Hardware, nbytes: float) -> float:
     return nbytes / hw.elementwise_bw
 
 
+def attention_key_saturation(s: float, causal: float, half_k: float) -> float:
+    """Fraction of its long-sequence rate a fused attention kernel reaches at sequence
+    length ``s``. Each query tile loads its queries and zeroes its accumulators before
+    the loop over key blocks and rescales and writes its output and log-sum-exp after it:
+    the fixed cost of a GEMM output tile, amortised over a loop as long as the keys the
+    tile visits (``causal`` x ``s`` on average under the causal mask) instead of the
+    reduction length k. So the GEMM curve's ``gemm_half_k`` applies: keys / (keys +
+    half_k). On an A100 (half_k 200) causal attention runs at 0.84 of its long-sequence
+    rate at s = 2048 and 0.98 at s = 16384: the rise and flattening of FlashAttention-2's
+    causal throughput with sequence length in Dao (2023)."""
+    keys = causal * s
+    return keys / (keys + half_k)
+
+
 # -- one transformer layer ----------------------------------------------------------------
 
 
@@ -174,6 +189,7 @@ def layer_cost(
         causal = (n_blk + 1) / (2 * n_blk)
         flops = 4.0 * T * s * a_t * d * causal  # with cp: 1/cp of it (head-tail)
         rate = hw.peak(dtype) * hw.efficiency.attention_rate(runtime.attention_native)
+        rate *= attention_key_saturation(s, causal, hw.efficiency.gemm_half_k)
         attn_fwd, attn_bwd, attn_re = flops / rate, 2.5 * flops / rate, 0.0
         softmax_elems = 0.0
     elif cp_math:  # math attention in fp32 over the blocks it computes (sim/context.py)
