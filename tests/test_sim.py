@@ -474,6 +474,20 @@ def test_zero1_reduces_gradients_as_the_runtime_does():
     assert gather == pytest.approx(collectives.all_gather_time(4e6, 2, hw.intra_node) + copies)
 
 
+def test_fsdp_gathers_in_bf16_and_reduce_scatters_in_fp32():
+    """The fsdp profile prices torchtitan's MixedPrecisionPolicy (param bf16, reduce fp32,
+    its default) and Composer's DEFAULT mixed precision: a layer's gradient
+    reduce-scatter moves twice the bytes of its weight all-gather. Catches a profile
+    that reduces in bf16 (half the bytes the runtime sends)."""
+    rt = PROFILES["fsdp"]
+    assert (rt.param_comm_bytes("bf16"), rt.grad_comm_bytes("bf16")) == (2, 4)
+    layout = lay(dp=8, zero=3, global_batch_size=8)
+    link = collectives.group_link(A100, 8, 1)
+    fwd, bwd = costs.zero3_layer_comm(GPT3, 1e9, layout, A100, rt)
+    assert fwd == pytest.approx(collectives.all_gather_time(2e9, 8, link))
+    assert bwd == pytest.approx(fwd + collectives.reduce_scatter_time(4e9, 8, link))
+
+
 def test_bucket_mb_of_the_layout_sets_plait_buckets():
     """--bucket-mb reaches the simulator (plait runtime only): a model under one 25 MiB
     bucket reduces after its backward; small buckets overlap it."""

@@ -183,10 +183,11 @@ PROFILES: dict[str, Runtime] = {
         overlap_param_gather=True,
         grad_bucket_bytes=None,
         master_weights=False,
-        grad_reduce_fp32=False,
+        grad_reduce_fp32=True,
         gather_in_compute_dtype=True,
-        description="PyTorch FSDP (e.g. llm-foundry): FlashAttention, prefetched "
-        "all-gathers, sharded fp32 weights, low-precision reduce-scatter",
+        description="PyTorch FSDP (e.g. llm-foundry, torchtitan): FlashAttention, "
+        "prefetched all-gathers in the compute dtype, sharded fp32 weights, fp32 "
+        "reduce-scatter (torchtitan's reduce dtype, Composer's DEFAULT mixed precision)",
     ),
 }
 
