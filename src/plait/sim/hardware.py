@@ -351,8 +351,8 @@ def _floats(d) -> dict:
 #   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
 #   others; docs/performance-model.md). V100 and H200 reuse the closest fitted part.
 
-_A100_EFF = Efficiency(gemm_max=0.68, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
-_H100_EFF = Efficiency(gemm_max=0.60, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
+_A100_EFF = Efficiency(gemm_max=0.69, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_H100_EFF = Efficiency(gemm_max=0.61, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
 _NVLINK_HOP, _NETWORK_HOP, _LAUNCH = 3.4e-6, 9.6e-6, 5e-6
 
