@@ -215,6 +215,24 @@ def test_fused_attention_saturates_with_the_keys_each_query_tile_visits():
     assert attention_s(2048, PROFILES["megatron-lm"]) == 0.0  # unfused: GEMMs, not this rate
 
 
+def test_megatron_runtimes_stream_the_fp32_vocab_parallel_loss():
+    """Megatron's vocab-parallel cross entropy on logits cast to fp32 streams e + 36 bytes
+    a logit forward and e + 12 backward (``costs.loss_bytes_per_logit``); a fused loss
+    e + 8 and 4 + e. Catches the Megatron profiles losing the switch, or the head pricing
+    the loss without its runtime (the default stays the fused one)."""
+    cfg, layout = preset("gpt3-175b"), lay(tp=8)
+    logits = 2048 * GPT3.vocab_size / 8  # one micro-batch of 2,048 tokens, V / tp each
+    fused = costs.head_cost(cfg, layout, A100)
+    assert costs.head_cost(cfg, layout, A100, PROFILES["fsdp"]) == fused
+    for name in ("megatron-lm", "megatron-deepspeed", "megatron-core"):
+        assert PROFILES[name].unfused_fp32_loss, name
+        unfused = costs.head_cost(cfg, layout, A100, PROFILES[name])
+        assert unfused.fwd - fused.fwd == pytest.approx(28 * logits / A100.elementwise_bw)
+        assert unfused.bwd_input - fused.bwd_input == pytest.approx(
+            8 * logits / A100.elementwise_bw
+        )
+
+
 def test_tp_collectives_per_layer():
     # no sequence parallelism: 2 all-reduces forward, 2 backward, of b s h e bytes
     layout = lay(tp=8)

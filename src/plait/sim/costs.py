@@ -299,16 +299,35 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd)
 
 
-def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
+def loss_bytes_per_logit(e: int, unfused_fp32: bool) -> tuple[int, int]:
+    """(forward, backward) bytes the cross-entropy streams per logit of e bytes. Fused: read
+    the logits, write fp32 log-probabilities and reduce them (e + 8); backward reads those
+    and writes the logits' gradient (4 + e). ``unfused_fp32``, Megatron's
+    ``vocab_parallel_cross_entropy`` on logits cast to fp32 first: the cast (e + 4), the
+    max (4), subtracting it (8), exp in place (8), the sum (4), dividing by it in place
+    (8) -- e + 36 -- and backward multiplying the saved softmax by the loss gradient in
+    place (8) and casting back (4 + e): e + 12. 52 bytes a bf16 logit against 16: at a
+    131,072 vocabulary and 4,096 tokens, 19 GB more a micro-batch."""
+    if unfused_fp32:
+        return e + 36, e + 12
+    return e + 8, 4 + e
+
+
+def head_cost(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, runtime: Runtime | None = None
+) -> EndCost:
+    """The final norm, the head's GEMMs and the loss over T x V/t logits; ``runtime``
+    says how the loss runs (``Runtime.unfused_fp32_loss``; None: one fused pass)."""
     T, e, t = layout.micro_batch_size * cfg.seq_len // layout.cp, ACT_BYTES[layout.dtype], layout.tp
     h, V_t = cfg.hidden, cfg.vocab_size / t
     dtype = layout.dtype
     f, bi, bw = linear_times(hw, dtype, T, V_t, h)
     norm = stream_time(hw, 2 * T * h * e)
-    # cross-entropy over T x V/t logits: read them, write fp32 log-probabilities, reduce;
-    # backward reads those and writes the logits' gradient.
-    loss_fwd = stream_time(hw, T * V_t * (e + 8))
-    loss_bwd = stream_time(hw, T * V_t * (4 + e))
+    fwd_bytes, bwd_bytes = loss_bytes_per_logit(
+        e, runtime is not None and runtime.unfused_fp32_loss
+    )
+    loss_fwd = stream_time(hw, T * V_t * fwd_bytes)
+    loss_bwd = stream_time(hw, T * V_t * bwd_bytes)
     fwd_tp = bwd_tp = 0.0
     if t > 1:
         link, nbytes = group_link(hw, t, 1), T * h * e
