@@ -49,6 +49,44 @@ def test_gemm_fit_recovers_the_efficiency_curve():
     assert fit["gemm_max"] <= 1.0
 
 
+def test_attention_fit_is_the_long_sequence_rate_the_simulator_scales_back():
+    """``attention_efficiency`` divides out the key loop's saturation at each measured
+    shape, so the simulator, which applies it again (``costs.attention_key_saturation``),
+    reproduces the measured attention time. Catches a fit that returns the short-sequence
+    rate (the simulator would then count the saturation twice)."""
+    from plait.calibrate.fit import attention_efficiency
+    from plait.model.config import ModelConfig
+    from plait.sim.runtime import PROFILES
+
+    peak, half_k, truth = 100e9, 32.0, 0.4
+    hw = Hardware.from_dict({**load_hardware("cpu").to_dict(), "peak_flops": {"fp32": peak},
+                             "memory_bandwidth": 1e30, "elementwise_bandwidth": 1e30,
+                             "efficiency": {"gemm_max": 0.6, "gemm_half_k": half_k,
+                                            "gemm_half_flops": 0.0, "attention": truth}})  # fmt: skip
+    rows = []
+    for b, a, s, d in [(4, 4, 128, 32), (2, 8, 256, 64), (1, 8, 512, 64)]:
+        blocks = max(1, -(-s // costs.FLASH_BLOCK))
+        causal = (blocks + 1) / (2 * blocks)
+        flops = 3.5 * 4.0 * b * s * s * a * d * causal
+        rows.append((b, a, s, d, flops / (peak * truth * costs.attention_key_saturation(
+            s, causal, half_k))))  # fmt: skip
+    assert attention_efficiency(rows, peak, half_k) == pytest.approx(truth)
+    assert attention_efficiency(rows, peak) < truth  # without it: the slower, short-s rate
+    # and the simulator's attention core at a measured shape takes the measured time
+    b, a, s, d, t = rows[1]
+    cfg = ModelConfig(arch="gpt2", n_layers=1, hidden=a * d, n_heads=a, vocab_size=256,
+                      seq_len=s)  # fmt: skip
+    layout = Layout(dtype="fp32", micro_batch_size=b, global_batch_size=b)
+    rt = PROFILES["fsdp"]
+    fitted = hw.replace(efficiency=Efficiency(gemm_max=0.6, gemm_half_k=half_k,
+                        gemm_half_flops=0.0, attention=attention_efficiency(rows, peak, half_k)))  # fmt: skip
+    halved = fitted.replace(efficiency=Efficiency(gemm_max=0.6, gemm_half_k=half_k,
+                            gemm_half_flops=0.0, attention=fitted.efficiency.attention / 2))  # fmt: skip
+    lc, lc2 = costs.layer_cost(cfg, layout, fitted, rt), costs.layer_cost(cfg, layout, halved, rt)
+    fwd_bwd = (lc2.fwd - lc.fwd) + (lc2.bwd_input - lc.bwd_input)
+    assert fwd_bwd == pytest.approx(t, rel=1e-6)
+
+
 def test_link_fit_recovers_latency_and_bandwidth():
     truth = Link(bandwidth=1.5e9, latency=80e-6)
     rows = []

@@ -6,6 +6,7 @@ Pure logic, no processes. The published-run validation lives in test_sim_runs.py
 import argparse
 import json
 import math
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -183,6 +184,53 @@ def test_efficiency_curve_saturates():
     assert small < large < eff.gemm_max
     assert large == pytest.approx(eff.gemm_max, rel=0.05)
     assert eff.gemm(65536, 65536, eff.gemm_half_k) == pytest.approx(eff.gemm_max / 2, rel=0.01)
+
+
+def test_fused_attention_saturates_with_the_keys_each_query_tile_visits():
+    """Fused attention reaches its long-sequence rate only as the key loop amortises each
+    query tile's prologue and epilogue (``costs.attention_key_saturation``: half speed
+    at ``gemm_half_k`` keys). Catches an attention cost that ignores the sequence length,
+    a saturation over the wrong length (s instead of the causal keys), or one leaking
+    into the unfused path (priced as GEMMs)."""
+    eff, rt = A100.efficiency, PROFILES["fsdp"]
+    assert costs.attention_key_saturation(2 * eff.gemm_half_k, 0.5, eff.gemm_half_k) == 0.5
+
+    def attention_s(s: int, runtime=rt) -> float:  # the attention core alone: t(A/2) - t(A)
+        cfg = ModelConfig(arch="gpt2", n_layers=1, hidden=2048, n_heads=16, vocab_size=50304,
+                          seq_len=s)  # fmt: skip
+        layout = lay(micro_batch_size=16384 // s, global_batch_size=16384 // s)
+        half = A100.replace(efficiency=replace(eff, attention=eff.attention / 2))
+        return (costs.layer_cost(cfg, layout, half, runtime).fwd
+                - costs.layer_cost(cfg, layout, A100, runtime).fwd)  # fmt: skip
+
+    for s in (1024, 2048, 16384):
+        blocks = s // costs.FLASH_BLOCK
+        causal = (blocks + 1) / (2 * blocks)
+        flops = 4.0 * 16384 * s * 2048 * causal  # 16,384 tokens a micro-batch
+        keys = causal * s
+        rate = A100.peak("bf16") * eff.attention * keys / (keys + eff.gemm_half_k)
+        assert attention_s(s) == pytest.approx(flops / rate, rel=1e-6)
+    per_flop = [attention_s(s) / (s * (s // 128 + 1) / (s // 128)) for s in (2048, 16384)]
+    assert per_flop[1] / per_flop[0] == pytest.approx(0.866, abs=0.005)
+    assert attention_s(2048, PROFILES["megatron-lm"]) == 0.0  # unfused: GEMMs, not this rate
+
+
+def test_megatron_runtimes_stream_the_fp32_vocab_parallel_loss():
+    """Megatron's vocab-parallel cross entropy on logits cast to fp32 streams e + 36 bytes
+    a logit forward and e + 12 backward (``costs.loss_bytes_per_logit``); a fused loss
+    e + 8 and 4 + e. Catches the Megatron profiles losing the switch, or the head pricing
+    the loss without its runtime (the default stays the fused one)."""
+    cfg, layout = preset("gpt3-175b"), lay(tp=8)
+    logits = 2048 * GPT3.vocab_size / 8  # one micro-batch of 2,048 tokens, V / tp each
+    fused = costs.head_cost(cfg, layout, A100)
+    assert costs.head_cost(cfg, layout, A100, PROFILES["fsdp"]) == fused
+    for name in ("megatron-lm", "megatron-deepspeed", "megatron-core"):
+        assert PROFILES[name].unfused_fp32_loss, name
+        unfused = costs.head_cost(cfg, layout, A100, PROFILES[name])
+        assert unfused.fwd - fused.fwd == pytest.approx(28 * logits / A100.elementwise_bw)
+        assert unfused.bwd_input - fused.bwd_input == pytest.approx(
+            8 * logits / A100.elementwise_bw
+        )
 
 
 def test_tp_collectives_per_layer():
@@ -442,6 +490,20 @@ def test_zero1_reduces_gradients_as_the_runtime_does():
     gather = costs.dp_comm_time(1e6, z1, hw, plait_rt)["param"]
     copies = costs.stream_time(hw, 2 * 4e6 * 1.5)
     assert gather == pytest.approx(collectives.all_gather_time(4e6, 2, hw.intra_node) + copies)
+
+
+def test_fsdp_gathers_in_bf16_and_reduce_scatters_in_fp32():
+    """The fsdp profile prices torchtitan's MixedPrecisionPolicy (param bf16, reduce fp32,
+    its default) and Composer's DEFAULT mixed precision: a layer's gradient
+    reduce-scatter moves twice the bytes of its weight all-gather. Catches a profile
+    that reduces in bf16 (half the bytes the runtime sends)."""
+    rt = PROFILES["fsdp"]
+    assert (rt.param_comm_bytes("bf16"), rt.grad_comm_bytes("bf16")) == (2, 4)
+    layout = lay(dp=8, zero=3, global_batch_size=8)
+    link = collectives.group_link(A100, 8, 1)
+    fwd, bwd = costs.zero3_layer_comm(GPT3, 1e9, layout, A100, rt)
+    assert fwd == pytest.approx(collectives.all_gather_time(2e9, 8, link))
+    assert bwd == pytest.approx(fwd + collectives.reduce_scatter_time(4e9, 8, link))
 
 
 def test_bucket_mb_of_the_layout_sets_plait_buckets():

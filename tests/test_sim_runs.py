@@ -4,8 +4,10 @@
 The rows: benchmarks/data/published_runs.csv and benchmarks/data/published_runs_more.csv.
 The validation (``sim/validate.py``) leaves one source out at a time: the fitted
 parameter (``gemm_max`` per GPU type) comes from the other sources, the held-out rows are
-predicted with it. Thresholds (issue 16): mean absolute step-time error <= 10% over every
-usable row, no row off by more than 1.5x either way. Pure computation: a few seconds.
+predicted with it. Thresholds (issue 16, tightened under issue 25 to what the model now
+holds with some margin: 8.1%, x1.40, Spearman 0.51): mean absolute step-time error <= 9%
+over every usable row, no row off by more than 1.45x either way, and BLOOM's sweep of one
+181B model ranked with Spearman >= 0.45. Pure computation: a few seconds.
 """
 
 import argparse
@@ -55,6 +57,18 @@ def grid():
     return cases, np.log(times / [[c.measured_s] for c in cases])
 
 
+def test_bloom_layouts_are_ranked_as_measured(held_out):
+    """The 21 layouts of BLOOM's one 181B model on 384 A100s (the same model, data and
+    machine: only the layout differs), ranked by held-out predicted step time against the
+    measured ranking. Catches a Megatron-DeepSpeed profile that prices its data-parallel
+    reduction as a reduce-scatter instead of the BF16 optimizer's fp32 all-reduce (the
+    rank correlation falls to 0.31), or one that loses the tp / dp trade-off."""
+    bloom = [p for p in held_out.predictions if p.case.id.startswith("bloom_jz_181b")]
+    assert len(bloom) == 21
+    rho = validate.spearman([p.predicted_s for p in bloom], [p.case.measured_s for p in bloom])
+    assert rho >= 0.45, f"Spearman {rho:.2f}\n" + validate.rows_table(held_out)
+
+
 def test_held_out_error_of_published_runs(held_out, grid):
     """The thresholds, on predictions fitted without their source. Catches a fold that
     sees its own source (the in-sample fit used for the held-out prediction): wherever
@@ -64,8 +78,8 @@ def test_held_out_error_of_published_runs(held_out, grid):
     assert set(held_out.skipped) == INCOMPLETE, table
     assert len(held_out.predictions) >= 100, table
     assert len(held_out.by_source()) >= 6, table
-    assert held_out.mean_error <= 0.10, table
-    assert held_out.worst.ratio <= 1.5, table
+    assert held_out.mean_error <= 0.09, table
+    assert held_out.worst.ratio <= 1.45, table
     cases, log_err = grid
     assert [p.case.id for p in held_out.predictions] == [c.id for c in cases]
     sources = np.array([c.source for c in cases])

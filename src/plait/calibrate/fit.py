@@ -65,16 +65,20 @@ def fit_efficiency(rows, memory_bandwidth: float) -> dict:
             "gemm_half_flops": hf, "residual": err}  # fmt: skip
 
 
-def attention_efficiency(rows, peak: float) -> float:
+def attention_efficiency(rows, peak: float, half_k: float = 0.0) -> float:
     """Median over shapes of the simulator's attention FLOPs (forward 4 T s h x the causal
-    fraction, backward 2.5 x that) per second, as a fraction of ``peak``."""
-    from plait.sim.costs import FLASH_BLOCK
+    fraction, backward 2.5 x that) per second, as a fraction of ``peak``, divided by the
+    key loop's saturation at each shape (``costs.attention_key_saturation`` with
+    ``half_k``, the fitted ``gemm_half_k``): the long-sequence figure the simulator
+    scales back down at every sequence length."""
+    from plait.sim.costs import FLASH_BLOCK, attention_key_saturation
 
     effs = []
     for b, a, s, d, t in rows:
         blocks = max(1, math.ceil(s / FLASH_BLOCK))
-        flops = 3.5 * 4.0 * b * s * s * a * d * (blocks + 1) / (2 * blocks)
-        effs.append(flops / t / peak)
+        causal = (blocks + 1) / (2 * blocks)
+        flops = 3.5 * 4.0 * b * s * s * a * d * causal
+        effs.append(flops / t / peak / attention_key_saturation(s, causal, half_k))
     return float(min(1.0, statistics.median(effs)))
 
 

@@ -13,7 +13,8 @@ Compute
     (T, 2 f / t, h)). Backward: each GEMM twice, as its input-gradient (M, K, N) and its
     weight-gradient (N, K, M) product (the zero-bubble split times them apart).
     Attention core: with fused attention, 4 T s h / t FLOPs forward, halved by the causal
-    mask, 2.5x that in backward, at ``efficiency.attention`` of peak; unfused, two batched
+    mask, 2.5x that in backward, at ``efficiency.attention`` of peak (a long-sequence
+    figure) times the key loop's saturation ``attention_key_saturation``; unfused, two batched
     GEMMs (b a / t of them, (s, s, d) and (s, d, s)) plus the softmax streaming the scores.
     Memory-bound operations stream their bytes at ``elementwise_bandwidth`` (the memory
     bandwidth unless the hardware file says the kernels are slower): norms and residual
@@ -103,6 +104,20 @@ def stream_time(hw: Hardware, nbytes: float) -> float:
     return nbytes / hw.elementwise_bw
 
 
+def attention_key_saturation(s: float, causal: float, half_k: float) -> float:
+    """Fraction of its long-sequence rate a fused attention kernel reaches at sequence
+    length ``s``. Each query tile loads its queries and zeroes its accumulators before
+    the loop over key blocks and rescales and writes its output and log-sum-exp after it:
+    the fixed cost of a GEMM output tile, amortised over a loop as long as the keys the
+    tile visits (``causal`` x ``s`` on average under the causal mask) instead of the
+    reduction length k. So the GEMM curve's ``gemm_half_k`` applies: keys / (keys +
+    half_k). On an A100 (half_k 200) causal attention runs at 0.84 of its long-sequence
+    rate at s = 2048 and 0.98 at s = 16384: the rise and flattening of FlashAttention-2's
+    causal throughput with sequence length in Dao (2023)."""
+    keys = causal * s
+    return keys / (keys + half_k)
+
+
 # -- one transformer layer ----------------------------------------------------------------
 
 
@@ -174,6 +189,7 @@ def layer_cost(
         causal = (n_blk + 1) / (2 * n_blk)
         flops = 4.0 * T * s * a_t * d * causal  # with cp: 1/cp of it (head-tail)
         rate = hw.peak(dtype) * hw.efficiency.attention_rate(runtime.attention_native)
+        rate *= attention_key_saturation(s, causal, hw.efficiency.gemm_half_k)
         attn_fwd, attn_bwd, attn_re = flops / rate, 2.5 * flops / rate, 0.0
         softmax_elems = 0.0
     elif cp_math:  # math attention in fp32 over the blocks it computes (sim/context.py)
@@ -283,16 +299,35 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd)
 
 
-def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
+def loss_bytes_per_logit(e: int, unfused_fp32: bool) -> tuple[int, int]:
+    """(forward, backward) bytes the cross-entropy streams per logit of e bytes. Fused: read
+    the logits, write fp32 log-probabilities and reduce them (e + 8); backward reads those
+    and writes the logits' gradient (4 + e). ``unfused_fp32``, Megatron's
+    ``vocab_parallel_cross_entropy`` on logits cast to fp32 first: the cast (e + 4), the
+    max (4), subtracting it (8), exp in place (8), the sum (4), dividing by it in place
+    (8) -- e + 36 -- and backward multiplying the saved softmax by the loss gradient in
+    place (8) and casting back (4 + e): e + 12. 52 bytes a bf16 logit against 16: at a
+    131,072 vocabulary and 4,096 tokens, 19 GB more a micro-batch."""
+    if unfused_fp32:
+        return e + 36, e + 12
+    return e + 8, 4 + e
+
+
+def head_cost(
+    cfg: ModelConfig, layout: Layout, hw: Hardware, runtime: Runtime | None = None
+) -> EndCost:
+    """The final norm, the head's GEMMs and the loss over T x V/t logits; ``runtime``
+    says how the loss runs (``Runtime.unfused_fp32_loss``; None: one fused pass)."""
     T, e, t = layout.micro_batch_size * cfg.seq_len // layout.cp, ACT_BYTES[layout.dtype], layout.tp
     h, V_t = cfg.hidden, cfg.vocab_size / t
     dtype = layout.dtype
     f, bi, bw = linear_times(hw, dtype, T, V_t, h)
     norm = stream_time(hw, 2 * T * h * e)
-    # cross-entropy over T x V/t logits: read them, write fp32 log-probabilities, reduce;
-    # backward reads those and writes the logits' gradient.
-    loss_fwd = stream_time(hw, T * V_t * (e + 8))
-    loss_bwd = stream_time(hw, T * V_t * (4 + e))
+    fwd_bytes, bwd_bytes = loss_bytes_per_logit(
+        e, runtime is not None and runtime.unfused_fp32_loss
+    )
+    loss_fwd = stream_time(hw, T * V_t * fwd_bytes)
+    loss_bwd = stream_time(hw, T * V_t * bwd_bytes)
     fwd_tp = bwd_tp = 0.0
     if t > 1:
         link, nbytes = group_link(hw, t, 1), T * h * e

@@ -338,7 +338,8 @@ def _floats(d) -> dict:
 # - Efficiency: ``attention`` is FlashAttention-2's forward + backward throughput in the
 #   causal, head-size-128 benchmarks of Dao (2023): ~170 TFLOP/s of 312 on A100
 #   (0.55), ~300 of 989 on H100 (0.30; FlashAttention-2 does not use Hopper's TMA and
-#   warpgroup instructions). ``attention_native`` on H100 is FlashAttention-3's (Shah et
+#   warpgroup instructions); long-sequence figures, which ``costs.attention_key_saturation``
+#   scales down at shorter sequences. ``attention_native`` on H100 is FlashAttention-3's (Shah et
 #   al. 2024: causal head-size-128 forward ~600 TFLOP/s, backward 1.5-1.75x FA2's ~300,
 #   so ~500 TFLOP/s over forward + backward: 0.50), matched by cuDNN 9's fused attention
 #   that Transformer Engine calls. ``gemm_half_flops`` comes from cuBLAS size sweeps (a 1024^3
@@ -350,8 +351,8 @@ def _floats(d) -> dict:
 #   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
 #   others; docs/performance-model.md). V100 and H200 reuse the closest fitted part.
 
-_A100_EFF = Efficiency(gemm_max=0.68, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
-_H100_EFF = Efficiency(gemm_max=0.60, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
+_A100_EFF = Efficiency(gemm_max=0.69, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_H100_EFF = Efficiency(gemm_max=0.61, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
 _NVLINK_HOP, _NETWORK_HOP, _LAUNCH = 3.4e-6, 9.6e-6, 5e-6
 

@@ -63,6 +63,12 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   activation and the receiver all-gathers (Megatron-LM, Narayanan et al. 2021);
   otherwise every tensor-parallel rank sends the whole activation (DeepSpeed's pipeline
   engine, used by Megatron-DeepSpeed).
+- ``unfused_fp32_loss``: the loss casts the logits to fp32 and runs Megatron's
+  vocab-parallel cross entropy as separate passes (max, subtract, exp, sum, divide;
+  backward: multiply, cast back), 52 bytes a bf16 logit instead of a fused kernel's 16
+  (``costs.loss_bytes_per_logit``): Megatron-LM, Megatron-DeepSpeed and Megatron-Core
+  without ``--cross-entropy-loss-fusion`` (``fp16_lm_cross_entropy`` off, the default,
+  upcasts).
 - ``moe_imbalance``: not the software but the run's routing, priced here because every
   cost function reads the runtime: the most-loaded expert's tokens over the mean
   (``sim/expert.py``; ``simulate(moe_imbalance=)``, ``--moe-imbalance``). 1.0, a balanced
@@ -96,6 +102,7 @@ class Runtime:
     zero3_reduce_per_microbatch: bool = True
     gather_in_compute_dtype: bool = False
     pp_scatter_gather: bool = True
+    unfused_fp32_loss: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     description: str = dataclasses.field(default="", compare=False)
 
@@ -132,6 +139,7 @@ PROFILES: dict[str, Runtime] = {
     ),
     "megatron-lm": Runtime(
         name="megatron-lm",
+        unfused_fp32_loss=True,
         flash_attention=False,
         overlap_grad_reduce=False,
         master_weights=True,
@@ -141,14 +149,17 @@ PROFILES: dict[str, Runtime] = {
     ),
     "megatron-deepspeed": Runtime(
         name="megatron-deepspeed",
+        unfused_fp32_loss=True,
         flash_attention=False,
         overlap_grad_reduce=False,
         master_weights=True,
         grad_reduce_fp32=True,
+        zero1_grad_all_reduce=True,
         pp_scatter_gather=False,
         description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
-        "with fp32 gradient accumulation, reduction after the pipeline flush, DeepSpeed's "
-        "pipeline engine sending whole activations from every tensor-parallel rank",
+        "with fp32 gradient accumulation all-reduced whole after the pipeline flush, "
+        "DeepSpeed's pipeline engine sending whole activations from every tensor-parallel "
+        "rank",
     ),
     "deepspeed-zero3": Runtime(
         name="deepspeed-zero3",
@@ -165,6 +176,7 @@ PROFILES: dict[str, Runtime] = {
     ),
     "megatron-core": Runtime(
         name="megatron-core",
+        unfused_fp32_loss=True,
         flash_attention=True,
         attention_native=True,
         overlap_grad_reduce=True,
@@ -183,10 +195,11 @@ PROFILES: dict[str, Runtime] = {
         overlap_param_gather=True,
         grad_bucket_bytes=None,
         master_weights=False,
-        grad_reduce_fp32=False,
+        grad_reduce_fp32=True,
         gather_in_compute_dtype=True,
-        description="PyTorch FSDP (e.g. llm-foundry): FlashAttention, prefetched "
-        "all-gathers, sharded fp32 weights, low-precision reduce-scatter",
+        description="PyTorch FSDP (e.g. llm-foundry, torchtitan): FlashAttention, "
+        "prefetched all-gathers in the compute dtype, sharded fp32 weights, fp32 "
+        "reduce-scatter (torchtitan's reduce dtype, Composer's DEFAULT mixed precision)",
     ),
 }
 

@@ -487,7 +487,7 @@ class _Bounds:
         if z3_dp:  # ZeRO-3's gradient reduction may spread over the step's micro-batches
             lay = lay.replace(global_batch_size=self.req.global_batch_size)
         e = costs.embedding_cost(self.cfg, lay, self.hw)
-        h = costs.head_cost(self.cfg, lay, self.hw)
+        h = costs.head_cost(self.cfg, lay, self.hw, self.rt)
         ends = (e.fwd + e.fwd_tp, e.bwd_weight, h.fwd + h.fwd_tp,
                 h.bwd_input + h.bwd_tp + h.bwd_weight)  # fmt: skip
         held = chunk_activation_bytes(self.cfg, lay, self.rt, 1)[0]

@@ -371,7 +371,7 @@ def _action_costs(model, layout, hw, rt, stage_layers, stage_moe):
     dense = step.layer_step(model, layout, hw, rt)
     routed = step.layer_step(model, layout, hw, rt, moe=True) if model.moe else dense
     emb = costs.embedding_cost(model, layout, hw)
-    head = costs.head_cost(model, layout, hw)
+    head = costs.head_cost(model, layout, hw, rt)
     none = costs.EndCost()
     cost, split = [], []
     for rank in range(p):
