@@ -178,18 +178,26 @@ class Experts(nn.Module):
         else:
             self.w_gate, self.w_up = param(n, f, h, dim=1), param(n, f, h, dim=1)
             self.w_down = param(n, h, f, dim=2)
+        self.lora = None  # {weight name: ExpertLoRA} under --lora-rank (model/lora.py)
+
+    def _linear(self, name: str, x: torch.Tensor, e: int, bias=None) -> torch.Tensor:
+        """x times expert e's weight ``name`` (plus its adapter's update, if it has one)."""
+        y = F.linear(x, getattr(self, name)[e], bias)
+        if self.lora is not None and name in self.lora:
+            y = y + self.lora[name](x, e)
+        return y
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (M, C) sorted by expert, ``counts[e]`` rows for expert e -> (M, C), a partial
         sum over tp. An expert with no rows still takes part (zero gradients)."""
-        out = []
+        out, lin = [], self._linear
         for e, xe in enumerate(x.split(counts)):
             if self.arch == "gpt2":
-                hid = F.gelu(F.linear(xe, self.w_fc[e], self.b_fc[e]), approximate="tanh")
-                y = F.linear(hid, self.w_proj[e]) + self.b_proj[e] * self.bias_share
+                hid = F.gelu(lin("w_fc", xe, e, self.b_fc[e]), approximate="tanh")
+                y = lin("w_proj", hid, e) + self.b_proj[e] * self.bias_share
             else:
-                hid = F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e])
-                y = F.linear(hid, self.w_down[e])
+                hid = F.silu(lin("w_gate", xe, e)) * lin("w_up", xe, e)
+                y = lin("w_down", hid, e)
             out.append(y)
         return torch.cat(out)
 
