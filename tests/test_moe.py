@@ -601,7 +601,7 @@ def test_expert_adapters_merge_into_the_experts_and_start_alike_at_any_ep(arch):
     router is frozen); an ep rank's adapters are its rows of the one-process ones. Catches
     a merge that folds B A of the wrong expert, transposed, or unscaled; adapters seeded
     per shard (ep layouts would start apart); a frozen or missed expert weight."""
-    from plait.model.lora import LoRAConfig, apply_lora, merged_state
+    from plait.model.lora import LoRAConfig, apply_lora, merged_state, num_adapter_params
 
     cfg = _cfg(arch, moe_shared_experts=1)
     lcfg = LoRAConfig(
@@ -616,6 +616,8 @@ def test_expert_adapters_merge_into_the_experts_and_start_alike_at_any_ep(arch):
             for w in weights:
                 assert {f"blocks.{i}.mlp.{part}.lora.{w}.{f}" for f in "AB"} <= trained
     assert all(".lora." in n for n in trained) and "blocks.0.mlp.router.weight" not in trained
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert num_adapter_params(cfg, lcfg) == count  # what plait info and MFU count
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for n, p in model.named_parameters():

@@ -306,16 +306,18 @@ def merged_state(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, t
     return out
 
 
-def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 1) -> float:
-    """Adapter parameters one tp rank holds per transformer block (A replicated beside a
-    column-parallel layer, B beside a row-parallel one; module doc)."""
+def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 1,
+                             targets: tuple[str, ...] | None = None) -> float:  # fmt: skip
+    """Adapter parameters one tp rank holds per dense transformer block (A replicated
+    beside a column-parallel layer, B beside a row-parallel one; module doc), of
+    ``targets`` (default: all of ``cfg``'s). MoE blocks: ``num_adapter_params``."""
     h, f, kv, r = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.kv_dim, cfg.rank
     shapes = {  # target -> (in, out, column-parallel?)
         "q": (h, h, True), "k": (h, kv, True), "v": (h, kv, True), "o": (h, h, False),
         "up": (h, f, True), "gate": (h, f, True), "down": (f, h, False),
     }  # fmt: skip
     n = 0.0
-    for t in cfg.targets:
+    for t in cfg.targets if targets is None else targets:
         i, o, column = shapes[t]
         if t in ("k", "v") and kv < tp * model_cfg.head_dim:  # kv heads replicated over tp
             o_local = model_cfg.head_dim * max(1, model_cfg.n_kv_heads // tp)
@@ -325,8 +327,22 @@ def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 
     return n
 
 
-def num_adapter_params(model_cfg: ModelConfig, cfg: LoRAConfig) -> int:
-    return int(model_cfg.n_layers * adapter_params_per_layer(model_cfg, cfg))
+def num_adapter_params(model_cfg: ModelConfig, cfg: LoRAConfig, *, active: bool = False) -> int:
+    """Adapter parameters of the whole model; a MoE block's MLP targets adapt each of its E
+    routed experts (width ``moe_ffn_hidden``) and its shared ones (``active``: only the
+    top-k routed experts' adapters, those a token runs through)."""
+    n_layers = model_cfg.n_layers
+    if not touches_experts(model_cfg, cfg):
+        return int(n_layers * adapter_params_per_layer(model_cfg, cfg))
+    n_moe = sum(model_cfg.is_moe_layer(i) for i in range(n_layers))
+    attention = tuple(t for t in cfg.targets if t not in EXPERT_TARGETS)
+    h, f, r = model_cfg.hidden, model_cfg.moe_ffn_hidden, cfg.rank
+    mlp = sum(1 for t in cfg.targets if t in EXPERT_TARGETS)  # each (h, F) or (F, h)
+    routed = (model_cfg.moe_top_k if active else model_cfg.moe_experts) * mlp * r * (h + f)
+    shared = mlp * r * (h + model_cfg.moe_shared_experts * f) if model_cfg.moe_shared_experts else 0
+    per_moe = adapter_params_per_layer(model_cfg, cfg, targets=attention) + routed + shared
+    dense = (n_layers - n_moe) * adapter_params_per_layer(model_cfg, cfg)
+    return int(dense + n_moe * per_moe)
 
 
 def model_flops_per_token(model_cfg: ModelConfig, cfg: LoRAConfig, seq_len: int | None = None):
@@ -339,4 +355,4 @@ def model_flops_per_token(model_cfg: ModelConfig, cfg: LoRAConfig, seq_len: int 
     s = model_cfg.seq_len if seq_len is None else seq_len
     attention = 12 * model_cfg.n_layers * s * model_cfg.hidden
     frozen = (sizes.model_flops_per_token(model_cfg, s) - attention) / 6  # matmul weights
-    return 4.0 * frozen + 6.0 * num_adapter_params(model_cfg, cfg) + attention
+    return 4.0 * frozen + 6.0 * num_adapter_params(model_cfg, cfg, active=True) + attention
