@@ -2,8 +2,8 @@
 and bytes per step, per-rank model-state bytes against the formula, single-process loss
 curves for dp 2 and 4 (alone, with tp 2, with pp 2), context parallelism (cp 2 and 4, each
 exchange mode, composed with tp, pp and ZeRO-3, and document masking), mixtures of
-experts with cp (cp 2, cp 2 x dp 2 x ep 2) and with LoRA on the experts (ep 2 x dp 2), and
-resuming a checkpoint under a different dp size, stage and cp.
+experts with cp (cp 2, cp 2 x dp 2 x ep 2) and with LoRA on the experts (ep 2 x dp 2,
+alone and with tp 2), and resuming a checkpoint under a different dp size, stage and cp.
 
 Process groups are the expensive part, so one module fixture runs everything in two:
 world 2 (engine steps, dp 2 curves with and without offload, saving run B), then world 4
@@ -318,6 +318,11 @@ def _w4_cases(data, docs, root):
     # ep groups carved out of dp x cp (each replica's cp pair), experts reduced over edp
     cases["cp2-dp2-ep2-moe"] = _moe(
         run_config(data, root / "cp-ep-moe", cp=2, dp=2, ep=2, micro_batch_size=4)
+    )
+    # expert adapters split over tp beside their weights (A or B replicated, summed over tp)
+    cases["ep2-dp2-tp2-moe-lora"] = _moe(
+        run_config(data, root / "tp-ep-moe-lora", dp=2, tp=2, ep=2, micro_batch_size=4),
+        MOE_LORA,
     )
     return cases
 
