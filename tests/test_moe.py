@@ -228,6 +228,48 @@ def test_moe_model_trains(corpus, tmp_path):
         assert losses[-1] < losses[0] - 1.0, (arch, losses)
 
 
+def test_export_of_an_expert_lora_run_writes_the_merged_experts(corpus, tmp_path, capsys):
+    """``plait export --merge-lora`` of a LoRA run whose adapters sit on the experts (llama
+    flavour, every block MoE: Mixtral names): the exported weights, read back, compute the trained model's
+    logits, and differ from the base experts'; ``--adapter`` is one line (PEFT has no
+    format for them). Catches an export that drops the expert adapters (base experts
+    written), or folds them into the wrong expert's rows."""
+    import dataclasses
+
+    from plait.cli import main
+    from plait.generate import load_model
+    from plait.model import hf
+    from plait.model.lora import LoRAConfig
+
+    _, data, _ = corpus
+    (tmp_path / "run").mkdir()
+    cfg = _run_cfg("llama", data, tmp_path / "run", steps=3)
+    cfg = dataclasses.replace(cfg, lora=LoRAConfig(rank=4, targets=("q", "gate", "up", "down")),
+                              model=cfg.model.replace(moe_every=1, moe_capacity_factor=None,
+                                                      moe_ffn_hidden=cfg.model.ffn_hidden,
+                                                      moe_bias_rate=0.0),
+                              train=dataclasses.replace(cfg.train, lr=3e-2))  # fmt: skip
+    from plait.train.loop import train
+
+    train(cfg, topo=Topology.single())
+    cfg.save(tmp_path / "run" / "config.yaml")  # what the launcher writes
+    _, _, model = load_model(tmp_path / "run")
+    ids = torch.randint(0, 259, (2, 32), generator=torch.Generator().manual_seed(1))
+    assert main(["export", "--run", str(tmp_path / "run"), "--adapter"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--merge-lora" in err and len(err.splitlines()) == 1
+    out = tmp_path / "merged"
+    assert main(["export", "--run", str(tmp_path / "run"), "--merge-lora", "--out", str(out)]) == 0
+    merged_cfg, state = hf.load(out)
+    merged = build_model(merged_cfg)
+    merged.load_state_dict(state)
+    with torch.no_grad():
+        ours, theirs = model(ids), merged.eval()(ids)
+    assert (ours - theirs).abs().max().item() < 1e-5
+    base = model.blocks["1"].mlp.experts.w_up.detach()
+    assert (state["blocks.1.mlp.experts.w_up"] - base).abs().max() > 1e-4  # adapters folded
+
+
 # --- multi-process ------------------------------------------------------------------------
 
 
@@ -516,20 +558,90 @@ def test_held_rows_place_an_ep_ranks_experts_in_the_global_tensor():
 
 
 def test_ep_refusals_are_one_line():
-    """--ep with ZeRO-3, LoRA or a dp algorithm, and --fault-tolerance with MoE: one
-    ValueError line naming the flags (a missing check would build and fail later)."""
+    """--ep with ZeRO-3 or a dp algorithm, --fault-tolerance with MoE, and --cp with a
+    capacity factor: one ValueError line naming the flags (a missing check would build and
+    fail later). --ep with LoRA and --cp with dropless MoE build."""
     from plait.dp_algos.config import DPAlgoConfig
     from plait.model.lora import LoRAConfig
     from plait.resilience.config import ResilienceConfig
 
     data = DataConfig(path="x.txt")
+    capacity = _cfg(moe_capacity_factor=1.0)
     for extra, layout, msg in (
         ({}, dict(dp=2, ep=2, zero=3), "--ep 2 with --zero 3"),
-        ({"lora": LoRAConfig(rank=4)}, dict(dp=2, ep=2), "--lora-rank with --ep 2"),
         ({"dp_algo": DPAlgoConfig(algo="diloco", sync_every=4)}, dict(dp=2, ep=2), "with --ep"),
         ({"resilience": ResilienceConfig(fault_tolerance=1)}, dict(dp=2), "--fault-tolerance"),
+        ({"model": capacity}, dict(cp=2), "--moe-capacity-factor with --cp"),
     ):
         with pytest.raises(ValueError, match=msg) as err:
-            RunConfig(model=_cfg(), layout=Layout(global_batch_size=8, **layout), data=data,
-                      train=TrainConfig(), out="o", **extra)  # fmt: skip
+            lay = Layout(global_batch_size=8, **layout)
+            lay.check_model(extra.get("model", _cfg()))
+            RunConfig(**{"model": _cfg(), **extra}, layout=lay, data=data,
+                      train=TrainConfig(), out="o")  # fmt: skip
         assert "\n" not in str(err.value)
+    for extra, layout in (({"lora": LoRAConfig(rank=4, targets=("up",))}, dict(dp=2, ep=2)),
+                          ({}, dict(cp=2, dp=2, ep=2))):  # fmt: skip
+        lay = Layout(global_batch_size=8, **layout)
+        lay.check_model(_cfg())
+        RunConfig(model=_cfg(), layout=lay, data=data, train=TrainConfig(), out="o", **extra)
+
+
+def _fake_ep(rank: int, n: int) -> tuple[Topology, Axis]:
+    """An ep group of ``n`` without a process group: enough to build a rank's share."""
+    topo = Topology(dp=n, rank=rank, place=(0, rank, 0), world=n,
+                    group_ranks={Axis.DP: list(range(n)), Axis.PP: [rank], Axis.TP: [rank]})  # fmt: skip
+    return topo, Axis.DP
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_expert_adapters_merge_into_the_experts_and_start_alike_at_any_ep(arch):
+    """LoRA on the experts (``ExpertLoRA``): with B made non-zero, the merged weights
+    (W[e] + scale B[e] A[e], ``merged_state``) in a plain model give the adapted model's
+    logits and loss (float64), for routed and shared experts; only adapters train (the
+    router is frozen); an ep rank's adapters are its rows of the one-process ones. Catches
+    a merge that folds B A of the wrong expert, transposed, or unscaled; adapters seeded
+    per shard (ep layouts would start apart); a frozen or missed expert weight."""
+    from plait.model.lora import LoRAConfig, apply_lora, merged_state, num_adapter_params
+
+    cfg = _cfg(arch, moe_shared_experts=1)
+    lcfg = LoRAConfig(
+        rank=4, alpha=8.0, targets=("q", "up", "down", "gate")[: 4 if arch == "llama" else 3]
+    )
+    model = build_model(cfg, seed=3).double()
+    apply_lora(model, lcfg, arch=arch, seed=3)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    weights = ("w_fc", "w_proj") if arch == "gpt2" else ("w_gate", "w_up", "w_down")
+    for i in range(cfg.n_layers):
+        for part in ("experts", "shared"):
+            for w in weights:
+                assert {f"blocks.{i}.mlp.{part}.lora.{w}.{f}" for f in "AB"} <= trained
+    assert all(".lora." in n for n in trained) and "blocks.0.mlp.router.weight" not in trained
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert num_adapter_params(cfg, lcfg) == count  # what plait info and MFU count
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if n.endswith(".B"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    merged = build_model(cfg, seed=3).double()
+    merged.load_state_dict(merged_state(model.state_dict(), lcfg))
+    with torch.no_grad():
+        want = model(ids[:, :-1], ids[:, 1:])
+        got = merged(ids[:, :-1], ids[:, 1:])
+        base = build_model(cfg, seed=3).double()(ids[:, :-1], ids[:, 1:])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert (base - want).abs().max() > 1e-2  # the adapters do change the model
+    full = build_model(cfg, seed=3)
+    apply_lora(full, lcfg, arch=arch, seed=3)
+    full_state = full.state_dict()
+    for j in range(2):  # ep 2: rank j holds experts [2 j, 2 j + 2) and their adapters
+        shard = build_model(cfg, seed=3, ep=_fake_ep(j, 2))
+        apply_lora(shard, lcfg, arch=arch, seed=3)
+        for n, t in shard.state_dict().items():
+            if ".mlp.experts.lora." in n:
+                assert torch.equal(t, full_state[n][2 * j : 2 * j + 2]), n
+                assert getattr(dict(shard.named_parameters())[n], "expert_shard", None) == (
+                    4,
+                    2 * j,
+                )

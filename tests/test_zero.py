@@ -1,8 +1,9 @@
 """ZeRO stages 1-3, offload and hybrid sharding: the sharding function, collective counts
 and bytes per step, per-rank model-state bytes against the formula, single-process loss
 curves for dp 2 and 4 (alone, with tp 2, with pp 2), context parallelism (cp 2 and 4, each
-exchange mode, composed with tp, pp and ZeRO-3, and document masking), and resuming a
-checkpoint under a different dp size, stage and cp.
+exchange mode, composed with tp, pp and ZeRO-3, and document masking), mixtures of
+experts with cp (cp 2, cp 2 x dp 2 x ep 2) and with LoRA on the experts (ep 2 x dp 2,
+alone and with tp 2), and resuming a checkpoint under a different dp size, stage and cp.
 
 Process groups are the expensive part, so one module fixture runs everything in two:
 world 2 (engine steps, dp 2 curves with and without offload, saving run B), then world 4
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_workers
-from numerics import assert_within_bf16_rounding
+from numerics import assert_same_run, assert_within_bf16_rounding
 from test_data_parallel import (
     PARAM_TOL,
     STEPS,
@@ -39,6 +40,7 @@ from test_data_parallel import (
 )
 
 from plait.layout import Layout
+from plait.model.config import preset
 from plait.model.lora import LoRAConfig
 from plait.model.sizes import layer_params, model_state_breakdown, model_state_bytes
 from plait.model.transformer import build_model
@@ -236,6 +238,19 @@ def _lora(cfg):
     return dataclasses.replace(cfg, lora=LORA)
 
 
+# adapters on attention and on every expert's up / down weights (model/lora.py's ExpertLoRA)
+MOE_LORA = LoRAConfig(rank=4, targets=("q", "v", "up", "down"))
+
+
+def _moe(cfg, lora=None):
+    """``cfg`` on the tiny model with 4 experts top-2 in every block, the Switch aux loss,
+    the z-loss and the expert bias on: what cp and ep must keep layout-invariant."""
+    model = preset("tiny", arch=cfg.model.arch, n_layers=2, hidden=64, n_heads=4,
+                   vocab_size=256, seq_len=32, moe_experts=4, moe_top_k=2, moe_ffn_hidden=64,
+                   moe_aux_loss_coef=0.1, moe_z_loss_coef=1e-3, moe_bias_rate=0.01)  # fmt: skip
+    return dataclasses.replace(cfg, model=model, lora=lora)
+
+
 def _w2_cases(data, docs, root, instruct):
     return {
         "dp2-z1": run_config(data, root / "dp2-z1", dp=2, zero=1, train={"save_every": 10}),
@@ -255,6 +270,13 @@ def _w2_cases(data, docs, root, instruct):
         "cp2-lora": _lora(run_config(data, root / "cp2-lora", cp=2)),  # adapters, base frozen
         # answers only take a loss: masked targets split over the ring like the rest
         "cp2-instruct": run_config(instruct, root / "cp2-instruct", cp=2),
+        # MoE: the routing statistics and aux losses of the whole micro-batch over the ring
+        "cp2-moe": _moe(run_config(data, root / "cp2-moe", cp=2)),
+        # adapters on experts over ep 2 (edp = 1 rank here) beside dense ones over dp 2; one
+        # micro-batch of 4 per rank, as the reference's, so the routing statistics compare
+        "ep2-dp2-moe-lora": _moe(
+            run_config(data, root / "ep2-moe-lora", dp=2, ep=2, micro_batch_size=4), MOE_LORA
+        ),
     }
 
 
@@ -293,6 +315,15 @@ def _w4_cases(data, docs, root):
     cases["cp2-dp2-z3"] = run_config(data, root / "cp-z3", cp=2, dp=2, zero=3)
     cases["cp4-ring-docs"] = run_config(docs, root / "cp4-docs", cp=4, document_mask=True)
     cases["cp4-a2a"] = run_config(data, root / "cp4-a2a", cp=4, cp_mode="a2a")
+    # ep groups carved out of dp x cp (each replica's cp pair), experts reduced over edp
+    cases["cp2-dp2-ep2-moe"] = _moe(
+        run_config(data, root / "cp-ep-moe", cp=2, dp=2, ep=2, micro_batch_size=4)
+    )
+    # expert adapters split over tp beside their weights (A or B replicated, summed over tp)
+    cases["ep2-dp2-tp2-moe-lora"] = _moe(
+        run_config(data, root / "tp-ep-moe-lora", dp=2, tp=2, ep=2, micro_batch_size=4),
+        MOE_LORA,
+    )
     return cases
 
 
@@ -307,6 +338,10 @@ def runs(tmp_path_factory):
     lora_ref = _lora(run_config(data, root / "ref-lora"))
     train(lora_ref, topo=Topology.single())
     ref["gpt2-lora"] = read_metrics(lora_ref.out)
+    for key, lora in (("gpt2-moe", None), ("gpt2-moe-lora", MOE_LORA)):
+        moe_ref = _moe(run_config(data, root / f"ref-{key}"), lora)
+        train(moe_ref, topo=Topology.single())
+        ref[key] = read_metrics(moe_ref.out)
     ref["gpt2-bf16"] = reference_metrics(data, root, "gpt2", steps=BF16_STEPS, dtype="bf16")
     w2 = _w2_cases(data, docs, root, instruct)
     w2_ranks = run_workers(2, run_checks, W2_ENGINE, list(w2.values()))
@@ -409,16 +444,45 @@ def test_every_layout_reproduces_the_single_process_curve(runs, world):
     counted once per cp rank, a chunk given the wrong positions or labels, an exchange mode
     that loses a block or attends across documents (ring, allgather and a2a each appear,
     composed with tp + sequence parallelism, pp, ZeRO-3 over dp x cp, LoRA and instruction
-    data, whose masked targets are split over the ring like the rest)."""
+    data, whose masked targets are split over the ring like the rest). MoE (aux loss,
+    z-loss, expert bias): with cp, catches load counts, probability sums or token counts
+    not reduced over the ring (the aux gradient and the bias move); with ep and LoRA,
+    catches expert adapters initialised per shard instead of cut from the full tensor, or
+    their gradients left unreduced or reduced over the wrong group."""
     cases, ranks = runs[world]
     (_, results, _) = ranks[0]
     for (name, cfg), result in zip(cases.items(), results):
-        ref = runs["ref"][cfg.model.arch + ("-docs" if cfg.layout.document_mask else "")
+        ref = runs["ref"][cfg.model.arch + ("-moe" if cfg.model.moe else "")
+                          + ("-docs" if cfg.layout.document_mask else "")
                           + ("-lora" if cfg.lora else "")
                           + ("-instruct" if cfg.data.path.endswith("instruct.jsonl") else "")]  # fmt: skip
         if name.startswith("resume") or cfg.layout.dtype != "fp32":
             continue
-        assert_same_curve(_curve(result), ref, name, cfg.model.arch)
+        if cfg.model.moe:  # the bounds of the model that ran
+            assert_same_run(_curve(result), ref, cfg.model, 8 * cfg.model.seq_len, name)
+        else:
+            assert_same_curve(_curve(result), ref, name, cfg.model.arch)
+
+
+MOE_KEYS = ("moe_tokens_min", "moe_tokens_max", "moe_tokens_mean", "moe_imbalance",
+            "moe_dropped", "moe_aux_loss", "moe_z_loss")  # fmt: skip
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_moe_layouts_report_the_single_process_routing_statistics(runs, world):
+    """Each MoE case's tokens per expert, imbalance and aux / z losses in every record equal
+    the single-process run's. With cp: catches a cp rank's half-sequence counted as a
+    micro-batch, or the whole-micro-batch counts every cp rank holds counted once per cp
+    rank (tokens per expert doubled)."""
+    cases, ranks = runs[world]
+    results = dict(zip(cases, ranks[0][1]))
+    moe_cases = [n for n, cfg in cases.items() if cfg.model.moe]
+    assert moe_cases
+    for name in moe_cases:
+        ref = runs["ref"]["gpt2-moe" + ("-lora" if cases[name].lora else "")]
+        for got, want in zip(_curve(results[name]), ref, strict=True):
+            for key in MOE_KEYS:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (name, key)
 
 
 def test_zero3_bf16_units_follow_the_single_process_bf16_curve(runs):
@@ -450,6 +514,8 @@ def test_model_state_bytes_match_the_formula(runs, world):
         for cfg, result in zip(cases.values(), results):
             lay = cfg.layout
             if cfg.lora:  # adapters only train: test_lora.py holds LoRA's state formula
+                continue
+            if lay.ep > 1:  # a rank holds 1/ep of the experts: test_moe.py's runs
                 continue
             state_matches_formula(
                 result, dp=_expected_state_dp(cfg), zero=lay.zero, offload=lay.offload_optimizer

@@ -46,6 +46,14 @@ class ExportOptions:
                 f"--run {run} trained LoRA adapters: pass --merge-lora (one model with them "
                 "folded in) or --adapter (the base model and a PEFT adapter)"
             )
+        if self.adapter and cfg.lora is not None:
+            from plait.model.lora import touches_experts
+
+            if touches_experts(cfg.model, cfg.lora):
+                raise ExportError(
+                    f"--adapter: --run {run} trained LoRA adapters on stacked MoE experts, "
+                    "which PEFT's format does not hold; pass --merge-lora"
+                )
         if self.adapter and self.quantize:
             raise ExportError("--quantize with --adapter: quantise a merged model (--merge-lora)")
         if self.group_size is not None and self.quantize != "int4":

@@ -202,10 +202,11 @@ def check_cp_split(model: ModelConfig, layout: Layout) -> None:
             )
     if model.sliding_window is not None:
         raise ValueError("--cp does not support --sliding-window yet; use --cp 1")
-    if getattr(model, "moe_experts", 0):
+    if getattr(model, "moe_experts", 0) and model.moe_capacity_factor is not None:
         raise ValueError(
-            "--cp with --moe-experts is not covered yet (the router's load counts would "
-            "need reducing over the cp ring); use --cp 1"
+            "--moe-capacity-factor with --cp: an expert keeps the best-scoring assignments of "
+            "the whole sequence, which no cp rank sees (its ring holds the rest); drop "
+            "--moe-capacity-factor (dropless) or use --cp 1"
         )
     if model.dropout:
         raise ValueError(

@@ -31,9 +31,23 @@ Initialisation follows PEFT's default: A uniform in +-1/sqrt(in) (Kaiming-unifor
 a = sqrt(5)), B zero, so training starts from the base model exactly. A's full value
 depends only on (seed, parameter name), cut with ``tp_shard``: every layout starts alike.
 
-Names: the adapter of ``blocks.3.attn.q`` is ``blocks.3.attn.q.lora.A`` / ``.lora.B``;
-base weights keep their names, so checkpoints and Hugging Face export see the base model
-unchanged plus the adapters (``model/peft.py`` writes them in PEFT's format).
+Mixture-of-experts layers (``model/moe.py``): the up / gate / down targets adapt the
+stacked expert weights W (E, out, in) -- every expert its own pair, A (E, r, in) and B
+(E, out, r), expert e's update scale B[e] A[e] x (``ExpertLoRA``), split over tp as the
+table says for its weight (w_fc / w_up / w_gate column-parallel, w_proj / w_down
+row-parallel) and, under ``--ep``, held as the experts are: ep rank j holds rows
+[j E/n, (j+1) E/n) of both (``expert_shard``), so the expert engine reduces their
+gradients over edp and checkpoints place them at their rows. A is cut from the full (E, r,
+in) value, so every layout starts alike. Shared experts get the same adapters (dense:
+reduced over dp). The router, like every other parameter that is not a targeted weight,
+is frozen. Per optimizer step the adapters add 4 r (in + out) E / n bytes to the edp
+all-reduce of each adapted expert weight, and nothing to the dispatch.
+
+Names: the adapter of ``blocks.3.attn.q`` is ``blocks.3.attn.q.lora.A`` / ``.lora.B``, of
+the experts' ``w_fc`` ``blocks.3.mlp.experts.lora.w_fc.A`` / ``.B``; base weights keep
+their names, so checkpoints and Hugging Face export see the base model unchanged plus
+the adapters (``model/peft.py`` writes the linear layers' in PEFT's format; PEFT has none
+for plait's stacked experts, which export merged only).
 """
 
 from __future__ import annotations
@@ -69,7 +83,14 @@ TARGETS: dict[str, dict[str, str]] = {
     "down": {"gpt2": "mlp.proj", "llama": "mlp.down"},
     "gate": {"llama": "mlp.gate"},
 }
-_ADAPTER = re.compile(r"\.lora\.(A|B)$")
+# --lora-targets names -> the stacked expert weight of a MoE layer (model/moe.py's Experts)
+EXPERT_TARGETS: dict[str, dict[str, str]] = {
+    "up": {"gpt2": "w_fc", "llama": "w_up"},
+    "down": {"gpt2": "w_proj", "llama": "w_down"},
+    "gate": {"llama": "w_gate"},
+}
+_ROW_PARALLEL = ("w_proj", "w_down")  # split over tp by input columns (the rest: by rows)
+_ADAPTER = re.compile(r"\.lora\.(?:\w+\.)?(A|B)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,13 +175,41 @@ class LoRA(nn.Module):
         return F.linear(F.linear(x, self.A) * self.scale, self.B)
 
 
+class ExpertLoRA(nn.Module):
+    """The low-rank updates of one stacked expert weight W (n, out, in) -- an ep rank's n
+    experts, its tp slice -- one pair per expert: A (n, r, in), B (n, out, r), split over tp
+    as ``LoRA``'s pair beside a column- (``row`` False) or row-parallel layer.
+    ``forward(x, e)``: this rank's part of ``scale * B[e] A[e] x`` for expert e's rows."""
+
+    def __init__(self, weight: torch.Tensor, *, rank: int, scale: float, row: bool):
+        super().__init__()
+        n, out_local, in_local = weight.shape
+        self.scale = scale
+        with torch.device(weight.device):
+            a = nn.Parameter(torch.empty(n, rank, in_local, dtype=weight.dtype))
+            b = nn.Parameter(torch.empty(n, out_local, rank, dtype=weight.dtype))
+        if row:
+            self.A = set_shard(a, ShardSpec(dim=2))
+            self.B = mark_tp_partial(set_shard(b, REPLICATED))
+        else:
+            self.A = mark_tp_partial(set_shard(a, REPLICATED))
+            self.B = set_shard(b, ShardSpec(dim=1))
+        shard = getattr(weight, "expert_shard", None)
+        if shard is not None:  # an ep rank's experts: the adapters are held as they are
+            self.A.expert_shard = self.B.expert_shard = shard
+
+    def forward(self, x, e: int):  # (M_e, in or in/t) -> (M_e, out/t or out)
+        return F.linear(F.linear(x, self.A[e]) * self.scale, self.B[e])
+
+
 def init_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Full initial value of adapter parameter ``name`` (``....lora.A`` or ``.B``)."""
+    """Full initial value of adapter parameter ``name`` (``....lora.A`` or ``.B``; an
+    expert adapter's full (E, r, in) / (E, out, r))."""
     from plait.model.transformer import _param_seed
 
     if name.endswith(".B"):
         return torch.zeros(shape)
-    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) on (r, in)
+    bound = 1.0 / math.sqrt(shape[-1])  # kaiming_uniform_(a=sqrt(5)) on (r, in)
     g = torch.Generator().manual_seed(_param_seed(seed, name))
     return torch.rand(shape, generator=g) * (2 * bound) - bound
 
@@ -168,9 +217,8 @@ def init_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 def apply_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: int) -> list[str]:
     """Freeze every parameter of ``model`` (a whole model, a chunk or a pipeline stage,
     with global names) and attach initialised adapters to the targeted layers of its
-    blocks. Returns the adapted module names. Call it after loading base weights."""
-    from plait.parallel.tensor import full_shape
-
+    blocks -- and to the stacked experts of its MoE layers (``ExpertLoRA``; the router
+    stays frozen). Returns the adapted module names. Call it after loading base weights."""
     wanted = cfg.modules(arch)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -180,17 +228,57 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: int) -> li
         if not m or m.group(1) not in wanted or getattr(module, "lora", None) is not None:
             continue
         module.lora = LoRA(module, rank=cfg.rank, scale=cfg.scale)
-        topo = module.topo
-        with torch.no_grad():
-            for key, p in module.lora.named_parameters():
-                full = init_adapter(
-                    f"{name}.lora.{key}", full_shape(p.shape, shard_spec(p), topo.tp), seed
-                )
-                p.copy_(tp_shard(full, shard_spec(p), tp_rank=topo.tp_rank, tp=topo.tp))
+        _init_adapters(module.lora, f"{name}.lora", module.topo, seed)
         adapted.append(name)
+    adapted += _apply_expert_lora(model, cfg, arch=arch, seed=seed)
     if not adapted:
         raise ValueError(f"--lora-targets {','.join(cfg.targets)}: no such layer in this model")
     return adapted
+
+
+@torch.no_grad()
+def _init_adapters(module: nn.Module, prefix: str, topo, seed: int) -> None:
+    """Copy each adapter's initial value into ``module``'s factors: its tp shard of the
+    full value (``init_adapter``), of its experts' rows only under ``--ep``."""
+    from plait.parallel.tensor import full_shape
+
+    for key, p in module.named_parameters():
+        spec = shard_spec(p)
+        shape = full_shape(p.shape, spec, topo.tp)
+        experts = getattr(p, "expert_shard", None)  # (E, first held)
+        if experts is not None:
+            shape = (experts[0], *shape[1:])
+        full = init_adapter(f"{prefix}.{key}", shape, seed)
+        if experts is not None:
+            full = full.narrow(0, experts[1], p.shape[0])
+        p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
+
+
+def _apply_expert_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: int) -> list[str]:
+    """``ExpertLoRA`` adapters on the targeted stacked weights of every MoE layer's routed
+    and shared experts (``blocks.<i>.mlp.experts`` / ``.shared``). Returns their names."""
+    from plait.model.moe import Experts
+
+    block = "gpt2" if arch == "gpt2" else "llama"
+    weights = [EXPERT_TARGETS[t][block] for t in cfg.targets if block in EXPERT_TARGETS.get(t, {})]
+    adapted = []
+    for name, module in list(model.named_modules()):
+        if not weights or not isinstance(module, Experts) or module.lora is not None:
+            continue
+        module.lora = nn.ModuleDict({
+            w: ExpertLoRA(getattr(module, w), rank=cfg.rank, scale=cfg.scale,
+                          row=w in _ROW_PARALLEL)
+            for w in weights
+        })  # fmt: skip
+        _init_adapters(module.lora, f"{name}.lora", module.topo, seed)
+        adapted.append(name)
+    return adapted
+
+
+def touches_experts(model_cfg: ModelConfig, cfg: LoRAConfig) -> bool:
+    """Whether ``cfg`` adapts the stacked experts of ``model_cfg``'s MoE layers."""
+    block = "gpt2" if model_cfg.arch == "gpt2" else "llama"
+    return model_cfg.moe and any(block in EXPERT_TARGETS.get(t, {}) for t in cfg.targets)
 
 
 def is_adapter(name: str) -> bool:
@@ -203,27 +291,33 @@ def base_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def merged_state(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, torch.Tensor]:
-    """Full tensors with every adapter folded into its weight: W + (alpha / r) B A."""
+    """Full tensors with every adapter folded into its weight: W + (alpha / r) B A, and
+    for stacked experts W[e] + (alpha / r) B[e] A[e] for every e."""
     out = base_state(state)
     for key in state:
-        if key.endswith(".lora.A"):
-            layer = key[: -len(".lora.A")]
-            a, b = state[key].detach(), state[f"{layer}.lora.B"].detach()
-            w = out[f"{layer}.weight"].detach()
-            out[f"{layer}.weight"] = w + (b.double() @ a.double() * cfg.scale).to(w.dtype)
+        m = re.fullmatch(r"(.+)\.lora\.(?:(\w+)\.)?A", key)
+        if m is None:
+            continue
+        layer, expert_weight = m.groups()
+        a, b = state[key].detach(), state[key[:-1] + "B"].detach()
+        weight = f"{layer}.{expert_weight}" if expert_weight else f"{layer}.weight"
+        w = out[weight].detach()
+        out[weight] = w + (torch.matmul(b.double(), a.double()) * cfg.scale).to(w.dtype)
     return out
 
 
-def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 1) -> float:
-    """Adapter parameters one tp rank holds per transformer block (A replicated beside a
-    column-parallel layer, B beside a row-parallel one; module doc)."""
+def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 1,
+                             targets: tuple[str, ...] | None = None) -> float:  # fmt: skip
+    """Adapter parameters one tp rank holds per dense transformer block (A replicated
+    beside a column-parallel layer, B beside a row-parallel one; module doc), of
+    ``targets`` (default: all of ``cfg``'s). MoE blocks: ``num_adapter_params``."""
     h, f, kv, r = model_cfg.hidden, model_cfg.ffn_hidden, model_cfg.kv_dim, cfg.rank
     shapes = {  # target -> (in, out, column-parallel?)
         "q": (h, h, True), "k": (h, kv, True), "v": (h, kv, True), "o": (h, h, False),
         "up": (h, f, True), "gate": (h, f, True), "down": (f, h, False),
     }  # fmt: skip
     n = 0.0
-    for t in cfg.targets:
+    for t in cfg.targets if targets is None else targets:
         i, o, column = shapes[t]
         if t in ("k", "v") and kv < tp * model_cfg.head_dim:  # kv heads replicated over tp
             o_local = model_cfg.head_dim * max(1, model_cfg.n_kv_heads // tp)
@@ -233,8 +327,22 @@ def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 
     return n
 
 
-def num_adapter_params(model_cfg: ModelConfig, cfg: LoRAConfig) -> int:
-    return int(model_cfg.n_layers * adapter_params_per_layer(model_cfg, cfg))
+def num_adapter_params(model_cfg: ModelConfig, cfg: LoRAConfig, *, active: bool = False) -> int:
+    """Adapter parameters of the whole model; a MoE block's MLP targets adapt each of its E
+    routed experts (width ``moe_ffn_hidden``) and its shared ones (``active``: only the
+    top-k routed experts' adapters, those a token runs through)."""
+    n_layers = model_cfg.n_layers
+    if not touches_experts(model_cfg, cfg):
+        return int(n_layers * adapter_params_per_layer(model_cfg, cfg))
+    n_moe = sum(model_cfg.is_moe_layer(i) for i in range(n_layers))
+    attention = tuple(t for t in cfg.targets if t not in EXPERT_TARGETS)
+    h, f, r = model_cfg.hidden, model_cfg.moe_ffn_hidden, cfg.rank
+    mlp = sum(1 for t in cfg.targets if t in EXPERT_TARGETS)  # each (h, F) or (F, h)
+    routed = (model_cfg.moe_top_k if active else model_cfg.moe_experts) * mlp * r * (h + f)
+    shared = mlp * r * (h + model_cfg.moe_shared_experts * f) if model_cfg.moe_shared_experts else 0
+    per_moe = adapter_params_per_layer(model_cfg, cfg, targets=attention) + routed + shared
+    dense = (n_layers - n_moe) * adapter_params_per_layer(model_cfg, cfg)
+    return int(dense + n_moe * per_moe)
 
 
 def model_flops_per_token(model_cfg: ModelConfig, cfg: LoRAConfig, seq_len: int | None = None):
@@ -247,4 +355,4 @@ def model_flops_per_token(model_cfg: ModelConfig, cfg: LoRAConfig, seq_len: int 
     s = model_cfg.seq_len if seq_len is None else seq_len
     attention = 12 * model_cfg.n_layers * s * model_cfg.hidden
     frozen = (sizes.model_flops_per_token(model_cfg, s) - attention) / 6  # matmul weights
-    return 4.0 * frozen + 6.0 * num_adapter_params(model_cfg, cfg) + attention
+    return 4.0 * frozen + 6.0 * num_adapter_params(model_cfg, cfg, active=True) + attention

@@ -9,15 +9,16 @@ hidden h, e bytes per activation element, E experts, L MoE layers on this rank):
   router runs inside the region on the whole micro-batch (replicated over tp: E*h
   multiply-adds a token, nothing beside the experts'), so every tp rank makes the same
   routing decisions and routing needs no collective.
-- ``token_groups(topo)``: the axes over which one micro-batch's routed tokens are split
-  (none today: tp ranks route the gathered micro-batch; the cp axis joins when wired).
-  Over each, per layer and micro-batch, one all-reduce of [load counts (E), probability
-  sums (E), z sum, tokens] in fp32, 4 (2E + 2) bytes, so that the auxiliary losses and
-  the counts are those of the whole micro-batch. Nothing when the tuple is empty.
+- ``token_groups(topo)``: the axes over which one micro-batch's routed tokens are split:
+  cp (each cp rank holds 1/cp of every sequence), not tp (its ranks route the gathered
+  micro-batch). Over each, per layer and micro-batch, one all-reduce of [load counts
+  (E), probability sums (E), z sum, tokens] in fp32, 4 (2E + 2) bytes, so that the
+  auxiliary losses and the counts are those of the whole micro-batch (a recomputed
+  forward issues it again, on every cp rank alike). Nothing without cp.
 - expert parallelism (``ep=(topo, axis)``): ``parallel/expert.py``'s dispatch.
 - per optimizer step with ``moe_bias_rate`` > 0 (``update_expert_bias``): one all-reduce
   over dp of the step's load counts of every MoE layer this rank holds, 4 L E bytes
-  (``balance_axes``: dp, then any token group).
+  (``balance_axes``; not over cp: the counts are already whole micro-batches').
 All are issued from the training thread in program order, with sizes fixed by the config
 (E, L), so every rank of a group issues the same calls in the same order: no deadlock
 under NCCL's rules.
@@ -80,16 +81,18 @@ def aux_loss_scale(scale: float):
 
 def token_groups(topo: Topology) -> tuple[Axis, ...]:
     """The axes over which one micro-batch's routed tokens are split, whose load counts
-    (and router statistics) each layer sums per micro-batch. None: tp ranks route the
-    whole micro-batch (under sequence parallelism, after its all-gather) and dp ranks
-    hold whole micro-batches. (Context parallelism adds its axis here.)"""
-    return ()
+    (and router statistics) each layer sums per micro-batch: cp, whose ranks each hold
+    1/cp of every sequence. Not tp (its ranks route the whole micro-batch -- under
+    sequence parallelism, after its all-gather) nor dp (its ranks hold whole
+    micro-batches)."""
+    return (Axis.CP,) if topo.cp > 1 else ()
 
 
 def balance_axes(topo: Topology) -> tuple[Axis, ...]:
-    """Every axis over which ranks hold other tokens of a step: dp and the token groups
-    (the expert bias is updated from the whole step's load)."""
-    return (Axis.DP, *token_groups(topo))
+    """The axes over which ranks hold other micro-batches of a step: dp (the expert bias
+    is updated from the whole step's load). Not the token groups: each layer's counts
+    are already its whole micro-batch's (``MoE.route``), the same on every rank of one."""
+    return (Axis.DP,)
 
 
 class _AttachAux(torch.autograd.Function):
@@ -175,18 +178,26 @@ class Experts(nn.Module):
         else:
             self.w_gate, self.w_up = param(n, f, h, dim=1), param(n, f, h, dim=1)
             self.w_down = param(n, h, f, dim=2)
+        self.lora = None  # {weight name: ExpertLoRA} under --lora-rank (model/lora.py)
+
+    def _linear(self, name: str, x: torch.Tensor, e: int, bias=None) -> torch.Tensor:
+        """x times expert e's weight ``name`` (plus its adapter's update, if it has one)."""
+        y = F.linear(x, getattr(self, name)[e], bias)
+        if self.lora is not None and name in self.lora:
+            y = y + self.lora[name](x, e)
+        return y
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (M, C) sorted by expert, ``counts[e]`` rows for expert e -> (M, C), a partial
         sum over tp. An expert with no rows still takes part (zero gradients)."""
-        out = []
+        out, lin = [], self._linear
         for e, xe in enumerate(x.split(counts)):
             if self.arch == "gpt2":
-                hid = F.gelu(F.linear(xe, self.w_fc[e], self.b_fc[e]), approximate="tanh")
-                y = F.linear(hid, self.w_proj[e]) + self.b_proj[e] * self.bias_share
+                hid = F.gelu(lin("w_fc", xe, e, self.b_fc[e]), approximate="tanh")
+                y = lin("w_proj", hid, e) + self.b_proj[e] * self.bias_share
             else:
-                hid = F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e])
-                y = F.linear(hid, self.w_down[e])
+                hid = F.silu(lin("w_gate", xe, e)) * lin("w_up", xe, e)
+                y = lin("w_down", hid, e)
             out.append(y)
         return torch.cat(out)
 
@@ -387,7 +398,8 @@ def moe_stats(model: nn.Module, *, reset: bool = True) -> dict:
 def stats_table(model: nn.Module, cfg, *, count: bool, device) -> torch.Tensor:
     """(n_layers x (E + 4),) float64 on ``device``: ``_rows`` of this rank's MoE layers at
     their global layer's row (zeros elsewhere, and everywhere if not ``count``: a tp rank
-    other than 0 routes the same tokens as rank 0), then resets them. Summed over every
+    other than 0 routes the same tokens as rank 0, a cp rank other than 0 holds the same
+    whole-micro-batch counts as cp rank 0), then resets them. Summed over every
     rank -- dp ranks' other micro-batches, pp stages' other layers -- it is the whole
     step's, the same at any layout (``summary_of``). Empty without MoE: the trainer adds
     it to its one statistics all-reduce."""

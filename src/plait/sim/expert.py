@@ -63,9 +63,10 @@ experts' hidden (T c S F / t e). Gradients of expert parameters are reduced over
 
 Not modelled: overlap of the dispatch with compute, token dropping's saving (the
 capacity factor only caps the imbalance), expert tensor parallelism other than the
-dense MLP's split, the load-balancing statistics' all-reduce over token groups (none
-today), the aux-loss-free bias all-reduce (4 L E bytes once a step), and cp with MoE
-(refused by the layout).
+dense MLP's split, the load-balancing statistics' all-reduce over the cp ring (4 (2E + 2)
+bytes per MoE layer and micro-batch under cp), the aux-loss-free bias all-reduce (4 L E
+bytes once a step), and where the trainer places ep groups under cp (blocks of the
+dp x cp ranks: a replica's cp ranks may share one).
 """
 
 from __future__ import annotations

@@ -126,11 +126,6 @@ class RunConfig:
                 "parameters as one unit; experts and dense weights shard over different "
                 "groups); use --zero 2"
             )
-        if ep > 1 and self.lora is not None:
-            raise ValueError(
-                f"--lora-rank with --ep {ep}: adapters on experts are not built yet (the "
-                "experts would be a frozen base with nothing to train); use --ep 1"
-            )
         if ep > 1 and not self.dp_algo.plain:
             raise ValueError(
                 f"--dp-algo / --compress with --ep {ep}: expert gradients are reduced over "

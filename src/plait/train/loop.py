@@ -21,7 +21,7 @@ is the step's only host synchronisation (nothing calls ``torch.cuda.synchronize`
 pipeline's bubble is read from CUDA events that sync has completed, a step late, and
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, MoE dispatch's all-to-alls over
-the ep group, and the data-parallel hooks in backward order: under --ep, the dense
+the ep group and, under cp, each MoE layer's routing-statistics all-reduce over the ring, and the data-parallel hooks in backward order: under --ep, the dense
 engine's over dp and the experts' over edp, ``parallel/expert_engine.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
 the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
@@ -215,7 +215,9 @@ class Trainer:
         # gradients reduced over the expert-data-parallel group (parallel/expert_engine.py)
         ep, edp_topo = None, None
         if layout.ep > 1:  # collective over the world: every rank, before any other group
-            ep_topo, edp_topo = expert.ep_groups(topo, layout.ep)
+            # carved out of dp x cp (grad_view): the cp ranks of a replica hold the same
+            # experts' share as its dp ranks would, and their gradients reduce together
+            ep_topo, edp_topo = expert.ep_groups(topo.grad_view(), layout.ep)
             ep = (ep_topo, Axis.DP)
         if layout.pp > 1:  # this rank's pipeline chunks, parameters under their global names
             model = build_stage(
@@ -465,7 +467,9 @@ class Trainer:
         topo, algo = self.topo, self.dp_algo
         norms = 2 + algo.norm_slots  # where the peaks start
         moe_at = norms + topo.world_size
-        routing = moe.stats_table(self.model, self.cfg.model, count=topo.tp_rank == 0,
+        # one count per micro-batch: tp and cp ranks hold the same whole-micro-batch rows
+        routing = moe.stats_table(self.model, self.cfg.model,
+                                  count=topo.tp_rank == 0 and topo.cp_rank == 0,
                                   device=topo.device)  # fmt: skip
         stats = torch.zeros(moe_at + routing.numel(), dtype=torch.float64, device=topo.device)
         if self.reports_loss:
