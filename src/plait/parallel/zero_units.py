@@ -138,6 +138,13 @@ class Unit:
             resize_storage(buf, 0)
 
 
+def structure(chunk: nn.Module) -> nn.Module:
+    """The module whose submodules the units' hooks go on: ``chunk`` itself, or -- for a
+    parameter subset (``expert_engine.ParamSubset``: an engine that owns only the dense
+    parameters, or only the experts) -- the chunk it filters."""
+    return getattr(chunk, "whole", chunk)
+
+
 def _units_of(chunk: nn.Module, **kw) -> list[tuple[Unit, nn.Module, nn.Module]]:
     """(unit, entry module, exit module) of one chunk, in forward order of first use.
 
@@ -148,20 +155,26 @@ def _units_of(chunk: nn.Module, **kw) -> list[tuple[Unit, nn.Module, nn.Module]]
     parameters (a LoRA run's base) belong to units too: sharding them is what ZeRO-3
     offers fine-tuning; only their gradients and optimizer state do not exist. ``kw``:
     ``Unit``'s (shard count, rank, and what is held in the compute dtype).
+
+    A parameter subset (``structure``) has the same units holding only its parameters,
+    hooked on the same modules; a unit left empty is not made (under ``--ep``: the dense
+    engine's block units and embedding, the experts' engine's one unit per MoE block).
     """
-    params = list(chunk.named_parameters())
-    blocks = getattr(chunk, "blocks", None)
+    whole = structure(chunk)
+    mine = {id(p) for p in chunk.parameters()}
+    params = [(name, p) for name, p in whole.named_parameters() if id(p) in mine]
+    blocks = getattr(whole, "blocks", None)
     if blocks is None:
-        return [(Unit("chunk", [p for _, p in params], **kw), chunk, chunk)]
+        return [(Unit("chunk", [p for _, p in params], **kw), whole, whole)] if params else []
     out = []
     rest = [p for name, p in params if not name.startswith("blocks.")]
-    pre, post = getattr(chunk, "pre", False), getattr(chunk, "post", False)
+    pre, post = getattr(whole, "pre", False), getattr(whole, "post", False)
     if rest:
-        entry = chunk.embed if pre else getattr(chunk, "norm", chunk)
-        exit_ = chunk if post else chunk.embed
+        entry = whole.embed if pre else getattr(whole, "norm", whole)
+        exit_ = whole if post else whole.embed
         out.append((Unit("rest", rest, **kw), entry, exit_))
     for key, block in blocks.items():
-        ps = list(block.parameters())
+        ps = [p for p in block.parameters() if id(p) in mine]
         if ps:
             out.append((Unit(f"blocks.{key}", ps, **kw), block, block))
     return out
@@ -201,14 +214,15 @@ class ParamUnits:
         self._hooks = []
         low = set()  # held in the compute dtype (the wire's, when it is not fp32)
         if wire_dtype not in (None, torch.float32):
-            low = compute_dtype_params(model, keep)
+            low = compute_dtype_params(structure(model), keep)  # (a subset: its model's)
         for chunk in model_chunks(model):
             found = _units_of(chunk, n=n, rank=rank, compute_dtype=wire_dtype, low=low,
                               device=shard_topo.device)  # fmt: skip
             units = [u for u, _, _ in found]
             rest = [u for u in units if u.name == "rest"]
             blocks = [u for u in units if u.name != "rest"]
-            pre, post = getattr(chunk, "pre", True), getattr(chunk, "post", True)
+            whole = structure(chunk)
+            pre, post = getattr(whole, "pre", True), getattr(whole, "post", True)
             fwd = (rest if pre else []) + blocks + (rest if post and not pre else [])
             bwd = (rest if post else []) + blocks[::-1] + (rest if pre and not post else [])
             for order, attr in ((fwd, "next_forward"), (bwd, "next_backward")):
