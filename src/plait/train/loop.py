@@ -207,9 +207,10 @@ class Trainer:
 
         # model and its parallel wrapping. ZeRO-3 builds it on meta: the engine makes each
         # parameter's shard from its initial value, one parameter at a time (a 70B model at
-        # dp 64 never holds 280 GB on a rank); --init-hf, LoRA and QAT write into whole
-        # parameters first, and MoE holds a buffer (the expert bias), so they build it whole.
-        meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat or model_cfg.moe)
+        # dp 64 never holds 280 GB on a rank; MoE too: its routing state is built on the
+        # CPU, moved by ``hollow``); --init-hf, LoRA and QAT write into whole parameters
+        # first, so they build it whole.
+        meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat)
         device = "meta" if meta else "cpu"
         # --ep: the MoE layers' experts split over ep groups carved out of dp, their
         # gradients reduced over the expert-data-parallel group (parallel/expert_engine.py)
