@@ -450,10 +450,12 @@ LAYOUTS = [  # dp 4: one micro-batch per rank (the reference: 4 on one); tp 2 wi
     ("ep2-dp2-pp2", "llama", dict(dp=2, pp=2, ep=2)),
     # ZeRO-3: dense units over dp, expert units over edp -- of one rank at ep 4 (whole
     # rows), of two at ep 2 (llama: a dense block with no expert unit); with tp 2, the
-    # experts' tp-partial bias completed after the backward
+    # experts' tp-partial bias completed after the backward; with pp 2, a first stage
+    # that builds no expert engine
     ("ep4-dp4-zero3", "llama", dict(dp=4, ep=4, zero=3)),
     ("ep2-dp4-zero3", "gpt2", dict(dp=4, ep=2, zero=3)),
     ("ep2-dp2-tp2-zero3", "gpt2", dict(dp=2, tp=2, ep=2, zero=3)),
+    ("ep2-dp2-pp2-zero3", "llama", dict(dp=2, pp=2, ep=2, zero=3)),  # stage 0: no expert units
 ]
 SAVED = "ep2-dp2-tp2-sp"  # saves at step 2: resumed at ep 1 and ep 4 (dp 4, tp 1)
 SAVES = {SAVED, "ep4-dp4-zero3"}  # (llama runs)
@@ -518,7 +520,9 @@ def test_aux_loss_of_a_token_split_micro_batch_is_the_whole_ones(group):
 def test_loss_curves_match_single_process(group, corpus):
     """dp 4 (one micro-batch per rank: the aux losses' mean over micro-batches, the expert
     bias from loads summed over dp), dp 2 x tp 2 and with sequence parallelism (capacity
-    drops the same tokens), against one process within the float32 bounds."""
+    drops the same tokens), and the ep layouts at ZeRO 0-3, against one process within the
+    float32 bounds. At ZeRO-3 an expert unit sharded or gathered over dp instead of its
+    edp group mixes other ranks' experts into it, and the curve leaves."""
     _, _, refs = corpus
     for (name, arch), out in group[0]["runs"].items():
         cfg = _cfg(arch, **CFGS[arch])

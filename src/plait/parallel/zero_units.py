@@ -12,6 +12,9 @@ unit starts, in forward order in the forward and in reverse order in the backwar
 Nothing else (checkpoints read and write the shards, ``zero.py``): the gradients'
 reduce-scatters are ``zero.py``'s. ``Gather`` is also the all-gather of rank-major rows
 that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the row is the whole unit).
+Under ``--ep`` two engines each build units of their own parameters on the same modules
+(``structure``): the dense ones gathered over dp, the experts over edp; the order of
+their gathers, and why it cannot deadlock, is ``expert_engine.py``'s.
 
 Why it cannot deadlock under NCCL: every gather is issued with ``async_op=True`` from the
 thread that runs the model (a forward pre-hook, or a tensor hook as the backward reaches

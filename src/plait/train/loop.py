@@ -21,8 +21,9 @@ is the step's only host synchronisation (nothing calls ``torch.cuda.synchronize`
 pipeline's bubble is read from CUDA events that sync has completed, a step late, and
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, MoE dispatch's all-to-alls over
-the ep group, and the data-parallel hooks in backward order: under --ep, the dense
-engine's over dp and the experts' over edp, ``parallel/expert_engine.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
+the ep group, and the data-parallel hooks -- ZeRO-3's gathers in forward and backward,
+the gradient reductions in backward order: under --ep, the dense engine's over dp before
+the experts' over edp, ``parallel/expert_engine.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
 the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
