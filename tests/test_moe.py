@@ -171,10 +171,11 @@ def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
     """``ExpertDataParallel`` at ZeRO-3 (one process: dp 1, edp 1): the dense engine's units
     are the embedding + head and every block without its experts, the experts' one unit per
     MoE block (none for a dense block); forward and backward gather a MoE block's dense unit
-    before its expert unit (the order every rank keeps: ``expert_engine`` docstring), and
-    the loss and every gradient equal the model's without the engine. Fails if a unit holds
-    both sets (then one of the two groups would gather the other's parameters), the order
-    flips, or a parameter is dropped from both."""
+    before its expert unit (the order every rank keeps: ``expert_engine`` docstring), a
+    unit over a group of one holds its parameters in its row (no copy), and the loss and
+    every gradient equal the model's without the engine. Fails if a unit holds both sets
+    (then one of the two groups would gather the other's parameters), the order flips, a
+    parameter is dropped from both, or a group of one gathers copies."""
     import functools
 
     from plait.parallel.engine import DataParallelConfig
@@ -199,12 +200,16 @@ def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
             assert all(is_expert(p) == (which == "experts") for p in u.params), (which, u.name)
     held = {id(p) for pu in units.values() for u in pu.units for p in u.params}
     assert held == {id(p) for p in model.parameters()}
+    # a group of one (ep == dp's edp): the parameters live in the row, never copied
+    for u in units["experts"].units:
+        assert u.resident and u.gathered
+        assert all(p.untyped_storage().data_ptr() == u.row.untyped_storage().data_ptr()
+                   for p in u.params)  # fmt: skip
     order = []
 
     def recorded(which, inner):
-        def gather(unit):
-            if not unit.gathered:
-                order.append((which, unit.name))
+        def gather(unit):  # (every hook's call: at n == 1 the units are resident)
+            order.append((which, unit.name))
             inner(unit)
 
         return gather

@@ -11,7 +11,8 @@ bytes per step (8m(N + F) in fp32); the next unit's gather is issued (prefetched
 unit starts, in forward order in the forward and in reverse order in the backward.
 Nothing else (checkpoints read and write the shards, ``zero.py``): the gradients'
 reduce-scatters are ``zero.py``'s. ``Gather`` is also the all-gather of rank-major rows
-that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the row is the whole unit).
+that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the
+row is the whole unit; held in its own dtype, the parameters live in the row for good).
 Under ``--ep`` two engines each build units of their own parameters on the same modules
 (``structure``): the dense ones gathered over dp, the experts over edp; the order of
 their gathers, and why it cannot deadlock, is ``expert_engine.py``'s.
@@ -97,9 +98,20 @@ class Unit:
         like = torch.empty(0, dtype=params[0].dtype, device=self.device)
         self.row = self.layout.pack_row(shards, like=like)
         held = [compute_dtype if id(p) in low else p.dtype for p in params]
-        self._hold(params, held)  # from now on each p lives in a buffer of ``buffers``
-        self.free_storage()  # ... which exists only while gathered
-        self.gathered = False
+        # A shard group of one (``--ep`` with ep == dp: the experts' edp group) holding
+        # the unit in its own dtype: the row is the whole unit, laid out as ``_hold``
+        # would lay it out (n == 1: one parameter after another), so the parameters live
+        # in it for good -- never gathered, copied or freed; the optimizer updates them.
+        self.resident = n == 1 and all(d == self.row.dtype for d in held)
+        if self.resident:
+            self.buffers, self.slices = [self.row], self.layout.views(self.row)
+            for p, view in zip(params, self.slices):
+                p.data = view.view_as(p)
+            self.nbytes = [self.row.untyped_storage().nbytes()]
+        else:
+            self._hold(params, held)  # from now on each p lives in a buffer of ``buffers``
+            self.free_storage()  # ... which exists only while gathered
+        self.gathered = self.resident
         self.pending: Gather | None = None
         self.trainable = [p for p in params if p.requires_grad]  # their gradients free it
         self.fired = 0
@@ -269,6 +281,8 @@ class ParamUnits:
         unit.gathered = True
 
     def free(self, unit: Unit) -> None:
+        if unit.resident:
+            return
         if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
             unit.pending.rows()
             unit.pending = None
