@@ -20,8 +20,9 @@ block a dense unit (attention, norms, router, shared experts) and an expert unit
 rank's E/n experts' stacked weights); the embedding and head are dense only. Per step:
 8m N_dense bytes gathered over dp and 8m N_expert / n over edp (m micro-batches), and the
 units' gradient reduce-scatters, 4 N_dense and 4 N_expert / n. With ep == dp the edp
-group is one rank: its expert units are whole rows, "gathered" by a local copy (nothing
-issued), their optimizer state whole.
+group is one rank: its expert units are whole rows that the experts' parameters live in
+(``zero_units.Unit.resident``: never gathered, copied or freed; nothing issued on edp),
+their optimizer state whole.
 
 Communication: none of its own -- the two engines' (``data_parallel.py``, ``zero.py``,
 ``zero_units.py``), in the order below.
