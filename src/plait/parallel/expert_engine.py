@@ -20,9 +20,10 @@ block a dense unit (attention, norms, router, shared experts) and an expert unit
 rank's E/n experts' stacked weights); the embedding and head are dense only. Per step:
 8m N_dense bytes gathered over dp and 8m N_expert / n over edp (m micro-batches), and the
 units' gradient reduce-scatters, 4 N_dense and 4 N_expert / n. With ep == dp the edp
-group is one rank: its expert units are whole rows that the experts' parameters live in
-(``zero_units.Unit.resident``: never gathered, copied or freed; nothing issued on edp),
-their optimizer state whole.
+group is one rank: nothing is issued on edp, the experts' optimizer state is whole, and
+in fp32 runs the experts' parameters live in their units' rows (``Unit.resident``: never
+gathered, copied or freed); under bf16 / fp16 a unit is "gathered" by a local cast, so
+the experts carry the wire's rounding as at ep < dp.
 
 Communication: none of its own -- the two engines' (``data_parallel.py``, ``zero.py``,
 ``zero_units.py``), in the order below.

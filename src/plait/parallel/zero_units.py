@@ -12,7 +12,8 @@ unit starts, in forward order in the forward and in reverse order in the backwar
 Nothing else (checkpoints read and write the shards, ``zero.py``): the gradients'
 reduce-scatters are ``zero.py``'s. ``Gather`` is also the all-gather of rank-major rows
 that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the
-row is the whole unit; held in its own dtype, the parameters live in the row for good).
+row is the whole unit; with no wire dtype to round to, the parameters live in the row
+for good).
 Under ``--ep`` two engines each build units of their own parameters on the same modules
 (``structure``): the dense ones gathered over dp, the experts over edp; the order of
 their gathers, and why it cannot deadlock, is ``expert_engine.py``'s.
@@ -98,11 +99,13 @@ class Unit:
         like = torch.empty(0, dtype=params[0].dtype, device=self.device)
         self.row = self.layout.pack_row(shards, like=like)
         held = [compute_dtype if id(p) in low else p.dtype for p in params]
-        # A shard group of one (``--ep`` with ep == dp: the experts' edp group) holding
-        # the unit in its own dtype: the row is the whole unit, laid out as ``_hold``
-        # would lay it out (n == 1: one parameter after another), so the parameters live
-        # in it for good -- never gathered, copied or freed; the optimizer updates them.
-        self.resident = n == 1 and all(d == self.row.dtype for d in held)
+        # A shard group of one (``--ep`` with ep == dp: the experts' edp group) with no
+        # wire dtype to round to (fp32 runs): the row is the whole unit, laid out as
+        # ``_hold`` would lay it out (n == 1: one parameter after another), so the
+        # parameters live in it for good -- never gathered, copied or freed; the
+        # optimizer updates them. Under bf16 / fp16 the unit is still "gathered" by a
+        # local cast, so that its parameters carry the wire's rounding as at n > 1.
+        self.resident = n == 1 and compute_dtype in (None, self.row.dtype)
         if self.resident:
             self.buffers, self.slices = [self.row], self.layout.views(self.row)
             for p, view in zip(params, self.slices):

@@ -56,8 +56,8 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   bf16 / fp16 (plait, FSDP2's mixed-precision policy: half the bytes) while the fp32
   masters stay sharded; otherwise in the stored weights' dtype.
 - ``zero3_in_place_alone``: a ZeRO-3 shard group of one rank (the routed experts' edp
-  group at ep == dp) keeps its parameters where they are stored, with no gathered copy
-  (plait: ``zero_units.Unit.resident``).
+  group at ep == dp) gathering in the stored dtype keeps its parameters where they are
+  stored, with no gathered copy (plait: ``zero_units.Unit.resident``).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
