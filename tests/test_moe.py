@@ -167,6 +167,79 @@ def test_flags_and_one_line_errors(capsys):
         assert msg in err and len(err.strip().splitlines()) == 1
 
 
+def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
+    """``ExpertDataParallel`` at ZeRO-3 (one process: dp 1, edp 1): the dense engine's units
+    are the embedding + head and every block without its experts, the experts' one unit per
+    MoE block (none for a dense block); forward and backward gather a MoE block's dense unit
+    before its expert unit (the order every rank keeps: ``expert_engine`` docstring), a
+    unit over a group of one holds its parameters in its row (no copy), and the loss and
+    every gradient equal the model's without the engine. Fails if a unit holds both sets
+    (then one of the two groups would gather the other's parameters), the order flips, a
+    parameter is dropped from both, or a group of one gathers copies."""
+    import functools
+
+    from plait.parallel.engine import DataParallelConfig
+    from plait.parallel.expert_engine import ExpertDataParallel, is_expert
+    from plait.train import optim
+
+    cfg = _cfg("llama", **CFGS["llama"])  # block 0 dense, block 1 MoE
+    topo = Topology.single()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=gen)
+    ref = build_model(cfg, seed=3, topo=topo, ep=(topo, Axis.DP))
+    ref(ids, ids).sum().backward()
+    model = build_model(cfg, seed=3, topo=topo, ep=(topo, Axis.DP))
+    engine = ExpertDataParallel(model, topo=topo, edp_topo=topo, cfg=DataParallelConfig(zero=3),
+                                make_optimizer=functools.partial(optim.build_optimizer,
+                                                                 cfg=TrainConfig()))  # fmt: skip
+    units = {"dense": engine.dense.units, "experts": engine.experts.units}
+    assert [u.name for u in units["dense"].units] == ["rest", "blocks.0", "blocks.1"]
+    assert [u.name for u in units["experts"].units] == ["blocks.1"]
+    for which, pu in units.items():
+        for u in pu.units:
+            assert all(is_expert(p) == (which == "experts") for p in u.params), (which, u.name)
+    held = {id(p) for pu in units.values() for u in pu.units for p in u.params}
+    assert held == {id(p) for p in model.parameters()}
+    # a group of one (ep == dp's edp): the parameters live in the row, never copied
+    for u in units["experts"].units:
+        assert u.resident and u.gathered
+        assert all(p.untyped_storage().data_ptr() == u.row.untyped_storage().data_ptr()
+                   for p in u.params)  # fmt: skip
+    order = []
+
+    def recorded(which, inner):
+        def gather(unit):  # (every hook's call: at n == 1 the units are resident)
+            order.append((which, unit.name))
+            inner(unit)
+
+        return gather
+
+    for which, pu in units.items():
+        pu.gather = recorded(which, pu.gather)
+    loss = model(ids, ids).sum()
+    loss.backward()
+    engine.finish()
+    blk1 = [("dense", "blocks.1"), ("experts", "blocks.1")]
+    forward = [("dense", "rest"), ("dense", "blocks.0"), *blk1]
+    assert order == forward + [("dense", "rest"), *blk1, ("dense", "blocks.0")], order
+    torch.testing.assert_close(loss, ref(ids, ids).sum().detach(), rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(engine.grad(p).view(q.shape), q.grad, rtol=0, atol=0, msg=name)
+    engine.close()
+    # bf16 units: the dense engine finds the linear weights on the whole model (not on
+    # its subset, which has no modules), the experts are held in fp32 and cast locally
+    model = build_model(cfg, seed=3, topo=topo, ep=(topo, Axis.DP))
+    engine = ExpertDataParallel(model, topo=topo, edp_topo=topo,
+                                cfg=DataParallelConfig(zero=3, gather_dtype="bf16"),
+                                make_optimizer=functools.partial(optim.build_optimizer,
+                                                                 cfg=TrainConfig()))  # fmt: skip
+    held = {u.name: {b.dtype for b in u.buffers} for u in engine.dense.units.units}
+    assert held["blocks.1"] == {torch.bfloat16, torch.float32}, held
+    [experts] = engine.experts.units.units
+    assert not experts.resident and {b.dtype for b in experts.buffers} == {torch.float32}
+    engine.close()
+
+
 # --- training -----------------------------------------------------------------------------
 
 CFGS = {  # gpt2: every block MoE, a shared expert; llama: dense + MoE, capacity, bias
@@ -403,11 +476,11 @@ def _group_worker(rank, world, root, data, layouts):
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
         dist.barrier()
-        train(_run_cfg(arch, data, out, **kw, save_every=2 if name == SAVED else 0), topo=topo)
+        train(_run_cfg(arch, data, out, **kw, save_every=2 if name in SAVES else 0), topo=topo)
         result["runs"][(name, arch)] = str(out)
     result["resumed"] = {}
-    saved = Path(root) / f"{SAVED}-llama"
-    for name, kw in RESUMED:  # step 2 of the ep 2 run, resumed at another ep and dp
+    for name, source, kw in RESUMED:  # step 2 of a saved run, resumed at another ep / dp
+        saved = Path(root) / f"{source}-llama"
         topo = Topology.build(pp=1, dp=kw["dp"], tp=1)
         out = Path(root) / name
         if rank == 0:
@@ -434,9 +507,23 @@ LAYOUTS = [  # dp 4: one micro-batch per rank (the reference: 4 on one); tp 2 wi
     ("ep4-dp4-zero2", "gpt2", dict(dp=4, ep=4, zero=2)),
     ("ep2-dp4-zero1", "llama", dict(dp=4, ep=2, zero=1)),
     ("ep2-dp2-pp2", "llama", dict(dp=2, pp=2, ep=2)),
+    # ZeRO-3: dense units over dp, expert units over edp -- of one rank at ep 4 (whole
+    # rows), of two at ep 2 (llama: a dense block with no expert unit); with tp 2, the
+    # experts' tp-partial bias completed after the backward; with pp 2, a first stage
+    # that builds no expert engine
+    ("ep4-dp4-zero3", "llama", dict(dp=4, ep=4, zero=3)),
+    ("ep2-dp4-zero3", "gpt2", dict(dp=4, ep=2, zero=3)),
+    ("ep2-dp2-tp2-zero3", "gpt2", dict(dp=2, tp=2, ep=2, zero=3)),
+    ("ep2-dp2-pp2-zero3", "llama", dict(dp=2, pp=2, ep=2, zero=3)),  # stage 0: no expert units
 ]
 SAVED = "ep2-dp2-tp2-sp"  # saves at step 2: resumed at ep 1 and ep 4 (dp 4, tp 1)
-RESUMED = [("resumed-ep1-dp4", dict(dp=4)), ("resumed-ep4-dp4", dict(dp=4, ep=4, zero=1))]
+SAVES = {SAVED, "ep4-dp4-zero3"}  # (llama runs)
+RESUMED = [
+    ("resumed-ep1-dp4", SAVED, dict(dp=4)),
+    ("resumed-ep4-dp4", SAVED, dict(dp=4, ep=4, zero=1)),
+    # ZeRO-3 shards (experts' over edp of one, dense over dp 4) into ZeRO-1 at ep 2
+    ("resumed-ep2-dp4-zero1-from-zero3", "ep4-dp4-zero3", dict(dp=4, ep=2, zero=1)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -492,7 +579,9 @@ def test_aux_loss_of_a_token_split_micro_batch_is_the_whole_ones(group):
 def test_loss_curves_match_single_process(group, corpus):
     """dp 4 (one micro-batch per rank: the aux losses' mean over micro-batches, the expert
     bias from loads summed over dp), dp 2 x tp 2 and with sequence parallelism (capacity
-    drops the same tokens), against one process within the float32 bounds."""
+    drops the same tokens), and the ep layouts at ZeRO 0-3, against one process within the
+    float32 bounds. At ZeRO-3 an expert unit sharded or gathered over dp instead of its
+    edp group mixes other ranks' experts into it, and the curve leaves."""
     _, _, refs = corpus
     for (name, arch), out in group[0]["runs"].items():
         cfg = _cfg(arch, **CFGS[arch])
@@ -519,10 +608,12 @@ def test_every_layout_reports_the_same_routing_statistics(group, corpus):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load, no_dist
 def test_a_checkpoint_saved_at_ep_2_resumes_at_ep_1_and_4_on_the_curve(group, corpus):
-    """Step 2 of the ep 2 x dp 2 x tp 2 run resumed at ep 1 and ep 4 (dp 4, ZeRO 1): steps 3-4
-    stay on the single-process curve (an expert shard saved or loaded at the wrong rows,
-    or the expert bias restarted at zero, leaves it), and the checkpoint holds the expert
-    bias, moved off zero, at its global shape."""
+    """Step 2 of the ep 2 x dp 2 x tp 2 run resumed at ep 1 and ep 4 (dp 4, ZeRO 1), and step 2
+    of the ep 4 ZeRO-3 run resumed at ep 2 ZeRO 1: steps 3-4 stay on the single-process
+    curve (an expert shard saved or loaded at the wrong rows, a ZeRO-3 expert shard placed
+    as if sharded over dp instead of its edp group, or the expert bias restarted at zero,
+    leaves it), and the checkpoint holds the expert bias, moved off zero, at its global
+    shape."""
     import torch.distributed.checkpoint as dcp
 
     root, _, refs = corpus
@@ -558,9 +649,9 @@ def test_held_rows_place_an_ep_ranks_experts_in_the_global_tensor():
 
 
 def test_ep_refusals_are_one_line():
-    """--ep with ZeRO-3 or a dp algorithm, --fault-tolerance with MoE, and --cp with a
-    capacity factor: one ValueError line naming the flags (a missing check would build and
-    fail later). --ep with LoRA and --cp with dropless MoE build."""
+    """--ep with a dp algorithm, --fault-tolerance with MoE, and --cp with a capacity factor:
+    one ValueError line naming the flags (a missing check would build and fail later).
+    --ep with LoRA or ZeRO-3, and --cp with dropless MoE build."""
     from plait.dp_algos.config import DPAlgoConfig
     from plait.model.lora import LoRAConfig
     from plait.resilience.config import ResilienceConfig
@@ -568,7 +659,6 @@ def test_ep_refusals_are_one_line():
     data = DataConfig(path="x.txt")
     capacity = _cfg(moe_capacity_factor=1.0)
     for extra, layout, msg in (
-        ({}, dict(dp=2, ep=2, zero=3), "--ep 2 with --zero 3"),
         ({"dp_algo": DPAlgoConfig(algo="diloco", sync_every=4)}, dict(dp=2, ep=2), "with --ep"),
         ({"resilience": ResilienceConfig(fault_tolerance=1)}, dict(dp=2), "--fault-tolerance"),
         ({"model": capacity}, dict(cp=2), "--moe-capacity-factor with --cp"),
@@ -580,7 +670,7 @@ def test_ep_refusals_are_one_line():
                       train=TrainConfig(), out="o")  # fmt: skip
         assert "\n" not in str(err.value)
     for extra, layout in (({"lora": LoRAConfig(rank=4, targets=("up",))}, dict(dp=2, ep=2)),
-                          ({}, dict(cp=2, dp=2, ep=2))):  # fmt: skip
+                          ({}, dict(cp=2, dp=2, ep=2)), ({}, dict(dp=2, ep=2, zero=3))):  # fmt: skip
         lay = Layout(global_batch_size=8, **layout)
         lay.check_model(_cfg())
         RunConfig(model=_cfg(), layout=lay, data=data, train=TrainConfig(), out="o", **extra)

@@ -104,6 +104,32 @@ def test_memory_falls_with_ep_as_the_formula_says():
     assert opt[1] == pytest.approx(sizes.num_params(cfg) * 8 / 8, rel=1e-12)
 
 
+def test_zero3_buffers_gather_experts_unless_their_edp_group_is_one_rank():
+    """ZeRO-3's working buffers (``memory.zero3_buffer_bytes``): a MoE block's two gathered
+    copies (current, prefetched) hold its E/ep experts at ep < dp; at ep == dp in fp32
+    plait keeps them in place (an edp group of one: ``zero_units.Unit.resident``) and the
+    buffers lose exactly those two copies; under bf16 (a cast copy) and in a runtime
+    without ``zero3_in_place_alone`` they are still counted. Fails if the experts' group
+    is taken for dp or the resident units are ignored."""
+    from plait.sim.memory import zero3_buffer_bytes
+
+    # a shared expert as wide as the dense MLP: the MoE block is the larger one
+    cfg, rt = _moe(moe_shared_experts=1, moe_ffn_hidden=128), get_runtime("plait")
+    assert ep_sim.dense_part_extra(cfg, _layout()) > 0
+    alone, shared = _layout(ep=8, zero=3, dtype="fp32"), _layout(ep=4, zero=3, dtype="fp32")
+    routed = {lay.ep: ep_sim.expert_params(cfg, lay) for lay in (alone, shared)}
+    kept = zero3_buffer_bytes(cfg, alone, dataclasses.replace(rt, zero3_in_place_alone=False))
+    assert kept - zero3_buffer_bytes(cfg, alone, rt) == pytest.approx(2 * routed[8] * 4)
+    # at ep 4 (edp 2) the gathered copies hold twice as many experts as at ep 8 (E/4)
+    assert zero3_buffer_bytes(cfg, shared, rt) - kept == pytest.approx(
+        2 * (routed[4] - routed[8]) * 4 + (routed[4] - routed[8]) * 4
+    )
+    bf16 = dataclasses.replace(alone, dtype="bf16")
+    assert zero3_buffer_bytes(cfg, bf16, rt) == zero3_buffer_bytes(
+        cfg, bf16, dataclasses.replace(rt, zero3_in_place_alone=False)
+    )
+
+
 def test_expert_gradients_reduce_over_edp_ranks_ep_apart():
     """Routed experts' gradient group is dp/ep ranks, ep x tp apart (the ep ranks are
     consecutive dp ranks); dp = ep leaves nothing to reduce; 8 per node, dp 16 ep 2 tp 1:

@@ -173,8 +173,9 @@ class Experts(nn.Module):
             self.w_proj, self.b_proj = param(n, h, f, dim=2), param(n, h, dim=None)
             if tp > 1:  # added on tp rank 0 only (bias_share), summed over tp
                 mark_tp_partial(self.b_proj)
-            self.register_buffer("bias_share", torch.tensor(float(topo.tp_rank == 0)),
-                                 persistent=False)  # fmt: skip
+            # on the CPU whatever the build's device, as MoE's routing state (below)
+            self.register_buffer("bias_share", torch.tensor(float(topo.tp_rank == 0),
+                                 device="cpu"), persistent=False)  # fmt: skip
         else:
             self.w_gate, self.w_up = param(n, f, h, dim=1), param(n, f, h, dim=1)
             self.w_down = param(n, h, f, dim=2)
@@ -220,8 +221,11 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.hidden, E, bias=False)
         if topo.tp > 1:
             mark_tp_partial(self.router.weight)
+        # The routing state (expert bias, statistics: E numbers each) is built on the CPU
+        # whatever the build's device: a model built on meta (ZeRO-3: parameters only,
+        # ``transformer.hollow``) still holds it, and ``hollow`` moves it to the device.
         if cfg.moe_bias_rate > 0:
-            self.register_buffer("expert_bias", torch.zeros(E))
+            self.register_buffer("expert_bias", torch.zeros(E, device="cpu"))
         else:
             self.expert_bias = None
         of = None
@@ -233,15 +237,16 @@ class MoE(nn.Module):
             width = cfg.moe_shared_experts * cfg.moe_ffn_hidden
             self.shared = Experts(cfg, 1, width, topo=topo)
         self.reset_stats()
-        self._bias_load = torch.zeros(E, dtype=torch.float64)
+        self._bias_load = torch.zeros(E, dtype=torch.float64, device="cpu")
 
     # -- statistics ----------------------------------------------------------------------
 
     def reset_stats(self) -> None:
         E = self.cfg.moe_experts
-        self._load = torch.zeros(E, dtype=torch.float64)  # assignments per expert
-        self._dropped = torch.zeros((), dtype=torch.float64)
-        self._aux = torch.zeros(2, dtype=torch.float64)  # aux, z summed over micro-batches
+        cpu = dict(dtype=torch.float64, device="cpu")  # (moved on first use: ``_record``)
+        self._load = torch.zeros(E, **cpu)  # assignments per expert
+        self._dropped = torch.zeros((), **cpu)
+        self._aux = torch.zeros(2, **cpu)  # aux, z summed over micro-batches
         self._micro_batches = 0
 
     def _record(self, r: Routing) -> None:

@@ -514,9 +514,15 @@ def hollow(model: nn.Module, device: torch.device | str) -> None:
     """Replace each parameter of a model built on meta by one on ``device`` that holds no
     storage (allocated and released one at a time: at most one parameter's bytes at once),
     keeping its attributes (tp shard spec, ``init_value``). What a ZeRO-3 engine then points
-    into its unit buffers (``zero_units``); nothing may hold a meta parameter before this."""
+    into its unit buffers (``zero_units``); nothing may hold a meta parameter before this.
+    Buffers -- built whole on the CPU, the MoE layers' routing state (``moe.py``; a few
+    numbers per expert) -- move to ``device``."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                assert not b.is_meta, f"buffer {name} built on meta: it would hold no value"
+                module._buffers[name] = b.to(device)
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue

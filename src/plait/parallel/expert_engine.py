@@ -13,8 +13,35 @@ collectives are issued by autograd hooks in backward order -- the same order on 
 rank, on two groups -- and ``finish``, ``step`` run the dense engine's first, then the
 experts'.
 
-Communication: none of its own -- the two engines' (``data_parallel.py``, ``zero.py``), in
-the order above.
+ZeRO-3 (``--ep n --zero 3``): each engine shards its own parameters over its own group --
+the dense ones over dp (x cp), d = dp ranks, the experts over edp, d = dp / n -- and
+gathers them in its own units (``zero_units.py``), built on the same modules: per MoE
+block a dense unit (attention, norms, router, shared experts) and an expert unit (this
+rank's E/n experts' stacked weights); the embedding and head are dense only. Per step:
+8m N_dense bytes gathered over dp and 8m N_expert / n over edp (m micro-batches), and the
+units' gradient reduce-scatters, 4 N_dense and 4 N_expert / n. With ep == dp the edp
+group is one rank: nothing is issued on edp, the experts' optimizer state is whole, and
+in fp32 runs the experts' parameters live in their units' rows (``Unit.resident``: never
+gathered, copied or freed); under bf16 / fp16 a unit is "gathered" by a local cast, so
+the experts carry the wire's rounding as at ep < dp.
+
+Communication: none of its own -- the two engines' (``data_parallel.py``, ``zero.py``,
+``zero_units.py``), in the order below.
+
+Why it cannot deadlock under NCCL's rules. Each rank issues its collectives on three
+groups -- dp (dense), edp (experts) and ep (the dispatch, ``expert.py``) -- from the
+thread that runs the model, and every rank issues the same sequence of them: the dense
+engine is built first, so on every module its hooks were registered first and fire
+first. In a MoE block's forward: the dense unit's gather (dp) and its prefetch of the
+next dense unit, then the expert unit's gather (edp), then the block's all-to-alls (ep);
+in its backward (hooks on the block's output, in registration order) the dense unit's
+gather, then the expert unit's, then the dispatch's all-to-alls; each unit's gradient
+reduce-scatter when its last gradient arrives (autograd orders a backward
+deterministically, the same graph on every rank: an expert with no tokens still takes
+part); ``finish`` launches what is left, dense engine first. So the k-th collective a rank
+issues is the k-th of the same kind on every rank, and each group's members meet its
+collectives in the same order: a collective waits only for earlier ones of its peers,
+never for a later one, and no cycle of waits can form.
 """
 
 from __future__ import annotations
@@ -54,8 +81,9 @@ def is_expert(p: torch.Tensor) -> bool:
 class ParamSubset(nn.Module):
     """``module`` as an engine sees it when it owns only the parameters ``keep`` selects:
     ``named_parameters`` / ``parameters`` filtered, under their own names (= checkpoint
-    keys), and its pipeline chunks as subsets too (buckets are cut per chunk). The engines
-    read nothing else of the model at ZeRO 0-2 (stage 3 walks blocks: refused with ep)."""
+    keys), and its pipeline chunks as subsets too (buckets are cut per chunk). ZeRO-3
+    builds its units on ``whole``'s modules, of this subset's parameters
+    (``zero_units.structure``)."""
 
     def __init__(self, module: nn.Module, keep: Callable[[torch.Tensor], bool]):
         super().__init__()
@@ -74,12 +102,18 @@ class ParamSubset(nn.Module):
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
+    @property
+    def whole(self) -> nn.Module:
+        """The module this subset filters (its blocks, embedding: where hooks go)."""
+        return self._inner
+
 
 class ExpertDataParallel:
     """The trainer's engine under ``--ep``: the dense parameters' engine over dp (x cp) and
-    the experts' over edp, each ``build_data_parallel``'s for the run's ZeRO stage (0-2),
-    behind one ``engine.GradientEngine``. Each shards its state over its own group; the
-    global |g|^2 is the sum of the two engines' shares (each counts its tensors once).
+    the experts' over edp, each ``build_data_parallel``'s for the run's ZeRO stage (0-3;
+    stage 3: module docstring), behind one ``engine.GradientEngine``. The dense engine is
+    built first: its hooks fire first (the order the module docstring relies on). Each
+    shards its state over its own group; the global |g|^2 is the sum of the two engines' shares (each counts its tensors once).
     ``held_state`` is the union, the experts' placed at their rows of the (E, ...) tensor
     (``Held.rows``), so checkpoints are global-shaped and reshard across ep changes. A
     pipeline stage without MoE layers holds no expert parameters and builds no expert
@@ -88,8 +122,8 @@ class ExpertDataParallel:
     def __init__(self, model: nn.Module, *, topo: Topology, edp_topo: Topology,
                  cfg: DataParallelConfig, make_optimizer: Callable, owns_grad=None, defer=(),
                  compression=None):  # fmt: skip
-        if cfg.zero == 3 or compression is not None:
-            raise ValueError("--ep runs with --zero 0, 1 or 2 and the plain all-reduce")
+        if compression is not None:
+            raise ValueError("--ep runs with the plain all-reduce")
         common = dict(make_optimizer=make_optimizer, owns_grad=owns_grad, defer=defer)
         self.dense = build_data_parallel(ParamSubset(model, lambda p: not is_expert(p)),
                                          topo=topo, cfg=cfg, **common)  # fmt: skip

@@ -11,7 +11,12 @@ bytes per step (8m(N + F) in fp32); the next unit's gather is issued (prefetched
 unit starts, in forward order in the forward and in reverse order in the backward.
 Nothing else (checkpoints read and write the shards, ``zero.py``): the gradients'
 reduce-scatters are ``zero.py``'s. ``Gather`` is also the all-gather of rank-major rows
-that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the row is the whole unit).
+that stages 1-2 use for their parameters (``zero.py``). d == 1: nothing is issued (the
+row is the whole unit; with no wire dtype to round to, the parameters live in the row
+for good).
+Under ``--ep`` two engines each build units of their own parameters on the same modules
+(``structure``): the dense ones gathered over dp, the experts over edp; the order of
+their gathers, and why it cannot deadlock, is ``expert_engine.py``'s.
 
 Why it cannot deadlock under NCCL: every gather is issued with ``async_op=True`` from the
 thread that runs the model (a forward pre-hook, or a tensor hook as the backward reaches
@@ -94,9 +99,22 @@ class Unit:
         like = torch.empty(0, dtype=params[0].dtype, device=self.device)
         self.row = self.layout.pack_row(shards, like=like)
         held = [compute_dtype if id(p) in low else p.dtype for p in params]
-        self._hold(params, held)  # from now on each p lives in a buffer of ``buffers``
-        self.free_storage()  # ... which exists only while gathered
-        self.gathered = False
+        # A shard group of one (``--ep`` with ep == dp: the experts' edp group) with no
+        # wire dtype to round to (fp32 runs): the row is the whole unit, laid out as
+        # ``_hold`` would lay it out (n == 1: one parameter after another), so the
+        # parameters live in it for good -- never gathered, copied or freed; the
+        # optimizer updates them. Under bf16 / fp16 the unit is still "gathered" by a
+        # local cast, so that its parameters carry the wire's rounding as at n > 1.
+        self.resident = n == 1 and compute_dtype in (None, self.row.dtype)
+        if self.resident:
+            self.buffers, self.slices = [self.row], self.layout.views(self.row)
+            for p, view in zip(params, self.slices):
+                p.data = view.view_as(p)
+            self.nbytes = [self.row.untyped_storage().nbytes()]
+        else:
+            self._hold(params, held)  # from now on each p lives in a buffer of ``buffers``
+            self.free_storage()  # ... which exists only while gathered
+        self.gathered = self.resident
         self.pending: Gather | None = None
         self.trainable = [p for p in params if p.requires_grad]  # their gradients free it
         self.fired = 0
@@ -138,6 +156,13 @@ class Unit:
             resize_storage(buf, 0)
 
 
+def structure(chunk: nn.Module) -> nn.Module:
+    """The module whose submodules the units' hooks go on: ``chunk`` itself, or -- for a
+    parameter subset (``expert_engine.ParamSubset``: an engine that owns only the dense
+    parameters, or only the experts) -- the chunk it filters."""
+    return getattr(chunk, "whole", chunk)
+
+
 def _units_of(chunk: nn.Module, **kw) -> list[tuple[Unit, nn.Module, nn.Module]]:
     """(unit, entry module, exit module) of one chunk, in forward order of first use.
 
@@ -148,20 +173,26 @@ def _units_of(chunk: nn.Module, **kw) -> list[tuple[Unit, nn.Module, nn.Module]]
     parameters (a LoRA run's base) belong to units too: sharding them is what ZeRO-3
     offers fine-tuning; only their gradients and optimizer state do not exist. ``kw``:
     ``Unit``'s (shard count, rank, and what is held in the compute dtype).
+
+    A parameter subset (``structure``) has the same units holding only its parameters,
+    hooked on the same modules; a unit left empty is not made (under ``--ep``: the dense
+    engine's block units and embedding, the experts' engine's one unit per MoE block).
     """
-    params = list(chunk.named_parameters())
-    blocks = getattr(chunk, "blocks", None)
+    whole = structure(chunk)
+    mine = {id(p) for p in chunk.parameters()}
+    params = [(name, p) for name, p in whole.named_parameters() if id(p) in mine]
+    blocks = getattr(whole, "blocks", None)
     if blocks is None:
-        return [(Unit("chunk", [p for _, p in params], **kw), chunk, chunk)]
+        return [(Unit("chunk", [p for _, p in params], **kw), whole, whole)] if params else []
     out = []
     rest = [p for name, p in params if not name.startswith("blocks.")]
-    pre, post = getattr(chunk, "pre", False), getattr(chunk, "post", False)
+    pre, post = getattr(whole, "pre", False), getattr(whole, "post", False)
     if rest:
-        entry = chunk.embed if pre else getattr(chunk, "norm", chunk)
-        exit_ = chunk if post else chunk.embed
+        entry = whole.embed if pre else getattr(whole, "norm", whole)
+        exit_ = whole if post else whole.embed
         out.append((Unit("rest", rest, **kw), entry, exit_))
     for key, block in blocks.items():
-        ps = list(block.parameters())
+        ps = [p for p in block.parameters() if id(p) in mine]
         if ps:
             out.append((Unit(f"blocks.{key}", ps, **kw), block, block))
     return out
@@ -201,14 +232,15 @@ class ParamUnits:
         self._hooks = []
         low = set()  # held in the compute dtype (the wire's, when it is not fp32)
         if wire_dtype not in (None, torch.float32):
-            low = compute_dtype_params(model, keep)
+            low = compute_dtype_params(structure(model), keep)  # (a subset: its model's)
         for chunk in model_chunks(model):
             found = _units_of(chunk, n=n, rank=rank, compute_dtype=wire_dtype, low=low,
                               device=shard_topo.device)  # fmt: skip
             units = [u for u, _, _ in found]
             rest = [u for u in units if u.name == "rest"]
             blocks = [u for u in units if u.name != "rest"]
-            pre, post = getattr(chunk, "pre", True), getattr(chunk, "post", True)
+            whole = structure(chunk)
+            pre, post = getattr(whole, "pre", True), getattr(whole, "post", True)
             fwd = (rest if pre else []) + blocks + (rest if post and not pre else [])
             bwd = (rest if post else []) + blocks[::-1] + (rest if pre and not post else [])
             for order, attr in ((fwd, "next_forward"), (bwd, "next_backward")):
@@ -252,6 +284,8 @@ class ParamUnits:
         unit.gathered = True
 
     def free(self, unit: Unit) -> None:
+        if unit.resident:
+            return
         if unit.pending is not None:  # an unused prefetch: let it finish, drop the result
             unit.pending.rows()
             unit.pending = None

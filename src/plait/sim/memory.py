@@ -219,7 +219,10 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     """ZeRO-3's working buffers on one device: two gathered layers (the current one and
     the prefetched next, ``gathered_layer_bytes``) and one layer's full gradient before
     its reduce-scatter. With MoE blocks, of the larger block: a MoE block gathers its
-    router, shared and E / ep routed experts in the dtype of the matrix weights."""
+    router, shared and E / ep routed experts in the dtype of the matrix weights -- the
+    experts over their edp group, and not at all where that group is one rank, the
+    runtime keeps them in place (``zero3_in_place_alone``: ep == dp) and they are
+    gathered in their stored dtype (plait: fp32 runs; under bf16 a cast copy is made)."""
     if layout.zero != 3:
         return 0.0
     _, g_bytes, _ = runtime.state_bytes(layout.dtype)
@@ -228,10 +231,13 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
         sizes.layer_params(cfg) / layout.tp,
     )
     if cfg.moe:
-        extra = ep_sim.dense_part_extra(cfg, layout) + ep_sim.expert_params(cfg, layout)
-        if extra > 0:
-            gathered += extra * runtime.param_comm_bytes(layout.dtype)
-            grads += extra
+        routed = ep_sim.expert_params(cfg, layout)
+        extra = ep_sim.dense_part_extra(cfg, layout) + routed
+        e, w = runtime.param_comm_bytes(layout.dtype), runtime.state_bytes(layout.dtype)[0]
+        in_place = runtime.zero3_in_place_alone and dp_groups(layout, True)[0] == 1 and e == w
+        held = extra - routed if in_place else extra
+        gathered += max(held, 0.0) * e
+        grads += max(extra, 0.0)
     return 2 * gathered + grads * g_bytes
 
 

@@ -56,6 +56,9 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``gather_in_compute_dtype``: ZeRO-3 gathers weights in the compute dtype under
   bf16 / fp16 (plait, FSDP2's mixed-precision policy: half the bytes) while the fp32
   masters stay sharded; otherwise in the stored weights' dtype.
+- ``zero3_in_place_alone``: a ZeRO-3 shard group of one rank (the routed experts' edp
+  group at ep == dp) gathering in the stored dtype keeps its parameters where they are
+  stored, with no gathered copy (plait: ``zero_units.Unit.resident``).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
@@ -100,6 +103,7 @@ class Runtime:
     gather_list_outputs: bool = False
     zero3_regather_recompute: bool = False
     zero3_reduce_per_microbatch: bool = True
+    zero3_in_place_alone: bool = False
     gather_in_compute_dtype: bool = False
     pp_scatter_gather: bool = True
     unfused_fp32_loss: bool = False
@@ -132,6 +136,7 @@ PROFILES: dict[str, Runtime] = {
         cp_document_math=True,
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
+        zero3_in_place_alone=True,
         gather_in_compute_dtype=True,
         bucket_from_layout=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "

@@ -120,12 +120,6 @@ class RunConfig:
                 "groups); drop one of the two"
             )
         ep = self.layout.ep
-        if ep > 1 and self.layout.zero == 3:
-            raise ValueError(
-                f"--ep {ep} with --zero 3 is not built yet (stage 3 gathers a block's "
-                "parameters as one unit; experts and dense weights shard over different "
-                "groups); use --zero 2"
-            )
         if ep > 1 and not self.dp_algo.plain:
             raise ValueError(
                 f"--dp-algo / --compress with --ep {ep}: expert gradients are reduced over "

@@ -21,8 +21,10 @@ is the step's only host synchronisation (nothing calls ``torch.cuda.synchronize`
 pipeline's bubble is read from CUDA events that sync has completed, a step late, and
 ZeRO-Offload waits on one event for the gradients it copies to the host). The collectives of a step come in the same order
 on every rank: the runner's (tensor- and pipeline-parallel, MoE dispatch's all-to-alls over
-the ep group and, under cp, each MoE layer's routing-statistics all-reduce over the ring, and the data-parallel hooks in backward order: under --ep, the dense
-engine's over dp and the experts' over edp, ``parallel/expert_engine.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
+the ep group and, under cp, each MoE layer's routing-statistics all-reduce over the ring, and the
+data-parallel hooks -- ZeRO-3's gathers in forward and backward, the gradient reductions in
+backward order: under --ep, the dense engine's over dp before the experts' over edp,
+``parallel/expert_engine.py``), then ``TPGradSync``, the engine's ``finish``, the statistics all-reduce,
 the engine's step, and (MoE with ``moe_bias_rate``) the expert-load all-reduce over dp. On CUDA, fp32 matmuls use TF32 and AdamW is fused.
 """
 
@@ -207,9 +209,10 @@ class Trainer:
 
         # model and its parallel wrapping. ZeRO-3 builds it on meta: the engine makes each
         # parameter's shard from its initial value, one parameter at a time (a 70B model at
-        # dp 64 never holds 280 GB on a rank); --init-hf, LoRA and QAT write into whole
-        # parameters first, and MoE holds a buffer (the expert bias), so they build it whole.
-        meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat or model_cfg.moe)
+        # dp 64 never holds 280 GB on a rank; MoE too: its routing state is built on the
+        # CPU, moved by ``hollow``); --init-hf, LoRA and QAT write into whole parameters
+        # first, so they build it whole.
+        meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat)
         device = "meta" if meta else "cpu"
         # --ep: the MoE layers' experts split over ep groups carved out of dp, their
         # gradients reduced over the expert-data-parallel group (parallel/expert_engine.py)
