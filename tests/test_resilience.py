@@ -407,6 +407,67 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     assert "plait: replicas verified:" in proc.stdout, proc.stdout
 
 
+def _events(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
+
+
+def test_a_tp_group_is_the_unit_of_failure_on_the_failure_free_curve(corpus, reference, tmp_path):
+    """--tp 2 --pp 2 --dp 2: eight workers, tp groups (0, 1) (2, 3) (4, 5) (6, 7), pipelines
+    (0, 1, 4, 5) and (2, 3, 6, 7). Worker 5 is SIGKILLed in step 3: its peer 4 leaves with
+    it (declared dead with it and expelled, not killed: its shards are useless alone), a
+    replacement group of two consecutive workers (8, 9) starts on their node and devices,
+    and the three groups left re-form in place, the ones that lack a stage receiving it tp
+    rank to tp rank from the group that holds it. Every step once, on the failure-free curve
+    (loss and grad norm), every tensor bitwise equal on the workers holding the same tp
+    shard of it. Breaks if the peer stays on with half a layer, if a group is planned split
+    over two stages, if a shard lands on the other tp rank (the shapes match: the run would
+    go on with the wrong weights), or if a weight replicated over tp is counted twice in
+    the grad norm."""
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--tp", 2, "--steps", 30, "--fault-tolerance", 1,
+                       "--inject-failure", "3:5", "--verify-replicas", "--no-progress",
+                       timeout=480)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    first = next(x for x in lines if "worker 5 died (SIGKILL)" in x)
+    assert "with its tp group 4-5" in first and "state copied" in first, first
+    assert "[4-5]" not in first.split("; ")[-1]  # no stage on what is left of the group
+    events = _events(out)
+    deaths = {e["worker"]: e for e in events if e["event"] == "death"}
+    assert sorted(deaths) == [4, 5], deaths
+    assert deaths[4]["how"] == "left with worker 5" and deaths[4]["returncode"] is None
+    spawns = [e for e in events if e["event"] == "spawn" and e["worker"] >= 8]
+    assert [e["worker"] for e in spawns][:2] == [8, 9], spawns  # a whole group, in tp order
+    decision = next(e for e in events if e["event"] == "decision" and e["gen"] == 1)
+    assert decision["moves"] > 0 and decision["moves"] % 2 == 0  # tp rank r -> tp rank r
+    same_curve(out, reference)
+    assert 6 in [r.get("world_size") for r in records(out)]
+    assert "plait: replicas verified:" in proc.stdout
+
+
+def test_a_replacement_tp_group_joins_whole_and_serves_the_next_recovery(
+    corpus, reference, tmp_path
+):
+    """--tp 2 --pp 1 --dp 2 (four workers: the smallest world whose tp group has a replica
+    to copy from and a replacement to wait for): worker 1 is killed in step 3, so group
+    (0, 1) is out and the run goes on with one copy, group (2, 3); the kill of worker 2
+    due in step 20 holds the run until the replacement group (4, 5) has joined (chaos.py:
+    one copy left), which receives its tp shards from (2, 3), rank to rank; then group (2,
+    3) goes, and (4, 5) carries the run alone on its received state. The curve equals the
+    failure-free run's. Breaks if a replacement group joins half (one worker ready), if a
+    joined group's shards were crossed, or if its state were not the replicas' (the run
+    after the second kill is the joined group's state alone)."""
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--tp", 2, "--pp", 1, "--steps", 30, "--fault-tolerance",
+                       1, "--inject-failure", "3:1,20:2", "--no-progress", timeout=480)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    joined = next(x for x in lines if "worker(s) 4, 5 joined" in x)
+    assert "state copied" in joined and "[4-5]" in joined, joined
+    second = next(x for x in lines if "worker 2 died (SIGKILL)" in x)
+    assert "with its tp group 2-3" in second and lines.index(second) > lines.index(joined)
+    assert "[4-5]" in second.split("; ")[-1], second
+    same_curve(out, reference)
+
+
 def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus, tmp_path):
     """--dp 4 --zero 2 --zero-shard-group 2 on two "nodes" (two launchers on this machine,
     --nnodes 2): two replicas of two workers sharding every parameter and AdamW moment,

@@ -439,11 +439,13 @@ def write_fingerprints(trainer: Trainer, path: Path) -> None:
 
 
 def _state_tensors(trainer: Trainer):
-    """(name, tensor) of what this worker holds: a ZeRO shard is named with its start, so
-    that only workers holding the same shard are compared."""
+    """(name, tensor) of what this worker holds: a ZeRO shard is named with its start, and
+    with tensor parallelism every tensor with its tp rank, so that only workers holding
+    the same shard are compared."""
+    tp = f"#tp{trainer.topo.tp_rank}" if trainer.topo.tp > 1 else ""
     for key, held in sorted(trainer.engine.held_state().items()):
         yield (f"{key}@{held.lo}" if held.lo or held.flat.numel() < math.prod(held.shape)
-               else key), held.flat  # fmt: skip
+               else key) + tp, held.flat  # fmt: skip
 
 
 def _due(done: int, tcfg) -> bool:

@@ -53,7 +53,7 @@ from plait.parallel.engine import GradientEngine
 from plait.parallel.flat import FlatLayout
 from plait.parallel.held import Held
 from plait.parallel.zero import ZeroDataParallel
-from plait.resilience.assignment import split_shard, unit_of, with_shard
+from plait.resilience.assignment import base_unit, unit_of, with_shard, with_tp
 from plait.resilience.generation import Generation, unit_order
 from plait.topology import Axis
 
@@ -106,10 +106,11 @@ def replica_syncs(gen: Generation, named, *, shard=None) -> list[ReplicaSync]:
     it, in pipeline ``assignment.shard_index`` of every replica)."""
     assignment, me = gen.assignment, gen.worker
     shard_index = assignment.shard_index(assignment.place(me)[0])
-    held = frozenset(split_shard(u)[0] for u in assignment.units_of(me))
+    tp_rank = assignment.tp_rank(me) if assignment.tp > 1 else None
+    held = frozenset(base_unit(u) for u in assignment.units_of(me))
 
     def ranks_of(unit: str):
-        return gen.units.get(next(iter(with_shard({unit}, shard_index))))
+        return gen.units.get(next(iter(with_shard(with_tp({unit}, tp_rank), shard_index))))
 
     entries: dict[tuple[int, ...], list] = {}
     tied = ranks_of("tied")
@@ -143,15 +144,18 @@ class ReplicaEngine:
 
     zero = 0
 
-    def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, **_):
+    def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable,
+                 owns_grad=None, **_):  # fmt: skip
         self.model, self.topo = model, gen.topo
         assignment, me = gen.assignment, gen.worker
-        held = assignment.units_of(me)
+        held = frozenset(base_unit(u) for u in assignment.units_of(me))
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         first_pipeline = gen.assignment.pipelines[0].workers
         units = {n: stage_unit_of(n, held) for n, _ in self.named}
-        # this rank counts a unit in |g|^2 when it holds it in the first pipeline
-        self.counted = [p for n, p in self.named if units[n] != "tied" and me in first_pipeline]
+        # this rank counts a unit in |g|^2 when it holds it in the first pipeline (with tp,
+        # a weight replicated over its tp group on tp rank 0 only: ``optim.owns_grad``)
+        self.counted = [p for n, p in self.named if units[n] != "tied" and me in first_pipeline
+                        and (owns_grad is None or owns_grad(p))]  # fmt: skip
         self.syncs = replica_syncs(gen, self.named)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
         self.reduced = False  # finish() completed for the current gradients
@@ -254,7 +258,7 @@ class ShardedReplicaEngine(ReplicaEngine):
             model, topo=gen.stage_topology(), make_optimizer=make_optimizer,
             cfg=dataclasses.replace(cfg, shard_group=None), owns_grad=owns_grad, defer=defer,
         )  # fmt: skip
-        held = frozenset(split_shard(u)[0] for u in assignment.units_of(me))
+        held = frozenset(base_unit(u) for u in assignment.units_of(me))
         first_replica = {
             w for p in assignment.pipelines[: assignment.shard_group] for w in p.workers
         }
@@ -339,6 +343,6 @@ def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
                 model, gen=gen, make_optimizer=make_optimizer,
                 cfg=dataclasses.replace(cfg, zero=zero), owns_grad=owns_grad, defer=defer,
             )  # fmt: skip
-        return ReplicaEngine(model, gen=gen, make_optimizer=make_optimizer)
+        return ReplicaEngine(model, gen=gen, make_optimizer=make_optimizer, owns_grad=owns_grad)
 
     return make
