@@ -198,6 +198,40 @@ def test_tp_groups_are_planned_whole_and_each_shard_comes_from_the_same_tp_rank(
     assert names_in_unit("post@1", ["head.w"]) == ["head.w"]
 
 
+def test_interleaved_templates_give_each_stage_its_chunks_and_fall_back_when_the_batch_cannot():
+    """--vpp 2: a two-stage template of four chunks, stage 0 holding chunks 0 and 2 (blocks 0
+    and 2 with the embedding), stage 1 chunks 1 and 3 (blocks 1 and 3, the head and the
+    tied copy). A pipeline whose share is not a multiple of 2 micro-batches runs the plain
+    twin (the interleaved schedule could not). Breaks if a stage's units miss a chunk (the
+    state copy would leave a layer behind) or if an odd share were planned interleaved."""
+    plain = Template(stages=((0, 2), (2, 4)), iter_s=1.0, rows=4)
+    chunked = Template(stages=((0, 1), (1, 2), (2, 3), (3, 4)), iter_s=0.8, rows=4, vpp=2,
+                       plain=plain)  # fmt: skip
+    one = Template(stages=((0, 4),), iter_s=1.5, rows=4)
+    t = {1: one, 2: chunked}
+    grid = grid_assignment(dp=2, template=chunked, rows=8, n_layers=4, tied=True)
+    assert grid.units_of(0) == {"embed", "blocks.0", "blocks.2"}
+    assert grid.units_of(2) == {"blocks.1", "blocks.3", "post", "tied"}
+    assert grid.chunks_of(2) == ((1, 2), (3, 4)) and "2 chunks a stage" in grid.describe()
+    assert Assignment.from_json(grid.to_json()) == grid
+    # 4 rows of micro-batch 1 each: interleaved; 3 rows: the plain twin
+    even = assign((2, 2), t, holdings={w: grid.units_of(w) for w in range(4)}, rows=8,
+                  micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    assert [p.vpp for p in even.pipelines] == [2, 2] and sorted(even.members) == [0, 1, 2, 3]
+    assert all(even.units_of(w) == grid.units_of(w) for w in range(4))  # nothing moves
+    odd = assign((2, 1), t, holdings={w: grid.units_of(w) for w in (0, 1, 2)}, rows=7,
+                 micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    shares = [p.rows[1] - p.rows[0] for p in odd.pipelines]
+    two = odd.pipelines[0]
+    assert two.vpp == (2 if shares[0] % 2 == 0 else 1), (shares, two)
+    assert sum(shares) == 7
+    plain_plan = assign((2,), {2: chunked}, holdings={0: frozenset(), 1: frozenset()}, rows=3,
+                        micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    assert plain_plan.pipelines[0].vpp == 1 and plain_plan.pipelines[0].stages == plain.stages
+    assert plain_plan.units_of(plain_plan.pipelines[0].workers[0]) == {"embed", "blocks.0",
+                                                                       "blocks.1"}  # fmt: skip
+
+
 def test_units_and_names():
     assert stage_units(0, 4, n_layers=4, tied=True) == {"embed", "blocks.0", "blocks.1",
                                                          "blocks.2", "blocks.3", "post"}  # fmt: skip
@@ -310,7 +344,6 @@ def test_a_shot_due_while_a_replacement_is_coming_waits_and_the_run_holds_before
         (dict(dp=4, zero=2, zero_shard_group=4), {}, "--zero-shard-group K"),
         (dict(dp=4, zero=2, zero_shard_group=2, offload_optimizer=True), {}, "drop --offload"),
         (dict(dp=2, zero=2, zero_shard_group=1), {}, "shards nothing"),
-        (dict(dp=2, pp=2, vpp=2, schedule="interleaved-1f1b", global_batch_size=16), {}, "--vpp 1"),
         (dict(dp=2, pp=3), {"nnodes": 4}, "--nnodes 4 does not divide"),
     ],
 )

@@ -27,6 +27,12 @@ moves name shards, and the holders of ``u/j`` -- pipeline j of every replica hol
 are the ranks that sum that shard's gradient across replicas (``generation.py``). Every
 shard has a copy in each replica, so F + 1 replicas keep F + 1 copies of every shard.
 
+Interleaved stages (``--vpp V``): a pipeline's ``stages`` are its virtual stages (chunks),
+s x V of them, stage j holding chunks j, j + s, ... (``Pipeline.chunks``); its units are
+those of its chunks (``chunk_units``): with s = 2, V = 2 on 4 layers, stage 0 holds
+``embed``, ``blocks.0``, ``blocks.2`` and stage 1 ``blocks.1``, ``blocks.3``, ``post``,
+``tied``. Everything below works on those units unchanged.
+
 Tensor parallelism (``--tp T``). The unit that fails and is replaced is a tp group: T
 workers with consecutive ids ``[gT, (g+1)T)`` (the coordinator starts and replaces them T
 at a time, so the ids stay aligned), one stage of one pipeline, each holding its tp shard
@@ -58,8 +64,17 @@ from plait.resilience.templates import Template, allocate
 @dataclass(frozen=True, kw_only=True)
 class Pipeline:
     workers: tuple[int, ...]  # the workers of each stage (its tp group), in stage order
-    stages: tuple[tuple[int, int], ...]  # (first layer, stop) of each stage
+    stages: tuple[tuple[int, int], ...]  # (first layer, stop) of each virtual stage
     rows: tuple[int, int]  # [lo, hi) of every global batch
+    vpp: int = 1  # chunks a stage (interleaved): stage j holds stages[j], stages[j + s], ...
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages) // self.vpp
+
+    def chunks(self, j: int) -> tuple[tuple[int, int], ...]:
+        """The (first layer, stop) of each chunk stage ``j`` holds."""
+        return self.stages[j :: self.num_stages]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,20 +121,23 @@ class Assignment:
         """The workers at ``tp_rank`` of each stage of pipeline ``i``: one pp group."""
         return self.pipelines[i].workers[tp_rank :: self.tp]
 
-    def stage_of(self, worker: int) -> tuple[int, int]:
+    def chunks_of(self, worker: int) -> tuple[tuple[int, int], ...]:
+        """The (first layer, stop) of each chunk ``worker``'s stage holds (one without
+        interleaving)."""
         i, j = self.place(worker)
-        return self.pipelines[i].stages[j]
+        return self.pipelines[i].chunks(j)
 
     def units_of(self, worker: int) -> frozenset[str]:
         i, _ = self.place(worker)
-        units = stage_units(*self.stage_of(worker), n_layers=self.n_layers, tied=self.tied)
+        units = chunk_units(self.chunks_of(worker), n_layers=self.n_layers, tied=self.tied)
         return with_shard(with_tp(units, self.tp_rank(worker) if self.tp > 1 else None),
                           self.shard_index(i))  # fmt: skip
 
     def describe(self) -> str:
         """``2 pipelines: [0, 2] 4+4 rows ...`` for log lines."""
         text = ", ".join(
-            f"{'+'.join(str(b - a) for a, b in p.stages)} layers on workers "
+            f"{'+'.join(str(b - a) for a, b in p.stages)} layers"
+            f"{f' ({p.vpp} chunks a stage)' if p.vpp > 1 else ''} on workers "
             f"{_workers_text(p.workers, self.tp)} ({p.rows[1] - p.rows[0]} rows)"
             for p in self.pipelines
         )
@@ -138,6 +156,7 @@ class Assignment:
                     "workers": list(p.workers),
                     "stages": [list(s) for s in p.stages],
                     "rows": list(p.rows),
+                    "vpp": p.vpp,
                 }  # fmt: skip
                 for p in self.pipelines
             ],
@@ -155,6 +174,7 @@ class Assignment:
                     workers=tuple(p["workers"]),
                     stages=tuple(tuple(s) for s in p["stages"]),
                     rows=tuple(p["rows"]),
+                    vpp=p.get("vpp", 1),
                 )
                 for p in d["pipelines"]
             ),
@@ -190,6 +210,14 @@ def stage_units(first: int, stop: int, *, n_layers: int, tied: bool) -> frozense
         if tied and first != 0:
             units.add("tied")
     return frozenset(units)
+
+
+def chunk_units(chunks, *, n_layers: int, tied: bool) -> frozenset[str]:
+    """The units of a stage holding ``chunks`` [(first, stop), ...]: an interleaved stage
+    holds several, whose units are those of each (its tied copy only when it does not hold
+    the embedding itself)."""
+    units = frozenset().union(*(stage_units(a, b, n_layers=n_layers, tied=tied) for a, b in chunks))
+    return units - {"tied"} if "embed" in units else units
 
 
 def with_tp(units, tp_rank: int | None) -> frozenset[str]:
@@ -263,12 +291,15 @@ def assign(
     whose state is stale). Greedy by overlap, ties to the lower worker id, so every reader
     of the same inputs gets the same assignment."""
     sizes = tuple(s for s in sizes for _ in range(shard_group))
+    shares = allocate(rows, micro_batch, [templates[s].throughput for s in sizes])
+    # each pipeline's template as it can run its share (interleaved, or its plain twin)
+    plans = [templates[s].runnable(shares[i] // micro_batch) for i, s in enumerate(sizes)]
     # (pipeline, stage, the units its worker must hold): the places to fill
     places = [
-        (i, j, with_shard(stage_units(a, b, n_layers=n_layers, tied=tied),
+        (i, j, with_shard(chunk_units(t.stages[j :: t.nodes], n_layers=n_layers, tied=tied),
                           i % shard_group if shard_group > 1 else None))
-        for i, s in enumerate(sizes)
-        for j, (a, b) in enumerate(templates[s].stages)
+        for i, t in enumerate(plans)
+        for j in range(t.nodes)
     ]  # fmt: skip
     if len(places) > len(holdings):
         raise ValueError(f"{len(places)} stages for {len(holdings)} workers")
@@ -288,13 +319,12 @@ def assign(
         chosen[k] = w
         taken_place.add(k)
         taken_worker.add(w)
-    shares = allocate(rows, micro_batch, [templates[s].throughput for s in sizes])
     pipelines, lo, k = [], 0, 0
-    for i, s in enumerate(sizes):
-        workers = tuple(chosen[k + j] for j in range(s))
-        k += s
+    for i, t in enumerate(plans):
+        workers = tuple(chosen[k + j] for j in range(t.nodes))
+        k += t.nodes
         pipelines.append(
-            Pipeline(workers=workers, stages=templates[s].stages, rows=(lo, lo + shares[i]))
+            Pipeline(workers=workers, stages=t.stages, rows=(lo, lo + shares[i]), vpp=t.vpp)
         )
         lo += shares[i]
     return Assignment(
@@ -327,6 +357,7 @@ def grid_assignment(
                 workers=tuple((s * dp + d) * tp for s in range(pp)),
                 stages=template.stages,
                 rows=(d * share, (d + 1) * share),
+                vpp=template.vpp,
             )
             for d in range(dp)
         ),

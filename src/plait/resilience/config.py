@@ -155,8 +155,6 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
             f"--async-checkpoint with --tp {layout.tp} is not covered yet (its writer names "
             "no tp shards); drop --async-checkpoint (checkpoints are then written in step)"
         )
-    if layout.vpp != 1:
-        raise ValueError("--fault-tolerance needs --vpp 1: templates give each worker one stage")
     if layout.pp_layout is not None:
         raise ValueError(
             "--fault-tolerance plans the stages itself (templates balanced by the simulator's "

@@ -240,8 +240,8 @@ class Worker:
         i, _ = assignment.place(self.worker)
         pipe = assignment.pipelines[i]
         layout = template_layout(
-            self.cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
-            [b - a for a, b in pipe.stages],
+            self.cfg.layout, pipe.num_stages, pipe.rows[1] - pipe.rows[0],
+            [b - a for a, b in pipe.stages], vpp=pipe.vpp,
         )  # fmt: skip
         part = Part(
             layout=layout,

@@ -136,7 +136,7 @@ class Generation:
         tp_groups = {  # (pipeline, stage) -> its tp group (none at tp 1)
             (i, j): self._group(members.index(w) for w in p.workers[j * tp : (j + 1) * tp])
             for i, p in enumerate(assignment.pipelines)
-            for j in range(len(p.stages))
+            for j in range(p.num_stages)
         }
         self.units = replica_groups(assignment)
         self.groups = {r: self._group(r) for r in sorted(set(self.units.values()))}
