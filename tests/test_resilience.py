@@ -488,6 +488,29 @@ def test_interleaved_stages_survive_a_kill_on_the_failure_free_curve(corpus, tmp
     assert "plait: replicas verified:" in proc.stdout
 
 
+def test_zero_3_inside_replicas_survives_kills_and_grows_back(corpus, reference, tmp_path):
+    """--dp 4 --zero 3 --zero-shard-group 2: two replicas of two workers, parameters too
+    sharded over each (gathered per block in the forward and backward). A kill of worker 3
+    leaves one replica (its spare waits); the run holds before step 20 until the
+    replacement has joined with the spare as a second replica, receiving the shards it
+    needs from the first (parameters and AdamW moments, shard j from pipeline j); the kill
+    of worker 0 in step 20 is then recovered from that second replica. Every step once, on
+    the failure-free curve; every shard bitwise equal on its holders. Breaks if a stage-3
+    shard copied in were not what the forward gathers from (the curve leaves the
+    reference), or if the update gathered parameters whose storage stage 3 has freed."""
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--dp", 4, "--pp", 1, "--zero", 3, "--zero-shard-group", 2,
+                       "--steps", 30, "--fault-tolerance", 1, "--inject-failure", "2:3,20:0",
+                       "--verify-replicas", "--no-progress", timeout=480)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    assert "worker 3 died (SIGKILL)" in lines[0] and "sharding their stages" in lines[0], lines
+    joined = next(x for x in lines if "joined" in x)
+    second = next(x for x in lines if "worker 0 died (SIGKILL)" in x)
+    assert "state copied" in second and lines.index(second) > lines.index(joined), lines
+    same_curve(out, reference)
+    assert "plait: replicas verified:" in proc.stdout
+
+
 def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus, tmp_path):
     """--dp 4 --zero 2 --zero-shard-group 2 on two "nodes" (two launchers on this machine,
     --nnodes 2): two replicas of two workers sharding every parameter and AdamW moment,

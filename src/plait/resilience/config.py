@@ -173,14 +173,10 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
 
 
 def _check_zero(f: int, layout, res: ResilienceConfig) -> None:
-    """ZeRO under ``--fault-tolerance``: sharded inside replicas of K pipelines (hybrid
-    sharding, ``assignment.py``), F + 1 replicas, so that every shard has F + 1 copies."""
+    """ZeRO under ``--fault-tolerance`` (stages 1-3): sharded inside replicas of K
+    pipelines (hybrid sharding, ``assignment.py``), F + 1 replicas, so that every shard has
+    F + 1 copies."""
     k = layout.zero_shard_group
-    if layout.zero == 3:
-        raise ValueError(
-            "--fault-tolerance with --zero 3: a replica's parameters must stay whole on every "
-            "stage for a survivor to hand them over; use --zero 1 or 2 with --zero-shard-group"
-        )
     if k == 1:
         raise ValueError("--zero-shard-group 1 shards nothing; use --zero 0")
     if k is None or k == layout.dp:

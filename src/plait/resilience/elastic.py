@@ -243,6 +243,8 @@ class Worker:
             self.cfg.layout, pipe.num_stages, pipe.rows[1] - pipe.rows[0],
             [b - a for a, b in pipe.stages], vpp=pipe.vpp,
         )  # fmt: skip
+        if self.cfg.layout.zero == 3:  # built on meta, each shard made one parameter at a
+            layout = layout.replace(zero=3)  # time (Trainer.build): never a whole stage
         part = Part(
             layout=layout,
             rows=pipe.rows,

@@ -246,8 +246,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class ShardedReplicaEngine(ReplicaEngine):
-    """ZeRO stage 1 or 2 inside a replica (module docstring): ``zero.py``'s engine on the
-    stage group, the replica reductions on its shards."""
+    """ZeRO stage 1, 2 or 3 inside a replica (module docstring): ``zero.py``'s engine on
+    the stage group, the replica reductions on its shards."""
 
     def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, cfg,
                  owns_grad=None, defer=()):  # fmt: skip
@@ -287,7 +287,9 @@ class ShardedReplicaEngine(ReplicaEngine):
 
     def step(self, lr: float) -> None:
         self.inner.update_shards(lr)
-        if not self.closed:  # a closed engine issues nothing (module docstring)
+        # a closed engine issues nothing (module docstring); ZeRO-3 gathers each unit's
+        # parameters in the next forward, from the shards just updated
+        if not self.closed and self.zero != 3:
             self.inner.gather_params()
 
     def zero_grad(self) -> None:
@@ -328,8 +330,10 @@ class ShardedReplicaEngine(ReplicaEngine):
             self.inner.optimizer.state(p)["step"].fill_(step)
 
     def materialize(self) -> None:
-        """Whole parameters from the stage group's shards: one all-gather per bucket."""
-        self.inner.gather_params()
+        """Whole parameters from the stage group's shards: one all-gather per bucket
+        (ZeRO-3: nothing; the forward gathers each unit from the shards copied in)."""
+        if self.zero != 3:
+            self.inner.gather_params()
 
 
 def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
