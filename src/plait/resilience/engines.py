@@ -19,16 +19,24 @@ asynchronously from the training thread and waited on all together; no hooks, no
 threads. (Overlap with the backward, as ``data_parallel.py`` has, is left out: this
 engine is an experiment at the edge, STYLE rule 11.)
 
-The gradient norm counts each unit once: on the holder in the first pipeline.
+The gradient norm counts each unit once: on the holder in the first pipeline (with tp
+groups, each tp rank its shard of it, a weight replicated over the tp group on tp rank 0:
+``optim.owns_grad``). With tp groups (``--tp T``) a unit's replica group is per tp rank --
+the holders of ``u@r``, tp rank r of every pipeline holding it (``generation.py``) -- so
+each all-reduce above moves that shard, 4 x N_u / T bytes, after the trainer's own tp
+reductions (``TPGradSync``), in the same global order.
 
 ZeRO inside a replica (``ShardedReplicaEngine``; ``assignment.py``: replicas of K pipelines, each
 stage sharded over its K workers, the j-th pipeline holding shard j of every parameter). Per step,
 on top of the above with shards in place of whole gradients: the ZeRO engine of
 ``zero.py`` on the stage group (stage 2: a reduce-scatter per bucket from autograd's
-hooks as the last micro-batch's backward completes it; stage 1: the bucketed all-reduce),
-4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the shards
+hooks as the last micro-batch's backward completes it; stage 1: the bucketed all-reduce;
+stage 3: parameters sharded too, each unit -- a block, the embedding, the head --
+all-gathered over the stage group before its forward and again before its backward,
+``zero_units.py``, and reduce-scattered as in stage 2), 4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the shards
 (the holders of ``u/j``: pipeline j of every replica), 4 x sum N_u / K bytes; after the
-update, one all-gather per bucket over the stage group, 4 x N_stage bytes. AdamW's
+update, one all-gather per bucket over the stage group, 4 x N_stage bytes (stage 3:
+none, the next forward gathers from the updated shards). AdamW's
 moments live in shards only: 8 x N_stage / K bytes per worker instead of 8 x N_stage.
 Under NCCL: a stage group's collectives are issued by its K ranks in the same bucket
 order (the same stage, model and schedule: ``zero.py``'s argument), all of them before
