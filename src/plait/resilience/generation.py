@@ -6,10 +6,13 @@ Communication. ``Generation(...)`` is collective over the generation's members: 
 member calls ``init_process_group`` on ``PrefixStore(f"gen{G}", store)`` (a rendezvous
 through the store), then creates the same groups in the same order -- the world, each
 pipeline in assignment order (with tp groups, one pp group per tp rank of each pipeline),
-each tp group (pipeline by pipeline, stage by stage; none at tp 1), each replica group (the ranks holding one unit of the model, one
-per pipeline) in sorted order, then, when the assignment shards (ZeRO inside a replica), each
-stage group (the K workers sharding one stage of one replica) in assignment order -- as
-``new_group`` requires of every rank, member or not. Nothing else is issued here.
+each tp group (pipeline by pipeline, stage by stage; none at tp 1), each replica group
+(the ranks holding one unit of the model, one per pipeline; with tp groups one per tp rank)
+in sorted order, then, when the assignment shards (ZeRO inside a replica), each stage
+group (the K workers sharding one stage of one replica) in assignment order -- as
+``new_group`` requires of every rank, member or not. All of it is read off the one
+assignment every member has, so every rank creates the same list. Nothing else is issued
+here.
 
 Why the broken generation leaves nothing pending, and why re-forming cannot deadlock.
 A generation is only ever left at a known point: the training thread raises out of the
