@@ -252,11 +252,11 @@ def same_curve(run: Path, ref: list[dict]) -> None:
 
 
 def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, micro: int,
-                   save: bool = False):  # fmt: skip
+                   save: bool = False, layers: int = LAYERS):  # fmt: skip
     """The failure-free curve of one process (DESIGN.md section 3: every layout reproduces
     it), in this process: no start-up of its own; ``save``: and its final checkpoint."""
     cfg = RunConfig(
-        model=preset("tiny", n_layers=LAYERS, hidden=32, n_heads=2, seq_len=32, vocab_size=256),
+        model=preset("tiny", n_layers=layers, hidden=32, n_heads=2, seq_len=32, vocab_size=256),
         layout=Layout(global_batch_size=batch, micro_batch_size=micro),
         data=corpus,
         train=TrainConfig(
@@ -405,6 +405,110 @@ def test_kills_in_a_row_each_recovered_in_place_with_rejoins(corpus, tmp_path):
     assert worlds[0] == 4 and any(b > a for a, b in zip(worlds, worlds[1:])), worlds  # rejoins
     assert max(r.get("recovery_s", 0) for r in recs) > 0
     assert "plait: replicas verified:" in proc.stdout, proc.stdout
+
+
+def _events(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
+
+
+def test_a_tp_group_is_the_unit_of_failure_on_the_failure_free_curve(corpus, reference, tmp_path):
+    """--tp 2 --pp 2 --dp 2: eight workers, tp groups (0, 1) (2, 3) (4, 5) (6, 7), pipelines
+    (0, 1, 4, 5) and (2, 3, 6, 7). Worker 5 is SIGKILLed in step 3: its peer 4 leaves with
+    it (declared dead with it and expelled, not killed: its shards are useless alone), a
+    replacement group of two consecutive workers (8, 9) starts on their node and devices,
+    and the three groups left re-form in place, the ones that lack a stage receiving it tp
+    rank to tp rank from the group that holds it. Every step once, on the failure-free curve
+    (loss and grad norm), every tensor bitwise equal on the workers holding the same tp
+    shard of it. Breaks if the peer stays on with half a layer, if a group is planned split
+    over two stages, if a shard lands on the other tp rank (the shapes match: the run would
+    go on with the wrong weights), or if a weight replicated over tp is counted twice in
+    the grad norm."""
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--tp", 2, "--steps", 30, "--fault-tolerance", 1,
+                       "--inject-failure", "3:5", "--verify-replicas", "--no-progress",
+                       timeout=480)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    first = next(x for x in lines if "worker 5 died (SIGKILL)" in x)
+    assert "with its tp group 4-5" in first and "state copied" in first, first
+    assert "[4-5]" not in first.split("; ")[-1]  # no stage on what is left of the group
+    events = _events(out)
+    deaths = {e["worker"]: e for e in events if e["event"] == "death"}
+    assert sorted(deaths) == [4, 5], deaths
+    assert deaths[4]["how"] == "left with worker 5" and deaths[4]["returncode"] is None
+    spawns = [e for e in events if e["event"] == "spawn" and e["worker"] >= 8]
+    assert [e["worker"] for e in spawns][:2] == [8, 9], spawns  # a whole group, in tp order
+    decision = next(e for e in events if e["event"] == "decision" and e["gen"] == 1)
+    assert decision["moves"] > 0 and decision["moves"] % 2 == 0  # tp rank r -> tp rank r
+    same_curve(out, reference)
+    assert 6 in [r.get("world_size") for r in records(out)]
+    assert "plait: replicas verified:" in proc.stdout
+
+
+def test_a_replacement_tp_group_joins_whole_and_serves_the_next_recovery(
+    corpus, reference, tmp_path
+):
+    """--tp 2 --pp 1 --dp 2 (four workers: the smallest world whose tp group has a replica
+    to copy from and a replacement to wait for): worker 1 is killed in step 3, so group
+    (0, 1) is out and the run goes on with one copy, group (2, 3); the kill of worker 2
+    due in step 20 holds the run until the replacement group (4, 5) has joined (chaos.py:
+    one copy left), which receives its tp shards from (2, 3), rank to rank; then group (2,
+    3) goes, and (4, 5) carries the run alone on its received state. The curve equals the
+    failure-free run's. Breaks if a replacement group joins half (one worker ready), if a
+    joined group's shards were crossed, or if its state were not the replicas' (the run
+    after the second kill is the joined group's state alone)."""
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--tp", 2, "--pp", 1, "--steps", 30, "--fault-tolerance",
+                       1, "--inject-failure", "3:1,20:2", "--no-progress", timeout=480)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    joined = next(x for x in lines if "worker(s) 4, 5 joined" in x)
+    assert "state copied" in joined and "[4-5]" in joined, joined
+    second = next(x for x in lines if "worker 2 died (SIGKILL)" in x)
+    assert "with its tp group 2-3" in second and lines.index(second) > lines.index(joined)
+    assert "[4-5]" in second.split("; ")[-1], second
+    same_curve(out, reference)
+
+
+def test_interleaved_stages_survive_a_kill_on_the_failure_free_curve(corpus, tmp_path):
+    """--dp 2 --pp 2 --vpp 2 on four layers: each pipeline interleaved, stage 0 holding
+    blocks 0 and 2 (and the embedding), stage 1 blocks 1 and 3 (and the head); worker 3
+    is killed in step 3. The survivors' units are their chunks', the three left re-form
+    in place, each receiving the chunks it lacks, and the replacement rejoins. Every step
+    once, on the failure-free curve; every tensor bitwise equal on its holders. Breaks if
+    a stage's units missed a chunk (a layer left behind: the curve leaves the reference)."""
+    ref = single_process(corpus, tmp_path / "ref", steps=30, batch=8, micro=1, layers=4)
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--layers", 4, "--vpp", 2, "--schedule", "interleaved-1f1b",
+                       "--steps", 30, "--fault-tolerance", 1, "--inject-failure", "3:3",
+                       "--verify-replicas", "--no-progress", timeout=480)  # fmt: skip
+    assert "2: 1+1+1+1" in proc.stdout  # the two-stage template: four chunks
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    first = next(x for x in lines if "worker 3 died (SIGKILL)" in x)
+    assert "state copied" in first, first
+    same_curve(out, ref)
+    assert "plait: replicas verified:" in proc.stdout
+
+
+def test_zero_3_inside_replicas_survives_kills_and_grows_back(corpus, reference, tmp_path):
+    """--dp 4 --zero 3 --zero-shard-group 2: two replicas of two workers, parameters too
+    sharded over each (gathered per block in the forward and backward). A kill of worker 3
+    leaves one replica (its spare waits); the run holds before step 20 until the
+    replacement has joined with the spare as a second replica, receiving the shards it
+    needs from the first (parameters and AdamW moments, shard j from pipeline j); the kill
+    of worker 0 in step 20 is then recovered from that second replica. Every step once, on
+    the failure-free curve; every shard bitwise equal on its holders. Breaks if a stage-3
+    shard copied in were not what the forward gathers from (the curve leaves the
+    reference), or if the update gathered parameters whose storage stage 3 has freed."""
+    out = tmp_path / "run"
+    proc = plait_train(corpus, out, "--dp", 4, "--pp", 1, "--zero", 3, "--zero-shard-group", 2,
+                       "--steps", 30, "--fault-tolerance", 1, "--inject-failure", "2:3,20:0",
+                       "--verify-replicas", "--no-progress", timeout=480)  # fmt: skip
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
+    assert "worker 3 died (SIGKILL)" in lines[0] and "sharding their stages" in lines[0], lines
+    joined = next(x for x in lines if "joined" in x)
+    second = next(x for x in lines if "worker 0 died (SIGKILL)" in x)
+    assert "state copied" in second and lines.index(second) > lines.index(joined), lines
+    same_curve(out, reference)
+    assert "plait: replicas verified:" in proc.stdout
 
 
 def test_zero_inside_replicas_on_two_nodes_survives_kills_and_grows_back(corpus, tmp_path):

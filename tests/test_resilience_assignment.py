@@ -12,11 +12,13 @@ from plait.parallel.pipeline.partition import stage_costs
 from plait.resilience.assignment import (
     Assignment,
     assign,
+    expand_moves,
     grid_assignment,
     names_in_unit,
     serves,
     sources,
     stage_units,
+    strip_tp,
 )
 from plait.resilience.chaos import Chaos
 from plait.resilience.config import ResilienceConfig, check_layout, parse_injections
@@ -154,6 +156,82 @@ def test_zero_inside_replicas_every_shard_keeps_f_plus_1_copies():
     assert "blocks.2/1" in sources(assignment, lost)[1]
 
 
+def test_tp_groups_are_planned_whole_and_each_shard_comes_from_the_same_tp_rank():
+    """tp 2, pp 2, dp 2 on 4 layers (assignment.py's worked example): the grid's rank order
+    (tp fastest); worker 5 dies and takes its group (4, 5) with it; the three groups left
+    make a two-stage and a one-stage pipeline, planned as groups (never split over two
+    stages), and every unit a group lacks comes tp rank r to tp rank r from one group
+    holding the same stage. Breaks if a group is split, if a shard is sent to another tp
+    rank (the shapes match, so the run would train on the wrong weights silently), or if
+    the replica groups mix tp ranks."""
+    t = _templates({1: 1.0, 2: 0.6}, n_layers=4)
+    grid = grid_assignment(dp=2, template=t[2], rows=8, n_layers=4, tied=True, tp=2)
+    assert [p.workers for p in grid.pipelines] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert grid.tp_group(5) == (4, 5) and grid.place(5) == (0, 1) and grid.tp_rank(5) == 1
+    assert grid.pipe_workers(0, 1) == (1, 5)  # the pp group of tp rank 1
+    assert grid.units_of(5) == {"blocks.2@1", "blocks.3@1", "post@1", "tied@1"}
+    r = {w: grid.members.index(w) for w in grid.members}
+    groups = replica_groups(grid)
+    assert groups["embed@0"] == (r[0], r[2]) and groups["embed@1"] == (r[1], r[3])
+    assert groups["tied@1"] == (r[5], r[7])
+    assert Assignment.from_json(grid.to_json()) == grid
+    # the coordinator's view: groups by lead, units without the tp rank
+    held = {g: frozenset(map(strip_tp, grid.units_of(g))) for g in (0, 2, 6)}
+    plan = assign((2, 1), t, holdings=held, rows=8, micro_batch=1, n_layers=4, tied=True)
+    moves, missing = sources(plan, held)
+    assert missing == []
+    assignment, moves = plan.expand(2), expand_moves(moves, 2)
+    assert sorted(assignment.members) == [0, 1, 2, 3, 6, 7]
+    for p in assignment.pipelines:  # each stage a whole group, in tp rank order
+        assert all(p.workers[k] % 2 == 0 and p.workers[k + 1] == p.workers[k] + 1
+                   for k in range(0, len(p.workers), 2))  # fmt: skip
+    assert moves and all(
+        u.split("@")[1] == str(recv % 2) == str(send % 2) for recv, u, send in moves
+    )
+    # the one-stage pipeline's group gets the second half from group (6, 7) only
+    (one,) = [p for p in assignment.pipelines if len(p.stages) == 1]
+    to_rank_1 = {(u, s) for recv, u, s in moves if recv == one.workers[1]}
+    assert to_rank_1 >= {("blocks.2@1", 7), ("blocks.3@1", 7), ("post@1", 7)}
+    assert "2-3" in assignment.describe() or "0-1" in assignment.describe()
+    assert serves(frozenset({"embed@1"}), "tied@1") and not serves(frozenset({"embed@0"}), "tied@1")
+    assert strip_tp("blocks.0@1/0") == "blocks.0/0"
+    assert names_in_unit("post@1", ["head.w"]) == ["head.w"]
+
+
+def test_interleaved_templates_give_each_stage_its_chunks_and_fall_back_when_the_batch_cannot():
+    """--vpp 2: a two-stage template of four chunks, stage 0 holding chunks 0 and 2 (blocks 0
+    and 2 with the embedding), stage 1 chunks 1 and 3 (blocks 1 and 3, the head and the
+    tied copy). A pipeline whose share is not a multiple of 2 micro-batches runs the plain
+    twin (the interleaved schedule could not). Breaks if a stage's units miss a chunk (the
+    state copy would leave a layer behind) or if an odd share were planned interleaved."""
+    plain = Template(stages=((0, 2), (2, 4)), iter_s=1.0, rows=4)
+    chunked = Template(stages=((0, 1), (1, 2), (2, 3), (3, 4)), iter_s=0.8, rows=4, vpp=2,
+                       plain=plain)  # fmt: skip
+    one = Template(stages=((0, 4),), iter_s=1.5, rows=4)
+    t = {1: one, 2: chunked}
+    grid = grid_assignment(dp=2, template=chunked, rows=8, n_layers=4, tied=True)
+    assert grid.units_of(0) == {"embed", "blocks.0", "blocks.2"}
+    assert grid.units_of(2) == {"blocks.1", "blocks.3", "post", "tied"}
+    assert grid.chunks_of(2) == ((1, 2), (3, 4)) and "2 chunks a stage" in grid.describe()
+    assert Assignment.from_json(grid.to_json()) == grid
+    # 4 rows of micro-batch 1 each: interleaved; 3 rows: the plain twin
+    even = assign((2, 2), t, holdings={w: grid.units_of(w) for w in range(4)}, rows=8,
+                  micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    assert [p.vpp for p in even.pipelines] == [2, 2] and sorted(even.members) == [0, 1, 2, 3]
+    assert all(even.units_of(w) == grid.units_of(w) for w in range(4))  # nothing moves
+    odd = assign((2, 1), t, holdings={w: grid.units_of(w) for w in (0, 1, 2)}, rows=7,
+                 micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    shares = [p.rows[1] - p.rows[0] for p in odd.pipelines]
+    two = odd.pipelines[0]
+    assert two.vpp == (2 if shares[0] % 2 == 0 else 1), (shares, two)
+    assert sum(shares) == 7
+    plain_plan = assign((2,), {2: chunked}, holdings={0: frozenset(), 1: frozenset()}, rows=3,
+                        micro_batch=1, n_layers=4, tied=True)  # fmt: skip
+    assert plain_plan.pipelines[0].vpp == 1 and plain_plan.pipelines[0].stages == plain.stages
+    assert plain_plan.units_of(plain_plan.pipelines[0].workers[0]) == {"embed", "blocks.0",
+                                                                       "blocks.1"}  # fmt: skip
+
+
 def test_units_and_names():
     assert stage_units(0, 4, n_layers=4, tied=True) == {"embed", "blocks.0", "blocks.1",
                                                          "blocks.2", "blocks.3", "post"}  # fmt: skip
@@ -259,19 +337,28 @@ def test_a_shot_due_while_a_replacement_is_coming_waits_and_the_run_holds_before
     "layout, flags, needle",
     [
         (dict(dp=1, pp=2), {}, "--dp >= 2"),
-        (dict(dp=2, tp=2), {}, "--tp 1"),
+        (dict(dp=4, tp=2, zero=1, zero_shard_group=2), {}, "--tp 2 and --zero 1"),
+        (dict(dp=2, tp=2, pp=2), {"nnodes": 8}, "keeps each tp group on one node"),
         (dict(dp=2, zero=1), {}, "--zero-shard-group K"),
-        (dict(dp=4, zero=3, zero_shard_group=2), {}, "use --zero 1 or 2"),
+        (dict(dp=4, zero=3), {}, "--zero-shard-group K"),
         (dict(dp=4, zero=2, zero_shard_group=4), {}, "--zero-shard-group K"),
         (dict(dp=4, zero=2, zero_shard_group=2, offload_optimizer=True), {}, "drop --offload"),
         (dict(dp=2, zero=2, zero_shard_group=1), {}, "shards nothing"),
-        (dict(dp=2, pp=2, vpp=2, schedule="interleaved-1f1b", global_batch_size=16), {}, "--vpp 1"),
         (dict(dp=2, pp=3), {"nnodes": 4}, "--nnodes 4 does not divide"),
     ],
 )
 def test_layouts_refused_with_one_line(layout, flags, needle):
     with pytest.raises(ValueError, match=needle.replace("+", r"\+")):
         check_layout(ResilienceConfig(fault_tolerance=1), Layout(**layout), **flags)
+
+
+def test_async_checkpoint_with_tp_refused_and_tp_groups_allowed():
+    """--tp 2 runs under --fault-tolerance (a tp group is the unit of failure); only
+    --async-checkpoint with it is refused, in one line."""
+    check_layout(ResilienceConfig(fault_tolerance=1), Layout(dp=2, tp=2, pp=2), nnodes=2)
+    with pytest.raises(ValueError, match="--async-checkpoint with --tp 2"):
+        check_layout(ResilienceConfig(fault_tolerance=1, async_checkpoint=True),
+                     Layout(dp=2, tp=2))  # fmt: skip
 
 
 def test_config_checks():

@@ -131,7 +131,8 @@ def from_values(values: dict) -> ResilienceConfig:
 
 def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
     """Raise ValueError (one line naming the flag) when ``layout`` cannot run with
-    ``--fault-tolerance``: the unit of failure is one worker holding one pipeline stage."""
+    ``--fault-tolerance``: the unit of failure is one tp group (one worker at --tp 1)
+    holding one pipeline stage."""
     if not res.enabled:
         if res.async_checkpoint:
             raise ValueError("--async-checkpoint needs --fault-tolerance F >= 1 (its runtime)")
@@ -144,13 +145,16 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
             f"--fault-tolerance {f} keeps F+1 = {f + 1} copies of every layer, one per "
             f"pipeline, but --dp {layout.dp} gives {layout.dp} pipelines; use --dp >= {f + 1}"
         )
-    if layout.tp != 1:
+    if layout.tp > 1 and layout.zero:
         raise ValueError(
-            "--fault-tolerance needs --tp 1: a worker is the unit that fails and is replaced "
-            "(tensor-parallel groups failing as one are not covered yet)"
+            f"--fault-tolerance with --tp {layout.tp} and --zero {layout.zero} is not covered "
+            "yet (ZeRO shards inside a replica's stages of one worker); drop --zero or use --tp 1"
         )
-    if layout.vpp != 1:
-        raise ValueError("--fault-tolerance needs --vpp 1: templates give each worker one stage")
+    if layout.tp > 1 and res.async_checkpoint:
+        raise ValueError(
+            f"--async-checkpoint with --tp {layout.tp} is not covered yet (its writer names "
+            "no tp shards); drop --async-checkpoint (checkpoints are then written in step)"
+        )
     if layout.pp_layout is not None:
         raise ValueError(
             "--fault-tolerance plans the stages itself (templates balanced by the simulator's "
@@ -160,17 +164,19 @@ def check_layout(res: ResilienceConfig, layout, *, nnodes: int = 1) -> None:
         raise ValueError(
             f"--nnodes {nnodes} does not divide the {layout.world_size} workers of the layout"
         )
+    if nnodes > 1 and (layout.world_size // nnodes) % layout.tp:
+        raise ValueError(
+            f"--fault-tolerance with --tp {layout.tp} keeps each tp group on one node, but "
+            f"--nnodes {nnodes} gives {layout.world_size // nnodes} workers a node; use a "
+            f"--tp that divides {layout.world_size // nnodes}"
+        )
 
 
 def _check_zero(f: int, layout, res: ResilienceConfig) -> None:
-    """ZeRO under ``--fault-tolerance``: sharded inside replicas of K pipelines (hybrid
-    sharding, ``assignment.py``), F + 1 replicas, so that every shard has F + 1 copies."""
+    """ZeRO under ``--fault-tolerance`` (stages 1-3): sharded inside replicas of K
+    pipelines (hybrid sharding, ``assignment.py``), F + 1 replicas, so that every shard has
+    F + 1 copies."""
     k = layout.zero_shard_group
-    if layout.zero == 3:
-        raise ValueError(
-            "--fault-tolerance with --zero 3: a replica's parameters must stay whole on every "
-            "stage for a survivor to hand them over; use --zero 1 or 2 with --zero-shard-group"
-        )
     if k == 1:
         raise ValueError("--zero-shard-group 1 shards nothing; use --zero 0")
     if k is None or k == layout.dp:

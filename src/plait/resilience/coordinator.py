@@ -49,7 +49,13 @@ from pathlib import Path
 from plait import signed_store
 from plait.errors import LaunchError, printable
 from plait.resilience import nodes, protocol
-from plait.resilience.assignment import assign, grid_assignment, sources
+from plait.resilience.assignment import (
+    assign,
+    expand_moves,
+    grid_assignment,
+    sources,
+    strip_tp,
+)
 from plait.resilience.chaos import Chaos
 from plait.resilience.templates import build_templates, choose
 from plait.train import liveness
@@ -122,7 +128,11 @@ class Coordinator:
         hw = hardware_for("cuda" if self.gpus else "cpu")
         # ZeRO inside a replica: pipelines come K at a time, one template per replica
         self.shard_group = lay.zero_shard_group if lay.zero else 1
-        max_nodes = max(lay.pp, self.world // self.shard_group // (self.res.fault_tolerance + 1))
+        # tensor parallelism: a tp group of ``tp`` consecutive workers is the unit that
+        # fails, is replaced and is planned (assignment.py); templates count groups
+        self.tp = lay.tp
+        groups = self.world // self.tp
+        max_nodes = max(lay.pp, groups // self.shard_group // (self.res.fault_tolerance + 1))
         every = build_templates(cfg.model, lay, hw, max_nodes=max_nodes, rows=self.rows // lay.dp)
         # those that fit in memory, and the user's own (it runs, whatever the model says)
         self.templates = {s: t for s, t in every.items() if t.fits or s == lay.pp}
@@ -177,19 +187,25 @@ class Coordinator:
         self.log("spawn", worker=w, node=node, pid=handle.pid)
         return w
 
-    def place_replacement(self, p: Proc) -> tuple[int, int]:
-        """(node, local rank) for the replacement of ``p``: its node and device, or, if
-        its node is gone, the node alive with the fewest workers and its lowest free local
-        rank (several workers per device if none is free)."""
-        if self.nodes.fresh(p.node):
-            return p.node, p.local_rank
+    def place_replacements(self, group: list[Proc]) -> list[tuple[int, int]]:
+        """(node, local rank) for the replacement of each worker of a tp group (one
+        worker at tp 1): its node and device, or, if its node is gone, the node alive with
+        the fewest workers and its lowest free local ranks (several workers per device if
+        none is free), the whole group on one node."""
+        if self.nodes.fresh(group[0].node):
+            return [(p.node, p.local_rank) for p in group]
         live = {n: [] for n in {0} | {q.node for q in self.procs.values()} if self.nodes.fresh(n)}
         for q in self.procs.values():
             if q.node in live and not q.dead:
                 live[q.node].append(q.local_rank)
         node = min(live, key=lambda n: (len(live[n]), n))
-        free = [r for r in range(self.per_node) if r not in live[node]]
-        return node, free[0] if free else min(range(self.per_node), key=live[node].count)
+        out = []
+        for _ in group:
+            free = [r for r in range(self.per_node) if r not in live[node]]
+            r = free[0] if free else min(range(self.per_node), key=live[node].count)
+            live[node].append(r)
+            out.append((node, r))
+        return out
 
     def send(self, w: int, sig: str) -> None:
         p = self.procs[w]
@@ -212,7 +228,7 @@ class Coordinator:
         self.assignment = grid_assignment(
             dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
             n_layers=self.cfg.model.n_layers, tied=self.cfg.model.tied_embeddings,
-            shard_group=self.shard_group)  # fmt: skip
+            shard_group=self.shard_group, tp=self.tp)  # fmt: skip
         sizes = ", ".join(f"{s}: {'+'.join(str(b - a) for a, b in t.stages)}"
                           for s, t in sorted(self.templates.items()))  # fmt: skip
         print(f"plait: fault tolerance {self.res.fault_tolerance}: pipeline templates by "
@@ -277,10 +293,12 @@ class Coordinator:
                     self.send(shot.worker, shot.signal)
                     if shot.signal == "kill":  # the failure starts now, not when it is seen
                         self.note_failure(time.time(), f"worker {shot.worker} died (SIGKILL)"
-                                          f"{self._during(shot.worker)}", declared=False)  # fmt: skip
+                                          f"{self._during(shot.worker)}{self._with_group(shot.worker)}",
+                                          declared=False)  # fmt: skip
                     else:
                         self.note_failure(time.time(), f"worker {shot.worker} hung (SIGSTOP)"
-                                          f"{self._during(shot.worker)}", declared=False)  # fmt: skip
+                                          f"{self._during(shot.worker)}{self._with_group(shot.worker)}",
+                                          declared=False)  # fmt: skip
             self.hold(self.chaos.hold_step(copies=copies, coming=coming))
         left = protocol.reports(self.store, self.gen, self.members())
         if left and self.broken != self.gen and not self.requested:
@@ -321,21 +339,31 @@ class Coordinator:
                               f"step {median:.2f} s) during step {step}")  # fmt: skip
 
     def expel(self, p: Proc, how: str, now: float, *, code: int | None = None) -> None:
-        """Declare worker ``p`` dead: a failure of its generation (every survivor aborts
-        its groups: ``ft/abort``), a replacement started. Nothing is sent to it: a hung or
-        cut-off worker that runs again finds itself expelled and exits writing nothing
-        (``elastic.Watcher``), so recovery never waits on a kill reaching it."""
-        w = p.worker
-        p.dead = True
-        if w in self.dog.ranks:
-            self.dog.ranks.remove(w)
-        self.log("death", worker=w, returncode=code, signal=p.signal, how=how)
+        """Declare worker ``p`` dead -- with tp groups, its whole group: the peers' shards
+        are useless alone -- a failure of its generation (every survivor aborts its
+        groups: ``ft/abort``), replacements started (a new tp group, consecutive ids).
+        Nothing is sent to them: a hung or cut-off worker, or a peer, that runs on finds
+        itself expelled and exits writing nothing (``elastic.Watcher``), so recovery never
+        waits on a kill reaching it."""
+        if p.dead:  # already declared (with a peer of its tp group, say)
+            return
+        w, lead = p.worker, p.worker - p.worker % self.tp
+        group = [self.procs[v] for v in range(lead, lead + self.tp) if v in self.procs]
+        for q in group:
+            if q.dead:
+                continue
+            q.dead = True
+            if q.worker in self.dog.ranks:
+                self.dog.ranks.remove(q.worker)
+            self.log("death", worker=q.worker, returncode=code if q is p else None,
+                     signal=q.signal, how=how if q is p else f"left with worker {w}")  # fmt: skip
         if w in self.members():
-            self.note_failure(now, f"worker {w} died ({how}){self._during(w)}")
+            self.note_failure(now, f"worker {w} died ({how}){self._during(w)}{self._with_group(w)}")
         else:
             self.publish_abort()  # the expelled list only
         if self.res.respawn and not self.all_finished_soon():
-            self.spawn(*self.place_replacement(p))
+            for node, local_rank in self.place_replacements(group):
+                self.spawn(node, local_rank)
 
     def publish_abort(self) -> None:
         """``ft/abort``: the current generation is broken (once a failure is noted) and
@@ -388,6 +416,11 @@ class Coordinator:
             for i in range(0, len(pipes), k)
         )  # fmt: skip
 
+    def _with_group(self, w: int) -> str:
+        """``, with its tp group 4-5`` (nothing at tp 1): what a worker's failure takes out."""
+        lead = w - w % self.tp
+        return f", with its tp group {lead}-{lead + self.tp - 1}" if self.tp > 1 else ""
+
     def _during(self, w: int) -> str:
         p = self.last_progress.get(w)
         return f" during step {p[0]}" if p else ""
@@ -426,19 +459,24 @@ class Coordinator:
         if not joiners:
             return False
         sizes = self.choose(len(self.members()) + len(joiners))
-        return sizes is not None and sum(sizes) * self.shard_group > len(self.members())
+        return sizes is not None and sum(sizes) * self.shard_group * self.tp > len(self.members())
 
     def choose(self, n: int) -> tuple[int, ...] | None:
         """Template sizes for ``n`` workers: one per pipeline, or one per replica of K
         pipelines (ZeRO inside a replica), at least F + 1 of them when they fit."""
-        return choose(n // self.shard_group, self.templates,
+        return choose(n // self.tp // self.shard_group, self.templates,
                       min_pipelines=self.res.fault_tolerance + 1,
                       max_pipelines=self.rows // self.mbs // self.shard_group)  # fmt: skip
 
     def joiners(self) -> list[int]:
-        return [
-            w for w, p in self.procs.items() if p.ready and not p.dead and w not in self.members()
-        ]
+        """New workers ready to join: whole tp groups only (every worker of one ready)."""
+        members = set(self.members())
+        ok = {w for w, p in self.procs.items() if p.ready and not p.dead and w not in members}
+        return sorted(w for w in ok if all(v in ok for v in self.group(w)))
+
+    def group(self, w: int) -> range:
+        """The tp group of worker ``w`` (consecutive ids, aligned: ``assignment.py``)."""
+        return range(w - w % self.tp, w - w % self.tp + self.tp)
 
     def all_finished(self) -> bool:
         return bool(self.members()) and all(self.procs[w].finished or self.procs[w].dead
@@ -485,19 +523,23 @@ class Coordinator:
         for w, r in left.items():
             if r["done"] == resume or (last and r["done"] == resume - 1 and r["reduced"]):
                 current[w] = frozenset(r["units"])
-        candidates = sorted(set(left) | set(self.joiners()))
-        sizes = self.choose(len(candidates))
+        candidates = set(left) | set(self.joiners())
+        # planned by tp group, each named by its lead (assignment.py); whole groups only
+        leads = sorted(w for w in candidates if w % self.tp == 0
+                       and all(v in candidates for v in self.group(w)))  # fmt: skip
+        sizes = self.choose(len(leads) * self.tp)
         if sizes is None:
             if any(not p.ready and not p.dead for p in self.procs.values()):
                 return None  # replacements are starting: wait for them
             raise LaunchError(f"{len(candidates)} workers left, too few for the smallest "
-                              f"pipeline template ({min(self.templates) * self.shard_group} "
+                              f"pipeline template ({min(self.templates) * self.shard_group * self.tp} "
                               "workers)")  # fmt: skip
-        holdings = {w: current.get(w, frozenset()) for w in candidates}
-        assignment = assign(sizes, self.templates, holdings=holdings, rows=self.rows,
-                            micro_batch=self.mbs, n_layers=cfg.model.n_layers,
-                            tied=cfg.model.tied_embeddings, shard_group=self.shard_group)  # fmt: skip
-        moves, missing = sources(assignment, {w: h for w, h in holdings.items() if h})
+        holdings = {g: self.group_holds(g, current) for g in leads}
+        plan = assign(sizes, self.templates, holdings=holdings, rows=self.rows,
+                      micro_batch=self.mbs, n_layers=cfg.model.n_layers,
+                      tied=cfg.model.tied_embeddings, shard_group=self.shard_group)  # fmt: skip
+        moves, missing = sources(plan, {g: h for g, h in holdings.items() if h})
+        assignment, moves = plan.expand(self.tp), expand_moves(moves, self.tp)
         why = self.failure[1] if self.failure else (
             "worker(s) " + ", ".join(map(str, sorted(set(assignment.members)
                                                      - set(self.members())))) + " joined")  # fmt: skip
@@ -530,6 +572,14 @@ class Coordinator:
                           for w, r in left.items()})  # fmt: skip
         self.assignment = assignment
         return d
+
+    def group_holds(self, lead: int, current: dict[int, frozenset]) -> frozenset[str]:
+        """What the tp group of ``lead`` holds up to date, as the plan names units
+        (``strip_tp``): what all of its workers hold, each its own tp shard of it."""
+        if self.tp == 1:
+            return current.get(lead, frozenset())
+        held = [frozenset(map(strip_tp, current.get(w, ()))) for w in self.group(lead)]
+        return frozenset.intersection(*held)
 
     def verify_replicas(self) -> None:
         """Every tensor (parameters, AdamW moments and step) bitwise equal on every worker

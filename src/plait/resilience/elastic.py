@@ -240,9 +240,11 @@ class Worker:
         i, _ = assignment.place(self.worker)
         pipe = assignment.pipelines[i]
         layout = template_layout(
-            self.cfg.layout, len(pipe.stages), pipe.rows[1] - pipe.rows[0],
-            [b - a for a, b in pipe.stages],
+            self.cfg.layout, pipe.num_stages, pipe.rows[1] - pipe.rows[0],
+            [b - a for a, b in pipe.stages], vpp=pipe.vpp,
         )  # fmt: skip
+        if self.cfg.layout.zero == 3:  # built on meta, each shard made one parameter at a
+            layout = layout.replace(zero=3)  # time (Trainer.build): never a whole stage
         part = Part(
             layout=layout,
             rows=pipe.rows,
@@ -439,11 +441,13 @@ def write_fingerprints(trainer: Trainer, path: Path) -> None:
 
 
 def _state_tensors(trainer: Trainer):
-    """(name, tensor) of what this worker holds: a ZeRO shard is named with its start, so
-    that only workers holding the same shard are compared."""
+    """(name, tensor) of what this worker holds: a ZeRO shard is named with its start, and
+    with tensor parallelism every tensor with its tp rank, so that only workers holding
+    the same shard are compared."""
+    tp = f"#tp{trainer.topo.tp_rank}" if trainer.topo.tp > 1 else ""
     for key, held in sorted(trainer.engine.held_state().items()):
         yield (f"{key}@{held.lo}" if held.lo or held.flat.numel() < math.prod(held.shape)
-               else key), held.flat  # fmt: skip
+               else key) + tp, held.flat  # fmt: skip
 
 
 def _due(done: int, tcfg) -> bool:

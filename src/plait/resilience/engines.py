@@ -19,16 +19,24 @@ asynchronously from the training thread and waited on all together; no hooks, no
 threads. (Overlap with the backward, as ``data_parallel.py`` has, is left out: this
 engine is an experiment at the edge, STYLE rule 11.)
 
-The gradient norm counts each unit once: on the holder in the first pipeline.
+The gradient norm counts each unit once: on the holder in the first pipeline (with tp
+groups, each tp rank its shard of it, a weight replicated over the tp group on tp rank 0:
+``optim.owns_grad``). With tp groups (``--tp T``) a unit's replica group is per tp rank --
+the holders of ``u@r``, tp rank r of every pipeline holding it (``generation.py``) -- so
+each all-reduce above moves that shard, 4 x N_u / T bytes, after the trainer's own tp
+reductions (``TPGradSync``), in the same global order.
 
 ZeRO inside a replica (``ShardedReplicaEngine``; ``assignment.py``: replicas of K pipelines, each
 stage sharded over its K workers, the j-th pipeline holding shard j of every parameter). Per step,
 on top of the above with shards in place of whole gradients: the ZeRO engine of
 ``zero.py`` on the stage group (stage 2: a reduce-scatter per bucket from autograd's
-hooks as the last micro-batch's backward completes it; stage 1: the bucketed all-reduce),
-4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the shards
+hooks as the last micro-batch's backward completes it; stage 1: the bucketed all-reduce;
+stage 3: parameters sharded too, each unit -- a block, the embedding, the head --
+all-gathered over the stage group before its forward and again before its backward,
+``zero_units.py``, and reduce-scattered as in stage 2), 4 x N_stage bytes; then in ``finish()`` one all-reduce per replica group of the shards
 (the holders of ``u/j``: pipeline j of every replica), 4 x sum N_u / K bytes; after the
-update, one all-gather per bucket over the stage group, 4 x N_stage bytes. AdamW's
+update, one all-gather per bucket over the stage group, 4 x N_stage bytes (stage 3:
+none, the next forward gathers from the updated shards). AdamW's
 moments live in shards only: 8 x N_stage / K bytes per worker instead of 8 x N_stage.
 Under NCCL: a stage group's collectives are issued by its K ranks in the same bucket
 order (the same stage, model and schedule: ``zero.py``'s argument), all of them before
@@ -53,7 +61,7 @@ from plait.parallel.engine import GradientEngine
 from plait.parallel.flat import FlatLayout
 from plait.parallel.held import Held
 from plait.parallel.zero import ZeroDataParallel
-from plait.resilience.assignment import split_shard, unit_of, with_shard
+from plait.resilience.assignment import base_unit, unit_of, with_shard, with_tp
 from plait.resilience.generation import Generation, unit_order
 from plait.topology import Axis
 
@@ -106,10 +114,11 @@ def replica_syncs(gen: Generation, named, *, shard=None) -> list[ReplicaSync]:
     it, in pipeline ``assignment.shard_index`` of every replica)."""
     assignment, me = gen.assignment, gen.worker
     shard_index = assignment.shard_index(assignment.place(me)[0])
-    held = frozenset(split_shard(u)[0] for u in assignment.units_of(me))
+    tp_rank = assignment.tp_rank(me) if assignment.tp > 1 else None
+    held = frozenset(base_unit(u) for u in assignment.units_of(me))
 
     def ranks_of(unit: str):
-        return gen.units.get(next(iter(with_shard({unit}, shard_index))))
+        return gen.units.get(next(iter(with_shard(with_tp({unit}, tp_rank), shard_index))))
 
     entries: dict[tuple[int, ...], list] = {}
     tied = ranks_of("tied")
@@ -143,15 +152,18 @@ class ReplicaEngine:
 
     zero = 0
 
-    def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, **_):
+    def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable,
+                 owns_grad=None, **_):  # fmt: skip
         self.model, self.topo = model, gen.topo
         assignment, me = gen.assignment, gen.worker
-        held = assignment.units_of(me)
+        held = frozenset(base_unit(u) for u in assignment.units_of(me))
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         first_pipeline = gen.assignment.pipelines[0].workers
         units = {n: stage_unit_of(n, held) for n, _ in self.named}
-        # this rank counts a unit in |g|^2 when it holds it in the first pipeline
-        self.counted = [p for n, p in self.named if units[n] != "tied" and me in first_pipeline]
+        # this rank counts a unit in |g|^2 when it holds it in the first pipeline (with tp,
+        # a weight replicated over its tp group on tp rank 0 only: ``optim.owns_grad``)
+        self.counted = [p for n, p in self.named if units[n] != "tied" and me in first_pipeline
+                        and (owns_grad is None or owns_grad(p))]  # fmt: skip
         self.syncs = replica_syncs(gen, self.named)
         self.optimizer = make_optimizer([(n, p, p) for n, p in self.named])
         self.reduced = False  # finish() completed for the current gradients
@@ -242,8 +254,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class ShardedReplicaEngine(ReplicaEngine):
-    """ZeRO stage 1 or 2 inside a replica (module docstring): ``zero.py``'s engine on the
-    stage group, the replica reductions on its shards."""
+    """ZeRO stage 1, 2 or 3 inside a replica (module docstring): ``zero.py``'s engine on
+    the stage group, the replica reductions on its shards."""
 
     def __init__(self, model: nn.Module, *, gen: Generation, make_optimizer: Callable, cfg,
                  owns_grad=None, defer=()):  # fmt: skip
@@ -254,7 +266,7 @@ class ShardedReplicaEngine(ReplicaEngine):
             model, topo=gen.stage_topology(), make_optimizer=make_optimizer,
             cfg=dataclasses.replace(cfg, shard_group=None), owns_grad=owns_grad, defer=defer,
         )  # fmt: skip
-        held = frozenset(split_shard(u)[0] for u in assignment.units_of(me))
+        held = frozenset(base_unit(u) for u in assignment.units_of(me))
         first_replica = {
             w for p in assignment.pipelines[: assignment.shard_group] for w in p.workers
         }
@@ -283,7 +295,9 @@ class ShardedReplicaEngine(ReplicaEngine):
 
     def step(self, lr: float) -> None:
         self.inner.update_shards(lr)
-        if not self.closed:  # a closed engine issues nothing (module docstring)
+        # a closed engine issues nothing (module docstring); ZeRO-3 gathers each unit's
+        # parameters in the next forward, from the shards just updated
+        if not self.closed and self.zero != 3:
             self.inner.gather_params()
 
     def zero_grad(self) -> None:
@@ -324,8 +338,10 @@ class ShardedReplicaEngine(ReplicaEngine):
             self.inner.optimizer.state(p)["step"].fill_(step)
 
     def materialize(self) -> None:
-        """Whole parameters from the stage group's shards: one all-gather per bucket."""
-        self.inner.gather_params()
+        """Whole parameters from the stage group's shards: one all-gather per bucket
+        (ZeRO-3: nothing; the forward gathers each unit from the shards copied in)."""
+        if self.zero != 3:
+            self.inner.gather_params()
 
 
 def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
@@ -339,6 +355,6 @@ def factory(gen: Generation, *, zero: int = 0) -> Callable[..., GradientEngine]:
                 model, gen=gen, make_optimizer=make_optimizer,
                 cfg=dataclasses.replace(cfg, zero=zero), owns_grad=owns_grad, defer=defer,
             )  # fmt: skip
-        return ReplicaEngine(model, gen=gen, make_optimizer=make_optimizer)
+        return ReplicaEngine(model, gen=gen, make_optimizer=make_optimizer, owns_grad=owns_grad)
 
     return make

@@ -5,10 +5,14 @@ drop of all of it when a peer fails.
 Communication. ``Generation(...)`` is collective over the generation's members: every
 member calls ``init_process_group`` on ``PrefixStore(f"gen{G}", store)`` (a rendezvous
 through the store), then creates the same groups in the same order -- the world, each
-pipeline in assignment order, each replica group (the ranks holding one unit of the model, one
-per pipeline) in sorted order, then, when the assignment shards (ZeRO inside a replica), each
-stage group (the K workers sharding one stage of one replica) in assignment order -- as
-``new_group`` requires of every rank, member or not. Nothing else is issued here.
+pipeline in assignment order (with tp groups, one pp group per tp rank of each pipeline),
+each tp group (pipeline by pipeline, stage by stage; none at tp 1), each replica group
+(the ranks holding one unit of the model, one per pipeline; with tp groups one per tp rank)
+in sorted order, then, when the assignment shards (ZeRO inside a replica), each stage
+group (the K workers sharding one stage of one replica) in assignment order -- as
+``new_group`` requires of every rank, member or not. All of it is read off the one
+assignment every member has, so every rank creates the same list. Nothing else is issued
+here.
 
 Why the broken generation leaves nothing pending, and why re-forming cannot deadlock.
 A generation is only ever left at a known point: the training thread raises out of the
@@ -40,7 +44,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from plait.resilience.assignment import Assignment, with_shard
+from plait.resilience.assignment import Assignment, with_shard, with_tp
 from plait.topology import Axis, Topology, resolve_device
 
 
@@ -64,8 +68,9 @@ def unit_order(unit: str, n_layers: int) -> int:
 
 
 def replica_groups(assignment: Assignment) -> dict[str, tuple[int, ...]]:
-    """For every unit (sharded: every shard ``u/j``), the generation ranks that reduce its
-    gradients together: its holder in each pipeline (sharded: in pipeline j of each replica).
+    """For every unit (sharded: every shard ``u/j``; with tp groups, every tp shard ``u@r``),
+    the generation ranks that reduce its gradients together: its holder in each pipeline
+    (sharded: in pipeline j of each replica; tp: the holder's tp rank r).
     ``tied``: the last stage of each pipeline -- its copy of the token embedding, or, in a
     one-stage pipeline, the embedding itself, whose gradient (the pipeline's whole one) it
     contributes a second time here and keeps from ``embed``'s group (``engines.py``).
@@ -75,14 +80,16 @@ def replica_groups(assignment: Assignment) -> dict[str, tuple[int, ...]]:
     for w in members:
         for unit in assignment.units_of(w):
             holders.setdefault(unit, []).append(members.index(w))
+    tp = assignment.tp
     for j in {assignment.shard_index(i) for i in range(len(assignment.pipelines))}:
-        (tied,) = with_shard({"tied"}, j)
-        if tied in holders:
-            holders[tied] = [
-                members.index(p.workers[-1])
-                for i, p in enumerate(assignment.pipelines)
-                if assignment.shard_index(i) == j
-            ]
+        for r in range(tp):
+            (tied,) = with_shard(with_tp({"tied"}, r if tp > 1 else None), j)
+            if tied in holders:
+                holders[tied] = [
+                    members.index(assignment.pipe_workers(i, r)[-1])
+                    for i in range(len(assignment.pipelines))
+                    if assignment.shard_index(i) == j
+                ]
     return {u: tuple(sorted(r)) for u, r in holders.items()}
 
 
@@ -123,9 +130,17 @@ class Generation:
             **kw,
         )
         self.world_group = self._group(range(self.world))
-        pipe_groups = [
-            self._group(members.index(w) for w in p.workers) for p in assignment.pipelines
-        ]
+        tp = assignment.tp
+        pipe_groups = {
+            (i, r): self._group(members.index(w) for w in assignment.pipe_workers(i, r))
+            for i in range(len(assignment.pipelines))
+            for r in range(tp)
+        }
+        tp_groups = {  # (pipeline, stage) -> its tp group (none at tp 1)
+            (i, j): self._group(members.index(w) for w in p.workers[j * tp : (j + 1) * tp])
+            for i, p in enumerate(assignment.pipelines)
+            for j in range(p.num_stages)
+        }
         self.units = replica_groups(assignment)
         self.groups = {r: self._group(r) for r in sorted(set(self.units.values()))}
         self.stage_groups = {r: self._group(r) for r in stage_groups(assignment)}
@@ -135,15 +150,18 @@ class Generation:
             set(_sockets().values()) - set(before.values()) if self.device.type != "cuda" else set()
         )
         i, j = assignment.place(worker)
-        mine = assignment.pipelines[i]
-        pipe_ranks = [members.index(w) for w in mine.workers]
+        r = assignment.tp_rank(worker)
+        pipe_ranks = [members.index(w) for w in assignment.pipe_workers(i, r)]
+        groups = {Axis.PP: pipe_groups[(i, r)], Axis.TP: tp_groups[(i, j)]}
         self.topo = self._topology(
-            pp=len(mine.workers),
+            pp=len(pipe_ranks),
             dp=len(assignment.pipelines),
-            groups={Axis.PP: pipe_groups[i]} if pipe_groups[i] is not None else {},
-            group_ranks={Axis.PP: pipe_ranks, Axis.DP: [self.rank], Axis.TP: [self.rank]},
-            place=(j, i, 0),
-        )
+            tp=tp,
+            groups={a: g for a, g in groups.items() if g is not None},
+            group_ranks={Axis.PP: pipe_ranks, Axis.DP: [self.rank],
+                         Axis.TP: [members.index(w) for w in assignment.tp_group(worker)]},
+            place=(j, i, r),
+        )  # fmt: skip
 
     def _group(self, ranks):
         ranks = list(ranks)
@@ -155,9 +173,9 @@ class Generation:
             return group
         return None
 
-    def _topology(self, **kw) -> Topology:
+    def _topology(self, *, tp: int = 1, **kw) -> Topology:
         topo = Topology(
-            tp=1,
+            tp=tp,
             rank=self.rank,
             world_group=self.world_group,
             device=self.device,

@@ -24,6 +24,7 @@ when that many fit; rows are then dealt out in proportion to throughput (``alloc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,17 +35,30 @@ from plait.parallel.pipeline.partition import partition_layers
 
 @dataclass(frozen=True, kw_only=True)
 class Template:
-    """An s-stage pipeline: ``stages[i]`` = (first layer, stop) of stage i; ``iter_s`` the
-    simulated step time when it takes ``rows`` sequences a step."""
+    """An s-stage pipeline: ``stages[k]`` = (first layer, stop) of virtual stage k; ``iter_s``
+    the simulated step time when it takes ``rows`` sequences a step. With ``vpp`` v > 1 the
+    pipeline is interleaved: s x v chunks, stage i holding chunks i, i + s, ... (Megatron's
+    order, ``schedules.virtual_stage``), run by the interleaved 1F1B schedule, which needs
+    a multiple of s micro-batches; ``plain`` is the same s stages not interleaved, for a
+    pipeline whose share of the batch is not such a multiple (``runnable``)."""
 
     stages: tuple[tuple[int, int], ...]
     iter_s: float
     rows: int
     fits: bool = True
+    vpp: int = 1
+    plain: Template | None = None
 
     @property
     def nodes(self) -> int:
-        return len(self.stages)
+        return len(self.stages) // self.vpp
+
+    def runnable(self, micro_batches: int) -> Template:
+        """This template for a pipeline of ``micro_batches`` micro-batches a step: itself,
+        or its plain twin when the interleaved schedule cannot take that many."""
+        if self.vpp > 1 and micro_batches % self.nodes:
+            return self.plain
+        return self
 
     @property
     def throughput(self) -> float:
@@ -66,15 +80,18 @@ def layer_costs(model: ModelConfig, layout: Layout, hw) -> tuple[list[float], fl
     return [per_layer] * model.n_layers, first, last
 
 
-def template_layout(layout: Layout, stages: int, rows: int, counts) -> Layout:
+def template_layout(layout: Layout, stages: int, rows: int, counts, *, vpp: int = 1) -> Layout:
     """The layout one pipeline of ``stages`` stages runs, taking ``rows`` sequences a step
     (dp 1: the other pipelines are not part of it; a stage is one node of ``layout.tp``
-    devices)."""
+    devices); ``counts``: the layers of each virtual stage, ``vpp`` chunks a stage
+    (interleaved 1F1B when more than one)."""
     schedule = layout.schedule if layout.schedule != "interleaved-1f1b" else "1f1b"
+    if vpp > 1:
+        schedule = "interleaved-1f1b"
     return layout.replace(
         dp=1,
         pp=stages,
-        vpp=1,
+        vpp=vpp,
         schedule=schedule,
         global_batch_size=rows,
         zero=0,
@@ -89,29 +106,32 @@ def build_templates(
 ) -> dict[int, Template]:
     """Templates for 1 .. ``max_nodes`` stages (at least one layer per stage), keyed by
     their number of stages, ``rows`` sequences a step each; ``fits``: whether the
-    simulator finds each stage within ``hw``'s memory."""
+    simulator finds each stage within ``hw``'s memory. With ``--vpp`` v, a template of
+    s >= 2 stages is interleaved (s x v chunks, each balanced by cost) when the model has
+    the layers and ``rows`` make a multiple of s micro-batches; its ``plain`` twin is
+    planned too."""
+    per_layer, first, last = layer_costs(model, layout, hw)
+    costs = dict(layer_costs=per_layer, first_extra=first, last_extra=last)
+    out, v, mbs = {}, layout.vpp, layout.micro_batch_size
+    for s in range(1, min(max_nodes, model.n_layers) + 1):
+        plain = _template(model, layout, hw, stages=s, vpp=1, rows=rows, costs=costs)
+        if v > 1 and s > 1 and s * v <= model.n_layers and (rows // mbs) % s == 0:
+            chunked = _template(model, layout, hw, stages=s, vpp=v, rows=rows, costs=costs)
+            out[s] = dataclasses.replace(chunked, plain=plain)
+        else:
+            out[s] = plain
+    return out
+
+
+def _template(model, layout, hw, *, stages: int, vpp: int, rows: int, costs) -> Template:
     from plait.sim import simulate
 
-    per_layer, first, last = layer_costs(model, layout, hw)
-    out = {}
-    for s in range(1, min(max_nodes, model.n_layers) + 1):
-        parts = partition_layers(
-            model.n_layers,
-            s,
-            method="balanced",
-            layer_costs=per_layer,
-            first_extra=first,
-            last_extra=last,
-        )
-        counts = [len(p) for p in parts]
-        res = simulate(model, template_layout(layout, s, rows, counts), hw, exact=s * rows <= 4096)
-        out[s] = Template(
-            stages=tuple((p.start, p.stop) for p in parts),
-            iter_s=res.iter_time_s,
-            rows=rows,
-            fits=res.fits,
-        )
-    return out
+    parts = partition_layers(model.n_layers, stages * vpp, method="balanced", **costs)
+    counts = [len(p) for p in parts]
+    res = simulate(model, template_layout(layout, stages, rows, counts, vpp=vpp), hw,
+                   exact=stages * rows <= 4096)  # fmt: skip
+    return Template(stages=tuple((p.start, p.stop) for p in parts), iter_s=res.iter_time_s,
+                    rows=rows, fits=res.fits, vpp=vpp)  # fmt: skip
 
 
 def choose(

@@ -14,6 +14,13 @@ worker does not; sharded, last, one all-gather per bucket on each stage group re
 whole parameters from the shards (``engines.py``: the same bucket order on its K ranks,
 after the world all-reduce on every rank).
 
+With tensor parallelism (``--tp T``) the unit of failure and of the copy is a tp group:
+a unit moves from a group holding the same stage with the same tp sharding (every
+template keeps ``--tp``), tp rank r of the sender to tp rank r of the receiver, each its
+tp shard r (``blocks.3@r``), so T pairs move 12 / T bytes a parameter each, at once, and
+no rank ever gathers a layer whole. The decision lists those T moves as T entries of the
+one list (``assignment.expand_moves``): nothing below changes.
+
 Why it cannot deadlock under NCCL: the moves are one list in the decision every member
 read from the store, and every rank walks it in the same order, posting a send where it
 is the sender and a receive where it is the receiver, each message of a unit in the order
@@ -21,7 +28,9 @@ is the sender and a receive where it is the receiver, each message of a unit in 
 messages go in one batch, so no send waits on a receive posted later; NCCL matches a
 pair's messages in posting order, which is the same on both sides. Receives land in the
 new trainer's own tensors (no staging copy); sends read the previous trainer's, which
-nothing else touches until the batch completes.
+nothing else touches until the batch completes. The group's tp peers take no part in
+each other's messages (each pair is tp rank r to tp rank r), and the counters' all-reduce
+and the gathers come after every rank's batch has completed, on every rank alike.
 """
 
 from __future__ import annotations
