@@ -231,15 +231,17 @@ def _linkdown_run(tmp: Path, data: Path, net: _Namespace, i: int, args) -> dict:
            "--fault-tolerance", "1", "--heartbeat-timeout", str(args.heartbeat_timeout),
            "--no-respawn", "--no-progress", "--nnodes", "2",
            "--rdzv-endpoint", f"{net.host_ip}:{port}"]  # fmt: skip
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    node0 = subprocess.Popen([*cmd, "--node-rank", "0"], **quiet,
+    logs = [(tmp / f"node{n}-{i}.txt").open("w") for n in (0, 1)]
+    node0 = subprocess.Popen([*cmd, "--node-rank", "0"], stdout=logs[0], stderr=subprocess.STDOUT,
                              env={**os.environ, "GLOO_SOCKET_IFNAME": net.host_if})  # fmt: skip
-    node1 = subprocess.Popen(["ip", "netns", "exec", net.name, *cmd, "--node-rank", "1"], **quiet,
+    node1 = subprocess.Popen(["ip", "netns", "exec", net.name, *cmd, "--node-rank", "1"],
+                             stdout=logs[1], stderr=subprocess.STDOUT,
                              env={**os.environ, "GLOO_SOCKET_IFNAME": net.ns_if})  # fmt: skip
     res = {"run": i, "recovery_s": None, "in_place": False, "expelled": 0, "every_step_once": False}
     try:
         metrics = out / "metrics.jsonl"
         if not _wait(lambda: metrics.exists() and len(_records(out)) >= 5, 180, (node0, node1)):
+            res["why"] = _why(tmp, i)
             return res
         cut_off = list(children_by_rank(node1.pid).values())
         net.cut()
@@ -269,6 +271,14 @@ def _linkdown_run(tmp: Path, data: Path, net: _Namespace, i: int, args) -> dict:
     steps = [r["step"] for r in _records(out)]
     res["every_step_once"] = steps == list(range(1, len(steps) + 1))
     return res
+
+
+def _why(tmp: Path, i: int) -> str:
+    """The last lines of both nodes' output: why a run ended before its cut."""
+    return " | ".join(
+        f"node {n}: " + " / ".join((tmp / f"node{n}-{i}.txt").read_text().splitlines()[-3:])[-600:]
+        for n in (0, 1)
+    )
 
 
 def linkdown(args) -> dict:
