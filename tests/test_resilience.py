@@ -585,7 +585,7 @@ def test_a_node_cut_off_without_rst_is_recovered_in_place_and_its_workers_expell
     machine = _Machine()
     if machine.why:
         pytest.skip(machine.why)
-    hb, steps = 3, 80
+    hb, steps = 3, 30
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=8, micro=1)
     out = tmp_path / "run"
     flags = ["--steps", 100000, "--fault-tolerance", 1, "--heartbeat-timeout", hb,
