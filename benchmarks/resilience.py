@@ -3,6 +3,7 @@
     python benchmarks/resilience.py kills              # >= 20 SIGKILLs, ~3-5 minutes on 2 cores
     python benchmarks/resilience.py kills --signal stop --kills 5 --heartbeat-timeout 3
     python benchmarks/resilience.py kills --zero-replicas 2 --kills 10 --every 60 --batch 64
+    python benchmarks/resilience.py linkdown --kills 20  # as root: node 1's link cut, 20 runs
     python benchmarks/resilience.py sim                # GPT-3 175B on 1,024 H100s, a plot
     python benchmarks/resilience.py all --write-results
 
@@ -23,6 +24,14 @@ workers before the first kill, with 3 after a kill, and with 4 again after a rej
 a whole replica out until the replacement rejoins, so the next random kill (and the run)
 waits for it.
 
+``linkdown`` (root: network namespaces): ``--kills`` runs of ``--dp 2 --pp 2
+--fault-tolerance 1`` on two nodes, node 1's launcher in a network namespace joined by a
+veth pair, each with node 1's link taken down (on its side: no FIN, no RST, the machine
+vanishes) once 5 steps are recorded. Per run: the time from the cut to the first step of
+the new generation (the decision's ``t_failure`` + that step's ``recovery_s``, on this
+machine's clock), whether the recovery was in place, whether node 1's workers, still
+alive, exited as expelled once the link was back, and every step once.
+
 ``sim``: ``plait.resilience.availability`` for GPT-3 175B (dp 8 x tp 8 x pp 16, bf16,
 selective recomputation, sequence parallelism, 1,536 sequences of 2,048 tokens) on
 1,024 H100s, from one failure every 6 hours to one every 10 minutes: the fraction of the
@@ -38,6 +47,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -157,6 +168,151 @@ def kills(args) -> dict:
     return out
 
 
+class _Namespace:
+    """Node 1's network (``linkdown``): a namespace joined to this one by a veth pair,
+    10.213.79.1 here, .2 there; ``cut``/``up`` set its side of the link down/up."""
+
+    def __init__(self):
+        pid = os.getpid()
+        self.name, self.host_if, self.ns_if = f"plaitbl{pid}", f"pbl{pid % 10**6}", "pblns"
+        self.host_ip = "10.213.79.1"
+        inside = ["ip", "netns", "exec", self.name]
+        for cmd in (["ip", "netns", "add", self.name],
+                    ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+                    ["ip", "link", "set", self.ns_if, "netns", self.name],
+                    ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if],
+                    ["ip", "link", "set", self.host_if, "up"],
+                    [*inside, "ip", "addr", "add", "10.213.79.2/24", "dev", self.ns_if],
+                    [*inside, "ip", "link", "set", "lo", "up"]):  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True)
+        self.up()
+
+    def _link(self, state: str) -> None:
+        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", self.ns_if, state],
+                       check=True, capture_output=True)  # fmt: skip
+
+    def cut(self) -> None:
+        self._link("down")
+
+    def up(self) -> None:
+        self._link("up")
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+def _wait(what, timeout: float, procs=()):
+    deadline = time.time() + timeout
+    while not (got := what()):
+        if time.time() > deadline or any(p.poll() is not None for p in procs):
+            return None
+        time.sleep(0.02)
+    return got
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _linkdown_run(tmp: Path, data: Path, net: _Namespace, i: int, args) -> dict:
+    """One two-node run whose node 1 is cut off once 5 steps are recorded (``linkdown``)."""
+    from plait.train.launch import children_by_rank
+
+    out = tmp / f"run{i}"
+    with socket.socket() as sock:  # a free port for node 0's store
+        sock.bind((net.host_ip, 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", str(data),
+           "--cache-dir", str(data.parent / "cache"), "--out", str(out), "--steps", "100000",
+           "--fault-tolerance", "1", "--heartbeat-timeout", str(args.heartbeat_timeout),
+           "--no-respawn", "--no-progress", "--nnodes", "2",
+           "--rdzv-endpoint", f"{net.host_ip}:{port}"]  # fmt: skip
+    logs = [(tmp / f"node{n}-{i}.txt").open("w") for n in (0, 1)]
+    node0 = subprocess.Popen([*cmd, "--node-rank", "0"], stdout=logs[0], stderr=subprocess.STDOUT,
+                             env={**os.environ, "GLOO_SOCKET_IFNAME": net.host_if})  # fmt: skip
+    node1 = subprocess.Popen(["ip", "netns", "exec", net.name, *cmd, "--node-rank", "1"],
+                             stdout=logs[1], stderr=subprocess.STDOUT,
+                             env={**os.environ, "GLOO_SOCKET_IFNAME": net.ns_if})  # fmt: skip
+    res = {"run": i, "recovery_s": None, "in_place": False, "expelled": 0, "every_step_once": False}
+    try:
+        metrics = out / "metrics.jsonl"
+        if not _wait(lambda: metrics.exists() and len(_records(out)) >= 5, 180, (node0, node1)):
+            res["why"] = _why(tmp, i)
+            return res
+        cut_off = list(children_by_rank(node1.pid).values())
+        net.cut()
+        t_cut = time.time()
+        first = _wait(lambda: next((r for r in _records(out) if r.get("generation") == 1), None),
+                      60, (node0,))  # fmt: skip
+        net.up()
+        if first is None:
+            return res
+        decision = next(e for e in _events(out) if e["event"] == "decision" and e["gen"] == 1)
+        res["recovery_s"] = decision["t_failure"] + first["recovery_s"] - t_cut
+        res["in_place"] = decision["start"] == "transfer"
+        _wait(lambda: not [p for p in cut_off if _alive(p)], 20)
+        res["did_not_leave"] = sum(_alive(p) for p in cut_off)
+        res["expelled"] = sum("expelled" in (out / "logs" / f"rank-{w}.log").read_text()
+                              for w in (1, 3) if (out / "logs" / f"rank-{w}.log").exists())  # fmt: skip
+    finally:
+        net.up()
+        for p in (node1, node0):
+            if p.poll() is None:
+                p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    steps = [r["step"] for r in _records(out)]
+    res["every_step_once"] = steps == list(range(1, len(steps) + 1))
+    return res
+
+
+def _why(tmp: Path, i: int) -> str:
+    """The last lines of both nodes' output: why a run ended before its cut."""
+    return " | ".join(
+        f"node {n}: " + " / ".join((tmp / f"node{n}-{i}.txt").read_text().splitlines()[-3:])[-600:]
+        for n in (0, 1)
+    )
+
+
+def linkdown(args) -> dict:
+    if os.geteuid() != 0:
+        raise SystemExit("resilience.py linkdown: needs root (ip netns, veth pairs)")
+    runs = []
+    net = _Namespace()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            data = _corpus(tmp)
+            for i in range(args.kills):
+                runs.append(_linkdown_run(tmp, data, net, i, args))
+                print(json.dumps(runs[-1]), flush=True)
+    finally:
+        net.close()
+    rec = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
+    out = {
+        "command": f"flock /tmp/plait-cpu.lock python benchmarks/resilience.py linkdown "
+        f"--kills {args.kills} --heartbeat-timeout {args.heartbeat_timeout:g}",
+        "runs": len(runs),
+        "recoveries": len(rec),
+        "in_place": sum(r["in_place"] for r in runs),
+        "recovery_median_s": statistics.median(rec) if rec else None,
+        "recovery_worst_s": max(rec) if rec else None,
+        "recovery_all_s": [round(x, 2) for x in rec],
+        "within_timeout_plus_2": sum(x < args.heartbeat_timeout + 2 for x in rec),
+        "expelled_workers": sum(r["expelled"] for r in runs),
+        "every_step_once": all(r["every_step_once"] for r in runs),
+    }
+    print(json.dumps(out, indent=1))
+    return out
+
+
 SIM_MTBF_H = (6, 3, 2, 1, 0.5, 1 / 3, 1 / 6)
 
 
@@ -260,7 +416,7 @@ def write_results(k: dict | None, s: dict | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("kills", "sim", "all"))
+    p.add_argument("what", choices=("kills", "linkdown", "sim", "all"))
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--every", type=int, default=25, help="steps between kills")
     p.add_argument("--signal", choices=("kill", "stop"), default="kill")
@@ -280,6 +436,9 @@ def main() -> None:
     args = p.parse_args()
     if args.write_results and (args.zero_replicas or (args.batch, args.micro) != (8, 1)):
         p.error("--write-results writes the dp 2 x pp 2 section; run other layouts without it")
+    if args.what == "linkdown":
+        linkdown(args)
+        return
     k = kills(args) if args.what in ("kills", "all") else None
     if k is not None:
         k["save_every"] = args.save_every

@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -606,6 +607,155 @@ def test_a_whole_node_lost_is_recovered_in_place_and_replaced_on_node_0(corpus, 
                or h.startswith("no heartbeat for ") for h in deaths.values()), deaths  # fmt: skip
     replacements = [e for e in events if e["event"] == "spawn" and e["worker"] >= 4]
     assert replacements and all(e["node"] == 0 for e in replacements), replacements
+
+
+class _Machine:
+    """Node 1's own network: a namespace joined to this one by a veth pair (10.213.78.1
+    here, .2 there), whose link ``cut()`` takes down on node 1's side -- its packets stop,
+    and node 0's go nowhere: no FIN, no RST, as when a machine loses power or its switch.
+    ``why`` says why none can be made (not root, no ``ip``): the only reasons to skip."""
+
+    def __init__(self):
+        pid = os.getpid()
+        self.name, self.host_if, self.ns_if = f"plaitld{pid}", f"pld{pid % 10**6}", "pldns"
+        self.host_ip, self.why = "10.213.78.1", None
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            self.why = (f"uid {os.geteuid()}, ip {shutil.which('ip') or 'missing'}: network "
+                        "namespaces need root and ip")  # fmt: skip
+            return
+        if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
+            self.why = "ip netns is not available here"
+            return
+        inside = ["ip", "netns", "exec", self.name]
+        for cmd in (["ip", "netns", "add", self.name],
+                    ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+                    ["ip", "link", "set", self.ns_if, "netns", self.name],
+                    ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if],
+                    ["ip", "link", "set", self.host_if, "up"],
+                    [*inside, "ip", "addr", "add", "10.213.78.2/24", "dev", self.ns_if],
+                    [*inside, "ip", "link", "set", "lo", "up"]):  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True)  # as root, a failure is the test's
+        self.up()
+
+    def _link(self, state: str) -> None:
+        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", self.ns_if, state],
+                       check=True, capture_output=True)  # fmt: skip
+
+    def cut(self) -> None:
+        self._link("down")
+
+    def up(self) -> None:
+        self._link("up")
+
+    def run(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside the namespace (``ip netns exec`` execs it: the same pid)."""
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+def _events(out: Path) -> list[dict]:
+    log = out / "logs" / "coordinator.jsonl"
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def _until(what, *, timeout: float, procs=()):
+    """``what()`` once it is truthy, polling; fails after ``timeout`` s or when one of
+    ``procs`` ended."""
+    deadline = time.time() + timeout
+    while not (got := what()):
+        assert time.time() < deadline, f"timed out waiting ({timeout} s)"
+        for p in procs:
+            assert p.poll() is None, f"{p.args[-2:]} ended ({p.returncode})"
+        time.sleep(0.05)
+    return got
+
+
+def test_a_node_cut_off_without_rst_is_recovered_in_place_and_its_workers_expelled(
+    corpus, tmp_path
+):
+    """--dp 2 --pp 2 --fault-tolerance 1 on two nodes, node 1 in a network namespace of its
+    own; its link is cut mid-run (no FIN, no RST: the machine vanishes). Node 0's workers,
+    blocked in collectives with peers that will never answer, abort on the coordinator's
+    word and go on in place within --heartbeat-timeout + 2 s of the cut, on the
+    failure-free curve. Node 1's workers, cut off but never killed, exit as expelled once
+    the link is back, writing nothing; cut off again, node 1's launcher exits on SIGTERM
+    within seconds. Breaks if nodes hold stages rather than pipelines (node 1 would take
+    every copy of stage 1: "no copy ... is left"), if recovery waits for an error from the
+    network (gloo's collective timeout, minutes), if an expelled worker writes a record,
+    or if a store call to an unreachable coordinator holds the agent past its SIGTERM."""
+    machine = _Machine()
+    if machine.why:
+        pytest.skip(machine.why)
+    hb, steps = 3, 30
+    ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=8, micro=1)
+    out = tmp_path / "run"
+    flags = ["--steps", 100000, "--fault-tolerance", 1, "--heartbeat-timeout", hb,
+             "--no-respawn", "--no-progress", "--nnodes", 2,
+             "--rdzv-endpoint", f"{machine.host_ip}:{_free_port()}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", corpus.path,
+           "--cache-dir", corpus.cache_dir, "--out", str(out), *map(str, flags)]  # fmt: skip
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # gloo's sockets on each node's own interface (GLOO_SOCKET_IFNAME, as on a cluster)
+    node0 = subprocess.Popen([*cmd, "--node-rank", "0"], **pipe,
+                             env={**os.environ, "GLOO_SOCKET_IFNAME": machine.host_if})  # fmt: skip
+    node1 = subprocess.Popen(machine.run([*cmd, "--node-rank", "1"]), **pipe,
+                             env={**os.environ, "GLOO_SOCKET_IFNAME": machine.ns_if})  # fmt: skip
+    try:
+        _until(lambda: (out / "metrics.jsonl").exists() and len(records(out)) >= 5,
+               timeout=120, procs=(node0, node1))  # fmt: skip
+        spawned = {e["worker"]: e["node"] for e in _events(out) if e["event"] == "spawn"}
+        assert spawned == {0: 0, 2: 0, 1: 1, 3: 1}, spawned  # a pipeline per node
+        cut_off = _worker_pids(out, node1.pid)
+        assert len(cut_off) == 2, cut_off
+        machine.cut()
+        t_cut = time.time()
+        decision = _until(lambda: next((e for e in _events(out) if e["event"] == "decision"
+                                        and e["gen"] == 1), None), timeout=60, procs=(node0,))  # fmt: skip
+        first = _until(lambda: next((r for r in records(out) if r.get("generation") == 1), None),
+                       timeout=60, procs=(node0,))  # fmt: skip
+        resumed = decision["t_failure"] + first["recovery_s"] - t_cut
+        assert decision["start"] == "transfer", decision  # in place: no checkpoint
+        assert resumed < hb + 2, (resumed, decision)
+        print(f"link cut -> first step of generation 1: {resumed:.2f} s")
+        assert [p for p in cut_off if _alive(p)] == cut_off  # nobody reached them to kill
+        machine.up()
+        t0 = time.monotonic()
+        while [p for p in cut_off if _alive(p)] and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        assert not [p for p in cut_off if _alive(p)], "cut-off workers did not leave"
+        for w in (1, 3):
+            assert "expelled" in (out / "logs" / f"rank-{w}.log").read_text(), w
+        machine.cut()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        node1.send_signal(signal.SIGTERM)
+        agent_out, _ = node1.communicate(timeout=15)
+        assert time.monotonic() - t0 < 6.0, time.monotonic() - t0
+        assert node1.returncode == 143, agent_out[-3000:]
+        _until(lambda: len(records(out)) >= steps, timeout=120, procs=(node0,))
+        node0.send_signal(signal.SIGTERM)
+        node0.communicate(timeout=30)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+            text = p.communicate()[0] or ""
+            print(f"node {p.args[-1]}:", text[-3000:])  # shown when the test fails
+        machine.close()
+    recs = records(out)
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1))  # each step once
+    same_curve_prefix = recs[:steps]
+    for a, b in zip(same_curve_prefix, ref):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a["step"], a["loss"], b["loss"])
+        if not a.get("completed_during_failure"):
+            assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4, a["step"]
+    events = _events(out)
+    deaths = {e["worker"]: e["how"] for e in events if e["event"] == "death"}
+    assert sorted(deaths) == [1, 3], deaths
+    assert not [e for e in events if e["event"] == "unresponsive"], events
 
 
 def test_more_than_f_failures_fall_back_to_the_checkpoint(corpus, reference, tmp_path):

@@ -444,3 +444,21 @@ def test_step_watchdog_declares_a_stall_after_k_times_the_median_and_not_before(
         assert len(f.noted) == 1 and "no step completed in 10.5 s" in f.noted[0], f.noted
     finally:
         c.time.monotonic = real
+
+
+def test_nodes_hold_whole_pipelines_so_a_lost_node_leaves_a_copy_of_every_unit():
+    """The coordinator's node placement (``node_slots``) of the first generation's grid:
+    the workers off any one node still hold every unit. Breaks if workers are placed in
+    the grid's rank order: --dp 2 --pp 2 on two nodes put stage 0 of both pipelines on
+    node 0 (workers 0, 1 hold embed, blocks.0) and a node lost took every copy of a stage."""
+    from plait.resilience.coordinator import node_slots
+
+    for dp, pp, nnodes, k in ((2, 2, 2, 1), (4, 1, 2, 1), (4, 2, 4, 1), (4, 1, 2, 2), (4, 2, 2, 2)):
+        tmpl = Template(stages=tuple((s, s + 1) for s in range(pp)), iter_s=1.0, rows=8 // dp)
+        a = grid_assignment(dp=dp, template=tmpl, rows=8, n_layers=pp, tied=False, shard_group=k)
+        slot, per_node = node_slots(a), dp * pp // nnodes
+        assert sorted(slot) == sorted(slot.values()) == list(range(dp * pp))
+        held = {u for w in a.members for u in a.units_of(w)}
+        for node in range(nnodes):
+            off = [w for w in a.members if slot[w] // per_node != node]
+            assert {u for w in off for u in a.units_of(w)} == held, (dp, pp, nnodes, k, node)

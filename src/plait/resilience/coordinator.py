@@ -222,13 +222,14 @@ class Coordinator:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> None:
-        for w in range(self.world):
-            self.spawn(node=w // self.per_node, local_rank=w % self.per_node)
         lay = self.cfg.layout
         self.assignment = grid_assignment(
             dp=lay.dp, template=self.templates[lay.pp], rows=self.rows,
             n_layers=self.cfg.model.n_layers, tied=self.cfg.model.tied_embeddings,
             shard_group=self.shard_group, tp=self.tp)  # fmt: skip
+        slot = node_slots(self.assignment)
+        for w in range(self.world):
+            self.spawn(node=slot[w] // self.per_node, local_rank=slot[w] % self.per_node)
         sizes = ", ".join(f"{s}: {'+'.join(str(b - a) for a, b in t.stages)}"
                           for s, t in sorted(self.templates.items()))  # fmt: skip
         print(f"plait: fault tolerance {self.res.fault_tolerance}: pipeline templates by "
@@ -663,6 +664,24 @@ class Coordinator:
 
 class _Finished(Exception):
     pass
+
+
+def node_slots(assignment) -> dict[int, int]:
+    """{worker: its place k in the run's node order}: node k // (workers per node), local
+    rank k % (workers per node). Pipeline by pipeline (replica by replica), so that a node
+    holds whole pipelines and losing it leaves the other pipelines' copies. The grid's own
+    rank order puts a stage on a node instead: --dp 2 --pp 2 on two nodes is workers 0, 2
+    (pipeline 0) and 1, 3 (pipeline 1), ranks 0, 1 (stage 0 of both) on node 0 -- a node
+    lost would take every copy of a stage.
+
+    >>> from plait.resilience.assignment import Assignment, Pipeline
+    >>> two = ((0, 1), (1, 2))
+    >>> node_slots(Assignment(n_layers=2, tied=False, pipelines=(
+    ...     Pipeline(workers=(0, 2), stages=two, rows=(0, 4)),
+    ...     Pipeline(workers=(1, 3), stages=two, rows=(4, 8)))))
+    {0: 0, 2: 1, 1: 2, 3: 3}
+    """
+    return {w: k for k, w in enumerate(w for p in assignment.pipelines for w in p.workers)}
 
 
 def _signal_name(code: int | None) -> str:
