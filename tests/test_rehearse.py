@@ -154,3 +154,20 @@ def test_cli_refuses_bad_ranks_in_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err, (bad, err)
         assert err.startswith("plait rehearse: error: --ranks"), err
+
+
+def test_zero3_rehearsal_holds_the_shards_not_the_meta_model(tmp_path):
+    """--dp 2 --zero 3, built on meta: after the build the rank holds its parameter
+    shards and their AdamW moments -- the performance model's figures, byte for byte --
+    and nothing else; the meta model's storages (a size, no bytes) are not counted.
+    Catches a tracker that counts meta storages (1.7 MB of ``other`` here, the whole
+    model: at 175B, 700 GB a rank) or misses a resize_ of a unit's storage."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, zero=3, global_batch_size=4)
+    report = rehearse.rehearse_rank(cfg, 0)
+    sim = rehearse.predicted(cfg, 0)["memory"]
+    build = report.phases[0]
+    assert build.split["parameters"] == sim["parameters"] > 0
+    assert abs(build.split["optimizer"] - sim["optimizer"]) <= 8 * 64  # AdamW's step counts
+    assert build.split["other"] == 0 and build.split["buffers"] == 0, build.split
+    for phase in report.phases:
+        assert phase.split["other"] == 0, phase

@@ -186,8 +186,15 @@ def _memtracker_class():
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        def _snaps(self):
+            """The per-device snapshots that are memory: not meta's. A ZeRO-3 model is
+            built on meta (``Trainer.build``) and its meta tensors -- storages of a size
+            and no bytes, on a GPU run as here -- live as long as something refers to
+            them (a deferred ``init_value``), so ``MemTracker`` counts them."""
+            return [s for dev, s in self._curr_mem_snap.items() if dev.type != "meta"]
+
         def current(self) -> int:
-            return sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
+            return sum(s[_TOTAL_KEY] for s in self._snaps())
 
         def _update_peak_stats(self, peak_state) -> None:
             total = self.current()
@@ -210,12 +217,14 @@ def _memtracker_class():
         def breakdown(self) -> dict[str, int]:
             """Bytes held now per category (module docstring)."""
             out = dict.fromkeys(CATEGORIES, 0)
-            for snap in self._curr_mem_snap.values():
+            for snap in self._snaps():
                 for k, v in snap.items():
                     if k != _TOTAL_KEY:
                         out[category[k]] += v
             if self.trainer is not None:
                 for role, winfo in self._winfos(_passing_roles(self.trainer, self.params)):
+                    if winfo.device.type == "meta":
+                        continue
                     out[category[winfo.reftype]] -= winfo.mem_consumed
                     out[role] += winfo.mem_consumed
             return out
