@@ -60,13 +60,20 @@ def _pipeline_cfg(tmp_path, **kw):
 def test_pipeline_rehearses_every_stage_and_passes_the_nccl_check(tmp_path):
     """--pp 2 --tp 2 (4 ranks), all-stages: the recorded batches of both stages resolve
     under NCCL's semantics, the activations go out in bf16 and the tied embedding's
-    gradients once per step in fp32; a batch recorded out of order is caught. Catches a
-    p2p check that reads nothing (or cannot fail), and a pipeline that posts other
-    batches than its schedule's."""
+    gradients once per step in fp32; a batch recorded out of order is caught; and nothing
+    a step makes outlives it on either stage (no activations or temporaries held at the
+    save beyond a scalar). Catches a p2p check that reads nothing (or cannot fail), a pipeline that
+    posts other batches than its schedule's, and a tracker whose hooks keep a stage's
+    inputs alive (``ModTracker``'s did: the last stage's received activations and their
+    gradients, every micro-batch of every step)."""
     cfg = _pipeline_cfg(tmp_path)
     ranks = rehearse.parse_ranks("all-stages", cfg.layout)
     assert ranks == [0, 2]  # pp rank 0 and 1, dp 0, tp 0
     reports = rehearse.rehearse(cfg, ranks)
+    for r in reports:
+        save = next(p for p in r.phases if p.name == "save")
+        held = save.split["activations"] + save.split["temporaries"]
+        assert held < 1024, (r.rank, save)  # a scalar or flag the trainer keeps at most
     assert rehearse.check_p2p(reports, cfg.layout).startswith("ok: ")
     batches = [c for c in reports[0].step_calls if c.op == "batch"]
     m = cfg.layout.num_microbatches
