@@ -240,3 +240,16 @@ def test_rehearsed_checkpoint_writes_the_real_saves_bytes(tmp_path):
         phases = {p.name: p for p in report.phases}
         assert phases["save"].peak <= report.training_peak()
         assert phases["load"].peak <= report.training_peak()
+
+
+def test_data_parallel_bytes_equal_the_models_for_zero1_and_lora(tmp_path):
+    """bf16, --dp 2: at ZeRO-1 (fp32 gradients all-reduced, the updated fp32 weights
+    all-gathered) and for a LoRA fine-tune (only the adapters' gradients reduced), the
+    rehearsed dp bytes of a step equal the performance model's. Catches a model that
+    counts stage 1-2 gathers in the compute dtype (x1.333 at 70B) or reduces a frozen
+    base's gradients (x800 at 7B), and a runtime that starts moving either."""
+    for kw in ({"zero": 1}, {"lora_rank": 4}):
+        cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, global_batch_size=4, **kw)
+        report = rehearse.rehearse_rank(cfg, 0)
+        got, want, _ = rehearse.compared(report, cfg)["bytes"]["dp"]
+        assert got > 0 and abs(got - want) <= 1e-6 * want, (kw, got, want)

@@ -690,7 +690,10 @@ def predicted(cfg, pp_rank: int) -> dict:
     memory = {"parameters": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer,
               "buffers": mem.buffers, "activations": mem.activations,
               "total": mem.total}  # fmt: skip
-    return {"memory": memory, "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank)}
+    return {
+        "memory": memory,
+        "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank, lora=cfg.lora),
+    }
 
 
 def compared(report: RankReport, cfg) -> dict:
