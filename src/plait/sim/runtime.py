@@ -55,6 +55,11 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``gather_in_compute_dtype``: ZeRO-3 gathers weights in the compute dtype under
   bf16 / fp16 (plait, FSDP2's mixed-precision policy: half the bytes) while the fp32
   masters stay sharded; otherwise in the stored weights' dtype.
+- ``weight_cast_per_step``: under bf16 / fp16 with fp32 weights (``master_weights``
+  off), each linear layer's weight is cast to the compute dtype once a step and the copy
+  held from its first forward to its last backward (plait's ``tensor.weight_casts``:
+  ``Memory.weight_casts``; ``plait rehearse`` finds it among the activations, made in
+  a forward); ZeRO-3 gathers in the compute dtype instead (its buffers).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
@@ -93,6 +98,7 @@ class Runtime:
     zero3_regather_recompute: bool = False
     zero3_reduce_per_microbatch: bool = True
     gather_in_compute_dtype: bool = False
+    weight_cast_per_step: bool = False
     pp_scatter_gather: bool = True
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     description: str = dataclasses.field(default="", compare=False)
@@ -124,6 +130,7 @@ PROFILES: dict[str, Runtime] = {
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
         gather_in_compute_dtype=True,
+        weight_cast_per_step=True,
         bucket_from_layout=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
