@@ -60,13 +60,20 @@ def _pipeline_cfg(tmp_path, **kw):
 def test_pipeline_rehearses_every_stage_and_passes_the_nccl_check(tmp_path):
     """--pp 2 --tp 2 (4 ranks), all-stages: the recorded batches of both stages resolve
     under NCCL's semantics, the activations go out in bf16 and the tied embedding's
-    gradients once per step in fp32; a batch recorded out of order is caught. Catches a
-    p2p check that reads nothing (or cannot fail), and a pipeline that posts other
-    batches than its schedule's."""
+    gradients once per step in fp32; a batch recorded out of order is caught; and nothing
+    a step makes outlives it on either stage (no activations or temporaries held at the
+    save beyond a scalar). Catches a p2p check that reads nothing (or cannot fail), a pipeline that
+    posts other batches than its schedule's, and a tracker whose hooks keep a stage's
+    inputs alive (``ModTracker``'s did: the last stage's received activations and their
+    gradients, every micro-batch of every step)."""
     cfg = _pipeline_cfg(tmp_path)
     ranks = rehearse.parse_ranks("all-stages", cfg.layout)
     assert ranks == [0, 2]  # pp rank 0 and 1, dp 0, tp 0
     reports = rehearse.rehearse(cfg, ranks)
+    for r in reports:
+        save = next(p for p in r.phases if p.name == "save")
+        held = save.split["activations"] + save.split["temporaries"]
+        assert held < 1024, (r.rank, save)  # a scalar or flag the trainer keeps at most
     assert rehearse.check_p2p(reports, cfg.layout).startswith("ok: ")
     batches = [c for c in reports[0].step_calls if c.op == "batch"]
     m = cfg.layout.num_microbatches
@@ -139,8 +146,9 @@ def test_rehearsed_peak_memory_is_the_real_runs(tmp_path):
     assert got == _tracked_peak(cfg)
     real = _profiled_peak(cfg)
     assert 1.0 <= got / real <= 1.25, (got, real)
-    split = report.phases[-1].split
-    assert sum(split.values()) == report.phases[-1].peak
+    step2 = next(p for p in report.phases if p.name == "step 2")
+    split = step2.split
+    assert sum(split.values()) == step2.peak
     assert split["activations"] > split["parameters"] > 0 and split["optimizer"] > 0
 
 
@@ -154,3 +162,94 @@ def test_cli_refuses_bad_ranks_in_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err, (bad, err)
         assert err.startswith("plait rehearse: error: --ranks"), err
+
+
+def test_zero3_rehearsal_holds_the_shards_not_the_meta_model(tmp_path):
+    """--dp 2 --zero 3, built on meta: after the build the rank holds its parameter
+    shards and their AdamW moments -- the performance model's figures, byte for byte --
+    and nothing else; the meta model's storages (a size, no bytes) are not counted.
+    Catches a tracker that counts meta storages (1.7 MB of ``other`` here, the whole
+    model: at 175B, 700 GB a rank) or misses a resize_ of a unit's storage."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, zero=3, global_batch_size=4)
+    report = rehearse.rehearse_rank(cfg, 0)
+    sim = rehearse.predicted(cfg, 0)["memory"]
+    build = report.phases[0]
+    assert build.split["parameters"] == sim["parameters"] > 0
+    assert abs(build.split["optimizer"] - sim["optimizer"]) <= 8 * 64  # AdamW's step counts
+    assert build.split["other"] == 0 and build.split["buffers"] == 0, build.split
+    for phase in report.phases:
+        assert phase.split["other"] == 0, phase
+
+
+def _real_save(rank, world, cfg):
+    """Worker: the real Trainer of ``cfg`` stepped twice, then ``Trainer.save(2)``; returns
+    (bytes of the DCP data files this rank wrote, {(key, global offsets): data bytes} of
+    the boxes in them by the checkpoint's metadata)."""
+    import math
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    from plait.train.loop import Trainer
+
+    lay = cfg.layout
+    trainer = Trainer(cfg, topo=Topology.build(pp=lay.pp, dp=lay.dp, tp=lay.tp))
+    trainer.model.train()
+    for step in range(2):
+        trainer.step(step)
+    trainer.save(2)
+    trainer.close()
+    folder = Path(cfg.out) / "checkpoints" / "step-00000002"
+    files = sum(f.stat().st_size for f in folder.glob(f"__{rank}_*.distcp"))
+    md = dcp.FileSystemReader(str(folder)).read_metadata()
+    boxes = {}
+    for index, where in md.storage_data.items():
+        if where.relative_path.startswith(f"__{rank}_"):
+            tensor = md.state_dict_metadata[index.fqn]
+            chunk = next(c for c in tensor.chunks if c.offsets == index.offset)
+            nbytes = math.prod(chunk.sizes) * tensor.properties.dtype.itemsize
+            boxes[(index.fqn, tuple(index.offset))] = nbytes
+    return files, boxes
+
+
+def test_rehearsed_checkpoint_writes_the_real_saves_bytes(tmp_path):
+    """--dp 2 --zero 3, two steps, then a save: each rank's rehearsed save writes the
+    boxes a real 2-process save writes for it, byte for byte, and besides them only boxes
+    the real save gave the other rank -- the replicated ones (AdamW's step counts), which
+    DCP's de-duplication assigns to one holder and a rehearsal of one rank cannot. The
+    real data files are the boxes' bytes plus 1-2 KB of framing per box (measured 1,577
+    B: each box is a record of its own). The rehearsed save and load peak at no more than
+    the training peak and read back what was written. Catches a rehearsal whose save
+    writes other boxes than the real one (a ZeRO-3 parameter gathered whole, a box missed
+    or resized), and a save or load that holds more than training does."""
+    data = make_data(tmp_path)
+    cfg = run_config(data, tmp_path / "z3", dp=2, zero=3)
+    real = run_workers(2, _real_save, cfg)
+    for rank in range(2):
+        files, boxes = real[rank]
+        other = real[1 - rank][1]
+        report = rehearse.rehearse_rank(cfg, rank)
+        got = report.boxes_written
+        assert {k: got[k] for k in boxes if k in got} == boxes, rank
+        extra = {k: v for k, v in got.items() if k not in boxes}
+        assert all(other.get(k) == v for k, v in extra.items()), (rank, extra)
+        assert report.bytes_written == sum(got.values())
+        real_data = sum(boxes.values())
+        assert 0 < files - real_data <= 2048 * len(boxes), (files, real_data)
+        assert report.bytes_read == report.bytes_written
+        phases = {p.name: p for p in report.phases}
+        assert phases["save"].peak <= report.training_peak()
+        assert phases["load"].peak <= report.training_peak()
+
+
+def test_data_parallel_bytes_equal_the_models_for_zero1_and_lora(tmp_path):
+    """bf16, --dp 2: at ZeRO-1 (fp32 gradients all-reduced, the updated fp32 weights
+    all-gathered) and for a LoRA fine-tune (only the adapters' gradients reduced), the
+    rehearsed dp bytes of a step equal the performance model's. Catches a model that
+    counts stage 1-2 gathers in the compute dtype (x1.333 at 70B) or reduces a frozen
+    base's gradients (x800 at 7B), and a runtime that starts moving either."""
+    for kw in ({"zero": 1}, {"lora_rank": 4}):
+        cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, global_batch_size=4, **kw)
+        report = rehearse.rehearse_rank(cfg, 0)
+        got, want, _ = rehearse.compared(report, cfg)["bytes"]["dp"]
+        assert got > 0 and abs(got - want) <= 1e-6 * want, (kw, got, want)

@@ -15,8 +15,10 @@ What runs is the ``Trainer`` of ``train/loop.py`` -- build, then two optimizer s
 through ``Trainer.step`` -- with two differences from ``plait train``: the batches are
 synthetic (``SyntheticBatches``: zeros of the real shapes; no data preparation, no
 tokenizer, the vocabulary of the model preset), and the values a step reads back on the
-host are zeros (``comm.host_values``: a fake tensor has none). The checkpoint
-save/restore phase is not rehearsed yet.
+host are zeros (``comm.host_values``: a fake tensor has none). Then the rank saves a
+checkpoint through ``Trainer.save`` and loads it back through ``checkpoint.load`` -- DCP's
+planners on this rank's boxes, a storage that counts bytes instead of writing files
+(``RecordedCheckpoint``: what it leaves out is said there) -- into a temporary folder.
 
 Memory: ``torch.distributed._tools.mem_tracker.MemTracker`` sees every storage the rank
 allocates and frees (a fake tensor's storage has its real size) and labels new ones by
@@ -26,7 +28,8 @@ shards under ZeRO-3), gradients, optimizer state, and buffers (ZeRO-3's gathered
 gathers in flight and packed gradients awaiting their reduce-scatter, module buffers);
 what is left is activations (made in a forward), temporaries (made in a backward or an
 optimizer step) and other state made at build. The peak of each phase (build, step 1,
-step 2) is reported with its split.
+step 2, save, load) is reported with its split. Storages on ``meta`` (a ZeRO-3 model is
+built there) hold no bytes and are not counted.
 
 Fake tensors live on the CPU here, so the rank runs the program of its CPU twin with two
 GPU choices taken: fused AdamW (``optim.build_adamw``) and one host read per step.
@@ -35,11 +38,16 @@ Autocast follows the CPU's rules (matmuls in bf16, as on CUDA).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
+import tempfile
 import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,7 +56,7 @@ from plait.topology import Axis, Call, Topology, coords
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers", "activations",
               "temporaries", "other")  # fmt: skip
-PHASES = ("build", "step 1", "step 2")
+PHASES = ("build", "step 1", "step 2", "save", "load")
 
 
 class SyntheticBatches:
@@ -146,21 +154,60 @@ def _memtracker_class():
                 _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
                 _MemRefType.OTH: "other"}  # fmt: skip
 
+    class _ForwardHooks:
+        """Stands in for ``MemTracker``'s ``ModTracker``, of which only two things are
+        used here: whether autograd is running a backward, and forward hooks on every
+        module (activation checkpointing's recompute). ``ModTracker`` also hooks every
+        module's inputs and outputs for the backward (``register_multi_grad_hook``), and
+        those hooks keep tensors alive: a pipeline stage's received input and its
+        gradient, every micro-batch of every step -- 3.2 GB a step on 175B's last stage,
+        which a real run (no tracker) does not hold."""
+
+        parents = frozenset()  # no per-module statistics
+
+        @property
+        def is_bw(self) -> bool:
+            return torch._C._current_graph_task_id() != -1
+
+        def register_user_hooks(self, pre_fw, post_fw, pre_bw=None, post_bw=None):
+            self._pre_fw, self._post_fw = pre_fw, post_fw
+
+        def clear_user_hooks(self):
+            self._pre_fw = self._post_fw = None
+
+        def __enter__(self):
+            from torch.nn.modules.module import (
+                register_module_forward_hook,
+                register_module_forward_pre_hook,
+            )
+
+            self._handles = (
+                register_module_forward_pre_hook(lambda m, args: self._pre_fw(m, args)),
+                register_module_forward_hook(lambda m, args, out: self._post_fw(m, args, out),
+                                             always_call=True),
+            )  # fmt: skip
+            return self
+
+        def __exit__(self, *args):
+            for h in self._handles:
+                h.remove()
+
     class RankMemory(MemTracker):
         """``MemTracker`` with plait's roles (module docstring) and a peak per phase.
 
         It keeps ``MemTracker``'s accounting of storages and its labels by where a
         storage is made; the tensors of lasting roles are relabelled once built
         (``built``), those of passing roles looked up at each new peak. Per-module
-        statistics are not kept (its module hooks only follow activation checkpointing
-        here), so a module may run any number of times in a phase -- every micro-batch
-        does. This leans on ``MemTracker``'s internals (``_WINFO``, ``_curr_mem_snap``,
+        statistics are not kept (module hooks only follow activation checkpointing here:
+        ``_ForwardHooks``), so a module may run any number of times in a phase -- every
+        micro-batch does. This leans on ``MemTracker``'s internals (``_WINFO``, ``_curr_mem_snap``,
         ``_update_snap``, the hook methods), torch 2.13's; a test rehearses a small model
         against a real run's measured peak to catch a change.
         """
 
         def __init__(self):
             super().__init__()
+            self._mod_tracker = _ForwardHooks()
             self.trainer, self.params = None, []
             self.peak, self.split = 0, dict.fromkeys(CATEGORIES, 0)
 
@@ -186,8 +233,15 @@ def _memtracker_class():
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        def _snaps(self):
+            """The per-device snapshots that are memory: not meta's. A ZeRO-3 model is
+            built on meta (``Trainer.build``) and its meta tensors -- storages of a size
+            and no bytes, on a GPU run as here -- live as long as something refers to
+            them (a deferred ``init_value``), so ``MemTracker`` counts them."""
+            return [s for dev, s in self._curr_mem_snap.items() if dev.type != "meta"]
+
         def current(self) -> int:
-            return sum(s[_TOTAL_KEY] for s in self._curr_mem_snap.values())
+            return sum(s[_TOTAL_KEY] for s in self._snaps())
 
         def _update_peak_stats(self, peak_state) -> None:
             total = self.current()
@@ -210,12 +264,14 @@ def _memtracker_class():
         def breakdown(self) -> dict[str, int]:
             """Bytes held now per category (module docstring)."""
             out = dict.fromkeys(CATEGORIES, 0)
-            for snap in self._curr_mem_snap.values():
+            for snap in self._snaps():
                 for k, v in snap.items():
                     if k != _TOTAL_KEY:
                         out[category[k]] += v
             if self.trainer is not None:
                 for role, winfo in self._winfos(_passing_roles(self.trainer, self.params)):
+                    if winfo.device.type == "meta":
+                        continue
                     out[category[winfo.reftype]] -= winfo.mem_consumed
                     out[role] += winfo.mem_consumed
             return out
@@ -237,6 +293,183 @@ def _memtracker_class():
                 self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
     return RankMemory
+
+
+# -- checkpoint save and load -------------------------------------------------------------
+
+
+class RecordedCheckpoint:
+    """Stands in for ``torch.distributed.checkpoint`` inside ``train/checkpoint.py`` while a
+    rank is rehearsed (``recorded_checkpoints``): ``save`` and ``load`` run DCP's own
+    ``save`` and ``load`` -- its default planners asking ``checkpoint._Boxes`` for this
+    rank's boxes, resolving each write item to the view it writes and each read item to
+    the view it fills -- with a storage that records bytes instead of files. Two things
+    differ from a real run. The planning runs on this rank alone (``no_dist``: the fake
+    group carries no objects), so a box other ranks hold too (dp replicas below ZeRO-3, a
+    tied copy) counts as written here, where DCP's de-duplication gives it to one holder:
+    ``written`` is this rank's writes at most, exact where no box is replicated. And no
+    host staging buffer is made: a real save copies each box to the host and a load reads
+    it there before ``copy_`` into the view, host memory either way, not the device's."""
+
+    def __init__(self):
+        self.written = self.read = 0  # bytes of tensor data
+        self.boxes: dict[tuple, int] = {}  # (key, global offsets) -> bytes written
+        self.metadata = None  # the save's, which the load reads
+
+    def save(self, state_dict, *, storage_writer=None, process_group=None, no_dist=False):
+        import torch.distributed.checkpoint as dcp
+
+        from plait.train import checkpoint
+
+        if storage_writer is not None:
+            folder = Path(storage_writer.path)
+            folder.mkdir(parents=True, exist_ok=True)  # rank 0 makes it in a real run
+            # the other ranks' manifest parts, which rank 0 merges: none of their files
+            # is written here
+            rank, world = dist.get_rank(), dist.get_world_size()
+            for r in range(world):
+                if r != rank:
+                    (folder / f"{checkpoint.PART}{r}.json").write_text("{}")
+        return dcp.save(state_dict, storage_writer=_RecordingWriter(self), no_dist=True)
+
+    def load(self, state_dict, *, checkpoint_id=None, process_group=None, no_dist=False):
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.load(state_dict, storage_reader=_RecordedReader(self), no_dist=True)
+
+
+def _storage_classes():
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    def done(value):
+        fut = Future()
+        fut.set_result(value)
+        return fut
+
+    class Writer(StorageWriter):
+        def __init__(self, book):
+            self.book = book
+
+        def reset(self, checkpoint_id=None):
+            pass
+
+        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            pass
+
+        def prepare_local_plan(self, plan):
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return plans
+
+        def write_data(self, plan, planner):
+            out = []
+            for item in plan.items:
+                data = planner.resolve_data(item)  # what FileSystemWriter writes
+                n = (data.getbuffer().nbytes if isinstance(data, io.BytesIO)
+                     else data.numel() * data.element_size())  # fmt: skip
+                self.book.written += n
+                self.book.boxes[(item.index.fqn, tuple(item.index.offset))] = n
+                out.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=None))
+            return done(out)
+
+        def finish(self, metadata, results):
+            self.book.metadata = metadata
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            return True
+
+        def storage_meta(self):
+            return None
+
+    class Reader(StorageReader):
+        def __init__(self, book):
+            self.book = book
+
+        def reset(self, checkpoint_id=None):
+            pass
+
+        def read_metadata(self, *args, **kwargs):
+            return self.book.metadata
+
+        def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+            pass
+
+        def prepare_local_plan(self, plan):
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return plans
+
+        def read_data(self, plan, planner):
+            for item in plan.items:
+                target = planner.resolve_tensor(item).detach()  # what FileSystemReader fills
+                self.book.read += target.numel() * target.element_size()
+                planner.commit_tensor(item, target)
+            return done(None)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            return True
+
+    return Writer, Reader
+
+
+def _RecordingWriter(book):
+    return _storage_classes()[0](book)
+
+
+def _RecordedReader(book):
+    return _storage_classes()[1](book)
+
+
+@contextlib.contextmanager
+def recorded_checkpoints():
+    """``train/checkpoint.py``'s DCP replaced by a ``RecordedCheckpoint`` (yielded) for the
+    duration: everything else of a save and a load runs as in ``plait train``."""
+    from plait.train import checkpoint
+
+    book, real = RecordedCheckpoint(), checkpoint.dcp
+    checkpoint.dcp = book
+    try:
+        yield book
+    finally:
+        checkpoint.dcp = real
+
+
+def _save_and_load(trainer, step: int, out: Path, mem, report) -> None:
+    """Save checkpoint ``step`` through ``Trainer.save`` into ``out`` and load it back into
+    the same rank through ``checkpoint.load`` and the engine's ``state_loaded`` -- what
+    ``Trainer.restore`` runs once ``pick_resume`` has chosen and verified the folder (host
+    files only; its agreement over ranks reads values a fake tensor has not). Each a
+    phase; the bytes each moves go to ``report``."""
+    from plait.train import checkpoint
+
+    trainer.out = out
+    with recorded_checkpoints() as book:
+        mem.reset_peak()
+        t0 = time.perf_counter()
+        trainer.save(step)
+        report.phases.append(Phase("save", mem.peak, mem.split, time.perf_counter() - t0))
+        path = out / "checkpoints" / f"step-{step:08d}"
+        if not path.exists():  # rank 0 commits the folder (and its meta.json) in a real run
+            path = path.with_name(path.name + ".tmp")
+            meta = {"step": step, **trainer.dp_algo.meta()}
+            (path / "meta.json").write_text(json.dumps(meta))
+        # the generators' state: host bytes, read back as a fake tensor here (no value)
+        (path / f"rng-rank-{trainer.topo.rank}.pt").unlink()
+        mem.reset_peak()
+        t0 = time.perf_counter()
+        entries = trainer.dp_algo.resume(checkpoint.read_meta(path))
+        checkpoint.load(path, state=trainer.checkpoint_state(**entries), topo=trainer.topo,
+                        verified=True)  # fmt: skip
+        trainer.engine.state_loaded()
+        report.phases.append(Phase("load", mem.peak, mem.split, time.perf_counter() - t0))
+    report.bytes_written, report.bytes_read = book.written, book.read
+    report.boxes_written = book.boxes
 
 
 # -- one rank ----------------------------------------------------------------------------
@@ -262,6 +495,12 @@ class RankReport:
     cp_rank: int = 0
     calls: list[Call] = field(default_factory=list)  # build and both steps, in order
     step_calls: list[Call] = field(default_factory=list)  # step 2's only
+    bytes_written: int = 0  # tensor data of the checkpoint save (``RecordedCheckpoint``)
+    bytes_read: int = 0  # ... and of its load
+    boxes_written: dict[tuple, int] = field(default_factory=dict)  # (key, offsets) -> bytes
+
+    def training_peak(self) -> int:
+        return max(p.peak for p in self.phases if p.name.startswith("step"))
 
     def peak(self) -> Phase:
         return max(self.phases, key=lambda p: p.peak)
@@ -280,6 +519,7 @@ class RankReport:
             "phases": [dataclasses.asdict(p) for p in self.phases],
             "calls": [c._asdict() for c in self.step_calls],
             "bytes_per_axis": self.bytes_per_axis(),
+            "checkpoint": {"bytes_written": self.bytes_written, "bytes_read": self.bytes_read},
         }  # fmt: skip
 
 
@@ -322,6 +562,8 @@ def rehearse_rank(cfg, rank: int) -> RankReport:
                 for c in topo.stats.log[mark:]
             ]
             report.calls = list(topo.stats.log)
+            with tempfile.TemporaryDirectory(prefix="plait-rehearse-") as out:
+                _save_and_load(trainer, 2, Path(out), mem, report)
             trainer.close()
             mem.trainer = mem.params = None
         return report
@@ -445,10 +687,14 @@ def predicted(cfg, pp_rank: int) -> dict:
     stage_layers = layers_per_stage(model, lay)
     compiled = compile_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
     mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]
+    # the step's weight copy is made in a forward: the rehearsal counts it an activation
     memory = {"parameters": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer,
-              "buffers": mem.buffers, "activations": mem.activations,
+              "buffers": mem.buffers, "activations": mem.activations + mem.weight_casts,
               "total": mem.total}  # fmt: skip
-    return {"memory": memory, "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank)}
+    return {
+        "memory": memory,
+        "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank, lora=cfg.lora),
+    }
 
 
 def compared(report: RankReport, cfg) -> dict:
@@ -456,7 +702,7 @@ def compared(report: RankReport, cfg) -> dict:
     counted bytes per axis, each with the ratio rehearsed / simulated (None where the
     model has no figure)."""
     sim = predicted(cfg, report.pp_rank)
-    peak = report.phases[-1]
+    peak = next(p for p in report.phases if p.name == "step 2")
     rows = {}
     for cat in (*CATEGORIES, "total"):
         got = peak.peak if cat == "total" else peak.split[cat]

@@ -32,8 +32,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         sub, "rehearse", config_help="YAML or TOML file of flag values (flags override it)",
         help="run one rank's real step at full size on fake tensors; compare with simulate",
         description="Build the trainer of the given ranks of the full layout on fake "
-        "tensors under a fake process group, run two optimizer steps, and report peak "
-        "memory by category, every collective, and the performance model's figures.",
+        "tensors under a fake process group, run two optimizer steps, save and load a "
+        "checkpoint, and report peak memory by category, every collective, the "
+        "checkpoint's bytes, and the performance model's figures.",
     )  # fmt: skip
     g = p.add_argument_group("rehearse")
     g.add_argument("--ranks", default="0,LAST", metavar="0,LAST|all-stages",
@@ -87,8 +88,7 @@ def _header(cfg, values) -> str:
         f"{values.get('model') or 'tiny'} ({m.n_layers} x {m.hidden}, seq {m.seq_len}), "
         f"dp={lay.dp} tp={lay.tp} pp={lay.pp} vpp={lay.vpp} {lay.schedule} zero={lay.zero} "
         f"{lay.dtype}, {lay.num_microbatches} micro-batches of {lay.micro_batch_size}, "
-        f"{lay.world_size:,} ranks; fake process group and tensors; checkpoint save/restore "
-        "not rehearsed"
+        f"{lay.world_size:,} ranks; fake process group and tensors"
     )
 
 
@@ -102,7 +102,8 @@ def _ratio(x) -> str:
 
 def report(r, compared: dict) -> str:
     """One rank's table: peak memory per phase and category beside the model's (step 2's
-    peak), counted bytes per axis beside the model's, and the calls of a step."""
+    peak), counted bytes per axis beside the model's, the checkpoint's bytes and its peaks
+    against training's, and the calls of a step."""
     times = ", ".join(f"{p.name} {p.seconds:.1f} s" for p in r.phases)
     lines = [f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, cp {r.cp_rank}, tp {r.tp_rank}): "
              f"{times}",
@@ -115,6 +116,11 @@ def report(r, compared: dict) -> str:
     lines.append(f"  {'bytes per step (GiB)':26s}{'rehearsed':>9s}{'simulated':>11s}{'ratio':>8s}")
     for axis, (got, want, ratio) in compared["bytes"].items():
         lines.append(f"  {axis:26s}{_gib(got):>9s}{_gib(want):>11s}{_ratio(ratio):>8s}")
+    train = r.training_peak()
+    ratios = ", ".join(f"{p.name} / training peak {p.peak / train:.3f}" for p in r.phases
+                       if p.name in ("save", "load"))  # fmt: skip
+    lines.append(f"  checkpoint: {r.bytes_written / GiB:.3f} GiB written (at most: boxes other "
+                 f"ranks hold too count here), {r.bytes_read / GiB:.3f} GiB read; {ratios}")  # fmt: skip
     calls = defaultdict(lambda: [0, 0])
     for c in r.step_calls:
         if c.op != "wait":

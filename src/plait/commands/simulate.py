@@ -194,8 +194,10 @@ def report(res, model, layout, name: str = "model", moe_imbalance: float | None 
         f"memory     {res.peak_mem_bytes / GiB:.1f} GiB peak per device of "
         f"{res.mem_capacity_bytes / GiB:.1f} GiB: " + ("fits" if res.fits else "DOES NOT FIT"),
         f"           weights {mem.weights / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer "
-        f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, buffers "
-        f"{mem.buffers / GiB:.1f}, overhead {mem.overhead / GiB:.1f} GiB (pipeline rank {mem.rank})",
+        f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, "
+        + (f"weight casts {mem.weight_casts / GiB:.1f}, " if mem.weight_casts else "")
+        + f"buffers {mem.buffers / GiB:.1f}, overhead {mem.overhead / GiB:.1f} GiB "
+        f"(pipeline rank {mem.rank})",
         *_dp_algo_lines(res),
         *_cp_lines(res, model, layout),
         *_moe_lines(res, model, layout, moe_imbalance, hw),

@@ -41,9 +41,9 @@ import torch
 
 
 def resize_storage(t: torch.Tensor, nbytes: int) -> None:
-    """Resize ``t``'s storage to ``nbytes`` (0 frees it; the tensor keeps its shape). Not
-    seen by ``plait rehearse``'s memory tracker (a storage's resize_ does not pass through
-    PyTorch's dispatcher): it counts a freed ZeRO-3 unit as still held."""
+    """Resize ``t``'s storage to ``nbytes`` (0 frees it; the tensor keeps its shape). A
+    storage's resize_ does not pass through PyTorch's dispatcher; ``plait rehearse``'s
+    memory tracker sees it all the same (``MemTracker`` wraps ``UntypedStorage.resize_``)."""
     t.untyped_storage().resize_(nbytes)
 
 

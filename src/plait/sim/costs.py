@@ -436,7 +436,7 @@ def dp_comm_time(
     if dp <= 1:
         return {"grad": 0.0, "param": 0.0}
     gbytes = params * runtime.grad_comm_bytes(layout.dtype)
-    pbytes = params * runtime.param_comm_bytes(layout.dtype)
+    pbytes = params * runtime.state_bytes(layout.dtype)[0]  # stored weights (traffic.py)
     if layout.zero == 0:
         return {"grad": all_reduce_time(gbytes, dp, group_link(hw, dp, t)), "param": 0.0}
     shard, replicas = dp_groups(layout, experts)

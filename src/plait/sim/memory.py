@@ -63,6 +63,7 @@ class Memory:
     buffers: float  # ZeRO-3 gathered layers
     overhead: float
     cp_buffers: float = 0.0  # one layer's context-parallel exchange (sim/context.py)
+    weight_casts: float = 0.0  # the step's compute-dtype weight copy (``weight_cast_bytes``)
 
     @property
     def total(self) -> float:
@@ -70,10 +71,13 @@ class Memory:
             (self.weights + self.grads + self.optimizer + self.activations + self.buffers)
             + self.overhead
             + self.cp_buffers
+            + self.weight_casts
         )
 
     def to_dict(self) -> dict:
         cp = {"cp_buffers": self.cp_buffers} if self.cp_buffers else {}
+        if self.weight_casts:
+            cp["weight_casts"] = self.weight_casts
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -241,6 +245,15 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     return 2 * gathered + grads * g_bytes
 
 
+def weight_cast_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int) -> float:
+    """The compute-dtype copy of a rank's blocks' matrix weights that a step holds
+    (``Runtime.weight_cast_per_step``): 2 bytes per matmul parameter of its ``layers``
+    blocks' tp shard -- 2.53 GiB a rank for 6 layers of GPT-3 175B at tp 8."""
+    if not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero == 3:
+        return 0.0
+    return 2.0 * layers * sizes.layer_matmul_params(cfg) / layout.tp
+
+
 def memory_per_rank(
     cfg: ModelConfig,
     layout: Layout,
@@ -305,5 +318,7 @@ def memory_per_rank(
             layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
         cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
-        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp))
+        layers = sum(stage_layers[c * p + rank] for c in range(v))
+        casts = weight_cast_bytes(cfg, layout, runtime, layers)
+        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts))
     return out

@@ -59,6 +59,11 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``zero3_in_place_alone``: a ZeRO-3 shard group of one rank (the routed experts' edp
   group at ep == dp) gathering in the stored dtype keeps its parameters where they are
   stored, with no gathered copy (plait: ``zero_units.Unit.resident``).
+- ``weight_cast_per_step``: under bf16 / fp16 with fp32 weights (``master_weights``
+  off), each linear layer's weight is cast to the compute dtype once a step and the copy
+  held from its first forward to its last backward (plait's ``tensor.weight_casts``:
+  ``Memory.weight_casts``; ``plait rehearse`` finds it among the activations, made in
+  a forward); ZeRO-3 gathers in the compute dtype instead (its buffers).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
@@ -105,6 +110,7 @@ class Runtime:
     zero3_reduce_per_microbatch: bool = True
     zero3_in_place_alone: bool = False
     gather_in_compute_dtype: bool = False
+    weight_cast_per_step: bool = False
     pp_scatter_gather: bool = True
     unfused_fp32_loss: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
@@ -138,6 +144,7 @@ PROFILES: dict[str, Runtime] = {
         zero3_reduce_per_microbatch=False,
         zero3_in_place_alone=True,
         gather_in_compute_dtype=True,
+        weight_cast_per_step=True,
         bucket_from_layout=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",

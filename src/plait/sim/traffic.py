@@ -44,10 +44,13 @@ from plait.sim.step import stats_bytes
 
 
 def bytes_per_axis(
-    model: ModelConfig, layout: Layout, runtime: Runtime, stage_layers: list[int], pp_rank: int
-) -> dict[str, float]:
+    model: ModelConfig, layout: Layout, runtime: Runtime, stage_layers: list[int], pp_rank: int,
+    lora=None,
+) -> dict[str, float]:  # fmt: skip
     """Counted bytes per axis ("tp", "pp", "dp", "world") of one optimizer step on a rank
-    of pipeline rank ``pp_rank`` (module docstring); axes of size 1 are left out."""
+    of pipeline rank ``pp_rank`` (module docstring); axes of size 1 are left out. ``lora``
+    (a ``LoRAConfig``): the base is frozen, so only the adapters' gradients are reduced
+    (and, at ZeRO 1-2, their weights gathered); ZeRO-3 still gathers every weight."""
     p, v, m, t = layout.pp, layout.vpp, layout.num_microbatches, layout.tp
     S = p * v
     T, h, e = (
@@ -93,7 +96,14 @@ def bytes_per_axis(
     groups = [(sum(stage_params(model, layout, layers, stage == 0, stage == S - 1, moe[stage])
                    for stage, layers in chunks), False),
               (moe_layers * ep_sim.expert_params(model, layout), True)]  # fmt: skip
-    dp = sum(_dp_bytes(params, layout, runtime, experts) for params, experts in groups)
+    if lora is not None:
+        from plait.model.lora import adapter_params_per_layer
+
+        layers_here = sum(layers for _, layers in chunks)
+        trainable = layers_here * adapter_params_per_layer(model, lora, t)
+        dp = _dp_bytes(trainable, layout, runtime, False, gathered=sum(n for n, _ in groups))
+    else:
+        dp = sum(_dp_bytes(params, layout, runtime, experts) for params, experts in groups)
     if dp:
         out["dp"] = dp
     if layout.world_size > 1:
@@ -101,9 +111,12 @@ def bytes_per_axis(
     return out
 
 
-def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool) -> float:
-    """Counted dp bytes of one step for ``params`` weights (module docstring); ``experts``:
-    routed experts over their edp group (a dp sub-group: counted on the dp axis)."""
+def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool,
+              gathered: float | None = None) -> float:  # fmt: skip
+    """Counted dp bytes of one step for ``params`` trained weights (module docstring);
+    ``experts``: routed experts over their edp group (a dp sub-group: counted on the dp
+    axis); ``gathered``: the weights ZeRO-3 gathers, when more than those trained."""
+    gathered = params if gathered is None else gathered
     if grad_ranks(layout, experts) <= 1 or not params:
         return 0.0
     m = layout.num_microbatches
@@ -113,8 +126,10 @@ def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool) ->
     if layout.zero == 0:
         return g
     if layout.zero in (1, 2):
-        gather = params * runtime.param_comm_bytes(layout.dtype)  # the updated weights
+        # the updated weights, in their stored dtype (``gather_in_compute_dtype`` is a
+        # ZeRO-3 unit's: plait's stage 1-2 gather fp32 weights, as ``plait rehearse`` logs)
+        gather = params * runtime.state_bytes(layout.dtype)[0]
         return (g if layout.zero == 1 and runtime.zero1_grad_all_reduce else g + across) + gather
     w = runtime.param_comm_bytes(layout.dtype)
     reduces = m if runtime.zero3_reduce_per_microbatch else 1
-    return 2 * m * params * w + reduces * (g + across)
+    return 2 * m * gathered * w + reduces * (g + across)
