@@ -249,6 +249,19 @@ def test_parallel_build_equals_one_process_and_resumes_after_a_crash(tmp_path, m
     )
 
 
+def test_a_document_cut_into_pieces_gets_one_end_of_text(tmp_path, monkeypatch):
+    """A document longer than PIECE_CHARS is encoded in pieces, and the end-of-text follows
+    only its last piece: with the bytes tokenizer the stream is each document's bytes then
+    one ETX. Catches an end-of-text after every piece (or after every batch)."""
+    monkeypatch.setattr(build_mod, "PIECE_CHARS", 64)
+    monkeypatch.setattr(build_mod, "ENCODE_CHARS", 100)  # pieces of a document in 2+ calls
+    docs = ["\n".join(DOCS[:12]), "short one", "\n".join(DOCS[12:20])]
+    ds = prepare(_cfg(tmp_path, _jsonl(tmp_path / "d.jsonl", docs), val_fraction=0.0))
+    want = b"".join(d.encode() + bytes([3]) for d in docs)
+    assert _stream(ds).astype(np.uint8).tobytes() == want
+    assert ds.num_documents == 3
+
+
 def test_instruction_data_builds_in_parallel_with_the_one_process_tokens_and_mask(
     tmp_path, monkeypatch
 ):
