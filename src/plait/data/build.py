@@ -13,9 +13,9 @@ with the ids, and the parent appends the mask to ``mask.bin.partial`` beside the
 
 Where the time goes (a 12 MB Parquet row group of source code, BPE of 4,096 ids, one
 core): ~95% in the tokenizer's Rust ``encode_batch_fast``; turning its ids into numpy
-~3-4% (``Encoding.ids`` builds a Python list; ``encode_concat`` then makes one array per
-call in the cache's dtype rather than one per document); reading Parquet ~2%; sending a
-unit's array to the parent and writing it well under 1%.
+~3.5% (``Encoding.ids`` builds a Python list; ``encode_concat`` then makes one array per
+call in the cache's dtype rather than one per document); reading Parquet ~1.5%; sending a
+unit's array to the parent and writing it a few milliseconds (benchmarks/RESULTS.md).
 
 Resuming: every COMMIT_SECONDS the parent fsyncs the partial file(s) and then records, in
 ``tokens.progress.json``, how many units and tokens it holds (and a digest of the plan).
