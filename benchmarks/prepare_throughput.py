@@ -2,11 +2,12 @@
 
     python benchmarks/prepare_throughput.py --mb 200 --workers 2 [--compare-datasets]
     python benchmarks/prepare_throughput.py --mb 100 --workers 2   # the memory check's other size
-    python benchmarks/prepare_throughput.py --mb 25 --workers 2 --rounds 3   # interleaved
+    python benchmarks/prepare_throughput.py --mb 50 --workers 2 --rounds 3   # interleaved
     nice -n 10 python benchmarks/prepare_throughput.py --mb 4000 --bytes     # memory at 4 GB
 
 ``--rounds N`` measures on a shared machine: N rounds of plait and datasets.map on the
-same slice, alternating which goes first, and prints the ratio of the medians of their
+same slice (at least 40 MB: below 32 MB plait tokenises in one process), alternating
+which goes first, and prints the ratio of the medians of their
 tokens/s (and of their tokens per CPU-second of the whole process tree, which the other
 jobs on the machine disturb less). ``--bytes`` tokenises with plait's bytes tokenizer
 instead (plait only): the same streaming pipeline several times faster, for the memory
