@@ -173,6 +173,11 @@ def test_bpe_and_bytes_round_trip(tmp_path):
     assert len(tok.encode(docs[0])) < len(docs[0].encode()) / 1.5  # merges were learned
     assert tok.encode(EOT_TOKEN) == [tok.eot_id]  # a prompt may hold the special token
     assert tok.eot_id not in tok.encode_batch([f"a{EOT_TOKEN}b"])[0]  # corpus text may not
+    # what the cache builder calls: the same ids, back to back in the cache's dtype
+    batch = [docs[0], f"a{EOT_TOKEN}b", "", docs[1]]
+    ids, lengths = tok.encode_concat(batch, np.uint16)
+    assert ids.dtype == np.uint16 and lengths.tolist() == [len(x) for x in tok.encode_batch(batch)]
+    assert ids.tolist() == np.concatenate(tok.encode_batch(batch)).tolist()
 
     bt = ByteTokenizer()
     for s in samples:

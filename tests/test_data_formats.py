@@ -22,6 +22,7 @@ import plait.data.corpus as corpus_mod
 from plait.cli import main
 from plait.data import DataConfig, DataError, MixtureSampler, prepare, train_sampler, val_set
 from plait.data.mixture import MIX_BLOCK, apportion, parse_sources
+from plait.data.tokenizer import ByteTokenizer
 
 DOCS = [
     f"doc {i}: " + " ".join(f"wörd{(i * j) % 97}" for j in range(5 + i % 40)) for i in range(120)
@@ -246,6 +247,94 @@ def test_parallel_build_equals_one_process_and_resumes_after_a_crash(tmp_path, m
         json.loads((three.cache_path / "meta.json").read_text())["num_documents"]
         == (json.loads((one.cache_path / "meta.json").read_text())["num_documents"])
     )
+
+
+def test_a_document_cut_into_pieces_gets_one_end_of_text(tmp_path, monkeypatch):
+    """A document longer than PIECE_CHARS is encoded in pieces, and the end-of-text follows
+    only its last piece: with the bytes tokenizer the stream is each document's bytes then
+    one ETX. Catches an end-of-text after every piece (or after every batch)."""
+    monkeypatch.setattr(build_mod, "PIECE_CHARS", 64)
+    monkeypatch.setattr(build_mod, "ENCODE_CHARS", 100)  # pieces of a document in 2+ calls
+    docs = ["\n".join(DOCS[:12]), "short one", "\n".join(DOCS[12:20])]
+    ds = prepare(_cfg(tmp_path, _jsonl(tmp_path / "d.jsonl", docs), val_fraction=0.0))
+    want = b"".join(d.encode() + bytes([3]) for d in docs)
+    assert _stream(ds).astype(np.uint8).tobytes() == want
+    assert ds.num_documents == 3
+
+
+def test_instruction_data_builds_in_parallel_with_the_one_process_tokens_and_mask(
+    tmp_path, monkeypatch
+):
+    """Instruction JSONL cut into byte-range units and tokenised by 2 workers gives the
+    tokens and loss mask of encoding every example in order in one process
+    (``instruct.encode`` over the file's records), and a build killed after writing a unit
+    its journal does not vouch for resumes with both files cut back to the journal. Catches a mask out of step with its tokens, a record read twice or
+    lost at a unit boundary, and a resume that cuts back the tokens but not the mask."""
+    import plait.data.instruct as instruct_mod
+
+    monkeypatch.setattr(corpus_mod, "UNIT_BYTES", 1500)
+    monkeypatch.setattr(build_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(build_mod, "COMMIT_SECONDS", 0.0)
+    records = []
+    for i, d in enumerate(DOCS):
+        if i % 2:
+            records.append({"prompt": d[:20], "completion": d[20:]})
+        else:
+            records.append({"messages": [{"role": "user", "content": d[:15]},
+                                         {"role": "assistant", "content": d[15:]}]})  # fmt: skip
+    lines = [json.dumps(r) for r in records]
+    lines[37:37] = [""]  # a blank line counts for line numbers but is no example
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    tok = ByteTokenizer()
+    pairs = instruct_mod.encode(tok, [instruct_mod.segments(r, "x") for r in records])
+    want_ids = np.concatenate([ids for ids, _ in pairs])
+    want_mask = np.concatenate([m for _, m in pairs])
+    units = corpus_mod.find_corpus(str(path)).units()
+    assert len(units) > 10
+
+    def build(cache, workers):
+        ds = prepare(DataConfig(path=str(path), tokenizer="bytes", cache_dir=str(cache),
+                                val_fraction=0.0), workers=workers)  # fmt: skip
+        meta = json.loads((ds.cache_path / "meta.json").read_text())
+        assert meta["num_documents"] == len(records)
+        assert meta["num_trained_tokens"] == int(want_mask.sum())
+        return _stream(ds), np.asarray(ds.train_mask)
+
+    for workers in (1, 2):
+        ids, mask = build(tmp_path / f"c{workers}", workers)
+        assert np.array_equal(ids, want_ids) and np.array_equal(mask, want_mask), workers
+
+    real, calls = build_mod._commit, []
+
+    def dies_committing_unit_5(files, journal, state):
+        calls.append(state)
+        if len(calls) == 6:  # unit 5's tokens and mask are written, the journal says 5 units
+            raise KeyboardInterrupt
+        return real(files, journal, state)
+
+    monkeypatch.setattr(build_mod, "_commit", dies_committing_unit_5)
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "c3", 1)
+    assert next((tmp_path / "c3").glob("*/mask.bin.partial")).stat().st_size > 0
+    monkeypatch.setattr(build_mod, "_commit", real)
+    ids, mask = build(tmp_path / "c3", 1)
+    assert np.array_equal(ids, want_ids) and np.array_equal(mask, want_mask)
+
+
+def test_a_bad_instruction_record_in_a_later_unit_names_its_line(tmp_path, monkeypatch):
+    """With the file cut into units tokenised by workers, a bad record far into the file is
+    reported with its line in the file (the units before it counted), in one line, and
+    nothing is left in the cache. Catches a line number relative to the unit."""
+    monkeypatch.setattr(corpus_mod, "UNIT_BYTES", 500)
+    monkeypatch.setattr(build_mod, "PARALLEL_MIN_BYTES", 0)
+    lines = [json.dumps({"prompt": d[:10], "completion": d[10:]}) for d in DOCS[:80]]
+    lines[70] = json.dumps({"prompt": "a", "completion": ""})
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl line 71: empty 'completion'") as e:
+        prepare(_cfg(tmp_path, tmp_path / "d.jsonl"), workers=2)
+    assert "\n" not in str(e.value)
+    assert not any((tmp_path / "cache").rglob("*"))
 
 
 # ------------------------------------------------------------------------------ mixtures

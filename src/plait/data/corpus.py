@@ -349,6 +349,13 @@ def _text_files(corpus: Corpus, files, stats: UnitStats) -> Iterator[str]:
 
 def _jsonl_texts(f: Path, start: int, stop: int, column: str, stats: UnitStats) -> Iterator[str]:
     """The documents of the lines of ``f`` that start in bytes [start, stop)."""
+    for n, text in jsonl_lines(f, start, stop, stats):
+        yield _jsonl_text(text, n, column)
+
+
+def jsonl_lines(f: Path, start: int, stop: int, stats: UnitStats) -> Iterator[tuple[int, str]]:
+    """(line number in the unit, text) of the non-blank lines of ``f`` that start in bytes
+    [start, stop); ``stats.lines`` counts the blank ones too."""
     with open(f, "rb") as lines:
         if start > 0:
             lines.seek(start - 1)
@@ -363,7 +370,7 @@ def _jsonl_texts(f: Path, start: int, stop: int, column: str, stats: UnitStats) 
                 line = line[3:]  # a byte-order mark
             text = line.decode("utf-8", errors="replace")
             if text.strip():
-                yield _jsonl_text(text, stats.lines, column)
+                yield stats.lines, text
 
 
 def _jsonl_text(line: str, n: int, column: str) -> str:

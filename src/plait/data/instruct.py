@@ -180,16 +180,33 @@ def segments(record, where: str, chat: ChatTemplate | None = None) -> Segments:
 def examples(path: Path, shown: str, chat: ChatTemplate | None = None) -> Iterator[Segments]:
     """Every example of an instruction JSON Lines file, in file order (``chat``: see
     ``segments``)."""
-    with open(path, encoding="utf-8-sig", errors="replace") as lines:
-        for n, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"--data {shown} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            yield segments(record, where, chat)
+    from plait.data.corpus import RecordError, UnitStats
+
+    try:
+        yield from unit_examples(path, 0, path.stat().st_size, UnitStats(), chat)
+    except RecordError as e:
+        raise DataError(f"--data {shown} line {e.line}: {e.message}") from None
+
+
+_HERE = "record"  # the ``where`` of unit_examples' errors, cut off again
+
+
+def unit_examples(path: Path, start: int, stop: int, stats, chat: ChatTemplate | None = None
+                  ) -> Iterator[Segments]:  # fmt: skip
+    """The examples of the lines of ``path`` that start in bytes [start, stop) (a unit of
+    ``corpus.py``, so workers can tokenise a file's byte ranges in parallel); a bad record
+    raises ``corpus.RecordError`` with its line in the unit (the caller knows the lines
+    before it)."""
+    from plait.data.corpus import RecordError, jsonl_lines
+
+    for n, line in jsonl_lines(path, start, stop, stats):
+        try:
+            ex = segments(json.loads(line), _HERE, chat)
+        except json.JSONDecodeError as e:
+            raise RecordError(n, f"not valid JSON ({e.msg})") from None
+        except DataError as e:
+            raise RecordError(n, str(e).removeprefix(f"{_HERE}: ")) from None
+        yield ex
 
 
 def encode(

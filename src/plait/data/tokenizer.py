@@ -2,7 +2,8 @@
 
 All of them offer the interface the trainer relies on: ``encode(str) -> list[int]``,
 ``decode(list[int]) -> str``, ``vocab_size``, ``eot_id`` (the end-of-text id that separates
-documents, or None) and ``save(path)``; plus ``encode_batch`` to tokenise a corpus fast.
+documents, or None) and ``save(path)``; plus ``encode_batch`` and ``encode_concat`` to
+tokenise a corpus fast.
 
 - ``bpe``: GPT-2 style byte-level BPE trained with the ``tokenizers`` package. The vocabulary
   is 256 byte tokens, the special token ``<|endoftext|>`` (id 0) and the learned merges, in
@@ -18,6 +19,7 @@ documents, or None) and ``save(path)``; plus ``encode_batch`` to tokenise a corp
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,6 +50,12 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
+    def encode_concat(self, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+        """``encode_batch``'s ids back to back in ``dtype``, and each text's count."""
+        parts = [t.encode("utf-8") for t in texts]
+        ids = np.frombuffer(b"".join(parts), dtype=np.uint8).astype(dtype)
+        return ids, np.array([len(b) for b in parts], dtype=np.int64)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"plait_tokenizer": "bytes", "eot_id": self.eot_id}))
 
@@ -73,12 +81,24 @@ class HFTokenizer:
         """Tokenise many documents on all cores. A corpus is data, not markup: a literal
         "<|endoftext|>" inside it (this very file has some) is encoded as plain text, so
         the only end-of-text ids in the token stream are the document separators."""
-        self._tok.encode_special_tokens = True
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self._encodings(texts)]
+
+    def encode_concat(self, texts: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+        """``encode_batch``'s ids back to back in ``dtype``, and each text's count: one
+        array for the batch rather than one per text (the cache's dtype directly, no
+        uint32 copy), which is what tokenising a corpus wants."""
+        encodings = self._encodings(texts)
+        lengths = np.array([len(e) for e in encodings], dtype=np.int64)
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=dtype,
+                          count=int(lengths.sum()))  # fmt: skip
+        return ids, lengths
+
+    def _encodings(self, texts: list[str]) -> list:
+        self._tok.encode_special_tokens = True  # (encode_batch's docstring)
         try:
-            encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+            return self._tok.encode_batch_fast(texts, add_special_tokens=False)
         finally:
             self._tok.encode_special_tokens = False
-        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))

@@ -11,8 +11,9 @@ process or any other, memory-maps the result:
         meta.json        written last: its presence means the folder is complete
         .lock            flock'ed while one process builds; the others wait, then reuse
 
-While it is being built, ``tokens.bin.partial`` and ``tokens.progress.json`` hold the units
-tokenised so far, so a build that dies resumes where it stopped (``build.py``).
+While it is being built, ``tokens.bin.partial`` (``mask.bin.partial``) and
+``tokens.progress.json`` hold the units tokenised so far, so a build that dies resumes where
+it stopped (``build.py``); instruction data is built so too.
 
 The fingerprint hashes the corpus identity (see ``Corpus.identity``) and the tokenizer
 settings. Each file is written under a temporary name and renamed into place, so a crash
@@ -222,24 +223,16 @@ def _build(folder: Path, corpus: Corpus, units: list[Unit], cfg: DataConfig,
 
     start = time.perf_counter()
     dtype = token_dtype(tokenizer.vocab_size)
-    counts = {}
-    if corpus.instruct:  # the mask first: meta.json, written last, vouches for both
-        chat = instruct.chat_template(cfg.tokenizer)  # None: plait's own rendering
-        write_atomically(
-            folder / "mask.bin",
-            lambda mask_tmp: write_atomically(
-                folder / "tokens.bin",
-                lambda tmp: counts.update(
-                    _tokenise_examples(corpus, tokenizer, dtype, tmp, mask_tmp, chat)
-                ),
-            ),
-        )
-    else:  # resumable: tokens.bin.partial until it is complete (build.py)
-        counts.update(build.tokenise(corpus, units, tokenizer, dtype, folder / "tokens.bin",
-                                     workers=workers, log=log))  # fmt: skip
-        counts = {k: counts[k] for k in ("num_tokens", "num_documents", "num_chars")}
+    chat = instruct.chat_template(cfg.tokenizer) if corpus.instruct else None  # None: ours
+    # resumable: tokens.bin.partial (and mask.bin.partial) until complete (build.py)
+    counts = build.tokenise(corpus, units, tokenizer, dtype, folder / "tokens.bin",
+                            workers=workers, log=log, chat=chat,
+                            mask_out=folder / "mask.bin" if corpus.instruct else None)  # fmt: skip
+    keys = ["num_tokens", "num_documents", "num_chars"]
+    counts = {k: counts[k] for k in keys + ["num_trained_tokens"] * corpus.instruct}
     if counts["num_documents"] == 0:
         (folder / "tokens.bin").unlink()
+        (folder / "mask.bin").unlink(missing_ok=True)
         raise DataError(f"{corpus.label}: no text found (every document is empty)")
     log(
         f"data: tokenised {counts['num_documents']:,} documents ({counts['num_chars'] / 1e6:.1f}M "
@@ -276,33 +269,6 @@ def _make_tokenizer(corpus: Corpus, cfg: DataConfig, log: Callable[[str], None])
             "requested ids (too little text to learn more merges)"
         )
     return tokenizer
-
-
-def _tokenise_examples(corpus: Corpus, tokenizer: Tokenizer, dtype: type, out: Path,
-                       mask_out: Path, chat=None) -> dict[str, int]:  # fmt: skip
-    """Instruction examples: their ids to ``out`` and their loss mask to ``mask_out``
-    (``chat``: the tokenizer folder's chat template, ``instruct.ChatTemplate``)."""
-    num_tokens = num_chars = num_documents = num_trained = 0
-    with open(out, "wb") as f, open(mask_out, "wb") as m:
-        batch = []
-        for ex in [*corpus.examples(chat), None]:  # None: flush the last batch
-            if ex is not None:
-                batch.append(ex)
-                num_chars += len(instruct.text(ex))
-                if len(batch) < 1024:
-                    continue
-            for ids, mask in instruct.encode(tokenizer, batch, special=chat is not None):
-                ids.astype(dtype).tofile(f)
-                mask.tofile(m)
-                num_tokens += len(ids)
-                num_trained += int(mask.sum())
-                num_documents += 1
-            batch = []
-        for fh in (f, m):
-            fh.flush()
-            os.fsync(fh.fileno())
-    return {"num_tokens": num_tokens, "num_documents": num_documents, "num_chars": num_chars,
-            "num_trained_tokens": num_trained}  # fmt: skip
 
 
 def _open(folder: Path, corpus: Corpus, cfg: DataConfig) -> Dataset:
