@@ -34,10 +34,11 @@ import json
 import os
 import sysconfig
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from plait.data.lines import RecordError, UnitStats, jsonl_lines
 from plait.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".py")
@@ -71,24 +72,6 @@ class Unit(NamedTuple):
     a: int
     b: int
     nbytes: int
-
-
-class RecordError(Exception):
-    """A bad JSON Lines record at line ``line`` of its unit (``read_unit`` does not know
-    the line numbers before the unit; its caller does)."""
-
-    def __init__(self, line: int, message: str):
-        super().__init__(line, message)
-        self.line, self.message = line, message
-
-
-@dataclass
-class UnitStats:
-    """What reading a unit found besides documents."""
-
-    lines: int = 0  # JSON Lines: lines read, blank ones included
-    skipped: list[str] = field(default_factory=list)  # binary files in a folder
-    replaced: int = 0  # files with bytes that are not UTF-8
 
 
 @dataclass(frozen=True)
@@ -351,26 +334,6 @@ def _jsonl_texts(f: Path, start: int, stop: int, column: str, stats: UnitStats) 
     """The documents of the lines of ``f`` that start in bytes [start, stop)."""
     for n, text in jsonl_lines(f, start, stop, stats):
         yield _jsonl_text(text, n, column)
-
-
-def jsonl_lines(f: Path, start: int, stop: int, stats: UnitStats) -> Iterator[tuple[int, str]]:
-    """(line number in the unit, text) of the non-blank lines of ``f`` that start in bytes
-    [start, stop); ``stats.lines`` counts the blank ones too."""
-    with open(f, "rb") as lines:
-        if start > 0:
-            lines.seek(start - 1)
-            if lines.read(1) != b"\n":
-                lines.readline()  # the rest of a line that started in the previous unit
-        while lines.tell() < stop:
-            line = lines.readline()
-            if not line:
-                break
-            stats.lines += 1
-            if start == 0 and stats.lines == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]  # a byte-order mark
-            text = line.decode("utf-8", errors="replace")
-            if text.strip():
-                yield stats.lines, text
 
 
 def _jsonl_text(line: str, n: int, column: str) -> str:

@@ -180,7 +180,7 @@ def segments(record, where: str, chat: ChatTemplate | None = None) -> Segments:
 def examples(path: Path, shown: str, chat: ChatTemplate | None = None) -> Iterator[Segments]:
     """Every example of an instruction JSON Lines file, in file order (``chat``: see
     ``segments``)."""
-    from plait.data.corpus import RecordError, UnitStats
+    from plait.data.lines import RecordError, UnitStats
 
     try:
         yield from unit_examples(path, 0, path.stat().st_size, UnitStats(), chat)
@@ -195,9 +195,9 @@ def unit_examples(path: Path, start: int, stop: int, stats, chat: ChatTemplate |
                   ) -> Iterator[Segments]:  # fmt: skip
     """The examples of the lines of ``path`` that start in bytes [start, stop) (a unit of
     ``corpus.py``, so workers can tokenise a file's byte ranges in parallel); a bad record
-    raises ``corpus.RecordError`` with its line in the unit (the caller knows the lines
+    raises ``lines.RecordError`` with its line in the unit (the caller knows the lines
     before it)."""
-    from plait.data.corpus import RecordError, jsonl_lines
+    from plait.data.lines import RecordError, jsonl_lines
 
     for n, line in jsonl_lines(path, start, stop, stats):
         try:
