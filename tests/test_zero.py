@@ -618,3 +618,27 @@ def test_zero3_model_built_on_meta_never_exists_whole_and_starts_where_eager_doe
         for name, p in eager.named_parameters():
             assert torch.equal(held[f"model/{name}"].reshape(-1), p.detach().reshape(-1)), name
         engine.close()
+
+
+def test_zero3_holds_at_most_two_packed_gradients_during_the_backward():
+    """ZeRO-3 (dp 1, the same reducer as any dp): after a micro-batch's backward and before
+    ``finish()``, at most ``in_flight`` (2) units still hold their packed fp32 gradient (the
+    reduce-scatter's input), and the step's gradients are those of the model. Catches each
+    unit's packed input kept until ``finish()``: by the end of the backward the whole
+    model's fp32 gradient on every rank."""
+    from plait.parallel.zero import ReduceScatterGrads
+
+    topo = Topology.single()
+    model = build_model(dataclasses.replace(tiny("llama"), n_layers=4), seed=0, topo=topo)
+    engine = build_data_parallel(
+        model, topo=topo, cfg=DataParallelConfig(zero=3, num_microbatches=1),
+        make_optimizer=functools.partial(optim.build_adamw, cfg=TrainConfig(lr=1e-2, warmup=0)),
+    )  # fmt: skip
+    reducer = engine.grads
+    assert isinstance(reducer, ReduceScatterGrads) and len(reducer.buckets) > 3
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1], ids[:, 1:]).mean().backward()
+    held = [b for b in reducer.buckets if b.handle is not None]
+    assert 0 < len(held) <= ReduceScatterGrads.in_flight
+    assert sum(b.launched for b in reducer.buckets) == len(reducer.buckets)
+    engine.close()

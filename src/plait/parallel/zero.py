@@ -101,9 +101,19 @@ class ReduceScatterGrads(GradReducer):
     compute dtype (stage 3 under bf16 / fp16) gets its gradient from autograd in that dtype
     -- the values autocast's cast would have carried back to an fp32 parameter -- and
     each micro-batch's but the last is moved into an fp32 sum (``_fold``) as it arrives,
-    so micro-batches add up in fp32 as an fp32 ``p.grad`` would."""
+    so micro-batches add up in fp32 as an fp32 ``p.grad`` would.
+
+    At most ``in_flight`` reduce-scatters are outstanding: launching one more first
+    completes the oldest (``_complete``, launch order), which frees its packed input. Kept
+    until ``finish()`` instead, those inputs would add up to the whole model's fp32
+    gradient by the end of the backward (~25 GiB a rank at 7B); FSDP2 bounds them the same
+    way. The order is the hooks' launch order, the same on every rank of a group, so the
+    waits (and HSDP's all-reduce over the replicas) come in the same order everywhere. A
+    compressed sum across shard groups (``dp_algos``' ``Across``) is still called in bucket
+    order from ``finish()``, its inputs kept until then."""
 
     grad_dtype = torch.float32
+    in_flight = 2
 
     def __init__(self, model, *, topo, cfg, defer, shard_topo: Topology, across_topo, n, rank,
                  groups=None, across=None):  # fmt: skip
@@ -114,6 +124,7 @@ class ReduceScatterGrads(GradReducer):
         self.shard_topo, self.across_topo = shard_topo, across_topo
         self.shards: dict[nn.Parameter, torch.Tensor] = {}
         self.sums: dict[nn.Parameter, torch.Tensor] = {}  # fp32 sums of earlier micro-batches
+        self.pending: list[Bucket] = []  # launched, not completed: launch order
 
     def _grad_ready(self, index: int, param) -> None:
         bucket = self.buckets[index]
@@ -159,9 +170,17 @@ class ReduceScatterGrads(GradReducer):
                                           async_op=True)  # fmt: skip
         bucket.handle = (handle, flat, shard)  # the input lives until the collective is done
         bucket.launched = True
+        self.pending.append(bucket)
+        # a compressed sum across shard groups (dp_algos) keeps its bucket order: finish()
+        while len(self.pending) > self.in_flight and self.across is None:
+            self._complete(self.pending[0])
 
     def _complete(self, bucket: Bucket) -> None:
+        if bucket.handle is None:  # completed when a later bucket launched
+            return
+        self.pending = [b for b in self.pending if b is not bucket]
         handle, _, shard = bucket.handle
+        bucket.handle = None  # the packed input goes
         comm.wait([handle], topo=self.shard_topo, what="reduce_scatter", axis="dp")
         if self.across_topo is not None:  # HSDP: sum the shard over the replicas
             if self.across is None:
