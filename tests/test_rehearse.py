@@ -153,8 +153,8 @@ def test_rehearsed_peak_memory_is_the_real_runs(tmp_path):
 
 
 def test_cli_refuses_bad_ranks_in_one_line(capsys):
-    """--ranks outside the layout, or not a rank at all: one line naming the flag, exit
-    2, before anything is built."""
+    """--ranks outside the layout, or not a rank at all, and a MoE model: one line naming
+    the flag, exit 2, before anything is built."""
     from plait.cli import main
 
     for bad in ("0,4", "first", "-1"):
@@ -162,6 +162,11 @@ def test_cli_refuses_bad_ranks_in_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err, (bad, err)
         assert err.startswith("plait rehearse: error: --ranks"), err
+    # a MoE model: its expert token counts are data, which fake tensors lack (a traceback
+    # from inside the router before this check)
+    code = main(["rehearse", "--model", "tiny", "--moe-experts", "4", "--dp", "2", "--ep", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "--moe-experts" in err, err
 
 
 def test_zero3_rehearsal_holds_the_shards_not_the_meta_model(tmp_path):

@@ -55,6 +55,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             values["dtype"] = "bf16"  # the run being sized is a GPU's
         cfg = build_run_config(values)
         ranks = rehearse.parse_ranks(args.ranks, cfg.layout)
+        if cfg.model.moe:
+            raise UserError(
+                "--moe-experts is not rehearsed yet: the experts' token counts are data, "
+                "which fake tensors do not have; size it with plait simulate (or plait info)"
+            )
     except (UserError, ValueError) as e:
         return die("rehearse", str(e).strip().splitlines()[0])
     say = None if args.json else (lambda line: print(f"plait rehearse: {line} ...", flush=True))
