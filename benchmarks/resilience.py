@@ -168,40 +168,6 @@ def kills(args) -> dict:
     return out
 
 
-class _Namespace:
-    """Node 1's network (``linkdown``): a namespace joined to this one by a veth pair,
-    10.213.79.1 here, .2 there; ``cut``/``up`` set its side of the link down/up."""
-
-    def __init__(self):
-        pid = os.getpid()
-        self.name, self.host_if, self.ns_if = f"plaitbl{pid}", f"pbl{pid % 10**6}", "pblns"
-        self.host_ip = "10.213.79.1"
-        inside = ["ip", "netns", "exec", self.name]
-        for cmd in (["ip", "netns", "add", self.name],
-                    ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
-                    ["ip", "link", "set", self.ns_if, "netns", self.name],
-                    ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if],
-                    ["ip", "link", "set", self.host_if, "up"],
-                    [*inside, "ip", "addr", "add", "10.213.79.2/24", "dev", self.ns_if],
-                    [*inside, "ip", "link", "set", "lo", "up"]):  # fmt: skip
-            subprocess.run(cmd, check=True, capture_output=True)
-        self.up()
-
-    def _link(self, state: str) -> None:
-        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", self.ns_if, state],
-                       check=True, capture_output=True)  # fmt: skip
-
-    def cut(self) -> None:
-        self._link("down")
-
-    def up(self) -> None:
-        self._link("up")
-
-    def close(self) -> None:
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-
 def _wait(what, timeout: float, procs=()):
     deadline = time.time() + timeout
     while not (got := what()):
@@ -218,7 +184,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _linkdown_run(tmp: Path, data: Path, net: _Namespace, i: int, args) -> dict:
+def _linkdown_run(tmp: Path, data: Path, net, i: int, args) -> dict:
     """One two-node run whose node 1 is cut off once 5 steps are recorded (``linkdown``)."""
     from plait.train.launch import children_by_rank
 
@@ -285,7 +251,12 @@ def linkdown(args) -> dict:
     if os.geteuid() != 0:
         raise SystemExit("resilience.py linkdown: needs root (ip netns, veth pairs)")
     runs = []
-    net = _Namespace()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from netns import Machine  # the namespace helper the tests use
+
+    net = Machine("pbl", "10.213.79")  # node 1's network
+    if net.why:
+        sys.exit(f"resilience.py linkdown: {net.why}")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)

@@ -13,7 +13,6 @@ import datetime
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import _free_port, run_workers
+from netns import Machine
 
 from plait.data import DataConfig, prepare
 from plait.layout import Layout
@@ -609,53 +609,6 @@ def test_a_whole_node_lost_is_recovered_in_place_and_replaced_on_node_0(corpus, 
     assert replacements and all(e["node"] == 0 for e in replacements), replacements
 
 
-class _Machine:
-    """Node 1's own network: a namespace joined to this one by a veth pair (10.213.78.1
-    here, .2 there), whose link ``cut()`` takes down on node 1's side -- its packets stop,
-    and node 0's go nowhere: no FIN, no RST, as when a machine loses power or its switch.
-    ``why`` says why none can be made (not root, no ``ip``): the only reasons to skip."""
-
-    def __init__(self):
-        pid = os.getpid()
-        self.name, self.host_if, self.ns_if = f"plaitld{pid}", f"pld{pid % 10**6}", "pldns"
-        self.host_ip, self.why = "10.213.78.1", None
-        if os.geteuid() != 0 or shutil.which("ip") is None:
-            self.why = (f"uid {os.geteuid()}, ip {shutil.which('ip') or 'missing'}: network "
-                        "namespaces need root and ip")  # fmt: skip
-            return
-        if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
-            self.why = "ip netns is not available here"
-            return
-        inside = ["ip", "netns", "exec", self.name]
-        for cmd in (["ip", "netns", "add", self.name],
-                    ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
-                    ["ip", "link", "set", self.ns_if, "netns", self.name],
-                    ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if],
-                    ["ip", "link", "set", self.host_if, "up"],
-                    [*inside, "ip", "addr", "add", "10.213.78.2/24", "dev", self.ns_if],
-                    [*inside, "ip", "link", "set", "lo", "up"]):  # fmt: skip
-            subprocess.run(cmd, check=True, capture_output=True)  # as root, a failure is the test's
-        self.up()
-
-    def _link(self, state: str) -> None:
-        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", self.ns_if, state],
-                       check=True, capture_output=True)  # fmt: skip
-
-    def cut(self) -> None:
-        self._link("down")
-
-    def up(self) -> None:
-        self._link("up")
-
-    def run(self, cmd: list[str]) -> list[str]:
-        """``cmd`` run inside the namespace (``ip netns exec`` execs it: the same pid)."""
-        return ["ip", "netns", "exec", self.name, *cmd]
-
-    def close(self) -> None:
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-
 def _events(out: Path) -> list[dict]:
     log = out / "logs" / "coordinator.jsonl"
     return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
@@ -686,7 +639,7 @@ def test_a_node_cut_off_without_rst_is_recovered_in_place_and_its_workers_expell
     every copy of stage 1: "no copy ... is left"), if recovery waits for an error from the
     network (gloo's collective timeout, minutes), if an expelled worker writes a record,
     or if a store call to an unreachable coordinator holds the agent past its SIGTERM."""
-    machine = _Machine()
+    machine = Machine("pld", "10.213.78")  # node 1's own network
     if machine.why:
         pytest.skip(machine.why)
     hb, steps = 3, 30

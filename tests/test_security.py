@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from netns import Machine
 from torch.distributed import TCPStore
 
 from plait import signed_store
@@ -461,49 +462,6 @@ TINY = [
 ]  # fmt: skip
 
 
-class Namespace:
-    """A network namespace joined to this one by a veth pair: another address on another
-    interface, from which to reach this machine's ports. None of it where ``ip`` cannot
-    make one (not root); ``why`` says why."""
-
-    def __init__(self):
-        self.name, self.host_ip, self.why = f"plaitsec{os.getpid()}", "10.213.77.1", None
-        self.host_if = f"psec{os.getpid() % 100000}"
-        # only the privilege is a reason to go without it; as root a failure is the test's
-        self.allowed = os.geteuid() == 0 and shutil.which("ip") is not None
-        if not self.allowed:
-            self.why = f"uid {os.geteuid()}, ip {shutil.which('ip') or 'missing'}: not root"
-            return
-        cmds = [["ip", "netns", "add", self.name],
-                ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", "psecns"],
-                ["ip", "link", "set", "psecns", "netns", self.name],
-                ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if],
-                ["ip", "link", "set", self.host_if, "up"],
-                ["ip", "netns", "exec", self.name, "ip", "addr", "add", "10.213.77.2/24", "dev", "psecns"],
-                ["ip", "netns", "exec", self.name, "ip", "link", "set", "psecns", "up"]]  # fmt: skip
-        for cmd in cmds:
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True)
-            except OSError as e:
-                r = subprocess.CompletedProcess(cmd, 1, "", str(e))
-            if r.returncode:
-                self.why = f"{' '.join(cmd)}: {r.stderr.strip()[:200]}"
-                self.close()
-                return
-
-    def reachable(self, port: int) -> bool:
-        """Whether this machine's ``port`` accepts a connection from the namespace."""
-        probe = (f"import socket\ntry:\n socket.create_connection(('{self.host_ip}', {port}), "
-                 "timeout=3).close(); print('open')\nexcept OSError as e: print(type(e).__name__)")  # fmt: skip
-        r = subprocess.run(["ip", "netns", "exec", self.name, sys.executable, "-c", probe],
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
-        return r.stdout.strip() == "open"
-
-    def close(self) -> None:
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-
 def _attack_run(out: Path, flags: list, forge) -> dict:
     """Start ``plait train`` into ``out``; once it trains, list its listening sockets, probe
     them from a network namespace, and call ``forge(ports, victim_pid)``; then let it end."""
@@ -523,8 +481,8 @@ def _attack_run(out: Path, flags: list, forge) -> dict:
         seen["sockets"] = _listening(_tree(proc.pid))
         seen["launcher"] = [port for _, port in _listening([proc.pid])]
         forge(seen["launcher"], victim.pid)
-        ns = Namespace()
-        seen["namespace_why"], seen["namespace_allowed"] = ns.why, ns.allowed
+        ns = Machine("sec", "10.213.77")  # another address, the attacker's
+        seen["namespace_why"], seen["namespace_allowed"] = ns.why, ns.why is None
         if ns.why is None:
             seen["reachable"] = [p for _, p in seen["sockets"] if ns.reachable(p)]
         seen["stdout"], seen["stderr"] = proc.communicate(timeout=300)
