@@ -33,21 +33,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import datetime
 import functools
 import gc
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -246,43 +240,15 @@ def overlap(args, topo, x, y, tokens) -> dict:
     return {k: (statistics.median(times[k]), statistics.median(waits[k])) for k in impls}
 
 
-def _entry(rank, args, port, result_dir):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=args.dp, timeout=datetime.timedelta(seconds=600)
-    )
-    try:
-        res = ("ok", worker(rank, args))
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        res = ("error", traceback.format_exc())
-    torch.save(res, os.path.join(result_dir, f"{rank}.pt"))
-    os._exit(0)
-
-
 def run(args) -> list[dict]:
-    # large tensors in their own mappings, returned to the OS when freed (PeakRSS)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=(r, args, port, d)) for r in range(args.dp)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        results = []
-        for r in range(args.dp):
-            path = os.path.join(d, f"{r}.pt")
-            if not os.path.exists(path):
-                sys.exit(f"benchmark: worker {r} died (exit code {procs[r].exitcode})")
-            status, value = torch.load(path, weights_only=False)
-            if status != "ok":
-                sys.exit(f"benchmark: worker {r} failed:\n{value}")
-            results.append(value)
-        return results
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ranks import run_ranks  # the launch the multi-process benchmarks share
+
+    return run_ranks("benchmark", _rank_worker, args.dp, (args,))
+
+
+def _rank_worker(args) -> dict:
+    return worker(dist.get_rank(), args)
 
 
 def report(args, results: list[dict], wall: float) -> str:

@@ -1,19 +1,20 @@
 """Run a function on n gloo ranks of one thread each and collect what each returns: the
-process launch the multi-process benchmarks share (``context_parallel.py``, ``moe.py``).
+process launch the multi-process benchmarks share (``context_parallel.py``, ``moe.py``,
+``checkpoint_memory.py``, ``data_parallel.py``).
 
     out = run_ranks("moe", worker, n, (kind, n, ep, steps))  # [worker(*args) of rank 0..n-1]
 
 Each rank is a spawned process with ``MASTER_ADDR`` on loopback, a process group (of
 n = 1 too), ``torch.set_num_threads(1)`` and large tensors in mappings of their own
 (``MALLOC_MMAP_THRESHOLD_``: freed memory goes back to the OS, so resident-set peaks
-measure what is held). A rank's result travels as JSON; a rank that fails or dies ends
+measure what is held). A rank's result travels through ``torch.save`` into a private
+temporary folder this process made (any picklable value); a rank that fails or dies ends
 the benchmark with one line naming it (and the failure's traceback).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import socket
 import sys
@@ -35,7 +36,7 @@ def _entry(rank, world, port, worker, args, result_dir):
         res = {"ok": worker(*args)}
     except BaseException:  # noqa: BLE001 - reported by the parent
         res = {"error": traceback.format_exc()}
-    Path(result_dir, f"{rank}.json").write_text(json.dumps(res))
+    torch.save(res, Path(result_dir, f"{rank}.pt"))
     os._exit(0)
 
 
@@ -54,10 +55,10 @@ def run_ranks(name: str, worker, n: int, args: tuple) -> list:
             p.join()
         out = []
         for r in range(n):
-            path = Path(d, f"{r}.json")
+            path = Path(d, f"{r}.pt")
             if not path.exists():
                 sys.exit(f"{name}: worker {r} died (exit code {procs[r].exitcode})")
-            res = json.loads(path.read_text())
+            res = torch.load(path, weights_only=False)  # written by our own child, above
             if "error" in res:
                 sys.exit(f"{name}: worker {r} failed:\n{res['error']}")
             out.append(res["ok"])
