@@ -30,28 +30,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 
 import torch.distributed as dist
 from data_parallel import PeakRSS  # the peak resident set of a block (benchmarks/)
-from ranks import run_ranks  # n gloo ranks of one thread each (benchmarks/)
+from ranks import bench_run, run_ranks  # n gloo ranks of one thread each (benchmarks/)
 
 MODEL = dict(arch="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=4, ffn_hidden=688)
 
 
 def run_config(seq_len: int, cp: int, mode: str, steps: int):
-    from plait.data import DataConfig
     from plait.layout import Layout
     from plait.model.config import ModelConfig
-    from plait.train.config import RunConfig, TrainConfig
 
     model = ModelConfig(**MODEL, vocab_size=256, seq_len=seq_len)
     lay = Layout(cp=cp, cp_mode=mode, global_batch_size=1, micro_batch_size=1)
-    train = TrainConfig(steps=steps + 1, eval_every=0, eval_batches=1, progress=False,
-                        save_every=10**9)  # fmt: skip
-    return RunConfig(model=model, layout=lay, data=DataConfig(tokenizer="bytes"), train=train,
-                     out=tempfile.mkdtemp(prefix="cp-bench-"))  # fmt: skip
+    return bench_run(model, lay, steps, "cp-bench-")
 
 
 def worker(seq_len: int, cp: int, mode: str, steps: int) -> dict:

@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
-import tempfile
 import time
 
 import torch.distributed as dist
 from data_parallel import PeakRSS  # the peak resident set of a block (benchmarks/)
-from ranks import run_ranks  # n gloo ranks of one thread each (benchmarks/)
+from ranks import bench_run, run_ranks  # n gloo ranks of one thread each (benchmarks/)
 
 BASE = dict(arch="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=4, vocab_size=256,
             seq_len=256)  # fmt: skip
@@ -45,17 +44,12 @@ DENSE = dict(ffn_hidden=512)
 
 
 def run_config(kind: str, n: int, ep: int, steps: int):
-    from plait.data import DataConfig
     from plait.layout import Layout
     from plait.model.config import ModelConfig
-    from plait.train.config import RunConfig, TrainConfig
 
     model = ModelConfig(**BASE, **(MOE if kind == "moe" else DENSE))
     lay = Layout(dp=n, ep=ep, global_batch_size=n, micro_batch_size=1)
-    train = TrainConfig(steps=steps + 1, eval_every=0, eval_batches=1, progress=False,
-                        save_every=10**9)  # fmt: skip
-    return RunConfig(model=model, layout=lay, data=DataConfig(tokenizer="bytes"), train=train,
-                     out=tempfile.mkdtemp(prefix="moe-bench-"))  # fmt: skip
+    return bench_run(model, lay, steps, "moe-bench-")
 
 
 def worker(kind: str, n: int, ep: int, steps: int) -> dict:

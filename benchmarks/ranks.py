@@ -63,3 +63,16 @@ def run_ranks(name: str, worker, n: int, args: tuple) -> list:
                 sys.exit(f"{name}: worker {r} failed:\n{res['error']}")
             out.append(res["ok"])
     return out
+
+
+def bench_run(model, layout, steps: int, prefix: str):
+    """A benchmark's ``RunConfig``: ``steps`` + 1 steps (the first a warm-up) of ``model``
+    under ``layout`` on the embedded corpus with the bytes tokenizer, no evaluation or
+    checkpoints, into a temporary folder named ``prefix``..."""
+    from plait.data import DataConfig
+    from plait.train.config import RunConfig, TrainConfig
+
+    train = TrainConfig(steps=steps + 1, eval_every=0, eval_batches=1, progress=False,
+                        save_every=10**9)  # fmt: skip
+    return RunConfig(model=model, layout=layout, data=DataConfig(tokenizer="bytes"),
+                     train=train, out=tempfile.mkdtemp(prefix=prefix))  # fmt: skip
