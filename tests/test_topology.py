@@ -1,10 +1,14 @@
-"""Rank arithmetic and layout validation (no processes)."""
+"""Rank arithmetic and layout validation (no processes); waits that an abort ends."""
+
+import dataclasses
+import threading
+import time
 
 import pytest
 
 from plait.layout import Layout
 from plait.model.config import preset
-from plait.topology import Axis, axis_groups, coords, rank_of
+from plait.topology import Axis, Topology, axis_groups, coords, rank_of
 
 
 def test_docstring_example_8_ranks():
@@ -102,3 +106,60 @@ def test_shard_groups_builds_the_hybrid_sharding_groups():
     assert all(r["timeout"] == (45.0, 45.0) for r in out)
     # each sub-group's dp_rank is the rank's place in it (--ep's edp engine reads it)
     assert [r["dp_ranks"] for r in out] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+class _Stuck:
+    """A handle whose wait never returns until released: gloo's send whose receive never
+    comes, after the connection under it was shut down (comm.py, "Waits that an abort
+    ends")."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def wait(self):
+        self.release.wait()
+        raise RuntimeError("Application timeout caused pair closure")
+
+
+class _Done:
+    def __init__(self, error=None):
+        self.error, self.waited = error, False
+
+    def wait(self):
+        self.waited = True
+        if self.error:
+            raise RuntimeError(self.error)
+
+
+def test_an_aborted_generation_ends_a_wait_that_the_backend_never_would():
+    """On a resilient generation's topology (gloo), ``comm.wait`` returns completed
+    handles, re-raises a failed one as ``CollectiveError``, and, on a handle that never
+    completes, raises within a poll of the abort; a blocking collective (``_issue``) waits
+    the same way. Breaks if a wait runs on the training thread again (the abort cannot end
+    it: the test's wait would last until the handle is released, 5 s), or if a handle's
+    error is lost."""
+    from plait import comm
+
+    abortable = comm.Abortable()
+    topo = dataclasses.replace(Topology.single(), abort=abortable)
+    done = _Done()
+    comm.wait([done], topo=topo, what="send", axis="pp")
+    assert done.waited
+    with pytest.raises(comm.CollectiveError, match="pp axis failed: Connection closed"):
+        comm.wait([_Done("Connection closed by peer")], topo=topo, what="send", axis="pp")
+    for blocking in (False, True):
+        stuck = _Stuck()
+        threading.Timer(5, stuck.release.set).start()
+        aborted = comm.Abortable()
+        topo = dataclasses.replace(Topology.single(), abort=aborted)
+        threading.Timer(0.2, aborted.abort).start()
+        t0 = time.perf_counter()
+        with pytest.raises(comm.CollectiveError, match="aborted"):
+            if blocking:
+                comm._issue(topo, "all_reduce", "world", lambda async_op, s=stuck: s)
+            else:
+                comm.wait([stuck], topo=topo, what="send", axis="pp")
+        assert 0.2 <= time.perf_counter() - t0 < 1.0
+        with pytest.raises(comm.CollectiveError, match="aborted"):  # and later ones at once
+            comm.wait([_Done()], topo=topo, what="send", axis="pp")
+        stuck.release.set()

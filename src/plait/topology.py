@@ -212,6 +212,9 @@ class Topology:
     world: int | None = None
     # cp > 1: the dp x cp group (its ProcessGroup, its global ranks): ``grad_view``
     dp_cp: tuple | None = None
+    # a resilient generation's abort (``comm.Abortable``): waits on its handles end with
+    # an error once it is aborted; None: waits block as the backend does
+    abort: object | None = None
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> Topology:

@@ -559,6 +559,9 @@ class Coordinator:
 
             ckpt = latest(self.out / "checkpoints")
             if ckpt is None:
+                self.log("no copy", missing=missing, current=sorted(current), resume=resume,
+                         reports={w: {k: r.get(k) for k in ("done", "reduced", "in_step", "units", "stats", "why")}
+                                  for w, r in left.items()})  # fmt: skip
                 raise LaunchError(f"{why}: no copy of {', '.join(missing)} is left and there is "
                                   "no checkpoint to restart from (use --save-every N)")  # fmt: skip
             step = int(ckpt.name.removeprefix("step-"))
@@ -569,7 +572,7 @@ class Coordinator:
                      redone=resume - step)  # fmt: skip
         self.log("decision", gen=self.gen + 1, assignment=assignment.describe(), start=d["start"],
                  step=resume, why=why, redone=d["redone"], moves=len(moves), t_failure=when,
-                 reports={w: {k: r.get(k) for k in ("t_error", "t", "drop_s", "abort_s", "gc_s", "alive_groups", "why")}
+                 reports={w: {k: r.get(k) for k in ("done", "reduced", "in_step", "units", "t_error", "t", "drop_s", "abort_s", "gc_s", "alive_groups", "why")}
                           for w, r in left.items()})  # fmt: skip
         self.assignment = assignment
         return d

@@ -166,6 +166,10 @@ class Worker:
         self.saver = None  # --async-checkpoint: this generation's writer
         self.t_error = 0.0
         self.in_step = False
+        self.in_gen = -1  # the generation this worker is forming or training in
+        self.left_gen = -1  # the newest generation this worker reported leaving
+        self._abort_seen: dict[int, float] = {}  # generation -> when its abort was seen
+        self._dumped: set[int] = set()
 
     def run(self) -> str:
         """Train until the run is finished; returns "finished" or the coordinator's reason
@@ -196,6 +200,24 @@ class Worker:
             gen = self.current
             if gen is not None and gen.number == number and not gen.aborted:
                 gen.abort()
+        self._stuck(number)
+
+    def _stuck(self, number: int) -> None:
+        """A worker that has not left generation ``number`` 5 s after its abort is stuck
+        where no abort reaches: its threads' stacks go to its log, once per generation,
+        so that the coordinator's later "did not leave" has a where."""
+        if number != self.in_gen or number <= self.left_gen:
+            return
+        first = self._abort_seen.setdefault(number, time.time())
+        if time.time() - first > 5 and number not in self._dumped:
+            import faulthandler
+            import sys
+
+            self._dumped.add(number)
+            sys.stderr.write(f"worker {self.worker}: has not left generation {number} "
+                             f"{time.time() - first:.1f} s after its abort; stacks:\n")  # fmt: skip
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def fence(self) -> None:
         """Before a write that only a member may make (metrics, checkpoint, report): exit
@@ -209,6 +231,7 @@ class Worker:
 
     def generation(self, d: dict, assignment: Assignment) -> str:
         gen, why = None, None
+        self.in_gen = d["gen"]
         try:
             self._roll_forward(d.get("rollforward"))
             gen = Generation(store=self.store.raw, number=d["gen"], assignment=assignment,
@@ -311,6 +334,7 @@ class Worker:
         }
         self.fence()
         protocol.report_left(self.store, number, self.worker, report)
+        self.left_gen = max(self.left_gen, number)
         self.in_step = False
         return "left"
 

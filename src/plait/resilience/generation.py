@@ -28,7 +28,9 @@ replaces the groups in every ``Topology`` it handed out with ``DROPPED`` (using 
 raises at once, never silently skips) and the caller drops the trainer, and the groups
 go away. The next generation's groups are new objects on a new store prefix, created by
 every member in the same order, so no rank can wait on a group another rank does not
-build; a member that died during the rendezvous makes the others time out of
+build. A wait that no closed connection ends (on gloo, a send still waiting for its
+receive: ``comm.Abortable``) runs on the generation's waiter thread, and ``abort`` ends
+the training thread's side of it; a member that died during the rendezvous makes the others time out of
 ``init_process_group`` (its own timeout), and they report that like any failure.
 """
 
@@ -44,6 +46,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from plait import comm
 from plait.resilience.assignment import Assignment, with_shard, with_tp
 from plait.topology import Axis, Topology, resolve_device
 
@@ -120,6 +123,7 @@ class Generation:
         self._refs: list[weakref.ref] = []
         kw = {"device_id": self.device} if self.device.type == "cuda" else {}
         self.aborted = False
+        self.abortable = comm.Abortable()  # ends this generation's waits (comm.wait)
         before = _sockets() if self.device.type != "cuda" else {}
         dist.init_process_group(
             backend,
@@ -181,6 +185,7 @@ class Generation:
             device=self.device,
             timeout=self.timeout,
             world=self.world,
+            abort=self.abortable,
             **kw,
         )
         self._topologies.append(topo)
@@ -212,6 +217,7 @@ class Generation:
             timeout=self.timeout,
             place=(0, ranks.index(self.rank), 0),
             world=self.world,
+            abort=self.abortable,
         )
         self._topologies.append(topo)
         return topo
@@ -241,6 +247,7 @@ class Generation:
         by peer") here and at the peers. Listening sockets are left alone (gloo aborts the
         process when its accept fails)."""
         self.aborted = True
+        self.abortable.abort()  # gloo: the training thread's wait returns (comm.Abortable)
         if self.device.type == "cuda":
             groups = [ref() for ref in self._refs]
             if dist.is_initialized():
