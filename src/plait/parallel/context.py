@@ -254,7 +254,11 @@ def _kernel(q, k, q_doc) -> str | None:
         return None
     from torch.backends import cuda as backend
 
-    params = backend.SDPAParams(q, k, k, None, 0.0, True, k.shape[1] != q.shape[1])
+    # eligibility of the call ``_kernel_inputs`` makes: K/V repeated to q's heads (the
+    # efficient kernel's checks refuse grouped heads: asked about k itself, an fp32 GQA block
+    # would fall back to math attention); a broadcast view stands for the repeat, no copy
+    kv = k[:, :1].expand(k.shape[0], q.shape[1], *k.shape[2:])
+    params = backend.SDPAParams(q, kv, kv, None, 0.0, True, False)
     if q.dtype in (torch.float16, torch.bfloat16) and backend.can_use_flash_attention(params):
         return "flash"
     if backend.can_use_efficient_attention(params):
@@ -301,19 +305,20 @@ def _kernel_backward(kernel: str, dout, q, k, v, out, lse, *, causal: bool, scal
         return _op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
-    none = torch.empty(0, dtype=torch.long, device=q.device)  # philox state: no dropout
+    # None (an undefined tensor) for what the forward returns undefined on dense inputs:
+    # a defined cum_seq_q, even empty, selects the kernels' variable-length path, and a
+    # defined attn_bias is read as a (B, H, Tq, Tk) bias. No dropout: no philox state.
     Tq, Tk = q.shape[-2], k.shape[-2]
     if kernel == "flash":
         return _op("_scaled_dot_product_flash_attention_backward")(
-            dout, q, k, v, out, lse, none, none, Tq, Tk, 0.0, causal, none, none, scale=scale
+            dout, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, None, None, scale=scale
         )
     B, H = lse.shape[:2]
     rows = -(-Tq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
     padded = torch.zeros(B, H, rows, dtype=lse.dtype, device=lse.device)
     padded[..., :Tq] = lse
-    bias = torch.empty(0, dtype=q.dtype, device=q.device)
     dq, dk, dv, _ = _op("_scaled_dot_product_efficient_attention_backward")(
-        dout, q, k, v, bias, out, padded, none, none, 0.0, [True, True, True, False], causal,
+        dout, q, k, v, None, out, padded, None, None, 0.0, [True, True, True, False], causal,
         scale=scale,
     )  # fmt: skip
     return dq, dk, dv
