@@ -101,10 +101,12 @@ def _reference(q, k, v, dout, q_pos, k_pos):
 
 def test_kernel_choice_on_cuda():
     """``context._kernel`` picks the fused kernels on a GPU for grouped-query blocks: flash
-    for bf16, memory-efficient for fp32, math only under document masks. Catches an
-    eligibility check asked about the grouped K/V itself (the efficient kernel refuses
-    grouped heads, so fp32 GQA blocks silently fell back to math attention, holding each
-    block's (B, H, Tq, Tk) scores)."""
+    for bf16, memory-efficient for fp32, math only under document masks; on a block with
+    keys before its queries (Tk = 3 Tq), as a ring's are. Catches an eligibility check
+    asked about the grouped K/V itself (the efficient kernel refuses grouped heads, so fp32
+    GQA blocks silently fell back to math attention, holding each block's (B, H, Tq, Tk)
+    scores) or with the causal flag (flash refuses causal with Tq != Tk, though the
+    kernels only ever run causal on square parts)."""
     from plait.parallel.context import _kernel
 
     for dt, want in ((torch.bfloat16, "flash"), (torch.float32, "efficient")):

@@ -254,11 +254,14 @@ def _kernel(q, k, q_doc) -> str | None:
         return None
     from torch.backends import cuda as backend
 
-    # eligibility of the call ``_kernel_inputs`` makes: K/V repeated to q's heads (the
+    # eligibility of the calls ``_attend_fused`` makes: K/V repeated to q's heads (the
     # efficient kernel's checks refuse grouped heads: asked about k itself, an fp32 GQA block
-    # would fall back to math attention); a broadcast view stands for the repeat, no copy
+    # would fall back to math attention; a broadcast view stands for the repeat, no copy),
+    # and not causal: the kernels' causal flag only ever sees square parts
+    # (``_diagonal_split``), while flash's check refuses causal with Tq != Tk -- asked about
+    # the whole block, every ring block with keys before its queries lost flash
     kv = k[:, :1].expand(k.shape[0], q.shape[1], *k.shape[2:])
-    params = backend.SDPAParams(q, kv, kv, None, 0.0, True, False)
+    params = backend.SDPAParams(q, kv, kv, None, 0.0, False, False)
     if q.dtype in (torch.float16, torch.bfloat16) and backend.can_use_flash_attention(params):
         return "flash"
     if backend.can_use_efficient_attention(params):
