@@ -34,6 +34,7 @@ mkdir -p "$OUT"
 PY="${PYTHON:-python}"
 WORK="$(mktemp -d /tmp/plait-gpu-work.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
+export PLAIT_KEY_FILE="$WORK/key"  # plait train signs its checkpoint: a key of this run
 SUMMARY=()
 
 check() {  # check NAME SECONDS COMMAND...: run it, log to $OUT/NAME.log, note PASS/FAIL

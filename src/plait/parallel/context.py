@@ -54,7 +54,7 @@ CPUs (in fp32), and on CUDA the flash kernel (fp16/bf16: its partial outputs are
 the input type once each, as single-GPU SDPA's output is) or the memory-efficient kernel,
 as PyTorch's own eligibility checks allow. Document-masked blocks run math attention,
 which materialises each block's scores. The CUDA glue is tested on CPU stand-ins that keep
-the kernels' contracts; it has not run on a GPU yet.
+the kernels' contracts, and on the real kernels by tests/test_cuda.py where a GPU is.
 
 Shape letters: B batch, H query heads, K key/value heads, D head size, S tokens held by
 this rank (s / N: two chunks of c), T tokens of a block.
