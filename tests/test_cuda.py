@@ -212,7 +212,7 @@ def _cfg(corpus, out: Path, arch: str, **layout) -> RunConfig:
             eval_batches=1,
             progress=False,
             peak_tflops=1.0,
-        ),  # fmt: skip
+        ),
         out=str(out),
     )
 
