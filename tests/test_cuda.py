@@ -342,3 +342,17 @@ def test_host_synchronisations_per_step(corpus, tmp_path, monkeypatch):
     assert counts[0] >= 1 and len(set(counts)) == 1, counts  # at least the statistics read
     print(f"\n  host synchronisations per steady-state step: {counts[0]}")
     trainer.close()
+
+
+def test_this_gpu_has_a_peak_and_a_device_default():
+    """``plait train`` on this GPU needs its dense peak (MFU; else it stops asking for
+    --peak-tflops) and defaults to bf16 here. Catches a device name plait's table does
+    not match (``torch.cuda.get_device_name`` spells it) and the default dtype on a GPU."""
+    from plait.commands.train import _default_train_dtype
+    from plait.train.metrics import peak_tflops
+
+    name = torch.cuda.get_device_name(0)
+    bf16 = peak_tflops(CUDA, "bf16")
+    assert bf16 > peak_tflops(CUDA, "fp32") > 0, name
+    assert _default_train_dtype() == "bf16"
+    print(f"\n  {name}: bf16 peak {bf16} TFLOP/s")
