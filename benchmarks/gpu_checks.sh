@@ -158,8 +158,8 @@ DEVICE=cuda
 [ -n "${SMOKE:-}" ] && DEVICE=cpu
 export PY WORK
 export -f env_check corpus peaks  # timeout runs them in a child bash
-check env 30 bash -c env_check
-check pytest 140 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_context.py
+check env 40 bash -c env_check
+check pytest 130 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_context.py
 check peaks 140 bash -c peaks
 check calibrate 80 "$PY" -m plait.cli calibrate --device "$DEVICE" \
     --quick --dtypes fp32,bf16 ${SMOKE:+--procs 1} --out "$OUT/calibrated.yaml"
