@@ -343,7 +343,9 @@ def _stand_in_kernels(seen: list):
     relies on (their schemas, and their outputs as the CUDA sources allocate them): flash
     takes fp16/bf16 only, returns out in the input type and lse fp32 (B, H, Tq); efficient
     returns lse padded to a multiple of 32 rows (garbage past Tq: NaN here) and its backward
-    reads the padded lse back. Both are math attention in fp32 (or wider)."""
+    reads the padded lse back; both backwards take None (undefined) for the variable-length
+    offsets, the bias and the dropout state of a dense call. Both are math attention in
+    fp32 (or wider)."""
 
     def scores(q, k, causal, scale):
         dt = torch.promote_types(q.dtype, torch.float32)
@@ -373,6 +375,8 @@ def _stand_in_kernels(seen: list):
         return ((p @ v.to(dt)).to(q.dtype), lse.float(), *[None] * 7)
 
     def flash_backward(dout, q, k, v, out, lse, cq, ck, mq, mk, dropout, causal, s0, s1, *, scale):
+        # a defined cum_seq (even empty) selects the variable-length kernel
+        assert (cq, ck, s0, s1) == (None,) * 4 and dropout == 0.0
         assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
         assert (mq, mk) == (q.shape[-2], k.shape[-2]) and out.dtype == q.dtype
         return tuple(x.to(q.dtype) for x in grads(dout, q, k, v, out, lse, causal, scale))
@@ -387,6 +391,8 @@ def _stand_in_kernels(seen: list):
         return (p @ v.to(dt)).to(q.dtype), padded, None, None
 
     def efficient_backward(dout, q, k, v, bias, out, lse, s0, s1, dropout, mask, causal, *, scale):
+        # a defined bias (even empty) is read as a (B, H, Tq, Tk) attention bias
+        assert (bias, s0, s1) == (None,) * 3 and dropout == 0.0
         assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[-2]
         assert list(mask) == [True, True, True, False]
         g = grads(dout, q, k, v, out, lse[..., : q.shape[-2]], causal, scale)
@@ -406,8 +412,9 @@ def test_cuda_kernel_glue_equals_the_math_blocks(monkeypatch, kernel):
     stand-ins that keep the kernels' contracts (``_stand_in_kernels``): out, LSE and
     dq/dk/dv of causal and visible blocks, GQA, against the math path. Catches an
     efficient-kernel LSE used unsliced (its NaN padding reaches the merge), a backward
-    handed an unpadded LSE, a flash call in fp32, a causal flag on a non-square part, and
-    bf16 partial outputs merged in bf16 instead of fp32."""
+    handed an unpadded LSE, a flash call in fp32, a causal flag on a non-square part,
+    bf16 partial outputs merged in bf16 instead of fp32, and a backward handed defined
+    (empty) tensors where the kernels take undefined ones (varlen offsets, bias)."""
     from plait.parallel import context
     from plait.parallel.context import attend, attend_backward
 

@@ -224,6 +224,11 @@ def measure_compute(cfg: CalibrateConfig, log=None, sync=lambda: None) -> dict:
     import torch
 
     torch.set_num_threads(cfg.threads)
+    if cfg.device == "cuda":
+        # fp32 matmuls as the trainer runs them, on TF32 tensor cores (``Trainer.build``
+        # turns it on for the process): else the first round's fp32 sweep ran without TF32
+        # and, once the probe steps had built a trainer, the next rounds' with it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     passes = []
     for i in range(cfg.rounds):
         sync()

@@ -54,7 +54,7 @@ CPUs (in fp32), and on CUDA the flash kernel (fp16/bf16: its partial outputs are
 the input type once each, as single-GPU SDPA's output is) or the memory-efficient kernel,
 as PyTorch's own eligibility checks allow. Document-masked blocks run math attention,
 which materialises each block's scores. The CUDA glue is tested on CPU stand-ins that keep
-the kernels' contracts; it has not run on a GPU yet.
+the kernels' contracts, and on the real kernels by tests/test_cuda.py where a GPU is.
 
 Shape letters: B batch, H query heads, K key/value heads, D head size, S tokens held by
 this rank (s / N: two chunks of c), T tokens of a block.
@@ -254,7 +254,14 @@ def _kernel(q, k, q_doc) -> str | None:
         return None
     from torch.backends import cuda as backend
 
-    params = backend.SDPAParams(q, k, k, None, 0.0, True, k.shape[1] != q.shape[1])
+    # eligibility of the calls ``_attend_fused`` makes: K/V repeated to q's heads (the
+    # efficient kernel's checks refuse grouped heads: asked about k itself, an fp32 GQA block
+    # would fall back to math attention; a broadcast view stands for the repeat, no copy),
+    # and not causal: the kernels' causal flag only ever sees square parts
+    # (``_diagonal_split``), while flash's check refuses causal with Tq != Tk -- asked about
+    # the whole block, every ring block with keys before its queries lost flash
+    kv = k[:, :1].expand(k.shape[0], q.shape[1], *k.shape[2:])
+    params = backend.SDPAParams(q, kv, kv, None, 0.0, False, False)
     if q.dtype in (torch.float16, torch.bfloat16) and backend.can_use_flash_attention(params):
         return "flash"
     if backend.can_use_efficient_attention(params):
@@ -301,19 +308,20 @@ def _kernel_backward(kernel: str, dout, q, k, v, out, lse, *, causal: bool, scal
         return _op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
-    none = torch.empty(0, dtype=torch.long, device=q.device)  # philox state: no dropout
+    # None (an undefined tensor) for what the forward returns undefined on dense inputs:
+    # a defined cum_seq_q, even empty, selects the kernels' variable-length path, and a
+    # defined attn_bias is read as a (B, H, Tq, Tk) bias. No dropout: no philox state.
     Tq, Tk = q.shape[-2], k.shape[-2]
     if kernel == "flash":
         return _op("_scaled_dot_product_flash_attention_backward")(
-            dout, q, k, v, out, lse, none, none, Tq, Tk, 0.0, causal, none, none, scale=scale
+            dout, q, k, v, out, lse, None, None, Tq, Tk, 0.0, causal, None, None, scale=scale
         )
     B, H = lse.shape[:2]
     rows = -(-Tq // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
     padded = torch.zeros(B, H, rows, dtype=lse.dtype, device=lse.device)
     padded[..., :Tq] = lse
-    bias = torch.empty(0, dtype=q.dtype, device=q.device)
     dq, dk, dv, _ = _op("_scaled_dot_product_efficient_attention_backward")(
-        dout, q, k, v, bias, out, padded, none, none, 0.0, [True, True, True, False], causal,
+        dout, q, k, v, None, out, padded, None, None, 0.0, [True, True, True, False], causal,
         scale=scale,
     )  # fmt: skip
     return dq, dk, dv
