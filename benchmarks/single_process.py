@@ -64,7 +64,7 @@ class PlainGPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             x = b(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)

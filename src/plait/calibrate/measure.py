@@ -59,15 +59,22 @@ def _median_time(fn, device: str, *, min_s: float, reps: int) -> float:
 # -- compute -------------------------------------------------------------------------------
 
 
-def gemm_cases(quick: bool) -> list[tuple[int, int, int, str]]:
-    """(m, n, k, kind) of the sweep: ``square`` products, and the small-transformer
-    products of a linear layer with n outputs, k inputs and T tokens: ``forward`` (T, n,
-    k), ``input_grad`` (T, k, n) and ``weight_grad`` (n, k, T) (tokens T, hidden h, FFN
-    4h)."""
-    squares = [64, 256, 1024] if quick else [32, 64, 128, 256, 512, 1024]
+def gemm_cases(quick: bool, device: str = "cpu") -> list[tuple[int, int, int, str]]:
+    """(m, n, k, kind) of the sweep: ``square`` products, and the transformer products of a
+    linear layer with n outputs, k inputs and T tokens: ``forward`` (T, n, k),
+    ``input_grad`` (T, k, n) and ``weight_grad`` (n, k, T) (tokens T, hidden h, FFN 4h).
+    The sizes are a CPU's small models', or, on a GPU, a real model's: a 1024-square
+    product takes an H200 about 10 us, far from its peak (measured: the CPU sweep put the
+    H200's bf16 best at 192 TFLOP/s, a quarter of it)."""
+    if device.startswith("cuda"):
+        squares = [1024, 4096, 8192] if quick else [512, 1024, 2048, 4096, 8192]
+        tokens = [2048, 8192] if quick else [1024, 4096, 16384]
+        hiddens = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192]
+    else:
+        squares = [64, 256, 1024] if quick else [32, 64, 128, 256, 512, 1024]
+        tokens = [256, 1024] if quick else [128, 512, 2048]
+        hiddens = [64, 256] if quick else [64, 128, 256, 512]
     cases = {(s, s, s, "square") for s in squares}
-    tokens = [256, 1024] if quick else [128, 512, 2048]
-    hiddens = [64, 256] if quick else [64, 128, 256, 512]
     for T in tokens:
         for h in hiddens:
             for n, k in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)):
@@ -75,9 +82,9 @@ def gemm_cases(quick: bool) -> list[tuple[int, int, int, str]]:
     return sorted(cases)
 
 
-def gemm_shapes(quick: bool) -> list[tuple[int, int, int]]:
+def gemm_shapes(quick: bool, device: str = "cpu") -> list[tuple[int, int, int]]:
     """The distinct (m, n, k) of ``gemm_cases``."""
-    return sorted({c[:3] for c in gemm_cases(quick)})
+    return sorted({c[:3] for c in gemm_cases(quick, device)})
 
 
 def measure_matmuls(
@@ -93,7 +100,7 @@ def measure_matmuls(
     min_s, reps = (0.004, 2) if cfg.quick else (0.01, 3)
     out = []
     for dtype in cfg.dtypes:
-        shapes = gemm_cases(cfg.quick)
+        shapes = gemm_cases(cfg.quick, str(cfg.device))
         if dtype != "fp32":  # the curve is fitted on fp32; other dtypes only need a peak
             shapes = [s for s in shapes if s[3] == "square" and s[0] >= 256]
         for m, n, k, kind in shapes:
