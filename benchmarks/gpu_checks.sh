@@ -127,11 +127,30 @@ peaks() {
     "$PY" -m plait.cli simulate "${model[@]}" --gpu "$gpu" --gpus 1 --json \
         >"$WORK/simulate.json" || return 1
     echo "--- plait train (3 steps, then its final checkpoint) ($(date +%T))"
-    "$PY" -m plait.cli train "${model[@]}" --data "$WORK/corpus.txt" --tokenizer bytes \
-        --cache-dir "$WORK/cache" --steps 3 --warmup 1 --eval-batches 1 --no-progress \
-        --out "$WORK/run"
-    local rc=$?
+    # in the background: if it outlasts TRAIN_LIMIT, its workers' Python stacks go to their
+    # logs (faulthandler on SIGABRT) and the tail of rank 0's is printed here
+    PYTHONFAULTHANDLER=1 "$PY" -m plait.cli train "${model[@]}" --data "$WORK/corpus.txt" \
+        --tokenizer bytes --cache-dir "$WORK/cache" --steps 3 --warmup 1 --eval-batches 1 \
+        --no-progress --out "$WORK/run" &
+    local pid=$! waited=0 rc
+    while kill -0 $pid 2>/dev/null && [ $waited -lt "${TRAIN_LIMIT:-150}" ]; do
+        sleep 1
+        waited=$((waited + 1))
+    done
+    if kill -0 $pid 2>/dev/null; then
+        echo "--- plait train still running after $waited s ($(date +%T)): rank 0's stacks"
+        pkill -ABRT -f plait.train.worker
+        sleep 3
+        kill $pid 2>/dev/null
+        sleep 2
+        grep -v '^\s*$' "$WORK/run/logs/rank-0.log" | tail -n 40
+        rc=124
+    else
+        wait $pid
+        rc=$?
+    fi
     echo "--- done ($(date +%T)), plait train exit $rc"
+    ls -la "$WORK/run" "$WORK/run/checkpoints" 2>/dev/null | head -20
     "$PY" - "$WORK" <<'EOF'
 import json, pathlib, sys
 work = pathlib.Path(sys.argv[1])
