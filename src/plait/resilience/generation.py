@@ -29,8 +29,9 @@ raises at once, never silently skips) and the caller drops the trainer, and the 
 go away. The next generation's groups are new objects on a new store prefix, created by
 every member in the same order, so no rank can wait on a group another rank does not
 build. A wait that no closed connection ends (on gloo, a send still waiting for its
-receive: ``comm.Abortable``) runs on the generation's waiter thread, and ``abort`` ends
-the training thread's side of it; a member that died during the rendezvous makes the others time out of
+receive, or a collective: ``comm.Abortable``) runs on the generation's waiter thread, and
+``abort`` ends the training thread's side of it; ``drop`` then leaves the groups to that
+thread (destroying a gloo group joins its threads, which wait for that operation); a member that died during the rendezvous makes the others time out of
 ``init_process_group`` (its own timeout), and they report that like any failure.
 """
 
@@ -281,10 +282,16 @@ class Generation:
             object.__setattr__(topo, "world_group", DROPPED if topo.world_group else None)
         self.world_group, self.groups, self.stage_groups, self._topologies = None, {}, {}, []
         t0 = time.perf_counter()
+        if self.abortable.busy:  # a wait the abort ended is still pending (comm.Abortable)
+            groups = [ref() for ref in self._refs]
+            if dist.is_initialized():
+                groups.append(dist.distributed_c10d._get_default_group())
+            self.abortable.keep(groups)
+            del groups
         if dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
         t1 = time.perf_counter()
-        if any(ref() is not None for ref in self._refs):
+        if not self.abortable.busy and any(ref() is not None for ref in self._refs):
             # only cycles (a traceback's frames, say) can still hold them: a full collection
             # takes 0.3-0.5 s with torch loaded, so only when needed
             gc.collect()
