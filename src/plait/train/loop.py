@@ -486,12 +486,24 @@ class Trainer:
         routing = moe.stats_table(self.model, self.cfg.model,
                                   count=topo.tp_rank == 0 and topo.cp_rank == 0,
                                   device=topo.device)  # fmt: skip
-        stats = torch.zeros(moe_at + routing.numel(), dtype=torch.float64, device=topo.device)
+        # numbers the host knows go up in one copy that does not wait (writing a Python
+        # number into a GPU tensor is a synchronous copy: one host sync each, measured
+        # on an H200); the device's own values are written on the device
+        shares = {1: getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size,
+                  2 + algo.norm_slot: self.engine.grad_sq_local(),
+                  norms + topo.rank: peak_memory_bytes(topo.device)}  # fmt: skip
         if self.reports_loss:
-            stats[0] = loss_share
-        stats[1] = getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size
-        stats[2 + algo.norm_slot] = self.engine.grad_sq_local()
-        stats[norms + topo.rank] = peak_memory_bytes(topo.device)
+            shares[0] = loss_share
+        host = torch.zeros(moe_at + routing.numel(), dtype=torch.float64)
+        on_device = {}
+        for i, v in shares.items():
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                on_device[i] = v
+            else:
+                host[i] = v
+        stats = _to_device(host, topo.device)
+        for i, v in on_device.items():
+            stats[i] = v
         stats[moe_at:] = routing
         comm.world_all_reduce(stats, topo=topo)
         values = comm.host_values(stats)  # (a rehearsal's fake tensors read as zeros)
