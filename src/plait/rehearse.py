@@ -31,6 +31,18 @@ optimizer step) and other state made at build. The peak of each phase (build, st
 step 2, save, load) is reported with its split. Storages on ``meta`` (a ZeRO-3 model is
 built there) hold no bytes and are not counted.
 
+A step's micro-batches repeat: a pipeline rank runs the fewest whose schedule passes
+through every state of the full step's (``schedules.shortest_equivalent``: as many
+activations in flight at each kind of compute, before and after its first gradients,
+the same messages unread and outputs unsent) -- 17 of 192 on 175B's first stage of 16,
+3 on its last; GPipe, which holds all m, runs them all, and so does zb-h1 for now
+(``shortened_layout``) -- so its peaks are the full step's (tests: exactly, per phase and
+category). Its step 2 calls are the full step's: the executor replays the full
+schedule's items through its own posting, waiting and unpacking, each compute logging
+the calls its kind (op, chunk; first, middle or last micro-batch) logged in the shortened
+step (``_full_step_calls``), so the point-to-point check runs on the full step's
+batches. ``--full-steps`` runs every micro-batch.
+
 Fake tensors live on the CPU here, so the rank runs the program of its CPU twin with two
 GPU choices taken: fused AdamW (``optim.build_adamw``) and one host read per step.
 Autocast follows the CPU's rules (matmuls in bf16, as on CUDA).
