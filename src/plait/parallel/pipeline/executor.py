@@ -36,7 +36,9 @@ posted in the same order on both sides (``schedules.check_channel_order``). A st
 output is dropped once its batch is done: backward starts from its ``GradientEdge``,
 which keeps the graph but not the tensor. Before the first batch, a barrier on the pp
 group brings its NCCL communicator up with every member (a first batched call on a
-group must include all of its ranks).
+group must include all of its ranks). ``replay_step`` (``plait rehearse`` only, with
+``comm.py``'s log on) runs another step's items through the same posting and waiting
+without computing, to count the calls of a step longer than the one it ran.
 
 Zero-bubble split (zb-h1). BI computes only the input gradient and W the weight
 gradients later, without redoing BI's work: before BI, the autograd graph is searched for
