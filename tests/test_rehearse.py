@@ -294,3 +294,19 @@ def test_shortened_rehearsal_equals_the_full_one(tmp_path, kw, runs):
     _same_rehearsal(full, short)
     assert rehearse.check_p2p(short, cfg.layout) == rehearse.check_p2p(full, cfg.layout)
     assert rehearse.check_p2p(short, cfg.layout).startswith("ok: ")
+
+
+def test_shortened_layouts_are_valid_layouts(tmp_path):
+    """175B pp 16 at 192 micro-batches: 17 on stage 0 and 3 on the last under 1F1B, all 192
+    under GPipe, and under interleaving at one chunk a multiple of pp that ``Layout``
+    accepts (32 and 16). Catches a shortening that builds a layout the trainer refuses
+    (a ValueError at the rank's start) or that shortens GPipe."""
+    from plait.commands.train import build_run_config
+
+    values = {"model": "gpt3-175b", "tp": 8, "pp": 16, "dp": 8, "global_batch_size": 1536,
+              "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
+    got = {}
+    for schedule in ("1f1b", "gpipe", "interleaved-1f1b"):
+        cfg = build_run_config({**values, "schedule": schedule})
+        got[schedule] = [rehearse.shortened_layout(cfg, r).num_microbatches for r in (0, 1023)]
+    assert got == {"1f1b": [17, 3], "gpipe": [192, 192], "interleaved-1f1b": [32, 16]}

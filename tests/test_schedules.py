@@ -482,3 +482,5 @@ def test_shortest_equivalent_of_175b_and_of_gpipe():
     assert shortest_equivalent("1f1b", **kw, rank=15) == 3
     assert shortest_equivalent("gpipe", **kw, rank=0) == 192
     assert shortest_equivalent("1f1b", num_ranks=16, num_microbatches=16, rank=0) == 16
+    # a layout asking for a multiple of pp (interleaved, even at one chunk) gets one
+    assert shortest_equivalent("interleaved-1f1b", **kw, rank=0, multiple_of=16) == 32

@@ -559,8 +559,10 @@ def shortened_layout(cfg, rank: int):
         # (tests), which its states do not show; it runs them all until that is understood
         return lay
     pp_rank = coords(rank, pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)[Axis.PP]
+    # the layout asks interleaving for a multiple of pp micro-batches, even at vpp 1
+    multiple = lay.pp if lay.schedule == "interleaved-1f1b" else 1
     m = shortest_equivalent(lay.schedule, num_ranks=lay.pp, num_microbatches=lay.num_microbatches,
-                            num_chunks=lay.vpp, rank=pp_rank)  # fmt: skip
+                            num_chunks=lay.vpp, rank=pp_rank, multiple_of=multiple)  # fmt: skip
     return dataclasses.replace(lay, global_batch_size=m * lay.micro_batch_size * lay.dp)
 
 

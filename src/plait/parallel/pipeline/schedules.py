@@ -651,12 +651,19 @@ def rank_states(actions: Sequence[Item]) -> frozenset:
 
 
 def shortest_equivalent(
-    name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1, rank: int = 0
+    name: str,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    rank: int = 0,
+    multiple_of: int = 1,
 ) -> int:
     """The fewest micro-batches m' <= m whose schedule ``name`` takes ``rank`` through the
     same states as m does (``rank_states``; so the same ``max_in_flight``, and the same
     holdings at every kind of compute), and at least 3 when m is (a first, a middle and a
-    last micro-batch, which a step's first forward and last backward tell apart). Where
+    last micro-batch, which a step's first forward and last backward tell apart; and a
+    multiple of ``multiple_of``, for a layout that asks one). Where
     nothing repeats -- GPipe holds all m before its first backward -- m itself. p=16,
     1F1B: rank 0 needs 17 (16 held, then a forward with gradients made), rank 15 needs 3."""
     m = num_microbatches
@@ -667,7 +674,8 @@ def shortest_equivalent(
 
     full = states(m)
     for short in range(min(3, m), m):
-        if name == "interleaved-1f1b" and num_chunks > 1 and short % num_ranks:
+        if short % multiple_of or (name == "interleaved-1f1b" and num_chunks > 1
+                                   and short % num_ranks):  # fmt: skip
             continue  # needs a multiple of p micro-batches
         if states(short) == full:
             return short
