@@ -276,6 +276,7 @@ def _same_rehearsal(full, short) -> None:
         ({"global_batch_size": 16}, [3, 3]),  # 1f1b, 8 micro-batches
         ({"global_batch_size": 16, "schedule": "interleaved-1f1b", "vpp": 2}, [6, 4]),
         ({"global_batch_size": 8, "schedule": "gpipe"}, [4, 4]),  # nothing repeats
+        ({"global_batch_size": 16, "schedule": "zb-h1"}, [3, 3]),  # a send-only batch a W
     ],
 )
 def test_shortened_rehearsal_equals_the_full_one(tmp_path, kw, runs):
@@ -285,7 +286,9 @@ def test_shortened_rehearsal_equals_the_full_one(tmp_path, kw, runs):
     its NCCL check) are those of the full step. GPipe runs them all. Catches a shortened
     step whose peak misses the steady state, per-micro-batch counters not scaled to the
     full step (p2p batches, tp all-reduces, the last backward's dp launches), and a
-    replay that posts or waits other than the executor does."""
+    replay that posts or waits other than the executor does, and send-only batches held
+    to the step's end (zb-h1 posts one per micro-batch; the fake group never completes
+    them)."""
     cfg = _pipeline_cfg(tmp_path, **kw)
     ranks = rehearse.parse_ranks("all-stages", cfg.layout)
     full = rehearse.rehearse(cfg, ranks, full_steps=True)

@@ -15,7 +15,10 @@ What runs is the ``Trainer`` of ``train/loop.py`` -- build, then two optimizer s
 through ``Trainer.step`` -- with two differences from ``plait train``: the batches are
 synthetic (``SyntheticBatches``: zeros of the real shapes; no data preparation, no
 tokenizer, the vocabulary of the model preset), and the values a step reads back on the
-host are zeros (``comm.host_values``: a fake tensor has none). Then the rank saves a
+host are zeros (``comm.host_values``: a fake tensor has none); and a pipeline's send-only
+batches are let go after the next compute, as completed sends are (the fake group's
+works never report completion: every send-only batch would be held to the step's end,
+0.70 GiB of 175B's first stage's warm-up activations). Then the rank saves a
 checkpoint through ``Trainer.save`` and loads it back through ``checkpoint.load`` -- DCP's
 planners on this rank's boxes, a storage that counts bytes instead of writing files
 (``RecordedCheckpoint``: what it leaves out is said there) -- into a temporary folder.
@@ -35,8 +38,7 @@ A step's micro-batches repeat: a pipeline rank runs the fewest whose schedule pa
 through every state of the full step's (``schedules.shortest_equivalent``: as many
 activations in flight at each kind of compute, before and after its first gradients,
 the same messages unread and outputs unsent) -- 17 of 192 on 175B's first stage of 16,
-3 on its last; GPipe, which holds all m, runs them all, and so does zb-h1 for now
-(``shortened_layout``) -- so its peaks are the full step's (tests: exactly, per phase and
+3 on its last; GPipe, which holds all m, runs them all (``shortened_layout``) -- so its peaks are the full step's (tests: exactly, per phase and
 category). Its step 2 calls are the full step's: the executor replays the full
 schedule's items through its own posting, waiting and unpacking, each compute logging
 the calls its kind (op, chunk; first, middle or last micro-batch) logged in the shortened
@@ -550,13 +552,11 @@ def shortened_layout(cfg, rank: int):
     step's (``schedules.shortest_equivalent``: the same activations in flight at each kind
     of compute, before and after the first gradients), so the same peaks; GPipe, or no
     pipeline, keeps them all. 175B, pp 16, 1F1B, 192 micro-batches: 17 on pipeline rank
-    0, 3 on the last; zb-h1 keeps them all (below)."""
+    0, 3 on the last."""
     from plait.parallel.pipeline.schedules import shortest_equivalent
 
     lay = cfg.layout
-    if lay.pp == 1 or lay.schedule == "zb-h1":
-        # zb-h1: a W leaves 8 KB per micro-batch held to the step's end on the tiny model
-        # (tests), which its states do not show; it runs them all until that is understood
+    if lay.pp == 1:
         return lay
     pp_rank = coords(rank, pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)[Axis.PP]
     # the layout asks interleaving for a multiple of pp micro-batches, even at vpp 1
@@ -658,6 +658,8 @@ def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
             t0 = time.perf_counter()
             made = full.global_batch_size if full is not None else None
             trainer = _trainer_class(made)(cfg, topo=topo)
+            if lay.pp > 1:  # a send completes once posted here: let it go as a real one would
+                trainer.runner.sends_done_when_reaped = True
             mem.built(trainer)
             # the build's peak came before the roles existed: its split is what the build
             # leaves, and the rest of its peak was transient (temporaries)

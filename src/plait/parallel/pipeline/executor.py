@@ -316,6 +316,9 @@ class PipelineRunner:
         # the calls each compute made, and (start, end) of the last ``_run``'s calls
         self.compute_spans: list | None = None
         self.run_span: tuple[int, int] | None = None
+        # ``plait rehearse``: the fake process group's works never report completion, so
+        # a send-only batch would be held to the step's end; a real one lets go once sent
+        self.sends_done_when_reaped = False
         # On CUDA compute is asynchronous: its time comes from events, read once they
         # have completed (``_read_completed``); the trace shows when the CPU issued each
         # action.
@@ -631,7 +634,8 @@ class PipelineRunner:
     def _reap(self, st: _Step) -> None:
         """Let go of send-only batches that are done (and so of the tensors they read)."""
         for index, posted in list(st.batches.items()):
-            if not posted.recvs and all(w.is_completed() for w in posted.works):
+            done = self.sends_done_when_reaped or all(w.is_completed() for w in posted.works)
+            if not posted.recvs and done:
                 self._complete(index, st)
 
     def _sync_tied_grads(self) -> None:
