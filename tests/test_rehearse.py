@@ -9,6 +9,7 @@ process (the rehearsal itself never starts one).
 
 from __future__ import annotations
 
+import pytest
 from distributed import run_workers
 from test_data_parallel import make_data, run_config
 
@@ -258,3 +259,57 @@ def test_data_parallel_bytes_equal_the_models_for_zero1_and_lora(tmp_path):
         report = rehearse.rehearse_rank(cfg, 0)
         got, want, _ = rehearse.compared(report, cfg)["bytes"]["dp"]
         assert got > 0 and abs(got - want) <= 1e-6 * want, (kw, got, want)
+
+
+def _same_rehearsal(full, short) -> None:
+    for f, s in zip(full, short, strict=True):
+        assert [(p.name, p.peak, p.split) for p in s.phases] == [
+            (p.name, p.peak, p.split) for p in f.phases
+        ], f"rank {f.rank}"
+        assert s.step_calls == f.step_calls, f"rank {f.rank}"
+        assert s.microbatches == f.microbatches == f.microbatches_run
+
+
+@pytest.mark.parametrize(
+    "kw,runs",
+    [
+        ({"global_batch_size": 16}, [3, 3]),  # 1f1b, 8 micro-batches
+        ({"global_batch_size": 16, "schedule": "interleaved-1f1b", "vpp": 2}, [6, 4]),
+        ({"global_batch_size": 8, "schedule": "gpipe"}, [4, 4]),  # nothing repeats
+        ({"global_batch_size": 16, "schedule": "zb-h1"}, [3, 3]),  # a send-only batch a W
+    ],
+)
+def test_shortened_rehearsal_equals_the_full_one(tmp_path, kw, runs):
+    """--pp 2 --tp 2, every stage: the rehearsal that runs the fewest micro-batches
+    reaching the full step's states reports the full one's peak per phase and category,
+    and step 2's calls (every collective, batch and wait, in order: its bytes per axis and
+    its NCCL check) are those of the full step. GPipe runs them all. Catches a shortened
+    step whose peak misses the steady state, per-micro-batch counters not scaled to the
+    full step (p2p batches, tp all-reduces, the last backward's dp launches), and a
+    replay that posts or waits other than the executor does, and send-only batches held
+    to the step's end (zb-h1 posts one per micro-batch; the fake group never completes
+    them)."""
+    cfg = _pipeline_cfg(tmp_path, **kw)
+    ranks = rehearse.parse_ranks("all-stages", cfg.layout)
+    full = rehearse.rehearse(cfg, ranks, full_steps=True)
+    short = rehearse.rehearse(cfg, ranks)
+    assert [r.microbatches_run for r in short] == runs
+    _same_rehearsal(full, short)
+    assert rehearse.check_p2p(short, cfg.layout) == rehearse.check_p2p(full, cfg.layout)
+    assert rehearse.check_p2p(short, cfg.layout).startswith("ok: ")
+
+
+def test_shortened_layouts_are_valid_layouts(tmp_path):
+    """175B pp 16 at 192 micro-batches: 17 on stage 0 and 3 on the last under 1F1B, all 192
+    under GPipe, and under interleaving at one chunk a multiple of pp that ``Layout``
+    accepts (32 and 16). Catches a shortening that builds a layout the trainer refuses
+    (a ValueError at the rank's start) or that shortens GPipe."""
+    from plait.commands.train import build_run_config
+
+    values = {"model": "gpt3-175b", "tp": 8, "pp": 16, "dp": 8, "global_batch_size": 1536,
+              "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
+    got = {}
+    for schedule in ("1f1b", "gpipe", "interleaved-1f1b"):
+        cfg = build_run_config({**values, "schedule": schedule})
+        got[schedule] = [rehearse.shortened_layout(cfg, r).num_microbatches for r in (0, 1023)]
+    assert got == {"1f1b": [17, 3], "gpipe": [192, 192], "interleaved-1f1b": [32, 16]}

@@ -22,6 +22,8 @@ from plait.parallel.pipeline.schedules import (
     in_flight_bound,
     max_in_flight,
     messages,
+    rank_states,
+    shortest_equivalent,
     stage_location,
     validate,
     virtual_stage,
@@ -446,3 +448,39 @@ def test_schedules_import_nothing_from_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_shortest_equivalent_reaches_the_full_steps_states(name, v):
+    """The shortened step of each rank (``plait rehearse``) holds as many micro-batches in
+    flight as the full one and passes through the same states, and one micro-batch fewer
+    would miss one (it is the shortest). Catches a shortening that drops the steady state
+    entered after the first backward (1F1B rank 0 at m = p: 16 held, never with
+    gradients made) or that ignores a schedule's own warm-up (interleaved)."""
+    p, m = 4, 24
+    for rank in range(p):
+        short = shortest_equivalent(name, num_ranks=p, num_microbatches=m, num_chunks=v,
+                                    rank=rank)  # fmt: skip
+        assert short < m
+        full_items = build_schedule(name, num_ranks=p, num_microbatches=m, num_chunks=v)[rank]
+        items = build_schedule(name, num_ranks=p, num_microbatches=short, num_chunks=v)[rank]
+        assert max_in_flight(items) == max_in_flight(full_items)
+        assert rank_states(items) == rank_states(full_items)
+        fewer = short - (p if name == "interleaved-1f1b" else 1)
+        if fewer >= 3:
+            kw = dict(num_ranks=p, num_microbatches=fewer, num_chunks=v)
+            assert rank_states(build_schedule(name, **kw)[rank]) != rank_states(full_items)
+
+
+def test_shortest_equivalent_of_175b_and_of_gpipe():
+    """GPT-3 175B's layout (pp 16, 192 micro-batches): 1F1B's rank 0 needs p + 1 (p held,
+    then a forward with gradients made), the last rank 3; GPipe holds all m before its
+    first backward and cannot be shortened. Catches a shortening by formula that is wrong
+    at a schedule's edges (m' = p on rank 0 misses the steady state's peak)."""
+    kw = dict(num_ranks=16, num_microbatches=192)
+    assert shortest_equivalent("1f1b", **kw, rank=0) == 17
+    assert shortest_equivalent("1f1b", **kw, rank=15) == 3
+    assert shortest_equivalent("gpipe", **kw, rank=0) == 192
+    assert shortest_equivalent("1f1b", num_ranks=16, num_microbatches=16, rank=0) == 16
+    # a layout asking for a multiple of pp (interleaved, even at one chunk) gets one
+    assert shortest_equivalent("interleaved-1f1b", **kw, rank=0, multiple_of=16) == 32

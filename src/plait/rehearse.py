@@ -15,7 +15,10 @@ What runs is the ``Trainer`` of ``train/loop.py`` -- build, then two optimizer s
 through ``Trainer.step`` -- with two differences from ``plait train``: the batches are
 synthetic (``SyntheticBatches``: zeros of the real shapes; no data preparation, no
 tokenizer, the vocabulary of the model preset), and the values a step reads back on the
-host are zeros (``comm.host_values``: a fake tensor has none). Then the rank saves a
+host are zeros (``comm.host_values``: a fake tensor has none); and a pipeline's send-only
+batches are let go after the next compute, as completed sends are (the fake group's
+works never report completion: every send-only batch would be held to the step's end,
+0.70 GiB of 175B's first stage's warm-up activations). Then the rank saves a
 checkpoint through ``Trainer.save`` and loads it back through ``checkpoint.load`` -- DCP's
 planners on this rank's boxes, a storage that counts bytes instead of writing files
 (``RecordedCheckpoint``: what it leaves out is said there) -- into a temporary folder.
@@ -30,6 +33,17 @@ what is left is activations (made in a forward), temporaries (made in a backward
 optimizer step) and other state made at build. The peak of each phase (build, step 1,
 step 2, save, load) is reported with its split. Storages on ``meta`` (a ZeRO-3 model is
 built there) hold no bytes and are not counted.
+
+A step's micro-batches repeat: a pipeline rank runs the fewest whose schedule passes
+through every state of the full step's (``schedules.shortest_equivalent``: as many
+activations in flight at each kind of compute, before and after its first gradients,
+the same messages unread and outputs unsent) -- 17 of 192 on 175B's first stage of 16,
+3 on its last; GPipe, which holds all m, runs them all (``shortened_layout``) -- so its peaks are the full step's (tests: exactly, per phase and
+category). Its step 2 calls are the full step's: the executor replays the full
+schedule's items through its own posting, waiting and unpacking, each compute logging
+the calls its kind (op, chunk; first, middle or last micro-batch) logged in the shortened
+step (``_full_step_calls``), so the point-to-point check runs on the full step's
+batches. ``--full-steps`` runs every micro-batch.
 
 Fake tensors live on the CPU here, so the rank runs the program of its CPU twin with two
 GPU choices taken: fused AdamW (``optim.build_adamw``) and one host read per step.
@@ -61,26 +75,31 @@ PHASES = ("build", "step 1", "step 2", "save", "load")
 
 class SyntheticBatches:
     """Stands in for ``GlobalBatchSampler``: every step's rows are zeros of the real
-    shapes ((rows, T) inputs and targets, int64), every target takes a loss."""
+    shapes ((rows, T) inputs and targets, int64), every target takes a loss. A shortened
+    rehearsal (``shortened_layout``) makes the rows of the full step's ``made_batch``
+    and hands the step the first ``global_batch``'s: a step holds its whole batch, so its
+    memory is the full step's."""
 
     mask = None
 
-    def __init__(self, *, global_batch: int, seq_len: int):
+    def __init__(self, *, global_batch: int, seq_len: int, made_batch: int | None = None):
         self.global_batch, self.seq_len = global_batch, seq_len
+        self.made_batch = made_batch or global_batch
 
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (hi - lo, self.seq_len)
         return torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64)
 
     def local_batch(self, step: int, *, dp_rank: int, dp: int):
-        per = self.global_batch // dp
-        return self.rows(step, dp_rank * per, (dp_rank + 1) * per)
+        per, made = self.global_batch // dp, self.made_batch // dp
+        inputs, targets = self.rows(step, dp_rank * made, (dp_rank + 1) * made)
+        return inputs[:per], targets[:per]
 
     def target_count(self, step: int) -> int:
         return self.global_batch * self.seq_len
 
 
-def _trainer_class():
+def _trainer_class(made_batch: int | None = None):
     from plait.train.loop import Trainer
 
     class RehearsalTrainer(Trainer):
@@ -88,7 +107,8 @@ def _trainer_class():
 
         def open_data(self):
             batches = SyntheticBatches(global_batch=self.cfg.layout.global_batch_size,
-                                       seq_len=self.cfg.model.seq_len)  # fmt: skip
+                                       seq_len=self.cfg.model.seq_len,
+                                       made_batch=made_batch)  # fmt: skip
             return batches, []
 
     return RehearsalTrainer
@@ -493,8 +513,10 @@ class RankReport:
     tp_rank: int
     phases: list[Phase] = field(default_factory=list)
     cp_rank: int = 0
-    calls: list[Call] = field(default_factory=list)  # build and both steps, in order
-    step_calls: list[Call] = field(default_factory=list)  # step 2's only
+    calls: list[Call] = field(default_factory=list)  # build and both steps as run, in order
+    step_calls: list[Call] = field(default_factory=list)  # step 2's only, of the full step
+    microbatches: int = 1  # a step's, the layout's
+    microbatches_run: int = 1  # what the executor ran a step (``shortened_layout``)
     bytes_written: int = 0  # tensor data of the checkpoint save (``RecordedCheckpoint``)
     bytes_read: int = 0  # ... and of its load
     boxes_written: dict[tuple, int] = field(default_factory=dict)  # (key, offsets) -> bytes
@@ -516,6 +538,7 @@ class RankReport:
         return {
             "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
             "tp_rank": self.tp_rank,
+            "microbatches": self.microbatches, "microbatches_run": self.microbatches_run,
             "phases": [dataclasses.asdict(p) for p in self.phases],
             "calls": [c._asdict() for c in self.step_calls],
             "bytes_per_axis": self.bytes_per_axis(),
@@ -523,9 +546,99 @@ class RankReport:
         }  # fmt: skip
 
 
-def rehearse_rank(cfg, rank: int) -> RankReport:
+def shortened_layout(cfg, rank: int):
+    """The layout rank ``rank`` is rehearsed at: ``cfg.layout`` with the fewest
+    micro-batches whose schedule takes this rank through the same states as the full
+    step's (``schedules.shortest_equivalent``: the same activations in flight at each kind
+    of compute, before and after the first gradients), so the same peaks; GPipe, or no
+    pipeline, keeps them all. 175B, pp 16, 1F1B, 192 micro-batches: 17 on pipeline rank
+    0, 3 on the last."""
+    from plait.parallel.pipeline.schedules import shortest_equivalent
+
+    lay = cfg.layout
+    if lay.pp == 1:
+        return lay
+    pp_rank = coords(rank, pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)[Axis.PP]
+    # the layout asks interleaving for a multiple of pp micro-batches, even at vpp 1
+    multiple = lay.pp if lay.schedule == "interleaved-1f1b" else 1
+    m = shortest_equivalent(lay.schedule, num_ranks=lay.pp, num_microbatches=lay.num_microbatches,
+                            num_chunks=lay.vpp, rank=pp_rank, multiple_of=multiple)  # fmt: skip
+    return dataclasses.replace(lay, global_batch_size=m * lay.micro_batch_size * lay.dp)
+
+
+class NotRepeating(RuntimeError):
+    """Computes of one kind issued different calls in the shortened step: its calls
+    cannot stand for the full step's (``rehearse_rank`` then runs all micro-batches)."""
+
+
+def _kind(action, m: int) -> tuple:
+    """What a compute's calls may depend on: its op and chunk, and whether it is the first,
+    a middle or the last micro-batch of a step of ``m`` (the data-parallel hooks launch
+    with the last backward)."""
+    place = 0 if action.microbatch == 0 else 2 if action.microbatch == m - 1 else 1
+    return action.op, action.chunk, place
+
+
+def _full_step_calls(trainer, log: list, mark: int, layout) -> list[Call]:
+    """Step 2's calls as the full step of ``layout`` would issue them, from the shortened
+    step logged in ``log[mark:]``: the calls before and after the executor's run as they
+    are, and the run replayed on the full schedule's items (``PipelineRunner.replay_step``:
+    the executor's own batches, waits and unpacking) with each compute's calls those its
+    kind made in the shortened step (``_kind``). NotRepeating if two computes of a kind
+    made different calls there. Waits name batches by their index from ``mark``."""
+    from plait.parallel.pipeline.schedules import build_schedule
+
+    runner, topo = trainer.runner, trainer.topo
+    run_lo, run_hi = runner.run_span
+    m_run = trainer.layout.num_microbatches
+    made: dict[tuple, list] = {}
+    for action, lo, hi in runner.compute_spans:
+        calls = log[lo:hi]
+        if any(c.op == "wait" for c in calls):
+            raise NotRepeating(f"{action} waited for a batch inside its compute")
+        if made.setdefault(_kind(action, m_run), calls) != calls:
+            raise NotRepeating(f"{action} made other calls than the computes of its kind")
+    items = build_schedule(layout.schedule, num_ranks=layout.pp, num_chunks=layout.vpp,
+                           num_microbatches=layout.num_microbatches)[topo.pp_rank]  # fmt: skip
+    m = layout.num_microbatches
+
+    def calls_of(action) -> list:
+        return made[_kind(action, m)]
+
+    topo.stats.log, replayed = [], topo.stats.log
+    try:
+        runner.replay_step(items, calls_of)
+    finally:
+        topo.stats.log, replayed = replayed, topo.stats.log
+    grown = len(replayed) - (run_hi - run_lo)
+
+    def moved(c: Call, by) -> Call:
+        return c._replace(peers=tuple(by(i) for i in c.peers)) if c.op == "wait" else c
+
+    before = [moved(c, lambda i: i - mark) for c in log[mark:run_lo]]
+    run = [moved(c, lambda i: i + len(before)) for c in replayed]
+    after = [moved(c, lambda i: i - mark + (grown if i >= run_hi else 0)) for c in log[run_hi:]]
+    return before + run + after
+
+
+def rehearse_rank(cfg, rank: int, *, full_steps: bool = False) -> RankReport:
     """Build rank ``rank`` of ``cfg``'s layout and run two optimizer steps on fake
-    tensors under the fake process group (module docstring)."""
+    tensors under the fake process group (module docstring). Unless ``full_steps``, a
+    pipeline rank runs the fewest micro-batches a step that reach the full step's states
+    (``shortened_layout``; its peaks are the full step's) and its step calls are counted
+    for the full step (``_full_step_calls``)."""
+    run = cfg.layout if full_steps else shortened_layout(cfg, rank)
+    if run.num_microbatches < cfg.layout.num_microbatches:
+        try:
+            return _rehearse_rank(dataclasses.replace(cfg, layout=run), rank, full=cfg.layout)
+        except NotRepeating:
+            pass  # every micro-batch, then
+    return _rehearse_rank(cfg, rank)
+
+
+def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
+    """``rehearse_rank`` at ``cfg.layout``; with ``full`` (a layout of more micro-batches)
+    step 2's calls are counted for ``full``'s step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -538,10 +651,15 @@ def rehearse_rank(cfg, rank: int) -> RankReport:
         topo = Topology.build(pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)
         topo.stats.log = []
         c = coords(rank, pp=lay.pp, dp=lay.dp, cp=lay.cp, tp=lay.tp)
-        report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP], cp_rank=c[Axis.CP])
+        report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP], cp_rank=c[Axis.CP],
+                            microbatches=(full or lay).num_microbatches,
+                            microbatches_run=lay.num_microbatches)  # fmt: skip
         with FakeTensorMode(), _memtracker_class()() as mem:
             t0 = time.perf_counter()
-            trainer = _trainer_class()(cfg, topo=topo)
+            made = full.global_batch_size if full is not None else None
+            trainer = _trainer_class(made)(cfg, topo=topo)
+            if lay.pp > 1:  # a send completes once posted here: let it go as a real one would
+                trainer.runner.sends_done_when_reaped = True
             mem.built(trainer)
             # the build's peak came before the roles existed: its split is what the build
             # leaves, and the rest of its peak was transient (temporaries)
@@ -553,15 +671,21 @@ def rehearse_rank(cfg, rank: int) -> RankReport:
                 mem.reset_peak()
                 t0 = time.perf_counter()
                 mark = len(topo.stats.log)
+                if full is not None and step == 1:
+                    trainer.runner.compute_spans = []
                 trainer.step(step)
                 report.phases.append(
                     Phase(f"step {step + 1}", mem.peak, mem.split, time.perf_counter() - t0)
                 )
-            report.step_calls = [  # waits name batches by their index in this slice
-                c._replace(peers=tuple(i - mark for i in c.peers)) if c.op == "wait" else c
-                for c in topo.stats.log[mark:]
-            ]
             report.calls = list(topo.stats.log)
+            if full is not None:
+                report.step_calls = _full_step_calls(trainer, report.calls, mark, full)
+                trainer.runner.compute_spans = None
+            else:
+                report.step_calls = [  # waits name batches by their index in this slice
+                    c._replace(peers=tuple(i - mark for i in c.peers)) if c.op == "wait" else c
+                    for c in topo.stats.log[mark:]
+                ]
             with tempfile.TemporaryDirectory(prefix="plait-rehearse-") as out:
                 _save_and_load(trainer, 2, Path(out), mem, report)
             trainer.close()
@@ -571,14 +695,14 @@ def rehearse_rank(cfg, rank: int) -> RankReport:
         dist.destroy_process_group()
 
 
-def rehearse(cfg, ranks: list[int], *, progress=None) -> list[RankReport]:
+def rehearse(cfg, ranks: list[int], *, progress=None, full_steps: bool = False) -> list[RankReport]:
     """``rehearse_rank`` of each rank, one after another; ``progress(line)`` is told of
     each as it starts."""
     out = []
     for rank in ranks:
         if progress is not None:
             progress(f"rank {rank} of {cfg.layout.world_size}")
-        out.append(rehearse_rank(cfg, rank))
+        out.append(rehearse_rank(cfg, rank, full_steps=full_steps))
     return out
 
 

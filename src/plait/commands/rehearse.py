@@ -6,11 +6,13 @@ performance model.
         --micro-batch-size 1 --dtype bf16                  # ranks 0 and the last
     plait rehearse ... --ranks all-stages                  # one rank per pipeline stage
     plait rehearse ... --ranks 0,5,LAST --json             # one JSON object
+    plait rehearse ... --full-steps                        # every micro-batch of a step
 
 Communication: none on a wire (``plait.rehearse``: the fake process group completes every
 call at once; each is logged). The flags are ``plait train``'s (the data flags are taken
-and not read: the batches are synthetic) plus ``--ranks`` and ``--json``; ``--dtype``
-defaults to bf16, a GPU run's. Errors a user can cause print one line and return 2.
+and not read: the batches are synthetic) plus ``--ranks``, ``--full-steps`` and
+``--json``; ``--dtype`` defaults to bf16, a GPU run's. Errors a user can cause print one
+line and return 2.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--ranks", default="0,LAST", metavar="0,LAST|all-stages",
                    help="ranks to rehearse: a comma list of ranks and LAST, or all-stages "
                    "(one rank per pipeline stage; then the NCCL point-to-point check runs)")  # fmt: skip
+    g.add_argument("--full-steps", action="store_true",
+                   help="run every micro-batch of a step; by default a pipeline rank runs the "
+                   "fewest whose schedule reaches the full step's states (the same peaks) and "
+                   "counts the calls of the full step")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_train_arguments(p)
     return p
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     say = None if args.json else (lambda line: print(f"plait rehearse: {line} ...", flush=True))
     if say:
         say(_header(cfg, values))
-    reports = rehearse.rehearse(cfg, ranks, progress=say)
+    reports = rehearse.rehearse(cfg, ranks, progress=say, full_steps=args.full_steps)
     p2p = rehearse.check_p2p(reports, cfg.layout)
     if args.json:
         out = {"layout": cfg.layout.to_dict(), "model": cfg.model.to_dict(), "p2p_check": p2p,
@@ -110,8 +116,12 @@ def report(r, compared: dict) -> str:
     peak), counted bytes per axis beside the model's, the checkpoint's bytes and its peaks
     against training's, and the calls of a step."""
     times = ", ".join(f"{p.name} {p.seconds:.1f} s" for p in r.phases)
+    ran = (f"ran {r.microbatches_run} of {r.microbatches} micro-batches a step (the same "
+           f"states: --full-steps runs all); counts of the full step"
+           if r.microbatches_run < r.microbatches
+           else f"ran all {r.microbatches} micro-batches a step")  # fmt: skip
     lines = [f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, cp {r.cp_rank}, tp {r.tp_rank}): "
-             f"{times}",
+             f"{times}", f"  {ran}",
              f"  {'memory (GiB) at the peak':26s}" + "".join(f"{p.name:>9s}" for p in r.phases)
              + f"{'simulated':>11s}{'ratio':>8s}"]  # fmt: skip
     for cat, (_, want, ratio) in compared["memory"].items():

@@ -36,7 +36,9 @@ posted in the same order on both sides (``schedules.check_channel_order``). A st
 output is dropped once its batch is done: backward starts from its ``GradientEdge``,
 which keeps the graph but not the tensor. Before the first batch, a barrier on the pp
 group brings its NCCL communicator up with every member (a first batched call on a
-group must include all of its ranks).
+group must include all of its ranks). ``replay_step`` (``plait rehearse`` only, with
+``comm.py``'s log on) runs another step's items through the same posting and waiting
+without computing, to count the calls of a step longer than the one it ran.
 
 Zero-bubble split (zb-h1). BI computes only the input gradient and W the weight
 gradients later, without redoing BI's work: before BI, the autograd graph is searched for
@@ -241,7 +243,9 @@ class _Step:
     deferred: dict = field(default_factory=dict)  # BI done, W to run
     batches: dict = field(default_factory=dict)  # item index -> _Posted, not yet waited on
     holder: dict = field(default_factory=dict)  # (kind, mb, chunk) -> its batch's item index
-    losses: list = field(default_factory=list)  # last stage: per micro-batch loss share
+    # last stage: the loss shares summed on the device as each micro-batch's forward ends
+    # (in micro-batch order, as a sum over a list of them: one scalar held, not m)
+    loss: torch.Tensor | None = None
     busy_s: float = 0.0  # compute time on this rank
     cuda_spans: list = field(default_factory=list)  # (start, end) events of compute, on CUDA
     cuda_step: torch.cuda.Event | None = None  # CUDA: the event at the step's start
@@ -308,6 +312,13 @@ class PipelineRunner:
         self.params = [[p for p in c.parameters() if p.requires_grad] for c in stage.chunks]
         self.bubble_fraction = 0.0
         self.steps = 0
+        # ``plait rehearse``, with ``comm.py``'s log on: (item, start, end) in the log of
+        # the calls each compute made, and (start, end) of the last ``_run``'s calls
+        self.compute_spans: list | None = None
+        self.run_span: tuple[int, int] | None = None
+        # ``plait rehearse``: the fake process group's works never report completion, so
+        # a send-only batch would be held to the step's end; a real one lets go once sent
+        self.sends_done_when_reaped = False
         # On CUDA compute is asynchronous: its time comes from events, read once they
         # have completed (``_read_completed``); the trace shows when the CPU issued each
         # action.
@@ -372,10 +383,9 @@ class PipelineRunner:
 
     def _loss(self, st: _Step) -> torch.Tensor:
         """This rank's share of the loss, summed on the device (0 off the last stage)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        for t in st.losses:
-            total += t
-        return total
+        if st.loss is None:
+            return torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        return st.loss
 
     def _read_completed(self) -> None:
         """CUDA: the bubble of the newest earlier step whose events have completed (the
@@ -388,15 +398,17 @@ class PipelineRunner:
 
     # -- running the items -------------------------------------------------------------
 
-    def _run(self, items: list[Item], st: _Step) -> None:
+    def _run(self, items: list[Item], st: _Step, handlers: dict | None = None) -> None:
         """Compute actions in order; each batch is posted when reached and waited on right
         before the first compute that reads one of its messages (schedules' model)."""
-        handlers = {
+        handlers = handlers or {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
             Op.BACKWARD_INPUT: self._backward_input,
             Op.BACKWARD_WEIGHT: self._backward_weight,
         }
+        log = self.topo.stats.log
+        run_start = None if log is None else len(log)
         for i, item in enumerate(items):
             t0 = now_us()
             if isinstance(item, CommBatch):
@@ -407,7 +419,10 @@ class PipelineRunner:
             t0 = now_us()
             if self.cuda_timing:
                 span = _event()
+            mark = None if log is None else len(log)
             handlers[item.op](item, st)
+            if self.compute_spans is not None and log is not None:
+                self.compute_spans.append((item, mark, len(log)))
             t1 = now_us()
             if self.cuda_timing:  # GPU time, read once the events have completed
                 st.cuda_spans.append((span, _event()))
@@ -422,6 +437,58 @@ class PipelineRunner:
             self.trace.add("wait sends", t0, now_us(), tid=COMM_LANE, cat="wait", args={})
         leftover = [d for d in (st.outputs, st.inputs, st.roots, st.input_grads, st.deferred) if d]
         assert not leftover and not st.received and not st.holder, "schedule left work undone"
+        if log is not None:
+            self.run_span = (run_start, len(log))
+
+    def replay_step(self, items: list[Item], calls_of: Callable[[Action], list]) -> None:
+        """``plait rehearse``: run a training step's ``items`` (another number of
+        micro-batches than this runner's) through the executor's own posting, waiting
+        and unpacking -- every batch, wait and tp all-gather as ``_run`` issues them --
+        without computing: each compute leaves a tensor of the boundary's shape where its
+        send reads one, and logs the calls ``calls_of(action)`` (what a compute of its
+        kind logged in a real step). Needs ``comm.py``'s log; nothing is trained."""
+        assert self.topo.stats.log is not None, "a replay only logs"
+        m = 1 + max(a.microbatch for a in items if isinstance(a, Action))
+        st = _Step([None] * m, True, 1.0, 1)
+        spans, self.compute_spans = self.compute_spans, None
+
+        def boundary() -> torch.Tensor:
+            return torch.empty(self.act_shape, dtype=self.act_dtype, device=self.topo.device)
+
+        def forward(a: Action, st: _Step) -> None:
+            key = (a.microbatch, a.chunk)
+            if not self._is_first(a.chunk):
+                st.inputs[key] = st.received.pop(("act", *key))
+            if not self._is_last(a.chunk):
+                st.outputs[key] = boundary()
+            st.roots[key] = None
+            self._note(calls_of(a))
+
+        def backward(a: Action, st: _Step) -> None:
+            key = (a.microbatch, a.chunk)
+            st.roots.pop(key)
+            if not self._is_last(a.chunk):
+                st.received.pop(("grad", *key))
+            if st.inputs.pop(key, None) is not None:
+                st.input_grads[key] = boundary()
+            if a.op is Op.BACKWARD_INPUT:
+                st.deferred[key] = None
+            self._note(calls_of(a))
+
+        def weight(a: Action, st: _Step) -> None:
+            st.deferred.pop((a.microbatch, a.chunk))
+            self._note(calls_of(a))
+
+        handlers = {Op.FORWARD: forward, Op.BACKWARD: backward, Op.BACKWARD_INPUT: backward,
+                    Op.BACKWARD_WEIGHT: weight}  # fmt: skip
+        try:
+            self._run(items, st, handlers)
+        finally:
+            self.compute_spans = spans
+
+    def _note(self, calls: list) -> None:
+        for c in calls:
+            self.topo.stats.note(c)
 
     def _traced(self, item: Item, t0: float, t1: float, st: _Step, *, cat: str) -> None:
         if self.trace is None or not st.train:
@@ -468,7 +535,9 @@ class PipelineRunner:
             out = chunk(x, targets, **kw) if self._is_last(a.chunk) else chunk(x, **kw)
         if self._is_last(a.chunk):  # out: per-token loss (B*T,)
             loss = out.sum() / st.tokens_global
-            st.losses.append(loss.detach())
+            if st.loss is None:
+                st.loss = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+            st.loss += loss.detach()
             if st.train:
                 st.roots[key] = loss * st.loss_scale
         else:  # out: (B, T, C)
@@ -565,7 +634,8 @@ class PipelineRunner:
     def _reap(self, st: _Step) -> None:
         """Let go of send-only batches that are done (and so of the tensors they read)."""
         for index, posted in list(st.batches.items()):
-            if not posted.recvs and all(w.is_completed() for w in posted.works):
+            done = self.sends_done_when_reaped or all(w.is_completed() for w in posted.works)
+            if not posted.recvs and done:
                 self._complete(index, st)
 
     def _sync_tied_grads(self) -> None:

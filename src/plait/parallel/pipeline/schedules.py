@@ -67,7 +67,7 @@ The makespan is 15 and each rank computes for 12, so the bubble fraction is
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -604,6 +604,82 @@ def max_in_flight(actions: Sequence[Item]) -> int:
         elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             held -= 1
     return peak
+
+
+def rank_states(actions: Sequence[Item]) -> frozenset:
+    """The states one rank's list passes through, as a set: at each compute, its op and
+    chunk, and per chunk the activations held (F run, B / BI not), the W still owed (BI
+    run, W not), whether a weight gradient has been made yet (a B or W has run: from then
+    on the rank holds its gradients), the messages received and not yet read, and the
+    outputs made and not yet sent. Two lists with the same set differ only in how often
+    they repeat a state: the steady state of 1F1B runs the same (F, B) pair at the same
+    holdings m - warm-up times. p=2, rank 0: 1F1B at m=3 and at m=100 pass through the same
+    states; at m=2 the F at 2 held with gradients made never happens."""
+    chunks = 1 + max((a.chunk for a in actions if isinstance(a, Action)), default=0)
+    held, owed, made = [0] * chunks, [0] * chunks, [False] * chunks
+    sent = {(m.op in (Op.SEND_ACT,), m.microbatch, m.chunk)
+            for _, m in messages(actions) if m.op in SEND_OPS}  # fmt: skip
+    unread, unsent = set(), set()  # (is an activation, micro-batch, chunk)
+    states = set()
+
+    def per_chunk(keys: set) -> tuple:
+        return tuple(sorted(Counter((act, c) for act, _, c in keys).items()))
+
+    for a in actions:
+        if isinstance(a, CommBatch):
+            for m in a.messages:
+                key = (m.op in (Op.SEND_ACT, Op.RECV_ACT), m.microbatch, m.chunk)
+                (unsent.discard if m.op in SEND_OPS else unread.add)(key)
+            continue
+        states.add((a.op, a.chunk, tuple(held), tuple(owed), tuple(made), per_chunk(unread),
+                    per_chunk(unsent)))  # fmt: skip
+        act = a.op is Op.FORWARD
+        if a.op is not Op.BACKWARD_WEIGHT:
+            unread.discard((act, a.microbatch, a.chunk))
+            if (act, a.microbatch, a.chunk) in sent:
+                unsent.add((act, a.microbatch, a.chunk))
+        if a.op is Op.FORWARD:
+            held[a.chunk] += 1
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            held[a.chunk] -= 1
+            owed[a.chunk] += a.op is Op.BACKWARD_INPUT
+            made[a.chunk] |= a.op is Op.BACKWARD
+        elif a.op is Op.BACKWARD_WEIGHT:
+            owed[a.chunk] -= 1
+            made[a.chunk] = True
+    return frozenset(states)
+
+
+def shortest_equivalent(
+    name: str,
+    *,
+    num_ranks: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    rank: int = 0,
+    multiple_of: int = 1,
+) -> int:
+    """The fewest micro-batches m' <= m whose schedule ``name`` takes ``rank`` through the
+    same states as m does (``rank_states``; so the same ``max_in_flight``, and the same
+    holdings at every kind of compute), and at least 3 when m is (a first, a middle and a
+    last micro-batch, which a step's first forward and last backward tell apart; and a
+    multiple of ``multiple_of``, for a layout that asks one). Where
+    nothing repeats -- GPipe holds all m before its first backward -- m itself. p=16,
+    1F1B: rank 0 needs 17 (16 held, then a forward with gradients made), rank 15 needs 3."""
+    m = num_microbatches
+
+    def states(mb: int) -> frozenset:
+        kw = dict(num_ranks=num_ranks, num_microbatches=mb, num_chunks=num_chunks)
+        return rank_states(build_schedule(name, **kw)[rank])
+
+    full = states(m)
+    for short in range(min(3, m), m):
+        if short % multiple_of or (name == "interleaved-1f1b" and num_chunks > 1
+                                   and short % num_ranks):  # fmt: skip
+            continue  # needs a multiple of p micro-batches
+        if states(short) == full:
+            return short
+    return m
 
 
 def in_flight_bound(
