@@ -285,6 +285,24 @@ class Attention(nn.Module):
         return self.o(y)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only ``gate`` and ``up`` for the backward (Megatron's fused
+    SwiGLU does the same): autograd's ``silu`` then ``mul`` would keep silu(gate) as well,
+    one more F-wide tensor a token and block. The backward recomputes silu(gate) and runs
+    the very operators autograd would (``mul`` and ``silu_backward``), so the gradients
+    are the same, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
 class MLP(nn.Module):
     """GELU MLP (gpt2) or SwiGLU (llama); first GEMM(s) column-split, last row-split."""
 
@@ -305,7 +323,7 @@ class MLP(nn.Module):
         if self.arch == "gpt2":
             return self.proj(F.gelu(self.fc(x), approximate="tanh"))
         x = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
-        return self.down(F.silu(self.gate(x, entered=True)) * self.up(x, entered=True))
+        return self.down(_SwiGLU.apply(self.gate(x, entered=True), self.up(x, entered=True)))
 
 
 class Block(nn.Module):
