@@ -30,6 +30,10 @@ line below moves b*s*h*e counted bytes per call):
   are empty.
 - with t == 1 nothing is issued; ``--recompute full`` repeats the forward's collectives
   inside the backward.
+- e is the residual stream's dtype for what enters a tp region (f, the sequence-parallel
+  all-gather, the embedding's reduction, the head's entry) and the compute dtype for what
+  leaves it (g): both the compute dtype under ``--dtype bf16|fp16``, except that
+  ``--fp32-residual`` keeps the stream, and so the entries, in fp32 (4 bytes).
 
 Every weight has a ``ShardSpec``: which dimension is split over tp and how. ``tp_shard``
 cuts a full weight into the shard a tp rank holds; the initialiser, the checkpoint code and
