@@ -65,8 +65,8 @@ class _LowPrecisionNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float):
-        # in place on the one fp32 copy of x: a fused kernel's transient is none, this
-        # one's is that copy (4 bytes an element beside x's 2), not one per step
+        # in place on the one fp32 copy of x: the transient is that copy (4 bytes an
+        # element beside x's 2), not one per operation (a fused kernel has none)
         xf = x.float()
         if bias is None:
             mean = None
