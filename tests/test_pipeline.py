@@ -416,8 +416,9 @@ def test_bf16_messages_halve_the_bytes_and_follow_the_bf16_curve(pipeline_runs):
     lay = cfg.layout
     for rank, per_rank in enumerate(counts):  # half of fp32's bytes, counted per message
         assert per_rank["pp.send"] == expected_sends(lay, cfg.model, rank // lay.dp), rank
-    # Against the single-process bf16 run, the pipeline adds one bf16 rounding of the
-    # activation and of its gradient at the stage boundary, beside the bf16 roundings of
+    # Against the single-process bf16 run, the pipeline adds at most one bf16 rounding of
+    # the activation and of its gradient at the stage boundary (none since the residual
+    # stream is bf16 itself; one under --fp32-residual), beside the bf16 roundings of
     # every GEMM output both runs make. Step 1: that one rounding, within half an ulp
     # (2^-9 relative). Later steps: each step's update carries one more relative rounding
     # of u = 2^-8 into the weights; independent, they add up as a random walk, so step k

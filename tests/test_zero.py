@@ -158,7 +158,7 @@ def test_zero3_bf16_units_compute_what_autocast_computes_from_the_rounded_master
     bf16-rounded fp32 weights (what the wire delivers) -- autocast's casts of the linear
     weights are exact, norms and embeddings read the same fp32 values, and micro-batches
     add up in fp32. Catches a gradient accumulated in bf16 across micro-batches, a norm or
-    embedding held in bf16 (the residual stream would turn bf16), and a weight's autocast
+    embedding held in bf16 (its lookup would round rows the reference keeps), and a weight's autocast
     copy kept alive from forward to backward: the tensors the forward saves for the
     backward hold no weight storage once the units are freed."""
     for arch in ("gpt2", "llama"):
@@ -490,7 +490,7 @@ def test_zero3_bf16_units_follow_the_single_process_bf16_curve(runs):
     the single-process bf16 run within the rounding the bf16 wire adds to the norms and
     embeddings (``numerics.assert_within_bf16_rounding``). Catches a unit or gradient
     path that rounds more than that -- gradients summed in bf16, a residual stream in
-    bf16 -- or that computes something else.
+    another dtype than the reference's -- or that computes something else.
 
     Measured (this corpus, 20 steps): loss within 4.5e-4 and gradient norm within 2.3e-3
     of the single process for steps 1-14 and 16-20; step 15 is a loss spike (3.16 ->

@@ -45,6 +45,7 @@ LAYOUT_FLAGS = (
     "sequence_parallel",
     "recompute",
     "dtype",
+    "fp32_residual",
     "pp_layout",
     "pp_partition",
     "bucket_mb",
@@ -142,6 +143,9 @@ def layout_parent() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true", default=None)
     g.add_argument("--recompute", choices=RECOMPUTE, default=None)
     g.add_argument("--dtype", choices=DTYPES, default=None)
+    g.add_argument("--fp32-residual", action="store_true", default=None,
+                   help="bf16 / fp16: keep the residual stream in fp32 (Megatron's "
+                   "--fp32-residual-connection); by default it is in the compute dtype")  # fmt: skip
     g.add_argument("--bucket-mb", type=float, default=None,
                    help="gradient bucket size in MiB for ZeRO 0-2 (default 25, as DDP)")  # fmt: skip
     return p

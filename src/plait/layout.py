@@ -63,6 +63,9 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str = "none"
     dtype: str = "fp32"
+    # bf16 / fp16: keep the residual stream fp32 (Megatron's --fp32-residual-connection);
+    # by default it is in the compute dtype (model/transformer.py, Embedding)
+    fp32_residual: bool = False
     pp_layout: tuple[int, ...] | None = None  # layers per virtual stage, e.g. (5, 6, 6, 5)
     pp_partition: str = "uniform"  # uniform | balanced (by per-layer cost, embedding and head)
     bucket_mb: float = DEFAULT_BUCKET_MB  # data-parallel gradient buckets (ZeRO 0-2)
@@ -75,6 +78,11 @@ class Layout:
             raise ValueError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.fp32_residual and self.dtype == "fp32":
+            raise ValueError(
+                "--fp32-residual keeps a bf16 / fp16 run's residual stream in fp32; use it "
+                "with --dtype bf16 or fp16 (under fp32 everything is fp32 already)"
+            )
         if self.recompute not in RECOMPUTE:
             raise ValueError(
                 f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}"

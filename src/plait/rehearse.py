@@ -71,6 +71,7 @@ from plait.topology import Axis, Call, Topology, coords
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers", "activations",
               "temporaries", "other")  # fmt: skip
 PHASES = ("build", "step 1", "step 2", "save", "load")
+ACT_PEAK = "activations, own peak"  # ``compared``'s row: the activations at their own peak
 
 
 class SyntheticBatches:
@@ -230,6 +231,7 @@ def _memtracker_class():
             self._mod_tracker = _ForwardHooks()
             self.trainer, self.params = None, []
             self.peak, self.split = 0, dict.fromkeys(CATEGORIES, 0)
+            self.act_peak = self._act_seen = 0
 
         # module hooks: activation checkpointing's recomputed forward only
         def _pre_fw_hook(self, module, inputs):
@@ -265,11 +267,21 @@ def _memtracker_class():
 
         def _update_peak_stats(self, peak_state) -> None:
             total = self.current()
-            if total > self.peak:
+            new_peak = total > self.peak
+            if new_peak:
                 self.peak, self.split = total, self.breakdown()
+            # the activations' own peak: where the phase's peak lies elsewhere (a step
+            # of few micro-batches peaks in the optimizer step, its activations freed),
+            # it is what the model's activation figure is to be held against
+            act = sum(s.get(_MemRefType.ACT, 0) for s in self._snaps())
+            if act > self._act_seen:
+                self._act_seen = act
+                split = self.split if new_peak else self.breakdown()
+                self.act_peak = max(self.act_peak, split["activations"])
 
         def reset_peak(self) -> None:
             self.peak, self.split = self.current(), self.breakdown()
+            self.act_peak = self._act_seen = self.split["activations"]
 
         def _winfos(self, pairs):
             """(category, winfo) of each storage of ``pairs``' tensors, once each."""
@@ -501,6 +513,7 @@ class Phase:
     peak: int  # bytes
     split: dict[str, int]  # category -> bytes at that peak
     seconds: float
+    activations_peak: int = 0  # the activations' own peak in the phase (bytes)
 
 
 @dataclass
@@ -675,8 +688,9 @@ def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
                     trainer.runner.compute_spans = []
                 trainer.step(step)
                 report.phases.append(
-                    Phase(f"step {step + 1}", mem.peak, mem.split, time.perf_counter() - t0)
-                )
+                    Phase(f"step {step + 1}", mem.peak, mem.split, time.perf_counter() - t0,
+                          mem.act_peak)
+                )  # fmt: skip
             report.calls = list(topo.stats.log)
             if full is not None:
                 report.step_calls = _full_step_calls(trainer, report.calls, mark, full)
@@ -824,7 +838,8 @@ def predicted(cfg, pp_rank: int) -> dict:
 def compared(report: RankReport, cfg) -> dict:
     """Rehearsed beside simulated for one rank: step 2's peak memory per category and
     counted bytes per axis, each with the ratio rehearsed / simulated (None where the
-    model has no figure)."""
+    model has no figure); and ``ACT_PEAK``, step 2's activations at their own peak, which
+    is what the model's activation figure (its peak) is to be compared with."""
     sim = predicted(cfg, report.pp_rank)
     peak = next(p for p in report.phases if p.name == "step 2")
     rows = {}
@@ -832,6 +847,9 @@ def compared(report: RankReport, cfg) -> dict:
         got = peak.peak if cat == "total" else peak.split[cat]
         want = sim["memory"].get(cat)
         rows[cat] = (got, want, got / want if want else None)
+    # the model's activations are their own peak, wherever the step's peak lies
+    want = sim["memory"]["activations"]
+    rows[ACT_PEAK] = (peak.activations_peak, want, peak.activations_peak / want if want else None)
     got_bytes = report.bytes_per_axis()
     axes = {}
     for axis in sorted(set(got_bytes) | set(sim["bytes"])):

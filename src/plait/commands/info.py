@@ -39,6 +39,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model_flops_per_token,
         num_params,
     )
+    from plait.sim.costs import residual_bytes, residual_note
     from plait.sim.memory import average_model_state
 
     try:
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model, micro_batch_size=layout.micro_batch_size, seq_len=held, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
         act_bytes=4 if layout.dtype == "fp32" else 2, flash_attention=cp > 1,
+        residual_bytes=residual_bytes(layout),
     ) * model.n_layers / layout.pp  # fmt: skip
     if model.moe:  # the routed MLP's bytes in place of the dense one's (sim/expert.py)
         from plait.sim.expert import activation_bytes
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{model.seq_len} tokens")  # fmt: skip
     print(
         f"activations per rank {act / gib:.3f} GiB per micro-batch in flight "
-        f"({layout.micro_batch_size} x {tokens}, {layout.dtype}, "
+        f"({layout.micro_batch_size} x {tokens}, {layout.dtype}{residual_note(layout)}, "
         f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
     )
     if model.moe:

@@ -94,11 +94,14 @@ def _jsonable(c: dict) -> dict:
 
 
 def _header(cfg, values) -> str:
+    from plait.sim.costs import residual_note
+
     lay, m = cfg.layout, cfg.model
     return (
         f"{values.get('model') or 'tiny'} ({m.n_layers} x {m.hidden}, seq {m.seq_len}), "
         f"dp={lay.dp} tp={lay.tp} pp={lay.pp} vpp={lay.vpp} {lay.schedule} zero={lay.zero} "
-        f"{lay.dtype}, {lay.num_microbatches} micro-batches of {lay.micro_batch_size}, "
+        f"{lay.dtype}{residual_note(lay)}, {lay.num_microbatches} micro-batches of "
+        f"{lay.micro_batch_size}, "
         f"{lay.world_size:,} ranks; fake process group and tensors"
     )
 
@@ -125,7 +128,8 @@ def report(r, compared: dict) -> str:
              f"  {'memory (GiB) at the peak':26s}" + "".join(f"{p.name:>9s}" for p in r.phases)
              + f"{'simulated':>11s}{'ratio':>8s}"]  # fmt: skip
     for cat, (_, want, ratio) in compared["memory"].items():
-        got = [p.peak if cat == "total" else p.split[cat] for p in r.phases]
+        got = [p.peak if cat == "total" else p.split.get(cat, p.activations_peak)
+               for p in r.phases]  # fmt: skip
         lines.append(f"  {cat:26s}" + "".join(f"{_gib(x):>9s}" for x in got)
                      + f"{_gib(want):>11s}{_ratio(ratio):>8s}")  # fmt: skip
     lines.append(f"  {'bytes per step (GiB)':26s}{'rehearsed':>9s}{'simulated':>11s}{'ratio':>8s}")

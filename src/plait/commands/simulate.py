@@ -181,6 +181,8 @@ def report(res, model, layout, name: str = "model", moe_imbalance: float | None 
     flags = [f"zero={layout.zero}", f"recompute={layout.recompute}", f"dtype={layout.dtype}"]
     if layout.sequence_parallel:
         flags.append("sequence-parallel")
+    if layout.dtype != "fp32":  # the residual stream: the compute dtype, or --fp32-residual
+        flags.append(f"residual={'fp32' if layout.fp32_residual else layout.dtype}")
     lines = [
         f"plait simulate: {name} ({model.n_layers} x {model.hidden}, seq {model.seq_len}) on "
         f"{res.n_devices} x {res.hardware}, runtime {res.runtime}",

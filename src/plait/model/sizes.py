@@ -221,6 +221,7 @@ def activation_bytes_per_layer(
     recompute: str = "none",
     act_bytes: int = 2,
     flash_attention: bool = False,
+    residual_bytes: int | None = None,
 ) -> float:
     """Bytes one transformer block keeps for its backward, per tensor-parallel rank.
 
@@ -240,17 +241,22 @@ def activation_bytes_per_layer(
     attention core keeps the softmax output (a s per token), with dropout also its
     mask and output (5 a s bytes in all at 2 bytes). Fused attention keeps no s x s
     matrix, only a 4-byte log-sum-exp per head and token.
+
+    ``residual_bytes`` (default ``act_bytes``): bytes per element of the residual stream,
+    which the two norm inputs (and under full recomputation the block input) are -- 4
+    with Megatron's ``--fp32-residual-connection`` (plait's ``--fp32-residual``).
     """
     s = cfg.seq_len if seq_len is None else seq_len
     tokens = micro_batch_size * s
     h, kv, e = cfg.hidden, cfg.kv_dim, act_bytes
+    r = act_bytes if residual_bytes is None else residual_bytes
     masks = cfg.dropout > 0
     split_all = tp if sequence_parallel else 1
     if recompute == "full":
-        return tokens * h * e / split_all
+        return tokens * h * r / split_all
     if recompute not in ("none", "selective"):
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
-    replicated = 4 * h * e + (2 * h if masks else 0)
+    replicated = 2 * h * e + 2 * h * r + (2 * h if masks else 0)
     mlp = (2 if cfg.arch == "gpt2" else 3) * cfg.ffn_hidden
     split = (2 * cfg.q_dim + 2 * kv + mlp) * e
     if flash_attention:

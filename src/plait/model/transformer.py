@@ -56,21 +56,86 @@ from plait.parallel.tensor import (
 from plait.topology import Axis, Topology
 
 
+class _LowPrecisionNorm(torch.autograd.Function):
+    """LayerNorm (``bias`` not None) or RMSNorm of a bf16 / fp16 ``x`` (N..., C) as
+    Megatron's fused norms run it: the statistics and the affine map in fp32, the output
+    in ``x``'s dtype, and for the backward only ``x`` itself, the fp32 per-token mean and
+    1/std (N..., 1), and the weights -- no fp32 copy of the activation (what autocast's
+    fp32 ``layer_norm`` and the unfused RMSNorm keep, 2 extra bytes per element)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float):
+        # in place on the one fp32 copy of x: the transient is that copy (4 bytes an
+        # element beside x's 2), not one per operation (a fused kernel has none)
+        xf = x.float()
+        if bias is None:
+            mean = None
+            ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).pow_(2) / x.shape[-1]
+        else:
+            ms, mean = torch.var_mean(xf, dim=-1, correction=0, keepdim=True)
+            xf.sub_(mean)
+        rstd = torch.rsqrt(ms + eps)
+        out = xf.mul_(rstd).mul_(weight)
+        if bias is not None:
+            out.add_(bias)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        xf = x.float()
+        xhat = (xf if mean is None else xf - mean) * rstd  # recomputed, fp32
+        g = grad.float()
+        gw = g * weight.float()  # d loss / d xhat
+        dot = (gw * xhat).mean(-1, keepdim=True)
+        dx = gw - xhat * dot if mean is None else gw - gw.mean(-1, keepdim=True) - xhat * dot
+        dx = (dx * rstd).to(x.dtype)
+        rows = tuple(range(g.dim() - 1))
+        dweight = (g * xhat).sum(rows).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dbias = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            dbias = g.sum(rows).to(bias.dtype)
+        return dx, dweight, dbias, None
+
+
+def _low_precision(x: torch.Tensor) -> bool:
+    return x.dtype in (torch.bfloat16, torch.float16)
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm in fp32 whatever the input's dtype; the output has the input's. A bf16 /
+    fp16 input (the residual stream under ``--dtype bf16|fp16``, or a head's queries and
+    keys) keeps no fp32 copy for the backward (``_LowPrecisionNorm``)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
+        if _low_precision(x):
+            return _LowPrecisionNorm.apply(x, self.weight, None, self.eps)
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * self.weight.float()).to(x.dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters, same fp32 result) that takes a bf16 / fp16 input
+    as Megatron's fused LayerNorm does: statistics in fp32, output in the input's dtype,
+    no fp32 copy of the input kept (``_LowPrecisionNorm``), where autocast would run
+    ``layer_norm`` in fp32 on an fp32 copy and return fp32."""
+
+    def forward(self, x):
+        if _low_precision(x):
+            return _LowPrecisionNorm.apply(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.arch == "gpt2":
-        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        return LayerNorm(cfg.hidden, eps=cfg.norm_eps)
     return RMSNorm(cfg.hidden, cfg.norm_eps)
 
 
@@ -226,6 +291,24 @@ class Attention(nn.Module):
         return self.o(y)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up keeping only ``gate`` and ``up`` for the backward (Megatron's fused
+    SwiGLU does the same): autograd's ``silu`` then ``mul`` would keep silu(gate) as well,
+    one more F-wide tensor a token and block. The backward recomputes silu(gate) and runs
+    the very operators autograd would (``mul`` and ``silu_backward``), so the gradients
+    are the same, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
 class MLP(nn.Module):
     """GELU MLP (gpt2) or SwiGLU (llama); first GEMM(s) column-split, last row-split."""
 
@@ -246,7 +329,7 @@ class MLP(nn.Module):
         if self.arch == "gpt2":
             return self.proj(F.gelu(self.fc(x), approximate="tanh"))
         x = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
-        return self.down(F.silu(self.gate(x, entered=True)) * self.up(x, entered=True))
+        return self.down(_SwiGLU.apply(self.gate(x, entered=True), self.up(x, entered=True)))
 
 
 class Block(nn.Module):
@@ -284,8 +367,11 @@ class Block(nn.Module):
         self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
 
     def _forward(self, x, rope, span=None):
-        x = x + self.drop(self.attn(self.ln1(x), rope, span))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        # A branch may come out fp32 (a row-parallel bias is added in the fp32 it is held
+        # in): the sum is then rounded once to the residual stream's dtype (a no-op for an
+        # fp32 stream), so a bf16 / fp16 stream stays in the compute dtype.
+        x = (x + self.drop(self.attn(self.ln1(x), rope, span))).to(x.dtype)
+        return (x + self.drop(self.mlp(self.ln2(x)))).to(x.dtype)
 
     def forward(self, x, rope=None, span=None):
         if self.recompute_full and self.training:
@@ -302,15 +388,37 @@ class Span(NamedTuple):
     mask: torch.Tensor | None = None
 
 
+def residual_dtype(device: torch.device, fp32_residual: bool) -> torch.dtype | None:
+    """The residual stream's dtype where the embedding must cast to it: autocast's compute
+    dtype (bf16 / fp16) unless ``fp32_residual``; None (leave it fp32) otherwise."""
+    if fp32_residual or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
 class Embedding(nn.Module):
     """Token embedding (vocabulary-parallel) plus learned positions (gpt2); under sequence
-    parallelism the output is this rank's sequence shard (B, T/tp, C)."""
+    parallelism the output is this rank's sequence shard (B, T/tp, C).
+
+    Under autocast (``--dtype bf16|fp16``) the output -- the residual stream from here to
+    the final norm, and what the pipeline sends between stages -- is in the compute dtype,
+    as Megatron-LM's by default: the token rows are rounded once, the positions added in
+    fp32 and the sum rounded. ``fp32_residual`` (Megatron's ``--fp32-residual-connection``)
+    keeps it fp32: autocast then runs the norms in fp32 on it and the residual adds stay
+    fp32."""
 
     def __init__(
-        self, cfg: ModelConfig, *, topo: Topology, positions: bool, sequence_parallel: bool = False
+        self,
+        cfg: ModelConfig,
+        *,
+        topo: Topology,
+        positions: bool,
+        sequence_parallel: bool = False,
+        fp32_residual: bool = False,
     ):
         super().__init__()
         self.topo, self.sequence_parallel = topo, sequence_parallel
+        self.fp32_residual = fp32_residual
         self.tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden, topo=topo, sequence_parallel=sequence_parallel
         )
@@ -318,12 +426,15 @@ class Embedding(nn.Module):
         self.drop = TPDropout(cfg.dropout, topo=topo, sharded=sequence_parallel)
 
     def forward(self, ids, positions=None):  # (B, T) -> (B, T, C) or (B, T/tp, C)
-        x = self.tokens(ids)
+        dtype = residual_dtype(ids.device, self.fp32_residual)
+        x = self.tokens(ids, dtype)
         if self.positions is not None:
             if positions is None:
                 positions = torch.arange(ids.shape[1], device=ids.device)
             pos = self.positions(positions)[None]  # (1, T, C)
             x = x + (sequence_shard(pos, self.topo) if self.sequence_parallel else pos)
+            if dtype is not None:
+                x = x.to(dtype)  # (the add promoted it to fp32)
         return self.drop(x)
 
 
@@ -342,6 +453,7 @@ class Transformer(nn.Module):
         sequence_parallel: bool = False,
         cp_mode: str = "ring",
         ep=None,
+        fp32_residual: bool = False,
     ):
         super().__init__()
         topo = topo or Topology.single()
@@ -354,8 +466,9 @@ class Transformer(nn.Module):
             # The last pipeline stage of a tied model keeps its own copy of the token
             # embedding under the same name; the pipeline keeps the copies in sync.
             self.embed = Embedding(
-                cfg, topo=topo, positions=pre and cfg.arch == "gpt2", sequence_parallel=sp
-            )
+                cfg, topo=topo, positions=pre and cfg.arch == "gpt2", sequence_parallel=sp,
+                fp32_residual=fp32_residual,
+            )  # fmt: skip
         self.blocks = nn.ModuleDict(
             {
                 str(i): Block(
@@ -552,13 +665,14 @@ def build_model(
 ) -> Transformer:
     """Build (a chunk of) the model with its deterministic initial weights. ``chunk``:
     ``Transformer``'s keywords (``topo``, ``layers``, ``pre``, ``post``, ``recompute``,
-    ``sequence_parallel``, ``ep``: the (topo, axis) of the MoE layers' expert-parallel
+    ``sequence_parallel``, ``cp_mode``, ``fp32_residual``, ``ep``: the (topo, axis) of the MoE layers' expert-parallel
     group). On the ``meta`` device nothing is allocated or initialised: for sizes and
     memory of large presets, and for ZeRO-3, which initialises each parameter's shard from
     its ``init_value()`` (``defer_init``).
 
     ``sequence_parallel`` (with tp > 1): activations between the tp regions are sequence
-    shards; the gradients of the tp-replicated parameters then need ``TPGradSync``."""
+    shards; the gradients of the tp-replicated parameters then need ``TPGradSync``.
+    ``fp32_residual``: under autocast, keep the residual stream fp32 (``Embedding``)."""
     with torch.device(device):
         model = Transformer(cfg, **chunk)
     if str(device) != "meta":

@@ -30,6 +30,10 @@ line below moves b*s*h*e counted bytes per call):
   are empty.
 - with t == 1 nothing is issued; ``--recompute full`` repeats the forward's collectives
   inside the backward.
+- e is the residual stream's dtype for what enters a tp region (f, the sequence-parallel
+  all-gather, the embedding's reduction, the head's entry) and the compute dtype for what
+  leaves it (g): both the compute dtype under ``--dtype bf16|fp16``, except that
+  ``--fp32-residual`` keeps the stream, and so the entries, in fp32 (4 bytes).
 
 Every weight has a ``ShardSpec``: which dimension is split over tp and how. ``tp_shard``
 cuts a full weight into the shard a tp rank holds; the initialiser, the checkpoint code and
@@ -480,13 +484,20 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = topo.tp_rank * self.local_vocab
         self.weight = set_shard(nn.Parameter(torch.empty(self.local_vocab, hidden)), spec)
 
-    def forward(self, ids):  # (B, T) -> (B, T, C), or (B, T/t, C) under sequence parallelism
+    def forward(self, ids, dtype: torch.dtype | None = None):
+        """(B, T) -> (B, T, C), or (B, T/t, C) under sequence parallelism; in ``dtype``
+        when given (the compute dtype of a bf16 / fp16 residual stream). The cast comes
+        before the sum over tp, which then moves ``dtype``: exact, since each token's row
+        is non-zero on one tp rank only, so every layout rounds the same fp32 row once."""
         if self.topo.tp == 1:
-            return F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight)
+            return out if dtype is None else out.to(dtype)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if dtype is not None:
+            out = out.to(dtype)
         return leave_tp(out, self.topo, self.sequence_parallel)
 
 
@@ -497,15 +508,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, targets, topo, vocab_start, valid_vocab):
         # logits (N, V/t), targets (N,); the maths in float32
         local_v, input_dtype = logits.shape[-1], logits.dtype
+        # bf16 / fp16 logits: the fp32 copy is this function's own, so the steps below run
+        # in place on it, as Megatron's do -- one fp32 buffer at the loss's peak beside the
+        # input, not two (an fp32 input is the caller's: left as it is)
+        own = logits.dtype != torch.float32
         logits = logits.float()
         if valid_vocab is not None and vocab_start + local_v > valid_vocab:
             # padded vocabulary entries never win and take no probability
             pad_from = max(valid_vocab - vocab_start, 0)
-            logits = logits.clone()
+            logits = logits if own else logits.clone()
             logits[:, pad_from:] = -math.inf
         logits_max = logits.max(dim=-1).values
         comm.all_reduce(logits_max, topo=topo, axis=Axis.TP, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        max_ = logits_max.unsqueeze(-1)
+        shifted = logits.sub_(max_) if own else logits - max_
         local = targets - vocab_start
         outside = (local < 0) | (local >= local_v)
         local = local.clamp(0, local_v - 1)

@@ -67,6 +67,26 @@ from plait.sim.hardware import Hardware, Link
 from plait.sim.runtime import Runtime
 
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def residual_bytes(layout: Layout) -> int:
+    """Bytes per element of the residual stream: the compute dtype's, or 4 under
+    ``--fp32-residual`` (Megatron's ``--fp32-residual-connection``). What the norms keep for
+    the backward, and what a tp region's entry (f: its backward all-reduce; with sequence
+    parallelism its all-gather and reduce-scatter) and the embedding's reduction move:
+    the norm's output is the stream's dtype (autocast runs the norm in fp32 on an fp32
+    stream). Its exit (g) moves the compute dtype of the row-parallel GEMM's output."""
+    return 4 if layout.fp32_residual else ACT_BYTES[layout.dtype]
+
+
+def residual_note(layout: Layout) -> str:
+    """What ``plait info`` prints beside the dtype: ", residual fp32" (``--fp32-residual``)
+    or ", residual bf16" under bf16 / fp16; "" under fp32, where nothing differs."""
+    if layout.dtype == "fp32":
+        return ""
+    return f", residual {'fp32' if layout.fp32_residual else layout.dtype}"
+
+
 # Kernels one layer's forward launches in plait's model (views are free): gpt2: 6 linears
 # (q, k, v, o, fc, proj), 2 LayerNorms, attention, the head merge copy, GELU, 2 adds;
 # llama: 7 linears, 2 RMSNorms of 6 kernels, rotary on q and k (8 each), attention, the
@@ -230,13 +250,15 @@ def layer_cost(
     bwd_w_gemm += linears * ov
 
     # Tensor-parallel collectives: 2 per direction (all-reduce, or all-gather +
-    # reduce-scatter with sequence parallelism), each of T h e bytes.
+    # reduce-scatter with sequence parallelism), each of T h bytes-per-element: the
+    # entries (f) in the residual stream's dtype r, the exits (g) in e (``residual_bytes``).
     fwd_tp = bwd_tp = 0.0
     if t > 1:
         link = group_link(hw, t, 1)
-        nbytes = T * h * e
+        nbytes, rbytes = T * h * e, T * h * residual_bytes(layout)
         if sp:
-            ag, rs = all_gather_time(nbytes, t, link), reduce_scatter_time(nbytes, t, link)
+            ag, rs = all_gather_time(rbytes, t, link), reduce_scatter_time(nbytes, t, link)
+            rs_in, ag_out = reduce_scatter_time(rbytes, t, link), all_gather_time(nbytes, t, link)
             if runtime.overlap_tp_comm:  # each hides behind the GEMM next to it
                 fwd_tp = sum(
                     max(0.0, c - g)
@@ -244,12 +266,14 @@ def layer_cost(
                 )
                 bwd_tp = sum(
                     max(0.0, c - g)
-                    for c, g in ((rs, lin[0][1]), (ag, lin[1][1]), (rs, lin[2][1]), (ag, lin[3][1]))
-                )
+                    for c, g in ((rs_in, lin[0][1]), (ag_out, lin[1][1]), (rs_in, lin[2][1]),
+                                 (ag_out, lin[3][1]))
+                )  # fmt: skip
             else:
-                fwd_tp = bwd_tp = 2 * (ag + rs)
+                fwd_tp, bwd_tp = 2 * (ag + rs), 2 * (rs_in + ag_out)
         else:
-            fwd_tp = bwd_tp = 2 * all_reduce_time(nbytes, t, link)
+            fwd_tp = 2 * all_reduce_time(nbytes, t, link)
+            bwd_tp = 2 * all_reduce_time(rbytes, t, link)
 
     fwd_cp, bwd_cp = cp_sim.layer_comm(replace(cfg, seq_len=s), layout, hw, attn_fwd, attn_bwd)
     fwd_ep = bwd_ep = 0.0
@@ -290,8 +314,8 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     fwd = stream_time(hw, 3 * T * h * e) + k_fwd * hw.op_overhead  # gather rows (+ positions)
     bwd = stream_time(hw, T * h * (e + 8)) + k_bwd * hw.op_overhead  # scatter-add, fp32 grad
     fwd_tp = 0.0
-    if t > 1:  # vocab-parallel lookup: partial rows summed across tp
-        link, nbytes = group_link(hw, t, 1), T * h * e
+    if t > 1:  # vocab-parallel lookup: partial rows summed across tp, in the stream's dtype
+        link, nbytes = group_link(hw, t, 1), T * h * residual_bytes(layout)
         if layout.sequence_parallel:
             fwd_tp = reduce_scatter_time(nbytes, t, link)
         else:
@@ -329,8 +353,8 @@ def head_cost(
     loss_fwd = stream_time(hw, T * V_t * fwd_bytes)
     loss_bwd = stream_time(hw, T * V_t * bwd_bytes)
     fwd_tp = bwd_tp = 0.0
-    if t > 1:
-        link, nbytes = group_link(hw, t, 1), T * h * e
+    if t > 1:  # the final norm's output (the stream's dtype) enters the head
+        link, nbytes = group_link(hw, t, 1), T * h * residual_bytes(layout)
         # vocab-parallel cross-entropy: the max (T floats), then the sum of exponentials
         # and the target logit together (2 T floats)
         fwd_tp = all_reduce_time(4 * T, t, link) + all_reduce_time(8 * T, t, link)

@@ -17,7 +17,8 @@
   so 1F1B's p - r micro-batches, GPipe's m and interleaving's extra (p - 1) / (p v)
   all come out of the schedule. The last stage also keeps, per micro-batch in flight,
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
-  loss: T (2 h e + V / t (e + 4)) bytes (Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
+  loss: T (h (r + e) + V / t (e + 4)) bytes, r the residual stream's bytes per element
+  (e, or 4 under ``--fp32-residual``; Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
 - ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
   layer's full gradient before it is reduce-scattered. A gathered layer holds its linear
   weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
@@ -46,7 +47,7 @@ from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import in_flight_bound
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
-from plait.sim.costs import ACT_BYTES, dp_groups
+from plait.sim.costs import ACT_BYTES, dp_groups, residual_bytes
 from plait.sim.pipeline import Compiled, peak_held
 from plait.sim.runtime import Runtime
 
@@ -160,10 +161,11 @@ def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str
 
 def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
     """Bytes the last stage keeps per micro-batch in flight for the final norm, the head
-    and the loss: T (2 h e + V / t (e + 4))."""
-    e = ACT_BYTES[layout.dtype]
+    and the loss: T (h (r + e) + V / t (e + 4)), r the residual stream's bytes (the final
+    norm's input; ``costs.residual_bytes``)."""
+    e, r = ACT_BYTES[layout.dtype], residual_bytes(layout)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-    return tokens * (2 * cfg.hidden * e + cfg.vocab_size / layout.tp * (e + 4))
+    return tokens * (cfg.hidden * (r + e) + cfg.vocab_size / layout.tp * (e + 4))
 
 
 def chunk_activation_bytes(
@@ -183,11 +185,15 @@ def chunk_activation_bytes(
         recompute=layout.recompute,
         act_bytes=e,
         flash_attention=runtime.flash_attention or layout.cp > 1,
+        residual_bytes=residual_bytes(layout),
     )
     tokens = b * s
+    split_all = t if layout.sequence_parallel else 1
+    if layout.fp32_residual and runtime.cast_per_linear and layout.recompute != "full":
+        # each linear casts the fp32 norm output itself: q, k, v; gate and up (llama)
+        per_layer += tokens * cfg.hidden * e * (2 if cfg.block == "gpt2" else 3) / split_all
     # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
     # (h / t) and the FC2 input (f / t)
-    split_all = t if layout.sequence_parallel else 1
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it

@@ -7,11 +7,14 @@ Communication: none (a formula). Per micro-batch of T = b s / cp tokens (a cp ra
 activation element (``costs.ACT_BYTES``), t = tp, on a pipeline rank whose chunks hold
 L_c layers:
 
-- tp: per layer forward 2 all-reduces of T h e and backward 2 more (sequence
-  parallelism: 4 all-gathers / reduce-scatters each way, the same bytes twice over);
-  ``--recompute full`` repeats the forward's. The embedding's all-reduce (stage 0), the
-  head's backward all-reduce and the loss's 12 T bytes (last stage), and with the
-  scatter/gather the all-gather of every received pipeline message (T h e).
+- tp: per layer forward 2 all-reduces of T h e and backward 2 more of T h r, r the
+  residual stream's bytes per element (``costs.residual_bytes``: e, or 4 under
+  ``--fp32-residual``; the backward's input gradients are those of the norms' outputs);
+  sequence parallelism: 2 all-gathers (T h r) and 2 reduce-scatters (T h e) forward, the
+  reverse backward; ``--recompute full`` repeats the forward's. The embedding's
+  all-reduce (stage 0; T h r), the head's backward all-reduce (T h r) and the loss's
+  12 T bytes (last stage), and with the scatter/gather the all-gather of every received
+  pipeline message (T h e).
 - pp: per boundary of a chunk and micro-batch, the activation out and its gradient back,
   T h e / t each (the scatter), send and receive both counted; with tied embeddings the
   first and last stages swap their copy's gradient once per step (V h 4 / t each way).
@@ -37,7 +40,7 @@ from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
-from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks
+from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks, residual_bytes
 from plait.sim.memory import stage_params
 from plait.sim.runtime import Runtime
 from plait.sim.step import stats_bytes
@@ -62,16 +65,18 @@ def bytes_per_axis(
     out: dict[str, float] = {}
     chunks = [(c * p + pp_rank, stage_layers[c * p + pp_rank]) for c in range(v)]
     if t > 1:
-        per_layer = 4 * T * h * e * (2 if sp else 1)
+        r = residual_bytes(layout)
+        fwd = 2 * T * h * (e + r if sp else e)  # f (sp: all-gathers, T h r) and g
+        per_layer = fwd + 2 * T * h * (e + r if sp else r)  # backward: the same reversed
         if layout.recompute == "full":
-            per_layer *= 1.5
+            per_layer += fwd
         tp = 0.0
         for stage, layers in chunks:
             tp += layers * per_layer
             if stage == 0:
-                tp += T * h * e * (2 if sp else 1)  # the embedding's reduction
+                tp += T * h * r * (2 if sp else 1)  # the embedding's reduction
             if stage == S - 1:
-                tp += T * h * e * (2 if sp else 1) + 12 * T  # the head's; the loss's
+                tp += T * h * r * (2 if sp else 1) + 12 * T  # the head's; the loss's
             if p > 1 and not sp and runtime.pp_scatter_gather:  # gathers of received slices
                 tp += T * h * e * ((stage > 0) + (stage < S - 1))
         out["tp"] = m * tp

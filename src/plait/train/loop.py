@@ -247,6 +247,7 @@ class Trainer:
                 topo=topo,
                 recompute=layout.recompute,
                 sequence_parallel=layout.sequence_parallel,
+                fp32_residual=layout.fp32_residual,
                 cp_mode=layout.cp_mode,
                 ep=ep,
             )

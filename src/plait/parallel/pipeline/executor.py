@@ -2,8 +2,8 @@
 
 Communication (p pipeline ranks, v chunks per rank, m micro-batches of b sequences of s
 tokens, hidden h, t = tp size, e = bytes of the compute dtype: 4 for fp32, 2 under
-``--dtype bf16`` / ``fp16``, whose messages are cast to it -- the fp32 residual stream is
-rounded once per stage boundary, as Megatron-LM's bf16 activations are):
+``--dtype bf16`` / ``fp16``, in which the residual stream already is (the cast is exact);
+under ``--fp32-residual`` the fp32 stream is rounded once per stage boundary):
 
 - forward, axis pp: for each micro-batch, each virtual stage but the last sends its
   output activation to the next (one isend) and the next receives it (one irecv): b*s*h*e
@@ -302,9 +302,12 @@ class PipelineRunner:
                 f"--sequence-parallel needs --seq-len {seq_len} divisible by --tp {tp}"
             )
         self.act_shape = (layout.micro_batch_size, seq_len // tp if sp else seq_len, cfg.hidden)
-        self.act_dtype = next(stage.parameters()).dtype
-        # messages travel in the compute dtype (bf16 / fp16 halve the bytes)
+        # messages travel in the compute dtype (bf16 / fp16 halve the bytes); the residual
+        # stream is in it too, unless --fp32-residual keeps it in the weights' fp32 (and
+        # the wire rounds it, as before that flag existed)
         self.wire_dtype = WIRE_DTYPES[layout.dtype]
+        low = layout.dtype != "fp32" and not layout.fp32_residual
+        self.act_dtype = self.wire_dtype if low else next(stage.parameters()).dtype
         self.scatter = tp > 1 and not sp  # PTD-P scatter/gather
         numel = self.act_shape[0] * self.act_shape[1] * self.act_shape[2]
         assert numel % tp == 0, "hidden is a multiple of tp (heads are)"

@@ -135,6 +135,7 @@ def build_stage(
             post=s == num_stages - 1,
             recompute=layout.recompute,
             sequence_parallel=layout.sequence_parallel,
+            fp32_residual=layout.fp32_residual,
             cp_mode=layout.cp_mode,
             device=device,
             ep=ep,
