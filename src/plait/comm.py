@@ -265,15 +265,6 @@ class Abortable:
     def __init__(self) -> None:
         self.event = threading.Event()
         self._queue: queue.SimpleQueue | None = None
-        self.busy = False  # the waiter is inside a handle's wait
-        self._kept: list = []
-
-    def keep(self, objects: list) -> None:
-        """Hold ``objects`` (the generation's process groups) until the waiter is past the
-        handle it waits on: destroying a gloo group joins its threads, which wait for that
-        very operation (until gloo's own timeout), so the training thread must not be the
-        one that lets go of it."""
-        self._kept = [o for o in objects if o is not None]
 
     def abort(self) -> None:
         self.event.set()
@@ -303,15 +294,12 @@ class Abortable:
     def _run(self, q: queue.SimpleQueue) -> None:
         while (item := q.get()) is not None:
             box, done = item
-            self.busy = True
             try:
                 box[0].wait()
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 box[1] = e if isinstance(e, RuntimeError) else RuntimeError(str(e))
             box[0] = None
-            self.busy = False
             done.set()
-        self._kept = []  # past every handle: the groups may go (from this thread)
 
 
 def wait(works, *, topo: Topology, what: str = "send/recv", axis="pp") -> None:

@@ -30,8 +30,9 @@ go away. The next generation's groups are new objects on a new store prefix, cre
 every member in the same order, so no rank can wait on a group another rank does not
 build. A wait that no closed connection ends (on gloo, a send still waiting for its
 receive, or a collective: ``comm.Abortable``) runs on the generation's waiter thread, and
-``abort`` ends the training thread's side of it; ``drop`` then leaves the groups to that
-thread (destroying a gloo group joins its threads, which wait for that operation); a member that died during the rendezvous makes the others time out of
+``abort`` ends the training thread's side of it; on gloo ``drop`` lets the groups go on a
+thread of their own (destroying a gloo group joins its threads, which finish a pending
+operation first); a member that died during the rendezvous makes the others time out of
 ``init_process_group`` (its own timeout), and they report that like any failure.
 """
 
@@ -41,6 +42,7 @@ import datetime
 import gc
 import os
 import socket
+import threading
 import time
 import weakref
 
@@ -282,16 +284,25 @@ class Generation:
             object.__setattr__(topo, "world_group", DROPPED if topo.world_group else None)
         self.world_group, self.groups, self.stage_groups, self._topologies = None, {}, {}, []
         t0 = time.perf_counter()
-        if self.abortable.busy:  # a wait the abort ended is still pending (comm.Abortable)
+        reaper = None
+        if self.device.type != "cuda":
+            # gloo: destroying a group joins its threads, which finish the operation they
+            # run first -- one a dead peer never completes waits for gloo's own timeout.
+            # So the groups are let go on a thread of their own, never this one.
             groups = [ref() for ref in self._refs]
             if dist.is_initialized():
                 groups.append(dist.distributed_c10d._get_default_group())
-            self.abortable.keep(groups)
+            reaper = threading.Thread(target=_let_go, args=(groups,), name="plait-reaper",
+                                      daemon=True)  # fmt: skip
             del groups
         if dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
+        if reaper is not None:
+            reaper.start()
+            reaper.join(timeout=2.0)  # milliseconds, unless an operation is stuck
         t1 = time.perf_counter()
-        if not self.abortable.busy and any(ref() is not None for ref in self._refs):
+        stuck = reaper is not None and reaper.is_alive()
+        if not stuck and any(ref() is not None for ref in self._refs):
             # only cycles (a traceback's frames, say) can still hold them: a full collection
             # takes 0.3-0.5 s with torch loaded, so only when needed
             gc.collect()
@@ -299,6 +310,11 @@ class Generation:
             torch.cuda.synchronize(self.device)
         self.drop_times = {"abort_s": t1 - t0, "gc_s": time.perf_counter() - t1}
         return sum(ref() is not None for ref in self._refs)
+
+
+def _let_go(groups: list) -> None:
+    """Drop the last references to a dropped generation's groups (``Generation.drop``)."""
+    groups.clear()
 
 
 def _sockets() -> dict[int, str]:
