@@ -199,13 +199,17 @@ def test_emitted_config_round_trips_through_train_dry_run(capsys, tmp_path):
 
 
 def test_planner_is_fast_on_a_16384_gpu_cluster():
+    """llama3-405b on 16,384 H100s answers in seconds of CPU. Since cp and ep joined the
+    search the space is 129,564 layouts (5,616 before, when the bound was 8 s); measured
+    7.0-8.6 s on this shared 2-core host, so the bound is 15 s. Breaks if the search
+    becomes about twice as slow per layout, or stops pruning."""
     req = PlanRequest(model=preset("llama3-405b"), hardware=get_hardware("h100-sxm"),
                       n_devices=16384, global_batch_size=2048)  # fmt: skip
     t0 = time.process_time()
     plan = search(req)
     cpu = time.process_time() - t0
     assert plan.n_layouts > 5000
-    assert cpu < 8, f"{cpu:.1f} s of CPU for {plan.n_layouts} layouts"
+    assert cpu < 15, f"{cpu:.1f} s of CPU for {plan.n_layouts} layouts"
     assert plan.best.layout.world_size == 16384
 
 

@@ -617,8 +617,8 @@ class _Bounds:
         elif c.vpp == 1:  # streamed during the backward, the rest after it
             layers = self.ranks(c.tp, c.pp, c.vpp, c.ep)[0]
             pipe += float(np.maximum(grad - bwd, grad / layers).max(initial=0.0))
-        exposed = max(step.exposed_weight_gather(float(t), float(f), self.rt)
-                      for t, f in zip(gather, fwd0))  # fmt: skip
+        # every pipeline rank at once (arrays): the busiest rank's exposed gather
+        exposed = float(np.max(step.exposed_weight_gather(gather, fwd0, self.rt)))
         return SLACK * (pipe + opt + exposed)
 
     def memory(self, c: Candidate) -> float:

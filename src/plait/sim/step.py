@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.sim import collectives, costs
@@ -128,9 +130,10 @@ def stats_time(layout: Layout, hw: Hardware) -> float:
                                        collectives.group_link(hw, world, 1))  # fmt: skip
 
 
-def exposed_weight_gather(seconds: float, first_forward: float, rt: Runtime) -> float:
+def exposed_weight_gather(seconds, first_forward, rt: Runtime):
     """The part of the ZeRO-1/2 weight all-gather the step waits for: all of it, or what
-    outlasts the next step's first forward where the runtime overlaps the two."""
+    outlasts the next step's first forward where the runtime overlaps the two. Floats, or
+    arrays of them (the planner's pipeline ranks at once)."""
     if rt.overlap_param_gather:
-        return max(0.0, seconds - first_forward)
+        return np.maximum(0.0, np.subtract(seconds, first_forward))
     return seconds
