@@ -61,6 +61,26 @@ def test_manifest_lists_every_file_and_is_written_last(saved):
     assert checkpoint.pick_resume(saved) == (step, f"resuming from step 2 ({step})")
 
 
+def test_data_files_are_hashed_as_written_not_read_back(tmp_path, monkeypatch):
+    """``save`` takes each DCP file's digest while writing it (``manifest._HashingStream``)
+    and never reads the file back to hash it (at 175B a node's ranks would read ~130 GB
+    back). The recorded digest must equal the file's read from disk, for a tensor large
+    enough (3 MiB) that its write hashes on the helper thread. Catches a stream that drops
+    or reorders bytes (a digest that differs), and a save that falls back to reading."""
+    read_back = []
+    plain = manifest.digest
+    monkeypatch.setattr(manifest, "digest", lambda path: read_back.append(path.name) or plain(path))
+    big = torch.arange(3 * 2**18, dtype=torch.float32)  # 3 MiB: one write of its storage
+    state = {"big": Held.whole(big), "small": Held.whole(torch.ones(3))}
+    step = checkpoint.save(tmp_path, 1, state=state, meta={}, topo=Topology.single())
+    data = [n for n in os.listdir(step) if n.endswith(".distcp")]
+    assert data and not [n for n in read_back if n.endswith(".distcp")], read_back
+    files = manifest.read(step)
+    for name in data:
+        assert files[name]["sha256"] == plain(step / name)
+        assert files[name]["size"] > big.numel() * 4
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_truncated_file_is_named_and_skipped(root, name, capsys):
     (root / "step-00000002" / name).write_bytes(b"")

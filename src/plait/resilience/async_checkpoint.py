@@ -95,6 +95,8 @@ class AsyncSaver:
 
         tmp.mkdir(parents=True, exist_ok=True)
         writer = FileSystemWriter(str(tmp))
+        digests: dict[str, str] = {}  # taken while writing: nothing is read back
+        writer.fs = manifest.hashing_file_system(tmp, digests)
         planner = DefaultSavePlanner(flatten_state_dict=False)
         state = checkpoint.dcp_state(state, tp_rank=0, tp=1)  # no tensor parallelism here
         planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=self.rank == 0)
@@ -114,7 +116,7 @@ class AsyncSaver:
         torch.save({"torch": rng}, tmp / rng_name)
         manifest.fsync(tmp / rng_name)
         names = [r.storage_data.relative_path for r in results] + [rng_name]
-        part = json.dumps(manifest.entries(tmp, names)).encode()
+        part = json.dumps(manifest.entries(tmp, names, known=digests)).encode()
         manifest.write_synced(tmp / f"{checkpoint.PART}{self.rank}.json", part)
         post = json.dumps(post_of(plan, results))
         self.store.set(POST.format(self.generation, step, self.rank), post)

@@ -82,11 +82,14 @@ class CheckpointWriteError(RuntimeError):
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer (fsyncs every file), remembering which files this rank wrote."""
+    """DCP's file writer (fsyncs every file), remembering which files this rank wrote and
+    their digests, taken as they were written (``manifest.hashing_file_system``)."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))
         self.written: list[str] = []
+        self.digests: dict[str, str] = {}
+        self.fs = manifest.hashing_file_system(Path(path), self.digests)
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)  # already complete: written in this thread
@@ -245,7 +248,8 @@ def _write(root: Path, step: int, *, state, meta, topo, keep) -> Path:
                  no_dist=not _dist())  # fmt: skip
     torch.save(rng_state(topo.device), tmp / f"rng-rank-{topo.rank}.pt")
     manifest.fsync(tmp / f"rng-rank-{topo.rank}.pt")  # DCP fsyncs its own files
-    mine = manifest.entries(tmp, [*writer.written, f"rng-rank-{topo.rank}.pt"])
+    mine = manifest.entries(tmp, [*writer.written, f"rng-rank-{topo.rank}.pt"],
+                            known=writer.digests)  # fmt: skip
     manifest.write_synced(tmp / f"{PART}{topo.rank}.json", json.dumps(mine).encode())
     comm.barrier(topo=topo)
     if topo.rank == 0:
