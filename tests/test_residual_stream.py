@@ -99,20 +99,26 @@ def test_fp32_run_is_unchanged_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_bf16_norm_gradients_are_the_fp32_maths_rounded_once(bias):
+def test_bf16_norm_gradients_are_the_fp32_maths_rounded_once(bias, device):
     """``_LowPrecisionNorm`` (LayerNorm with a bias, RMSNorm without) on a bf16 input
     against float64 autograd of the same formula on the same rounded input: the output and
     the input gradient within one bf16 rounding (u = 2^-8 of the largest entry), the
-    weight and bias gradients (fp32) within fp32 noise. Catches a wrong hand-written
-    backward (a dropped mean term, the statistics of the wrong axis)."""
+    weight and bias gradients (fp32) within fp32 noise. On CUDA the RMSNorm runs PyTorch's
+    fused kernels, on the CPU a composite: both are held to the same maths. Catches a
+    wrong backward (a dropped mean term, the statistics of the wrong axis, a kernel's
+    arguments in the wrong order)."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, 7, 64, generator=g).to(BF16).requires_grad_()
-    w = (1 + 0.1 * torch.randn(64, generator=g)).requires_grad_()
-    b = (0.1 * torch.randn(64, generator=g)).requires_grad_() if bias else None
+    x = torch.randn(3, 7, 64, generator=g).to(BF16).to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(device).requires_grad_()
+    b = (0.1 * torch.randn(64, generator=g)).to(device).requires_grad_() if bias else None
     out = _LowPrecisionNorm.apply(x, w, b, 1e-5)
     assert out.dtype == BF16
-    dy = torch.randn(out.shape, generator=g).to(BF16)
+    dy = torch.randn(out.shape, generator=g).to(BF16).to(device)
     out.backward(dy)
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()

@@ -62,3 +62,30 @@ def test_micro_batches_in_flight_share_one_cast_of_each_weight():
     assert len(plain) == M * len(blocks), (len(plain), len(blocks))
     for name, grad in plain_grads.items():
         assert torch.equal(grad, shared_grads[name]), name
+
+
+def test_compiled_blocks_share_one_graph_inside_the_steps_casts(monkeypatch):
+    """``--compile`` under bf16: ``compile_blocks`` compiles every block's forward, and
+    inside a step's ``weight_casts`` all blocks must share one graph. The step's cast dict
+    grew by each layer's weights as the blocks ran; read from a compiled region, dynamo
+    guarded on its length, so each block recompiled until the recompile limit (8) sent
+    the rest of the model back to eager: plait compiled ran slower than plait eager on the
+    H200 (0.40-0.46 of a plain compiled loop). Catches any per-block state read inside the
+    compiled region. (Dynamo's ``eager`` backend: the guards are dynamo's, not the
+    compiler's, and it takes seconds rather than minutes on a CPU.)"""
+    import functools
+
+    from plait.model.transformer import compile_blocks
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    cfg = preset("tiny", n_layers=4, hidden=32, n_heads=2, seq_len=16, vocab_size=64)
+    model = build_model(cfg)
+    compile_blocks(model)
+    x = torch.randint(0, 64, (2, 16))
+    torch._dynamo.utils.counters.clear()
+    with weight_casts(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, x).sum().backward()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs for 4 blocks of one code path"

@@ -346,7 +346,15 @@ class MoE(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    """``model``'s MoE layers, found once per model (the trainer asks every step, and a
+    walk of every module is Python time the GPU waits for): a model gains or loses no MoE
+    layer after it is built."""
+    found = model.__dict__.get("_plait_moe_layers")
+    if found is None:
+        found = model.__dict__["_plait_moe_layers"] = [
+            m for m in model.modules() if isinstance(m, MoE)
+        ]
+    return found
 
 
 _KEYS = ("moe_tokens_min", "moe_tokens_max", "moe_tokens_mean", "moe_imbalance",

@@ -55,48 +55,66 @@ from plait.parallel.tensor import (
 )
 from plait.topology import Axis, Topology
 
+_FUSED_RMS = hasattr(torch.ops.aten, "_fused_rms_norm_backward")  # torch >= 2.8
+
+
+def _fused_rms(x: torch.Tensor) -> bool:
+    """PyTorch's RMSNorm kernels serve ``x``: its backward has a CUDA kernel only (and a
+    meta one, for a rehearsal's fake CUDA tensors); elsewhere the few operations below."""
+    return _FUSED_RMS and x.device.type == "cuda"
+
 
 class _LowPrecisionNorm(torch.autograd.Function):
     """LayerNorm (``bias`` not None) or RMSNorm of a bf16 / fp16 ``x`` (N..., C) as
     Megatron's fused norms run it: the statistics and the affine map in fp32, the output
     in ``x``'s dtype, and for the backward only ``x`` itself, the fp32 per-token mean and
     1/std (N..., 1), and the weights -- no fp32 copy of the activation (what autocast's
-    fp32 ``layer_norm`` and the unfused RMSNorm keep, 2 extra bytes per element)."""
+    fp32 ``layer_norm`` and the unfused RMSNorm keep, 2 extra bytes per element).
+
+    Both directions run PyTorch's own norm kernels (``native_layer_norm``,
+    ``_fused_rms_norm`` on CUDA, and their backwards) on an fp32 copy of ``x``, made here
+    and dropped on return: a handful of operations each way rather than the twenty a
+    composite spelled them in -- on a GPU every operation is a launch the host pays for
+    (``benchmarks/single_gpu.py``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float):
-        # in place on the one fp32 copy of x: the transient is that copy (4 bytes an
-        # element beside x's 2), not one per operation (a fused kernel has none)
-        xf = x.float()
-        if bias is None:
-            mean = None
-            ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).pow_(2) / x.shape[-1]
-        else:
-            ms, mean = torch.var_mean(xf, dim=-1, correction=0, keepdim=True)
-            xf.sub_(mean)
-        rstd = torch.rsqrt(ms + eps)
-        out = xf.mul_(rstd).mul_(weight)
+        xf, shape = x.float(), [x.shape[-1]]
+        mean = None
         if bias is not None:
-            out.add_(bias)
+            out, mean, rstd = torch.native_layer_norm(xf, shape, weight, bias, eps)
+        elif _fused_rms(x):
+            out, rstd = torch.ops.aten._fused_rms_norm(xf, shape, weight, eps)
+        else:
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+            out = xf.mul_(rstd).mul_(weight)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        xf = x.float()
-        xhat = (xf if mean is None else xf - mean) * rstd  # recomputed, fp32
-        g = grad.float()
-        gw = g * weight.float()  # d loss / d xhat
-        dot = (gw * xhat).mean(-1, keepdim=True)
-        dx = gw - xhat * dot if mean is None else gw - gw.mean(-1, keepdim=True) - xhat * dot
-        dx = (dx * rstd).to(x.dtype)
-        rows = tuple(range(g.dim() - 1))
-        dweight = (g * xhat).sum(rows).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        xf, g, shape = x.float(), grad.float(), [x.shape[-1]]
+        want_w = ctx.needs_input_grad[1]
         dbias = None
-        if bias is not None and ctx.needs_input_grad[2]:
-            dbias = g.sum(rows).to(bias.dtype)
-        return dx, dweight, dbias, None
+        if bias is not None:
+            mask = [True, want_w, ctx.needs_input_grad[2]]
+            dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+                g, xf, shape, mean, rstd, weight, bias, mask
+            )
+        elif _fused_rms(x):
+            dx, dweight = torch.ops.aten._fused_rms_norm_backward(
+                g, xf, shape, rstd, weight, [True, want_w]
+            )
+        else:
+            xhat = xf * rstd
+            gw = g * weight
+            dx = (gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+            rows = tuple(range(g.dim() - 1))
+            dweight = (g * xhat).sum(rows) if want_w else None
+        dweight = dweight.to(weight.dtype) if want_w else None
+        dbias = dbias.to(bias.dtype) if dbias is not None else None
+        return dx.to(x.dtype), dweight, dbias, None
 
 
 def _low_precision(x: torch.Tensor) -> bool:

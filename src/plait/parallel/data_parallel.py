@@ -315,7 +315,7 @@ def sq_sum(tensors) -> torch.Tensor | float:
     if not tensors:
         return 0.0
     norms = torch._foreach_norm(tensors, 2)
-    return torch.stack([n.double() for n in norms]).pow(2).sum()
+    return torch.stack(norms).double().pow(2).sum()  # (each norm cast alike: the same sum)
 
 
 def adamw_zero_state(t: torch.Tensor, optimizer=None) -> dict[str, torch.Tensor]:

@@ -94,7 +94,11 @@ class FlatLayout:
     def views(self, row: torch.Tensor) -> list[torch.Tensor]:
         """This rank's (real) shard of each tensor, as flat views into its row (n == 1: each
         tensor whole, in the buffer)."""
-        return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
+        if row.numel() != self.row_numel:
+            return [row[off : off + hi - lo] for off, (lo, hi) in zip(self.offsets, self.ranges)]
+        parts = row.split(self.sizes)  # one operation, not one slice per tensor
+        return [v if hi - lo == s else v[: hi - lo]
+                for v, s, (lo, hi) in zip(parts, self.sizes, self.ranges)]  # fmt: skip
 
     def pack(self, tensors: Sequence[torch.Tensor | None], *, like: torch.Tensor | None = None,
              device: torch.device | None = None) -> torch.Tensor:  # fmt: skip
@@ -102,6 +106,12 @@ class FlatLayout:
         n == 1: one after another. Dtype and device of ``like``, else the dtype the
         tensors promote to (as ``torch.cat``) and ``device`` or the first tensor's."""
         dtype, device = _dtype_device(tensors, like, device)
+        if (
+            self.n == 1
+            and tensors
+            and all(t is not None and t.dtype == dtype and t.device == device for t in tensors)
+        ):  # one copy kernel for the bucket (a gradient bucket every step)
+            return torch.cat([t.reshape(-1) for t in tensors])
         out = torch.empty(self.n, self.row_numel, dtype=dtype, device=device)
         if self.n == 1:
             for t, view in zip(tensors, self.views(out[0])):

@@ -361,7 +361,12 @@ def _weight(layer: nn.Module) -> torch.Tensor:
     as the layer, is added to the layer's (still partial, for a row-parallel layer)
     product. Neither adds a collective to the forward or backward.
     """
-    casts, device = _CASTS, layer.weight.device.type
+    device = layer.weight.device.type
+    # Under torch.compile the cast is part of the block's graph (autocast's own, fused, and
+    # recomputed in the backward from the fp32 weight rather than saved): the step's dict
+    # stays out of it -- reading it would make dynamo guard on its length, one recompile
+    # per block until the recompile limit sends every block back to eager.
+    casts = None if torch.compiler.is_compiling() else _CASTS
     if casts is None or not torch.is_autocast_enabled(device):
         return layer.weight if layer.weight_quant is None else layer.weight_quant(layer.weight)
     cast = casts.get(layer)

@@ -323,6 +323,7 @@ class Trainer:
             else model_flops_per_token(model_cfg, model_cfg.seq_len)
         )
         self.peak_flops = peak_tflops(topo.device, layout.dtype, tcfg.peak_tflops) * 1e12
+        self._model_state: dict[str, int] | None = None  # engine.model_state_bytes()
 
     def open_data(self) -> tuple:
         """The training batches' sampler and the validation pairs. Prepared by the
@@ -441,7 +442,11 @@ class Trainer:
 
         tokens_per_s = self.tokens_per_step / step_time
         flops_per_s = tokens_per_s * self.flops_per_token / topo.world_size
-        model_state = engine.model_state_bytes()
+        # fixed from the first applied step on (the optimizer's state exists by then):
+        # asked until then, not walked every step
+        model_state = self._model_state or engine.model_state_bytes()
+        if not found_inf:
+            self._model_state = model_state
         rec = record_of(stats, lr=lr, tokens=self.tokens_per_step, grad_norm=grad_norm)
         rec.update(source_tokens(self.sampler, step))  # a mixture's tokens seen per source
         rec.update({
