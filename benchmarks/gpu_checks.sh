@@ -5,8 +5,9 @@
 #
 # Each check runs under its own timeout, writes $OUT/<name>.log and the run goes on after
 # a failure; the last lines are one PASS/FAIL line per check, also in $OUT/summary.txt.
-# $OUT (default /tmp/plait-gpu-checks) ends up holding at most 7 files: env.log,
-# pytest.log, peaks.log, calibrate.log, calibrated.yaml, single_gpu.log, summary.txt.
+# $OUT (default /tmp/plait-gpu-checks) ends up holding at most 8 files: env.log,
+# pytest.log, peaks.log, profile.log, calibrate.log, calibrated.yaml, single_gpu.log,
+# summary.txt.
 #
 #   env         nvidia-smi, torch / CUDA versions, plait importing without torchao,
 #               datasets and peft (blocked; the GPU machine has none of them)    ~15 s
@@ -14,6 +15,9 @@
 #   peaks       plait rehearse, plait simulate and 3 steps of plait train of a ~1B
 #               llama (bf16, seq 2048, micro-batch 4, 2 micro-batches): the
 #               rehearsed, simulated and measured peak memory and step time      ~100 s
+#   profile     benchmarks/gpu_profile.py: GPT-2 124M and the ~1B llama, 4 steps each,
+#               steps 3-4 under plait train --profile: device time by kind of kernel
+#               against the performance model's split, and the GPU's idle time        ~80 s
 #   calibrate   plait calibrate --device cuda --quick --dtypes fp32,bf16 (one GPU:
 #               compute and model-step probes, no collectives)                   ~45 s
 #   single_gpu  benchmarks/single_gpu.py, one round, measured vs simulated on
@@ -170,6 +174,12 @@ print(f"peak memory  rehearse (steps) {train_peak / GB:.2f} GB | simulate {sim['
       + f" GB (whole run incl. checkpoint: {rank0['peak_mem_bytes'] / GB:.2f} GB)")
 print(f"measured / rehearsed {steps[-1]['peak_mem_bytes'] / train_peak:.3f}, "
       f"measured / simulated {steps[-1]['peak_mem_bytes'] / sim['peak_mem_bytes']:.3f}")
+ckpts = sorted((work / "run/checkpoints").glob("step-*"))
+if ckpts:  # metrics.jsonl is written just before the final save, manifest.json last in it
+    size = sum(f.stat().st_size for f in ckpts[-1].iterdir())
+    took = (ckpts[-1] / "manifest.json").stat().st_mtime - (work / "run/metrics.jsonl").stat().st_mtime
+    print(f"final checkpoint {size / GB:.2f} GB written, hashed and committed in {took:.1f} s "
+          f"({size / GB / max(took, 1e-9):.2f} GB/s)")
 print(f"step time    simulate ({sim['hardware']}) {sim['iter_time_s']:.3f} s | measured "
       + ", ".join(f"{r['step_time_s']:.3f}" for r in steps)
       + f" s (MFU {steps[-1]['mfu']:.1%}); losses " + ", ".join(f"{r['loss']:.3f}" for r in steps))
@@ -182,12 +192,13 @@ DEVICE=cuda
 export PY WORK
 export -f env_check corpus peaks  # timeout runs them in a child bash
 # CHECKS picks some (a rerun): e.g. CHECKS="pytest peaks"; default all, in this order
-CHECKS=" ${CHECKS:-env pytest peaks calibrate single_gpu} "
+CHECKS=" ${CHECKS:-env pytest peaks profile calibrate single_gpu} "
 want() { [[ "$CHECKS" == *" $1 "* ]]; }
 want env && check env 30 bash -c env_check
 want pytest && check pytest 60 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py \
     ${CONTEXT_TESTS-tests/test_context.py}
 want peaks && check peaks 220 bash -c peaks
+want profile && check profile 150 "$PY" benchmarks/gpu_profile.py ${SMOKE:+--smoke}
 want calibrate && check calibrate 40 "$PY" -m plait.cli calibrate --device "$DEVICE" \
     --quick --dtypes fp32,bf16 ${SMOKE:+--procs 1} --out "$OUT/calibrated.yaml"
 HW=()

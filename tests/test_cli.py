@@ -208,6 +208,7 @@ def _one_line_error(proc, *needles):
         (["--resume", "--out", "/tmp/plait-no-such-run"], ["--resume: no checkpoint"]),
         (["--config", "/nonexistent.yaml"], ["--config /nonexistent.yaml"]),
         (["--bucket-mb", "0"], ["--bucket-mb must be positive"]),
+        (["--profile", "3:2"], ["--profile 3:2", "A:B"]),
         (["--cp", "3"], ["--cp 3 needs --seq-len (32) divisible by 2 x --cp = 6"]),
         (["--cp", "8", "--cp-mode", "a2a"], ["--cp-mode a2a splits", "4 attention heads"]),
         (["--cp", "2", "--dropout", "0.1"], ["--dropout 0"]),

@@ -708,3 +708,23 @@ def test_plait_holds_one_compute_dtype_copy_of_its_block_weights_a_step():
                         ({}, "megatron-core")):  # fmt: skip
         other = simulate(c, lay(**{**base, **kw}), A100, runtime=runtime)
         assert other.memory_ranks[0].weight_casts == 0, (kw, runtime)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_compute_by_kind_adds_up_to_the_compute(recompute, arch):
+    """``LayerCost.kinds`` and ``EndCost.kinds`` (gemm / attention / memory / launch, what a
+    GPU profile is compared with) sum to the compute they split: the layer's F + B +
+    recomputation, the head's and embedding's F + B. Catches a kind left out, or one
+    counted twice, when a cost term is added."""
+    cfg = preset("llama2-7b") if arch == "llama" else preset("gpt3-1.3b")
+    layout = Layout(global_batch_size=8, micro_batch_size=2, tp=2, dtype="bf16",
+                    recompute=recompute)  # fmt: skip
+    rt = PROFILES["plait"]
+    lc = costs.layer_cost(cfg, layout, A100, rt)
+    total = lc.fwd + lc.bwd_input + lc.bwd_weight + lc.recompute
+    assert sum(v for _, v in lc.kinds) == pytest.approx(total, rel=1e-12)
+    for end in (costs.head_cost(cfg, layout, A100, rt), costs.embedding_cost(cfg, layout, A100)):
+        assert sum(v for _, v in end.kinds) == pytest.approx(
+            end.fwd + end.bwd_input + end.bwd_weight, rel=1e-12
+        )

@@ -77,6 +77,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each transformer block (first steps pay the compile)")  # fmt: skip
     g.add_argument("--no-progress", action="store_true", default=None)
+    g.add_argument("--profile", metavar="A:B",
+                   help="torch.profiler over steps A to B: OUT/profile/rank-K.json (Chrome "
+                   "trace) and rank-K.txt (operators and kernels by device time)")  # fmt: skip
     g = p.add_argument_group("data and output")
     add_data_flags(g)
     g.add_argument("--out", help="run folder (default runs/<time>)")

@@ -157,6 +157,9 @@ class LayerCost:
     bwd_cp: float = 0.0  # with full recomputation, the forward's exchanges again
     fwd_ep: float = 0.0  # a MoE layer's expert dispatch (sim/expert.py)
     bwd_ep: float = 0.0  # with full recomputation, the forward's dispatch again
+    # the compute above (F + B + recomputation) by kind of kernel: (("gemm", s), ("attention",
+    # s), ("memory", s), ("launch", s)) -- what ``plait train --profile`` sums by kernel name
+    kinds: tuple[tuple[str, float], ...] = ()
 
 
 def _local_heads(cfg: ModelConfig, tp: int) -> tuple[float, float]:
@@ -280,17 +283,27 @@ def layer_cost(
     if moe:
         fwd_ep, bwd_ep = ep_sim.layer_comm(replace(cfg, seq_len=s), layout, hw,
                                            runtime.moe_imbalance)  # fmt: skip
+    gemm = fwd_gemm + bwd_in_gemm + bwd_w_gemm - linears * ov
+    attn, mem, launch = attn_fwd + attn_bwd, 3 * mem_fwd, (2 * kernels + linears) * ov
     if layout.recompute == "full":
         recompute, recompute_tp = fwd, fwd_tp
         bwd_cp += fwd_cp  # the recomputed forward exchanges again
         bwd_ep += fwd_ep
+        gemm, attn, mem, launch = (
+            gemm + fwd_gemm,
+            attn + attn_fwd,
+            mem + mem_fwd,
+            launch + kernels * ov,
+        )
     elif layout.recompute == "selective":
         recompute, recompute_tp = attn_re, 0.0
         bwd_cp += fwd_cp  # the attention core, cp exchange included, runs again
+        attn += attn_re
     else:
         recompute, recompute_tp = 0.0, 0.0
+    kinds = (("gemm", gemm), ("attention", attn), ("memory", mem), ("launch", launch))
     return LayerCost(fwd, fwd_tp, bwd_input, bwd_w_gemm, bwd_tp, recompute, recompute_tp,
-                     fwd_cp, bwd_cp, fwd_ep, bwd_ep)  # fmt: skip
+                     fwd_cp, bwd_cp, fwd_ep, bwd_ep, kinds)  # fmt: skip
 
 
 # -- embedding, head and loss --------------------------------------------------------------
@@ -305,6 +318,7 @@ class EndCost:
     bwd_input: float = 0.0
     bwd_weight: float = 0.0
     bwd_tp: float = 0.0
+    kinds: tuple[tuple[str, float], ...] = ()  # as ``LayerCost.kinds``
 
 
 def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
@@ -320,7 +334,9 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
             fwd_tp = reduce_scatter_time(nbytes, t, link)
         else:
             fwd_tp = all_reduce_time(nbytes, t, link)
-    return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd)
+    launch = (k_fwd + k_bwd) * hw.op_overhead
+    kinds = (("memory", fwd + bwd - launch), ("launch", launch))
+    return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd, kinds=kinds)
 
 
 def loss_bytes_per_logit(e: int, unfused_fp32: bool) -> tuple[int, int]:
@@ -364,12 +380,15 @@ def head_cost(
         else:
             bwd_tp = all_reduce_time(nbytes, t, link)
     k_fwd, k_bwd = END_KERNELS["head"]
+    kinds = (("gemm", f + bi + bw), ("memory", 3 * norm + loss_fwd + loss_bwd),
+             ("launch", (k_fwd + k_bwd) * hw.op_overhead))  # fmt: skip
     return EndCost(
         fwd=f + norm + loss_fwd + k_fwd * hw.op_overhead,
         fwd_tp=fwd_tp,
         bwd_input=bi + 2 * norm + loss_bwd + k_bwd * hw.op_overhead,
         bwd_weight=bw,
         bwd_tp=bwd_tp,
+        kinds=kinds,
     )
 
 

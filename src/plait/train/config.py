@@ -49,6 +49,7 @@ class TrainConfig:
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl
     optimizer: str = "adamw"  # adamw | sgd (SGD with momentum: a linear update)
     momentum: float = 0.9  # sgd only
+    profile: str | None = None  # "A:B": torch.profiler over steps A..B (train/profiling.py)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -68,10 +69,25 @@ class TrainConfig:
             raise ValueError(f"--optimizer {self.optimizer!r}: choose adamw or sgd")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if self.profile is not None:
+            self.profile_steps  # noqa: B018 - validates
         if self.resume_from is not None and self.resume_from < 1:
             raise ValueError(
                 f"--resume-from must be a checkpoint's step (>= 1), got {self.resume_from}"
             )
+
+    @property
+    def profile_steps(self) -> tuple[int, int]:
+        """``--profile A:B`` as (A, B): the first and last step profiled, 1-based as the
+        metrics log numbers them."""
+        try:
+            a, b = (int(x) for x in str(self.profile).split(":"))
+        except ValueError:
+            a = b = 0
+        if not 1 <= a <= b:
+            raise ValueError(f"--profile {self.profile}: give the first and last step to "
+                             "profile, A:B with 1 <= A <= B (e.g. 3:4)")  # fmt: skip
+        return a, b
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -588,9 +588,19 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
     )
     trainer.model.train()
     last = {}
+    prof = None
+    if tcfg.profile:
+        from plait.train.profiling import StepProfiler
+
+        prof = StepProfiler(tcfg.profile_steps, out=trainer.out, rank=topo.rank,
+                            device=topo.device)  # fmt: skip
     for step in range(start_step, tcfg.steps):
+        if prof is not None:
+            prof.before(step + 1)
         rec = trainer.step(step)
         done = rec["step"]
+        if prof is not None:
+            prof.after(done)
         if done == tcfg.steps or (tcfg.eval_every and done % tcfg.eval_every == 0):
             rec["val_loss"] = trainer.evaluate()
             progress.note(f"step {done}: val loss {rec['val_loss']:.4f}")
@@ -601,6 +611,8 @@ def train(cfg: RunConfig, *, topo: Topology) -> dict:
         last = rec
         if done == tcfg.steps or (tcfg.save_every and done % tcfg.save_every == 0):
             trainer.save(done)
+    if prof is not None:
+        prof.close()
     progress.close()
     metrics.close()
     write_rank_summary(trainer.out, topo=topo, model_state=trainer.engine.model_state_bytes(),
