@@ -199,7 +199,7 @@ want pytest && check pytest 60 "$PY" -m pytest -q -s -p no:cacheprovider tests/t
     ${CONTEXT_TESTS-tests/test_context.py}
 want peaks && check peaks 220 bash -c peaks
 want profile && check profile 150 "$PY" benchmarks/gpu_profile.py ${SMOKE:+--smoke}
-want calibrate && check calibrate 40 "$PY" -m plait.cli calibrate --device "$DEVICE" \
+want calibrate && check calibrate 90 "$PY" -m plait.cli calibrate --device "$DEVICE" \
     --quick --dtypes fp32,bf16 ${SMOKE:+--procs 1} --out "$OUT/calibrated.yaml"
 HW=()
 [ -s "${HARDWARE:-$OUT/calibrated.yaml}" ] && HW=(--hardware "${HARDWARE:-$OUT/calibrated.yaml}")

@@ -68,10 +68,10 @@ def simulated_kinds(cfg, layout, hw) -> dict[str, float]:
     return out
 
 
-def run(name, cfg, layout, out: Path, device) -> tuple[dict, list[dict]]:
+def run(name, cfg, layout, out: Path, device, lr: float) -> tuple[dict, list[dict]]:
     run_cfg = RunConfig(
         model=cfg, layout=layout, data=DataConfig(tokenizer="bytes"), out=str(out),
-        train=TrainConfig(steps=4, warmup=2, eval_every=0, eval_batches=1, progress=False,
+        train=TrainConfig(steps=4, warmup=2, lr=lr, eval_every=0, eval_batches=1, progress=False,
                           profile="3:4", save_every=10**9),
     )  # fmt: skip
     out.mkdir(parents=True)
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--only", default=None, help="comma-separated workloads")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--lr", type=float, default=3e-4, help="the runs' peak learning rate")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     for name, (cfg, layout) in workloads(args.smoke).items():
         if args.only and name not in args.only.split(","):
             continue
-        summary, steps = run(name, cfg, layout, tmp / name, device)
+        summary, steps = run(name, cfg, layout, tmp / name, device, args.lr)
         sim = simulated_kinds(cfg, layout, hw)
         pred = simulate(cfg, layout, hw, 1, runtime="plait").iter_time_s
         meas = summary["by_kind_s_per_step"]

@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--hardware", help="a hardware file to predict the step with")
+    ap.add_argument("--vocab", type=int, default=50257,
+                    help="vocabulary rows (GPT-2's 50257; 50304 = a multiple of 128 for both)")  # fmt: skip
     args = ap.parse_args(argv)
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         dtype_name, dtype = "fp32", torch.float32
         args.steps, args.warmup_steps, args.rounds = 6, 2, 1
     else:  # GPT-2 124M's shape; a byte vocabulary padded to GPT-2's 50257 rows
-        cfg = preset("gpt2-124m", vocab_size=50257)
+        cfg = preset("gpt2-124m", vocab_size=args.vocab)
         dtype_name, dtype = "bf16", torch.bfloat16
     layout = Layout(global_batch_size=args.batch, micro_batch_size=args.batch, dtype=dtype_name)
     sampler = GlobalBatchSampler(data.train, seq_len=cfg.seq_len, global_batch=args.batch, seed=0)
@@ -125,6 +127,7 @@ def main(argv=None) -> int:
     flops = model_flops_per_token(cfg) * tokens
     result = {
         "device": name,
+        "vocab": cfg.vocab_size,
         "tokens_per_step": tokens,
         "step_s": med,
         "tokens_per_s": {k: tokens / v for k, v in med.items()},
@@ -141,7 +144,7 @@ def main(argv=None) -> int:
         result["predicted_over_measured"] = pred.iter_time_s / med["plait eager"]
     print(json.dumps(result, indent=1))
     print(
-        f"{name}: plait/plain tokens/s ratio eager {result['ratio_eager']:.3f}, compiled "
+        f"{name}, vocabulary {cfg.vocab_size}: plait/plain tokens/s ratio eager {result['ratio_eager']:.3f}, compiled "
         f"{result['ratio_compiled']:.3f} (goal >= 0.97); MFU plait eager "
         f"{result['mfu']['plait eager']:.1%}, compiled {result['mfu']['plait compiled']:.1%}"
     )

@@ -163,3 +163,45 @@ def test_model_state_bytes_per_zero_stage():
     assert model_state_bytes(n, dp=4, zero=1) == 8 * n + 8 * n / 4
     assert model_state_bytes(n, dp=4, zero=2) == 4 * n + 12 * n / 4
     assert model_state_bytes(n, dp=4, zero=3) == 16 * n / 4
+
+
+def _head_run(cfg, device="cpu"):
+    model = build_model(cfg, device=device)
+    x = torch.randint(
+        0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1)
+    )
+    x = x.to(device)
+    logits = model(x)
+    loss = model(x, x).mean()
+    loss.backward()
+    return logits.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocab_head_padded_for_its_gemm_gives_the_same_logits_and_gradients(tied, device,
+                                                                          monkeypatch):  # fmt: skip
+    """The vocabulary head's product runs with its rows padded to a multiple of 128
+    (``tensor.vocab_linear``, on by default on CUDA; forced here against the unpadded
+    product): same logits (the padded columns cut off: V of them), same loss, same
+    gradient of every parameter, the head's / embedding's included, within fp32 rounding
+    of the GEMMs' different blocking. Catches the padded columns leaking into the logits
+    or the loss's normaliser, and a weight gradient taken from the wrong rows."""
+    from functools import partial
+
+    from plait.model import transformer
+    from plait.parallel import tensor
+
+    cfg = preset("tiny", n_layers=1, hidden=32, n_heads=2, seq_len=8, vocab_size=200,
+                 **({} if tied else {"arch": "llama", "tied_embeddings": False}))  # fmt: skip
+    monkeypatch.setattr(tensor, "vocab_linear", partial(tensor.vocab_linear, align=False))
+    monkeypatch.setattr(transformer, "vocab_linear", partial(tensor.vocab_linear, align=False))
+    plain_logits, plain_grads = _head_run(cfg, device)
+    monkeypatch.setattr(tensor, "vocab_linear", partial(tensor.vocab_linear.func, align=True))
+    monkeypatch.setattr(transformer, "vocab_linear", partial(tensor.vocab_linear.func, align=True))
+    logits, grads = _head_run(cfg, device)
+    assert logits.shape == plain_logits.shape == (2, 8, 200)
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-6)
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)

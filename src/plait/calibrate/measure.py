@@ -171,21 +171,22 @@ ELEMENTWISE = (  # (arch, tokens, hidden, heads): the memory-bound kernels of on
 )
 # on a GPU a real model's: the CPU's shapes take an H200 a few microseconds a kernel
 # (measured: 72 GB/s where its copies move 3,560 GB/s)
-GPU_ELEMENTWISE = (
-    ("gpt2", 16384, 1024, 16),
-    ("gpt2", 4096, 4096, 32),
-    ("llama", 16384, 1024, 16),
-    ("llama", 4096, 4096, 32),
+GPU_ELEMENTWISE = (  # in bf16, as a GPU trains: the stream, norms' casts, the activations
+    ("gpt2", 16384, 1024, 16, "bf16"),
+    ("gpt2", 4096, 4096, 32, "bf16"),
+    ("llama", 16384, 1024, 16, "bf16"),
+    ("llama", 4096, 4096, 32, "bf16"),
 )
 
 
-def elementwise_bytes(arch: str, tokens: int, hidden: int, heads: int) -> float:
+def elementwise_bytes(arch: str, tokens: int, hidden: int, heads: int,
+                      dtype: str = "fp32") -> float:  # fmt: skip
     """Bytes the simulator counts for the memory-bound kernels of one layer, forward and
     backward (``costs.layer_cost``: 10 h + 2 f (gpt2) or 3 f + 2 (a + k) d (llama)
-    elements per token forward, twice that backward, fp32)."""
+    elements per token forward, twice that backward, of ``dtype``'s size)."""
     f = 4 * hidden
     per_token = 10 * hidden + (2 * f if arch == "gpt2" else 3 * f + 4 * hidden)
-    return 3 * 4 * per_token * tokens
+    return 3 * (2 if dtype in ("bf16", "fp16") else 4) * per_token * tokens
 
 
 def measure_elementwise(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple, float]]:
@@ -203,16 +204,18 @@ def measure_elementwise(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[t
     out = []
     shapes = GPU_ELEMENTWISE if str(cfg.device).startswith("cuda") else ELEMENTWISE
     for shape in shapes[::2] if cfg.quick else shapes:
-        arch, T, h, a = shape
+        arch, T, h, a = shape[:4]
+        dt = torch.bfloat16 if shape[4:] == ("bf16",) else torch.float32
         mc = ModelConfig(arch=arch, n_layers=1, hidden=h, n_heads=a, seq_len=128, vocab_size=256)
         n1, n2 = make_norm(mc).to(cfg.device), make_norm(mc).to(cfg.device)
         for n in (n1, n2):
             torch.nn.init.ones_(n.weight)
-        x = torch.randn(T, h, device=cfg.device, requires_grad=True)
-        u = torch.randn(T, 4 * h, device=cfg.device, requires_grad=True)
-        g = torch.randn(T, 4 * h, device=cfg.device, requires_grad=True)
-        q = torch.randn(T // 128, a, 128, h // a, device=cfg.device, requires_grad=True)
-        k = torch.randn(T // 128, a, 128, h // a, device=cfg.device, requires_grad=True)
+
+        def leaf(*shape, dt=dt):
+            return torch.randn(*shape, device=cfg.device).to(dt).requires_grad_()
+
+        x, u, g = leaf(T, h), leaf(T, 4 * h), leaf(T, 4 * h)
+        q, k = leaf(T // 128, a, 128, h // a), leaf(T // 128, a, 128, h // a)
         cos, sin = rotary_tables(mc, 128, cfg.device)
 
         def layer(arch=arch, x=x, u=u, g=g, q=q, k=k, n1=n1, n2=n2, cos=cos, sin=sin):
@@ -278,15 +281,28 @@ PROBES = (  # (layers, hidden, heads, seq, batch, micro-batch, vocab): overhead-
 )
 
 
+# On a GPU the CPU's probes are all launch-bound (an H200 runs their kernels in
+# microseconds): a real model's layers instead, in bf16, as a GPU trains, from
+# launch-bound (the first) to compute-bound (the third, ~1B-model layers).
+GPU_PROBES = (
+    (2, 256, 4, 256, 2, 2, 512, "bf16"),
+    (4, 1024, 16, 1024, 8, 4, 4096, "bf16"),
+    (4, 2048, 16, 2048, 8, 4, 4096, "bf16"),
+    (2, 768, 12, 1024, 16, 4, 50304, "bf16"),
+)
+
+
 def probe_case(probe: tuple):
-    """(``ModelConfig``, fp32 ``Layout``) of one of ``PROBES``."""
+    """(``ModelConfig``, ``Layout``) of one of ``PROBES`` / ``GPU_PROBES`` (fp32 unless
+    the probe names a dtype)."""
     from plait.layout import Layout
     from plait.model.config import ModelConfig
 
-    layers, hidden, heads, seq, batch, micro, vocab = probe
+    layers, hidden, heads, seq, batch, micro, vocab = probe[:7]
     model = ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, seq_len=seq,
                         vocab_size=vocab)  # fmt: skip
-    return model, Layout(global_batch_size=batch, micro_batch_size=micro, dtype="fp32")
+    dtype = probe[7] if len(probe) > 7 else "fp32"
+    return model, Layout(global_batch_size=batch, micro_batch_size=micro, dtype=dtype)
 
 
 def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]:
@@ -313,7 +329,7 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
         data = _probe_corpus(Path(tmp))
         tcfg = TrainConfig(steps=1 << 30, warmup=0, eval_every=0, progress=False,
                            peak_tflops=1.0)  # fmt: skip
-        for probe in PROBES:
+        for probe in GPU_PROBES if str(cfg.device).startswith("cuda") else PROBES:
             model_cfg, layout = probe_case(probe)
             run = RunConfig(model=model_cfg, layout=layout, data=data, train=tcfg, out=tmp)
             trainer = Trainer(run, topo=Topology.single(cfg.device))

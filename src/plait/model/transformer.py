@@ -50,6 +50,7 @@ from plait.parallel.tensor import (
     shard_spec,
     tp_shard,
     tp_shard_rng,
+    vocab_linear,
     vocab_parallel_cross_entropy,
     vocab_spec,
 )
@@ -542,7 +543,8 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if not self.cfg.tied_embeddings:
             return self.head(x)
-        return F.linear(enter_tp(x, self.topo, self.sequence_parallel), self.embed.tokens.weight)
+        x = enter_tp(x, self.topo, self.sequence_parallel)
+        return vocab_linear(x, self.embed.tokens.weight)
 
     def forward(self, x, targets=None, documents=None):
         """ids (B, T) if ``pre`` else hidden (B, T, C) -- (B, T/tp, C), this rank's sequence

@@ -377,6 +377,31 @@ def _weight(layer: nn.Module) -> torch.Tensor:
     return cast
 
 
+GEMM_ALIGN = 128  # output features a vocabulary head's GEMM is padded to a multiple of
+
+
+def vocab_linear(x: torch.Tensor, weight: torch.Tensor, *, align: bool | None = None):
+    """``F.linear(x, weight)`` for a vocabulary head (weight: V rows, this rank's slice):
+    on CUDA its GEMMs run with the rows padded by zeros to a multiple of ``GEMM_ALIGN``,
+    and the padded columns are cut off the result (a view). cuBLAS's fast tensor-core
+    kernels need every matrix's leading dimension 16-byte aligned: GPT-2's 50,257 is not,
+    and its head's three GEMMs fell back to sm75-era kernels on an H200 -- 15.5 ms of a
+    47 ms step, more than the model's twelve blocks (``benchmarks/gpu_profile.py``).
+    Megatron-LM pads the parameter (``--make-vocab-size-divisible-by 128``); here only the
+    product is padded, so checkpoints, Hugging Face files and the loss keep the true
+    vocabulary, and the weight's gradient is the padded one's first V rows. Under autocast
+    the weight is cast first (the pad copies the compute-dtype weight, 0.1% of the
+    logits' bytes). ``align``: force it on or off (default: on CUDA)."""
+    n = weight.shape[0]
+    pad = -n % GEMM_ALIGN
+    if not pad or not (weight.is_cuda if align is None else align):
+        return F.linear(x, weight)
+    device = weight.device.type
+    if torch.is_autocast_enabled(device):
+        weight = weight.to(torch.get_autocast_dtype(device))
+    return F.linear(x, F.pad(weight, (0, 0, 0, pad))).narrow(-1, 0, n)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output features: each tp rank computes its slice of y.
 
@@ -425,7 +450,10 @@ class ColumnParallelLinear(nn.Module):
         """``entered=True``: x already went through ``self.enter`` -- several column-parallel
         layers reading one input (q, k, v) share one f / all-gather."""
         x = x if entered else self.enter(x)
-        y = F.linear(x, _weight(self), self.bias)
+        if self.spec.size is not None and self.bias is None:  # a vocabulary head
+            y = vocab_linear(x, _weight(self))
+        else:
+            y = F.linear(x, _weight(self), self.bias)
         if self.lora is not None:  # this rank's slice of the low-rank update
             y = y + self.lora(x)
         if self.gather_output:
