@@ -18,6 +18,7 @@ optimizer time; wall - busy vs its per-kernel "launch" overhead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated workloads")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--lr", type=float, default=3e-4, help="the runs' peak learning rate")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
     for name, (cfg, layout) in workloads(args.smoke).items():
         if args.only and name not in args.only.split(","):
             continue
+        layout = dataclasses.replace(layout, dtype=args.dtype)
         summary, steps = run(name, cfg, layout, tmp / name, device, args.lr)
         sim = simulated_kinds(cfg, layout, hw)
         pred = simulate(cfg, layout, hw, 1, runtime="plait").iter_time_s

@@ -103,7 +103,7 @@ def calibrate(cfg: CalibrateConfig, log=print):
     eff = Efficiency(gemm_max=min(1.0, fit["gemm_max"]), gemm_half_k=fit["gemm_half_k"],
                      gemm_half_flops=fit["gemm_half_flops"], attention=attention)  # fmt: skip
     draft = Hardware(
-        name=cfg.name, peak_flops=PeakFlops(fp32=fit["peak"]), memory_bytes=64 * GiB,
+        name=cfg.name, peak_flops=PeakFlops(**peaks), memory_bytes=64 * GiB,
         memory_bandwidth=bandwidth, framework_overhead_bytes=0.0, devices_per_node=1,
         efficiency=eff, intra_node=Link(bandwidth=1e9, latency=0.0),
         inter_node=Link(bandwidth=1e9, latency=0.0), pcie_bandwidth=bandwidth,

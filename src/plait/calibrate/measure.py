@@ -329,7 +329,11 @@ def measure_probes(cfg: CalibrateConfig, sync=lambda: None) -> tuple[list, list]
         data = _probe_corpus(Path(tmp))
         tcfg = TrainConfig(steps=1 << 30, warmup=0, eval_every=0, progress=False,
                            peak_tflops=1.0)  # fmt: skip
-        for probe in GPU_PROBES if str(cfg.device).startswith("cuda") else PROBES:
+        probes = PROBES
+        if str(cfg.device).startswith("cuda"):  # bf16 where it is calibrated, else fp32
+            dtype = "bf16" if "bf16" in cfg.dtypes else "fp32"
+            probes = tuple((*p[:7], dtype) for p in GPU_PROBES)
+        for probe in probes:
             model_cfg, layout = probe_case(probe)
             run = RunConfig(model=model_cfg, layout=layout, data=data, train=tcfg, out=tmp)
             trainer = Trainer(run, topo=Topology.single(cfg.device))
