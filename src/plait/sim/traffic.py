@@ -46,6 +46,15 @@ from plait.sim.runtime import Runtime
 from plait.sim.step import stats_bytes
 
 
+def lora_skipped_entries(lora) -> int:
+    """Backward entries of the first block whose tp reduction a LoRA run never issues:
+    below the first block nothing trains (the embedding is frozen), so autograd computes no
+    gradient of its input -- the attention's entry (f's all-reduce, or sequence
+    parallelism's reduce-scatter) is skipped whatever the targets, and the MLP's too when
+    the block's attention has no adapter (nothing before the MLP then needs a gradient)."""
+    return 1 if set(lora.targets) & {"q", "k", "v", "o"} else 2
+
+
 def bytes_per_axis(
     model: ModelConfig, layout: Layout, runtime: Runtime, stage_layers: list[int], pp_rank: int,
     lora=None,
@@ -73,6 +82,8 @@ def bytes_per_axis(
         tp = 0.0
         for stage, layers in chunks:
             tp += layers * per_layer
+            if stage == 0 and lora is not None and layers:
+                tp -= T * h * r * (2 if sp else 1) * lora_skipped_entries(lora)
             if stage == 0:
                 tp += T * h * r * (2 if sp else 1)  # the embedding's reduction
             if stage == S - 1:
@@ -80,6 +91,9 @@ def bytes_per_axis(
             if p > 1 and not sp and runtime.pp_scatter_gather:  # gathers of received slices
                 tp += T * h * e * ((stage > 0) + (stage < S - 1))
         out["tp"] = m * tp
+        if lora is not None:  # TPGradSync: each adapter's tp-replicated factor, fp32, once
+            layers_here = sum(layers for _, layers in chunks)
+            out["tp"] += layers_here * len(lora.targets) * 4 * lora.rank * h
     if p > 1:
         share = t if (runtime.pp_scatter_gather or sp) else 1
         messages = sum(2 * ((stage > 0) + (stage < S - 1)) for stage, _ in chunks)
