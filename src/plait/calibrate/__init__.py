@@ -99,7 +99,9 @@ def calibrate(cfg: CalibrateConfig, log=print):
     peaks = {"fp32": fit["peak"]}
     for dtype in cfg.dtypes[1:]:
         peaks[dtype] = max(2 * m * n * k / t for d, m, n, k, t in mm if d == dtype)
-    attention = attention_efficiency(attn, fit["peak"], fit["gemm_half_k"])
+    # against the peak of the dtype it was measured in (bf16 on a GPU that calibrates it)
+    att_dtype = attn[0][4] if attn and len(attn[0]) > 5 else "fp32"
+    attention = attention_efficiency(attn, peaks.get(att_dtype, fit["peak"]), fit["gemm_half_k"])
     eff = Efficiency(gemm_max=min(1.0, fit["gemm_max"]), gemm_half_k=fit["gemm_half_k"],
                      gemm_half_flops=fit["gemm_half_flops"], attention=attention)  # fmt: skip
     draft = Hardware(

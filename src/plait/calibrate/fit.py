@@ -74,7 +74,8 @@ def attention_efficiency(rows, peak: float, half_k: float = 0.0) -> float:
     from plait.sim.costs import FLASH_BLOCK, attention_key_saturation
 
     effs = []
-    for b, a, s, d, t in rows:
+    for row in rows:  # (b, a, s, d[, dtype], seconds): the caller picks the dtype's peak
+        (b, a, s, d), t = row[:4], row[-1]
         blocks = max(1, math.ceil(s / FLASH_BLOCK))
         causal = (blocks + 1) / (2 * blocks)
         flops = 3.5 * 4.0 * b * s * s * a * d * causal
