@@ -16,6 +16,7 @@ Three kinds of checks, each multi-process group started once per world size:
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -243,21 +244,43 @@ def _layers(world):
         )
         check(f"column-gather{out_features}", layer, ref, x, x_split="rep", out_split="rep")
 
-    # cross-entropy over vocabulary-split logits, with and without padding
-    for vocab in (48, 51):
+    # the vocabulary head's product with its rows padded to a multiple of 128 (on by
+    # default on CUDA, forced here): the same logits slice and gradients as unpadded
+    import plait.parallel.tensor as tensor_module
+
+    plain = tensor_module.vocab_linear
+    tensor_module.vocab_linear = functools.partial(plain, align=True)
+    try:
+        ref = nn.Linear(h, 51, bias=False)
+        _randomise(ref, 9)
+        layer = ColumnParallelLinear(h, 51, topo=topo, bias=False, spec=vocab_spec(51))
+        check("column-aligned51", layer, ref, x, x_split="rep", out_split="last", vocab=51)
+    finally:
+        tensor_module.vocab_linear = plain
+
+    # cross-entropy over vocabulary-split logits, with and without padding, and (51nc) as
+    # the padded head hands them over: a view cut from wider rows
+    for vocab, wide in ((48, False), (51, False), (51, True)):
         logits = torch.randn(B * T, vocab, generator=g) * 3
         targets = torch.randint(0, vocab, (B * T,), generator=g)
         ref_logits = logits.clone().requires_grad_()
         ref_loss = F.cross_entropy(ref_logits, targets, reduction="none")
         w = torch.rand(B * T, generator=g)
         (ref_loss * w).sum().backward()
-        loc = _split(logits, "last", topo, vocab).clone().requires_grad_()
+        loc = _split(logits, "last", topo, vocab).clone()
+        leaf = torch.cat([loc, torch.zeros(loc.shape[0], 128 - loc.shape[1])], -1) if wide else loc
+        leaf.requires_grad_()
+        loc = leaf.narrow(-1, 0, loc.shape[1])
+        name = f"ce{vocab}{'nc' if wide else ''}"
         topo.stats.reset()
         loss = vocab_parallel_cross_entropy(loc, targets, topo=topo, valid_vocab=vocab)
-        comms[f"ce{vocab}"] = (dict(topo.stats.calls), dict(topo.stats.bytes)), ({}, {})
+        comms[name] = (dict(topo.stats.calls), dict(topo.stats.bytes)), ({}, {})
         (loss * w).sum().backward()
-        errs[f"ce{vocab}/loss"] = _rel(loss, ref_loss.detach())
-        errs[f"ce{vocab}/dlogits"] = _rel(loc.grad, _split(ref_logits.grad, "last", topo, vocab))
+        errs[f"{name}/loss"] = _rel(loss, ref_loss.detach())
+        got = leaf.grad.narrow(-1, 0, loc.shape[1])
+        errs[f"{name}/dlogits"] = _rel(got, _split(ref_logits.grad, "last", topo, vocab))
+        if wide:
+            assert not leaf.grad[:, loc.shape[1] :].any(), "gradient in the cut columns"
     return errs, comms
 
 
@@ -294,6 +317,7 @@ def test_layers_match_torch_nn(world, request):
     bad = {k: v for k, v in errs.items() if not v <= _layer_tol(k)}
     assert not bad, f"relative errors above the bounds at tp={world}: {bad}"
     assert any("/dk.weight" in k for k in errs) and "ce51/dlogits" in errs
+    assert "column-aligned51/dweight" in errs and "ce51nc/dlogits" in errs
     for name, ((fc, fb), (bc, bb)) in comms.items():
         want_f, want_b = _expected_layer_comms(name, world)
         got_f = {k: (fc[k], fb[k]) for k in fc}
