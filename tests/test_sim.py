@@ -728,3 +728,15 @@ def test_compute_by_kind_adds_up_to_the_compute(recompute, arch):
         assert sum(v for _, v in end.kinds) == pytest.approx(
             end.fwd + end.bwd_input + end.bwd_weight, rel=1e-12
         )
+
+
+def test_negative_gemm_saturation_is_refused():
+    """A hardware file's ``gemm_half_k`` or ``gemm_half_flops`` below zero is refused when
+    the efficiency is built (the check sat after a ``return``, unreachable: a negative
+    half-saturation made large GEMMs faster than their peak). Catches the check lost again."""
+    from plait.sim.hardware import Efficiency
+
+    for kw in ({"gemm_half_k": -1.0, "gemm_half_flops": 0.0},
+               {"gemm_half_k": 0.0, "gemm_half_flops": -1.0}):  # fmt: skip
+        with pytest.raises(ValueError, match="gemm_half_k and gemm_half_flops"):
+            Efficiency(gemm_max=0.5, attention=0.5, **kw)

@@ -102,12 +102,12 @@ class Efficiency:
             raise ValueError("efficiency: gemm_max and attention must be in (0, 1]")
         if self.attention_native is not None and not 0 < self.attention_native <= 1:
             raise ValueError("efficiency: attention_native must be in (0, 1]")
+        if self.gemm_half_flops < 0 or self.gemm_half_k < 0:
+            raise ValueError("efficiency: gemm_half_k and gemm_half_flops must be >= 0")
 
     def attention_rate(self, native: bool) -> float:
         """Fraction of peak of the runtime's attention kernels (class docstring)."""
         return self.attention_native if native and self.attention_native else self.attention
-        if self.gemm_half_flops < 0 or self.gemm_half_k < 0:
-            raise ValueError("efficiency: gemm_half_k and gemm_half_flops must be >= 0")
 
     def gemm(self, m: float, n: float, k: float, batch: float = 1) -> float:
         """Fraction of peak reached by ``batch`` (m x k) @ (k x n) GEMMs in one kernel."""
