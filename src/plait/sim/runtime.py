@@ -145,6 +145,10 @@ class Runtime:
 PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
+        # PyTorch's SDPA ran cuDNN's Hopper attention (``cudnn_generated_fort_native_sdpa_sm90
+        # _flash_*``) in plait's step on an H200: measured 23.2 ms for the 1B step, priced
+        # 34.0 at FlashAttention-2's efficiency, 20.4 at the native one (RESULTS.md)
+        attention_native=True,
         cp_document_math=True,
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
