@@ -30,7 +30,8 @@ write): nothing is read back, and the hash hides behind the write; a 32-bit CRC 
 through, and SHA-256 also matches the digests that model hubs publish.
 
 Communication: none (the checkpoint module splits the work over ranks and agrees on the
-result).
+result). The hashing thread of ``hashing_file_system`` only hashes bytes it is handed:
+it issues no collective, so the rule of collectives from one thread holds.
 """
 
 from __future__ import annotations
