@@ -36,7 +36,7 @@ from plait.train import optim
 from plait.train.config import RunConfig, TrainConfig
 from plait.train.loop import train
 
-STEPS = 20
+STEPS = 12
 # After one AdamW step at lr 1e-2: where a gradient is near eps (1e-8), lr * g / (|g| + eps)
 # turns a 1e-8 summation-order difference into up to ~1e-4.
 PARAM_TOL = 2e-4

@@ -673,10 +673,14 @@ def shortest_equivalent(
         return rank_states(build_schedule(name, **kw)[rank])
 
     full = states(m)
+    kw = dict(num_ranks=num_ranks, num_chunks=num_chunks, rank=rank)
+    bound = in_flight_bound(name, num_microbatches=m, **kw)
     for short in range(min(3, m), m):
         if short % multiple_of or (name == "interleaved-1f1b" and num_chunks > 1
                                    and short % num_ranks):  # fmt: skip
             continue  # needs a multiple of p micro-batches
+        if in_flight_bound(name, num_microbatches=short, **kw) != bound:
+            continue  # the states hold fewer micro-batches at once: not the same (cheap)
         if states(short) == full:
             return short
     return m
