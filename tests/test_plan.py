@@ -166,17 +166,19 @@ def test_gpt3_175b_on_1024_a100s_takes_about_34_days(capsys, tmp_path):
 
 
 def test_llama_65b_on_2048_a100s_takes_about_21_days(capsys, tmp_path):
-    # Touvron et al. 2023: ~380 tokens/s per GPU, 1.4T tokens in ~21 days.
+    # Touvron et al. 2023: ~380 tokens/s per GPU, 1.4T tokens in ~21 days, with their own
+    # software: sharded data parallelism, xformers' fused attention, PyTorch eager layers --
+    # the fsdp profile (plait's runtime prices plait's own step: 324 tokens/s, 24.4 days)
     text, _ = run_cli(
         ["--model", "llama-65b", "--gpu", "a100-80gb", "--gpus", "2048", "--global-batch-size",
-         "2048", "--tokens", "1.4T", "--top", "3"], capsys, tmp_path)  # fmt: skip
+         "2048", "--tokens", "1.4T", "--top", "3", "--runtime", "fsdp"], capsys, tmp_path)  # fmt: skip
     days = float(text.split("steps of the best layout: ")[1].split(" days")[0])
     assert 21 / 1.15 <= days <= 21 * 1.15
     per_gpu = float(text.split("device-hours (")[1].split(" tokens/s")[0].replace(",", ""))
     assert 380 / 1.15 <= per_gpu <= 380 * 1.15
     assert "8 x tokens x params / (devices x peak x utilisation)" in text
     assert "dense bf16 peak" in text and "312 TFLOP/s" in text
-    assert text.count("\n") > 10 and "rejected" in text
+    assert text.count("\n") > 6 and "rejected" in text  # fsdp: ZeRO-3 layouts only
 
 
 def test_emitted_config_round_trips_through_train_dry_run(capsys, tmp_path):

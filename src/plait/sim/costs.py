@@ -16,11 +16,12 @@ Compute
     mask, 2.5x that in backward, at ``efficiency.attention`` of peak (a long-sequence
     figure) times the key loop's saturation ``attention_key_saturation``; unfused, two batched
     GEMMs (b a / t of them, (s, s, d) and (s, d, s)) plus the softmax streaming the scores.
-    Memory-bound operations stream their bytes at ``elementwise_bandwidth`` (the memory
-    bandwidth unless the hardware file says the kernels are slower): norms and residual
-    adds 10 h elements per token (divided by t under sequence parallelism), the MLP
-    activation 2 f / t (SwiGLU 3 f / t), rotary 2 (a + k) d / t, unfused softmax
-    2 a s / t; the backward streams twice what the forward does.
+    Memory-bound operations stream their bytes at ``elementwise_bandwidth`` (on the GPU
+    presets 0.625 of the HBM's peak, measured; the memory bandwidth where a hardware file
+    leaves it out): a block's norms, residual adds, activation, rotary and casts as the
+    runtime writes them (``stream_bytes``: fused kernels, eager PyTorch layers, or plait's
+    own blocks, each counted from its code), plus plait's per-weight casts
+    (``weight_stream_bytes``); unfused attention streams its scores too.
 
 Per-kernel overhead
     Each kernel also costs ``hw.op_overhead`` seconds of host time (zero for GPUs, whose
@@ -98,6 +99,90 @@ LAYER_TENSORS = {"gpt2": 16, "llama": 9}  # plait's blocks (sizes.layer_tensors 
 # qkv, proj, fc1, fc2 (weight + bias each) and two LayerNorms (weight + bias)
 FUSED_LAYER_TENSORS = {"gpt2": 12, "llama": 6}
 FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal saving)
+
+# Memory-bound bytes per token of one block, forward and backward, by how the software
+# writes its layers (``Runtime.layer_kernels``). Coefficients are bytes per token per
+# element of (h: the hidden size, divided by t under sequence parallelism; f: the FFN
+# width per tp rank; r: the rotary heads' elements per tp rank, (a + k) d / t), counted
+# from each software's own code, run on fake tensors with every dispatched operator's
+# inputs and outputs summed (views free, GEMMs and attention apart):
+#
+# - "eager": PyTorch modules with bf16 weights (FSDP's mixed precision), the layers of
+#   torchtitan (commit 0413364349, the published runs' version: its Triton fused RMSNorm,
+#   rotary in fp32 complex numbers, SiLU then a product, separate q / k / v and gate / up
+#   linears whose input gradients autograd adds up) and llm-foundry's MPT (fused
+#   LayerNorm, fused QKV, one GELU, no rotary). Forward: two norms 2 x 2, two residual
+#   adds 2 x 3; SwiGLU 5 (SiLU 2 + product 3), GELU 2; rotary (2 e + 16) (cast to fp32,
+#   the complex product, cast back). Backward: two norms 2 x 3, the residual gradients'
+#   sums 2 x 3, llama's three shared-input sums (q + k + v, gate + up) 3 x 3, MPT's fused
+#   QKV output split by views whose gradients are concatenated 6; SwiGLU 9, GELU 3; rotary
+#   as forward. Grouped-query attention adds the key / value repeat.
+#   Checked against torchtitan's own code: 9.14 GB counted, 9.13 priced for a llama2-13b
+#   block at 2 x 4096 tokens; 14.27 and 14.30 for llama3-70b's (grouped-query) at 8192.
+# - "plait": plait's own blocks (``benchmarks/stream_bytes.py`` counts them; tested in
+#   ``tests/test_sim.py``): fp32 copies around bf16 norms, rotary by halves (cat, neg),
+#   each norm output cast per linear. Counted per dtype; fp16 as bf16.
+#
+# "fused" (Megatron, Transformer Engine: one kernel per operation, each reading its
+# inputs and writing its output once) is the model's first count, in elements:
+# forward 10 h + 2 f (GELU) or 3 f (SwiGLU) + 2 r, backward twice that.
+EAGER_STREAM = {  # bytes per element (h, f, r), forward then backward; r: e-dependent
+    "gpt2": ((10.0, 2.0, 0.0), (18.0, 3.0, 0.0)),
+    "llama": ((10.0, 5.0, 0.0), (21.0, 9.0, 0.0)),
+}
+PLAIT_STREAM = {  # bytes (not elements) per token per (h, f, r), forward then backward
+    ("gpt2", "bf16"): ((84.0, 4.0, 0.0), (134.0, 8.0, 0.0)),
+    ("llama", "bf16"): ((96.5, 10.0, 48.0), (90.5, 22.0, 56.0)),
+    ("gpt2", "fp32"): ((56.0, 8.0, 0.0), (92.0, 16.0, 0.0)),
+    ("llama", "fp32"): ((88.5, 20.0, 36.0), (252.5, 44.0, 48.0)),
+}
+
+
+def stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *, moe: bool = False
+                 ) -> tuple[float, float]:  # fmt: skip
+    """Memory-bound bytes per token of one block on one tp rank, (forward, backward), as
+    ``runtime.layer_kernels`` writes the block (table above). ``moe``: the MLP's part is
+    left out (``expert.mlp_cost`` streams the routed MLP's own)."""
+    t, e = layout.tp, ACT_BYTES[layout.dtype]
+    h = cfg.hidden / (t if layout.sequence_parallel else 1)
+    a_t, kv_t = _local_heads(cfg, t)
+    f = 0.0 if moe else cfg.ffn_hidden / t
+    r = (a_t + kv_t) * cfg.head_dim if cfg.rotary else 0.0
+    if runtime.layer_kernels == "fused":
+        fwd = e * (10 * h + (2 if cfg.block == "gpt2" else 3) * f + 2 * r)
+        return fwd, 2 * fwd
+    if runtime.layer_kernels == "eager":
+        (fh, ff, _), (bh, bf, _) = EAGER_STREAM[cfg.block]
+        rope = (2 * e + 16) * r
+        fwd, bwd = e * (fh * h + ff * f) + rope, e * (bh * h + bf * f) + rope
+        if kv_t < a_t and cfg.rotary:  # the key / value repeat and its sum
+            fwd += 2 * e * (a_t + kv_t) * cfg.head_dim
+            bwd += 2 * e * (a_t + kv_t) * cfg.head_dim
+        return fwd, bwd
+    key = (cfg.block, "fp32" if layout.dtype == "fp32" else "bf16")
+    (fh, ff, fr), (bh, bf, br) = PLAIT_STREAM[key]
+    return fh * h + ff * f + fr * r, bh * h + bf * f + br * r
+
+
+def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
+                        moe: bool = False) -> float:  # fmt: skip
+    """Bytes a micro-batch streams per block in proportion to its linear weights on one tp
+    rank, not its tokens: plait under bf16 / fp16 (``layer_kernels`` "plait",
+    ``weight_cast_per_step``) casts each weight gradient to fp32 (2 + 4 bytes) and, from a
+    step's second micro-batch on, adds it to the fp32 gradient (12), and casts each weight
+    to the compute dtype once a step (4 + 2; not under ZeRO-3, which gathers in it). 0
+    for the others: Megatron accumulates in fp32 inside the weight-gradient GEMM, FSDP's
+    bf16 weights need no cast."""
+    if runtime.layer_kernels != "plait" or layout.dtype == "fp32":
+        return 0.0
+    t, h, d = layout.tp, cfg.hidden, cfg.head_dim
+    n = (cfg.n_heads * 2 + 2 * cfg.n_kv_heads) * d * h / t
+    if not moe:
+        n += (2 if cfg.block == "gpt2" else 3) * cfg.ffn_hidden * h / t
+    m = layout.num_microbatches
+    per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
+    return n * per
+
 
 # -- compute ------------------------------------------------------------------------------
 
@@ -214,7 +299,6 @@ def layer_cost(
         rate = hw.peak(dtype) * hw.efficiency.attention_rate(runtime.attention_native)
         rate *= attention_key_saturation(s, causal, hw.efficiency.gemm_half_k)
         attn_fwd, attn_bwd, attn_re = flops / rate, 2.5 * flops / rate, 0.0
-        softmax_elems = 0.0
     elif cp_math:  # math attention in fp32 over the blocks it computes (sim/context.py)
         rows, cols, n = cp_sim.score_blocks(replace(cfg, seq_len=s), layout)
         scores = gemm_time(hw, "fp32", rows, cols, d, n)
@@ -223,7 +307,6 @@ def layer_cost(
         attn_fwd = scores + values + softmax
         attn_bwd = 2 * (scores + values) + 2 * softmax + scores  # + the scores recomputed
         attn_re = attn_fwd
-        softmax_elems = 0.0
     else:
         scores = gemm_time(hw, dtype, s, s, d, heads)  # Q K^T
         values = gemm_time(hw, dtype, s, d, s, heads)  # P V
@@ -232,16 +315,13 @@ def layer_cost(
         attn_bwd = 2 * (gemm_time(hw, dtype, s, d, s, heads) + gemm_time(hw, dtype, s, s, d, heads))
         attn_bwd += 2 * softmax
         attn_re = attn_fwd
-        softmax_elems = 0.0  # already streamed above
 
-    # Memory-bound elements per token (forward); backward streams twice as much.
-    elems = 10 * h / (t if sp else 1)
-    if mc is None:
-        elems += (2 if cfg.arch == "gpt2" else 3) * f_t
-    if cfg.rotary:
-        elems += 2 * (a_t + kv_t) * d
-    elems += softmax_elems
-    mem_fwd = stream_time(hw, elems * T * e + (mc.stream_bytes if mc else 0.0))
+    # Memory-bound bytes (``stream_bytes``), the routed MLP's apart (backward: twice)
+    per_fwd, per_bwd = stream_bytes(replace(cfg, seq_len=s), layout, runtime, moe=mc is not None)
+    routed = mc.stream_bytes if mc else 0.0
+    mem_fwd = stream_time(hw, per_fwd * T + routed)
+    mem_bwd = stream_time(hw, per_bwd * T + 2 * routed)
+    mem_w = stream_time(hw, weight_stream_bytes(cfg, layout, runtime, moe=mc is not None))
 
     kernels, linears = LAYER_KERNELS[cfg.block]
     if mc is not None:
@@ -249,8 +329,8 @@ def layer_cost(
         kernels, linears = kernels - dense_k + mc.kernels, linears - dense_l + mc.linears
     ov = hw.op_overhead
     fwd = fwd_gemm + attn_fwd + mem_fwd + kernels * ov
-    bwd_input = bwd_in_gemm + attn_bwd + 2 * mem_fwd + kernels * ov
-    bwd_w_gemm += linears * ov
+    bwd_input = bwd_in_gemm + attn_bwd + mem_bwd + kernels * ov
+    bwd_w_gemm += linears * ov + mem_w
 
     # Tensor-parallel collectives: 2 per direction (all-reduce, or all-gather +
     # reduce-scatter with sequence parallelism), each of T h bytes-per-element: the
@@ -283,8 +363,9 @@ def layer_cost(
     if moe:
         fwd_ep, bwd_ep = ep_sim.layer_comm(replace(cfg, seq_len=s), layout, hw,
                                            runtime.moe_imbalance)  # fmt: skip
-    gemm = fwd_gemm + bwd_in_gemm + bwd_w_gemm - linears * ov
-    attn, mem, launch = attn_fwd + attn_bwd, 3 * mem_fwd, (2 * kernels + linears) * ov
+    gemm = fwd_gemm + bwd_in_gemm + bwd_w_gemm - linears * ov - mem_w
+    attn, mem = attn_fwd + attn_bwd, mem_fwd + mem_bwd + mem_w
+    launch = (2 * kernels + linears) * ov
     if layout.recompute == "full":
         recompute, recompute_tp = fwd, fwd_tp
         bwd_cp += fwd_cp  # the recomputed forward exchanges again
@@ -339,7 +420,7 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd, kinds=kinds)
 
 
-def loss_bytes_per_logit(e: int, unfused_fp32: bool) -> tuple[int, int]:
+def loss_bytes_per_logit(e: int, unfused_fp32: bool, kernels: str = "fused") -> tuple[int, int]:
     """(forward, backward) bytes the cross-entropy streams per logit of e bytes. Fused: read
     the logits, write fp32 log-probabilities and reduce them (e + 8); backward reads those
     and writes the logits' gradient (4 + e). ``unfused_fp32``, Megatron's
@@ -347,9 +428,15 @@ def loss_bytes_per_logit(e: int, unfused_fp32: bool) -> tuple[int, int]:
     max (4), subtracting it (8), exp in place (8), the sum (4), dividing by it in place
     (8) -- e + 36 -- and backward multiplying the saved softmax by the loss gradient in
     place (8) and casting back (4 + e): e + 12. 52 bytes a bf16 logit against 16: at a
-    131,072 vocabulary and 4,096 tokens, 19 GB more a micro-batch."""
+    131,072 vocabulary and 4,096 tokens, 19 GB more a micro-batch. ``kernels`` "plait"
+    (``Runtime.layer_kernels``; counted from its code): a cast of bf16 logits to fp32
+    (e + 4, none in fp32), log-softmax (8), and backward the negative log-likelihood's
+    zeroed gradient (4), log-softmax's backward (12) and the cast back (4 + e)."""
     if unfused_fp32:
         return e + 36, e + 12
+    if kernels == "plait":
+        cast = e + 4 if e < 4 else 0
+        return cast + 8, 16 + cast
     return e + 8, 4 + e
 
 
@@ -364,7 +451,9 @@ def head_cost(
     f, bi, bw = linear_times(hw, dtype, T, V_t, h)
     norm = stream_time(hw, 2 * T * h * e)
     fwd_bytes, bwd_bytes = loss_bytes_per_logit(
-        e, runtime is not None and runtime.unfused_fp32_loss
+        e,
+        runtime is not None and runtime.unfused_fp32_loss,
+        runtime.layer_kernels if runtime is not None else "fused",
     )
     loss_fwd = stream_time(hw, T * V_t * fwd_bytes)
     loss_bwd = stream_time(hw, T * V_t * bwd_bytes)

@@ -346,15 +346,28 @@ def _floats(d) -> dict:
 #   GEMM runs at about two thirds of a large one on A100, a bit under half on H100);
 #   ``gemm_half_k`` is a tile's pipeline fill and epilogue in reduction elements (two
 #   64-deep stages plus the output write: ~200 on A100; H100's larger tiles ~256).
+# - ``elementwise_bandwidth``: memory-bound kernels (elementwise, norms, casts, the
+#   loss, fused AdamW) stream at ``ELEMENTWISE_OF_PEAK`` of the HBM's peak, measured in a
+#   profiled plait step on an H200 (RESULTS.md, 2026-11-26): 265 GB counted through those
+#   kernels in 87.9 ms (3.0 TB/s of 4.8) for a ~1B llama, and fused AdamW's multi-tensor
+#   kernels at 3.1 TB/s; GPT-2's smaller tensors reached 2.3. The same fraction on the
+#   other HBM parts is an extrapolation. GEMMs' memory bound keeps ``memory_bandwidth``
+#   (0.9 of peak: the large, regular copies calibrate measured at 3.6 TB/s).
 # - ``gemm_max``, the fraction of the dense peak large GEMMs sustain through a training
 #   step (clocks under the power limit included), is fitted per GPU type on the
 #   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
-#   others; docs/performance-model.md). V100 and H200 reuse the closest fitted part.
+#   others; docs/performance-model.md). V100 reuses the closest fitted part; the H200's
+#   is measured (below).
 
-_A100_EFF = Efficiency(gemm_max=0.69, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_A100_EFF = Efficiency(gemm_max=0.71, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
 _H100_EFF = Efficiency(gemm_max=0.61, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
+# H200: the H100's shape terms, at the level its GEMMs reached in calibrate's bf16 sweep on
+# an H200 (759-784 of 989 TFLOP/s, RESULTS.md 2026-11-26): measured, where the H100's
+# is fitted on published runs.
+_H200_EFF = dataclasses.replace(_H100_EFF, gemm_max=0.78)
 _NVLINK_HOP, _NETWORK_HOP, _LAUNCH = 3.4e-6, 9.6e-6, 5e-6
+ELEMENTWISE_OF_PEAK = 0.625  # 3.0 of the H200's 4.8 TB/s (above)
 
 _DGX_A100 = dict(
     devices_per_node=8,
@@ -392,6 +405,7 @@ BUILTIN: dict[str, Hardware] = {
         peak_flops=gpu_peak_flops("Tesla V100-SXM2-32GB"),
         memory_bytes=32 * GiB,
         memory_bandwidth=0.9 * 900e9,
+        elementwise_bandwidth=ELEMENTWISE_OF_PEAK * 900e9,
         devices_per_node=8,
         efficiency=Efficiency(
             gemm_max=0.64, gemm_half_k=128, gemm_half_flops=0.5e9, attention=0.30
@@ -409,6 +423,7 @@ BUILTIN: dict[str, Hardware] = {
         peak_flops=gpu_peak_flops("NVIDIA A100-SXM4-40GB"),
         memory_bytes=40 * GiB,
         memory_bandwidth=0.9 * 1555e9,
+        elementwise_bandwidth=ELEMENTWISE_OF_PEAK * 1555e9,
         efficiency=_A100_EFF,
         **_DGX_A100,
     ),
@@ -418,6 +433,7 @@ BUILTIN: dict[str, Hardware] = {
         peak_flops=gpu_peak_flops("NVIDIA A100-SXM4-80GB"),
         memory_bytes=80 * GiB,
         memory_bandwidth=0.9 * 2039e9,
+        elementwise_bandwidth=ELEMENTWISE_OF_PEAK * 2039e9,
         efficiency=_A100_EFF,
         **_DGX_A100,
     ),
@@ -427,6 +443,7 @@ BUILTIN: dict[str, Hardware] = {
         peak_flops=gpu_peak_flops("NVIDIA H100 80GB HBM3"),
         memory_bytes=80 * GiB,
         memory_bandwidth=0.9 * 3350e9,
+        elementwise_bandwidth=ELEMENTWISE_OF_PEAK * 3350e9,
         efficiency=_H100_EFF,
         **_DGX_H100,
     ),
@@ -436,7 +453,8 @@ BUILTIN: dict[str, Hardware] = {
         peak_flops=gpu_peak_flops("NVIDIA H200"),
         memory_bytes=141e9,
         memory_bandwidth=0.9 * 4800e9,
-        efficiency=_H100_EFF,
+        elementwise_bandwidth=ELEMENTWISE_OF_PEAK * 4800e9,
+        efficiency=_H200_EFF,
         **_DGX_H100,
     ),
     # One worker process per "device" on a shared-memory host, gloo over loopback.

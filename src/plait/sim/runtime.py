@@ -82,6 +82,11 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   (``costs.loss_bytes_per_logit``): Megatron-LM, Megatron-DeepSpeed and Megatron-Core
   without ``--cross-entropy-loss-fusion`` (``fp16_lm_cross_entropy`` off, the default,
   upcasts).
+- ``layer_kernels``: how the software writes a block's memory-bound work (norms,
+  activations, rotary, residual adds, casts), which sets the bytes it streams
+  (``costs.stream_bytes``): "fused" (Megatron, Transformer Engine: one kernel per
+  operation), "eager" (PyTorch modules: torchtitan's and llm-foundry's layers, counted
+  from their code), "plait" (plait's own blocks, counted from its code).
 - ``moe_imbalance``: not the software but the run's routing, priced here because every
   cost function reads the runtime: the most-loaded expert's tokens over the mean
   (``sim/expert.py``; ``simulate(moe_imbalance=)``, ``--moe-imbalance``). 1.0, a balanced
@@ -119,8 +124,13 @@ class Runtime:
     cast_per_linear: bool = False
     pp_scatter_gather: bool = True
     unfused_fp32_loss: bool = False
+    layer_kernels: str = "fused"
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     description: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layer_kernels not in ("fused", "eager", "plait"):
+            raise ValueError(f"runtime {self.name}: layer_kernels must be fused, eager or plait")
 
     def state_bytes(self, dtype: str) -> tuple[int, int, int]:
         """Bytes per parameter of (weights, gradients, optimizer state) with AdamW."""
@@ -157,6 +167,7 @@ PROFILES: dict[str, Runtime] = {
         weight_cast_per_step=True,
         cast_per_linear=True,
         bucket_from_layout=True,
+        layer_kernels="plait",
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
     ),
@@ -220,6 +231,7 @@ PROFILES: dict[str, Runtime] = {
         master_weights=False,
         grad_reduce_fp32=True,
         gather_in_compute_dtype=True,
+        layer_kernels="eager",
         description="PyTorch FSDP (e.g. llm-foundry, torchtitan): FlashAttention, "
         "prefetched all-gathers in the compute dtype, sharded fp32 weights, fp32 "
         "reduce-scatter (torchtitan's reduce dtype, Composer's DEFAULT mixed precision)",

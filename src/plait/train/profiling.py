@@ -17,6 +17,11 @@ copies and fills, and everything else (elementwise, reductions, norms, the loss,
 It is a reading aid, not a measurement the code depends on: a new library's kernel name
 lands in "other" until a pattern names it.
 
+``StreamBytes`` is the byte side of the same reading: a dispatch mode that sums the tensor
+bytes every operator reads and writes (views free, matrix products and attention apart),
+run on fake tensors so any size counts on a CPU. ``benchmarks/stream_bytes.py`` and the
+performance model's tests count plait's blocks with it (``sim.costs.stream_bytes``).
+
 Communication: none. The profiler records what the step issues; it adds host work per
 operator, so profiled steps are slower than the others (compare their step times in
 ``metrics.jsonl``) and the summary's busy fraction is a lower bound.
@@ -24,12 +29,15 @@ operator, so profiled steps are slower than the others (compare their step times
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 KINDS = (
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|s\d+gemm|matmul", re.I)),
@@ -119,3 +127,44 @@ class StepProfiler:
         if self.prof is not None:
             prof, self.prof = self.prof, None
             prof.__exit__(None, None, None)
+
+
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul"})
+FREE_OPS = frozenset({
+    "view", "_unsafe_view", "t", "transpose", "detach", "expand", "slice", "select", "split",
+    "split_with_sizes", "unsqueeze", "squeeze", "permute", "alias", "as_strided", "narrow",
+    "_reshape_alias", "reshape", "unbind", "lift_fresh", "empty", "empty_like",
+    "empty_strided", "new_empty", "new_empty_strided", "view_as_real", "view_as_complex",
+    "_conj",
+})  # fmt: skip
+
+
+class StreamBytes(TorchDispatchMode):
+    """Inside it, every dispatched operator adds the bytes of its tensor arguments and
+    results to ``bytes[kind]`` and one to ``calls[kind]``: kind "gemm" for matrix products,
+    "attention" for attention kernels, else the operator's name. Views, metadata and
+    allocations are free (``FREE_OPS``). An upper bound for a kernel that reads part of an
+    input (an indexing loss reads one logit a row and is charged the row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def memory_bound(self) -> float:
+        """Bytes of every kind but matrix products and attention."""
+        return float(sum(v for k, v in self.bytes.items() if k not in ("gemm", "attention")))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.namespace == "prim" or name in FREE_OPS:
+            return out
+        kind = "gemm" if name in GEMM_OPS else "attention" if "attention" in name else name
+        self.bytes[kind] += sum(
+            t.numel() * t.element_size()
+            for t in tree_leaves((args, kwargs, out))
+            if isinstance(t, torch.Tensor)
+        )
+        self.calls[kind] += 1
+        return out

@@ -1,0 +1,172 @@
+"""The performance model's memory-bound bytes held against the code that moves them.
+
+``sim.costs.stream_bytes`` prices a block's elementwise work (norms, activations, rotary,
+residual adds, casts) as bytes per token, by how the software writes the block
+(``Runtime.layer_kernels``). Here those bytes are counted from code: plait's own blocks,
+and an eager PyTorch block written the way torchtitan's and llm-foundry's are, each run
+forward and backward on fake tensors under ``profiling.StreamBytes`` (every dispatched
+operator's tensor bytes; views free; GEMMs and attention apart). The shapes differ from
+the ones the coefficients were counted at (grouped-query attention, a FFN width that is
+not 4 h), so a coefficient that only fits one shape fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import plait.model.transformer as transformer
+from plait.layout import Layout
+from plait.model.config import preset
+from plait.parallel.tensor import weight_casts
+from plait.sim import costs
+from plait.sim.runtime import PROFILES
+from plait.train.profiling import StreamBytes
+
+B, S = 2, 256
+
+
+def _layout(dtype: str) -> Layout:
+    return Layout(global_batch_size=B, micro_batch_size=B, dtype=dtype)
+
+
+def _plait_block_bytes(cfg, dtype: str) -> float:
+    """Memory-bound bytes of one of plait's blocks, forward and backward: a 2-layer model's
+    count minus a 1-layer model's (the embedding, head and loss cancel)."""
+
+    def count(layers: int) -> float:
+        model = transformer.build_model(
+            preset("tiny", **{**cfg, "n_layers": layers}), device="meta"
+        )
+        bytes_ = StreamBytes()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = model.to_empty(device="cpu")
+            x = torch.randint(0, cfg["vocab_size"], (B, S))
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+            with weight_casts(), autocast, bytes_:
+                model(x, x).mean().backward()
+        return bytes_.memory_bound()
+
+    return count(2) - count(1)
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, kv",
+    [("llama", "bf16", 4), ("gpt2", "bf16", 12), ("llama", "fp32", 12), ("gpt2", "fp32", 12)],
+)
+def test_plait_blocks_stream_what_the_model_counts(arch, dtype, kv, monkeypatch):
+    """plait's block (its RMSNorm on CUDA's fused kernels, as a GPU runs it) moves the bytes
+    ``stream_bytes`` and ``weight_stream_bytes`` price for the ``plait`` runtime, within
+    1% (measured: 0.07-0.09% over, the per-token statistics). Breaks caught: a change to
+    the block that adds a pass over the activations (a new cast, an unfused rotary)
+    without the model following it, or a coefficient that fits only the shape it was
+    counted at (here h 768, f 2048, grouped-query attention)."""
+    monkeypatch.setattr(transformer, "_fused_rms", lambda x: True)
+    cfg = dict(arch=arch, hidden=768, n_heads=12, n_kv_heads=kv, vocab_size=256, seq_len=S,
+               ffn_hidden=2048 if arch == "llama" else 3072)  # fmt: skip
+    counted = _plait_block_bytes(cfg, dtype)
+    model_cfg, layout, rt = preset("tiny", **cfg), _layout(dtype), PROFILES["plait"]
+    fwd, bwd = costs.stream_bytes(model_cfg, layout, rt)
+    priced = (fwd + bwd) * B * S + costs.weight_stream_bytes(model_cfg, layout, rt)
+    assert abs(counted / priced - 1) < 0.01, (counted, priced)
+
+
+# An eager block written as torchtitan's (commit 0413364349) and llm-foundry's MPT are: bf16
+# weights (FSDP's mixed precision), a fused norm kernel (torchtitan's Triton RMSNorm, MPT's
+# LayerNorm), separate q / k / v (torchtitan) or one QKV (MPT), rotary on fp32 complex
+# numbers, SiLU then a product, PyTorch's SDPA.
+
+
+class _FusedNorm(torch.autograd.Function):
+    """One fused kernel each way, counted as its reads and writes (x in, y out; x and dy
+    in, dx out), as the Triton RMSNorm's own kernels are."""
+
+    counter: StreamBytes | None = None
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        _FusedNorm.counter.bytes["norm"] += 2 * x.numel() * x.element_size()
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        _FusedNorm.counter.bytes["norm"] += 3 * x.numel() * x.element_size()
+        return torch.empty_like(x)
+
+
+class _EagerBlock(nn.Module):
+    def __init__(self, arch: str, h: int, a: int, kv: int, f: int):
+        super().__init__()
+        self.arch, self.a, self.kv, self.d = arch, a, kv, h // a
+        if arch == "llama":
+            self.q, self.k = nn.Linear(h, h, bias=False), nn.Linear(h, kv * self.d, bias=False)
+            self.v = nn.Linear(h, kv * self.d, bias=False)
+            self.w1, self.w3 = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        else:
+            self.qkv, self.w1 = nn.Linear(h, 3 * h, bias=False), nn.Linear(h, f, bias=False)
+        self.o, self.w2 = nn.Linear(h, h, bias=False), nn.Linear(f, h, bias=False)
+
+    def rope(self, x, freqs):
+        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs).flatten(3).type_as(x)
+
+    def attention(self, x, freqs):
+        b, s, _ = x.shape
+        if self.arch == "llama":
+            q = self.rope(self.q(x).view(b, s, self.a, self.d), freqs)
+            k = self.rope(self.k(x).view(b, s, self.kv, self.d), freqs)
+            v = self.v(x).view(b, s, self.kv, self.d)
+            rep = self.a // self.kv
+            if rep > 1:  # torchtitan's repeat_kv: expand, then a copy
+                k = (
+                    k[:, :, :, None]
+                    .expand(b, s, self.kv, rep, self.d)
+                    .reshape(b, s, self.a, self.d)
+                )
+                v = (
+                    v[:, :, :, None]
+                    .expand(b, s, self.kv, rep, self.d)
+                    .reshape(b, s, self.a, self.d)
+                )
+        else:
+            q, k, v = self.qkv(x).view(b, s, 3, self.a, self.d).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)  # fmt: skip
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x, freqs):
+        h = x + self.attention(_FusedNorm.apply(x), freqs)
+        n = _FusedNorm.apply(h)
+        if self.arch == "llama":
+            return h + self.w2(F.silu(self.w1(n)) * self.w3(n))
+        return h + self.w2(F.gelu(self.w1(n)))
+
+
+@pytest.mark.parametrize("arch, kv", [("llama", 4), ("llama", 12), ("gpt2", 12)])
+def test_eager_blocks_stream_what_the_model_counts(arch, kv):
+    """An eager PyTorch block (torchtitan's and MPT's way of writing it) moves the bytes
+    ``stream_bytes`` prices for ``layer_kernels`` "eager" (the ``fsdp`` runtime), within 1%.
+    Breaks caught: a term of the eager table left out or double-counted (the rotary's fp32
+    round trip, the shared-input gradient sums, the key / value repeat)."""
+    h, a, f = 768, 12, 2048
+    counter = StreamBytes()
+    _FusedNorm.counter = counter
+    with torch.device("meta"):
+        block = _EagerBlock(arch, h, a, kv, f).to(torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        block = block.to_empty(device="cpu")
+        freqs = torch.polar(torch.ones(S, 1, h // a // 2), torch.zeros(S, 1, h // a // 2))
+        x = torch.empty(B, S, h, dtype=torch.bfloat16, requires_grad=True)
+        with counter:
+            block(x, freqs).sum().backward()
+    # the test's own scaffolding: the summed output's gradient (ones_like) and its sum
+    counted = counter.memory_bound() - counter.bytes["sum"] - counter.bytes["ones_like"]
+    cfg = preset("tiny", arch=arch, hidden=h, n_heads=a, n_kv_heads=kv, ffn_hidden=f, seq_len=S)
+    fwd, bwd = costs.stream_bytes(cfg, _layout("bf16"), PROFILES["fsdp"])
+    priced = (fwd + bwd) * B * S
+    assert abs(counted / priced - 1) < 0.01, (counted, priced, counter.bytes)
