@@ -642,3 +642,32 @@ def test_zero3_holds_at_most_two_packed_gradients_during_the_backward():
     assert 0 < len(held) <= ReduceScatterGrads.in_flight
     assert sum(b.launched for b in reducer.buckets) == len(reducer.buckets)
     engine.close()
+
+
+def test_one_rank_stage_0_and_1_register_no_gradient_hooks_zero_3_does():
+    """A dp group of one rank: stages 0 and 1 register no per-parameter gradient hooks (they
+    would only launch a reduction early; ``finish`` launches every bucket, and each
+    micro-batch's backward skips a Python call per parameter), and their gradients after
+    ``finish`` are autograd's, two micro-batches summed. ZeRO-3 keeps its hooks: they pace
+    its in-flight units. Catches the hooks coming back at one rank (the host time a small
+    GPU step waits for) and a reducer that then loses the gradients without them."""
+    topo = Topology.single()
+    for zero in (0, 1, 3):
+        model = build_model(tiny("gpt2"), seed=0, topo=topo)
+        ref = build_model(tiny("gpt2"), seed=0, topo=topo)
+        engine = build_data_parallel(
+            model, topo=topo, cfg=DataParallelConfig(zero=zero, num_microbatches=2),
+            make_optimizer=functools.partial(optim.build_adamw, cfg=TrainConfig(lr=1e-2)),
+        )  # fmt: skip
+        assert (len(engine.grads._hooks) == 0) == (zero < 3), zero
+        if zero == 3:
+            engine.close()
+            continue
+        x = torch.randint(0, 256, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+        for mb in x:
+            model(mb, mb).mean().backward()
+            ref(mb, mb).mean().backward()
+        engine.finish()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(engine.grad(p).reshape(-1), q.grad.reshape(-1)), (zero, name)
+        engine.close()

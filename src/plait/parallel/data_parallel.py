@@ -171,12 +171,17 @@ def weak_method(obj, name: str, *bound):
 class GradReducer:
     """Base of the gradient paths: buckets, the hooks that count micro-batches, and the
     launch of each bucket's collective on the last one (module docstring). Subclasses
-    implement ``_launch`` and ``_complete``.
+    implement ``_launch`` and ``_complete``, and say in ``hooks_alone`` whether their
+    hooks do more than launch early (ZeRO-3's pace its in-flight units): without it, a dp
+    group of one rank registers none -- ``finish`` launches every bucket, and the backward
+    skips a Python call per parameter per micro-batch.
 
     Gradient storage lives only from the backward to ``zero_grad()``, as with PyTorch's
     ``zero_grad(set_to_none=True)``: kept across the forward it would add to the
     activation peak. Accumulation micro-batches accumulate in autograd's own ``p.grad``;
     the last one's gradients are copied into the bucket's flat buffer as it launches."""
+
+    hooks_alone = True  # hooks even in a dp group of one rank (class docstring)
 
     def __init__(self, model: nn.Module, *, topo: Topology, cfg: DataParallelConfig, defer=()):
         self.topo, self.cfg = topo, cfg
@@ -197,7 +202,8 @@ class GradReducer:
         for i, bucket in enumerate(self.buckets):
             bucket.index = i
         self._hooks = []
-        for bucket in self.buckets:
+        hooks = self.hooks_alone or self.topo.size(Axis.DP) > 1
+        for bucket in self.buckets if hooks else ():
             if bucket.deferred:
                 continue
             hook = weak_method(self, "_grad_ready", bucket.index)
@@ -269,7 +275,10 @@ class GradReducer:
 
 class AllReduceGrads(GradReducer):
     """Stage 0 and 1: a bucket's gradients are moved into one flat buffer (``p.grad``
-    becomes a view into it) that is all-reduced asynchronously over ``topo``'s dp axis."""
+    becomes a view into it) that is all-reduced asynchronously over ``topo``'s dp axis.
+    Its hooks only launch a bucket early, which a dp group of one has no use for."""
+
+    hooks_alone = False
 
     def _launch(self, bucket: Bucket) -> None:
         self._flatten(bucket)
