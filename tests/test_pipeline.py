@@ -40,7 +40,7 @@ from plait.train.checkpoint import latest, load, model_state
 from plait.train.config import RunConfig, TrainConfig
 from plait.viz.trace import TraceWriter, read_trace, timeline_from_traces
 
-STEPS = 12
+STEPS = 8
 SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1}
 
 

@@ -282,20 +282,20 @@ def single_process(corpus: DataConfig, out: Path, *, steps: int, batch: int, mic
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """The failure-free curve, 30 steps of 8 rows, from one process (``single_process``): a
+    """The failure-free curve, 20 steps of 8 rows, from one process (``single_process``): a
     shorter run's curve is its prefix (constant learning rate after the warm-up)."""
-    return single_process(corpus, tmp_path_factory.mktemp("ref"), steps=30, batch=8, micro=1)
+    return single_process(corpus, tmp_path_factory.mktemp("ref"), steps=20, batch=8, micro=1)
 
 
 def test_a_hang_found_by_heartbeat_and_a_kill_during_a_checkpoint_write(
     corpus, reference, tmp_path
 ):
-    """A SIGSTOP in step 3, found by the heartbeat; the run holds before step 24 until the
+    """A SIGSTOP in step 3, found by the heartbeat; the run holds before step 16 until the
     replacement has joined (chaos.py), then a SIGKILL lands while worker 3 writes step
-    24's checkpoint: the checkpoint of step 12 survives, that of step 24 is written again."""
+    16's checkpoint: the checkpoint of step 8 survives, that of step 16 is written again."""
     out = tmp_path / "run"
-    proc = plait_train(corpus, out, "--steps", 30, "--fault-tolerance", 1, "--inject-failure",
-                       "3:0:stop,24:3:save", "--heartbeat-timeout", 3, "--save-every", 12,
+    proc = plait_train(corpus, out, "--steps", 20, "--fault-tolerance", 1, "--inject-failure",
+                       "3:0:stop,16:3:save", "--heartbeat-timeout", 3, "--save-every", 8,
                        "--keep-checkpoints", 5, "--verify-replicas", "--no-progress")  # fmt: skip
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
     hung = next(x for x in lines if "worker 0 hung (SIGSTOP)" in x)
@@ -314,12 +314,12 @@ def test_a_hang_found_by_heartbeat_and_a_kill_during_a_checkpoint_write(
     assert detected < 8.0, hung  # the heartbeat timeout, not the collective timeout (300 s)
     same_curve(out, reference)
     assert 3 in [r.get("world_size") for r in records(out)]
-    assert any(e["event"] == "chaos" and e["step"] == 24 and e["worker"] == 3 for e in events)
+    assert any(e["event"] == "chaos" and e["step"] == 16 and e["worker"] == 3 for e in events)
     from plait.train import checkpoint
 
     ckpts = checkpoint.checkpoint_dirs(out / "checkpoints")
-    assert [c.name for c in ckpts] == [f"step-{s:08d}" for s in (12, 24, 30)]
-    assert all(checkpoint.verify(c) is None for c in ckpts)  # 12 survived the kill; 24 rewritten
+    assert [c.name for c in ckpts] == [f"step-{s:08d}" for s in (8, 16, 20)]
+    assert all(checkpoint.verify(c) is None for c in ckpts)  # 8 survived the kill; 16 rewritten
     assert not list((out / "checkpoints").glob("*.tmp"))
     assert "plait: replicas verified:" in proc.stdout
 
@@ -338,7 +338,7 @@ def test_a_worker_stopped_and_never_killed_is_left_behind_and_exits_when_resumed
     writes a record or hangs on."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--data", corpus.path,
-           "--cache-dir", corpus.cache_dir, "--out", str(out), "--steps", "30",
+           "--cache-dir", corpus.cache_dir, "--out", str(out), "--steps", "20",
            "--fault-tolerance", "1", "--inject-failure", "5:1:stop", "--heartbeat-timeout",
            "3", "--no-respawn", "--no-progress"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -425,7 +425,7 @@ def test_a_tp_group_is_the_unit_of_failure_on_the_failure_free_curve(corpus, ref
     go on with the wrong weights), or if a weight replicated over tp is counted twice in
     the grad norm."""
     out = tmp_path / "run"
-    proc = plait_train(corpus, out, "--tp", 2, "--steps", 30, "--fault-tolerance", 1,
+    proc = plait_train(corpus, out, "--tp", 2, "--steps", 20, "--fault-tolerance", 1,
                        "--inject-failure", "3:5", "--verify-replicas", "--no-progress",
                        timeout=480)  # fmt: skip
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
@@ -451,15 +451,15 @@ def test_a_replacement_tp_group_joins_whole_and_serves_the_next_recovery(
     """--tp 2 --pp 1 --dp 2 (four workers: the smallest world whose tp group has a replica
     to copy from and a replacement to wait for): worker 1 is killed in step 3, so group
     (0, 1) is out and the run goes on with one copy, group (2, 3); the kill of worker 2
-    due in step 20 holds the run until the replacement group (4, 5) has joined (chaos.py:
+    due in step 14 holds the run until the replacement group (4, 5) has joined (chaos.py:
     one copy left), which receives its tp shards from (2, 3), rank to rank; then group (2,
     3) goes, and (4, 5) carries the run alone on its received state. The curve equals the
     failure-free run's. Breaks if a replacement group joins half (one worker ready), if a
     joined group's shards were crossed, or if its state were not the replicas' (the run
     after the second kill is the joined group's state alone)."""
     out = tmp_path / "run"
-    proc = plait_train(corpus, out, "--tp", 2, "--pp", 1, "--steps", 30, "--fault-tolerance",
-                       1, "--inject-failure", "3:1,20:2", "--no-progress", timeout=480)  # fmt: skip
+    proc = plait_train(corpus, out, "--tp", 2, "--pp", 1, "--steps", 20, "--fault-tolerance",
+                       1, "--inject-failure", "3:1,14:2", "--no-progress", timeout=480)  # fmt: skip
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
     joined = next(x for x in lines if "worker(s) 4, 5 joined" in x)
     assert "state copied" in joined and "[4-5]" in joined, joined
@@ -476,10 +476,10 @@ def test_interleaved_stages_survive_a_kill_on_the_failure_free_curve(corpus, tmp
     in place, each receiving the chunks it lacks, and the replacement rejoins. Every step
     once, on the failure-free curve; every tensor bitwise equal on its holders. Breaks if
     a stage's units missed a chunk (a layer left behind: the curve leaves the reference)."""
-    ref = single_process(corpus, tmp_path / "ref", steps=30, batch=8, micro=1, layers=4)
+    ref = single_process(corpus, tmp_path / "ref", steps=20, batch=8, micro=1, layers=4)
     out = tmp_path / "run"
     proc = plait_train(corpus, out, "--layers", 4, "--vpp", 2, "--schedule", "interleaved-1f1b",
-                       "--steps", 30, "--fault-tolerance", 1, "--inject-failure", "3:3",
+                       "--steps", 20, "--fault-tolerance", 1, "--inject-failure", "3:3",
                        "--verify-replicas", "--no-progress", timeout=480)  # fmt: skip
     assert "2: 1+1+1+1" in proc.stdout  # the two-stage template: four chunks
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
@@ -492,16 +492,16 @@ def test_interleaved_stages_survive_a_kill_on_the_failure_free_curve(corpus, tmp
 def test_zero_3_inside_replicas_survives_kills_and_grows_back(corpus, reference, tmp_path):
     """--dp 4 --zero 3 --zero-shard-group 2: two replicas of two workers, parameters too
     sharded over each (gathered per block in the forward and backward). A kill of worker 3
-    leaves one replica (its spare waits); the run holds before step 20 until the
+    leaves one replica (its spare waits); the run holds before step 14 until the
     replacement has joined with the spare as a second replica, receiving the shards it
     needs from the first (parameters and AdamW moments, shard j from pipeline j); the kill
-    of worker 0 in step 20 is then recovered from that second replica. Every step once, on
+    of worker 0 in step 14 is then recovered from that second replica. Every step once, on
     the failure-free curve; every shard bitwise equal on its holders. Breaks if a stage-3
     shard copied in were not what the forward gathers from (the curve leaves the
     reference), or if the update gathered parameters whose storage stage 3 has freed."""
     out = tmp_path / "run"
     proc = plait_train(corpus, out, "--dp", 4, "--pp", 1, "--zero", 3, "--zero-shard-group", 2,
-                       "--steps", 30, "--fault-tolerance", 1, "--inject-failure", "2:3,20:0",
+                       "--steps", 20, "--fault-tolerance", 1, "--inject-failure", "2:3,14:0",
                        "--verify-replicas", "--no-progress", timeout=480)  # fmt: skip
     lines = [x for x in proc.stdout.splitlines() if x.startswith("plait: generation ")]
     assert "worker 3 died (SIGKILL)" in lines[0] and "sharding their stages" in lines[0], lines
@@ -569,7 +569,7 @@ def test_a_whole_node_lost_is_recovered_in_place_and_replaced_on_node_0(corpus, 
     killed at once, as a machine that goes away. Its agent stops beating, the workers'
     heartbeats stop and no exit is ever reported: after the heartbeat timeout twice they
     are declared lost; workers 0 and 1 go on in place, replacements start on node 0."""
-    steps, batch, micro = 60, 64, 8
+    steps, batch, micro = 30, 64, 8
     ref = single_process(corpus, tmp_path / "ref", steps=steps, batch=batch, micro=micro)
     out = tmp_path / "run"
     flags = ["--steps", steps, "--global-batch-size", batch, "--micro-batch-size", micro,
