@@ -35,3 +35,7 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, code: int = 1, detail: str | None = None):
         super().__init__(message)
         self.code, self.detail = code, detail
+
+
+class CheckpointError(RuntimeError):
+    """A missing, incomplete, damaged or unreadable checkpoint (message is one line)."""

@@ -127,8 +127,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``plait train``; ``parser`` is its subparser (the keys a ``--config`` file may hold)."""
-    from plait.data import DataError
-    from plait.train import checkpoint, launch
+    from plait.errors import CheckpointError, DataError
+    from plait.train import launch
 
     previous = signal.signal(signal.SIGTERM, launch.raise_terminated)
     cfg = lock = None
@@ -136,6 +136,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         values = merged_values(args, parser, run=True)
         values.setdefault("dtype", None)
         if values["dtype"] is None:  # bf16 where GPUs want it, fp32 on a CPU
+            build_run_config({**values, "dtype": "fp32"})  # bad flags refused before the probe
             values["dtype"] = _default_train_dtype()
         cfg = build_run_config(values)
         nnodes = values.get("nnodes") or 1
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             what = "interrupted" if signum == signal.SIGINT else "terminated"
             return die("train", f"{what} ({signal.Signals(signum).name})", code=128 + signum)
         return die("train", launch.stopped_line(signum, Path(cfg.out)), code=128 + signum)
-    except (UserError, ValueError, DataError, checkpoint.CheckpointError) as e:
+    except (UserError, ValueError, DataError, CheckpointError) as e:
         return die("train", str(e).strip().splitlines()[0])
     except launch.LaunchError as e:
         if e.detail:  # the worker could not write its log: the detail once, here

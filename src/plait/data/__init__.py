@@ -14,18 +14,27 @@ opens the on-disk cache, ``pretokenized`` maps token files as they are, ``sample
 stream into batches and ``mixture`` mixes several by weight. docs/data.md has the formats.
 """
 
-from plait.data.mixture import Mixture, MixtureSampler, check_held_out, train_sampler, val_set
-from plait.data.sampler import (
-    IGNORE_INDEX,
-    GlobalBatchSampler,
-    inputs_targets,
-    model_kwargs,
-    val_batches,
-    val_pairs,
-)
+import importlib
+
 from plait.data.tokenizer import ByteTokenizer, HFTokenizer
 from plait.data.tokens import DataConfig, Dataset, prepare
 from plait.errors import DataError
+
+# The batch side (torch tensors) loads on first use: a command that only reads its flags
+# and the data's configuration (``plait train`` refusing bad input) does not wait for it.
+_LAZY = {
+    **dict.fromkeys(("Mixture", "MixtureSampler", "check_held_out", "train_sampler",
+                     "val_set"), "plait.data.mixture"),
+    **dict.fromkeys(("IGNORE_INDEX", "GlobalBatchSampler", "inputs_targets", "model_kwargs",
+                     "val_batches", "val_pairs"), "plait.data.sampler"),
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'plait.data' has no attribute {name!r}")
+
 
 __all__ = [
     "ByteTokenizer",

@@ -64,16 +64,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from plait import comm
+from plait.errors import CheckpointError  # noqa: F401 (raised here, caught by name)
 from plait.parallel.held import Held
 from plait.parallel.tensor import shard_spec
 from plait.topology import Topology
 from plait.train import manifest
 
 PART = ".manifest-rank-"  # + rank + ".json": the files one rank wrote, merged by rank 0
-
-
-class CheckpointError(RuntimeError):
-    """A missing, incomplete, damaged or unreadable checkpoint (message is one line)."""
 
 
 class CheckpointWriteError(RuntimeError):
