@@ -120,7 +120,7 @@ FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal 
 #   Checked against torchtitan's own code: 9.14 GB counted, 9.13 priced for a llama2-13b
 #   block at 2 x 4096 tokens; 14.27 and 14.30 for llama3-70b's (grouped-query) at 8192.
 # - "plait": plait's own blocks (``benchmarks/stream_bytes.py`` counts them; tested in
-#   ``tests/test_sim.py``): fp32 copies around bf16 norms, rotary by halves (cat, neg),
+#   ``tests/test_stream_bytes.py``): fp32 copies around bf16 norms, rotary by halves (cat, neg),
 #   each norm output cast per linear. Counted per dtype; fp16 as bf16.
 #
 # "fused" (Megatron, Transformer Engine: one kernel per operation, each reading its
@@ -317,7 +317,7 @@ def layer_cost(
         attn_re = attn_fwd
 
     # Memory-bound bytes (``stream_bytes``), the routed MLP's apart (backward: twice)
-    per_fwd, per_bwd = stream_bytes(replace(cfg, seq_len=s), layout, runtime, moe=mc is not None)
+    per_fwd, per_bwd = stream_bytes(cfg, layout, runtime, moe=mc is not None)
     routed = mc.stream_bytes if mc else 0.0
     mem_fwd = stream_time(hw, per_fwd * T + routed)
     mem_bwd = stream_time(hw, per_bwd * T + 2 * routed)
