@@ -126,9 +126,9 @@ FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal 
 # "fused" (Megatron, Transformer Engine: one kernel per operation, each reading its
 # inputs and writing its output once) is the model's first count, in elements:
 # forward 10 h + 2 f (GELU) or 3 f (SwiGLU) + 2 r, backward twice that.
-EAGER_STREAM = {  # bytes per element (h, f, r), forward then backward; r: e-dependent
-    "gpt2": ((10.0, 2.0, 0.0), (18.0, 3.0, 0.0)),
-    "llama": ((10.0, 5.0, 0.0), (21.0, 9.0, 0.0)),
+EAGER_STREAM = {  # passes of e bytes per element of (h, f), forward then backward (rotary apart)
+    "gpt2": ((10.0, 2.0), (18.0, 3.0)),
+    "llama": ((10.0, 5.0), (21.0, 9.0)),
 }
 PLAIT_STREAM = {  # bytes (not elements) per token per (h, f, r), forward then backward
     ("gpt2", "bf16"): ((84.0, 4.0, 0.0), (134.0, 8.0, 0.0)),
@@ -152,7 +152,7 @@ def stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *, moe: boo
         fwd = e * (10 * h + (2 if cfg.block == "gpt2" else 3) * f + 2 * r)
         return fwd, 2 * fwd
     if runtime.layer_kernels == "eager":
-        (fh, ff, _), (bh, bf, _) = EAGER_STREAM[cfg.block]
+        (fh, ff), (bh, bf) = EAGER_STREAM[cfg.block]
         rope = (2 * e + 16) * r
         fwd, bwd = e * (fh * h + ff * f) + rope, e * (bh * h + bf * f) + rope
         if kv_t < a_t and cfg.rotary:  # the key / value repeat and its sum
@@ -167,18 +167,18 @@ def stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *, moe: boo
 def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
                         moe: bool = False) -> float:  # fmt: skip
     """Bytes a micro-batch streams per block in proportion to its linear weights on one tp
-    rank, not its tokens: plait under bf16 / fp16 (``layer_kernels`` "plait",
-    ``weight_cast_per_step``) casts each weight gradient to fp32 (2 + 4 bytes) and, from a
-    step's second micro-batch on, adds it to the fp32 gradient (12), and casts each weight
-    to the compute dtype once a step (4 + 2; not under ZeRO-3, which gathers in it). 0
-    for the others: Megatron accumulates in fp32 inside the weight-gradient GEMM, FSDP's
-    bf16 weights need no cast."""
-    if runtime.layer_kernels != "plait" or layout.dtype == "fp32":
+    rank, not its tokens: a runtime with fp32 weights under bf16 / fp16 autocast
+    (``weight_cast_per_step``: plait) casts each weight gradient to fp32 (2 + 4 bytes) and,
+    from a step's second micro-batch on, adds it to the fp32 gradient (12), and casts each
+    weight to the compute dtype once a step (4 + 2; not under ZeRO-3, which gathers in it).
+    0 for the others: Megatron accumulates in fp32 inside the weight-gradient GEMM, FSDP's
+    bf16 weights need no cast. ``moe``: the dense MLP's weights are left out."""
+    if not runtime.weight_cast_per_step or layout.dtype == "fp32":
         return 0.0
-    t, h, d = layout.tp, cfg.hidden, cfg.head_dim
-    n = (cfg.n_heads * 2 + 2 * cfg.n_kv_heads) * d * h / t
-    if not moe:
-        n += (2 if cfg.block == "gpt2" else 3) * cfg.ffn_hidden * h / t
+    n = sizes.layer_matmul_params(cfg)
+    if moe:
+        n -= (2 if cfg.block == "gpt2" else 3) * cfg.hidden * cfg.ffn_hidden
+    n /= layout.tp
     m = layout.num_microbatches
     per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
     return n * per
