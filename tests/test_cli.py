@@ -224,6 +224,27 @@ def test_bad_input_one_line(extra, needles, tmp_path):
     _one_line_error(proc, *needles)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [["--hidden", "66"], ["--lora-rank", "0"], ["--qat", "int4", "--quant-group-size", "1"],
+     ["--steps", "0"], ["--tp", "3"]],
+)  # fmt: skip
+def test_bad_flags_are_refused_before_torch_loads(extra, tmp_path):
+    """A mistyped flag is answered in the time it takes to read the flags (about half a
+    second), not after loading torch (two seconds more). Catches a torch import creeping
+    into the modules ``plait train`` reads before it checks its flags: the flag values'
+    classes (``LoRAConfig``, ``QuantConfig``, ...) live apart from the layers for this."""
+    code = (
+        "import sys\nfrom plait.cli import main\n"
+        f"rc = main(['train', '--out', {str(tmp_path / 'run')!r}, *{extra!r}])\n"
+        "print(rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_empty_corpus_and_short_corpus(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

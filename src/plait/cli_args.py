@@ -234,7 +234,7 @@ def lora_parent() -> argparse.ArgumentParser:
 
 def lora_config(values: dict):
     """LoRAConfig from the flags, or None without --lora-rank (ValueError on bad ones)."""
-    from plait.model.lora import LoRAConfig
+    from plait.model.lora_config import LoRAConfig
 
     if values.get("lora_rank") is None:
         if values.get("lora_alpha") is not None or values.get("lora_targets"):

@@ -236,7 +236,7 @@ def build_run_config(values: dict):
 def finetune_configs(values: dict) -> dict:
     """``lora`` and ``qat`` of a RunConfig from the flags (ValueError on bad ones)."""
     from plait.cli_args import lora_config
-    from plait.model.quant import QuantConfig
+    from plait.model.quant_config import QuantConfig
 
     out = {}
     if (lora := lora_config(values)) is not None:

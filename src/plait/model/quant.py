@@ -37,7 +37,6 @@ import contextlib
 import json
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,58 +44,22 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.model.config import ModelConfig
+from plait.model.quant_config import QuantConfig
 
-SCHEMES = {"int8": (-128, 127), "int4": (-8, 7)}
 LAYERS = re.compile(r"blocks\.\d+\.(attn\.(q|k|v|o)|mlp\.(fc|proj|gate|up|down))")
 WEIGHTS = "quantized.safetensors"
 META = "quantization.json"
 
 
-@dataclass(frozen=True, kw_only=True)
-class QuantConfig:
-    """``--qat int8|int4`` or ``plait export --quantize int8|int4`` with
-    ``--quant-group-size`` (int4 only: input features per scale)."""
+def torchao_config(cfg: QuantConfig):
+    """The torchao post-training config equivalent to ``cfg``."""
+    with _quiet_import():
+        from torchao.quantization import IntxWeightOnlyConfig
+        from torchao.quantization.granularity import PerAxis, PerGroup
 
-    dtype: str
-    group_size: int = 32
-
-    def __post_init__(self) -> None:
-        if self.dtype not in SCHEMES:
-            raise ValueError(f"quantisation {self.dtype!r}: choose int8 or int4")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise ValueError(f"--quant-group-size must be an integer >= 2, got {self.group_size}")
-
-    @property
-    def qmin(self) -> int:
-        return SCHEMES[self.dtype][0]
-
-    @property
-    def qmax(self) -> int:
-        return SCHEMES[self.dtype][1]
-
-    def check_model(self, cfg: ModelConfig, *, tp: int = 1) -> None:
-        """ValueError (one line) unless every int4 group lies inside one tp rank's shard."""
-        if self.dtype != "int4":
-            return
-        g = self.group_size
-        for what, n in (("--hidden", cfg.hidden), ("--hidden / --tp", cfg.hidden // tp),
-                        ("--ffn-hidden / --tp", cfg.ffn_hidden // tp)):  # fmt: skip
-            if n % g:
-                fits = [d for d in range(2, n + 1) if n % d == 0 and d <= 256][-3:]
-                raise ValueError(
-                    f"--quant-group-size {g} does not divide the {n} input features of "
-                    f"{what}; use one of {', '.join(map(str, fits)) or 'a smaller --tp'}"
-                )
-
-    def torchao(self):
-        """The equivalent torchao post-training config."""
-        with _quiet_import():
-            from torchao.quantization import IntxWeightOnlyConfig
-            from torchao.quantization.granularity import PerAxis, PerGroup
-
-        if self.dtype == "int8":
-            return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
-        return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(self.group_size))
+    if cfg.dtype == "int8":
+        return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(cfg.group_size))
 
 
 @contextlib.contextmanager
@@ -177,7 +140,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig) -> list[str]:
         from torchao.quantization import quantize_
 
     names = set(quantized_layers(model))
-    quantize_(model, cfg.torchao(), filter_fn=lambda m, fqn: fqn in names)
+    quantize_(model, torchao_config(cfg), filter_fn=lambda m, fqn: fqn in names)
     return sorted(names)
 
 

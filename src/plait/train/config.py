@@ -15,8 +15,8 @@ from plait.data import DataConfig
 from plait.dp_algos.config import DPAlgoConfig
 from plait.layout import Layout
 from plait.model.config import ModelConfig
-from plait.model.lora import LoRAConfig
-from plait.model.quant import QuantConfig
+from plait.model.lora_config import LoRAConfig
+from plait.model.quant_config import QuantConfig
 from plait.resilience.config import ResilienceConfig
 
 
