@@ -168,7 +168,7 @@ def test_gpt3_175b_on_1024_a100s_takes_about_34_days(capsys, tmp_path):
 def test_llama_65b_on_2048_a100s_takes_about_21_days(capsys, tmp_path):
     # Touvron et al. 2023: ~380 tokens/s per GPU, 1.4T tokens in ~21 days, with their own
     # software: sharded data parallelism, xformers' fused attention, PyTorch eager layers --
-    # the fsdp profile (plait's runtime prices plait's own step: 324 tokens/s, 24.4 days)
+    # the fsdp profile (plait's runtime prices plait's own step: 346 tokens/s, 22.9 days)
     text, _ = run_cli(
         ["--model", "llama-65b", "--gpu", "a100-80gb", "--gpus", "2048", "--global-batch-size",
          "2048", "--tokens", "1.4T", "--top", "3", "--runtime", "fsdp"], capsys, tmp_path)  # fmt: skip

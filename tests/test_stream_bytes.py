@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import plait.model.transformer as transformer
 from plait.layout import Layout
+from plait.model import sizes
 from plait.model.config import preset
 from plait.parallel.tensor import weight_casts
 from plait.sim import costs
@@ -170,3 +171,29 @@ def test_eager_blocks_stream_what_the_model_counts(arch, kv):
     fwd, bwd = costs.stream_bytes(cfg, _layout("bf16"), PROFILES["fsdp"])
     priced = (fwd + bwd) * B * S
     assert abs(counted / priced - 1) < 0.01, (counted, priced, counter.bytes)
+
+
+def test_weight_gradient_casts_by_runtime():
+    """Bytes in proportion to the weights, per micro-batch, by what each runtime does with a
+    weight gradient: FSDP (bf16 weights, fp32 reduce dtype) casts each one to fp32 before
+    its reduce-scatter, 2 + 4 bytes, in every micro-batch whatever the count; Megatron
+    accumulates in fp32 inside the GEMM (none); plait's fp32 weights pay the cast, the fp32
+    accumulation from the second micro-batch and the once-a-step weight cast. Catches the
+    FSDP cast dropped (the llm-foundry rows at few tokens a weight move 4 points) or
+    charged under fp32, where there is nothing to cast."""
+    cfg = preset("gpt3-1.3b")
+    n = sizes.layer_matmul_params(cfg)
+
+    def per_weight(runtime: str, dtype: str = "bf16", m: int = 1, zero: int = 0, tp: int = 1):
+        dp = 8 if zero else 1
+        layout = Layout(global_batch_size=8 * m * dp, micro_batch_size=8, dtype=dtype,
+                        zero=zero, dp=dp, tp=tp)  # fmt: skip
+        return costs.weight_stream_bytes(cfg, layout, PROFILES[runtime]) / (n / tp)
+
+    assert per_weight("fsdp") == per_weight("fsdp", m=4, zero=3) == 6.0
+    assert per_weight("fsdp", tp=2) == 6.0  # each tp rank casts its own slice
+    assert per_weight("fsdp", dtype="fp32") == 0.0
+    assert per_weight("megatron-core") == per_weight("megatron-lm") == 0.0
+    assert per_weight("plait", m=1) == pytest.approx(6 + 6)
+    assert per_weight("plait", m=4) == pytest.approx(6 + 12 * 3 / 4 + 6 / 4)
+    assert per_weight("plait", m=4, zero=3) == pytest.approx(6 + 12 * 3 / 4)

@@ -167,21 +167,33 @@ def stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *, moe: boo
 def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
                         moe: bool = False) -> float:  # fmt: skip
     """Bytes a micro-batch streams per block in proportion to its linear weights on one tp
-    rank, not its tokens: a runtime with fp32 weights under bf16 / fp16 autocast
-    (``weight_cast_per_step``: plait) casts each weight gradient to fp32 (2 + 4 bytes) and,
-    from a step's second micro-batch on, adds it to the fp32 gradient (12), and casts each
-    weight to the compute dtype once a step (4 + 2; not under ZeRO-3, which gathers in it).
-    0 for the others: Megatron accumulates in fp32 inside the weight-gradient GEMM, FSDP's
-    bf16 weights need no cast. ``moe``: the dense MLP's weights are left out."""
-    if not runtime.weight_cast_per_step or layout.dtype == "fp32":
+    rank, not its tokens:
+
+    - fp32 weights under bf16 / fp16 autocast (``weight_cast_per_step``: plait): each weight
+      gradient is cast to fp32 (2 + 4 bytes) and, from a step's second micro-batch on,
+      added to the fp32 gradient (12), and each weight is cast to the compute dtype once a
+      step (4 + 2; not under ZeRO-3, which gathers in it);
+    - weights held in the compute dtype with gradients reduced in fp32 (FSDP's
+      ``reduce_dtype``: no ``master_weights``, ``grad_reduce_fp32``): the backward leaves
+      each weight gradient in the compute dtype and it is cast to fp32 for the reduction in
+      every micro-batch (2 + 4 bytes: FSDP1's post-backward cast of the unsharded gradient,
+      FSDP2's copy into its reduce-scatter input);
+    - nothing for Megatron, which accumulates in fp32 inside the weight-gradient GEMM.
+
+    ``moe``: the dense MLP's weights are left out."""
+    if layout.dtype == "fp32":
+        return 0.0
+    if runtime.weight_cast_per_step:
+        m = layout.num_microbatches
+        per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
+    elif not runtime.master_weights and runtime.grad_reduce_fp32:
+        per = 6.0
+    else:
         return 0.0
     n = sizes.layer_matmul_params(cfg)
     if moe:
         n -= (2 if cfg.block == "gpt2" else 3) * cfg.hidden * cfg.ffn_hidden
-    n /= layout.tp
-    m = layout.num_microbatches
-    per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
-    return n * per
+    return n / layout.tp * per
 
 
 # -- compute ------------------------------------------------------------------------------
