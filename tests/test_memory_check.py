@@ -131,3 +131,35 @@ def test_on_a_gpu_the_limit_is_the_devices_memory(monkeypatch):
     hw, where = train_cmd._local_device(8)
     assert hw.memory_bytes == 80 * GiB and hw.name == "h100-sxm"
     assert where == "on the NVIDIA H100 80GB HBM3"
+
+
+def test_the_end_of_run_sample_never_loads_a_large_model_in_the_launcher(monkeypatch, capsys,
+                                                                         tmp_path):  # fmt: skip
+    """After a run the launcher samples text from its checkpoint, which loads the whole model
+    into one process. Catches that done for a model whose fp32 weights crowd the host's
+    memory or whose sampling would take minutes on its CPU (a 175B run would end by
+    gathering 700 GB into the launcher): the report names why and points at plait
+    generate, without touching the checkpoint. The tiny default model is still sampled."""
+    import types
+
+    import torch
+
+    from plait.model.config import preset
+
+    def cfg(name):
+        return types.SimpleNamespace(model=preset(name), out=str(tmp_path))
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)  # a large host's CPU
+    assert train_cmd._sample_too_big(cfg("tiny"), available=8 * GiB) is None
+    assert train_cmd._sample_too_big(cfg("gpt2-124m"), available=8 * GiB) is None
+    memory = train_cmd._sample_too_big(cfg("gpt3-175b"), available=2**40)
+    assert memory and "more than half this host's available memory" in memory
+    slow = train_cmd._sample_too_big(cfg("gpt3-13b"), available=2**40)
+    assert slow and "would take" in slow and "s on this host's CPU" in slow
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    monkeypatch.setattr("plait.generate.generate_text",
+                        lambda *a, **k: pytest.fail("the checkpoint was loaded"))  # fmt: skip
+    train_cmd._report(cfg("gpt3-175b"))
+    out = capsys.readouterr().out
+    assert "no sample:" in out and f"plait generate --run {tmp_path}" in out

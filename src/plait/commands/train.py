@@ -518,9 +518,41 @@ def _report(cfg) -> None:
             + (f", validation loss {val[-1]:.4f}" if val else "")
             + (f", {timed['tokens_per_s']:,.0f} tokens/s, MFU {timed['mfu']:.1%}" if timed else "")
         )
-    try:
-        text = generate_text(out, "def ", max_new_tokens=80)
-        print("plait: sample:\n" + text)
-    except Exception as e:  # noqa: BLE001 - the run itself succeeded; a sample is a bonus
-        print(f"plait: (no sample: {e})")
+    why_not = _sample_too_big(cfg)
+    if why_not:
+        print(f"plait: (no sample: {why_not}; `plait generate --run {out}` samples it)")
+    else:
+        try:
+            text = generate_text(out, SAMPLE_PROMPT, max_new_tokens=SAMPLE_TOKENS)
+            print("plait: sample:\n" + text)
+        except Exception as e:  # noqa: BLE001 - the run itself succeeded; a sample is a bonus
+            print(f"plait: (no sample: {e})")
     print(f"plait: run folder {out}")
+
+
+SAMPLE_PROMPT, SAMPLE_TOKENS = "def ", 80
+SAMPLE_BUDGET_S = 10.0  # the end-of-run sample shows the weights load and speak; no more
+
+
+def _sample_too_big(cfg, available: float | None = None) -> str | None:
+    """Why the end-of-run sample is skipped, or None. It loads the whole model into this
+    (the launcher's) process and runs it on the CPU, so it is taken only where that is
+    cheap: the weights in fp32 within half the host's MemAvailable, and the sampling's
+    FLOPs -- ``SAMPLE_TOKENS`` forward passes without a KV cache, 2 per weight per token
+    of a context that grows to the prompt plus the new tokens -- within ``SAMPLE_BUDGET_S``
+    at the ``cpu`` preset's peak per thread. A 175B run never gathers its model here."""
+    import torch
+
+    from plait.model.sizes import num_params
+    from plait.sim.hardware import BUILTIN
+
+    n = num_params(cfg.model)
+    available = _mem_available() if available is None else available
+    if available is not None and 4 * n > available / 2:
+        return f"{n / 1e9:.1f}B parameters are more than half this host's available memory"
+    context = sum(min(len(SAMPLE_PROMPT) + i, cfg.model.seq_len) for i in range(SAMPLE_TOKENS))
+    rate = BUILTIN["cpu"].peak_flops.fp32 * torch.get_num_threads()
+    seconds = 2 * n * context / rate
+    if seconds > SAMPLE_BUDGET_S:
+        return f"{n / 1e9:.1f}B parameters would take ~{seconds:.0f} s on this host's CPU"
+    return None
