@@ -500,6 +500,10 @@ def _nearest_fit(cfg, hw, algo) -> str | None:
     return f"{' '.join(flags)} (~{plan.best.result.peak_mem_bytes / GiB:.1f} GiB)"
 
 
+SAMPLE_PROMPT, SAMPLE_TOKENS = "def ", 80
+SAMPLE_BUDGET_S = 10.0  # the end-of-run sample shows the weights load and speak; no more
+
+
 def _report(cfg) -> None:
     import json
 
@@ -528,10 +532,6 @@ def _report(cfg) -> None:
         except Exception as e:  # noqa: BLE001 - the run itself succeeded; a sample is a bonus
             print(f"plait: (no sample: {e})")
     print(f"plait: run folder {out}")
-
-
-SAMPLE_PROMPT, SAMPLE_TOKENS = "def ", 80
-SAMPLE_BUDGET_S = 10.0  # the end-of-run sample shows the weights load and speak; no more
 
 
 def _sample_too_big(cfg, available: float | None = None) -> str | None:
