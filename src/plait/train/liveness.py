@@ -265,9 +265,12 @@ def _int(payload: bytes | None) -> int | None:
 def report(store, rank: int, *, code: int, message: str = "", log=None, detail=None) -> None:
     """A worker's last word: code 0 when its work completed; else the exit code, one line
     for the user, the log file holding the traceback (None when it could not be written)
-    and, in that case, the traceback itself."""
+    and, in that case, the traceback itself. Returns once the store holds it: a store's
+    ``set`` is not answered, so a reader on another connection (the supervisor) could look
+    before it lands; the read that follows on this connection is answered after it."""
     status = {"code": code, "message": message, "log": log and str(log), "detail": detail}
     store.set(STATUS.format(rank), json.dumps(status))
+    store.get(STATUS.format(rank))
 
 
 def reports(store, ranks) -> dict[int, dict]:
