@@ -24,14 +24,9 @@ from plait.sim import runs, validate
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "benchmarks" / "data" / "published_runs.csv"
 MORE = REPO / "benchmarks" / "data" / "published_runs_more.csv"
-INCOMPLETE = {  # rows that lack the layout or the model's sizes
-    "mlm_readme_h100_strong_96",
-    "mlm_readme_h100_strong_4608",
-    "ibmfsdp_a100_7B",
-    "ibmfsdp_a100_13B",
-    "ibmfsdp_a100_34B",
-    "ibmfsdp_a100_70B",
-}
+INCOMPLETE = {"mlm_readme_h100_strong_96", "mlm_readme_h100_strong_4608"}  # no tp, pp
+# fms-fsdp's "selective" checkpointing of every n-th block: a recomputation not modelled
+PARTIAL = {"ibmfsdp_a100_13B", "ibmfsdp_h100_13B"}
 
 
 def published_rows() -> list[dict]:
@@ -75,7 +70,7 @@ def test_held_out_error_of_published_runs(held_out, grid):
     leaving a source out moves the fitted ``gemm_max``, the held-out prediction must use
     the moved value and differ from the in-sample one, and some sources must move."""
     table = validate.table(held_out) + "\n" + validate.rows_table(held_out)
-    assert set(held_out.skipped) == INCOMPLETE, table
+    assert set(held_out.skipped) == INCOMPLETE | PARTIAL, table
     assert len(held_out.predictions) >= 100, table
     assert len(held_out.by_source()) >= 6, table
     assert held_out.mean_error <= 0.09, table
@@ -100,18 +95,21 @@ def test_held_out_error_of_published_runs(held_out, grid):
     assert len(moved) >= 2, moved
 
 
-def test_leaving_a_source_out_changes_its_fit(grid):
-    # The fold of a source must not see it: a source whose rows alone would pull the fit
-    # elsewhere gets a different value held out than in the fit on everything.
+def test_a_sources_fold_does_not_see_it(grid):
+    """The fold of a source must not see it: with that source's errors moved (its rows
+    predicted e times slower at every ``gemm_max``), its fold's fit stays where it was.
+    Catches a fold fitted on every source (then some source's move moves its fold)."""
     cases, log_err = grid
     h100 = [i for i, c in enumerate(cases) if c.family == "h100"]
     cases, log_err = [cases[i] for i in h100], log_err[h100]
-    sources = [c.source for c in cases]
-    everything = validate.fit(cases, log_err, np.ones(len(cases), bool))["h100"]
+    sources = np.array([c.source for c in cases])
+    assert len(set(sources)) >= 3
     for source in set(sources):
-        train = np.array([s != source for s in sources])
-        fold = validate.fit(cases, log_err, train)["h100"]
-        assert fold != everything, source
+        mine = sources == source
+        moved = log_err.copy()
+        moved[mine] += 1.0
+        fold = validate.fit(cases, log_err, ~mine)["h100"]
+        assert validate.fit(cases, moved, ~mine)["h100"] == fold, source
 
 
 def test_each_source_is_compared_in_its_own_flop_convention(predictions):
@@ -120,8 +118,9 @@ def test_each_source_is_compared_in_its_own_flop_convention(predictions):
     # SC21 Table 1 and BLOOM count recomputation; Megatron-Core and MosaicML report MFU
     assert hardware == {f"ntk21_t1_{i}" for i in range(1, 11)} | {"bloom176b_prod"}
     for i, r in by_id.items():
-        if i in INCOMPLETE:
-            assert r["pred_tflops_gpu"] == "" and r["pred_note"].startswith("incomplete")
+        if i in INCOMPLETE | PARTIAL:
+            assert r["pred_tflops_gpu"] == ""
+            assert r["pred_note"].startswith("incomplete" if i in INCOMPLETE else "recompute")
             continue
         pred = float(r["pred_tflops_gpu"])
         peak = 312 if "a100" in r["pred_hardware"] else 989.4
@@ -173,7 +172,7 @@ def parser():
 
 def test_cli_runs_round_trip(tmp_path, capsys):
     rows = {r["id"]: r for r in published_rows()}
-    keep = ["ntk21_t1_3", "mosaic_h100_7b_128", "ibmfsdp_a100_7B"]
+    keep = ["ntk21_t1_3", "mosaic_h100_7b_128", "mlm_readme_h100_strong_96"]
     src = tmp_path / "runs.csv"
     columns = list(next(iter(rows.values())).keys())
     with src.open("w", newline="") as f:
@@ -198,8 +197,8 @@ def test_cli_runs_round_trip(tmp_path, capsys):
     for i in ("ntk21_t1_3", "mosaic_h100_7b_128"):
         assert float(got[i]["pred_tflops_gpu"]) > 0 and got[i]["err_tflops_gpu"]
         assert got[i]["source"] == rows[i]["source"]  # the input columns are kept
-    assert got["ibmfsdp_a100_7B"]["pred_tflops_gpu"] == ""
-    assert "incomplete configuration" in got["ibmfsdp_a100_7B"]["pred_note"]
+    assert got["mlm_readme_h100_strong_96"]["pred_tflops_gpu"] == ""
+    assert "incomplete configuration" in got["mlm_readme_h100_strong_96"]["pred_note"]
     assert "no hardware entry" in got["odd_gpu"]["pred_note"]
     # errors against every measured column present
     assert got["mosaic_h100_7b_128"]["err_mfu"] and got["mosaic_h100_7b_128"]["err_tok_s_gpu"]

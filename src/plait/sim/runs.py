@@ -21,7 +21,9 @@ Reading a row
     - vpp, sp, zero empty: 1, off, 0. recompute empty: none. precision: bf16 / fp16 / fp32
       as named (default bf16).
     - zero: a leading digit is the stage; "FSDP"/"FULL_SHARD"/"HSDP" is 3,
-      "SHARD_GRAD_OP" is 2.
+      "SHARD_GRAD_OP" is 2. "HSDP" / "HYBRID_SHARD" shards within a node and replicates
+      across nodes (PyTorch FSDP's ``HYBRID_SHARD``): ``--zero-shard-group`` = the node's
+      devices.
     - Unknown ("?") fields take what the source's framework does when it is not told
       (``UNKNOWN_DEFAULTS``: its default, or for a flag without one the value its own
       published runs and example scripts use), then what the row's notes imply
@@ -37,8 +39,8 @@ Reading a row
     gpu -> hardware: "H200" h200, "H100" h100-sxm, "A100" with "40" a100-40gb, other
     "A100" a100-80gb, "V100" v100 (a ``hardware`` column naming a built-in or a YAML
     file wins). A fabric other than the DGX one named in the gpu text replaces the
-    network: "Omni-Path, 4 links/node" is 4 x 100 Gb/s per node shared by its devices
-    (``fabric_for``).
+    network: "Omni-Path, 4 links/node" is 4 x 100 Gb/s per node shared by its devices,
+    "400Gbps" a node's network of 400 Gb/s in all (``fabric_for``).
 
     source -> runtime profile (``runtime.py``; a ``runtime`` column wins): Megatron-Core
     or the Megatron-LM README's H100 tables -> megatron-core; a DeepSpeed ZeRO-3
@@ -263,18 +265,23 @@ def source_key(row: dict) -> str:
 
 def fabric_for(row: dict, hw: Hardware) -> Hardware:
     """``hw`` with the network the gpu text names, if not a DGX rail per device:
-    "Omni-Path, N links/node" is N x 100 Gb/s per node (Intel OPA 100 series), shared by
-    the node's devices, at the 95% of line rate the built-in networks assume."""
+    "Omni-Path, N links/node" is N x 100 Gb/s per node (Intel OPA 100 series), "N Gbps"
+    a node's network of N Gb/s in all; either shared by the node's devices, at the 95% of
+    line rate the built-in networks assume."""
     gpu = _raw(row, "gpu")
-    m = re.search(r"omni-?path\D*(\d+) links?/node", gpu, re.I)
-    if not m:
+    if m := re.search(r"omni-?path\D*(\d+) links?/node", gpu, re.I):
+        n = int(m.group(1))
+        gbps, name, what = 100 * n, f"opa{n}", f"{n} x 100 Gb/s Omni-Path"
+    elif m := re.search(r"(\d+)\s*gbps", gpu, re.I):
+        n = int(m.group(1))
+        gbps, name, what = n, f"net{n}", f"{n} Gb/s"
+    else:
         return hw
-    links = int(m.group(1))
-    per_device = 0.95 * links * 100e9 / 8 / hw.devices_per_node
+    per_device = 0.95 * gbps * 1e9 / 8 / hw.devices_per_node
     inter = dataclasses.replace(hw.inter_node, bandwidth=per_device)
     return hw.replace(
-        name=f"{hw.name}-opa{links}", inter_node=inter,
-        description=f"{hw.description}; network: {links} x 100 Gb/s Omni-Path per node",
+        name=f"{hw.name}-{name}", inter_node=inter,
+        description=f"{hw.description}; network: {what} per node",
     )  # fmt: skip
 
 
@@ -349,18 +356,21 @@ def row_spec(row: dict) -> RowSpec:
     knobs, assumed = _filled(row, runtime, tp)
     vpp = knobs["vpp"]
     try:
+        hw = fabric_for(row, hardware_for(row))
+        hybrid = re.search(r"HSDP|HYBRID_SHARD", _raw(row, "zero"), re.I) and knobs["zero"]
         layout = Layout(
             dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, vpp=vpp, global_batch_size=_int(row, "gbs_seqs"),
             micro_batch_size=knobs["mbs"], dtype=_dtype(row),
             schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
             sequence_parallel=knobs["sp"], recompute=knobs["recompute"], zero=knobs["zero"],
+            zero_shard_group=min(hw.devices_per_node, dp) if hybrid else None,
             pp_layout=_partition(row, layers, pp) if vpp == 1 else None,
         )  # fmt: skip
         layout.check_model(model)
     except ValueError as e:
         raise RowError(str(e)) from None
     return RowSpec(
-        model, layout, fabric_for(row, hardware_for(row)), runtime, convention_for(row),
+        model, layout, hw, runtime, convention_for(row),
         n_gpus, source_key(row), tuple(assumed),
     )  # fmt: skip
 
