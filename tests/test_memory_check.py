@@ -13,6 +13,7 @@ import pytest
 
 from plait.cli import main
 from plait.commands import train as train_cmd
+from plait.sim import hardware
 
 GiB = 2**30
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -31,7 +32,7 @@ def no_start(monkeypatch):
 
 def _host(monkeypatch, gib: float) -> None:
     """This host's MemAvailable, fixed (so that the test does not depend on the machine)."""
-    monkeypatch.setattr(train_cmd, "_mem_available", lambda path="": gib * GiB)
+    monkeypatch.setattr("plait.sim.hardware.host_mem_available", lambda path="": gib * GiB)
 
 
 def test_hidden_16384_is_refused_in_one_line_before_anything_starts(capsys, no_start, tmp_path):
@@ -95,9 +96,9 @@ def test_the_limit_is_mem_available_over_the_local_workers(tmp_path):
     """/proc/meminfo's MemAvailable (kB), divided among the workers this host starts."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   16777216 kB\n")
-    assert train_cmd._mem_available(str(meminfo)) == 16 * GiB
-    assert train_cmd._mem_available(str(tmp_path / "absent")) is None
-    assert train_cmd._mem_available() > 0  # this host's
+    assert hardware.host_mem_available(str(meminfo)) == 16 * GiB
+    assert hardware.host_mem_available(str(tmp_path / "absent")) is None
+    assert hardware.host_mem_available() > 0  # this host's
 
 
 def test_readme_train_commands_are_far_from_the_limit(capsys, monkeypatch):
@@ -163,3 +164,29 @@ def test_the_end_of_run_sample_never_loads_a_large_model_in_the_launcher(monkeyp
     train_cmd._report(cfg("gpt3-175b"))
     out = capsys.readouterr().out
     assert "no sample:" in out and f"plait generate --run {tmp_path}" in out
+
+
+def test_sampling_refuses_a_model_larger_than_the_host_in_one_line(monkeypatch, tmp_path):
+    """``plait generate`` and ``plait export --quantize`` run the whole model in one
+    process. Catches a load that starts allocating a model the host cannot hold (an
+    out-of-memory kill, not a line): the refusal comes from the config alone, before the
+    model is built, and names the sizes and what works instead."""
+    import types
+
+    from plait import generate
+    from plait.model.config import preset
+    from plait.model.sizes import num_params
+
+    big = types.SimpleNamespace(model=preset("gpt3-175b"))
+    monkeypatch.setattr(generate, "locate", lambda run, trust=None: (big, tmp_path))
+    monkeypatch.setattr(generate, "build_as_trained",
+                        lambda cfg: pytest.fail("the model was built"))  # fmt: skip
+    monkeypatch.setattr("plait.sim.hardware.host_mem_available", lambda path="": 64 * GiB)
+    with pytest.raises(ValueError) as e:
+        generate.load_model(tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and f"--run {tmp_path}" in line
+    need = 4 * num_params(big.model) / GiB  # 650 GiB
+    assert f"{need:.1f} GiB in fp32" in line and "64.0 GiB available" in line
+    assert "plait export" in line
+    generate.check_host_memory(types.SimpleNamespace(model=preset("tiny")), "--run x")

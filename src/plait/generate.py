@@ -45,10 +45,29 @@ def build_as_trained(cfg: RunConfig, *, device=None):
     return model
 
 
+def check_host_memory(cfg: RunConfig, what: str, available: float | None = None) -> None:
+    """ValueError (one line) when the whole model's fp32 weights exceed this host's
+    MemAvailable: sampling and quantised export run it in one process, which a model
+    trained across many devices may not fit."""
+    from plait.model.sizes import num_params
+    from plait.sim.hardware import host_mem_available
+
+    need = 4 * num_params(cfg.model)
+    available = host_mem_available() if available is None else available
+    if available is not None and need > available:
+        raise ValueError(
+            f"{what}: the whole model is {need / 2**30:.1f} GiB in fp32 and this host has "
+            f"{available / 2**30:.1f} GiB available; plait export without --quantize writes "
+            "it a layer at a time, for a machine that holds it"
+        )
+
+
 def load_model(run: Path, *, trust=None):
     """(config, checkpoint path, model with its weights) of a run folder's newest checkpoint
-    that verifies (``locate``)."""
+    that verifies (``locate``). The whole model in fp32 in this process: ValueError (one
+    line) where that is more than this host's MemAvailable, before anything is allocated."""
     cfg, path = locate(run, trust=trust)
+    check_host_memory(cfg, f"--run {run}")
     model = build_as_trained(cfg)
     checkpoint.load(path, state=checkpoint.model_state(model), topo=Topology.single(),
                     verified=True)  # fmt: skip

@@ -450,6 +450,7 @@ def _local_device(workers: int):
     ``workers`` started here."""
     import torch
 
+    from plait.sim import hardware
     from plait.sim.hardware import BUILTIN, DEFAULT_GPU, gpu_peak_flops
 
     if torch.cuda.is_available():
@@ -458,23 +459,13 @@ def _local_device(workers: int):
         base = next((h for h in BUILTIN.values() if h.peak_flops == peaks), BUILTIN[DEFAULT_GPU])
         total = torch.cuda.get_device_properties(0).total_memory
         return dataclasses.replace(base, memory_bytes=total), f"on the {name}"
-    available = _mem_available()
+    available = hardware.host_mem_available()
     if available is None:
         return None
     each = available / workers
     return dataclasses.replace(BUILTIN["cpu"], memory_bytes=each), (
         f"available (the host's MemAvailable over {workers} worker{'s' * (workers > 1)})"
     )
-
-
-def _mem_available(path: str = "/proc/meminfo") -> float | None:
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024  # kB
-    except OSError:
-        return None
-    return None
 
 
 def _nearest_fit(cfg, hw, algo) -> str | None:
@@ -544,14 +535,14 @@ def _sample_too_big(cfg, available: float | None = None) -> str | None:
     import torch
 
     from plait.model.sizes import num_params
-    from plait.sim.hardware import BUILTIN
+    from plait.sim import hardware
 
     n = num_params(cfg.model)
-    available = _mem_available() if available is None else available
+    available = hardware.host_mem_available() if available is None else available
     if available is not None and 4 * n > available / 2:
         return f"{n / 1e9:.1f}B parameters are more than half this host's available memory"
     context = sum(min(len(SAMPLE_PROMPT) + i, cfg.model.seq_len) for i in range(SAMPLE_TOKENS))
-    rate = BUILTIN["cpu"].peak_flops.fp32 * torch.get_num_threads()
+    rate = hardware.BUILTIN["cpu"].peak_flops.fp32 * torch.get_num_threads()
     seconds = 2 * n * context / rate
     if seconds > SAMPLE_BUDGET_S:
         return f"{n / 1e9:.1f}B parameters would take ~{seconds:.0f} s on this host's CPU"

@@ -478,6 +478,18 @@ BUILTIN: dict[str, Hardware] = {
 DEFAULT_GPU = "a100-80gb"
 
 
+def host_mem_available(path: str = "/proc/meminfo") -> float | None:
+    """This host's MemAvailable in bytes (what the kernel can give without swapping), or
+    None where it is not reported."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
 def get_hardware(name: str) -> Hardware:
     """A built-in entry by name (``--gpu``)."""
     key = name.lower()
