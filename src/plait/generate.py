@@ -45,7 +45,7 @@ def build_as_trained(cfg: RunConfig, *, device=None):
     return model
 
 
-def check_host_memory(cfg: RunConfig, what: str, available: float | None = None) -> None:
+def check_host_memory(cfg: RunConfig, what: str) -> None:
     """ValueError (one line) when the whole model's fp32 weights exceed this host's
     MemAvailable: sampling and quantised export run it in one process, which a model
     trained across many devices may not fit."""
@@ -53,7 +53,7 @@ def check_host_memory(cfg: RunConfig, what: str, available: float | None = None)
     from plait.sim.hardware import host_mem_available
 
     need = 4 * num_params(cfg.model)
-    available = host_mem_available() if available is None else available
+    available = host_mem_available()
     if available is not None and need > available:
         raise ValueError(
             f"{what}: the whole model is {need / 2**30:.1f} GiB in fp32 and this host has "

@@ -450,8 +450,7 @@ def _local_device(workers: int):
     ``workers`` started here."""
     import torch
 
-    from plait.sim import hardware
-    from plait.sim.hardware import BUILTIN, DEFAULT_GPU, gpu_peak_flops
+    from plait.sim.hardware import BUILTIN, DEFAULT_GPU, gpu_peak_flops, host_mem_available
 
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
@@ -459,7 +458,7 @@ def _local_device(workers: int):
         base = next((h for h in BUILTIN.values() if h.peak_flops == peaks), BUILTIN[DEFAULT_GPU])
         total = torch.cuda.get_device_properties(0).total_memory
         return dataclasses.replace(base, memory_bytes=total), f"on the {name}"
-    available = hardware.host_mem_available()
+    available = host_mem_available()
     if available is None:
         return None
     each = available / workers
