@@ -193,9 +193,16 @@ def _zero(row: dict) -> int | None:
     upper = text.upper()
     if "SHARD_GRAD_OP" in upper:
         return 2
-    if "FSDP" in upper or "FULL_SHARD" in upper or "HSDP" in upper:
+    if "FSDP" in upper or "FULL_SHARD" in upper or _hybrid(row):
         return 3
     raise RowError(f"zero {text!r} is not a ZeRO stage")
+
+
+def _hybrid(row: dict) -> bool:
+    """Whether the zero column names hybrid sharding (PyTorch FSDP's ``HYBRID_SHARD``:
+    shard within a node, replicate across nodes)."""
+    upper = _raw(row, "zero").upper()
+    return "HSDP" in upper or "HYBRID_SHARD" in upper
 
 
 def _recompute(row: dict) -> str | None:
@@ -357,13 +364,12 @@ def row_spec(row: dict) -> RowSpec:
     vpp = knobs["vpp"]
     try:
         hw = fabric_for(row, hardware_for(row))
-        hybrid = re.search(r"HSDP|HYBRID_SHARD", _raw(row, "zero"), re.I) and knobs["zero"]
         layout = Layout(
             dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, vpp=vpp, global_batch_size=_int(row, "gbs_seqs"),
             micro_batch_size=knobs["mbs"], dtype=_dtype(row),
             schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
             sequence_parallel=knobs["sp"], recompute=knobs["recompute"], zero=knobs["zero"],
-            zero_shard_group=min(hw.devices_per_node, dp) if hybrid else None,
+            zero_shard_group=min(hw.devices_per_node, dp) if _hybrid(row) and knobs["zero"] else None,
             pp_layout=_partition(row, layers, pp) if vpp == 1 else None,
         )  # fmt: skip
         layout.check_model(model)
