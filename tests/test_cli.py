@@ -225,15 +225,21 @@ def test_bad_input_one_line(extra, needles, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra",
-    [["--hidden", "66"], ["--lora-rank", "0"], ["--qat", "int4", "--quant-group-size", "1"],
-     ["--steps", "0"], ["--tp", "3"]],
+    ("extra", "needle"),
+    [(["--hidden", "66"], "--hidden"), (["--lora-rank", "0"], "--lora-rank"),
+     (["--qat", "int4", "--quant-group-size", "1"], "--quant-group-size"),
+     (["--steps", "0"], "--steps"), (["--tp", "3"], "--tp"),
+     (["--data", "/nonexistent/corpus.txt"], "no such file"),
+     (["--data", "a.txt:1,b.txt"], "has no weight"),
+     (["--resume"], "no checkpoint in"), (["--resume-from", "3"], "no checkpoint of step 3")],
 )  # fmt: skip
-def test_bad_flags_are_refused_before_torch_loads(extra, tmp_path):
-    """A mistyped flag is answered in the time it takes to read the flags (about half a
-    second), not after loading torch (two seconds more). Catches a torch import creeping
-    into the modules ``plait train`` reads before it checks its flags: the flag values'
-    classes (``LoRAConfig``, ``QuantConfig``, ...) live apart from the layers for this."""
+def test_bad_flags_are_refused_before_torch_loads(extra, needle, tmp_path):
+    """A mistyped flag, a --data path that is not there or a --resume with nothing to resume
+    from is answered in the time it takes to read the flags (about half a second), not
+    after loading torch (two seconds more). Catches a torch import creeping into the modules
+    ``plait train`` reads before these checks: the flag values' classes (``LoRAConfig``,
+    ``QuantConfig``, ...), --data's parser (``data/sources.py``) and the checkpoint folder's
+    reader (``train/checkpoint_files.py``) live apart from the torch code for this."""
     code = (
         "import sys\nfrom plait.cli import main\n"
         f"rc = main(['train', '--out', {str(tmp_path / 'run')!r}, *{extra!r}])\n"
@@ -242,7 +248,7 @@ def test_bad_flags_are_refused_before_torch_loads(extra, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
 
 
 def test_empty_corpus_and_short_corpus(tmp_path):

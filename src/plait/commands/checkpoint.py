@@ -31,21 +31,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``verify``, the one action."""
     from plait.errors import printable
-    from plait.train import checkpoint, manifest
+    from plait.train import checkpoint_files, manifest
 
     target = Path(args.dir)
     if (target / manifest.NAME).exists() or target.name.startswith("step-"):
         folders = [target]
     else:
         root = target / "checkpoints" if (target / "checkpoints").is_dir() else target
-        folders = checkpoint.checkpoint_dirs(root)
+        folders = checkpoint_files.checkpoint_dirs(root)
     if not folders:
         return die("checkpoint verify", f"{target}: no checkpoint there; give a run folder, "
                    "its checkpoints/ folder or one step-N folder")  # fmt: skip
     damaged = 0
     for folder in folders:
         t0 = time.perf_counter()
-        problem = checkpoint.verify(folder, trust=args.trust_checkpoint)
+        problem = checkpoint_files.verify_files(folder, trust=args.trust_checkpoint)
         if problem is None:
             files = manifest.read(folder, trust=args.trust_checkpoint)
             size = sum(e["size"] for e in files.values())

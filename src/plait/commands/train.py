@@ -135,15 +135,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         values = merged_values(args, parser, run=True)
         values.setdefault("dtype", None)
+        # bad flags, missing data and nothing to resume from refused before torch loads
+        _check_inputs(build_run_config({**values, "dtype": values["dtype"] or "fp32"}))
         if values["dtype"] is None:  # bf16 where GPUs want it, fp32 on a CPU
-            build_run_config({**values, "dtype": "fp32"})  # bad flags refused before the probe
             values["dtype"] = _default_train_dtype()
         cfg = build_run_config(values)
         nnodes = values.get("nnodes") or 1
         fit = None if values.get("skip_memory_check") else memory_fit(cfg, nnodes=nnodes)
         if values.get("dry_run"):
-            if cfg.train.resume:
-                _check_resume(cfg)
             return _dry_run(cfg, fit)
         if fit is not None and not fit.fits:  # before any worker, and before the data
             raise UserError(fit.refusal())
@@ -285,15 +284,28 @@ def _check_gpu_peak(cfg) -> None:
         gpu_peak(torch.cuda.get_device_name(0), cfg.layout.dtype)
 
 
+def _check_inputs(cfg) -> None:
+    """What --data names exists and, with --resume, there is a checkpoint of this model to
+    resume from: torch-free, so these answer in well under a second."""
+    from plait.data.sources import check_exist
+
+    if cfg.data.path is not None:
+        check_exist(cfg.data.path)
+    if cfg.train.resume:
+        _check_resume(cfg)
+
+
 def _check_resume(cfg) -> None:
     """Before anything else: a checkpoint to resume from exists, its files have the sizes
     its manifest lists (the workers check the digests), and it is of this model."""
-    from plait.train import checkpoint
+    from plait.train import checkpoint_files
 
-    root = Path(cfg.out) / "checkpoints"
-    path, _ = checkpoint.pick_resume(root, cfg.train.resume_from, hashes=False,
-                                     trust=cfg.train.trust_checkpoint)  # fmt: skip
-    meta = checkpoint.read_meta(path)
+    root, trust = Path(cfg.out) / "checkpoints", cfg.train.trust_checkpoint
+    path, _ = checkpoint_files.pick_resume(
+        root, cfg.train.resume_from,
+        check=lambda p: checkpoint_files.verify_files(p, hashes=False, trust=trust),
+    )  # fmt: skip
+    meta = checkpoint_files.read_meta(path)
     if meta.get("model") and meta["model"] != {**cfg.model.to_dict(), **_vocab_of(meta)}:
         raise UserError(
             f"--resume: checkpoint {path} is of a different model; "

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from plait.data.lines import RecordError, UnitStats, jsonl_lines
+from plait.data.sources import existing
 from plait.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".py")
@@ -204,9 +205,7 @@ def find_corpus(path: str | None, text_column: str = DEFAULT_TEXT_COLUMN) -> Cor
     if path is None:
         root = stdlib_root()
         return Corpus("the embedded corpus", "stdlib", root, tuple(stdlib_files(root)))
-    p = Path(path).expanduser().resolve()
-    if not p.exists():
-        raise DataError(f"--data {path}: no such file or folder")
+    p = existing(path)
     if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
         files = _saved_dataset_files(p, path)
         return Corpus(f"--data {path}", "datasets", p, files, path, text_column=text_column)

@@ -46,7 +46,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,47 +61,10 @@ from plait.data.sampler import (
     val_pairs,
     with_targets,
 )
+from plait.data.sources import EXAMPLE, MIX_BLOCK, parse_sources  # noqa: F401 (and callers)
 from plait.errors import DataError
 
-MIX_BLOCK = 1 << 16
 MIX_SALT = 0x6D6978  # b"mix": keeps the block draws apart from the windows' draws
-EXAMPLE = "web.parquet:0.7,code/:0.3"
-
-
-def parse_sources(spec: str) -> list[tuple[str, float]] | None:
-    """``[(path, weight), ...]`` of a mixture (weights normalised), or None when ``spec`` is
-    one path; ValueError (one line naming --data) for a malformed mixture."""
-    if Path(spec).expanduser().exists() or ("," not in spec and ":" not in spec):
-        return None
-    out = []
-    for item in spec.split(","):
-        path, sep, text = item.strip().rpartition(":")
-        if not sep or not path:
-            raise ValueError(
-                f"--data {spec}: {item.strip() or 'an empty item'} has no weight; write "
-                f"PATH:WEIGHT,PATH:WEIGHT, e.g. {EXAMPLE}"
-            )
-        try:
-            weight = float(text)
-        except ValueError:
-            weight = math.nan
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError(
-                f"--data {spec}: the weight {text!r} of {path} is not a positive number; "
-                f"write PATH:WEIGHT, e.g. {EXAMPLE}"
-            )
-        if any(p == path for p, _ in out):
-            raise ValueError(f"--data {spec}: {path} is listed twice; give it one weight")
-        out.append((path, weight))
-    total = sum(w for _, w in out)
-    out = [(p, w / total) for p, w in out]
-    for p, w in out:
-        if w * MIX_BLOCK < 1:
-            raise ValueError(
-                f"--data {spec}: the weight of {p} is {w:.2g} of the total, below 1/{MIX_BLOCK:,}; "
-                "drop that source or raise its weight"
-            )
-    return out
 
 
 def apportion(n: int, weights) -> np.ndarray:

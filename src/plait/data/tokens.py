@@ -100,7 +100,7 @@ class DataConfig:
         if not isinstance(self.text_column, str) or not self.text_column:
             raise ValueError(f"--text-column {self.text_column!r}: give a column name, e.g. text")
         if self.path is not None:
-            from plait.data.mixture import parse_sources
+            from plait.data.sources import parse_sources
 
             parse_sources(self.path)  # a ValueError (one line) for a malformed mixture
 

@@ -68,7 +68,8 @@ from plait.errors import CheckpointError  # noqa: F401 (raised here, caught by n
 from plait.parallel.held import Held
 from plait.parallel.tensor import shard_spec
 from plait.topology import Topology
-from plait.train import manifest
+from plait.train import checkpoint_files, manifest
+from plait.train.checkpoint_files import checkpoint_dirs, latest, read_meta, verify_files
 
 PART = ".manifest-rank-"  # + rank + ".json": the files one rank wrote, merged by rank 0
 
@@ -96,41 +97,6 @@ class _Writer(dcp.FileSystemWriter):
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")
-    ]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest(root: Path) -> Path | None:
-    dirs = checkpoint_dirs(root)
-    return dirs[-1] if dirs else None
-
-
-def _step_of(path: Path) -> int | None:
-    try:
-        return int(path.name.removeprefix("step-"))
-    except ValueError:
-        return None
-
-
-def read_meta(path: Path) -> dict:
-    try:
-        return json.loads((Path(path) / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint {path} is incomplete or corrupt (meta.json: {e.__class__.__name__}); "
-            "delete it to resume from the one before"
-        ) from None
 
 
 def model_state(model, *, prefix: str = "") -> dict[str, Held]:
@@ -343,13 +309,12 @@ def verify(path: Path, *, topo: Topology | None = None, hashes: bool = True,
     ``.metadata`` it will unpickle, and every rank returns the same answer (module
     docstring)."""
     path = Path(path)
+    if topo is None or topo.world_group is None:
+        return verify_files(path, hashes=hashes, trust=trust)
     try:
         files, trouble = manifest.read(path, trust=trust), None
     except manifest.ManifestError as e:
         files, trouble = {}, str(e)
-    if topo is None or topo.world_group is None:
-        problems = [] if trouble else manifest.check(path, files, hashes=hashes)
-        return trouble or (problems[0].describe() if problems else None)
     n = len(files)
     head = torch.tensor([trouble is not None, n, -n], dtype=torch.int64, device=topo.device)
     comm.world_all_reduce(head, topo=topo, op=dist.ReduceOp.MAX)
@@ -383,44 +348,13 @@ def pick_resume(
     flag: str = "--resume",
     trust=None,
 ) -> tuple[Path, str]:
-    """The checkpoint to resume from: ``step``'s, or else the newest that verifies; and one
-    line saying which step and what was skipped and why. Raises CheckpointError (one line,
-    naming ``flag``) when there is none. With a multi-rank ``topo`` this is collective and
-    every rank picks the same (the candidate step is agreed by an all-reduce before each
-    check)."""
-    root = Path(root)
-    tried, skipped = set(), []
-    while True:
-        mine = [
-            s
-            for s in map(_step_of, checkpoint_dirs(root))
-            if s is not None and s not in tried and (step is None or s == step)
-        ]
-        candidate = _agree_max(max(mine, default=-1), topo)
-        if candidate < 0:
-            break
-        tried.add(candidate)
-        path = root / f"step-{candidate:08d}"
-        problem = verify(path, topo=topo, hashes=hashes, trust=trust)
-        if problem is None:
-            note = f"resuming from step {candidate} ({path})"
-            return path, note + "".join(f"; skipped {n}: {p}" for n, p in skipped)
-        skipped.append((path.name, problem))
-    fresh = "; run without --resume to start fresh" if flag == "--resume" else ""
-    if step is not None:
-        if skipped:
-            raise CheckpointError(
-                f"--resume-from {step}: checkpoint {skipped[0][0]} in {root} is damaged: "
-                f"{skipped[0][1]}; --resume takes the newest one that verifies"
-            )
-        have = ", ".join(str(_step_of(p)) for p in checkpoint_dirs(root)) or "none"
-        raise CheckpointError(
-            f"--resume-from {step}: no checkpoint of step {step} in {root} (steps there: {have})"
-        )
-    if skipped:
-        why = "; ".join(f"{n}: {p}" for n, p in skipped)
-        raise CheckpointError(f"{flag}: no checkpoint in {root} verifies ({why}){fresh}")
-    raise CheckpointError(f"{flag}: no checkpoint in {root}{fresh}")
+    """``checkpoint_files.pick_resume`` with ``verify``: with a multi-rank ``topo`` this is
+    collective and every rank picks the same (the candidate step is agreed by an all-reduce
+    before each check)."""
+    return checkpoint_files.pick_resume(
+        root, step, flag=flag, agree=lambda s: _agree_max(s, topo),
+        check=lambda path: verify(path, topo=topo, hashes=hashes, trust=trust),
+    )  # fmt: skip
 
 
 def _agree_max(value: int, topo: Topology | None) -> int:
