@@ -113,7 +113,9 @@ def test_readme_train_commands_are_far_from_the_limit(capsys, monkeypatch):
     for args in commands:
         assert main(["train", "--dry-run", *args]) == 0, args
         out = capsys.readouterr().out
-        estimate, limit = map(float, re.search(r"peak ~([\d.]+) GiB .*?([\d.]+) GiB", out).groups())
+        m = re.search(r"peak ~([\d.]+) ([GM]iB) .*?([\d.]+) ([GM]iB)", out)
+        estimate, limit = (float(x) * (1 if u == "GiB" else 2**-10) for x, u in
+                           (m.groups()[:2], m.groups()[2:]))  # fmt: skip
         assert estimate <= limit / 2, (args, out)
 
 
@@ -190,3 +192,12 @@ def test_sampling_refuses_a_model_larger_than_the_host_in_one_line(monkeypatch, 
     assert f"{need:.1f} GiB in fp32" in line and "64.0 GiB available" in line
     assert "plait export" in line
     generate.check_host_memory(types.SimpleNamespace(model=preset("tiny")), "--run x")
+
+
+def test_a_limit_below_a_gib_is_shown_in_mib():
+    """A host's memory shared by many workers can be a few MiB each; "0.0 GiB available"
+    hid how little. Catches the GiB-only format."""
+    from plait.commands.train import MemoryFit
+
+    line = MemoryFit(28.4 * 2**30, 23 * 2**20, "available (the host's)").summary()
+    assert line == "peak ~28.4 GiB per rank estimated, 23 MiB available (the host's)", line

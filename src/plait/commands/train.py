@@ -412,10 +412,7 @@ class MemoryFit:
         return self.estimate <= self.limit
 
     def summary(self) -> str:
-        return (
-            f"peak ~{self.estimate / GiB:.1f} GiB per rank estimated, "
-            f"{self.limit / GiB:.1f} GiB {self.where}"
-        )
+        return f"peak ~{_size(self.estimate)} per rank estimated, {_size(self.limit)} {self.where}"
 
     def advice(self) -> str:
         if self.nearest is None:
@@ -430,6 +427,11 @@ class MemoryFit:
 
 
 GiB = 2**30
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as GiB, or MiB below one GiB (a host's memory over 1,024 workers is not 0.0)."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.0f} MiB"
 
 
 def memory_fit(cfg, *, nnodes: int = 1) -> MemoryFit | None:
