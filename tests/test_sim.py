@@ -246,6 +246,38 @@ def test_tp_collectives_per_layer():
     assert sp.fwd_tp == pytest.approx(4 * ag)  # 2 all-gathers + 2 reduce-scatters
 
 
+def test_megatron_2022_runs_the_backward_tp_collectives_beside_the_gemms():
+    """Megatron-LM from September 2021 issues a column-parallel linear's input-gradient
+    all-reduce asynchronously and computes the weight gradient meanwhile; with sequence
+    parallelism the input's re-gather runs beside the input-gradient GEMM and the
+    reduce-scatter beside the weight-gradient GEMM, while the row-parallel linears'
+    gathers of the output gradient stay exposed. Catches the flag ignored (the 2021 cost),
+    the hidden part charged, or a collective hidden behind a GEMM shorter than it."""
+    old, new = PROFILES["megatron-lm"], PROFILES["megatron-lm-2022"]
+    assert new.overlap_tp_grad and not old.overlap_tp_grad
+    link = A100.intra_node
+    ar = collectives.all_reduce_time(2048 * GPT3.hidden * 2, 8, link)
+    h, f = GPT3.hidden, GPT3.ffn_hidden
+    qkv = costs.linear_times(A100, "bf16", 2048, 3 * h / 8, h)
+    up = costs.linear_times(A100, "bf16", 2048, f / 8, h)  # gpt2: one up projection
+    assert qkv[2] > ar and up[2] > ar  # at GPT-3's width each all-reduce hides whole
+    a, b = (costs.layer_cost(GPT3, lay(tp=8), A100, rt) for rt in (old, new))
+    assert a.bwd_tp == pytest.approx(2 * ar) and b.bwd_tp == 0.0
+    assert b.fwd_tp == a.fwd_tp and b.bwd_weight == a.bwd_weight  # the forward is unchanged
+    sp = lay(tp=8, sequence_parallel=True)
+    ag = collectives.all_gather_time(2048 * GPT3.hidden * 2, 8, link)
+    assert costs.layer_cost(GPT3, sp, A100, new).bwd_tp == pytest.approx(2 * ag)
+    # a narrow model: the weight-gradient GEMM is shorter than the all-reduce
+    narrow = ModelConfig(n_layers=2, hidden=512, n_heads=8, seq_len=2048, vocab_size=512)
+    c = costs.layer_cost(narrow, lay(tp=8), A100, new)
+    ar_n = collectives.all_reduce_time(2048 * 512 * 2, 8, link)
+    w = [
+        costs.linear_times(A100, "bf16", 2048, n, 512)[2]
+        for n in (3 * 512 / 8, narrow.ffn_hidden / 8)  # gpt2: one up
+    ]
+    assert c.bwd_tp == pytest.approx(sum(max(0.0, ar_n - x) for x in w)) and c.bwd_tp > 0
+
+
 # -- memory ---------------------------------------------------------------------------------
 
 

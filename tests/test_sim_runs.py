@@ -161,7 +161,8 @@ def test_fabric_partition_and_runtime_of_the_added_rows():
     zero3 = runs.row_spec(rows["ntk21_t2_zero3_175b_1536"])
     assert zero3.runtime == "deepspeed-zero3" and zero3.source == "Narayanan et al. SC21"
     assert zero3.layout.zero == 3 and zero3.layout.dp == 1536
-    assert runs.row_spec(rows["kort22_1t_sel_sp"]).runtime == "megatron-lm"
+    assert runs.row_spec(rows["kort22_1t_sel_sp"]).runtime == "megatron-lm-2022"
+    assert runs.row_spec(rows["ntk21_t2_ptdp_175b_384"]).runtime == "megatron-lm"
 
 
 def parser():

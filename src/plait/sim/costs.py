@@ -364,11 +364,20 @@ def layer_cost(
                     for c, g in ((rs_in, lin[0][1]), (ag_out, lin[1][1]), (rs_in, lin[2][1]),
                                  (ag_out, lin[3][1]))
                 )  # fmt: skip
+            elif runtime.overlap_tp_grad:  # the column-parallel linears' (qkv, up)
+                fwd_tp = 2 * (ag + rs)
+                bwd_tp = 2 * ag_out + sum(
+                    max(0.0, ag - lin[i][1]) + max(0.0, rs_in - lin[i][2]) for i in (0, 2)
+                )
             else:
                 fwd_tp, bwd_tp = 2 * (ag + rs), 2 * (rs_in + ag_out)
         else:
             fwd_tp = 2 * all_reduce_time(nbytes, t, link)
-            bwd_tp = 2 * all_reduce_time(rbytes, t, link)
+            ar = all_reduce_time(rbytes, t, link)  # a column-parallel linear's input gradient
+            if runtime.overlap_tp_grad:  # beside that linear's weight-gradient GEMM
+                bwd_tp = sum(max(0.0, ar - lin[i][2]) for i in (0, 2))
+            else:
+                bwd_tp = 2 * ar
 
     fwd_cp, bwd_cp = cp_sim.layer_comm(replace(cfg, seq_len=s), layout, hw, attn_fwd, attn_bwd)
     fwd_ep = bwd_ep = 0.0

@@ -44,8 +44,8 @@ Reading a row
 
     source -> runtime profile (``runtime.py``; a ``runtime`` column wins): Megatron-Core
     or the Megatron-LM README's H100 tables -> megatron-core; a DeepSpeed ZeRO-3
-    baseline -> deepspeed-zero3; Narayanan et al. SC21 (Megatron-LM PTD-P) and
-    Korthikanti et al. 2022 -> megatron-lm; BigScience / Megatron-DeepSpeed ->
+    baseline -> deepspeed-zero3; Narayanan et al. SC21 (Megatron-LM PTD-P) ->
+    megatron-lm; Korthikanti et al. 2022 -> megatron-lm-2022; BigScience / Megatron-DeepSpeed ->
     megatron-deepspeed; llm-foundry / FSDP / torchtitan -> fsdp; anything else -> plait.
 
 Sources
@@ -103,7 +103,8 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 _SOURCE_RUNTIME = (  # (regex on the source column, runtime profile), first match wins
     (r"megatron-core|megatron-lm readme", "megatron-core"),
     (r"deepspeed zero-3", "deepspeed-zero3"),
-    (r"sc21|ptd-p|korthikanti", "megatron-lm"),
+    (r"korthikanti", "megatron-lm-2022"),
+    (r"sc21|ptd-p", "megatron-lm"),
     (r"bigscience|megatron-deepspeed", "megatron-deepspeed"),
     (r"llm-foundry|mosaic|fsdp|torchtitan", "fsdp"),
 )
@@ -118,6 +119,7 @@ _SOURCE_RUNTIME = (  # (regex on the source column, runtime profile), first matc
 # Megatron-DeepSpeed; FSDP shards fully by default; plait's defaults are Layout's.
 UNKNOWN_DEFAULTS: dict[str, dict] = {
     "megatron-lm": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
+    "megatron-lm-2022": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
     "megatron-core": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
     "megatron-deepspeed": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
     "deepspeed-zero3": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),

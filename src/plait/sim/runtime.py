@@ -29,6 +29,13 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``overlap_tp_comm``: with sequence parallelism, tensor-parallel all-gathers and
   reduce-scatters are pipelined with the GEMM next to them (Megatron-Core
   ``--tp-comm-overlap``): only the part longer than that GEMM is exposed.
+- ``overlap_tp_grad``: the backward's tensor-parallel collectives of a column-parallel
+  linear (qkv, up) run asynchronously beside its GEMMs (Megatron-LM from September 2021,
+  ``LinearWithGradAccumulationAndAsyncCommunication``, on unless
+  ``--no-async-tensor-model-parallel-allreduce``): the input gradient's all-reduce beside
+  the weight-gradient GEMM; with sequence parallelism the input's re-gather beside the
+  input-gradient GEMM and the input gradient's reduce-scatter beside the weight-gradient
+  GEMM. The row-parallel linears' backward gathers stay exposed.
 - ``grad_bucket_bytes``: gradients are reduced in buckets of this size, each leaving
   once the backward has filled it (PyTorch DDP and plait: 25 MiB; Megatron-Core: 40M
   parameters); ``None``: one bucket per layer (FSDP's per-layer units). A model smaller
@@ -109,6 +116,7 @@ class Runtime:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
+    overlap_tp_grad: bool = False
     grad_bucket_bytes: float | None = 25 * 2**20
     bucket_from_layout: bool = False
     master_weights: bool = False
@@ -180,6 +188,18 @@ PROFILES: dict[str, Runtime] = {
         grad_reduce_fp32=False,
         description="Megatron-LM 2021 (Narayanan et al. SC21): fused softmax, gradient "
         "all-reduce after the pipeline flush, fp16 grads, fp32 master weights",
+    ),
+    "megatron-lm-2022": Runtime(
+        name="megatron-lm-2022",
+        unfused_fp32_loss=True,
+        flash_attention=False,
+        overlap_grad_reduce=False,
+        overlap_tp_grad=True,
+        master_weights=True,
+        grad_reduce_fp32=False,
+        description="Megatron-LM 2022 (Korthikanti et al.): as 2021, with sequence "
+        "parallelism, selective recomputation and the backward's tensor-parallel "
+        "collectives beside the GEMMs (async all-reduce / reduce-scatter)",
     ),
     "megatron-deepspeed": Runtime(
         name="megatron-deepspeed",

@@ -115,14 +115,21 @@ TOKENS_PER_PARAM = 20  # Chinchilla (Hoffmann et al. 2022): compute-optimal toke
 # What the software each runtime profile models could do (the rest is searched fully).
 # Megatron-LM 2021 (Narayanan et al. SC21): 1F1B and interleaved 1F1B, full activation
 # recomputation, no ZeRO; sequence parallelism and selective recomputation came in 2022
-# (Korthikanti et al.). Megatron-DeepSpeed (BLOOM): its 1F1B engine, ZeRO-1, full
-# recomputation. FSDP (llm-foundry): data parallelism with sharding only.
+# (Korthikanti et al.: megatron-lm-2022). Megatron-DeepSpeed (BLOOM): its 1F1B engine,
+# ZeRO-1, full recomputation. FSDP (llm-foundry): data parallelism with sharding only.
 RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
     "megatron-lm": dict(
         schedule=("1f1b", "interleaved-1f1b"),
         zero=(0,),
         sequence_parallel=(False,),
         recompute=("none", "full"),
+        cp=(1,),
+        ep=(1,),
+    ),
+    "megatron-lm-2022": dict(
+        schedule=("1f1b", "interleaved-1f1b"),
+        zero=(0,),
+        recompute=("none", "selective", "full"),
         cp=(1,),
         ep=(1,),
     ),
