@@ -1,6 +1,7 @@
 """Does the performance model predict runs it was not fitted on?
 
     python benchmarks/simulator_accuracy.py --published           # published runs only (~3 s)
+    python benchmarks/simulator_accuracy.py --published --write-held-out  # and sim/held_out.py
     python benchmarks/simulator_accuracy.py                       # both parts below
     python benchmarks/simulator_accuracy.py --quick-calibration --only "single,dp2,tp2,pp2 1f1b,dp2 zero3"
     python benchmarks/simulator_accuracy.py --rounds 5 --json results.json
@@ -137,12 +138,19 @@ PUBLISHED = [
 ]
 
 
-def published(rows: bool = True) -> None:
-    """Part 1: leave-one-source-out predictions of the published runs."""
+HELD_OUT = Path(__file__).resolve().parents[1] / "src" / "plait" / "sim" / "held_out.py"
+
+
+def published(rows: bool = True, write_held_out: bool = False) -> None:
+    """Part 1: leave-one-source-out predictions of the published runs (``write_held_out``:
+    their errors by runtime and GPU type into ``src/plait/sim/held_out.py`` too)."""
     from plait.sim import validate
 
     t0 = time.perf_counter()
     report = validate.cross_validate([p for p in PUBLISHED if p.exists()])
+    if write_held_out:
+        validate.write_held_out(report, HELD_OUT)
+        print(f"wrote {HELD_OUT}")
     print("published runs, each source predicted by a fit on the others (step time):")
     print(validate.table(report))
     if rows:
@@ -159,6 +167,9 @@ def published(rows: bool = True) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--published", action="store_true", help="part 1 only (no training)")
+    ap.add_argument("--write-held-out", action="store_true",
+                    help="write part 1's errors by runtime and GPU type into "
+                    "src/plait/sim/held_out.py (what plait simulate and plan print)")  # fmt: skip
     ap.add_argument("--no-published", action="store_true", help="part 2 only")
     ap.add_argument("--hardware", help="one hardware file for every round (default: "
                     "plait calibrate --procs 4 before each round)")  # fmt: skip
@@ -172,7 +183,7 @@ def main() -> int:
     ap.add_argument("--no-plan", action="store_true", help="skip the plan check")
     args = ap.parse_args()
     if not args.no_published:
-        published()
+        published(write_held_out=args.write_held_out)
         if args.published:
             return 0
 

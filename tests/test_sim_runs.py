@@ -95,6 +95,29 @@ def test_held_out_error_of_published_runs(held_out, grid):
     assert len(moved) >= 2, moved
 
 
+def test_the_printed_accuracy_is_the_current_models(held_out, capsys):
+    """``plait simulate`` and ``plait plan`` print the held-out error of published runs of
+    the same runtime and GPU type (``sim/held_out.py``). Catches a model change that moves
+    those errors without rewriting the figures (``python benchmarks/simulator_accuracy.py
+    --published --write-held-out``), and a line that names the wrong group."""
+    from plait.cli import main
+    from plait.sim import held_out as figures
+
+    assert figures.GROUPS == validate.held_out_groups(held_out)
+    w = held_out.worst
+    assert figures.ALL == (len(held_out.predictions), round(held_out.mean_error, 4),
+                           round(w.error, 4), w.case.id)  # fmt: skip
+    sc21 = [p for p in held_out.predictions if p.case.spec.runtime == "megatron-lm"]
+    mean = sum(abs(p.error) for p in sc21) / len(sc21)
+    assert main(["simulate", "--model", "gpt3-175b", "--gpus", "1024", "--tp", "8", "--pp", "16",
+                 "--global-batch-size", "1536", "--runtime", "megatron-lm"]) == 0  # fmt: skip
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("accuracy   published runs of runtime megatron-lm on A100"), line
+    assert f"mean |error| {mean:.1%}" in line and f"{len(sc21)} rows" in line, line
+    assert "no published run of runtime plait on H200" in figures.describe("plait", "h200")
+    assert "on cpu-calibrated to check" in figures.describe("plait", "cpu-calibrated")
+
+
 def test_a_sources_fold_does_not_see_it(grid):
     """The fold of a source must not see it: with that source's errors moved (its rows
     predicted e times slower at every ``gemm_max``), its fold's fit stays where it was.

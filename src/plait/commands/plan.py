@@ -382,6 +382,9 @@ def report(plan, name: str | None = None) -> str:
         f"{peak / 1e12:.4g} TFLOP/s (a sparse peak would halve them); TFLOP/s and MFU count "
         "model FLOPs, the estimate counts 8 per parameter per token (recomputation included)"
     )
+    from plait.sim import held_out
+
+    lines.append(f"accuracy   {held_out.describe(req.runtime, hw.name)}")
     return "\n".join(lines)
 
 

@@ -154,6 +154,9 @@ def _run_one(args: argparse.Namespace) -> int:
         out = res.to_dict()
         out["model"] = model.to_dict()
         out["layout"] = layout.to_dict()
+        from plait.sim import held_out
+
+        out["accuracy"] = held_out.describe(res.runtime, res.hardware)
         print(json.dumps(out, indent=2))
     else:
         print(report(res, model, layout, values.get("model") or "tiny", imbalance, hw))
@@ -175,6 +178,8 @@ def report(res, model, layout, name: str = "model", moe_imbalance: float | None 
            hw=None) -> str:  # fmt: skip
     """The human-readable summary ``plait simulate`` prints (``moe_imbalance``, ``hw``: a
     MoE run's, for its expert lines)."""
+    from plait.sim import held_out
+
     moe_imbalance = 1.0 if moe_imbalance is None else moe_imbalance
     tokens = layout.global_batch_size * model.seq_len
     mem = res.memory
@@ -210,6 +215,7 @@ def report(res, model, layout, name: str = "model", moe_imbalance: float | None 
         ),
         "convention model FLOPs = 6 per weight per token + attention (no recomputation); "
         "hardware FLOPs add what recomputation repeats",
+        f"accuracy   {held_out.describe(res.runtime, res.hardware)}",
     ]
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.sim import runs
+from plait.sim import held_out, runs
 from plait.sim.hardware import Hardware
 from plait.sim.runs import RowError, RowSpec
 
@@ -95,11 +96,8 @@ class Report:
 
 def family(hw: Hardware) -> str:
     """The GPU type whose curve a hardware entry shares: a100, h100 (H200 too), v100."""
-    name = hw.name
-    for fam in ("a100", "h100", "h200", "v100"):
-        if name.startswith(fam):
-            return "h100" if fam == "h200" else fam
-    return name
+    fam = held_out.gpu_type(hw.name)
+    return "h100" if fam == "h200" else fam
 
 
 def measured_time(row: dict, spec: RowSpec) -> tuple[float, str]:
@@ -241,3 +239,41 @@ def rows_table(report: Report) -> str:
         lines.append(f"{p.case.id[:45]:<46}{p.case.family:>5}{p.case.measured_s:>10.4g}s"
                      f"{p.predicted_s:>10.4g}s{p.error:>+8.1%}{p.gemm_max:>9.2f}  {desc}")  # fmt: skip
     return "\n".join(lines)
+
+
+def held_out_groups(report: Report) -> dict[tuple[str, str], tuple[int, float, float, str]]:
+    """(runtime, GPU type) -> (rows, mean |error|, the worst row's error, its id): the
+    table ``sim/held_out.py`` holds."""
+    groups: dict[tuple[str, str], list[Prediction]] = {}
+    for p in report.predictions:
+        key = (p.case.spec.runtime, held_out.gpu_type(p.case.spec.hardware.name))
+        groups.setdefault(key, []).append(p)
+    out = {}
+    for key, preds in sorted(groups.items()):
+        w = max(preds, key=lambda p: p.ratio)
+        mean = statistics.mean(abs(p.error) for p in preds)
+        out[key] = (len(preds), round(mean, 4), round(w.error, 4), w.case.id)
+    return out
+
+
+def held_out_block(report: Report) -> str:
+    """The figures of ``sim/held_out.py`` (the lines between its markers) for this report,
+    as ruff formats them."""
+
+    def tup(values) -> str:
+        return "(" + ", ".join(json.dumps(x) for x in values) + ")"
+
+    groups = "".join(f"    {tup(k)}: {tup(v)},\n" for k, v in held_out_groups(report).items())
+    w = report.worst
+    everything = (len(report.predictions), round(report.mean_error, 4), round(w.error, 4),
+                  w.case.id)  # fmt: skip
+    return f"GROUPS = {{\n{groups}}}\nALL = {tup(everything)}\n"
+
+
+def write_held_out(report: Report, path: Path) -> None:
+    """Replace the figures of ``sim/held_out.py`` at ``path`` (the lines between its
+    ``BEGIN`` and ``END`` marker lines) with this report's."""
+    lines = Path(path).read_text().split("\n")
+    a, b = lines.index(held_out.BEGIN), lines.index(held_out.END)
+    lines[a + 1 : b] = held_out_block(report).rstrip("\n").split("\n")
+    Path(path).write_text("\n".join(lines))

@@ -1,0 +1,57 @@
+"""How far the performance model was from published runs it was not fitted on, by the
+software and GPU type of the run: what ``plait simulate`` and ``plait plan`` print beside a
+prediction, so a step time is never shown without the error the same model made on
+runs like it.
+
+The figures are ``sim/validate.py``'s leave-one-source-out errors (each source predicted
+with ``gemm_max`` fitted on the other sources), grouped by the run's runtime profile and
+GPU type. ``python benchmarks/simulator_accuracy.py --published --write-held-out``
+rewrites them; ``tests/test_sim_runs.py`` fails when the model moves and they were not
+rewritten. No torch, no numpy: read by the CLI as it prints.
+"""
+
+from __future__ import annotations
+
+BEGIN, END = "# -- figures: begin --", "# -- figures: end --"
+
+# (runtime, GPU type): (rows, mean |error|, worst row's error, worst row); ALL over every row
+# -- figures: begin --
+GROUPS = {
+    ("deepspeed-zero3", "a100"): (6, 0.1139, 0.3019, "ntk21_t2_zero3_175b_1536"),
+    ("fsdp", "a100"): (22, 0.0496, -0.1113, "ibmfsdp_a100_7B"),
+    ("fsdp", "h100"): (15, 0.1029, -0.2361, "ibmfsdp_h100_7B"),
+    ("megatron-core", "h100"): (9, 0.1579, 0.2961, "mlm_readme_h100_32B"),
+    ("megatron-deepspeed", "a100"): (32, 0.0829, -0.227, "bloom_jz_181b_dp24_tp8_pp2_mbs1_gbs2016"),
+    ("megatron-lm", "a100"): (16, 0.0287, 0.096, "ntk21_t1_4"),
+    ("megatron-lm-2022", "a100"): (9, 0.0437, 0.1062, "kort22_1t_full"),
+}
+ALL = (109, 0.0756, -0.2361, "ibmfsdp_h100_7B")
+# -- figures: end --
+
+
+GPU_TYPES = ("a100", "h100", "h200", "v100")
+
+
+def gpu_type(hardware_name: str) -> str:
+    """The GPU type of a hardware entry's name: a100, h100, h200, v100, else the name."""
+    for fam in GPU_TYPES:
+        if hardware_name.startswith(fam):
+            return fam
+    return hardware_name
+
+
+def describe(runtime: str, hardware_name: str) -> str:
+    """One line: the held-out error of published runs with this runtime on this GPU type,
+    and over every published row."""
+    fam = gpu_type(hardware_name)
+    shown = fam.upper() if fam in GPU_TYPES else fam
+    n, mean, worst, _ = ALL
+    ratio = max(1 + worst, 1 / (1 + worst))
+    everything = f"all {n} published rows: mean |error| {mean:.1%}, worst x{ratio:.2f}"
+    if (runtime, fam) not in GROUPS:
+        return f"no published run of runtime {runtime} on {shown} to check it on; {everything}"
+    rows, mean, worst, row = GROUPS[(runtime, fam)]
+    return (
+        f"published runs of runtime {runtime} on {shown}, each source held out: mean "
+        f"|error| {mean:.1%}, worst {worst:+.1%} ({row}; {rows} rows); {everything}"
+    )
