@@ -160,6 +160,17 @@ class Runtime:
         return self.state_bytes(dtype)[0]
 
 
+_MEGATRON_2021 = Runtime(
+    name="megatron-lm",
+    unfused_fp32_loss=True,
+    flash_attention=False,
+    overlap_grad_reduce=False,
+    master_weights=True,
+    grad_reduce_fp32=False,
+    description="Megatron-LM 2021 (Narayanan et al. SC21): fused softmax, gradient "
+    "all-reduce after the pipeline flush, fp16 grads, fp32 master weights",
+)
+
 PROFILES: dict[str, Runtime] = {
     "plait": Runtime(
         name="plait",
@@ -179,24 +190,11 @@ PROFILES: dict[str, Runtime] = {
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
     ),
-    "megatron-lm": Runtime(
-        name="megatron-lm",
-        unfused_fp32_loss=True,
-        flash_attention=False,
-        overlap_grad_reduce=False,
-        master_weights=True,
-        grad_reduce_fp32=False,
-        description="Megatron-LM 2021 (Narayanan et al. SC21): fused softmax, gradient "
-        "all-reduce after the pipeline flush, fp16 grads, fp32 master weights",
-    ),
-    "megatron-lm-2022": Runtime(
+    "megatron-lm": _MEGATRON_2021,
+    "megatron-lm-2022": dataclasses.replace(
+        _MEGATRON_2021,
         name="megatron-lm-2022",
-        unfused_fp32_loss=True,
-        flash_attention=False,
-        overlap_grad_reduce=False,
         overlap_tp_grad=True,
-        master_weights=True,
-        grad_reduce_fp32=False,
         description="Megatron-LM 2022 (Korthikanti et al.): as 2021, with sequence "
         "parallelism, selective recomputation and the backward's tensor-parallel "
         "collectives beside the GEMMs (async all-reduce / reduce-scatter)",
