@@ -23,7 +23,7 @@ from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import preset
 from plait.parallel.tensor import weight_casts
-from plait.sim import costs
+from plait.sim import collectives, costs, get_hardware
 from plait.sim.runtime import PROFILES
 from plait.train.profiling import StreamBytes
 
@@ -197,3 +197,36 @@ def test_weight_gradient_casts_by_runtime():
     assert per_weight("plait", m=1) == pytest.approx(6 + 6)
     assert per_weight("plait", m=4) == pytest.approx(6 + 12 * 3 / 4 + 6 / 4)
     assert per_weight("plait", m=4, zero=3) == pytest.approx(6 + 12 * 3 / 4)
+
+
+GPT3 = preset("gpt3-175b")
+
+
+def test_deepspeed_optimizers_by_dtype():
+    """DeepSpeed's optimizers (``Runtime.deepspeed_optimizer``, the megatron-deepspeed
+    profile) do different things under bf16 and fp16: the BF16Optimizer casts every
+    micro-batch's bf16 gradient to fp32 and adds it to the fp32 gradient (18 bytes a weight
+    a micro-batch) and all-reduces whole fp32 gradients; the fp16 ZeRO optimizer lets
+    autograd accumulate fp16 gradients (6 bytes a weight from the second micro-batch) and
+    reduces each rank's fp16 partition. Catches the fp16 runs priced as bf16 ones (fp32
+    all-reduce, no accumulation) or the bf16 copy dropped."""
+    rt = PROFILES["megatron-deepspeed"]
+    assert rt.deepspeed_optimizer and not PROFILES["megatron-lm"].deepspeed_optimizer
+    n = sizes.layer_matmul_params(GPT3) / 4
+    for dtype, m, per in (("bf16", 1, 18.0), ("bf16", 8, 18.0), ("fp16", 1, 0.0),
+                          ("fp16", 8, 6 * 7 / 8)):  # fmt: skip
+        lay = Layout(tp=4, dp=8, zero=1, dtype=dtype, micro_batch_size=1,
+                     global_batch_size=8 * m)  # fmt: skip
+        assert costs.weight_stream_bytes(GPT3, lay, rt) == pytest.approx(n * per), (dtype, m)
+    assert (rt.grad_comm_bytes("bf16"), rt.grad_comm_bytes("fp16")) == (4, 2)
+    assert rt.zero1_all_reduce("bf16") and not rt.zero1_all_reduce("fp16")
+    assert rt.state_bytes("fp16") == (2, 2, 12) and rt.state_bytes("bf16") == (2, 4, 12)
+    # ZeRO-1 over 8 ranks of one node: fp16 reduce-scatters 2-byte gradients (plus the
+    # weights' all-gather); bf16 all-reduces 4-byte ones: twice the bytes, twice the passes
+    a100 = get_hardware("a100-80gb")
+    lay = {d: Layout(dp=8, zero=1, dtype=d, micro_batch_size=1, global_batch_size=8)
+           for d in ("bf16", "fp16")}  # fmt: skip
+    grad = {d: costs.dp_comm_time(1e9, lay[d], a100, rt)["grad"] for d in lay}
+    link = a100.intra_node
+    assert grad["fp16"] == pytest.approx(collectives.reduce_scatter_time(2e9, 8, link))
+    assert grad["bf16"] == pytest.approx(collectives.all_reduce_time(4e9, 8, link))

@@ -178,16 +178,21 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
       each weight gradient in the compute dtype and it is cast to fp32 for the reduction in
       every micro-batch (2 + 4 bytes: FSDP1's post-backward cast of the unsharded gradient,
       FSDP2's copy into its reduce-scatter input);
+    - DeepSpeed's optimizers (``deepspeed_optimizer``): under bf16 each micro-batch's bf16
+      gradient cast to fp32 and added to the fp32 gradient (2 + 4 + 4 + 4 + 4); under fp16
+      autograd's accumulation of the fp16 gradient from the second micro-batch on (6);
     - nothing for Megatron, which accumulates in fp32 inside the weight-gradient GEMM.
 
     ``moe``: the dense MLP's weights are left out."""
     if layout.dtype == "fp32":
         return 0.0
+    m = layout.num_microbatches
     if runtime.weight_cast_per_step:
-        m = layout.num_microbatches
         per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
     elif not runtime.master_weights and runtime.grad_reduce_fp32:
         per = 6.0
+    elif runtime.deepspeed_optimizer:
+        per = 18.0 if layout.dtype == "bf16" else 6 * (m - 1) / m
     else:
         return 0.0
     n = sizes.layer_matmul_params(cfg)
@@ -598,7 +603,7 @@ def dp_comm_time(
     across = all_reduce_time(gbytes / shard, replicas, replica_link)
     if layout.zero == 3:
         return {"grad": across, "param": 0.0}
-    if layout.zero == 1 and runtime.zero1_grad_all_reduce:
+    if layout.zero == 1 and runtime.zero1_all_reduce(layout.dtype):
         grad = all_reduce_time(gbytes, dp, group_link(hw, dp, t))
     else:
         grad = reduce_scatter_time(gbytes, shard, shard_link) + across

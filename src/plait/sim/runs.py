@@ -278,6 +278,7 @@ def fabric_for(row: dict, hw: Hardware) -> Hardware:
     a node's network of N Gb/s in all; either shared by the node's devices, at the 95% of
     line rate the built-in networks assume."""
     gpu = _raw(row, "gpu")
+    measured = re.search(r"busbw (\d+(?:\.\d+)?) gb/s a gpu measured", gpu, re.I)
     if m := re.search(r"omni-?path\D*(\d+) links?/node", gpu, re.I):
         n = int(m.group(1))
         gbps, name, what = 100 * n, f"opa{n}", f"{n} x 100 Gb/s Omni-Path"
@@ -287,6 +288,8 @@ def fabric_for(row: dict, hw: Hardware) -> Hardware:
     else:
         return hw
     per_device = 0.95 * gbps * 1e9 / 8 / hw.devices_per_node
+    if measured:  # a bus bandwidth measured on that machine replaces the line rate
+        per_device, what = float(measured.group(1)) * 1e9 / 8, f"{what}, {measured.group(0)}"
     inter = dataclasses.replace(hw.inter_node, bandwidth=per_device)
     return hw.replace(
         name=f"{hw.name}-{name}", inter_node=inter,

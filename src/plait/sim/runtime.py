@@ -48,6 +48,14 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``zero1_grad_all_reduce``: ZeRO stage 1 all-reduces whole gradients, as ZeRO-0 does,
   and each rank updates its shard from them (plait: stage 1 shards only the optimizer
   state); otherwise stage 1 reduce-scatters them as stage 2 does.
+- ``deepspeed_optimizer``: DeepSpeed's mixed-precision optimizers (2022). Under bf16 its
+  BF16Optimizer: after every micro-batch's backward, ``update_hp_grads`` casts each
+  weight's bf16 gradient to fp32 and adds it to the fp32 gradient (2 + 4, then 4 + 4 + 4
+  bytes a weight: ``costs.weight_stream_bytes``), and whole fp32 gradients are all-reduced
+  (``grad_reduce_fp32``, ``zero1_grad_all_reduce``). Under fp16 its ZeRO fp16 optimizer:
+  autograd accumulates the fp16 ``.grad`` (2 + 2 + 2 bytes a weight from the second
+  micro-batch on) and each rank's partition of the fp16 gradients is reduced to it
+  (``average_tensor``: a reduce-scatter's traffic), so neither flag holds.
 - ``zero3_gather_per_tensor``: ZeRO-3 issues one all-gather (and one reduce-scatter) per
   parameter tensor, each paying the ring's latency, instead of one per layer (FSDP's
   flat parameter per wrapped block, plait's per unit). DeepSpeed's ZeRO-3 (2021,
@@ -122,6 +130,7 @@ class Runtime:
     master_weights: bool = False
     grad_reduce_fp32: bool = True
     zero1_grad_all_reduce: bool = False
+    deepspeed_optimizer: bool = False
     zero3_gather_per_tensor: bool = False
     gather_list_outputs: bool = False
     zero3_regather_recompute: bool = False
@@ -140,15 +149,25 @@ class Runtime:
         if self.layer_kernels not in ("fused", "eager", "plait"):
             raise ValueError(f"runtime {self.name}: layer_kernels must be fused, eager or plait")
 
+    def grads_fp32(self, dtype: str) -> bool:
+        """Gradients accumulated and reduced in fp32 under ``dtype`` (``grad_reduce_fp32``,
+        except DeepSpeed's fp16 optimizer: ``deepspeed_optimizer``)."""
+        return self.grad_reduce_fp32 and not (self.deepspeed_optimizer and dtype == "fp16")
+
+    def zero1_all_reduce(self, dtype: str) -> bool:
+        """ZeRO-1 all-reduces whole gradients under ``dtype`` (``zero1_grad_all_reduce``,
+        except DeepSpeed's fp16 ZeRO optimizer, which reduces each rank's partition)."""
+        return self.zero1_grad_all_reduce and not (self.deepspeed_optimizer and dtype == "fp16")
+
     def state_bytes(self, dtype: str) -> tuple[int, int, int]:
         """Bytes per parameter of (weights, gradients, optimizer state) with AdamW."""
         if dtype == "fp32" or not self.master_weights:
             return 4, 4, 8
-        return 2, (4 if self.grad_reduce_fp32 else 2), 12
+        return 2, (4 if self.grads_fp32(dtype) else 2), 12
 
     def grad_comm_bytes(self, dtype: str) -> int:
         """Bytes per gradient element on the wire in the data-parallel reduction."""
-        if dtype == "fp32" or self.grad_reduce_fp32:
+        if dtype == "fp32" or self.grads_fp32(dtype):
             return 4
         return 2
 
@@ -207,6 +226,7 @@ PROFILES: dict[str, Runtime] = {
         master_weights=True,
         grad_reduce_fp32=True,
         zero1_grad_all_reduce=True,
+        deepspeed_optimizer=True,
         pp_scatter_gather=False,
         description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
         "with fp32 gradient accumulation all-reduced whole after the pipeline flush, "

@@ -148,7 +148,9 @@ def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool,
         # the updated weights, in their stored dtype (``gather_in_compute_dtype`` is a
         # ZeRO-3 unit's: plait's stage 1-2 gather fp32 weights, as ``plait rehearse`` logs)
         gather = params * runtime.state_bytes(layout.dtype)[0]
-        return (g if layout.zero == 1 and runtime.zero1_grad_all_reduce else g + across) + gather
+        return (
+            g if layout.zero == 1 and runtime.zero1_all_reduce(layout.dtype) else g + across
+        ) + gather
     w = runtime.param_comm_bytes(layout.dtype)
     reduces = m if runtime.zero3_reduce_per_microbatch else 1
     return 2 * m * gathered * w + reduces * (g + across)
