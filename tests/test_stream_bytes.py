@@ -176,7 +176,8 @@ def test_eager_blocks_stream_what_the_model_counts(arch, kv):
 def test_weight_gradient_casts_by_runtime():
     """Bytes in proportion to the weights, per micro-batch, by what each runtime does with a
     weight gradient: FSDP (bf16 weights, fp32 reduce dtype) casts each one to fp32 before
-    its reduce-scatter, 2 + 4 bytes, in every micro-batch whatever the count; Megatron
+    its reduce-scatter, 2 + 4 bytes, in every micro-batch whatever the count, and FSDP1
+    divides it there, 4 + 4 (catches the division charged to FSDP2); Megatron
     accumulates in fp32 inside the GEMM (none); plait's fp32 weights pay the cast, the fp32
     accumulation from the second micro-batch and the once-a-step weight cast. Catches the
     FSDP cast dropped (the llm-foundry rows at few tokens a weight move 4 points) or
@@ -190,9 +191,13 @@ def test_weight_gradient_casts_by_runtime():
                         zero=zero, dp=dp, tp=tp)  # fmt: skip
         return costs.weight_stream_bytes(cfg, layout, PROFILES[runtime]) / (n / tp)
 
-    assert per_weight("fsdp") == per_weight("fsdp", m=4, zero=3) == 6.0
+    assert per_weight("fsdp") == per_weight("fsdp2", m=4, zero=3) == 6.0
     assert per_weight("fsdp", tp=2) == 6.0  # each tp rank casts its own slice
-    assert per_weight("fsdp", dtype="fp32") == 0.0
+    assert per_weight("fsdp2", dtype="fp32") == 0.0
+    # FSDP1 also divides the fp32 unsharded gradient before reduce-scattering it, when
+    # there is a data-parallel group (FSDP2 leaves the average to NCCL)
+    assert per_weight("fsdp", m=4, zero=3) == 6.0 + 8.0
+    assert per_weight("fsdp", dtype="fp32", zero=3) == 8.0
     assert per_weight("megatron-core") == per_weight("megatron-lm") == 0.0
     assert per_weight("plait", m=1) == pytest.approx(6 + 6)
     assert per_weight("plait", m=4) == pytest.approx(6 + 12 * 3 / 4 + 6 / 4)

@@ -181,19 +181,23 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
     - DeepSpeed's optimizers (``deepspeed_optimizer``): under bf16 each micro-batch's bf16
       gradient cast to fp32 and added to the fp32 gradient (2 + 4 + 4 + 4 + 4); under fp16
       autograd's accumulation of the fp16 gradient from the second micro-batch on (6);
+    - FSDP1's division of each micro-batch's unsharded gradient before its reduce-scatter
+      (``grad_predivide``: 4 + 4 bytes in fp32), in any dtype;
     - nothing for Megatron, which accumulates in fp32 inside the weight-gradient GEMM.
 
     ``moe``: the dense MLP's weights are left out."""
+    m, per = layout.num_microbatches, 0.0
     if layout.dtype == "fp32":
-        return 0.0
-    m = layout.num_microbatches
-    if runtime.weight_cast_per_step:
+        pass
+    elif runtime.weight_cast_per_step:
         per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
     elif not runtime.master_weights and runtime.grad_reduce_fp32:
         per = 6.0
     elif runtime.deepspeed_optimizer:
         per = 18.0 if layout.dtype == "bf16" else 6 * (m - 1) / m
-    else:
+    if runtime.grad_predivide and layout.dp > 1:  # read and write, in the reduce dtype
+        per += 2 * runtime.grad_comm_bytes(layout.dtype)
+    if per == 0.0:
         return 0.0
     n = sizes.layer_matmul_params(cfg)
     if moe:

@@ -360,7 +360,7 @@ def _floats(d) -> dict:
 #   is measured (below).
 
 _A100_EFF = Efficiency(gemm_max=0.72, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
-_H100_EFF = Efficiency(gemm_max=0.55, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
+_H100_EFF = Efficiency(gemm_max=0.56, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
 # H200: the H100's shape terms, at the level its GEMMs reached in calibrate's bf16 sweep on
 # an H200 (759-784 of 989 TFLOP/s, RESULTS.md 2026-11-26): measured, where the H100's

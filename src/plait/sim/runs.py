@@ -45,8 +45,9 @@ Reading a row
     source -> runtime profile (``runtime.py``; a ``runtime`` column wins): Megatron-Core
     or the Megatron-LM README's H100 tables -> megatron-core; a DeepSpeed ZeRO-3
     baseline -> deepspeed-zero3; Narayanan et al. SC21 (Megatron-LM PTD-P) ->
-    megatron-lm; Korthikanti et al. 2022 -> megatron-lm-2022; BigScience / Megatron-DeepSpeed ->
-    megatron-deepspeed; llm-foundry / FSDP / torchtitan -> fsdp; anything else -> plait.
+    megatron-lm; Korthikanti et al. 2022 -> megatron-lm-2022; BigScience /
+    Megatron-DeepSpeed -> megatron-deepspeed; torchtitan -> fsdp2; llm-foundry / FSDP ->
+    fsdp; anything else -> plait.
 
 Sources
     ``source_key`` names a row's source for validation (the ``source`` column up to its
@@ -106,7 +107,8 @@ _SOURCE_RUNTIME = (  # (regex on the source column, runtime profile), first matc
     (r"korthikanti", "megatron-lm-2022"),
     (r"sc21|ptd-p", "megatron-lm"),
     (r"bigscience|megatron-deepspeed", "megatron-deepspeed"),
-    (r"llm-foundry|mosaic|fsdp|torchtitan", "fsdp"),
+    (r"torchtitan", "fsdp2"),
+    (r"llm-foundry|mosaic|fsdp", "fsdp"),
 )
 
 # What each framework does with a field its user did not set, for the fields a source may
@@ -124,6 +126,7 @@ UNKNOWN_DEFAULTS: dict[str, dict] = {
     "megatron-deepspeed": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
     "deepspeed-zero3": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
     "fsdp": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
+    "fsdp2": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
     "plait": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
 }
 # Flags named in a row's notes that force an unknown field (Megatron-Core refuses the

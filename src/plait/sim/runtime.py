@@ -56,6 +56,12 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   autograd accumulates the fp16 ``.grad`` (2 + 2 + 2 bytes a weight from the second
   micro-batch on) and each rank's partition of the fp16 gradients is reduced to it
   (``average_tensor``: a reduce-scatter's traffic), so neither flag holds.
+- ``grad_predivide``: before each micro-batch's reduce-scatter FSDP1 divides the whole
+  unsharded gradient by about the square root of the data-parallel size, in the reduce
+  dtype (``_reduce_grad``: ``_div_if_needed(padded_unsharded_grad,
+  _gradient_predivide_factor)``, a pass of 4 + 4 bytes a weight in fp32); FSDP2 leaves
+  fp32 and bf16 averaging to NCCL's AVG (``_get_gradient_divide_factors``: "to avoid
+  separate div kernels").
 - ``zero3_gather_per_tensor``: ZeRO-3 issues one all-gather (and one reduce-scatter) per
   parameter tensor, each paying the ring's latency, instead of one per layer (FSDP's
   flat parameter per wrapped block, plait's per unit). DeepSpeed's ZeRO-3 (2021,
@@ -131,6 +137,7 @@ class Runtime:
     grad_reduce_fp32: bool = True
     zero1_grad_all_reduce: bool = False
     deepspeed_optimizer: bool = False
+    grad_predivide: bool = False
     zero3_gather_per_tensor: bool = False
     gather_list_outputs: bool = False
     zero3_regather_recompute: bool = False
@@ -188,6 +195,22 @@ _MEGATRON_2021 = Runtime(
     grad_reduce_fp32=False,
     description="Megatron-LM 2021 (Narayanan et al. SC21): fused softmax, gradient "
     "all-reduce after the pipeline flush, fp16 grads, fp32 master weights",
+)
+
+_FSDP1 = Runtime(
+    name="fsdp",
+    flash_attention=True,
+    overlap_grad_reduce=True,
+    overlap_param_gather=True,
+    grad_bucket_bytes=None,
+    master_weights=False,
+    grad_reduce_fp32=True,
+    gather_in_compute_dtype=True,
+    grad_predivide=True,
+    layer_kernels="eager",
+    description="PyTorch FSDP1 (FullyShardedDataParallel; llm-foundry, IBM's fms-fsdp): "
+    "FlashAttention, prefetched all-gathers in the compute dtype, sharded fp32 weights, "
+    "fp32 reduce-scatter (Composer's DEFAULT mixed precision) after a division pass",
 )
 
 PROFILES: dict[str, Runtime] = {
@@ -260,19 +283,13 @@ PROFILES: dict[str, Runtime] = {
         description="Megatron-Core 2024 with Transformer Engine: fused attention, "
         "--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap",
     ),
-    "fsdp": Runtime(
-        name="fsdp",
-        flash_attention=True,
-        overlap_grad_reduce=True,
-        overlap_param_gather=True,
-        grad_bucket_bytes=None,
-        master_weights=False,
-        grad_reduce_fp32=True,
-        gather_in_compute_dtype=True,
-        layer_kernels="eager",
-        description="PyTorch FSDP (e.g. llm-foundry, torchtitan): FlashAttention, "
-        "prefetched all-gathers in the compute dtype, sharded fp32 weights, fp32 "
-        "reduce-scatter (torchtitan's reduce dtype, Composer's DEFAULT mixed precision)",
+    "fsdp": _FSDP1,
+    "fsdp2": dataclasses.replace(
+        _FSDP1,
+        name="fsdp2",
+        grad_predivide=False,
+        description="PyTorch FSDP2 (fully_shard; torchtitan): as FSDP1, with fp32 "
+        "gradient averaging left to NCCL (no division pass)",
     ),
 }
 
