@@ -157,12 +157,17 @@ def test_unknown_fields_take_the_frameworks_defaults():
     spec = runs.row_spec(rows["mlm_readme_h100_462B"])
     lay = spec.layout
     assert spec.runtime == "megatron-core" and spec.hardware.name == "h100-sxm"
-    # Megatron's defaults: no interleaving, no recomputation, micro-batch 1; the notes'
-    # --overlap-param-gather needs the distributed optimizer, --tp-comm-overlap sequence
-    # parallelism
-    assert (lay.vpp, lay.recompute, lay.micro_batch_size) == (1, "none", 1)
+    # Megatron's defaults: no recomputation, micro-batch 1; the notes' --overlap-param-gather
+    # needs the distributed optimizer, --tp-comm-overlap sequence parallelism, and the
+    # overlapped pipeline communication the interleaved schedule: the least one the layout
+    # allows (112 layers on 16 stages: 7 a stage, so 7 chunks of one; 96 on 6: 2 of 8)
+    assert (lay.vpp, lay.schedule, lay.recompute, lay.micro_batch_size) == (
+        7, "interleaved-1f1b", "none", 1)  # fmt: skip
     assert lay.zero == 1 and lay.sequence_parallel
-    assert "vpp ?=1" in spec.assumed and "zero ?=1" in spec.assumed
+    assert "vpp ?=7" in spec.assumed and "zero ?=1" in spec.assumed
+    assert runs.row_spec(rows["mlm_readme_h100_177B"]).layout.vpp == 2
+    no_pp = runs.row_spec(rows["mlm_readme_h100_32B"]).layout
+    assert no_pp.vpp == 1 and no_pp.schedule == "1f1b"  # nothing to interleave at pp 1
     assert spec.model.ffn_hidden == 4 * 18432 and spec.model.arch == "gpt2"
     sc21 = runs.row_spec(rows["ntk21_t1_5"])
     assert (sc21.layout.vpp, sc21.layout.micro_batch_size, sc21.layout.zero) == (1, 1, 0)

@@ -129,11 +129,15 @@ UNKNOWN_DEFAULTS: dict[str, dict] = {
     "fsdp2": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
     "plait": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
 }
+INTERLEAVED = "the least interleaving"  # the smallest vpp > 1 the layout allows (``_least_vpp``)
 # Flags named in a row's notes that force an unknown field (Megatron-Core refuses the
-# first without --sequence-parallel, the second without --use-distributed-optimizer).
+# first without --sequence-parallel, the second without --use-distributed-optimizer, and
+# overlaps pipeline-parallel communication only in the interleaved schedule: its
+# arguments.py turns overlap_p2p_comm off otherwise).
 IMPLIED = (
     (r"tp-comm-overlap", "sp", True),
     (r"overlap-param-gather", "zero", 1),
+    (r"pipeline-parallel communication overlapped", "vpp", INTERLEAVED),
 )
 
 
@@ -314,9 +318,20 @@ def _partition(row: dict, layers: int, pp: int) -> tuple[int, ...] | None:
     return tuple(counts)
 
 
-def _filled(row: dict, runtime: str, tp: int) -> tuple[dict, list[str]]:
+def _least_vpp(row: dict, layers: int, pp: int, tp: int, dp: int, mbs: int) -> int:
+    """The smallest number of model chunks > 1 that an interleaved schedule of this row can
+    run (Megatron: an equal whole number of layers per chunk, micro-batches a multiple of
+    pp); 1 where none can."""
+    gbs = _int(row, "gbs_seqs")
+    if pp < 2 or layers % pp or not gbs or (gbs // (dp * mbs)) % pp:
+        return 1
+    per_stage = layers // pp
+    return next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
+
+
+def _filled(row: dict, runtime: str, tp: int, least_vpp=lambda mbs: 1) -> tuple[dict, list[str]]:
     """mbs, vpp, sp, zero and recompute of the row, unknowns filled (module docstring),
-    and a note per filled field."""
+    and a note per filled field (``least_vpp(mbs)``: what ``INTERLEAVED`` means here)."""
     given = {"mbs": _int(row, "mbs", 1), "vpp": _int(row, "vpp", 1), "zero": _zero(row),
              "recompute": _recompute(row)}  # fmt: skip
     sp = _int(row, "sp", 0)
@@ -329,7 +344,7 @@ def _filled(row: dict, runtime: str, tp: int) -> tuple[dict, list[str]]:
         out[key] = defaults[key]
         for pattern, field, implied in IMPLIED:
             if field == key and re.search(pattern, _raw(row, "notes"), re.I):
-                out[key] = implied
+                out[key] = least_vpp(out["mbs"]) if implied == INTERLEAVED else implied
         if key == "sp" and tp == 1:
             out[key] = False
         notes.append(f"{key} ?={out[key]}")
@@ -368,7 +383,8 @@ def row_spec(row: dict) -> RowSpec:
     if tp * pp * cp * dp != n_gpus:
         raise RowError(f"tp {tp} x pp {pp} x cp {cp} x dp {dp} != n_gpus {n_gpus}")
     runtime = runtime_for(row)
-    knobs, assumed = _filled(row, runtime, tp)
+    knobs, assumed = _filled(row, runtime, tp,
+                             lambda mbs: _least_vpp(row, layers, pp, tp, dp, mbs))  # fmt: skip
     vpp = knobs["vpp"]
     try:
         hw = fabric_for(row, hardware_for(row))
