@@ -187,14 +187,13 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
 
     ``moe``: the dense MLP's weights are left out."""
     m, per = layout.num_microbatches, 0.0
-    if layout.dtype == "fp32":
-        pass
-    elif runtime.weight_cast_per_step:
-        per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
-    elif not runtime.master_weights and runtime.grad_reduce_fp32:
-        per = 6.0
-    elif runtime.deepspeed_optimizer:
-        per = 18.0 if layout.dtype == "bf16" else 6 * (m - 1) / m
+    if layout.dtype != "fp32":  # the casts and copies of mixed precision
+        if runtime.weight_cast_per_step:
+            per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
+        elif not runtime.master_weights and runtime.grad_reduce_fp32:
+            per = 6.0
+        elif runtime.deepspeed_optimizer:
+            per = 18.0 if layout.dtype == "bf16" else 6 * (m - 1) / m
     if runtime.grad_predivide and layout.dp > 1:  # read and write, in the reduce dtype
         per += 2 * runtime.grad_comm_bytes(layout.dtype)
     if per == 0.0:

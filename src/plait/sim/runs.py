@@ -318,7 +318,7 @@ def _partition(row: dict, layers: int, pp: int) -> tuple[int, ...] | None:
     return tuple(counts)
 
 
-def _least_vpp(row: dict, layers: int, pp: int, tp: int, dp: int, mbs: int) -> int:
+def _least_vpp(row: dict, layers: int, pp: int, dp: int, mbs: int) -> int:
     """The smallest number of model chunks > 1 that an interleaved schedule of this row can
     run (Megatron: an equal whole number of layers per chunk, micro-batches a multiple of
     pp); 1 where none can."""
@@ -384,7 +384,7 @@ def row_spec(row: dict) -> RowSpec:
         raise RowError(f"tp {tp} x pp {pp} x cp {cp} x dp {dp} != n_gpus {n_gpus}")
     runtime = runtime_for(row)
     knobs, assumed = _filled(row, runtime, tp,
-                             lambda mbs: _least_vpp(row, layers, pp, tp, dp, mbs))  # fmt: skip
+                             lambda mbs: _least_vpp(row, layers, pp, dp, mbs))  # fmt: skip
     vpp = knobs["vpp"]
     try:
         hw = fabric_for(row, hardware_for(row))
