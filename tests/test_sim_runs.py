@@ -103,10 +103,17 @@ def test_the_printed_accuracy_is_the_current_models(held_out, capsys):
     from plait.cli import main
     from plait.sim import held_out as figures
 
-    assert figures.GROUPS == validate.held_out_groups(held_out)
+    def same(stored, fresh):  # the figures are rounded to 4 places: a last-digit tie may fall
+        n, mean, worst, row = stored  # either way on another platform's floating point
+        return (n, row) == (fresh[0], fresh[3]) and mean == pytest.approx(fresh[1], abs=2e-4) \
+            and worst == pytest.approx(fresh[2], abs=2e-4)  # fmt: skip
+
+    fresh = validate.held_out_groups(held_out)
+    assert figures.GROUPS.keys() == fresh.keys()
+    assert all(same(figures.GROUPS[k], fresh[k]) for k in fresh), (figures.GROUPS, fresh)
     w = held_out.worst
-    assert figures.ALL == (len(held_out.predictions), round(held_out.mean_error, 4),
-                           round(w.error, 4), w.case.id)  # fmt: skip
+    assert same(figures.ALL, (len(held_out.predictions), held_out.mean_error, w.error,
+                              w.case.id))  # fmt: skip
     sc21 = [p for p in held_out.predictions if p.case.spec.runtime == "megatron-lm"]
     mean = sum(abs(p.error) for p in sc21) / len(sc21)
     assert main(["simulate", "--model", "gpt3-175b", "--gpus", "1024", "--tp", "8", "--pp", "16",
