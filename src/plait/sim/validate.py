@@ -81,17 +81,22 @@ class Report:
 
     @property
     def mean_error(self) -> float:
-        return statistics.mean(abs(p.error) for p in self.predictions)
+        return mean_and_worst(self.predictions)[0]
 
     @property
     def worst(self) -> Prediction:
-        return max(self.predictions, key=lambda p: p.ratio)
+        return mean_and_worst(self.predictions)[1]
 
     def by_source(self) -> dict[str, list[Prediction]]:
         out: dict[str, list[Prediction]] = {}
         for p in self.predictions:
             out.setdefault(p.case.source, []).append(p)
         return out
+
+
+def mean_and_worst(preds) -> tuple[float, Prediction]:
+    """Mean absolute error of ``preds`` and the one furthest off (by ratio, either way)."""
+    return statistics.mean(abs(p.error) for p in preds), max(preds, key=lambda p: p.ratio)
 
 
 def family(hw: Hardware) -> str:
@@ -217,8 +222,7 @@ def table(report: Report) -> str:
     """The per-source and per-row tables the accuracy benchmark prints."""
     lines = [f"{'source':<42}{'rows':>5}{'mean |err|':>12}{'worst':>9}  worst row"]
     for source, preds in sorted(report.by_source().items()):
-        worst = max(preds, key=lambda p: p.ratio)
-        mean = statistics.mean(abs(p.error) for p in preds)
+        mean, worst = mean_and_worst(preds)
         lines.append(f"{source[:41]:<42}{len(preds):>5}{mean:>12.1%}{worst.error:>+9.1%}  "
                      f"{worst.case.id}")  # fmt: skip
     w = report.worst
@@ -250,8 +254,7 @@ def held_out_groups(report: Report) -> dict[tuple[str, str], tuple[int, float, f
         groups.setdefault(key, []).append(p)
     out = {}
     for key, preds in sorted(groups.items()):
-        w = max(preds, key=lambda p: p.ratio)
-        mean = statistics.mean(abs(p.error) for p in preds)
+        mean, w = mean_and_worst(preds)
         out[key] = (len(preds), round(mean, 4), round(w.error, 4), w.case.id)
     return out
 
