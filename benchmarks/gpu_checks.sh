@@ -22,6 +22,9 @@
 #               compute and model-step probes, no collectives)                   ~45 s
 #   single_gpu  benchmarks/single_gpu.py, one round, measured vs simulated on
 #               the calibrated file (eager and compiled: compile time counts)    ~120 s
+#   fsdp        (only when CHECKS names it) benchmarks/fsdp_step.py: an MPT-shaped
+#               step under FSDP1 as llm-foundry ran it, with and without
+#               recomputation, by kind of kernel against the model's fsdp runtime ~120 s
 #
 # SMOKE=1 checks the script itself on a CPU machine: a tiny model in peaks, calibrate on
 # the CPU, single_gpu.py --smoke (env and the CUDA tests fail or skip there).
@@ -203,6 +206,7 @@ want calibrate && check calibrate 90 "$PY" -m plait.cli calibrate --device "$DEV
     --quick --dtypes fp32,bf16 ${SMOKE:+--procs 1} --out "$OUT/calibrated.yaml"
 HW=()
 [ -s "${HARDWARE:-$OUT/calibrated.yaml}" ] && HW=(--hardware "${HARDWARE:-$OUT/calibrated.yaml}")
+want fsdp && check fsdp 200 "$PY" benchmarks/fsdp_step.py ${SMOKE:+--smoke}
 want single_gpu && check single_gpu 150 "$PY" benchmarks/single_gpu.py --rounds 1 --steps 8 \
     --warmup-steps 3 ${SMOKE:+--smoke} "${HW[@]}"
 

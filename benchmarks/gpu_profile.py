@@ -50,10 +50,10 @@ def workloads(smoke: bool):
     }  # fmt: skip
 
 
-def simulated_kinds(cfg, layout, hw) -> dict[str, float]:
+def simulated_kinds(cfg, layout, hw, rt=None) -> dict[str, float]:
     """The model's seconds a step by kind, one GPU (pp = 1): every layer's micro-batches,
-    the embedding and head's, and the optimizer."""
-    rt = PROFILES["plait"]
+    the embedding and head's, and the optimizer (plait's runtime unless ``rt``)."""
+    rt = rt or PROFILES["plait"]
     m = layout.global_batch_size // layout.micro_batch_size
     out: dict[str, float] = {}
     parts = [(costs.layer_cost(cfg, layout, hw, rt).kinds, m * cfg.n_layers),

