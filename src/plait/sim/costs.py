@@ -457,13 +457,16 @@ def loss_bytes_per_logit(e: int, unfused_fp32: bool, kernels: str = "fused") -> 
     max (4), subtracting it (8), exp in place (8), the sum (4), dividing by it in place
     (8) -- e + 36 -- and backward multiplying the saved softmax by the loss gradient in
     place (8) and casting back (4 + e): e + 12. 52 bytes a bf16 logit against 16: at a
-    131,072 vocabulary and 4,096 tokens, 19 GB more a micro-batch. ``kernels`` "plait"
-    (``Runtime.layer_kernels``; counted from its code): a cast of bf16 logits to fp32
-    (e + 4, none in fp32), log-softmax (8), and backward the negative log-likelihood's
-    zeroed gradient (4), log-softmax's backward (12) and the cast back (4 + e)."""
+    131,072 vocabulary and 4,096 tokens, 19 GB more a micro-batch. ``kernels`` "plait" and
+    "eager" (``Runtime.layer_kernels``), PyTorch's ``cross_entropy`` as log-softmax then
+    the negative log-likelihood on logits cast to fp32 (plait's code; llm-foundry's loss
+    under autocast, torchtitan's ``.float()``; counted on fake tensors for the model of
+    ``benchmarks/fsdp_step.py``, whose step a GPU profile timed): the cast (e + 4, none in
+    fp32), log-softmax (8), and backward the negative log-likelihood's zeroed gradient
+    (4), log-softmax's backward (12) and the cast back (4 + e)."""
     if unfused_fp32:
         return e + 36, e + 12
-    if kernels == "plait":
+    if kernels in ("plait", "eager"):
         cast = e + 4 if e < 4 else 0
         return cast + 8, 16 + cast
     return e + 8, 4 + e
