@@ -357,7 +357,9 @@ def _floats(d) -> dict:
 #   step (clocks under the power limit included), is fitted per GPU type on the
 #   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
 #   others; docs/performance-model.md). V100 reuses the closest fitted part; the H200's
-#   is measured (below).
+#   is measured (below). On one H100 an MPT-7B block's GEMMs ran at 0.68-0.78 of peak
+#   (``benchmarks/fsdp_step.py``): the fitted 0.56 also carries a many-GPU cost of the
+#   published runs that the model does not name yet (docs/performance-model.md section 6).
 
 _A100_EFF = Efficiency(gemm_max=0.72, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
 _H100_EFF = Efficiency(gemm_max=0.56, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
