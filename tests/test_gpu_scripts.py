@@ -1,0 +1,42 @@
+"""The GPU benchmarks' scripts still run: ``--smoke`` takes each through its code on the
+CPU with a tiny model, so a renamed function or a changed signature fails here and not
+on a lent GPU, whose minutes are few (``benchmarks/gpu_checks.sh`` runs them there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _smoke(script: str, tmp_path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MASTER_PORT": "29573",
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("script", ["fsdp_step.py", "gpu_profile.py"])
+def test_gpu_benchmarks_run_their_smoke_case(script, tmp_path):
+    """Each prints its closing JSON with the model's side filled in: ``fsdp_step.py`` a
+    case measured and priced by both runtimes, ``gpu_profile.py`` its workload's model
+    split. Catches a script broken by a change elsewhere (the model's kinds, the
+    profiler's summary, the trainer's entry points)."""
+    lines = [x for x in _smoke(script, tmp_path).splitlines() if x.startswith("{")]
+    result = json.loads(lines[-1])
+    if script == "fsdp_step.py":
+        case = result["cases"]["7b-plain-none"]
+        assert case["measured"]["step_s"] > 0
+        assert {"fsdp", "plait"} <= set(case["model"])
+        assert case["model"]["fsdp"]["kinds_s"]["gemm"] > 0
+    else:
+        (work,) = result.values()
+        assert work["model"]["gemm"] > 0 and work["step_s"]
