@@ -161,6 +161,43 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
 
 
+def local_collectives(world: int) -> None:
+    """Rank 0 of ``world`` on this one GPU: PyTorch's fake process group (every collective
+    completes at once, moving nothing), with FSDP1's two collectives given back their
+    local memory traffic on the stream that issues them -- the all-gather writes the shard
+    into every slot of the unsharded buffer, the reduce-scatter sums the world's slices
+    into the shard -- so the gathered weights are real numbers (tensor cores draw power by
+    the bits they see) and FULL_SHARD's machinery runs as on ``world`` GPUs: its shards,
+    casts, unsharded buffers allocated and freed per unit, the all-gather rate limit, its
+    streams and hooks. What it leaves out is the network, and the SMs NCCL would take."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+
+    def gathering(fake):
+        def all_gather(output, input, group=None, async_op=False):
+            work = fake(output, input, group=group, async_op=async_op)
+            output.view(world, -1).copy_(input.reshape(1, -1).expand(world, -1))
+            return work
+
+        return all_gather
+
+    def scattering(fake):
+        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            work = fake(output, input, op=op, group=group, async_op=async_op)
+            torch.sum(input.view(world, -1), 0, out=output.view(-1))
+            return work
+
+        return reduce_scatter
+
+    # FSDP1 calls one name or the other by PyTorch version
+    for name, wrap in (("all_gather_into_tensor", gathering), ("all_gather_single", gathering),
+                       ("reduce_scatter_tensor", scattering),
+                       ("reduce_scatter_single", scattering)):  # fmt: skip
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(getattr(dist, name)))
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -305,6 +342,12 @@ def main(argv=None) -> int:
         help="then steps for this many seconds, clocks and power sampled (GPU)",
     )
     ap.add_argument("--table", action="store_true", help="print each case's operator table")
+    ap.add_argument(
+        "--fake-world",
+        type=int,
+        default=1,
+        help="FSDP1 as rank 0 of this many GPUs, collectives local (GPU)",
+    )
     ap.add_argument("--no-gemms", action="store_true", help="skip the GEMMs timed alone")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -320,9 +363,12 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     hw = get_hardware("h200" if "H200" in name else "h100-sxm")
     peak = hw.peak("bf16") / 1e12 if cuda else 1.0
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if args.fake_world > 1:
+        local_collectives(args.fake_world)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
 
     def mpt(layers, hidden, heads, seq=2048, vocab=50368):
         return ModelConfig(arch="gpt2", n_layers=layers, hidden=hidden, n_heads=heads,
@@ -340,7 +386,11 @@ def main(argv=None) -> int:
              ("13b", True, False), ("13b", True, True)]  # fmt: skip
     results = {"device": name, "hardware": hw.name, "torch": torch.__version__, "cases": {},
                "gemms": []}  # fmt: skip
-    print(f"fsdp_step.py on {name} (torch {torch.__version__}), model on {hw.name}")
+    world = (
+        f", FSDP1 as rank 0 of {args.fake_world} (collectives local)" if args.fake_world > 1 else ""
+    )
+    print(f"fsdp_step.py on {name} (torch {torch.__version__}){world}, model on {hw.name}")
+    results["fake_world"] = args.fake_world
     for shape, fsdp, rec in cases:
         if shape not in shapes:
             continue
