@@ -59,7 +59,7 @@ from plait.sim.runtime import PROFILES
 from plait.train.profiling import summarise
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_profile import simulated_kinds  # noqa: E402
+from gpu_profile import device_for, simulated_kinds  # noqa: E402
 
 
 class Block(nn.Module):
@@ -350,11 +350,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--no-gemms", action="store_true", help="skip the GEMMs timed alone")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("fsdp_step.py: no GPU here; --smoke checks the script on the CPU")
+    device = device_for(args.smoke, "fsdp_step.py")
+    if device is None:
         return 2
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -87,6 +87,16 @@ def run(name, cfg, layout, out: Path, device, lr: float) -> tuple[dict, list[dic
     return summary, steps
 
 
+def device_for(smoke: bool, script: str) -> torch.device | None:
+    """The GPU, or the CPU under ``--smoke``; None after one line when there is no GPU."""
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"{script}: no GPU here; --smoke checks the script on the CPU")
+        return None
+    return torch.device("cuda", 0)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument(
@@ -97,11 +107,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=3e-4, help="the runs' peak learning rate")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("gpu_profile.py: no GPU here; --smoke checks the script on the CPU")
+    device = device_for(args.smoke, "gpu_profile.py")
+    if device is None:
         return 2
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cuda = device.type == "cuda"
     hw_name = args.hardware or (
         "h200" if cuda and "H200" in torch.cuda.get_device_name(0) else "h100-sxm"
     )
