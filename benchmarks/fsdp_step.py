@@ -4,6 +4,8 @@ model's price of the same step (``--runtime fsdp``), and the block's GEMMs alone
 
     python benchmarks/fsdp_step.py                 # on a GPU (~2 minutes on an H100)
     python benchmarks/fsdp_step.py --smoke         # a tiny model on the CPU: the script runs
+    python benchmarks/fsdp_step.py --fake-world 8 --only 7b-fsdp1-none --layers 32 --no-gemms
+                                                   # the whole MPT-7B as rank 0 of 8 GPUs
 
 Why: the model prices llm-foundry's and IBM's H100 rows without recomputation 10-20% too
 fast and those with it slightly slow (docs/performance-model.md section 6). One GPU takes
