@@ -40,3 +40,33 @@ def test_gpu_benchmarks_run_their_smoke_case(script, tmp_path):
     else:
         (work,) = result.values()
         assert work["model"]["gemm"] > 0 and work["step_s"]
+
+
+def test_fake_world_collectives_keep_their_local_memory_traffic(tmp_path):
+    """``fsdp_step.py --fake-world``: under the fake process group FSDP1's all-gather
+    writes the shard into every slot of the unsharded buffer and its reduce-scatter sums
+    the world's slices into the shard, under either name a PyTorch version calls. Catches
+    a patched name missed (the buffer left as it was: garbage weights on a GPU) and the
+    slices summed along the wrong axis."""
+    code = f"""
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import fsdp_step
+fsdp_step.local_collectives(4)
+for name in ("all_gather_into_tensor", "all_gather_single"):
+    if not hasattr(dist, name):
+        continue
+    out = torch.full((12,), -1.0)
+    getattr(dist, name)(out, torch.arange(3.0))
+    assert out.tolist() == [0.0, 1.0, 2.0] * 4, (name, out)
+for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+    if hasattr(dist, name):
+        out = torch.zeros(3)
+        getattr(dist, name)(out, torch.arange(12.0))
+        assert out.tolist() == [18.0, 22.0, 26.0], (name, out)
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
