@@ -514,6 +514,33 @@ def test_optimizer_tensor_overhead_adds_a_fixed_cost_per_tensor():
         assert b.breakdown["optimizer"] - a.breakdown["optimizer"] == pytest.approx(extra, rel=0.05)
 
 
+def test_each_runtime_streams_its_own_adamw():
+    """AdamW's bytes a parameter follow the runtime's optimizer, counted with
+    ``StreamBytes``: fused 28 (Megatron, DeepSpeed, plait), PyTorch's foreach with weight
+    decay 56 (torchtitan: fsdp2), Composer's per-parameter loop 84 (llm-foundry: fsdp).
+    Catches every runtime priced as fused, and a count that drifts from the code it names
+    (the foreach count is redone here on PyTorch's own AdamW)."""
+    import torch
+
+    from plait.train.profiling import StreamBytes
+
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, foreach=True)
+    p.grad = torch.randn(4096)
+    opt.step()  # the state exists from here on
+    count = StreamBytes()
+    with count:
+        opt.step()
+    assert sum(count.bytes.values()) / 4096 == pytest.approx(PROFILES["fsdp2"].adamw_bytes, abs=0.1)
+    hw, layout = cpu_host(optimizer_tensor_overhead=0.0), Layout(global_batch_size=2, dtype="bf16")
+    for name, per in (("megatron-lm", 28), ("plait", 28), ("fsdp2", 56), ("fsdp", 84)):
+        rt = PROFILES[name]
+        assert rt.adamw_bytes == per
+        fused = costs.optimizer_time(1e6, layout, hw, replace(rt, adamw_bytes=28))
+        extra = costs.optimizer_time(1e6, layout, hw, rt) - fused
+        assert extra == pytest.approx((per - 28) * 1e6 / hw.elementwise_bw, abs=1e-12)
+
+
 def test_zero1_reduces_gradients_as_the_runtime_does():
     """plait's stage 1 all-reduces whole gradients (as ZeRO-0); a reduce-scatter runtime
     reduce-scatters them; both gather the weights back with the pack/unpack copies."""

@@ -695,7 +695,7 @@ def optimizer_time(
 ) -> float:
     """AdamW over this rank's shard of ``params`` in ``tensors`` parameter tensors:
     memory-bound. Fused Adam reads weight, gradient and both moments (fp32) and writes
-    weight and moments (28 bytes), clipping reads the gradient once more and zeroing
+    weight and moments (28 bytes; ``Runtime.adamw_bytes`` for unfused ones), clipping reads the gradient once more and zeroing
     writes it; master-weight runtimes also write the low-precision copy. Each tensor adds
     ``hw.optimizer_tensor_overhead`` (every rank holds a shard of every tensor under
     ZeRO, so the count does not shrink with dp). Offloaded: gradients down and weights
@@ -704,7 +704,7 @@ def optimizer_time(
     w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)
     shard, _ = dp_groups(layout)
     n = params / shard + (experts / dp_groups(layout, True)[0] if experts else 0.0)
-    per_param = 28 + 2 * g_bytes + (w_bytes if w_bytes < 4 else 0)
+    per_param = runtime.adamw_bytes + 2 * g_bytes + (w_bytes if w_bytes < 4 else 0)
     fixed = tensors * hw.optimizer_tensor_overhead
     if layout.offload_optimizer:
         pcie = n * (g_bytes + w_bytes) / hw.pcie_bandwidth

@@ -108,6 +108,12 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   (``costs.stream_bytes``): "fused" (Megatron, Transformer Engine: one kernel per
   operation), "eager" (PyTorch modules: torchtitan's and llm-foundry's layers, counted
   from their code), "plait" (plait's own blocks, counted from its code).
+- ``adamw_bytes``: bytes a parameter AdamW's update streams (weight, gradient, both
+  moments), counted with ``StreamBytes`` on PyTorch's code: 28 for a fused kernel (apex's
+  FusedAdam in Megatron and DeepSpeed, PyTorch's ``fused=True`` in plait), 56 for
+  PyTorch's foreach AdamW with weight decay (torchtitan's ``foreach=True``; IBM's fms-fsdp
+  takes the same default), 84 for a per-parameter loop of unfused operations (Composer's
+  2023 ``DecoupledAdamW``, llm-foundry's optimizer).
 - ``moe_imbalance``: not the software but the run's routing, priced here because every
   cost function reads the runtime: the most-loaded expert's tokens over the mean
   (``sim/expert.py``; ``simulate(moe_imbalance=)``, ``--moe-imbalance``). 1.0, a balanced
@@ -149,6 +155,7 @@ class Runtime:
     pp_scatter_gather: bool = True
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
+    adamw_bytes: int = 28
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     description: str = dataclasses.field(default="", compare=False)
 
@@ -208,6 +215,7 @@ _FSDP1 = Runtime(
     gather_in_compute_dtype=True,
     grad_predivide=True,
     layer_kernels="eager",
+    adamw_bytes=84,
     description="PyTorch FSDP1 (FullyShardedDataParallel; llm-foundry, IBM's fms-fsdp): "
     "FlashAttention, prefetched all-gathers in the compute dtype, sharded fp32 weights, "
     "fp32 reduce-scatter (Composer's DEFAULT mixed precision) after a division pass",
@@ -288,6 +296,7 @@ PROFILES: dict[str, Runtime] = {
         _FSDP1,
         name="fsdp2",
         grad_predivide=False,
+        adamw_bytes=56,
         description="PyTorch FSDP2 (fully_shard; torchtitan): as FSDP1, with fp32 "
         "gradient averaging left to NCCL (no division pass)",
     ),
