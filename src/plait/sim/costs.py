@@ -698,9 +698,10 @@ def optimizer_time(
     weight and moments (28 bytes; ``Runtime.adamw_bytes`` for unfused ones), clipping
     reads the gradient once more and zeroing writes it; master-weight runtimes also write
     the low-precision copy. Each tensor adds ``hw.optimizer_tensor_overhead`` (every rank
-    holds a shard of every tensor under ZeRO, so the count does not shrink with dp). Offloaded: gradients down and weights
-    up over PCIe, Adam on the host at its share of host memory bandwidth. ``experts``: routed
-    expert weights, sharded over their edp group."""
+    holds a shard of every tensor under ZeRO, so the count does not shrink with dp).
+    Offloaded: gradients down and weights up over PCIe, Adam on the host at its share of
+    host memory bandwidth. ``experts``: routed expert weights, sharded over their edp
+    group."""
     w_bytes, g_bytes, _ = runtime.state_bytes(layout.dtype)
     shard, _ = dp_groups(layout)
     n = params / shard + (experts / dp_groups(layout, True)[0] if experts else 0.0)
