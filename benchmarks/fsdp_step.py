@@ -119,11 +119,6 @@ def build(cfg: ModelConfig, device, *, fsdp: bool, recompute: bool):
     torch.manual_seed(0)
     model = MPT(cfg).to(device)
     if fsdp:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,  # fmt: skip
-            apply_activation_checkpointing,
-            checkpoint_wrapper,
-        )
         from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -136,31 +131,25 @@ def build(cfg: ModelConfig, device, *, fsdp: bool, recompute: bool):
             backward_prefetch=BackwardPrefetch.BACKWARD_POST,
             limit_all_gathers=True,
             use_orig_params=False,
-            device_id=device if device.type == "cuda" else None,
+            device_id=device,
         )
-        if recompute:
-            apply_activation_checkpointing(
-                model,
-                checkpoint_wrapper_fn=functools.partial(
-                    checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT
-                ),
-                check_fn=lambda m: isinstance(m, Block),
-            )
-    elif recompute:
-        for i, blk in enumerate(model.blocks):
-            model.blocks[i] = _Checkpointed(blk)
+    if recompute:  # each block, inside its FSDP unit when there is one (Composer's order)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT
+            ),
+            check_fn=lambda m: isinstance(m, Block),
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0,
                             foreach=device.type == "cuda")  # fmt: skip
     return model, opt
-
-
-class _Checkpointed(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
 
 
 def local_collectives(world: int) -> None:
