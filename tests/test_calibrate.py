@@ -4,6 +4,7 @@ hardware file (one process group of 2 workers) in under 30 s."""
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from plait.calibrate.fit import (
 )
 from plait.calibrate.measure import (
     ELEMENTWISE,
+    GPU_PROBES,
     PROBES,
     elementwise_bytes,
     gemm_shapes,
@@ -140,6 +142,25 @@ def test_probe_fit_recovers_the_kernel_overhead_and_gemm_level():
     assert fit["residual"] < 0.03
     assert fit["hardware"].op_overhead == pytest.approx(80e-6, rel=0.2)
     assert fit["hardware"].efficiency.gemm_max == pytest.approx(0.45, rel=0.08)
+
+
+def test_probe_fit_on_a_gpu_recovers_the_host_and_the_gemm_level():
+    """On a GPU (``host_overlap``) the probes span launch-bound to compute-bound steps, and
+    the fit recovers both knobs only if it prices a step as the longer of host and device.
+    Catches the fit pricing its trials as the sum (it then trades the GEMM level against
+    the per-kernel time, as it did 56% off on an H100), e.g. by dropping ``host_overlap``
+    from the hardware it tries."""
+    truth = load_hardware("h100-sxm").replace(op_overhead=25e-6, host_overlap=True)
+    truth = truth.replace(efficiency=replace(truth.efficiency, gemm_max=0.5))
+    probes = [(*p[:7], "bf16") for p in GPU_PROBES]
+    rows = [(probe, simulate(*probe_case(probe), truth).iter_time_s) for probe in probes]
+    sweep = truth.replace(op_overhead=0.0, efficiency=replace(truth.efficiency, gemm_max=0.62))
+    fit = fit_probes(rows, sweep)
+    assert fit["residual"] < 0.03, fit["rows"]
+    assert fit["hardware"].op_overhead == pytest.approx(25e-6, rel=0.2)
+    assert fit["hardware"].efficiency.gemm_max == pytest.approx(0.5, rel=0.08)
+    for _, measured, fitted in fit["rows"]:
+        assert fitted == pytest.approx(measured, rel=0.05)
 
 
 def test_optimizer_fit_recovers_the_cost_per_tensor():

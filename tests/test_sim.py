@@ -467,12 +467,17 @@ def test_optional_hardware_fields_round_trip_and_default(tmp_path):
     # files written before these fields existed still load, with the GPU defaults
     old = get_hardware("cpu").to_dict()
     for key in ("elementwise_bandwidth", "compute_slots_per_node", "op_overhead",
-                "optimizer_tensor_overhead"):  # fmt: skip
+                "optimizer_tensor_overhead", "host_overlap"):  # fmt: skip
         old.pop(key)
     loaded = Hardware.from_dict(old)
     assert loaded.elementwise_bw == loaded.memory_bandwidth
     assert loaded.compute_slots == loaded.devices_per_node and loaded.op_overhead == 0
-    assert loaded.optimizer_tensor_overhead == 0
+    assert loaded.optimizer_tensor_overhead == 0 and loaded.host_overlap is False
+    queued = cpu_host(host_overlap=True)
+    queued.to_yaml(path)
+    assert Hardware.from_yaml(path) == queued
+    with pytest.raises(ValueError, match="host_overlap: expected true or false"):
+        Hardware.from_dict({**queued.to_dict(), "host_overlap": "yes"})
     with pytest.raises(ValueError, match="optimizer_tensor_overhead must be >= 0"):
         cpu_host(optimizer_tensor_overhead=-1e-6)
     with pytest.raises(ValueError, match="unknown per_op"):
@@ -807,3 +812,32 @@ def test_negative_gemm_saturation_is_refused():
                {"gemm_half_k": 0.0, "gemm_half_flops": -1.0}):  # fmt: skip
         with pytest.raises(ValueError, match="gemm_half_k and gemm_half_flops"):
             Efficiency(gemm_max=0.5, attention=0.5, **kw)
+
+
+def test_a_gpu_host_runs_beside_its_device_and_the_step_takes_the_longer():
+    """``host_overlap``: a GPU's host queues kernels ahead, so a step costs the longer of
+    the host's time (kernels x op_overhead, tensors x optimizer_tensor_overhead) and the
+    device's, not their sum. Catches adding the two on a GPU (calibrate's fit was 56% off
+    on an H100: it priced GPT-2's compute-bound step as host + device) and dropping the
+    host's time (a small model's overhead-bound step priced at its kernels alone)."""
+    queued = get_hardware("h100-sxm").replace(op_overhead=20e-6, optimizer_tensor_overhead=30e-6,
+                                              host_overlap=True)  # fmt: skip
+    summed = queued.replace(host_overlap=False)
+    device = queued.replace(op_overhead=0.0, optimizer_tensor_overhead=0.0, kernel_launch=0.0,
+                            host_overlap=False)  # fmt: skip
+    tiny = ModelConfig(n_layers=2, hidden=256, n_heads=4, seq_len=256, vocab_size=512)
+    big = ModelConfig(n_layers=12, hidden=768, n_heads=12, seq_len=1024, vocab_size=50304)
+    for model, micro in ((tiny, 2), (big, 8)):
+        layout = Layout(global_batch_size=4 * micro, micro_batch_size=micro, dtype="bf16")
+        t_dev = simulate(model, layout, device).iter_time_s
+        t_sum = simulate(model, layout, summed).iter_time_s
+        res = simulate(model, layout, queued)
+        host = t_sum - t_dev  # one process: the host's costs all lie on the step's path
+        assert res.iter_time_s == pytest.approx(max(t_dev, host), rel=1e-9)
+        assert sum(res.breakdown.values()) == pytest.approx(res.iter_time_s, rel=1e-9)
+        assert res.breakdown.get("host", 0.0) == pytest.approx(max(0.0, host - t_dev), abs=1e-12)
+        assert res.tokens_per_s * res.iter_time_s == pytest.approx(4 * micro * model.seq_len)
+        if model is tiny:  # launch-bound: the host sets the pace
+            assert host > 3 * t_dev and res.breakdown["host"] > 0
+        else:  # compute-bound: the host hides behind the device
+            assert host < t_dev and "host" not in res.breakdown and t_sum > 1.05 * t_dev

@@ -45,7 +45,10 @@ for small and large operations:
 - Model steps: the host time per kernel (``op_overhead``) and a common scale of the GEMM
   level (``gemm_max``, at most 1) are then fitted over a grid until ``simulate`` best
   reproduces the probe steps (``fit_probes``): a framework's per-operation overheads and
-  a step's cache misses, which bare matmuls on hot operands do not see, land there.
+  a step's cache misses, which bare matmuls on hot operands do not see, land there. On a
+  GPU the host queues kernels ahead of the device, so the file says ``host_overlap``: a
+  step takes the longer of the host's time and the device's, not their sum (a CPU worker
+  runs its kernels itself: the sum).
 - ``Link``: latency alpha and bandwidth B such that ``costs.all_reduce_time``,
   ``all_gather_time``, ``reduce_scatter_time`` and ``p2p_time`` best match every
   measured collective (grid over alpha, B). One host: ``intra_node`` and ``inter_node``
@@ -86,6 +89,7 @@ def calibrate(cfg: CalibrateConfig, log=print):
     from plait.sim.hardware import Efficiency, Hardware, Link, PeakFlops
 
     t0 = time.perf_counter()
+    queued = str(cfg.device).startswith("cuda")  # the host queues kernels ahead of a GPU
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here; use --device cpu")
     log(f"  compute in {cfg.compute_procs} process(es) at once ({cfg.compute_slots} can run "
@@ -110,6 +114,7 @@ def calibrate(cfg: CalibrateConfig, log=print):
         efficiency=eff, intra_node=Link(bandwidth=1e9, latency=0.0),
         inter_node=Link(bandwidth=1e9, latency=0.0), pcie_bandwidth=bandwidth,
         host_memory_bandwidth=bandwidth, elementwise_bandwidth=elementwise,
+        host_overlap=queued,
     )  # fmt: skip
     per_tensor = fit_optimizer(compute["optimizer"], draft)
     draft = draft.replace(optimizer_tensor_overhead=per_tensor)
@@ -119,6 +124,9 @@ def calibrate(cfg: CalibrateConfig, log=print):
     fit["probe_residual"] = probe["residual"]
     log(f"  model steps: the GEMM level x{probe['scale']:.2f}, {op_overhead * 1e6:.1f} us per "
         f"kernel (fit error {probe['residual']:.0%} over {len(compute['probe'])} probe models)")  # fmt: skip
+    for (layers, hidden, _, seq, batch, micro, vocab, *_), measured, fitted in probe["rows"]:
+        log(f"    probe {layers} x {hidden}, seq {seq}, batch {batch} (micro {micro}), vocab "
+            f"{vocab}: measured {measured * 1e3:.2f} ms, fitted {fitted * 1e3:.2f} ms")  # fmt: skip
     link = fit_link(comm) if comm else {"latency": 50e-6, "bandwidth": 2e9, "residual": 0.0}
     if comm:
         log(f"  link: latency {link['latency'] * 1e6:.1f} us, bandwidth "
@@ -157,6 +165,7 @@ def calibrate(cfg: CalibrateConfig, log=print):
         compute_slots_per_node=slots,
         op_overhead=op_overhead,
         optimizer_tensor_overhead=per_tensor,
+        host_overlap=queued,
     )
     data = {"matmul": mm, "attention": attn, "collectives": comm, "fit": fit, "link": link,
             "seconds": time.perf_counter() - t0}  # fmt: skip

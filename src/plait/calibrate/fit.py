@@ -109,11 +109,12 @@ def fit_probes(rows, hw) -> dict:
     single-process training steps (``measure_probes``): the host time per kernel
     (``op_overhead``: dispatch, autograd bookkeeping, allocation) and a common scale of
     the GEMM level (``gemm_max``, at most 1: a step's operands are colder than a sweep's),
-    over a grid; everything else stays as measured. Returns the hardware and the fit."""
+    over a grid; everything else stays as measured. Returns the hardware, the fit and each
+    probe's (probe, measured, fitted) seconds."""
     from plait.sim import simulate
 
     if not rows:
-        return {"hardware": hw, "scale": 1.0, "residual": 0.0}
+        return {"hardware": hw, "scale": 1.0, "residual": 0.0, "rows": []}
     eff = hw.efficiency
     cases = [(*probe_case(probe), t) for probe, t in rows]
 
@@ -133,7 +134,9 @@ def fit_probes(rows, hw) -> dict:
     best = min([best, *(error(a, b) for a in a0 * np.geomspace(0.85, 1.15, 7) if a <= top
                         for b in fine_b)], key=lambda x: x[0])  # fmt: skip
     err, trial, scale, _ = best
-    return {"hardware": trial, "scale": scale, "residual": err}
+    rows = [(probe, t, simulate(m, lay, trial).iter_time_s)
+            for (probe, t), (m, lay, _) in zip(rows, cases)]  # fmt: skip
+    return {"hardware": trial, "scale": scale, "residual": err, "rows": rows}
 
 
 def fit_link(rows) -> dict:

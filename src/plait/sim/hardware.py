@@ -24,7 +24,10 @@ A :class:`Hardware` entry describes one kind of device and the machine it sits i
   ``optimizer_tensor_overhead``, host seconds per parameter tensor per optimizer step
   (default 0: fused multi-tensor kernels; on a CPU, AdamW, the gradient norm and clipping
   loop over the tensors one by one, a fixed cost per tensor that a small model's step
-  feels).
+  feels), and ``host_overlap``: whether those host costs overlap the device's work (a GPU,
+  whose kernels the host queues ahead: the step takes the longer of host and device;
+  ``plait calibrate --device cuda`` sets it) or add to it (default: a CPU worker runs each
+  kernel itself).
 
 Built-in entries: ``v100``, ``a100-40gb``, ``a100-80gb``, ``h100-sxm``, ``h200`` and ``cpu``.
 Users describe their own clusters in YAML (``Hardware.to_yaml`` writes the schema; every
@@ -45,6 +48,7 @@ field is required except ``description`` and the optional ones)::
     compute_slots_per_node: null     # optional
     op_overhead: 0.0                 # optional
     optimizer_tensor_overhead: 0.0   # optional
+    host_overlap: false              # optional
 
 ``plait calibrate`` writes the same file for the machine it runs on: measured matmul
 efficiency (fit of ``gemm_max`` / ``gemm_half_flops``) and measured collective alpha/beta.
@@ -188,6 +192,11 @@ class Hardware:
     # host seconds to launch one kernel outside the model's own stream of work (the
     # per-rank copies of a list all-gather); None: op_overhead (a CPU worker's dispatch)
     kernel_launch: float | None = None
+    # the host queues kernels ahead of the device (a GPU): the host's time per kernel
+    # (op_overhead) and per tensor (optimizer_tensor_overhead) overlaps the device's work,
+    # and a step takes the longer of the two (``simulate``); False: the host runs each
+    # kernel itself (a CPU worker), so the two add up
+    host_overlap: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -252,6 +261,7 @@ class Hardware:
             "op_overhead",
             "optimizer_tensor_overhead",
             "kernel_launch",
+            "host_overlap",
         }
         missing = sorted(
             f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional
@@ -277,6 +287,7 @@ class Hardware:
                     d[name] = float(d[name])
             for name in ("op_overhead", "optimizer_tensor_overhead"):
                 d[name] = float(d.get(name) or 0.0)
+            d["host_overlap"] = _flag(d.get("host_overlap", False))
             if d.get("compute_slots_per_node") is not None:
                 d["compute_slots_per_node"] = int(d["compute_slots_per_node"])
         except TypeError as e:  # a missing or misspelt key inside a nested block
@@ -308,6 +319,12 @@ class Hardware:
         if path is not None:
             Path(path).write_text(text)
         return text
+
+
+def _flag(v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"host_overlap: expected true or false, got {v!r}")
+    return v
 
 
 def _floats(d) -> dict:

@@ -15,7 +15,9 @@ runtime issues it and the optimizer step, and reports:
   ``bubble`` and exposed ``pp_comm`` (its idle time, split by replaying once more with
   free transfers), exposed ``dp_comm`` (gradient reduction past the rank's last
   backward, ZeRO gathers) and ``optimizer``; with ``--cp`` also ``cp_comm``, with
-  ``--ep`` ``ep_comm`` (the experts' dispatch, ``sim/expert.py``).
+  ``--ep`` ``ep_comm`` (the experts' dispatch, ``sim/expert.py``); on a device whose
+  host queues its kernels (``Hardware.host_overlap``) and cannot keep up, ``host``
+  (``_host_overlapped``).
 
 Mixtures of experts: every stage's MoE blocks cost ``layer_step(moe=True)`` and the
 others the dense block's; the routed experts' gradients are reduced over their edp group
@@ -172,6 +174,9 @@ def _slowed(hw: Hardware, f: float) -> Hardware:
 
 def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
               dp_algo=None) -> Result:  # fmt: skip
+    if hw.host_overlap and (hw.op_overhead or hw.optimizer_tensor_overhead or hw.launch_s):
+        return _host_overlapped(model, layout, hw, n_devices, rt, keep_timeline, exact, lora,
+                                dp_algo)  # fmt: skip
     layout.check_model(model)
     if dp_algo is not None:
         dp_algo.check_layout(layout)
@@ -314,6 +319,40 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
         ),
         extras=extras if keep_timeline else {},
         dp_algo=algo_info,
+    )
+
+
+def _host_overlapped(model, layout, hw, n_devices, rt, keep_timeline, exact, lora,
+                     dp_algo) -> Result:  # fmt: skip
+    """The step on a device whose host queues kernels ahead of it (``Hardware.host_overlap``,
+    a GPU): host and device work side by side and the step takes the longer of the two.
+
+    The device's step is the step with no host costs. Pipeline rank r's host time is what
+    those costs add to its busy time: its kernels times ``op_overhead``, its parameter
+    tensors times ``optimizer_tensor_overhead``, its extra launches times ``launch_s``.
+    The step is the longer of the device's step and the busiest host's time: within a step
+    the queue lets the host run ahead (its depth, ~1,000 kernels, is more than a layer
+    issues), and the step's one host sync ends both. A host-bound step shows the excess as
+    ``breakdown["host"]``. Summing the two instead (a CPU worker, ``host_overlap`` False)
+    priced a GPU's overhead-bound small steps right and its compute-bound large ones ~2x too
+    slow, whatever the fit (``plait calibrate --device cuda`` on an H100)."""
+    counted = hw.replace(host_overlap=False)
+    free = counted.replace(op_overhead=0.0, optimizer_tensor_overhead=0.0, kernel_launch=0.0)
+    device = _simulate(model, layout, free, n_devices, rt, keep_timeline, exact, lora, dp_algo)
+    both = _simulate(model, layout, counted, n_devices, rt, False, exact, lora, dp_algo)
+    host = max(b - d for b, d in zip(both.busy_s, device.busy_s))
+    if host <= device.iter_time_s:
+        return device
+    f = device.iter_time_s / host
+    return dataclasses.replace(
+        device,
+        iter_time_s=host,
+        tokens_per_s=device.tokens_per_s * f,
+        tflops_per_device=device.tflops_per_device * f,
+        hw_tflops_per_device=device.hw_tflops_per_device * f,
+        mfu=device.mfu * f,
+        hfu=device.hfu * f,
+        breakdown={**device.breakdown, "host": host - device.iter_time_s},
     )
 
 
