@@ -6,6 +6,8 @@ model's price of the same step (``--runtime fsdp``), and the block's GEMMs alone
     python benchmarks/fsdp_step.py --smoke         # a tiny model on the CPU: the script runs
     python benchmarks/fsdp_step.py --fake-world 8 --only 7b-fsdp1-none --layers 32 --no-gemms
                                                    # the whole MPT-7B as rank 0 of 8 GPUs
+    python benchmarks/fsdp_step.py --fake-world 32 --only 30b-fsdp1-full --no-gemms
+                                                   # 4 of MPT-30B's blocks, rank 0 of 32
 
 Why: the model prices llm-foundry's and IBM's H100 rows without recomputation 10-20% too
 fast and those with it slightly slow (docs/performance-model.md section 6). One GPU takes
@@ -371,9 +373,11 @@ def main(argv=None) -> int:
         shapes = {
             "7b": (mpt(args.layers, 4096, 32), 6),
             "13b": (mpt(max(args.layers * 3 // 4, 1), 5120, 40), 2),
+            # the 30B row on 32 H100s (mosaic2_h100_30b_s2048_32): micro-batch 14, recompute
+            "30b": (mpt(max(args.layers // 2, 1), 7168, 56), 14),
         }
     cases = [("7b", True, False), ("7b", True, True), ("7b", False, False), ("7b", False, True),
-             ("13b", True, False), ("13b", True, True)]  # fmt: skip
+             ("13b", True, False), ("13b", True, True), ("30b", True, True)]  # fmt: skip
     results = {"device": name, "hardware": hw.name, "torch": torch.__version__, "cases": {},
                "gemms": []}  # fmt: skip
     world = (

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from plait.calibrate import CalibrateConfig
 from plait.calibrate.fit import (
     fit_efficiency,
     fit_elementwise,
@@ -19,8 +20,8 @@ from plait.calibrate.measure import (
     ELEMENTWISE,
     GPU_PROBES,
     PROBES,
-    elementwise_bytes,
     gemm_shapes,
+    measure_elementwise,
     message_sizes,
     probe_case,
 )
@@ -125,9 +126,21 @@ def test_link_fit_gives_each_operation_its_own_pair():
         assert fit["per_op"][op][1] == pytest.approx(b, rel=0.1)
 
 
-def test_elementwise_fit_recovers_the_rate():
-    rows = [(shape, elementwise_bytes(*shape) / 2.5e9) for shape in ELEMENTWISE]
+def test_elementwise_rate_is_the_counted_bytes_over_the_time():
+    """The elementwise rate is each row's counted bytes (``StreamBytes`` on the measured
+    call, as the model counts a block) over its time. Catches a fit from a fixed byte
+    formula: it counted 0.96-4x less than what ran, by architecture and device (on an
+    H200 the rate came out at a third of the copies' and the model's memory-bound time 2.6x
+    the measured); and a measurement whose rows carry no count."""
+    rows = [(shape, (1 + i) * 1e8, (1 + i) * 1e8 / 2.5e9) for i, shape in enumerate(ELEMENTWISE)]
     assert fit_elementwise(rows) == pytest.approx(2.5e9)
+    cfg = CalibrateConfig(quick=True, procs=1, device="cpu")
+    measured = measure_elementwise(cfg)
+    for (arch, T, h, *_), nbytes, t in measured:
+        # at least: read x, write the two residuals, read u (and g), write the activation,
+        # each once forward and its gradient once backward (fp32)
+        floor = 4 * T * (3 * h + (3 if arch == "llama" else 2) * 4 * h) * 2
+        assert floor < nbytes < 8 * floor and t > 0
 
 
 def test_probe_fit_recovers_the_kernel_overhead_and_gemm_level():

@@ -7,8 +7,8 @@ log time, so the relative error counts the same for small and large operations.
   grid search over (gemm_half_k, gemm_half_flops, peak x gemm_max). ``peak`` is the fastest
   throughput measured, so ``gemm_max`` <= 1. ``attention_efficiency``: the simulator's
   attention FLOPs over the measured time.
-- ``fit_elementwise``: the simulator's byte count of a layer's memory-bound kernels over
-  their measured time.
+- ``fit_elementwise``: the bytes a layer's memory-bound kernels read and write, counted as
+  the simulator counts a block's (``StreamBytes``), over their measured time.
 - ``fit_optimizer``: the probe steps' tail (gradient norm, clipping, AdamW, zeroing) beyond
   its bytes, per parameter tensor.
 - ``fit_probes``: the host time per kernel and a common scale of the GEMM level that make
@@ -24,13 +24,13 @@ import statistics
 
 import numpy as np
 
-from plait.calibrate.measure import elementwise_bytes, probe_case
+from plait.calibrate.measure import probe_case
 
 
 def fit_elementwise(rows) -> float:
     """Bytes/s at which the simulator's byte count of the measured kernels takes the
     measured time (geometric mean over the rows)."""
-    return float(np.exp(np.mean([np.log(elementwise_bytes(*shape) / t) for shape, t in rows])))
+    return float(np.exp(np.mean([np.log(nbytes / t) for _, nbytes, t in rows])))
 
 
 def fit_efficiency(rows, memory_bandwidth: float) -> dict:

@@ -193,26 +193,21 @@ GPU_ELEMENTWISE = (  # in bf16, as a GPU trains: the stream, norms' casts, the a
 )
 
 
-def elementwise_bytes(arch: str, tokens: int, hidden: int, heads: int,
-                      dtype: str = "fp32") -> float:  # fmt: skip
-    """Bytes the simulator counts for the memory-bound kernels of one layer, forward and
-    backward (``costs.layer_cost``: 10 h + 2 f (gpt2) or 3 f + 2 (a + k) d (llama)
-    elements per token forward, twice that backward, of ``dtype``'s size)."""
-    f = 4 * hidden
-    per_token = 10 * hidden + (2 * f if arch == "gpt2" else 3 * f + 4 * hidden)
-    return 3 * (2 if dtype in ("bf16", "fp16") else 4) * per_token * tokens
-
-
 def measure_elementwise(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple, float]]:
     """Seconds of the memory-bound kernels of one transformer layer, forward and backward,
     as plait's model runs them: two norms (LayerNorm or plait's RMSNorm), two residual
     adds, the MLP activation (tanh GELU, or SiLU times the up projection) and, for llama,
-    rotary embeddings of q and k. One row per ``ELEMENTWISE`` shape."""
+    rotary embeddings of q and k. One row (shape, bytes, seconds) per ``ELEMENTWISE``
+    shape: the bytes its operators read and write, counted as the performance model counts
+    a block's (``profiling.StreamBytes`` on the same call, so the rate fitted from them is
+    the one the model's counts run at: a fixed formula missed 0.96-4x of what ran, by
+    architecture and device)."""
     import torch
     import torch.nn.functional as F
 
     from plait.model.config import ModelConfig
     from plait.model.transformer import apply_rotary, make_norm, rotary_tables
+    from plait.train.profiling import StreamBytes
 
     min_s, reps = (0.01, 2) if cfg.quick else (0.02, 3)
     out = []
@@ -240,8 +235,12 @@ def measure_elementwise(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[t
                 outs += [apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)]
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
+        count = StreamBytes()
+        with count:
+            layer()
         sync()
-        out.append((shape, _median_time(layer, cfg.device, min_s=min_s, reps=reps)))
+        out.append((shape, count.memory_bound(), _median_time(layer, cfg.device, min_s=min_s,
+                                                             reps=reps)))  # fmt: skip
     return out
 
 
