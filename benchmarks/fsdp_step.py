@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.sim import costs, get_hardware, simulate
+from plait.sim.hardware import Link
 from plait.sim.runtime import PROFILES
 from plait.train.profiling import summarise
 
@@ -286,10 +287,16 @@ def measure(cfg: ModelConfig, mbs: int, device, *, fsdp: bool, recompute: bool,
             "sustained": sustained, "table": table}  # fmt: skip
 
 
-def modelled(cfg: ModelConfig, mbs: int, recompute: bool, hw, runtime: str) -> dict:
-    layout = Layout(global_batch_size=mbs, micro_batch_size=mbs, dtype="bf16", zero=3,
-                    recompute="full" if recompute else "none")  # fmt: skip
-    res = simulate(cfg, layout, hw, 1, runtime=runtime)
+def modelled(cfg: ModelConfig, mbs: int, recompute: bool, hw, runtime: str,
+             world: int = 1) -> dict:  # fmt: skip
+    """The model's step for rank 0 of ``world`` (ZeRO-3 over dp = ``world``: its optimizer
+    on a 1/world shard), with the network free as ``--fake-world`` leaves it out."""
+    layout = Layout(global_batch_size=mbs * world, micro_batch_size=mbs, dtype="bf16", zero=3,
+                    dp=world, recompute="full" if recompute else "none")  # fmt: skip
+    if world > 1:
+        free = Link(bandwidth=1e18, latency=0.0)
+        hw = hw.replace(intra_node=free, inter_node=free, devices_per_node=world)
+    res = simulate(cfg, layout, hw, world, runtime=runtime)
     kinds = simulated_kinds(cfg, layout, hw, PROFILES[runtime])
     return {"step_s": res.iter_time_s, "kinds_s": kinds, "mfu": res.mfu}
 
@@ -409,7 +416,8 @@ def main(argv=None) -> int:
             continue
         if cuda:  # the case's model and optimizer went with measure's frame
             torch.cuda.empty_cache()
-        model = {rt: modelled(cfg, mbs, rec, hw, rt) for rt in ("fsdp", "plait")}
+        model = {rt: modelled(cfg, mbs, rec, hw, rt, args.fake_world if fsdp else 1)
+                 for rt in ("fsdp", "plait")}  # fmt: skip
         table = meas.pop("table")
         results["cases"][case] = {"layers": cfg.n_layers, "hidden": cfg.hidden, "mbs": mbs,
                                   "measured": meas, "model": model}  # fmt: skip

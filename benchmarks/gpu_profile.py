@@ -51,10 +51,11 @@ def workloads(smoke: bool):
 
 
 def simulated_kinds(cfg, layout, hw, rt=None) -> dict[str, float]:
-    """The model's seconds a step by kind, one GPU (pp = 1): every layer's micro-batches,
-    the embedding and head's, and the optimizer (plait's runtime unless ``rt``)."""
+    """The model's seconds a step by kind on one GPU of the layout (pp = 1): every layer's
+    micro-batches of its data-parallel rank, the embedding and head's, and the optimizer
+    (on its ZeRO shard; plait's runtime unless ``rt``)."""
     rt = rt or PROFILES["plait"]
-    m = layout.global_batch_size // layout.micro_batch_size
+    m = layout.num_microbatches
     out: dict[str, float] = {}
     parts = [(costs.layer_cost(cfg, layout, hw, rt).kinds, m * cfg.n_layers),
              (costs.embedding_cost(cfg, layout, hw).kinds, m),
