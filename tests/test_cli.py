@@ -34,6 +34,35 @@ def plait(*args, timeout=180, check=False):
     return proc
 
 
+@pytest.fixture
+def started():
+    """``started(*args)``: ``plait *args`` started and not waited for (``finished`` waits),
+    so that commands that do not depend on each other run at once, each a process of its
+    own as ``plait`` runs it; any still running when the test ends are killed."""
+    procs = []
+
+    def start(*args) -> subprocess.Popen:
+        procs.append(subprocess.Popen([sys.executable, "-m", "plait.cli", *map(str, args)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))  # fmt: skip
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def finished(proc: subprocess.Popen, *, timeout=180, check=False) -> subprocess.CompletedProcess:
+    """What ``plait`` returns, for a process of ``started``."""
+    out, err = proc.communicate(timeout=timeout)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check and done.returncode != 0:
+        raise AssertionError(f"plait {' '.join(map(str, proc.args[3:]))} failed:\n{err}")
+    return done
+
+
 def records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -468,7 +497,7 @@ def test_export_reads_and_writes_one_part_at_a_time(base, tmp_path, monkeypatch)
     assert len(files) == len(asked)
 
 
-def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
+def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path, started):
     """A run's checkpoint goes out as a Hugging Face folder that transformers loads with
     the same logits, and comes back in with --init-hf under other layouts: the first step
     starts from the trained weights (its loss is the trained model's, well below a fresh
@@ -481,6 +510,16 @@ def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
     out = tmp_path / "hf"
     proc = plait("export", "--run", base, "--out", out, check=True)
     assert "wrote" in proc.stdout and (out / "model.safetensors.index.json").exists()
+    # the runs from the folder and the refusals depend on nothing but it: all at once, each
+    # its own `plait` process (their first steps are compared once all have ended)
+    layouts = {"one": [], "tp2": ["--tp", 2], "dp2z3": ["--dp", 2, "--zero", 3]}
+    runs = {name: started("train", *common(corpus), "--steps", 2, "--init-hf", out,
+                          "--out", tmp_path / name, *flags)
+            for name, flags in layouts.items()}  # fmt: skip
+    # a size flag that contradicts the folder is refused in one line
+    bad = started("train", *common(corpus), "--init-hf", out, "--hidden", 128, "--heads", 4,
+                  "--out", tmp_path / "bad")  # fmt: skip
+    none = started("export", "--run", tmp_path / "none")
     _, _, model = load_run(base)
     ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(
@@ -488,21 +527,17 @@ def test_export_to_hugging_face_and_train_from_it(base, corpus, tmp_path):
     )
     with torch.no_grad():
         assert (model(ids) - ref(ids).logits).abs().max().item() < 1e-5
-    for name, flags in (("one", []), ("tp2", ["--tp", 2]), ("dp2z3", ["--dp", 2, "--zero", 3])):
-        run = tmp_path / name
-        plait("train", *common(corpus), "--steps", 2, "--init-hf", out, "--out", run, *flags,
-              check=True)  # fmt: skip
+    for proc in runs.values():
+        finished(proc, check=True)
+    for name in layouts:
         if name != "one":  # every layout starts from the same weights: the same first step
-            same_run(run, tmp_path / "one", name, steps=1)
+            same_run(tmp_path / name, tmp_path / "one", name, steps=1)
     assert losses(tmp_path / "one")[0] < losses(base)[0] - 0.5
-    # a size flag that contradicts the folder is refused in one line
-    proc = plait("train", *common(corpus), "--init-hf", out, "--hidden", 128, "--heads", 4,
-                 "--out", tmp_path / "bad")  # fmt: skip
-    _one_line_error(proc, "--hidden 128 disagrees with --init-hf")
-    _one_line_error(plait("export", "--run", tmp_path / "none"), "no config.yaml")
+    _one_line_error(finished(bad), "--hidden 128 disagrees with --init-hf")
+    _one_line_error(finished(none), "no config.yaml")
 
 
-def test_export_carries_the_bpe_tokenizer(corpus, tmp_path):
+def test_export_carries_the_bpe_tokenizer(corpus, tmp_path, started):
     """A BPE run's export holds its tokenizer: transformers' AutoTokenizer encodes as plait
     does, and the folder serves as --init-hf and --tokenizer of a fine-tuning run."""
     import transformers
@@ -514,12 +549,13 @@ def test_export_carries_the_bpe_tokenizer(corpus, tmp_path):
           "--out", run, check=True)  # fmt: skip
     proc = plait("export", "--run", run, "--out", out, check=True)
     assert "tokenizer.json" in proc.stdout
+    again = tmp_path / "again"  # runs while this process compares the tokenizers
+    proc = started("train", *common(corpus), "--init-hf", out, "--tokenizer", out, "--steps", 1,
+                   "--out", again)  # fmt: skip
     _, tok, _ = load_run(run)
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     text = "def f(x):\n    return x + 1  # héllo"
     assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
     assert theirs.eos_token_id == tok.eot_id and len(theirs) == tok.vocab_size == 300
-    again = tmp_path / "again"
-    plait("train", *common(corpus), "--init-hf", out, "--tokenizer", out, "--steps", 1,
-          "--out", again, check=True)  # fmt: skip
+    finished(proc, check=True)
     assert yaml.safe_load((again / "config.yaml").read_text())["model"]["vocab_size"] == 300
