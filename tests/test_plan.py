@@ -2,6 +2,7 @@
 plans fit in memory, the literature's two worked examples come out right, the emitted
 config trains, and the CLI speaks in one-line errors. Pure Python, no processes."""
 
+import dataclasses
 import json
 import random
 import time
@@ -94,6 +95,23 @@ def test_bounds_are_lower_bounds():
             assert bounds.memory(c) <= min(closed.peak_mem_bytes, replay.peak_mem_bytes) * (
                 1 + 1e-12
             )
+
+
+def test_bounds_stay_lower_bounds_when_the_host_runs_beside_the_device():
+    """With ``host_overlap`` (a GPU calibrated by plait) the step is the longer of host and
+    device time, not their sum. Catches the search's bound still adding the host's
+    per-kernel costs: it then exceeds the step it bounds and prunes candidates that win."""
+    rng = random.Random(5)
+    for req in small_cases()[:4]:
+        hw = req.hardware.replace(op_overhead=40e-6, optimizer_tensor_overhead=30e-6,
+                                  host_overlap=True)  # fmt: skip
+        req = dataclasses.replace(req, hardware=hw)
+        bounds = _Bounds(req)
+        cands = list(candidates(req))
+        for c in rng.sample(cands, min(10, len(cands))):
+            closed = simulate(req.model, make_layout(c, req), hw, runtime=req.runtime,
+                              exact=False)  # fmt: skip
+            assert bounds.time(c) <= closed.iter_time_s * (1 + 1e-12)
 
 
 def test_every_candidate_is_a_valid_layout():

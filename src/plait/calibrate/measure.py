@@ -193,7 +193,9 @@ GPU_ELEMENTWISE = (  # in bf16, as a GPU trains: the stream, norms' casts, the a
 )
 
 
-def measure_elementwise(cfg: CalibrateConfig, sync=lambda: None) -> list[tuple[tuple, float]]:
+def measure_elementwise(
+    cfg: CalibrateConfig, sync=lambda: None
+) -> list[tuple[tuple, float, float]]:
     """Seconds of the memory-bound kernels of one transformer layer, forward and backward,
     as plait's model runs them: two norms (LayerNorm or plait's RMSNorm), two residual
     adds, the MLP activation (tanh GELU, or SiLU times the up projection) and, for llama,
