@@ -240,6 +240,13 @@ class Hardware:
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
+    def device_only(self) -> Hardware:
+        """This entry with no host costs (``op_overhead``, ``optimizer_tensor_overhead``,
+        ``kernel_launch``): the device's own time, which a step with ``host_overlap``
+        takes at least (``simulate``, the planner's bounds)."""
+        return self.replace(op_overhead=0.0, optimizer_tensor_overhead=0.0, kernel_launch=0.0,
+                            host_overlap=False)  # fmt: skip
+
     # -- YAML ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict:

@@ -472,8 +472,7 @@ class _Bounds:
     def __init__(self, req: PlanRequest):
         self.req, self.cfg, self.hw = req, req.model, req.hardware
         if self.hw.host_overlap:  # the step is at least the device's, which has no host costs
-            self.hw = self.hw.replace(op_overhead=0.0, optimizer_tensor_overhead=0.0,
-                                      kernel_launch=0.0, host_overlap=False)  # fmt: skip
+            self.hw = self.hw.device_only()
         self.rt: Runtime = dataclasses.replace(
             get_runtime(req.runtime), moe_imbalance=req.moe_imbalance
         )

@@ -336,10 +336,10 @@ def _host_overlapped(model, layout, hw, n_devices, rt, keep_timeline, exact, lor
     ``breakdown["host"]``. Summing the two instead (a CPU worker, ``host_overlap`` False)
     priced a GPU's overhead-bound small steps right and its compute-bound large ones ~2x too
     slow, whatever the fit (``plait calibrate --device cuda`` on an H100)."""
-    counted = hw.replace(host_overlap=False)
-    free = counted.replace(op_overhead=0.0, optimizer_tensor_overhead=0.0, kernel_launch=0.0)
-    device = _simulate(model, layout, free, n_devices, rt, keep_timeline, exact, lora, dp_algo)
-    both = _simulate(model, layout, counted, n_devices, rt, False, exact, lora, dp_algo)
+    device = _simulate(model, layout, hw.device_only(), n_devices, rt, keep_timeline, exact,
+                       lora, dp_algo)  # fmt: skip
+    both = _simulate(model, layout, hw.replace(host_overlap=False), n_devices, rt, False, exact,
+                     lora, dp_algo)  # fmt: skip
     host = max(b - d for b, d in zip(both.busy_s, device.busy_s))
     if host <= device.iter_time_s:
         return device
