@@ -1,6 +1,8 @@
 """Context parallelism: one attention layer over a sequence split across the N ranks of a cp
-ring (issue 27). Not yet wired into the model or the trainer: this module is the attention
-itself, its sequence split and its exchanges, tested alone (tests/test_context.py).
+ring (issue 27). This module is the attention itself, its sequence split and its
+exchanges (tested alone and in training runs: tests/test_context.py); the model calls it
+from its attention layer when ``topo.cp`` > 1 (``model/transformer.py``) and ``plait train
+--cp N --cp-mode ring|allgather|a2a`` sets the ring up.
 
 Communication (axis: the cp ring of N ranks; per attention layer and micro-batch of b
 sequences of s tokens; h = query heads x head size, k = key/value heads x head size, e bytes
