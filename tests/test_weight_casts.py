@@ -3,32 +3,40 @@
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.model.config import preset
 from plait.model.transformer import build_model
 from plait.parallel.tensor import weight_casts
 
 M = 4  # micro-batches in flight, as in a pipeline's warm-up
+FUSED = {"qkv": (3 * 64, 64), "gate_up": (2 * 192, 64)}  # the test model's fused weights
 
 
-def _run(model, batches, *, cached: bool):
+def _run(model, batches, *, shared: bool):
     """Forwards of every micro-batch first (each in its own autocast context, as the
     runners enter it), then their backwards; returns the bf16 tensors saved for the
-    backward that have a linear weight's shape, by storage, and the gradients."""
-    shapes = {tuple(p.shape) for n, p in model.named_parameters() if n.endswith("weight")}
+    backward that have a block weight's (or a fused group's) shape, by storage, and the
+    gradients. ``shared``: one ``weight_casts`` over the step, as the runners do; else one
+    per micro-batch's forward (each makes its own copies: the same GEMMs, not shared)."""
+    shapes = {tuple(p.shape) for n, p in model.named_parameters()
+              if n.startswith("blocks.") and n.endswith("weight")}  # fmt: skip
+    shapes |= set(FUSED.values())  # q / k / v and gate / up concatenated
+    shapes = {tuple(sorted(s)) for s in shapes}  # a GEMM may save the transpose
     saved = {}
 
     def pack(t):
-        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
-            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        if t.dtype == torch.bfloat16 and tuple(sorted(t.shape)) in shapes:
+            saved[t.untyped_storage().data_ptr()] = tuple(sorted(t.shape))
         return t
 
     model.zero_grad(set_to_none=True)
-    ctx = weight_casts() if cached else contextlib.nullcontext()
+    step = weight_casts() if shared else contextlib.nullcontext()
     roots = []
-    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with step, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for x, y in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            own = contextlib.nullcontext() if shared else weight_casts()
+            with own, torch.autocast("cpu", dtype=torch.bfloat16):
                 roots.append(model(x, y).sum())
         for root in roots:
             root.backward()
@@ -37,11 +45,13 @@ def _run(model, batches, *, cached: bool):
 
 def test_micro_batches_in_flight_share_one_cast_of_each_weight():
     """Under bf16 autocast, M micro-batches whose forwards all run before their backwards
-    save one bf16 copy of each block weight, not M (autocast's cache lives for one
-    micro-batch's context); and the gradients are the uncached run's, bit for bit. Catches
-    the per-micro-batch copies that made GPT-3 175B's first pipeline stage (tp 8 pp 16)
-    hold 16 bf16 copies of its weights, and a shared copy that loses a micro-batch's
-    gradient or adds one twice."""
+    save one bf16 copy of each weight the blocks multiply by -- q / k / v and gate / up
+    concatenated (``column_linears``), o and down alone -- not M (autocast's cache lives
+    for one micro-batch's context); and the gradients are those of the same GEMMs on
+    copies made per micro-batch, bit for bit. Catches the per-micro-batch copies that made
+    GPT-3 175B's first pipeline stage (tp 8 pp 16) hold 16 bf16 copies of its weights, a
+    fused group that is not cached for the step, and a shared copy that loses a
+    micro-batch's gradient or adds one twice."""
     cfg = preset("tiny", arch="llama", n_layers=2, hidden=64, n_heads=4, seq_len=16,
                  vocab_size=128)  # fmt: skip
     model = build_model(cfg, seed=0)
@@ -50,17 +60,12 @@ def test_micro_batches_in_flight_share_one_cast_of_each_weight():
         (torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g))
         for _ in range(M)
     ]
-    plain, plain_grads = _run(model, batches, cached=False)
-    shared, shared_grads = _run(model, batches, cached=True)
-    blocks = [
-        m
-        for n, m in model.named_modules()
-        if n.startswith("blocks.") and hasattr(m, "weight_quant")
-    ]
-    assert len(blocks) == 2 * 7  # q k v o gate up down: the linears that run under autocast
-    assert len(shared) == len(blocks), (len(shared), len(blocks))
-    assert len(plain) == M * len(blocks), (len(plain), len(blocks))
-    for name, grad in plain_grads.items():
+    apart, apart_grads = _run(model, batches, shared=False)
+    shared, shared_grads = _run(model, batches, shared=True)
+    copies = [tuple(sorted(s)) for s in (*FUSED.values(), (64, 64), (64, 192))]  # a block's
+    assert sorted(shared.values()) == sorted(2 * copies), shared
+    assert sorted(apart.values()) == sorted(M * 2 * copies), apart
+    for name, grad in apart_grads.items():
         assert torch.equal(grad, shared_grads[name]), name
 
 
@@ -89,3 +94,53 @@ def test_compiled_blocks_share_one_graph_inside_the_steps_casts(monkeypatch):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert graphs == 1, f"{graphs} graphs for 4 blocks of one code path"
+
+
+class _CountGemms(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+        return func(*args, **(kwargs or {}))
+
+
+def _block_gemms(block, x, *, casts: bool) -> tuple[int, torch.Tensor]:
+    """GEMMs of one block's bf16 forward, and its output."""
+    count = _CountGemms()
+    ctx = weight_casts() if casts else contextlib.nullcontext()
+    with ctx, torch.autocast("cpu", dtype=torch.bfloat16), count:
+        y = block(x)
+    return count.n, y
+
+
+def test_q_k_v_and_gate_up_run_as_one_gemm_each_inside_a_steps_casts():
+    """Inside a step's ``weight_casts`` under autocast, a llama block runs 4 forward GEMMs
+    (q / k / v, o, gate / up, down) where 7 ran, with the separate layers' output within
+    bf16 rounding; outside it, with LoRA on a layer, or with weights already in bf16
+    (ZeRO-3's gathered units), the layers run apart (7), since concatenating would hold a
+    copy the step does not otherwise keep. Catches a fusion that never engages (the GPU
+    step's host time: 168 GEMM calls where the plain loop made 99), one that engages where
+    it costs memory, and a split that hands the layers each other's rows."""
+    from plait.model.lora import apply_lora
+    from plait.model.lora_config import LoRAConfig
+
+    cfg = preset("tiny", arch="llama", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2,
+                 seq_len=16, vocab_size=128)  # fmt: skip
+    model = build_model(cfg, seed=0)
+    block = model.blocks["0"]
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    fused, y = _block_gemms(block, x, casts=True)
+    apart, y_ref = _block_gemms(block, x, casts=False)
+    assert (fused, apart) == (4, 7)
+    # the same products, rounded to bf16 (2^-8 relative) in another order: a few roundings
+    # of the block's scale apart; another layer's rows would be O(1) off
+    err = (y.float() - y_ref.float()).abs().max().item()
+    assert err <= 4 * 2**-8 * y_ref.float().abs().max().item(), err
+    block.to(torch.bfloat16)  # weights held in the compute dtype: no fusion
+    assert _block_gemms(block, x, casts=True)[0] == 7
+    lora_model = build_model(cfg, seed=0)
+    apply_lora(lora_model, LoRAConfig(rank=4, targets=("q", "v")), arch="llama", seed=0)
+    n, _ = _block_gemms(lora_model.blocks["0"], x, casts=True)
+    assert n == 7 - 1 + 2 * 2  # q / k / v apart (+ 2 GEMMs for each adapter); gate / up fused

@@ -42,6 +42,7 @@ from plait.parallel.tensor import (
     ShardSpec,
     TPDropout,
     VocabParallelEmbedding,
+    column_linears,
     enter_tp,
     full_shape,
     mark_sequence_parallel,
@@ -294,9 +295,10 @@ class Attention(nn.Module):
         x = self.q.enter(x)  # one f (or all-gather) for q, k and v together
         B, T, _ = x.shape
         D = self.cfg.head_dim
-        q = self.q(x, entered=True).view(B, T, self.n_heads, D)  # (B, T, H, D)
-        k = self.k(x, entered=True).view(B, T, self.n_kv_heads, D)  # (B, T, K, D)
-        v = self.v(x, entered=True).view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
+        q, k, v = column_linears((self.q, self.k, self.v), x)  # one GEMM where it can
+        q = q.view(B, T, self.n_heads, D)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_heads, D)  # (B, T, K, D)
+        v = v.view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
@@ -348,7 +350,7 @@ class MLP(nn.Module):
         if self.arch == "gpt2":
             return self.proj(F.gelu(self.fc(x), approximate="tanh"))
         x = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
-        return self.down(_SwiGLU.apply(self.gate(x, entered=True), self.up(x, entered=True)))
+        return self.down(_SwiGLU.apply(*column_linears((self.gate, self.up), x)))
 
 
 class Block(nn.Module):

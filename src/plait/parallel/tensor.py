@@ -377,6 +377,101 @@ def _weight(layer: nn.Module) -> torch.Tensor:
     return cast
 
 
+def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of several ``ColumnParallelLinear`` layers reading one input ``x``, which
+    has already entered the tp region (q, k and v; llama's gate and up).
+
+    Under autocast ``x`` is cast to the compute dtype here, once: each ``F.linear`` would
+    otherwise cast it and save its own copy for the backward (an fp32 norm output under
+    ``--fp32-residual``: two or three extra copies of h elements a token a block).
+
+    Within a step's ``weight_casts``, where each of these weights is held as a compute-dtype
+    copy for the step anyway, the layers run as one GEMM: their weights (and biases) are
+    concatenated and cast once a step -- the same bytes the separate casts would hold, in
+    one tensor -- and the product is split into the layers' outputs (views). On a GPU that
+    is one GEMM where there were two or three, and one cast each way; Megatron-LM's fused
+    QKV and gate-up projections do the same with one parameter, while plait keeps the
+    layers' own parameters (checkpoints, Hugging Face files, LoRA, tensor-parallel shards).
+    A torch.compile'd block concatenates the fp32 weights in its graph instead
+    (``_fused_weight``). Not fused: outside autocast or a step's casts (fp32, evaluation),
+    a layer with ``lora`` or ``weight_quant``, weights already held in the compute dtype
+    (ZeRO-3's gathered units: concatenating them would add a copy the step keeps), or
+    biases on some layers only."""
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device)
+    if autocast:
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype != dtype and x.is_floating_point():
+            x = x.to(dtype)
+    fused = _fused_weight(layers) if autocast else None
+    if fused is None:
+        return [layer(x, entered=True) for layer in layers]
+    weight, bias = fused
+    y = F.linear(x, weight, bias)
+    return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
+
+
+def _fused_weight(layers) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The concatenation of ``layers``' weights and biases ``column_linears`` multiplies by,
+    or None where it runs them apart: in eager mode the step's compute-dtype copy (cached
+    in ``weight_casts``); inside a torch.compile'd block the fp32 concatenation, which the
+    graph casts itself as it casts a lone weight (inductor fuses the two into one kernel;
+    a llama block, CPU, bf16: the tensors saved for the backward have the unfused graph's
+    bytes)."""
+    if len(layers) < 2:
+        return None
+    device = layers[0].weight.device.type
+    dtype = torch.get_autocast_dtype(device)
+    biased = {layer.bias is not None for layer in layers}
+    if len(biased) != 1 or any(
+        layer.lora is not None
+        or layer.weight_quant is not None
+        or layer.weight.dtype == dtype
+        or (layer.spec.size is not None and layer.bias is None)  # a vocabulary head
+        for layer in layers
+    ):
+        return None
+    with_bias = biased == {True}
+    if torch.compiler.is_compiling():
+        weight = torch.cat([layer.weight for layer in layers])
+        return weight, torch.cat([layer.bias for layer in layers]) if with_bias else None
+    if _CASTS is None:
+        return None
+    key = tuple(layers)
+    got = _CASTS.get(key)
+    if got is None:
+        weight = _CastConcat.apply(dtype, *(layer.weight for layer in layers))
+        bias = None
+        if with_bias:
+            bias = _CastConcat.apply(dtype, *(layer.bias for layer in layers))
+        got = _CASTS[key] = (weight, bias)
+    return got
+
+
+class _CastConcat(torch.autograd.Function):
+    """``torch.cat(tensors).to(dtype)`` as the separate casts would move it: each tensor is
+    cast straight into its rows of the result (read 4, write 2 bytes an fp32 element, where
+    a concatenation and then a cast would also write and read an fp32 copy; once a step).
+    The backward (every micro-batch) casts the gradient back in one kernel and hands each
+    tensor its rows."""
+
+    @staticmethod
+    def forward(ctx, dtype, *tensors):
+        ctx.dtypes = [t.dtype for t in tensors]
+        out = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]),
+                          dtype=dtype, device=tensors[0].device)  # fmt: skip
+        for rows, t in zip(out.split([t.shape[0] for t in tensors]), tensors):
+            rows.copy_(t)
+        ctx.rows = [t.shape[0] for t in tensors]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if len(set(ctx.dtypes)) == 1:
+            return (None, *grad.to(ctx.dtypes[0]).split(ctx.rows))
+        return (None, *(g.to(d) for g, d in zip(grad.split(ctx.rows), ctx.dtypes)))
+
+
 GEMM_ALIGN = 128  # output features a vocabulary head's GEMM is padded to a multiple of
 
 

@@ -121,7 +121,10 @@ FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal 
 #   block at 2 x 4096 tokens; 14.27 and 14.30 for llama3-70b's (grouped-query) at 8192.
 # - "plait": plait's own blocks (``benchmarks/stream_bytes.py`` counts them; tested in
 #   ``tests/test_stream_bytes.py``): fp32 copies around bf16 norms, rotary by halves (cat, neg),
-#   each norm output cast per linear. Counted per dtype; fp16 as bf16.
+#   each norm output cast per linear. Counted per dtype; fp16 as bf16. Under autocast q, k
+#   and v (and llama's gate and up) run as one GEMM (``tensor.column_linears``): the
+#   backward concatenates their output gradients (``plait_fused_bytes``, apart: it goes
+#   with the heads, not h) and has no input-gradient sums to add.
 #
 # "fused" (Megatron, Transformer Engine: one kernel per operation, each reading its
 # inputs and writing its output once) is the model's first count, in elements:
@@ -131,8 +134,8 @@ EAGER_STREAM = {  # passes of e bytes per element of (h, f), forward then backwa
     "llama": ((10.0, 5.0), (21.0, 9.0)),
 }
 PLAIT_STREAM = {  # bytes (not elements) per token per (h, f, r), forward then backward
-    ("gpt2", "bf16"): ((84.0, 4.0, 0.0), (134.0, 8.0, 0.0)),
-    ("llama", "bf16"): ((96.5, 10.0, 48.0), (90.5, 22.0, 56.0)),
+    ("gpt2", "bf16"): ((84.0, 4.0, 0.0), (122.0, 8.0, 0.0)),
+    ("llama", "bf16"): ((96.5, 10.0, 48.0), (72.5, 22.0, 56.0)),
     ("gpt2", "fp32"): ((56.0, 8.0, 0.0), (92.0, 16.0, 0.0)),
     ("llama", "fp32"): ((88.5, 20.0, 36.0), (252.5, 44.0, 48.0)),
 }
@@ -161,7 +164,23 @@ def stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *, moe: boo
         return fwd, bwd
     key = (cfg.block, "fp32" if layout.dtype == "fp32" else "bf16")
     (fh, ff, fr), (bh, bf, br) = PLAIT_STREAM[key]
-    return fh * h + ff * f + fr * r, bh * h + bf * f + br * r
+    fwd, bwd = fh * h + ff * f + fr * r, bh * h + bf * f + br * r
+    if layout.dtype != "fp32":
+        bwd += plait_fused_bytes(cfg, layout, moe=moe)
+    return fwd, bwd
+
+
+def plait_fused_bytes(cfg: ModelConfig, layout: Layout, *, moe: bool = False) -> float:
+    """Backward bytes per token of plait's fused column GEMMs (``tensor.column_linears``,
+    under autocast) on one tp rank: their output gradients -- q, k and v, and llama's gate
+    and up -- read and written once more by the concatenation that feeds the GEMMs. The
+    input-gradient sums of separate layers are gone (``PLAIT_STREAM``)."""
+    e = ACT_BYTES[layout.dtype]
+    a_t, kv_t = _local_heads(cfg, layout.tp)
+    out = (a_t + 2 * kv_t) * cfg.head_dim
+    if cfg.block != "gpt2" and not moe:
+        out += 2 * cfg.ffn_hidden / layout.tp
+    return 2 * e * out
 
 
 def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,

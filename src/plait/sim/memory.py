@@ -213,9 +213,6 @@ def chunk_activation_bytes(
     )
     tokens = b * s
     split_all = t if layout.sequence_parallel else 1
-    if layout.fp32_residual and runtime.cast_per_linear and layout.recompute != "full":
-        # each linear casts the fp32 norm output itself: q, k, v; gate and up (llama)
-        per_layer += tokens * cfg.hidden * e * (2 if cfg.block == "gpt2" else 3) / split_all
     # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
     # (h / t) and the FC2 input (f / t)
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)

@@ -85,11 +85,6 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   held from its first forward to its last backward (plait's ``tensor.weight_casts``:
   ``Memory.weight_casts``; ``plait rehearse`` finds it among the activations, made in
   a forward); ZeRO-3 gathers in the compute dtype instead (its buffers).
-- ``cast_per_linear``: under ``--fp32-residual`` the norms' outputs are fp32 and
-  autocast casts one to the compute dtype in every linear layer that reads it, each
-  saving its own copy for the backward: q, k and v three, the MLP's first GEMMs one
-  (gpt2) or two (llama's gate and up) -- 2 (gpt2) or 3 extra copies of h elements a
-  token a block (plait: separate q / k / v layers; Megatron's fused QKV casts once).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
@@ -151,7 +146,6 @@ class Runtime:
     zero3_in_place_alone: bool = False
     gather_in_compute_dtype: bool = False
     weight_cast_per_step: bool = False
-    cast_per_linear: bool = False
     pp_scatter_gather: bool = True
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
@@ -234,7 +228,6 @@ PROFILES: dict[str, Runtime] = {
         zero3_in_place_alone=True,
         gather_in_compute_dtype=True,
         weight_cast_per_step=True,
-        cast_per_linear=True,
         bucket_from_layout=True,
         layer_kernels="plait",
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "

@@ -143,7 +143,8 @@ class StreamBytes(TorchDispatchMode):
     """Inside it, every dispatched operator adds the bytes of its tensor arguments and
     results to ``bytes[kind]`` and one to ``calls[kind]``: kind "gemm" for matrix products,
     "attention" for attention kernels, else the operator's name. Views, metadata and
-    allocations are free (``FREE_OPS``). An upper bound for a kernel that reads part of an
+    allocations are free (``FREE_OPS``); ``copy_`` reads its source and writes its
+    destination. An upper bound for a kernel that reads part of an
     input (an indexing loss reads one logit a row and is charged the row)."""
 
     def __init__(self):
@@ -161,10 +162,11 @@ class StreamBytes(TorchDispatchMode):
         if func.namespace == "prim" or name in FREE_OPS:
             return out
         kind = "gemm" if name in GEMM_OPS else "attention" if "attention" in name else name
+        # a copy writes its destination without reading it: the destination once, as the
+        # result, not again as an argument
+        moved = (args[1:], kwargs, out) if name == "copy_" else (args, kwargs, out)
         self.bytes[kind] += sum(
-            t.numel() * t.element_size()
-            for t in tree_leaves((args, kwargs, out))
-            if isinstance(t, torch.Tensor)
+            t.numel() * t.element_size() for t in tree_leaves(moved) if isinstance(t, torch.Tensor)
         )
         self.calls[kind] += 1
         return out
