@@ -7,6 +7,11 @@ compiled, and its MFU against the GPU's dense bf16 peak (``sim/devices.py``).
 
     python benchmarks/single_gpu.py [--rounds 3] [--steps 20] [--batch 8]
     python benchmarks/single_gpu.py --smoke      # a tiny model on the CPU: the script runs
+    python benchmarks/single_gpu.py --count-ops  # operations dispatched a step, on the CPU
+
+``--count-ops`` counts the operators PyTorch dispatches in one steady eager step of each
+(GPT-2's 12 blocks at a tiny width, bf16 autocast, on the CPU: the count does not depend on
+the width, and on a GPU each is host time and most a kernel launch), the GEMMs apart.
 
 It also prints what ``plait simulate`` predicts for that step on a hardware file
 (``--hardware calibrated.yaml`` from ``plait calibrate --device cuda``), beside the
@@ -78,6 +83,79 @@ def plait_steps(cfg, layout, data_cfg, out: Path, steps: int, *, compiled: bool,
     return [json.loads(x)["step_time_s"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def count_ops(rows: int = 25) -> dict:
+    """Operators dispatched in one steady eager step: plait's ``Trainer.step`` and the plain
+    loop's (module docstring). Prints the totals, the GEMMs and the operators whose counts
+    differ most; returns the counts."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from plait.train.loop import Trainer
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    data_cfg = DataConfig(tokenizer="bytes")
+    data = prepare(data_cfg)
+    cfg = preset("gpt2-124m", hidden=64, n_heads=4, seq_len=64, vocab_size=256)
+    batch = 8
+    layout = Layout(global_batch_size=batch, micro_batch_size=batch, dtype="bf16")
+    out = Path(tempfile.mkdtemp(prefix="plait-ops-"))
+    run = RunConfig(
+        model=cfg, layout=layout, data=data_cfg, out=str(out),
+        train=TrainConfig(steps=10, eval_every=0, eval_batches=1, progress=False,
+                          keep_checkpoints=1, lr=1e-3, warmup=2, peak_tflops=1.0,
+                          save_every=10**9),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer = Trainer(run, topo=Topology.single(torch.device("cpu")))
+    trainer.model.train()
+    for step in range(3):  # the optimizer's state exists from the first step on
+        trainer.step(step)
+    plait_count = Count()
+    with plait_count:
+        trainer.step(3)
+
+    sampler = GlobalBatchSampler(data.train, seq_len=cfg.seq_len, global_batch=batch, seed=0)
+    model = PlainGPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                            weight_decay=0.1, foreach=True)  # fmt: skip
+
+    def plain_step(step):
+        b = sampler.batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+
+    for step in range(3):
+        plain_step(step)
+    plain_count = Count()
+    with plain_count:
+        plain_step(3)
+
+    a, b = plait_count.ops, plain_count.ops
+    gemms = ("mm", "addmm", "bmm")
+    print(f"operators dispatched in one step (GPT-2's {cfg.n_layers} blocks, bf16 autocast, "
+          f"CPU): plait {sum(a.values())}, plain {sum(b.values())}; GEMMs plait "
+          f"{sum(a[g] for g in gemms)}, plain {sum(b[g] for g in gemms)}")  # fmt: skip
+    print(f"  {'operator':32s} {'plait':>6s} {'plain':>6s}")
+    for k in sorted(set(a) | set(b), key=lambda k: -abs(a[k] - b[k]))[:rows]:
+        if a[k] != b[k]:
+            print(f"  {k:32s} {a[k]:6d} {b[k]:6d}")
+    return {"plait": dict(a), "plain": dict(b)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--rounds", type=int, default=3)
@@ -85,10 +163,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count the operators one step dispatches (CPU) and stop")  # fmt: skip
     ap.add_argument("--hardware", help="a hardware file to predict the step with")
     ap.add_argument("--vocab", type=int, default=50257,
                     help="vocabulary rows (GPT-2's 50257; 50304 = a multiple of 128 for both)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.count_ops:
+        count_ops()
+        return 0
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -70,3 +70,22 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_plait_step_makes_the_plain_loops_gemms(tmp_path):
+    """``single_gpu.py --count-ops``: one steady bf16 step of plait's trainer dispatches as
+    many GEMMs as the plain loop (GPT-2's 12 blocks: 147), and the printed line says so.
+    On a GPU every operator is host time, and plait's step was host-bound there with 219
+    (q, k and v as three GEMMs each way). Catches the fused q / k / v falling apart at the
+    step level: the runner no longer inside ``weight_casts``, or a new condition that turns
+    the fusion off."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path)}  # fmt: skip
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "single_gpu.py"),
+                           "--count-ops"], capture_output=True, text=True, timeout=240,
+                          env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    head = done.stdout.splitlines()[0]
+    gemms = head.split("GEMMs plait ")[1]
+    plait, plain = (int(x) for x in gemms.replace("plain ", "").split(", "))
+    assert plait == plain, head
