@@ -260,7 +260,15 @@ def test_bad_input_one_line(extra, needles, tmp_path):
      (["--steps", "0"], "--steps"), (["--tp", "3"], "--tp"),
      (["--data", "/nonexistent/corpus.txt"], "no such file"),
      (["--data", "a.txt:1,b.txt"], "has no weight"),
-     (["--resume"], "no checkpoint in"), (["--resume-from", "3"], "no checkpoint of step 3")],
+     (["--resume"], "no checkpoint in"), (["--resume-from", "3"], "no checkpoint of step 3"),
+     (["--pp", "0"], "--pp must be at least 1"), (["--global-batch-size", "-4"],
+     "--global-batch-size must be at least 1"), (["--nnodes", "0"], "--nnodes must be at least 1"),
+     (["--dp", "2", "--nnodes", "2", "--node-rank", "5"], "numbered 0 to 1"),
+     (["--grad-clip", "-1"], "--grad-clip must be >= 0"), (["--lr", "nan"], "--lr must be a"),
+     (["--weight-decay", "-1"], "--weight-decay"), (["--eval-batches", "0"], "--eval-batches"),
+     (["--peak-tflops", "-5"], "--peak-tflops"), (["--qat", "int4", "--quant-group-size", "0"],
+     "--quant-group-size must be"), (["--tokenizer", "bytes", "--vocab-size", "10"],
+     "--tokenizer bytes has 256 ids")],
 )  # fmt: skip
 def test_bad_flags_are_refused_before_torch_loads(extra, needle, tmp_path):
     """A mistyped flag, a --data path that is not there or a --resume with nothing to resume
@@ -268,7 +276,9 @@ def test_bad_flags_are_refused_before_torch_loads(extra, needle, tmp_path):
     after loading torch (two seconds more). Catches a torch import creeping into the modules
     ``plait train`` reads before these checks: the flag values' classes (``LoRAConfig``,
     ``QuantConfig``, ...), --data's parser (``data/sources.py``) and the checkpoint folder's
-    reader (``train/checkpoint_files.py``) live apart from the torch code for this."""
+    reader (``train/checkpoint_files.py``) live apart from the torch code for this. The
+    later cases were tracebacks, a 56-line usage block, or runs that started with a
+    negative learning-rate knob or ignored a flag."""
     code = (
         "import sys\nfrom plait.cli import main\n"
         f"rc = main(['train', '--out', {str(tmp_path / 'run')!r}, *{extra!r}])\n"
@@ -278,6 +288,73 @@ def test_bad_flags_are_refused_before_torch_loads(extra, needle, tmp_path):
                           timeout=60)  # fmt: skip
     assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr)
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+def _in_process(args: list[str]) -> subprocess.CompletedProcess:
+    code = f"import sys\nfrom plait.cli import main\nsys.exit(main({args!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("layers: abc\n", "layers: expected an integer, got 'abc'"),
+     ("layers: 2.5\n", "layers: expected an integer, got 2.5"),
+     ("layers: true\n", "layers: expected an integer, got True"),
+     ("hidden: {a: 1}\n", "hidden: expected an integer"),
+     ("lr: fast\n", "lr: expected a number, got 'fast'"),
+     ("dtype: fp8\n", "dtype: expected one of fp32, bf16, fp16"),
+     ("no-progress: 3\n", "no_progress: expected true or false"),
+     ("model: {n_layers: 2}\nlora: [1]\n", "lora: expected a mapping"),
+     ("model: {n_layers: 2}\ntrain: [1, 2]\n", "train: expected a mapping")],
+)  # fmt: skip
+def test_a_config_files_values_are_checked_like_flags(text, needle, tmp_path):
+    """A value of the wrong kind in a --config file is one line naming the file and the
+    key, as the flag would have been (they were tracebacks from deep in the model's checks,
+    or trained one layer for ``layers: true``); a list of numbers for a comma-separated
+    flag is read as one."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    proc = _in_process(["train", "--config", str(cfg), "--dry-run"])
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert f"--config {cfg}: " in proc.stderr and needle in proc.stderr, proc.stderr
+    cfg.write_text("pp: 2\nlayers: 4\npp-layout: [3, 1]\nglobal-batch-size: 8\n")
+    proc = _in_process(["train", "--config", str(cfg), "--dry-run"])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_new_run_is_not_written_over_an_old_one(tmp_path):
+    """``plait train --out DIR`` where DIR holds a run's metrics or checkpoints, without
+    --resume, is one line and writes nothing: the new run wrote its metrics and
+    checkpoints over the old ones, leaving a mix of both. An empty or new folder is fine."""
+    out = tmp_path / "old"
+    (out / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    proc = _in_process(["train", *TINY, "--steps", "2", "--out", str(out)])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"plait train: error: --out {out} already holds a run "
+                                   "(checkpoints up to step-00000004); --resume continues it, "
+                                   "or name a new --out"), proc.stderr  # fmt: skip
+    after = sorted(p.relative_to(out) for p in out.rglob("*") if p.name != "run.lock")
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["train", "--dtype", "fp8"], ["train", "--layers", "abc"], ["generate"],
+     ["viz", "bogus"], ["checkpoint"], ["simulate", "--gpu", "nosuch"]],
+)  # fmt: skip
+def test_a_mistyped_flag_is_one_line_not_the_usage(args):
+    """argparse's own errors (an unknown choice, a non-number, a missing argument) are one
+    line naming the flag, with a pointer to --help: they printed the whole usage first (56
+    lines for ``plait train``)."""
+    proc = _in_process(args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"plait {args[0]}"), proc.stderr
+    assert "error: " in lines[0] and lines[0].endswith("--help)"), proc.stderr
 
 
 def test_empty_corpus_and_short_corpus(tmp_path):
@@ -559,3 +636,66 @@ def test_export_carries_the_bpe_tokenizer(corpus, tmp_path, started):
     assert theirs.eos_token_id == tok.eot_id and len(theirs) == tok.vocab_size == 300
     finished(proc, check=True)
     assert yaml.safe_load((again / "config.yaml").read_text())["model"]["vocab_size"] == 300
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["generate", "--run", "/nonexistent", "--temperature", "nan"], "--temperature must be"),
+     (["generate", "--run", "/nonexistent", "--max-new-tokens", "0"], "--max-new-tokens must"),
+     (["generate", "--run", "/nonexistent", "--seed", "-1"], "--seed must be >= 0"),
+     (["viz", "schedule", "--micro-batches", "0", "-o", "x.png"], "--micro-batches must be"),
+     (["viz", "schedule", "--p2p", "nan", "-o", "x.png"], "--p2p must be a number"),
+     (["plan", "--model", "tiny", "--global-batch-size", "16", "--gpus", "2", "--gpu", "cpu",
+       "--top", "0"], "--top must be at least 1"),
+     (["plan", "--model", "tiny", "--global-batch-size", "16", "--gpus", "8", "--gpu", "cpu",
+       "--tp", "3"], "--tp 3 does not divide --heads 4"),
+     (["simulate", "--runs", "BINARY"], "not a CSV text file"),
+     (["report", "RUN", "--out", "RUN/config.yaml"], "the report is an HTML page"),
+     (["report", "BADRUN"], "config.yaml: not readable YAML")],
+)  # fmt: skip
+def test_other_commands_bad_input_one_line(args, needle, tmp_path):
+    """Bad input to the other commands is one line naming the flag or file. Were: a
+    traceback (NaN temperature, an undecodable CSV, a run whose config.yaml is damaged), a
+    silent run (no tokens, a negative seed, 0 taken as "the default" by plan), a message
+    naming another flag (plan blamed --gpus for an impossible --tp), or lost data (a
+    report written over the run's config.yaml)."""
+    run, bad = tmp_path / "run", tmp_path / "badrun"
+    for folder, config in ((run, "out: x\n"), (bad, "a: [1\n")):
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        (folder / "config.yaml").write_text(config)
+    (tmp_path / "b.csv").write_bytes(bytes(range(128, 256)))
+    swap = {"RUN": str(run), "BADRUN": str(bad), "BINARY": str(tmp_path / "b.csv")}
+    args = [swap.get(a, a.replace("RUN", str(run))) for a in args]
+    proc = _in_process(args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert (run / "config.yaml").read_text() == "out: x\n"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_node_waiting_for_node_0_stops_on_sigterm(tmp_path):
+    """A node other than 0 started before (or without) node 0 waits for its rendezvous,
+    and SIGTERM stops it: exit 143 and one line. torchrun's store client retried inside
+    C++ through the signal, and the node could only be killed for its 900 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, and nothing listens on it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "train", *TINY, "--dp", "2", "--nnodes", "2",
+         "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--out", str(tmp_path / "n1")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and '"pid"' not in _read(tmp_path / "n1" / "run.lock"):
+            time.sleep(0.1)
+        time.sleep(3)  # past data preparation, into the wait
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert len(err.strip().splitlines()) == 1 and "terminated (SIGTERM)" in err, err

@@ -150,8 +150,13 @@ def _quantized(out: Path, cfg, state: dict, data, opts: ExportOptions) -> list[s
     from plait.model import quant
     from plait.model.transformer import build_model
 
-    group = opts.group_size or (cfg.qat.group_size if cfg.qat else None)
-    qcfg = quant.QuantConfig(dtype=opts.quantize, **({"group_size": group} if group else {}))
+    group = (
+        opts.group_size
+        if opts.group_size is not None
+        else (cfg.qat.group_size if cfg.qat else None)
+    )
+    qcfg = quant.QuantConfig(dtype=opts.quantize,
+                             **({"group_size": group} if group is not None else {}))  # fmt: skip
     qcfg.check_model(cfg.model)
     model = build_model(cfg.model, seed=cfg.train.seed)
     model.load_state_dict(state)

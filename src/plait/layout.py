@@ -71,7 +71,7 @@ class Layout:
     bucket_mb: float = DEFAULT_BUCKET_MB  # data-parallel gradient buckets (ZeRO 0-2)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "micro_batch_size", "global_batch_size"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.schedule not in SCHEDULES:

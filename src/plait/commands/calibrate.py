@@ -46,6 +46,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         import torch
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            return die("calibrate", "--device cuda: no CUDA device here; --device cpu "
+                                    "measures this machine's CPU")  # fmt: skip
         procs = args.procs
         if procs is None:
             procs = torch.cuda.device_count() if device == "cuda" else max(2, os.cpu_count() or 1)

@@ -52,6 +52,10 @@ def read_config_file(path: str, *, run: bool = True) -> dict:
         raise UserError(f"--config {path}: expected a mapping of flag names to values")
     flat = {}
     if isinstance(raw.get("model"), dict):  # a resolved config.yaml
+        for section in ("layout", "train", "lora", "qat", "dp_algo", "data", "resilience"):
+            if raw.get(section) is not None and not isinstance(raw[section], dict):
+                raise UserError(f"--config {path}: {section}: expected a mapping of its "
+                                f"fields, got {type(raw[section]).__name__}")  # fmt: skip
         m = raw["model"]
         flat.update(
             layers=m.get("n_layers"), hidden=m.get("hidden"), heads=m.get("n_heads"),
@@ -102,7 +106,47 @@ def merged_values(
         unknown = sorted(set(values) - known)
         if unknown:
             raise UserError(f"--config {args.config}: unknown key {unknown[0]!r}")
+        actions = {a.dest: a for a in parser._actions}
+        for key in list(values):
+            if key in actions:
+                values[key] = _config_value(args.config, key, values[key], actions[key])
     for k, v in vars(args).items():
         if v is not None and k != "config":
             values[k] = v
     return values
+
+
+def _config_value(path: str, key: str, value, action: argparse.Action):
+    """A config file's ``value`` for the flag ``action`` as the command line would have
+    parsed it: a switch takes true / false, a number a number (or a string that reads as
+    one, like the flag's), a choice one of its choices; anything else one line naming the
+    file and the key."""
+
+    def bad(want: str):
+        return UserError(f"--config {path}: {key}: expected {want}, got {value!r}")
+
+    if action.nargs == 0:  # a switch (store_true / store_false)
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    listed = "list" in getattr(action.type, "__name__", "")  # a flag of a,b,c
+    if listed and isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value):
+        value = ",".join(str(v) for v in value)
+    if isinstance(value, (dict, list)) or (isinstance(value, bool) and action.type is not None):
+        raise bad("one value" if action.type is None else _type_name(action.type))
+    if action.type is not None and value is not None:
+        if action.type is int and isinstance(value, float) and not value.is_integer():
+            raise bad("an integer")
+        try:
+            value = action.type(value if isinstance(value, str) else value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            raise bad(_type_name(action.type)) from None
+    if action.choices is not None and value is not None and value not in action.choices:
+        raise bad("one of " + ", ".join(map(str, action.choices)))
+    return value
+
+
+def _type_name(t) -> str:
+    if "list" in getattr(t, "__name__", ""):
+        return "a list (a, b, ... or [a, b, ...])"
+    return {int: "an integer", float: "a number"}.get(t, "a value the flag takes")

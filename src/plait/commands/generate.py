@@ -25,6 +25,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import math
+
+    if args.max_new_tokens < 1:
+        return die("generate", f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        return die("generate", f"--temperature must be >= 0 (0: always the likeliest token), "
+                               f"got {args.temperature}")  # fmt: skip
+    if args.seed < 0:
+        return die("generate", f"--seed must be >= 0, got {args.seed}")
     from plait.generate import generate_text
 
     try:

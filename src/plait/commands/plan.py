@@ -166,6 +166,10 @@ def _request(values: dict, model, hw, tokens: float | None):
                 f"{flag} is not searched by plait plan; plan, then add {flag} to train"
             )
     pins = {k: values.get(k) for k in LAYOUT_FLAGS if k not in fixed}
+    if pins.get("tp"):  # a pinned --tp that cannot split the model: say so, not "no layout"
+        from plait.layout import check_tp_split
+
+        check_tp_split(model, pins["tp"])
     n = values.get("gpus")
     if n is None:
         if not all(pins.get(k) for k in ("dp", "tp", "pp")):
@@ -191,16 +195,23 @@ def _request(values: dict, model, hw, tokens: float | None):
                                            "zero", "recompute", "cp", "cp_mode", "ep")}  # fmt: skip
     if pins.get("sequence_parallel"):
         space_pins["sequence_parallel"] = True
+
+    def given(key, default):  # 0 is a value to refuse, not "the default"
+        return default if values.get(key) is None else values[key]
+
+    mbs = values.get("max_micro_batch_size")
+    if mbs is not None and mbs < 1:
+        raise ValueError(f"--max-micro-batch-size must be at least 1, got {mbs}")
     space = space_for(
-        runtime, space_pins, max_tp=values.get("max_tp"), max_vpp=values.get("max_vpp") or 8,
-        max_micro_batch_size=values.get("max_micro_batch_size"), max_cp=values.get("max_cp") or 16,
+        runtime, space_pins, max_tp=values.get("max_tp"), max_vpp=given("max_vpp", 8),
+        max_micro_batch_size=mbs, max_cp=given("max_cp", 16),
     )  # fmt: skip
     from plait.cli_args import dp_algo_config
 
     algo = dp_algo_config(values)  # --dp-algo / --compress: every layout priced with it
     return PlanRequest(
         model=model, hardware=hw, n_devices=n, global_batch_size=G, dtype=dtype,
-        runtime=runtime, space=space, top_k=values.get("top") or 10,
+        runtime=runtime, space=space, top_k=given("top", 10),
         exact=not values.get("no_replay"), tokens=tokens,
         dp_algo=None if algo.algo == "allreduce" and algo.compress is None else algo,
         moe_imbalance=_moe_imbalance(values),

@@ -153,6 +153,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         lock = run_folder.claim(Path(cfg.out), node_rank=values.get("node_rank") or 0)
         if cfg.train.resume:
             _check_resume(cfg)
+        elif not values.get("node_rank"):  # node 0 writes the run's records
+            _check_fresh_out(Path(cfg.out))
         _train(cfg, values)
     except (KeyboardInterrupt, launch.Terminated) as e:
         signum = getattr(e, "signum", signal.SIGINT)
@@ -181,7 +183,10 @@ def _default_micro_batch(values: dict) -> None:
     if values.get("micro_batch_size") is not None:
         return
     g, dp, pp = values.get("global_batch_size", 16), values.get("dp", 1), values.get("pp", 1)
-    want = 1 if pp == 1 else 2 * pp * values.get("vpp", 1)
+    vpp = values.get("vpp", 1)
+    if min(g, dp, pp, vpp) < 1:  # Layout names the flag
+        return
+    want = 1 if pp == 1 else 2 * pp * vpp
     values["micro_batch_size"] = g // (dp * want) if g % (dp * want) == 0 else 1
 
 
@@ -192,6 +197,12 @@ def build_run_config(values: dict):
     from plait.train.config import TRAIN_FIELDS, RunConfig, TrainConfig
 
     values = dict(values)
+    nnodes, node = values.get("nnodes"), values.get("node_rank")
+    if nnodes is not None and nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
+    if node is not None and not 0 <= node < (nnodes or 1):
+        raise ValueError(f"--node-rank {node}: the nodes of --nnodes {nnodes or 1} are "
+                         f"numbered 0 to {(nnodes or 1) - 1}")  # fmt: skip
     values.setdefault("global_batch_size", 16)
     _default_micro_batch(values)
     model = _hf_model(values) if values.get("init_hf") else model_config(values)
@@ -211,6 +222,9 @@ def build_run_config(values: dict):
         raise ValueError("--optimizer sgd runs with --zero 0 (ZeRO shards AdamW's state)")
     data_fields = {f: values[k] for k, f in DATA_FLAGS.items() if values.get(k) is not None}
     if values.get("vocab_size") is not None:
+        if data_fields.get("tokenizer") == "bytes" and values["vocab_size"] != 256:
+            raise ValueError(f"--vocab-size {values['vocab_size']}: --tokenizer bytes has 256 "
+                             "ids; leave --vocab-size out (it sizes a bpe tokenizer)")  # fmt: skip
         data_fields["vocab_size"] = values["vocab_size"]
     elif data_fields.get("tokenizer", "bpe") == "bpe":
         data_fields["vocab_size"] = model.vocab_size
@@ -244,7 +258,8 @@ def finetune_configs(values: dict) -> dict:
         raise ValueError("--quant-group-size applies to --qat int4")
     if values.get("qat"):
         group = values.get("quant_group_size")
-        out["qat"] = QuantConfig(dtype=values["qat"], **({"group_size": group} if group else {}))
+        out["qat"] = QuantConfig(dtype=values["qat"],
+                                 **({"group_size": group} if group is not None else {}))  # fmt: skip
     return out
 
 
@@ -293,6 +308,17 @@ def _check_inputs(cfg) -> None:
         check_exist(cfg.data.path)
     if cfg.train.resume:
         _check_resume(cfg)
+
+
+def _check_fresh_out(out: Path) -> None:
+    """Without --resume, --out must not hold a run already: a new run would write its
+    metrics and checkpoints over the old one's, leaving a mix of the two."""
+    steps = sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
+    metrics = out / "metrics.jsonl"
+    if steps or (metrics.is_file() and metrics.stat().st_size):
+        held = f"checkpoints up to {steps[-1].name}" if steps else "metrics.jsonl"
+        raise UserError(f"--out {out} already holds a run ({held}); --resume continues it, "
+                        "or name a new --out")  # fmt: skip
 
 
 def _check_resume(cfg) -> None:

@@ -68,6 +68,7 @@ def add_schedule(p: argparse.ArgumentParser) -> None:
 def run_schedule(args: argparse.Namespace) -> int:
     """Draw a schedule with the textbook unit costs (F = 1, B = 2, BI = W = 1, per chunk
     divided by --vpp) and its bubble fraction against the closed form."""
+    import math
     from functools import partial
 
     from plait.parallel.pipeline.schedules import ScheduleError, bubble_formula, build_schedule
@@ -75,8 +76,11 @@ def run_schedule(args: argparse.Namespace) -> int:
     from plait.viz.timeline import draw_timeline
 
     p, v, m = args.pp, args.vpp, args.micro_batches
-    if args.p2p < 0:
-        return fail(f"--p2p must be >= 0, got {args.p2p}")
+    for flag, value in (("--pp", p), ("--vpp", v), ("--micro-batches", m)):
+        if value < 1:
+            return fail(f"{flag} must be at least 1, got {value}")
+    if not (args.p2p >= 0 and math.isfinite(args.p2p)):
+        return fail(f"--p2p must be a number >= 0, got {args.p2p}")
     hop = args.p2p / max(v, 1)
     try:
         lists = build_schedule(args.schedule, num_ranks=p, num_microbatches=m, num_chunks=v)

@@ -463,6 +463,8 @@ def predict_file(path: str | Path, out_path: str | Path | None = None) -> list[d
             rows = list(csv.DictReader(f))
     except OSError as e:
         raise ValueError(f"--runs {path}: cannot read it ({e.strerror})") from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"--runs {path}: not a CSV text file ({str(e).splitlines()[0]})") from None
     if not rows:
         raise ValueError(f"--runs {path}: no rows (expected a header and one run per line)")
     out = [predict_row(row) for row in rows]

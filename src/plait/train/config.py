@@ -6,6 +6,7 @@ written to ``config.yaml`` in full (every default resolved) and read back by the
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +55,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        for name in ("weight_decay", "grad_clip"):  # grad_clip 0: no clipping
+            value = getattr(self, name)
+            if not value >= 0 or not math.isfinite(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if self.eval_batches < 1:
+            raise ValueError(f"--eval-batches must be at least 1, got {self.eval_batches}")
+        if self.peak_tflops is not None and not (
+            self.peak_tflops > 0 and math.isfinite(self.peak_tflops)
+        ):
+            raise ValueError(f"--peak-tflops must be a positive number, got {self.peak_tflops}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -190,7 +201,18 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()))
+        """The run config ``plait train`` wrote at ``path``; ValueError (one line naming the
+        file) when it is not readable YAML of that shape."""
+        try:
+            d = yaml.safe_load(Path(path).read_text())
+            if not isinstance(d, dict):
+                raise ValueError(f"a {type(d).__name__}, not a mapping")
+            return cls.from_dict(d)
+        except KeyError as e:
+            raise ValueError(f"{path}: not a plait run config (no {e.args[0]!r})") from None
+        except (yaml.YAMLError, UnicodeDecodeError, TypeError, ValueError, AttributeError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path}: not a plait run config ({why})") from None
 
 
 TRAIN_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}

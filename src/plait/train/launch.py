@@ -114,6 +114,31 @@ def host_rendezvous(nnodes: int, rdzv_endpoint: str | None):
                          "port") from None  # fmt: skip
 
 
+NODE_0_WAIT_S = 900.0  # torchrun's own rendezvous join timeout
+
+
+def wait_for_node_0(rdzv_endpoint: str, *, timeout: float = NODE_0_WAIT_S) -> None:
+    """A node other than 0: wait until node 0's rendezvous accepts connections, trying once
+    a second from Python. torchrun's store client retries inside C++ and, interrupted by
+    SIGTERM, only retries again: a node started before (or without) node 0 could not be
+    stopped for its 900 s. Between tries here the launcher's signal handlers run (SIGTERM
+    exits 143). A one-line LaunchError after ``timeout``."""
+    import socket
+    import time
+
+    host, port = rendezvous_address(2, rdzv_endpoint)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint}: node 0 did not answer "
+                                  f"in {timeout:.0f} s; start node 0 there", code=2) from None  # fmt: skip
+            time.sleep(1.0)
+
+
 class _NoFollowHandler(logging.FileHandler):
     """A log file opened without following a link (``run_folder.open_nofollow``)."""
 
@@ -232,6 +257,8 @@ def _launch(cfg: RunConfig, *, nnodes: int, node_rank: int, rdzv_endpoint) -> No
     secret = signed_store.new_secret()  # this node's: its liveness store is its own
     store = liveness.host(secret=secret)
     rdzv = host_rendezvous(nnodes, rdzv_endpoint) if node_rank == 0 else None
+    if node_rank > 0:
+        wait_for_node_0(rdzv_endpoint)
     argv = torchrun_args(
         world=world,
         nnodes=nnodes,

@@ -29,14 +29,35 @@ def read_run(run: Path) -> dict:
     run = Path(run)
     if not (run / "metrics.jsonl").is_file():
         raise ValueError(f"{run}: no metrics.jsonl there; pass a folder made by plait train")
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(x) for x in lines if x.strip()]
+    metrics = [x for x in _records(run / "metrics.jsonl") if isinstance(x, dict)]
     if not metrics:
         raise ValueError(f"{run}/metrics.jsonl is empty: the run has not finished a step")
-    ranks = [json.loads(p.read_text()) for p in (run / "ranks").glob("rank-*.json")]
-    config = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
+    ranks = [_records(p, whole=True)[0] for p in sorted((run / "ranks").glob("rank-*.json"))]
+    ranks = [r for r in ranks if isinstance(r, dict) and isinstance(r.get("rank"), int)]
+    config, config_dict = "", {}
+    if (run / "config.yaml").is_file():
+        try:
+            config = (run / "config.yaml").read_text()
+            config_dict = yaml.safe_load(config) if config else {}
+        except (UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ValueError(f"{run}/config.yaml: not readable YAML "
+                             f"({str(e).strip().splitlines()[0]})") from None  # fmt: skip
+        if not isinstance(config_dict, dict):
+            raise ValueError(f"{run}/config.yaml: not a plait run config (a "
+                             f"{type(config_dict).__name__}, not a mapping)")  # fmt: skip
     return {"metrics": metrics, "ranks": sorted(ranks, key=lambda r: r["rank"]), "config": config,
-            "config_dict": yaml.safe_load(config) if config else {}}  # fmt: skip
+            "config_dict": config_dict}  # fmt: skip
+
+
+def _records(path: Path, *, whole: bool = False) -> list:
+    """The JSON values of a metrics.jsonl (one a line), or ``whole``: the one of a
+    ranks/rank-K.json; ValueError naming the file when it is not JSON text."""
+    try:
+        if whole:
+            return [json.loads(path.read_text())]
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not JSON text ({str(e).strip().splitlines()[0]})") from None
 
 
 def _series(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -193,8 +214,12 @@ pre{background:#f7f7f7;padding:10px;overflow:auto;font-size:12px}"""
 def write_report(run: Path, out_html: Path | None = None, out_png: Path | None = None):
     """Write ``report.html`` and ``report.png`` (default: in the run folder); returns both."""
     run = Path(run)
-    data = read_run(run)
     out_html = Path(out_html or run / "report.html")
+    if out_html.suffix.lower() not in (".html", ".htm") or out_html.is_dir():
+        # not over a run's config.yaml, metrics or a folder: a page has an HTML name
+        raise ValueError(f"--out {out_html}: the report is an HTML page; name a file "
+                         "ending in .html")  # fmt: skip
+    data = read_run(run)
     out_png = Path(out_png or out_html.with_suffix(".png"))
     out_html.parent.mkdir(parents=True, exist_ok=True)
     png = _png(charts(data))
@@ -227,6 +252,9 @@ def write_report(run: Path, out_html: Path | None = None, out_png: Path | None =
         "<body>" + "\n".join(parts) + "</body></html>\n"
     )
     tmp = out_html.with_suffix(".tmp")
-    tmp.write_text(page)
-    tmp.replace(out_html)
+    try:
+        tmp.write_text(page)
+        tmp.replace(out_html)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out_html, out_png

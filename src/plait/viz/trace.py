@@ -84,9 +84,14 @@ class TraceWriter:
 
 
 def read_trace(path: Path) -> list[dict]:
-    """The complete ("X") events of a trace file, in file order."""
-    events = json.loads(Path(path).read_text())["traceEvents"]
-    return [e for e in events if e.get("ph") == "X"]
+    """The complete ("X") events of a trace file, in file order; ValueError naming the
+    file when it is not a trace."""
+    try:
+        events = json.loads(Path(path).read_text())["traceEvents"]
+        return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: not a trace file ({why})") from None
 
 
 def timeline_from_traces(paths: list[Path], *, step: int) -> Timeline:
