@@ -10,6 +10,7 @@ from dataclasses import replace
 from functools import partial
 
 import pytest
+import yaml
 
 from plait.cli_args import layout_parent, model_parent
 from plait.commands import simulate as sim_cli
@@ -655,6 +656,19 @@ def test_bad_hardware_yaml_is_one_clear_error(tmp_path):
         Hardware.from_yaml(path)
     with pytest.raises(ValueError, match="cannot read"):
         Hardware.from_yaml(tmp_path / "missing.yaml")
+    # a value of the wrong kind names its field (was "could not convert string to float")
+    good = get_hardware("h100-sxm").to_dict()
+    for key, value, needle in [("memory_bytes", "lots", "hardware field memory_bytes: "),
+                               ("peak_flops", 5, "hardware field peak_flops: expected a mapping"),
+                               ("peak_flops", {"fp32": "fast"},
+                                "hardware field peak_flops: fp32: expected a number")]:  # fmt: skip
+        path.write_text(yaml.safe_dump({**good, key: value}))
+        with pytest.raises(ValueError, match=needle):
+            Hardware.from_yaml(path)
+    path.write_text("a: [1\n")
+    with pytest.raises(ValueError) as e:
+        Hardware.from_yaml(path)
+    assert "not valid YAML" in str(e.value) and "\n" not in str(e.value)
 
 
 # -- CLI ------------------------------------------------------------------------------------

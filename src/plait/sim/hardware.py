@@ -275,30 +275,29 @@ class Hardware:
         )
         if missing:
             raise ValueError(f"hardware spec lacks: {', '.join(missing)}")
-        try:
-            d["peak_flops"] = PeakFlops(**_floats(d["peak_flops"]))
-            d["efficiency"] = Efficiency(**_floats(d["efficiency"]))
-            d["intra_node"] = Link.from_dict(d["intra_node"])
-            d["inter_node"] = Link.from_dict(d["inter_node"])
-            for name in (
-                "memory_bytes",
-                "memory_bandwidth",
-                "framework_overhead_bytes",
-                "pcie_bandwidth",
-                "host_memory_bandwidth",
-            ):
-                d[name] = float(d[name])
-            d["devices_per_node"] = int(d["devices_per_node"])
-            for name in ("elementwise_bandwidth", "kernel_launch"):
-                if d.get(name) is not None:
-                    d[name] = float(d[name])
-            for name in ("op_overhead", "optimizer_tensor_overhead"):
-                d[name] = float(d.get(name) or 0.0)
-            d["host_overlap"] = _flag(d.get("host_overlap", False))
-            if d.get("compute_slots_per_node") is not None:
-                d["compute_slots_per_node"] = int(d["compute_slots_per_node"])
-        except TypeError as e:  # a missing or misspelt key inside a nested block
-            raise ValueError(f"hardware spec: {e}") from None
+
+        def field(name: str, convert):  # one line naming the field that is wrong
+            try:
+                d[name] = convert(d[name])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"hardware field {name}: {str(e).splitlines()[0]}") from None
+
+        field("peak_flops", lambda v: PeakFlops(**_floats(v)))
+        field("efficiency", lambda v: Efficiency(**_floats(v)))
+        field("intra_node", Link.from_dict)
+        field("inter_node", Link.from_dict)
+        for name in ("memory_bytes", "memory_bandwidth", "framework_overhead_bytes",
+                     "pcie_bandwidth", "host_memory_bandwidth"):  # fmt: skip
+            field(name, float)
+        field("devices_per_node", int)
+        for name in ("elementwise_bandwidth", "kernel_launch", "compute_slots_per_node"):
+            if d.get(name) is not None:
+                field(name, int if name == "compute_slots_per_node" else float)
+        for name in ("op_overhead", "optimizer_tensor_overhead"):
+            d[name] = d.get(name) or 0.0
+            field(name, float)
+        d["host_overlap"] = d.get("host_overlap", False)
+        field("host_overlap", _flag)
         return cls(**d)
 
     @classmethod
@@ -311,7 +310,8 @@ class Hardware:
         except OSError as e:
             raise ValueError(f"--hardware {path}: cannot read it ({e.strerror})") from None
         except yaml.YAMLError as e:
-            raise ValueError(f"--hardware {path}: not valid YAML ({e})") from None
+            raise ValueError(f"--hardware {path}: not valid YAML "
+                             f"({str(e).strip().splitlines()[0]})") from None  # fmt: skip
         if not isinstance(data, dict):
             raise ValueError(f"--hardware {path}: expected a mapping of hardware fields")
         try:
@@ -337,7 +337,13 @@ def _flag(v) -> bool:
 def _floats(d) -> dict:
     if not isinstance(d, dict):
         raise TypeError(f"expected a mapping, got {d!r}")
-    return {k: (None if v is None else float(v)) for k, v in d.items()}
+    out = {}
+    for k, v in d.items():
+        try:
+            out[k] = None if v is None else float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{k}: expected a number, got {v!r}") from None
+    return out
 
 
 # -- built-in entries ---------------------------------------------------------------------
