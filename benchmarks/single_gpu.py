@@ -21,6 +21,7 @@ measured step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -53,16 +54,20 @@ def plain_steps(cfg, sampler, steps, *, device, dtype, compiled: bool) -> list[f
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = sampler.batch(step).to(device)
-        with torch.autocast(device.type, dtype=dtype):
-            loss = forward(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()  # one host sync per step, as plait's trainer
+        plain_step(forward, model, opt, sampler.batch(step).to(device), dtype)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def plain_step(forward, model, opt, batch, dtype) -> None:
+    """One step of the plain loop: autocast forward, backward, clip, AdamW."""
+    with torch.autocast(batch.device.type, dtype=dtype):
+        loss = forward(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss.item()  # one host sync per step, as plait's trainer
 
 
 def plait_steps(cfg, layout, data_cfg, out: Path, steps: int, *, compiled: bool, device):
@@ -124,25 +129,14 @@ def count_ops(rows: int = 25) -> dict:
         trainer.step(3)
 
     sampler = GlobalBatchSampler(data.train, seq_len=cfg.seq_len, global_batch=batch, seed=0)
+    plain_count = Count()
     model = PlainGPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
                             weight_decay=0.1, foreach=True)  # fmt: skip
 
-    def plain_step(step):
-        b = sampler.batch(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(b[:, :-1], b[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-
-    for step in range(3):
-        plain_step(step)
-    plain_count = Count()
-    with plain_count:
-        plain_step(3)
+    for step in range(4):  # the last one counted
+        with plain_count if step == 3 else contextlib.nullcontext():
+            plain_step(model, model, opt, sampler.batch(step), torch.bfloat16)
 
     a, b = plait_count.ops, plain_count.ops
     gemms = ("mm", "addmm", "bmm")
