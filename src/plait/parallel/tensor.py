@@ -393,9 +393,8 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     QKV and gate-up projections do the same with one parameter, while plait keeps the
     layers' own parameters (checkpoints, Hugging Face files, LoRA, tensor-parallel shards).
     A torch.compile'd block concatenates the fp32 weights in its graph instead
-    (``_fused_weight``). A layer's ``lora`` adds its update to its part of the product.
-    Not fused: outside autocast or a step's casts (fp32, evaluation), a layer with
-    ``weight_quant``, weights already held in the compute dtype
+    (``_fused_weight``). Not fused: outside autocast or a step's casts (fp32, evaluation),
+    a layer with ``lora`` or ``weight_quant``, weights already held in the compute dtype
     (ZeRO-3's gathered units: concatenating them would add a copy the step keeps), or
     biases on some layers only."""
     device = x.device.type
@@ -409,8 +408,7 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
         return [layer(x, entered=True) for layer in layers]
     weight, bias = fused
     y = F.linear(x, weight, bias)
-    outs = list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
-    return [out if layer.lora is None else out + layer.lora(x) for out, layer in zip(outs, layers)]
+    return list(y.split([layer.weight.shape[0] for layer in layers], dim=-1))
 
 
 def _fused_weight(layers) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -426,7 +424,8 @@ def _fused_weight(layers) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     dtype = torch.get_autocast_dtype(device)
     biased = {layer.bias is not None for layer in layers}
     if len(biased) != 1 or any(
-        layer.weight_quant is not None
+        layer.lora is not None
+        or layer.weight_quant is not None
         or layer.weight.dtype == dtype
         or (layer.spec.size is not None and layer.bias is None)  # a vocabulary head
         for layer in layers
