@@ -311,14 +311,19 @@ def _in_process(args: list[str]) -> subprocess.CompletedProcess:
 def test_a_config_files_values_are_checked_like_flags(text, needle, tmp_path):
     """A value of the wrong kind in a --config file is one line naming the file and the
     key, as the flag would have been (they were tracebacks from deep in the model's checks,
-    or trained one layer for ``layers: true``); a list of numbers for a comma-separated
-    flag is read as one."""
+    or trained one layer for ``layers: true``)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
     proc = _in_process(["train", "--config", str(cfg), "--dry-run"])
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert f"--config {cfg}: " in proc.stderr and needle in proc.stderr, proc.stderr
+
+
+def test_a_config_files_list_serves_a_comma_separated_flag(tmp_path):
+    """``pp-layout: [3, 1]`` in a --config file reads as ``--pp-layout 3,1`` (the type
+    checks of the test above must not refuse it)."""
+    cfg = tmp_path / "c.yaml"
     cfg.write_text("pp: 2\nlayers: 4\npp-layout: [3, 1]\nglobal-batch-size: 8\n")
     proc = _in_process(["train", "--config", str(cfg), "--dry-run"])
     assert proc.returncode == 0, proc.stderr
