@@ -71,7 +71,12 @@ def run_schedule(args: argparse.Namespace) -> int:
     import math
     from functools import partial
 
-    from plait.parallel.pipeline.schedules import ScheduleError, bubble_formula, build_schedule
+    from plait.parallel.pipeline.schedules import (
+        MICRO_BATCHES_HINT,
+        ScheduleError,
+        bubble_formula,
+        build_schedule,
+    )
     from plait.sim.pipeline import replay, unit_cost
     from plait.viz.timeline import draw_timeline
 
@@ -99,8 +104,8 @@ def run_schedule(args: argparse.Namespace) -> int:
         )
         extras = {r: [("p2p", s, e) for s, e in spans] for r, spans in waits.items()}
         draw_timeline(timeline, args.out, title=title, extras=extras, unit="time units (F = 1)")
-    except ScheduleError as e:
-        return fail(str(e))
+    except ScheduleError as e:  # in this command's flags
+        return fail(str(e).replace(MICRO_BATCHES_HINT, " (--micro-batches)"))
     except ValueError as e:
         return fail(f"-o {e}")
     print(f"wrote {args.out}: {title}")

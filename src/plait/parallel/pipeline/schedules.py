@@ -160,13 +160,16 @@ def stage_location(stage: int, num_ranks: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------- building
 
 
+# where a run's micro-batch count comes from (``plait viz schedule`` says --micro-batches)
+MICRO_BATCHES_HINT = " (micro-batches = --global-batch-size / (--micro-batch-size x --dp))"
+
+
 def _check_sizes(name: str, num_ranks: int, num_microbatches: int, num_chunks: int) -> None:
     if num_ranks < 1:
         raise ScheduleError(f"{name}: --pp must be at least 1, got {num_ranks}")
     if num_microbatches < 1:
         raise ScheduleError(
-            f"{name}: needs at least 1 micro-batch, got {num_microbatches} "
-            "(micro-batches = --global-batch-size / (--micro-batch-size x --dp))"
+            f"{name}: needs at least 1 micro-batch, got {num_microbatches}" + MICRO_BATCHES_HINT
         )
     if num_chunks < 1:
         raise ScheduleError(f"{name}: --vpp must be at least 1, got {num_chunks}")
@@ -294,8 +297,8 @@ def interleaved_1f1b(*, num_ranks: int, num_microbatches: int, num_chunks: int =
         raise ScheduleError(f"{name} with --vpp {v} needs --pp of at least 2; use --vpp 1")
     if v > 1 and m % p:
         raise ScheduleError(
-            f"{name} needs the number of micro-batches ({m}) to be a multiple of --pp {p} "
-            "(micro-batches = --global-batch-size / (--micro-batch-size x --dp))"
+            f"{name} needs the number of micro-batches ({m}) to be a multiple of --pp {p}"
+            + MICRO_BATCHES_HINT
         )
 
     def unit(k: int, op: Op) -> tuple[Op, int, int]:
