@@ -129,8 +129,11 @@ def _config_value(path: str, key: str, value, action: argparse.Action):
         if not isinstance(value, bool):
             raise bad("true or false")
         return value
-    listed = "list" in getattr(action.type, "__name__", "")  # a flag of a,b,c
-    if listed and isinstance(value, list) and all(isinstance(v, (int, float, str)) for v in value):
+    if (
+        _lists(action.type)
+        and isinstance(value, list)
+        and all(isinstance(v, (int, float, str)) for v in value)
+    ):  # a flag of a,b,c
         value = ",".join(str(v) for v in value)
     if isinstance(value, (dict, list)) or (isinstance(value, bool) and action.type is not None):
         raise bad("one value" if action.type is None else _type_name(action.type))
@@ -138,7 +141,7 @@ def _config_value(path: str, key: str, value, action: argparse.Action):
         if action.type is int and isinstance(value, float) and not value.is_integer():
             raise bad("an integer")
         try:
-            value = action.type(value if isinstance(value, str) else value)
+            value = action.type(value)
         except (TypeError, ValueError, argparse.ArgumentTypeError):
             raise bad(_type_name(action.type)) from None
     if action.choices is not None and value is not None and value not in action.choices:
@@ -146,7 +149,12 @@ def _config_value(path: str, key: str, value, action: argparse.Action):
     return value
 
 
+def _lists(t) -> bool:
+    """The flag's type parses a comma-separated list (``cli_args``' ``_int_list`` ...)."""
+    return "list" in getattr(t, "__name__", "")
+
+
 def _type_name(t) -> str:
-    if "list" in getattr(t, "__name__", ""):
+    if _lists(t):
         return "a list (a, b, ... or [a, b, ...])"
     return {int: "an integer", float: "a number"}.get(t, "a value the flag takes")

@@ -460,12 +460,10 @@ class _CastConcat(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dtype, *tensors):
-        ctx.dtypes = [t.dtype for t in tensors]
-        out = torch.empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]),
-                          dtype=dtype, device=tensors[0].device)  # fmt: skip
-        for rows, t in zip(out.split([t.shape[0] for t in tensors]), tensors):
+        ctx.dtypes, ctx.rows = [t.dtype for t in tensors], [t.shape[0] for t in tensors]
+        out = tensors[0].new_empty((sum(ctx.rows), *tensors[0].shape[1:]), dtype=dtype)
+        for rows, t in zip(out.split(ctx.rows), tensors):
             rows.copy_(t)
-        ctx.rows = [t.shape[0] for t in tensors]
         return out
 
     @staticmethod
