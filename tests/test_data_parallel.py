@@ -31,6 +31,7 @@ from plait.model.sizes import model_state_breakdown
 from plait.model.transformer import build_model
 from plait.parallel.data_parallel import split_buckets
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
+from plait.parallel.tensor import weight_casts
 from plait.topology import Axis, Topology
 from plait.train import optim
 from plait.train.config import RunConfig, TrainConfig
@@ -257,7 +258,8 @@ def engine_step(
     reach the forward, rounded to it, and both models run under autocast to it (the
     linear layers' weights are then held in it); the reference is given the same rounded
     weights and runs one sequence per micro-batch (bf16 GEMM outputs depend on how rows
-    are batched), so the gradients still agree to fp32 summation order."""
+    are batched) within a step's ``weight_casts`` (q, k and v as one GEMM, as the units'
+    adjacent rows run them), so the gradients still agree to fp32 summation order."""
     topo = Topology.build(pp=1, dp=world, tp=1)
     tcfg = TrainConfig(lr=1e-2, warmup=0)
     cfg = tiny()
@@ -265,7 +267,7 @@ def engine_step(
     tokens = ids[:, 1:].numel()
 
     ref = build_model(cfg, seed=0)
-    autocast, rows = contextlib.nullcontext, [ids]
+    autocast, rows, casts = contextlib.nullcontext, [ids], contextlib.nullcontext()
     if gather_dtype != "fp32":
         wire = {"bf16": torch.bfloat16, "fp16": torch.float16}[gather_dtype]
         with torch.no_grad():
@@ -273,10 +275,12 @@ def engine_step(
                 p.copy_(p.to(wire).float())
         autocast = functools.partial(torch.autocast, "cpu", dtype=wire)
         rows = ids.split(1)
-    for mb in rows:
-        with autocast():
-            loss = ref(mb[:, :-1], mb[:, 1:]).sum() / tokens
-        loss.backward()
+        casts = weight_casts()  # q / k / v as one GEMM, as the units' adjacent rows run
+    with casts:
+        for mb in rows:
+            with autocast():
+                loss = ref(mb[:, :-1], mb[:, 1:]).sum() / tokens
+            loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     opt = optim.build_adamw([(n, p, p) for n, p in ref.named_parameters()], tcfg)
     opt.step()

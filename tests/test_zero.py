@@ -14,6 +14,7 @@ read the results.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from pathlib import Path
@@ -46,6 +47,7 @@ from plait.model.sizes import layer_params, model_state_breakdown, model_state_b
 from plait.model.transformer import build_model
 from plait.parallel.engine import DataParallelConfig, build_data_parallel
 from plait.parallel.flat import FlatLayout, shard_range, zero_shard
+from plait.parallel.tensor import weight_casts
 from plait.sim.memory import gathered_layer_bytes
 from plait.sim.runtime import get_runtime
 from plait.topology import Topology
@@ -108,6 +110,52 @@ def _bf16_units(arch: str, num_microbatches: int = 2):
     return model, engine
 
 
+def test_zero3_units_run_q_k_v_as_one_gemm_reading_the_units_own_rows():
+    """Under --dtype bf16 a gathered block's q, k and v weights (llama's gate and up) lie
+    side by side in the unit's buffer, and so do gpt2's q, k and v biases: a block's
+    forward runs 4 GEMMs (q / k / v, o, gate / up or up, down) where 7 (llama) or 6 (gpt2)
+    ran, and the fused weight the GEMM saves for the backward is the unit's own storage,
+    not a copy. Catches a buffer laid out in parameter order (gpt2's biases between its
+    weights: no fusion, the GPU step's 219 GEMMs where the plain loop issues 147) and a
+    fusion that concatenates (a copy of the block's weights kept per micro-batch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Gemms(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+            return func(*args, **(kwargs or {}))
+
+    for arch in ("gpt2", "llama"):
+        cfg = tiny(arch)
+        model, engine = _bf16_units(arch, num_microbatches=1)
+        fused = {(3 * cfg.hidden, cfg.hidden)}  # q / k / v (no grouped keys here)
+        if arch == "llama":
+            fused.add((2 * cfg.ffn_hidden, cfg.hidden))
+        saved = []
+
+        def keep(t, saved=saved, fused=fused):
+            if {tuple(t.shape), tuple(t.shape)[::-1]} & fused:  # saved as is or transposed
+                saved.append(t)
+            return t
+
+        ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(0))
+        count = Gemms()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), count:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids[:, :-1], ids[:, 1:]).sum()
+        assert count.n == cfg.n_layers * 4 + 1, (arch, count.n)  # + the head
+        assert len(saved) >= cfg.n_layers * len(fused), (arch, len(saved))
+        for t in saved:  # an alias of a unit's bf16 buffer (llama's down too: 192 x 64)
+            assert t.dtype == torch.bfloat16
+            assert any(t.untyped_storage() is b.untyped_storage()
+                       for u in engine.units.units for b in u.buffers), arch  # fmt: skip
+        loss.backward()
+        engine.finish()
+        engine.close()
+
+
 def test_zero3_units_hold_linear_weights_in_the_compute_dtype():
     """Under --dtype bf16 a gathered block holds its linear layers' weights (and the column-
     parallel biases) in bf16 and its norms and row-parallel biases in fp32: about half of
@@ -155,12 +203,15 @@ def test_zero3_units_hold_linear_weights_in_the_compute_dtype():
 def test_zero3_bf16_units_compute_what_autocast_computes_from_the_rounded_masters():
     """Two micro-batches under bf16 autocast through bf16 units: the same loss, bit for
     bit, and the same reduced gradients, bit for bit, as a plain model holding the
-    bf16-rounded fp32 weights (what the wire delivers) -- autocast's casts of the linear
-    weights are exact, norms and embeddings read the same fp32 values, and micro-batches
-    add up in fp32. Catches a gradient accumulated in bf16 across micro-batches, a norm or
-    embedding held in bf16 (its lookup would round rows the reference keeps), and a weight's autocast
-    copy kept alive from forward to backward: the tensors the forward saves for the
-    backward hold no weight storage once the units are freed."""
+    bf16-rounded fp32 weights (what the wire delivers) within a step's ``weight_casts``
+    -- its casts of the linear weights are exact, both run q / k / v (gate / up) as one
+    GEMM (the units' side by side in their buffer, ``tensor.column_linears``), norms and
+    embeddings read the same fp32 values, and micro-batches add up in fp32. Catches a
+    gradient accumulated in bf16 across micro-batches, a norm or embedding held in bf16
+    (its lookup would round rows the reference keeps), a fused group handing a layer
+    another's rows, and a weight's autocast copy kept alive from forward to backward: the
+    tensors the forward saves for the backward hold no weight storage once the units are
+    freed."""
     for arch in ("gpt2", "llama"):
         # one sequence per micro-batch: no activation is shaped like a weight
         ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
@@ -183,6 +234,9 @@ def test_zero3_bf16_units_compute_what_autocast_computes_from_the_rounded_master
                 return t
 
             losses[name] = []
+            step = contextlib.ExitStack()
+            if name == "ref":  # one step's casts over both micro-batches
+                step.enter_context(weight_casts())
             for mb in ids.split(1):
                 with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -194,6 +248,7 @@ def test_zero3_bf16_units_compute_what_autocast_computes_from_the_rounded_master
                 losses[name].append((loss.item(), held))
                 loss.backward()
                 saved.clear()
+            step.close()
         engine.finish()
         assert [x for x, _ in losses["zero3"]] == [x for x, _ in losses["ref"]], arch
         assert all(held > 0 for _, held in losses["ref"])  # autocast's weight copies

@@ -397,9 +397,11 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     a layer with ``lora`` (its output would be a new tensor while its group's others stay
     views of the fused product, which the backward then keeps whole: 11% more activations
     rehearsed for llama with LoRA on up, tp 2 with sequence parallelism) or
-    ``weight_quant``, weights already held in the compute dtype
-    (ZeRO-3's gathered units: concatenating them would add a copy the step keeps), or
-    biases on some layers only."""
+    ``weight_quant``, or biases on some layers only. Weights already held in the compute
+    dtype (ZeRO-3's gathered units) are not copied: where they lie side by side in their
+    unit's buffer (``zero_units.Unit``) the GEMM reads the rows spanning them
+    (``_adjacent_rows``), otherwise -- and inside a torch.compile'd block, where a
+    concatenation would be a copy the step keeps -- the layers run apart."""
     device = x.device.type
     autocast = torch.is_autocast_enabled(device)
     if autocast:
@@ -429,12 +431,22 @@ def _fused_weight(layers) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if len(biased) != 1 or any(
         layer.lora is not None
         or layer.weight_quant is not None
-        or layer.weight.dtype == dtype
         or (layer.spec.size is not None and layer.bias is None)  # a vocabulary head
         for layer in layers
     ):
         return None
     with_bias = biased == {True}
+    held = {layer.weight.dtype == dtype for layer in layers}
+    if held == {True}:  # ZeRO-3's gathered units: no copy, or run apart
+        if torch.compiler.is_compiling():
+            return None
+        weight = _adjacent_rows([layer.weight for layer in layers])
+        bias = _adjacent_rows([layer.bias for layer in layers]) if with_bias else None
+        if weight is None or (with_bias and bias is None):
+            return None
+        return weight, bias
+    if held != {False}:
+        return None
     if torch.compiler.is_compiling():
         weight = torch.cat([layer.weight for layer in layers])
         return weight, torch.cat([layer.bias for layer in layers]) if with_bias else None
@@ -449,6 +461,43 @@ def _fused_weight(layers) -> tuple[torch.Tensor, torch.Tensor | None] | None:
             bias = _CastConcat.apply(dtype, *(layer.bias for layer in layers))
         got = _CASTS[key] = (weight, bias)
     return got
+
+
+def _adjacent_rows(tensors) -> torch.Tensor | None:
+    """The concatenation of ``tensors`` along their first dimension where they already lie
+    one after another in one storage (ZeRO-3's gathered unit buffers, ``zero_units``: a
+    view spanning them, through ``_Rows``), else None."""
+    first = tensors[0]
+    if not all(t.is_contiguous() for t in tensors):
+        return None
+    # one storage: the same storage object (a fake tensor's, under ``plait rehearse``, has
+    # no data pointer to compare)
+    storage, end = first.untyped_storage(), first.storage_offset() + first.numel()
+    for t in tensors[1:]:
+        if (
+            t.dtype != first.dtype
+            or t.shape[1:] != first.shape[1:]
+            or t.untyped_storage() is not storage
+            or t.storage_offset() != end
+        ):
+            return None
+        end += t.numel()
+    return _Rows.apply(*tensors)
+
+
+class _Rows(torch.autograd.Function):
+    """Adjacent tensors (``_adjacent_rows``) as one tensor of their rows, a view of their
+    storage; the backward hands each its rows of the gradient (views, no copy)."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.rows = [t.shape[0] for t in tensors]
+        first = tensors[0]
+        return first.as_strided((sum(ctx.rows), *first.shape[1:]), first.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.split(ctx.rows)
 
 
 class _CastConcat(torch.autograd.Function):
