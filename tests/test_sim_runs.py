@@ -7,7 +7,8 @@ parameter (``gemm_max`` per GPU type) comes from the other sources, the held-out
 predicted with it. Thresholds (issue 16, tightened under issue 25 to what the model now
 holds with some margin: 8.1%, x1.40, Spearman 0.51): mean absolute step-time error <= 9%
 over every usable row, no row off by more than 1.45x either way, and BLOOM's sweep of one
-181B model ranked with Spearman >= 0.45. Pure computation: a few seconds.
+181B model ranked with Spearman >= 0.45. Pure computation: about a minute (the held-out
+rows are replayed, ``validate.replayed``).
 """
 
 import argparse

@@ -538,16 +538,15 @@ def head_cost(
 def pp_message_time(
     cfg: ModelConfig, layout: Layout, hw: Hardware, link: Link | None, runtime: Runtime
 ) -> float:
-    """One activation (or its gradient) between consecutive stages. With the runtime's
-    ``pp_scatter_gather`` each tp rank sends its 1/t slice over ``link`` and, without
-    sequence parallelism, the receiver all-gathers the slices over NVLink (Narayanan et
-    al. 2021); otherwise every tp rank sends the whole activation (each over its own
-    share of the link, as ``link`` is per device)."""
+    """One activation (or its gradient) between consecutive stages: each tp rank sends its
+    1/t slice over ``link`` (per device) and, without sequence parallelism, the receiver
+    all-gathers the slices over NVLink -- Megatron-LM's scatter / gather (Narayanan et al.
+    2021), plait's, and DeepSpeed's pipeline engine's (Megatron-DeepSpeed: its
+    ``PartitionedTensor`` over the tp group, ``is_pipe_partitioned`` on whenever tp > 1,
+    ``runtime/pipe/engine.py`` at a773996d9, 2022-03)."""
     t = layout.tp
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     nbytes = tokens * cfg.hidden * ACT_BYTES[layout.dtype]
-    if not runtime.pp_scatter_gather:
-        return p2p_time(nbytes / (t if layout.sequence_parallel else 1), link)
     time = p2p_time(nbytes / t, link)
     if t > 1 and not layout.sequence_parallel:
         time += all_gather_time(nbytes, t, group_link(hw, t, 1))

@@ -88,10 +88,6 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
   micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
   reduce-scatters in the last micro-batch only.
-- ``pp_scatter_gather``: each tensor-parallel rank sends 1/t of a stage boundary's
-  activation and the receiver all-gathers (Megatron-LM, Narayanan et al. 2021);
-  otherwise every tensor-parallel rank sends the whole activation (DeepSpeed's pipeline
-  engine, used by Megatron-DeepSpeed).
 - ``unfused_fp32_loss``: the loss casts the logits to fp32 and runs Megatron's
   vocab-parallel cross entropy as separate passes (max, subtract, exp, sum, divide;
   backward: multiply, cast back), 52 bytes a bf16 logit instead of a fused kernel's 16
@@ -146,7 +142,6 @@ class Runtime:
     zero3_in_place_alone: bool = False
     gather_in_compute_dtype: bool = False
     weight_cast_per_step: bool = False
-    pp_scatter_gather: bool = True
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
     adamw_bytes: int = 28
@@ -251,11 +246,9 @@ PROFILES: dict[str, Runtime] = {
         grad_reduce_fp32=True,
         zero1_grad_all_reduce=True,
         deepspeed_optimizer=True,
-        pp_scatter_gather=False,
         description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
         "with fp32 gradient accumulation all-reduced whole after the pipeline flush, "
-        "DeepSpeed's pipeline engine sending whole activations from every tensor-parallel "
-        "rank",
+        "DeepSpeed's pipeline engine with blocking sends",
     ),
     "deepspeed-zero3": Runtime(
         name="deepspeed-zero3",

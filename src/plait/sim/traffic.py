@@ -88,14 +88,14 @@ def bytes_per_axis(
                 tp += T * h * r * (2 if sp else 1)  # the embedding's reduction
             if stage == S - 1:
                 tp += T * h * r * (2 if sp else 1) + 12 * T  # the head's; the loss's
-            if p > 1 and not sp and runtime.pp_scatter_gather:  # gathers of received slices
+            if p > 1 and not sp:  # gathers of received slices
                 tp += T * h * e * ((stage > 0) + (stage < S - 1))
         out["tp"] = m * tp
         if lora is not None:  # TPGradSync: each adapter's tp-replicated factor, fp32, once
             layers_here = sum(layers for _, layers in chunks)
             out["tp"] += layers_here * len(lora.targets) * 4 * lora.rank * h
     if p > 1:
-        share = t if (runtime.pp_scatter_gather or sp) else 1
+        share = t
         messages = sum(2 * ((stage > 0) + (stage < S - 1)) for stage, _ in chunks)
         pp = m * messages * T * h * e / share
         if model.tied_embeddings and pp_rank in (0, p - 1):
