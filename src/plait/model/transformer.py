@@ -296,6 +296,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = column_linears((self.q, self.k, self.v), x)  # one GEMM where it can
+        if rope is not None or self.cfg.qk_norm:
+            # q and k go on as new tensors (rotary, norms) and the attention saves those:
+            # v, a view of the fused product, would keep all of it -- q's and k's dead rows
+            # too, 2 GiB more activations rehearsed for llama2-7b at 4,096 tokens -- so v
+            # takes its own storage (a no-op where the layers ran apart)
+            v = v.contiguous()
         q = q.view(B, T, self.n_heads, D)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, D)  # (B, T, K, D)
         v = v.view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)

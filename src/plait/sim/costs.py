@@ -124,7 +124,9 @@ FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal 
 #   each norm output cast per linear. Counted per dtype; fp16 as bf16. Under autocast q, k
 #   and v (and llama's gate and up) run as one GEMM (``tensor.column_linears``): the
 #   backward concatenates their output gradients (``plait_fused_bytes``, apart: it goes
-#   with the heads, not h) and has no input-gradient sums to add.
+#   with the heads, not h) and has no input-gradient sums to add; where q and k leave as
+#   new tensors (rotary, q/k norms) v is copied out of the product (2 e a token per value
+#   width), so that the product is not kept for the backward.
 #
 # "fused" (Megatron, Transformer Engine: one kernel per operation, each reading its
 # inputs and writing its output once) is the model's first count, in elements:
@@ -167,6 +169,8 @@ def stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *, moe: boo
     fwd, bwd = fh * h + ff * f + fr * r, bh * h + bf * f + br * r
     if layout.dtype != "fp32":
         bwd += plait_fused_bytes(cfg, layout, moe=moe)
+        if cfg.rotary or cfg.qk_norm:  # v copied out of the fused product (transformer.py)
+            fwd += 2 * e * kv_t * cfg.head_dim
     return fwd, bwd
 
 
