@@ -11,7 +11,8 @@ compiled, and its MFU against the GPU's dense bf16 peak (``sim/devices.py``).
 
 ``--count-ops`` counts the operators PyTorch dispatches in one steady eager step of each
 (GPT-2's 12 blocks at a tiny width, bf16 autocast, on the CPU: the count does not depend on
-the width, and on a GPU each is host time and most a kernel launch), the GEMMs apart.
+the width, and on a GPU each is host time and most a kernel launch), the GEMMs apart, and
+plait's step again with ``--zero 3`` (one process: its units gathered by a local cast).
 
 It also prints what ``plait simulate`` predicts for that step on a hardware file
 (``--hardware calibrated.yaml`` from ``plait calibrate --device cuda``), beside the
@@ -111,22 +112,29 @@ def count_ops(rows: int = 25) -> dict:
     data = prepare(data_cfg)
     cfg = preset("gpt2-124m", hidden=64, n_heads=4, seq_len=64, vocab_size=256)
     batch = 8
-    layout = Layout(global_batch_size=batch, micro_batch_size=batch, dtype="bf16")
-    out = Path(tempfile.mkdtemp(prefix="plait-ops-"))
-    run = RunConfig(
-        model=cfg, layout=layout, data=data_cfg, out=str(out),
-        train=TrainConfig(steps=10, eval_every=0, eval_batches=1, progress=False,
-                          keep_checkpoints=1, lr=1e-3, warmup=2, peak_tflops=1.0,
-                          save_every=10**9),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    trainer = Trainer(run, topo=Topology.single(torch.device("cpu")))
-    trainer.model.train()
-    for step in range(3):  # the optimizer's state exists from the first step on
-        trainer.step(step)
-    plait_count = Count()
-    with plait_count:
-        trainer.step(3)
+
+    def plait_step(zero: int) -> Count:
+        layout = Layout(global_batch_size=batch, micro_batch_size=batch, dtype="bf16",
+                        zero=zero)  # fmt: skip
+        out = Path(tempfile.mkdtemp(prefix="plait-ops-"))
+        run = RunConfig(
+            model=cfg, layout=layout, data=data_cfg, out=str(out),
+            train=TrainConfig(steps=10, eval_every=0, eval_batches=1, progress=False,
+                              keep_checkpoints=1, lr=1e-3, warmup=2, peak_tflops=1.0,
+                              save_every=10**9),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        trainer = Trainer(run, topo=Topology.single(torch.device("cpu")))
+        trainer.model.train()
+        for step in range(3):  # the optimizer's state exists from the first step on
+            trainer.step(step)
+        count = Count()
+        with count:
+            trainer.step(3)
+        return count
+
+    plait_count = plait_step(0)
+    zero3_count = plait_step(3)  # units gathered in bf16: the fused GEMMs read their rows
 
     sampler = GlobalBatchSampler(data.train, seq_len=cfg.seq_len, global_batch=batch, seed=0)
     plain_count = Count()
@@ -143,11 +151,13 @@ def count_ops(rows: int = 25) -> dict:
     print(f"operators dispatched in one step (GPT-2's {cfg.n_layers} blocks, bf16 autocast, "
           f"CPU): plait {sum(a.values())}, plain {sum(b.values())}; GEMMs plait "
           f"{sum(a[g] for g in gemms)}, plain {sum(b[g] for g in gemms)}")  # fmt: skip
+    z = zero3_count.ops
+    print(f"  plait --zero 3: operators {sum(z.values())}, GEMMs {sum(z[g] for g in gemms)}")
     print(f"  {'operator':32s} {'plait':>6s} {'plain':>6s}")
     for k in sorted(set(a) | set(b), key=lambda k: -abs(a[k] - b[k]))[:rows]:
         if a[k] != b[k]:
             print(f"  {k:32s} {a[k]:6d} {b[k]:6d}")
-    return {"plait": dict(a), "plain": dict(b)}
+    return {"plait": dict(a), "plain": dict(b), "zero3": dict(z)}
 
 
 def main(argv=None) -> int:

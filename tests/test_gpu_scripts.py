@@ -78,14 +78,16 @@ def test_a_plait_step_makes_the_plain_loops_gemms(tmp_path):
     On a GPU every operator is host time, and plait's step was host-bound there with 219
     (q, k and v as three GEMMs each way). Catches the fused q / k / v falling apart at the
     step level: the runner no longer inside ``weight_casts``, or a new condition that turns
-    the fusion off."""
+    the fusion off. With ``--zero 3`` too (219 before its units laid q, k and v side by
+    side and the fused GEMM read them there)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
            "TMPDIR": str(tmp_path)}  # fmt: skip
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "single_gpu.py"),
                            "--count-ops"], capture_output=True, text=True, timeout=240,
                           env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    head = done.stdout.splitlines()[0]
+    head, zero3 = done.stdout.splitlines()[:2]
     gemms = head.split("GEMMs plait ")[1]
     plait, plain = (int(x) for x in gemms.replace("plain ", "").split(", "))
     assert plait == plain, head
+    assert zero3.startswith("  plait --zero 3:") and int(zero3.split("GEMMs ")[1]) == plain, zero3
