@@ -98,10 +98,15 @@ def test_single_process_every_stage_matches_formula():
         state_matches_formula(seen, dp=1, zero=zero)
 
 
-def _bf16_units(arch: str, num_microbatches: int = 2):
-    """A dp-1 ZeRO-3 engine gathering in bf16 over the tiny model, and the engine."""
+def _bf16_units(arch: str, num_microbatches: int = 2, lora: tuple[str, ...] = ()):
+    """A dp-1 ZeRO-3 engine gathering in bf16 over the tiny model (LoRA on ``lora``), and
+    the engine."""
     topo = Topology.single()
     model = build_model(tiny(arch), seed=0, topo=topo)
+    if lora:
+        from plait.model.lora import apply_lora
+
+        apply_lora(model, LoRAConfig(rank=4, targets=lora), arch=arch, seed=0)
     engine = build_data_parallel(
         model, topo=topo,
         cfg=DataParallelConfig(zero=3, num_microbatches=num_microbatches, gather_dtype="bf16"),
@@ -115,9 +120,11 @@ def test_zero3_units_run_q_k_v_as_one_gemm_reading_the_units_own_rows():
     side by side in the unit's buffer, and so do gpt2's q, k and v biases: a block's
     forward runs 4 GEMMs (q / k / v, o, gate / up or up, down) where 7 (llama) or 6 (gpt2)
     ran, and the fused weight the GEMM saves for the backward is the unit's own storage,
-    not a copy. Catches a buffer laid out in parameter order (gpt2's biases between its
-    weights: no fusion, the GPU step's 219 GEMMs where the plain loop issues 147) and a
-    fusion that concatenates (a copy of the block's weights kept per micro-batch)."""
+    not a copy -- with LoRA on q and v as well (the factors laid out after the weights; 4 of
+    the adapters' GEMMs more a block). Catches a buffer laid out in parameter order (gpt2's
+    biases, or LoRA's factors, between the weights: no fusion, the GPU step's 219 GEMMs
+    where the plain loop issues 147) and a fusion that concatenates (a copy of the block's
+    weights kept per micro-batch)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Gemms(TorchDispatchMode):
@@ -127,9 +134,9 @@ def test_zero3_units_run_q_k_v_as_one_gemm_reading_the_units_own_rows():
             self.n += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
             return func(*args, **(kwargs or {}))
 
-    for arch in ("gpt2", "llama"):
+    for arch, lora in (("gpt2", ()), ("llama", ()), ("llama", ("q", "v"))):
         cfg = tiny(arch)
-        model, engine = _bf16_units(arch, num_microbatches=1)
+        model, engine = _bf16_units(arch, num_microbatches=1, lora=lora)
         fused = {(3 * cfg.hidden, cfg.hidden)}  # q / k / v (no grouped keys here)
         if arch == "llama":
             fused.add((2 * cfg.ffn_hidden, cfg.hidden))
@@ -145,7 +152,7 @@ def test_zero3_units_run_q_k_v_as_one_gemm_reading_the_units_own_rows():
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), count:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(ids[:, :-1], ids[:, 1:]).sum()
-        assert count.n == cfg.n_layers * 4 + 1, (arch, count.n)  # + the head
+        assert count.n == cfg.n_layers * (4 + 2 * len(lora)) + 1, (arch, count.n)  # + head
         assert len(saved) >= cfg.n_layers * len(fused), (arch, len(saved))
         for t in saved:  # an alias of a unit's bf16 buffer (llama's down too: 192 x 64)
             assert t.dtype == torch.bfloat16

@@ -88,6 +88,7 @@ class LoRA(nn.Module):
         with torch.device(layer.weight.device):
             a = nn.Parameter(torch.empty(rank, in_local, dtype=layer.weight.dtype))
             b = nn.Parameter(torch.empty(out_local, rank, dtype=layer.weight.dtype))
+        a.lora_factor = b.lora_factor = True  # ZeRO-3's units lay these out last
         if isinstance(layer, ColumnParallelLinear):
             self.A = mark_tp_partial(set_shard(a, REPLICATED))
             self.B = set_shard(b, shard_spec(layer.weight))

@@ -129,14 +129,15 @@ class Unit:
 
     def _hold(self, params, dtypes) -> None:
         """One flat buffer per dtype, each parameter a view into its dtype's buffer: the
-        matrices one after another in unit order, then the vectors. A module's q, k and v
-        weights (llama's gate and up) then sit side by side, as do their biases, so that
-        ``tensor.column_linears`` multiplies by the rows spanning them with no copy."""
+        matrices one after another in unit order, then LoRA's factors, then the vectors. A
+        module's q, k and v weights (llama's gate and up) then sit side by side, as do
+        their biases, so that ``tensor.column_linears`` multiplies by the rows spanning
+        them with no copy."""
         device = self.device
         self.buffers, self.slices = [], [None] * len(params)
         for dtype in dict.fromkeys(dtypes):
             idx = [i for i, d in enumerate(dtypes) if d == dtype]
-            idx.sort(key=lambda i: params[i].dim() < 2)  # stable: matrices first
+            idx.sort(key=lambda i: (params[i].dim() < 2, hasattr(params[i], "lora_factor")))
             whole = FlatLayout.of([params[i] for i in idx])
             buf = torch.empty(whole.numel, dtype=dtype, device=device)
             self.buffers.append(buf)
