@@ -431,10 +431,11 @@ class _AdaptedColumns(torch.autograd.Function):
     tensors while the others stay views of the product, which the attention's saved views
     then keep whole (11% more activations rehearsed, llama, LoRA on up, tp 2 with sequence
     parallelism), and an in-place add under autograd clones the whole product's gradient in
-    the backward (CopySlices). Saved for the backward: x, the fused weight (the step's cast,
-    held anyway), the factors and each adapter's ``scale * A x`` (r a token) -- what the
-    separate layers save. Gradients: the product's own, plus each adapter's through its
-    rows; the factors' in their own dtype."""
+    the backward (CopySlices). Saved for the backward, as the separate layers save: x where
+    a weight or factor needs a gradient, the fused weight (the step's cast, held anyway)
+    where x does, the factors and each adapter's ``scale * A x`` (r a token). Gradients:
+    the product's own, plus each adapter's through its rows; the factors' in their own
+    dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows, scales, *factors):

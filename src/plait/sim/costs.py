@@ -539,9 +539,7 @@ def head_cost(
 # -- pipeline -----------------------------------------------------------------------------
 
 
-def pp_message_time(
-    cfg: ModelConfig, layout: Layout, hw: Hardware, link: Link | None, runtime: Runtime
-) -> float:
+def pp_message_time(cfg: ModelConfig, layout: Layout, hw: Hardware, link: Link | None) -> float:
     """One activation (or its gradient) between consecutive stages: each tp rank sends its
     1/t slice over ``link`` (per device) and, without sequence parallelism, the receiver
     all-gathers the slices over NVLink -- Megatron-LM's scatter / gather (Narayanan et al.

@@ -247,8 +247,7 @@ PROFILES: dict[str, Runtime] = {
         zero1_grad_all_reduce=True,
         deepspeed_optimizer=True,
         description="Megatron-DeepSpeed 2022 (BLOOM): fused softmax, ZeRO-1 BF16Optimizer "
-        "with fp32 gradient accumulation all-reduced whole after the pipeline flush, "
-        "DeepSpeed's pipeline engine with blocking sends",
+        "with fp32 gradient accumulation all-reduced whole after the pipeline flush",
     ),
     "deepspeed-zero3": Runtime(
         name="deepspeed-zero3",

@@ -554,7 +554,7 @@ class _Bounds:
     def hop(self, tp, pp, dp, mbs, sp, cp=1):
         """The slowest stage-to-stage message (the closed form's fill is 2 (S - 1) of them)."""
         lay = self.proto(tp, pp, dp, mbs, sp, "none", 0, cp)
-        return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw, self.rt))
+        return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw))
 
     @_memo
     def dp_times(self, tp, pp, vpp, dp, zero, cp=1, ep=1):

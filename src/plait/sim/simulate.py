@@ -199,7 +199,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
             raise ValueError(str(e)) from None
 
     cost, split = _action_costs(model, layout, hw, rt, stage_layers, stage_moe)
-    p2p = step.stage_messages(model, layout, hw, rt)
+    p2p = step.stage_messages(model, layout, hw)
     if compiled is not None:
         rep = pipeline.run(compiled, cost, p2p, record=keep_timeline)
     else:

@@ -87,7 +87,7 @@ def layer_step(
 
 
 def stage_messages(
-    model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime
+    model: ModelConfig, layout: Layout, hw: Hardware
 ) -> tuple[tuple[float, float], ...]:
     """Per pipeline rank: seconds of an activation sent to the next stage and of a
     gradient sent to the previous one (``costs.pp_message_time`` on the link between
@@ -95,9 +95,7 @@ def stage_messages(
     p = layout.pp
     return tuple(
         tuple(
-            costs.pp_message_time(
-                model, layout, hw, costs.pp_boundary_link(hw, layout, r, peer), rt
-            )
+            costs.pp_message_time(model, layout, hw, costs.pp_boundary_link(hw, layout, r, peer))
             for peer in ((r + 1) % p, (r - 1) % p)
         )
         for r in range(p)

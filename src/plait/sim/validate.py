@@ -21,7 +21,7 @@ over the training sources of each source's mean absolute log error -- sources co
 alike, so a source with thirty layouts of one model does not outvote one with three.
 Every row is simulated once per grid value (the closed form, ``simulate(exact=False)``,
 as the planner ranks layouts), so the folds themselves cost nothing: a few seconds in
-all for ~100 rows. A GPU type with no row outside the held-out source keeps its
+all for ~100 rows (the replays below take about 40 s more). A GPU type with no row outside the held-out source keeps its
 built-in value.
 
 The prediction: the row at its fold's value with its pipeline replayed
