@@ -26,13 +26,12 @@ built-in value.
 
 The prediction: the row at its fold's value with its pipeline replayed
 (``simulate(exact=True)``, ``replayed``), the figure ``plait simulate`` prints. The closed
-form approximates the replay: it times every chunk's gradient reduction from the
-pipeline's end (the replay: from the chunk's own last backward, which interleaving moves
-earlier) and puts point-to-point messages only in the fill (the replay: a 1F1B rank's
-backward waits for its activation's round trip, each steady-state micro-batch). Held out,
-the two differ by 0.1 point in the mean (5.87% closed, 5.85% replayed, 2026-11-27), by
-source up to 1.4 points (the Megatron-LM README's interleaved rows). Validating the
-closed form alone reported an error for a step ``plait simulate`` does not print.
+form approximates the replay: it puts point-to-point messages only in the fill (the
+replay: in a balanced 1F1B pipeline a rank's backward waits for its activation's round
+trip, each steady-state micro-batch) and each chunk's last backward where a balanced
+pipeline's cool-down puts it. Held out, the two differ by 0.1 point in the mean (5.76%
+closed, 5.84% replayed, 2026-11-27), by source up to 0.3 points. Validating the closed
+form alone reported an error for a step ``plait simulate`` does not print.
 """
 
 from __future__ import annotations
