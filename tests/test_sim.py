@@ -864,9 +864,8 @@ def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipelin
     in reverse). Catches the closed form that put every chunk's window at the end, which
     left the Megatron-LM README's interleaved rows' reduction exposed (8.7% held out,
     7.3% replayed)."""
-    import sys
+    from plait.sim.simulate import _formula_pipeline as formula
 
-    formula = sys.modules["plait.sim.simulate"]._formula_pipeline
     for p, v, m in ((4, 2, 16), (8, 2, 32), (4, 3, 16), (4, 1, 8)):
         lay = Layout(dp=1, tp=1, pp=p, vpp=v, micro_batch_size=1, global_batch_size=m,
                      schedule="interleaved-1f1b" if v > 1 else "1f1b")  # fmt: skip

@@ -406,7 +406,7 @@ def _formula_pipeline(layout, cost, p2p):
     # cool-down runs the chunks in reverse, p micro-batches each; the replay's, balanced)
     windows = [{c: (end - (c * p + 1) * row[c][1], end - c * p * row[c][1]) for c in range(v)}
                for row in cost]  # fmt: skip
-    return pipeline.Replay([free + fill] * p, [free] * p, windows)
+    return pipeline.Replay([end] * p, [free] * p, windows)
 
 
 def _action_costs(model, layout, hw, rt, stage_layers, stage_moe):
