@@ -1,6 +1,7 @@
 """Resilience planning without processes: templates, combinations, assignments, state sources,
 chaos schedules and the flags' checks."""
 
+import json
 import random
 
 import pytest
@@ -462,3 +463,40 @@ def test_nodes_hold_whole_pipelines_so_a_lost_node_leaves_a_copy_of_every_unit()
         for node in range(nnodes):
             off = [w for w in a.members if slot[w] // per_node != node]
             assert {u for w in off for u in a.units_of(w)} == held, (dp, pp, nnodes, k, node)
+
+
+def test_replicas_are_verified_when_the_run_finishes_while_a_re_form_is_pending(
+        tmp_path, capsys):  # fmt: skip
+    """The members can finish their last step before they see a request to re-form (a
+    replacement became ready near the end): the coordinator then ends in ``reform``, not in
+    its steady loop. Breaks if that end skips ``--verify-replicas`` (the run then says
+    nothing of its replicas: the flaky miss CI caught), or if it reads the fingerprints
+    before they are compared (a differing tensor must still stop the run)."""
+    from types import SimpleNamespace
+
+    from plait.errors import LaunchError
+    from plait.resilience import coordinator as co
+
+    class Done:
+        def poll(self):
+            return 0
+
+    store = SimpleNamespace(kv={})
+    store.set = store.kv.__setitem__
+    coord = co.Coordinator.__new__(co.Coordinator)
+    coord.res = ResilienceConfig(fault_tolerance=1, verify_replicas=True)
+    coord.out, coord.store, coord.gen = tmp_path, store, 1
+    coord.assignment = SimpleNamespace(members=[0, 1])
+    coord.nodes = SimpleNamespace(alive=lambda node: True)
+    coord.procs = {w: co.Proc(worker=w, handle=Done(), finished=True) for w in (0, 1)}
+    coord.failure, coord.requested = None, True  # the replacement's request is pending
+    (tmp_path / "logs").mkdir()
+    for w in (0, 1):
+        (tmp_path / "logs" / f"replica-{w}.json").write_text(json.dumps({"wte": "ab", "w1": "cd"}))
+    with pytest.raises(co._Finished):
+        coord.reform()
+    assert "plait: replicas verified: 2 tensors on 2 workers" in capsys.readouterr().out
+    assert json.loads(store.kv["ft/decision/2"])["stop"] == "finished"
+    (tmp_path / "logs" / "replica-1.json").write_text(json.dumps({"wte": "ab", "w1": "ee"}))
+    with pytest.raises(LaunchError, match="w1 differs between workers"):
+        coord.reform()

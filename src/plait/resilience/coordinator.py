@@ -243,9 +243,7 @@ class Coordinator:
             self.watch(now)
             self.print_recoveries()
             if self.all_finished():
-                self.publish({"stop": "finished"})
-                if self.res.verify_replicas:
-                    self.verify_replicas()
+                self.finish()
                 return
             if self.failure is not None or self.requested:
                 if self.reform():
@@ -494,8 +492,9 @@ class Coordinator:
         generation. True when it did."""
         living = [w for w in self.members() if not self.procs[w].dead]
         if any(self.procs[w].finished for w in self.members()):
-            self.publish({"stop": "finished"})  # the last checkpoint is committed: done
-            self._wait_exit()
+            # the members finished before they saw the request: the last checkpoint is
+            # committed, and they all wrote their fingerprints (they decide alike)
+            self.finish()
             raise _Finished
         left = protocol.reports(self.store, self.gen, living)
         started = self.failure[0] if self.failure else self.request_t
@@ -584,6 +583,16 @@ class Coordinator:
             return current.get(lead, frozenset())
         held = [frozenset(map(strip_tp, current.get(w, ()))) for w in self.group(lead)]
         return frozenset.intersection(*held)
+
+    def finish(self) -> None:
+        """The run is done: tell whoever still waits, let every process exit, then compare
+        the replicas (``--verify-replicas``). Both ends of the loop come here: all members
+        finished in a steady generation, or they finished while a re-form (a failure, or a
+        replacement ready to join) was pending."""
+        self.publish({"stop": "finished"})
+        self._wait_exit()
+        if self.res.verify_replicas:
+            self.verify_replicas()
 
     def verify_replicas(self) -> None:
         """Every tensor (parameters, AdamW moments and step) bitwise equal on every worker
