@@ -857,6 +857,41 @@ def test_a_gpu_host_runs_beside_its_device_and_the_step_takes_the_longer():
             assert host < t_dev and "host" not in res.breakdown and t_sum > 1.05 * t_dev
 
 
+def test_the_closed_form_span_is_the_replays_for_even_stages_and_a_heavier_head():
+    """``schedules.pipeline_span`` (the closed form's pipeline, what ``plait plan`` ranks
+    on) against the replay, transfers free: equal ranks at any F, BI, W and every
+    schedule, and at the textbook costs m (F + B) (1 + ``bubble_formula``); the last rank
+    heavier (a head) exactly for GPipe, 1F1B and interleaved, within 11% for ZB-H1.
+    Catches the busiest rank's cost charged for every rank's fill (the form before
+    2026-11-27: 15% over the replay with a 1.5x head at pp 8, 18.6% for a 1.3B model),
+    and a ZB-H1 fill that assumes F = BI = W (16% off at BI = 2 F)."""
+    from plait.parallel.pipeline.schedules import pipeline_span
+
+    def span(name, p, m, v, f, bi, w, head=1.0):
+        cost = tuple(
+            tuple((f * s / v, (bi + w) * s / v, bi * s / v, w * s / v)
+                  for s in [head if (r, c) == (p - 1, v - 1) else 1.0 for c in range(v)])
+            for r in range(p))  # fmt: skip
+        replayed = pipeline.run(pipeline.compile_schedule(name, p, m, v), cost,
+                                tuple((0.0, 0.0) for _ in range(p)))  # fmt: skip
+        return pipeline_span(name, m, cost), max(replayed.ends)
+
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        for p in (2, 4, 8):
+            for m in (p, 2 * p, 4 * p):
+                closed, _ = span(name, p, m, v, 1.0, 1.0, 1.0)  # F 1, B 2 (BI 1, W 1)
+                assert closed == pytest.approx(3 * m * (1 + bubble_formula(name, p, m, v)))
+                for f, bi, w in ((1.0, 1.05, 1.38), (1.0, 2.1, 0.62), (1.0, 1.2, 0.85),
+                                 (1.0, 0.5, 2.0), (2.0, 1.0, 0.5)):  # fmt: skip
+                    closed, exact = span(name, p, m, v, f, bi, w)
+                    assert closed == pytest.approx(exact), (name, p, m, f, bi, w)
+                    closed, exact = span(name, p, m, v, f, bi, w, head=1.4)
+                    if name == "zb-h1":
+                        assert 0.999999 * exact <= closed <= 1.11 * exact, (name, p, m, f, bi, w)
+                    else:
+                        assert closed == pytest.approx(exact), (name, p, m, f, bi, w)
+
+
 def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipeline():
     """``simulate(exact=False)`` places each chunk's last backward -- where its gradient
     reduction may start -- where the replay finds it in a balanced pipeline: chunk c's ends

@@ -31,9 +31,9 @@ The search space
 
 The method: best-first branch and bound, exact over the space
     The objective is the simulator's closed-form step time, ``simulate(exact=False)``
-    (the schedule's bubble formula on the busiest rank's per-micro-batch costs; equal to
-    the replay for even stages), and a layout is feasible when that simulation says it
-    fits. Every layout first gets two cheap lower bounds, built with the simulator's own
+    (``schedules.pipeline_span``: the busiest rank's micro-batches plus each other
+    rank's share of the fill and drain; equal to the replay for even stages), and a
+    layout is feasible when that simulation says it fits. Every layout first gets two cheap lower bounds, built with the simulator's own
     cost functions (``costs.py``, ``memory.py``) from per-layer figures cached by the
     few axes they depend on (a layer's cost depends on tp, micro-batch, sequence
     parallelism and recomputation only; model state on tp, pp, vpp, dp and ZeRO):
@@ -43,11 +43,12 @@ The method: best-first branch and bound, exact over the space
       and (the last stage's chunk with the head) -- both held at some instant of every
       schedule. A layout whose bound is above the device's memory can never fit, and is
       rejected without simulating;
-    - time: m x busiest-rank work x (1 + the schedule's bubble formula) + pipeline fill
-      + optimizer + ZeRO gathers + the exposed gradient reduction (all of it where it
-      is not overlapped; with one chunk per rank, what outlasts the last backward; with
-      several chunks, nothing) -- the closed form itself but for that last case, taken
-      0.5% lower (``SLACK``) to stay a bound through small refinements of the costs.
+    - time: m x busiest-rank work + the other ranks' share of the fill and drain + the
+      transfers' fill + optimizer + ZeRO gathers + the exposed gradient reduction (all
+      of it where it is not overlapped; with one chunk per rank, what outlasts the last
+      backward; with several chunks, nothing) -- the closed form itself but for that
+      last case and ZB-H1's shares (each rank's forward only), taken 0.5% lower
+      (``SLACK``) to stay a bound through small refinements of the costs.
 
     The survivors go on a heap keyed by their bound. Popping the smallest: a bound is
     replaced by the layout's simulated time (pushed back); a simulated time is final --
@@ -86,7 +87,7 @@ import numpy as np
 from plait.layout import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES, Layout, check_cp_split
 from plait.model import sizes
 from plait.model.config import ModelConfig
-from plait.parallel.pipeline.schedules import bubble_formula, in_flight_bound
+from plait.parallel.pipeline.schedules import in_flight_bound
 from plait.sim import context as cp_sim
 from plait.sim import costs, step
 from plait.sim import expert as ep_sim
@@ -539,8 +540,8 @@ class _Bounds:
 
     @_memo
     def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1):
-        """(busiest rank's F + B of one micro-batch; per rank the F of its first chunk; per
-        rank its B, with one chunk per rank), summed as ``simulate._action_costs`` does."""
+        """(per rank F + B of one micro-batch; per rank the F of its first chunk; per rank
+        its B, with one chunk per rank), summed as ``simulate._action_costs`` does."""
         layer, (fe, be, fh, bh), _, _, _, routed, _ = self.layer(tp, mbs, sp, recompute, z3_dp,
                                                                  cp, mode, ep)  # fmt: skip
         f, b, fm, bm = layer.fwd, layer.bwd, routed.fwd, routed.bwd
@@ -548,7 +549,7 @@ class _Bounds:
         dense = layers - moe
         total = dense * (f + b) + moe * (fm + bm) + first * (fe + be) + last * (fh + bh)
         fwd0 = (chunk0 - moe0) * f + moe0 * fm + first * fe + (last * fh if vpp == 1 else 0.0)
-        return float(total.max()), fwd0, dense * b + moe * bm + first * be + last * bh
+        return total, fwd0, dense * b + moe * bm + first * be + last * bh
 
     @_memo
     def hop(self, tp, pp, dp, mbs, sp, cp=1):
@@ -613,11 +614,14 @@ class _Bounds:
     def time(self, c: Candidate) -> float:
         """A lower bound on ``simulate(exact=False).iter_time_s`` (module docstring)."""
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
-        busiest, fwd0, bwd = self.work(
+        work, fwd0, bwd = self.work(
             c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
             c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep,
         )  # fmt: skip
-        pipe = m * busiest * (1 + bubble_formula(c.schedule, c.pp, m, c.vpp))
+        # ``schedules.pipeline_span`` from below: what each other rank adds is at least
+        # its (F + B) / v, or under ZB-H1 (one chunk) at least its F
+        adds = fwd0 if c.schedule == "zb-h1" else work / c.vpp
+        pipe = m * float(work.max()) + float(adds.sum() - adds.max())
         if c.pp > 1:
             hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp)
             pipe += 2 * (c.pp * c.vpp - 1) * hop

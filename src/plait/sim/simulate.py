@@ -52,7 +52,7 @@ from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.nccl_p2p import Timeline
 from plait.parallel.pipeline.partition import partition_layers, stage_costs_from_model
-from plait.parallel.pipeline.schedules import ScheduleError, bubble_formula
+from plait.parallel.pipeline.schedules import ScheduleError, pipeline_span
 from plait.sim import costs, pipeline, step
 from plait.sim import expert as ep_sim
 from plait.sim.hardware import Hardware
@@ -124,11 +124,12 @@ def simulate(
     ``lora`` (a ``LoRAConfig``): the memory of fine-tuning adapters over a frozen base
     (``memory.memory_per_rank``); the step's compute is still that of full training.
 
-    ``exact=False`` skips the replay: the pipeline takes m times the busiest rank's work
-    times (1 + ``schedules.bubble_formula``) plus one fill of transfers, and memory
-    counts ``schedules.in_flight_bound`` micro-batches. Much cheaper for pipelines of
-    thousands of actions, equal to the replay for even stages and free transfers; for
-    ranking many candidates before simulating the best exactly.
+    ``exact=False`` skips the replay: the pipeline takes ``schedules.pipeline_span`` (m
+    micro-batches on the busiest rank, each other rank's share of the fill and drain)
+    plus one fill of transfers, and memory counts ``schedules.in_flight_bound``
+    micro-batches. Much cheaper for pipelines of thousands of actions, equal to the
+    replay for even stages (and, but for ZB-H1, one heavier stage) and free transfers;
+    for ranking many candidates before simulating the best exactly.
 
     ``dp_algo`` (a ``dp_algos.DPAlgoConfig``): price local SGD, DiLoCo, gossip or a
     compressed all-reduce instead of the plain one (``sim/dp_algos.py``).
@@ -388,18 +389,17 @@ def _dp_time(model, layout, hw, rt, dp_algo, chunks, params, experts=0.0) -> dic
 
 
 def _formula_pipeline(layout, cost, p2p):
-    """Closed-form stand-in for the replay (``exact=False``), without a timeline. Chunk c's
+    """Closed-form stand-in for the replay (``exact=False``), without a timeline: the
+    pipeline's span from ``schedules.pipeline_span`` plus one fill of transfers. Chunk c's
     gradient window ends c p of its backwards before the end, as the replay's do in a
     balanced interleaved pipeline (before: every chunk at the end, which left the
     Megatron-LM README's interleaved rows' reduction exposed: 8.7% held out closed, 7.3%
     replayed; now 7.5%)."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     try:
-        bubble = bubble_formula(layout.schedule, p, m, v)
+        free = pipeline_span(layout.schedule, m, cost)
     except ScheduleError as e:
         raise ValueError(str(e)) from None
-    work = [sum(f + b for f, b, _, _ in row) for row in cost]  # one micro-batch, all chunks
-    free = m * max(work) * (1 + bubble)
     fill = 2 * (p * v - 1) * max(max(pair) for pair in p2p) if p > 1 else 0.0
     end = free + fill
     # chunk c's last backward ends c p backwards of a chunk before the rank's end (the

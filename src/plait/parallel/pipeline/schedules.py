@@ -718,3 +718,41 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     if name == "zb-h1":
         return (p - 1) / (3 * m) if m >= p else (2 * p - m - 1) / (3 * m)
     raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+
+
+def pipeline_span(name: str, m: int, cost) -> float:
+    """The time ``m`` micro-batches take through the pipeline, transfers free, in closed form
+    from ``cost[rank][chunk]`` = (F, B, BI, W) seconds of one micro-batch: the busiest rank
+    runs its m micro-batches back to back, and every other rank adds its share of the fill
+    and the drain -- the time the busiest rank waits on it:
+
+    - GPipe and 1F1B: its F + B (the first micro-batch's forward reaches the busiest
+      rank through it, the last one's backward leaves through it);
+    - interleaved 1F1B: (F + B) / v, one chunk's;
+    - ZB-H1: max(F + BI - W, F, BI), with F, BI, W of all its chunks: the forward and
+      input-gradient chains pass through it, and a weight gradient only fills the slot
+      it is deferred to when it is shorter than what it covers (F = BI = W: one F, the
+      schedule's (p - 1) / (3 m)); with fewer micro-batches than ranks, (p - m) / (p - 1)
+      min(F, W) more (the tail no weight gradient is left to fill).
+
+    Equal ranks give m (F + B) (1 + ``bubble_formula``) at the textbook costs and the
+    replay's span at any costs (``tests/test_sim.py``). One rank heavier than the rest
+    (the head's): GPipe, 1F1B and interleaved exactly; ZB-H1 within about 10% (it can
+    defer the heavy rank's weight gradients into the drain). Before, m (F + B) of the
+    busiest rank times (1 + ``bubble_formula``) charged every rank's fill at the busiest
+    rank's cost: a 1.3B model with the head on its own (last) stage, pp 8, m 8, 18.6%
+    over the replay."""
+    p, v = len(cost), len(cost[0])
+    work = [sum(f + b for f, b, _, _ in row) for row in cost]
+    if name in ("gpipe", "1f1b", "interleaved-1f1b"):
+        adds = [w / v for w in work]
+    elif name == "zb-h1":
+        adds = []
+        for row in cost:
+            f, bi, w = (sum(chunk[i] for chunk in row) for i in (0, 2, 3))
+            tail = max(0, p - m) / (p - 1) * min(f, w) if p > 1 else 0.0
+            adds.append(max(f + bi - w, f, bi) + tail)
+    else:
+        raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    busiest = max(range(p), key=work.__getitem__)
+    return m * work[busiest] + sum(adds) - adds[busiest]
