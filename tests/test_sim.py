@@ -861,7 +861,8 @@ def test_the_closed_form_span_is_the_replays_for_even_stages_and_a_heavier_head(
     """``schedules.pipeline_span`` (the closed form's pipeline, what ``plait plan`` ranks
     on) against the replay, transfers free: equal ranks at any F, BI, W and every
     schedule, and at the textbook costs m (F + B) (1 + ``bubble_formula``); the last rank
-    heavier (a head) exactly for GPipe, 1F1B and interleaved, within 11% for ZB-H1.
+    heavier (a head) exactly for GPipe, 1F1B and interleaved, and for ZB-H1 exactly from
+    m = 2p and within 6% at m = p.
     Catches the busiest rank's cost charged for every rank's fill (the form before
     2026-11-27: 15% over the replay with a 1.5x head at pp 8, 18.6% for a 1.3B model),
     and a ZB-H1 fill that assumes F = BI = W (16% off at BI = 2 F)."""
@@ -886,8 +887,8 @@ def test_the_closed_form_span_is_the_replays_for_even_stages_and_a_heavier_head(
                     closed, exact = span(name, p, m, v, f, bi, w)
                     assert closed == pytest.approx(exact), (name, p, m, f, bi, w)
                     closed, exact = span(name, p, m, v, f, bi, w, head=1.4)
-                    if name == "zb-h1":
-                        assert 0.999999 * exact <= closed <= 1.11 * exact, (name, p, m, f, bi, w)
+                    if name == "zb-h1" and m == p:
+                        assert 0.999999 * exact <= closed <= 1.06 * exact, (name, p, m, f, bi, w)
                     else:
                         assert closed == pytest.approx(exact), (name, p, m, f, bi, w)
 
@@ -896,20 +897,24 @@ def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipelin
     """``simulate(exact=False)`` places each chunk's last backward -- where its gradient
     reduction may start -- where the replay finds it in a balanced pipeline: chunk c's ends
     c p chunk-backwards before the rank's end (interleaved 1F1B's cool-down runs the chunks
-    in reverse). Catches the closed form that put every chunk's window at the end, which
-    left the Megatron-LM README's interleaved rows' reduction exposed (8.7% held out,
-    7.3% replayed)."""
+    in reverse); under ZB-H1 the last is a weight gradient, deferred to the end. Catches
+    the closed form that put every chunk's window at the end, which left the Megatron-LM
+    README's interleaved rows' reduction exposed (8.7% held out, 7.3% replayed), and a
+    ZB-H1 window as long as a whole backward (which hid more of the reduction than the
+    replay does: 2.8% under it for llama2-7b, pp 4, m 16)."""
     from plait.sim.simulate import _formula_pipeline as formula
 
-    for p, v, m in ((4, 2, 16), (8, 2, 32), (4, 3, 16), (4, 1, 8)):
+    for p, v, m, schedule in ((4, 2, 16, "interleaved-1f1b"), (8, 2, 32, "interleaved-1f1b"),
+                              (4, 3, 16, "interleaved-1f1b"), (4, 1, 8, "1f1b"),
+                              (4, 1, 8, "zb-h1")):  # fmt: skip
         lay = Layout(dp=1, tp=1, pp=p, vpp=v, micro_batch_size=1, global_batch_size=m,
-                     schedule="interleaved-1f1b" if v > 1 else "1f1b")  # fmt: skip
+                     schedule=schedule)  # fmt: skip
         cost = tuple(tuple((1 / v, 2 / v, 1 / v, 1 / v) for _ in range(v)) for _ in range(p))
         p2p = tuple((0.0, 0.0) for _ in range(p))
         exact = pipeline.run(pipeline.compile_schedule(lay.schedule, p, m, v), cost, p2p)
         closed = formula(lay, cost, p2p)
         for r in range(p):
             for c in range(v):
-                got = closed.ends[r] - closed.windows[r][c][1]
-                want = exact.ends[r] - exact.windows[r][c][1]
+                got = [closed.ends[r] - t for t in closed.windows[r][c]]
+                want = [exact.ends[r] - t for t in exact.windows[r][c]]
                 assert got == pytest.approx(want), (p, v, m, r, c)

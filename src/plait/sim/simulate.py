@@ -403,9 +403,11 @@ def _formula_pipeline(layout, cost, p2p):
     fill = 2 * (p * v - 1) * max(max(pair) for pair in p2p) if p > 1 else 0.0
     end = free + fill
     # chunk c's last backward ends c p backwards of a chunk before the rank's end (the
-    # cool-down runs the chunks in reverse, p micro-batches each; the replay's, balanced)
-    windows = [{c: (end - (c * p + 1) * row[c][1], end - c * p * row[c][1]) for c in range(v)}
-               for row in cost]  # fmt: skip
+    # cool-down runs the chunks in reverse, p micro-batches each; the replay's, balanced);
+    # under ZB-H1 the last is a weight gradient, deferred to the end
+    last = 3 if layout.schedule == "zb-h1" else 1
+    windows = [{c: (end - (c * p + 1) * row[c][last], end - c * p * row[c][last])
+                for c in range(v)} for row in cost]  # fmt: skip
     return pipeline.Replay([end] * p, [free] * p, windows)
 
 

@@ -733,26 +733,28 @@ def pipeline_span(name: str, m: int, cost) -> float:
       input-gradient chains pass through it, and a weight gradient only fills the slot
       it is deferred to when it is shorter than what it covers (F = BI = W: one F, the
       schedule's (p - 1) / (3 m)); with fewer micro-batches than ranks, (p - m) / (p - 1)
-      min(F, W) more (the tail no weight gradient is left to fill).
+      min(F, W) more (the tail no weight gradient is left to fill). Where the busiest
+      rank's W is longer than every other's by d, its deferred weight gradients cover
+      p d of the others' shares, down to their forwards (the fill no schedule hides).
 
     Equal ranks give m (F + B) (1 + ``bubble_formula``) at the textbook costs and the
-    replay's span at any costs (``tests/test_sim.py``). One rank heavier than the rest
-    (the head's): GPipe, 1F1B and interleaved exactly; ZB-H1 within about 10% (it can
-    defer the heavy rank's weight gradients into the drain). Before, m (F + B) of the
-    busiest rank times (1 + ``bubble_formula``) charged every rank's fill at the busiest
-    rank's cost: a 1.3B model with the head on its own (last) stage, pp 8, m 8, 18.6%
-    over the replay."""
+    replay's span at any costs; one rank heavier than the rest (the head's), GPipe, 1F1B
+    and interleaved exactly, ZB-H1 within about 5% where m = p and exactly beyond
+    (``tests/test_sim.py``: these rules were found against the replay). Before,
+    m (F + B) of the busiest rank times (1 + ``bubble_formula``) charged every rank's
+    fill at the busiest rank's cost: a 1.3B model with the head on its own (last) stage,
+    pp 8, m 8, 18.6% over the replay."""
     p, v = len(cost), len(cost[0])
     work = [sum(f + b for f, b, _, _ in row) for row in cost]
+    busiest = max(range(p), key=work.__getitem__)
     if name in ("gpipe", "1f1b", "interleaved-1f1b"):
         adds = [w / v for w in work]
-    elif name == "zb-h1":
-        adds = []
-        for row in cost:
-            f, bi, w = (sum(chunk[i] for chunk in row) for i in (0, 2, 3))
-            tail = max(0, p - m) / (p - 1) * min(f, w) if p > 1 else 0.0
-            adds.append(max(f + bi - w, f, bi) + tail)
-    else:
+        return m * work[busiest] + sum(adds) - adds[busiest]
+    if name != "zb-h1":
         raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-    busiest = max(range(p), key=work.__getitem__)
-    return m * work[busiest] + sum(adds) - adds[busiest]
+    f, bi, w = ([sum(chunk[i] for chunk in row) for row in cost] for i in (0, 2, 3))
+    others = [r for r in range(p) if r != busiest]
+    tail = max(0, p - m) / (p - 1) if p > 1 else 0.0
+    adds = sum(max(f[r] + bi[r] - w[r], f[r], bi[r]) + tail * min(f[r], w[r]) for r in others)
+    longer = max(0.0, w[busiest] - max((w[r] for r in others), default=w[busiest]))
+    return m * work[busiest] + max(adds - p * longer, sum(f[r] for r in others))
