@@ -394,7 +394,7 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     layers' own parameters (checkpoints, Hugging Face files, LoRA, tensor-parallel shards).
     A torch.compile'd block concatenates the fp32 weights in its graph instead
     (``_fused_weight``). LoRA'd layers stay in the group: their updates are added into the
-    product's rows (``_AdaptedColumns``). The outputs are views of one product, which any
+    product's rows (``_AdaptedColumns``; in a compiled block, added out of place). The outputs are views of one product, which any
     of them that the backward saves keeps whole: a caller that replaces some (rotary on q
     and k) gives the others their own storage (``model/transformer.py``). Not fused:
     outside autocast or a step's casts (fp32, evaluation), a layer with ``weight_quant``,
@@ -415,6 +415,13 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     weight, bias = fused
     rows = [layer.weight.shape[0] for layer in layers]
     adapted = [(i, layer.lora) for i, layer in enumerate(layers) if layer.lora is not None]
+    if adapted and torch.compiler.is_compiling():
+        # in a graph each update is added out of place: what the backward keeps is the
+        # partitioner's choice, not the product's views, and no in-place add is cloned
+        outs = list(F.linear(x, weight, bias).split(rows, dim=-1))
+        for i, lora in adapted:
+            outs[i] = outs[i] + lora(x)
+        return outs
     if adapted:
         factors = [f for _, lora in adapted for f in (lora.A, lora.B)]
         scales = tuple((i, lora.scale) for i, lora in adapted)
@@ -500,8 +507,6 @@ def _fused_weight(layers) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         for layer in layers
     ):
         return None
-    if torch.compiler.is_compiling() and any(layer.lora is not None for layer in layers):
-        return None  # the adapters' update is an autograd.Function: eager only
     with_bias = biased == {True}
     held = {layer.weight.dtype == dtype for layer in layers}
     if held == {True}:  # ZeRO-3's gathered units: no copy, or run apart
