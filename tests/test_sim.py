@@ -862,16 +862,18 @@ def test_the_closed_form_span_is_the_replays_for_even_stages_and_a_heavier_head(
     on) against the replay, transfers free: equal ranks at any F, BI, W and every
     schedule, and at the textbook costs m (F + B) (1 + ``bubble_formula``); the last rank
     heavier (a head) exactly for GPipe, 1F1B and interleaved, and for ZB-H1 exactly from
-    m = 2p and within 6% at m = p.
+    m = 2p and within 6% at m = p; any rank 1.3x or 2.5x the others, GPipe and 1F1B
+    exactly (1F1B's downstream round trips overlap the pacing rank's warm-up).
     Catches the busiest rank's cost charged for every rank's fill (the form before
     2026-11-27: 15% over the replay with a 1.5x head at pp 8, 18.6% for a 1.3B model),
     and a ZB-H1 fill that assumes F = BI = W (16% off at BI = 2 F)."""
     from plait.parallel.pipeline.schedules import pipeline_span
 
-    def span(name, p, m, v, f, bi, w, head=1.0):
+    def span(name, p, m, v, f, bi, w, head=1.0, at=None):
+        at = p - 1 if at is None else at
         cost = tuple(
             tuple((f * s / v, (bi + w) * s / v, bi * s / v, w * s / v)
-                  for s in [head if (r, c) == (p - 1, v - 1) else 1.0 for c in range(v)])
+                  for s in [head if (r, c) == (at, v - 1) else 1.0 for c in range(v)])
             for r in range(p))  # fmt: skip
         replayed = pipeline.run(pipeline.compile_schedule(name, p, m, v), cost,
                                 tuple((0.0, 0.0) for _ in range(p)))  # fmt: skip
@@ -891,6 +893,40 @@ def test_the_closed_form_span_is_the_replays_for_even_stages_and_a_heavier_head(
                         assert 0.999999 * exact <= closed <= 1.06 * exact, (name, p, m, f, bi, w)
                     else:
                         assert closed == pytest.approx(exact), (name, p, m, f, bi, w)
+                    if name in ("gpipe", "1f1b"):  # a heavier rank anywhere
+                        for at in range(p - 1):
+                            for head in (1.3, 2.5):
+                                closed, exact = span(name, p, m, v, f, bi, w, head, at)
+                                assert closed == pytest.approx(exact), (name, p, m, at, head)
+
+
+def test_the_closed_form_counts_the_transfers_each_micro_batch_waits_on():
+    """With stage-to-stage messages of 5% of a forward, ``pipeline_span`` is the replay's
+    span within p v messages, for even ranks and for each rank in turn 1.3x the others
+    (the rank that paces the pipeline: ``pipeline_transfers``; interleaved and ZB-H1 with
+    a heavier rank before the last: within 5%), and interleaved 1F1B's within 1e-9.
+    Catches a closed form that counts only the fill (off by (m - 1) k messages: 36% under
+    the replay for ZB-H1 with pipeline messages over 1 GB/s), and a count that ignores
+    which rank paces (an end rank waits on one neighbour, not two)."""
+    from plait.parallel.pipeline.schedules import pipeline_span
+
+    hop = 0.05
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)):
+        for p in (3, 4, 8):
+            m = 4 * p
+            compiled = pipeline.compile_schedule(name, p, m, v)
+            for heavy in (None, *range(p)):
+                cost = tuple(tuple(tuple(x * (1.3 if r == heavy else 1.0) / v
+                                         for x in (1.0, 2.0, 1.0, 1.0)) for _ in range(v))
+                             for r in range(p))  # fmt: skip
+                replayed = max(pipeline.run(compiled, cost, ((hop, hop),) * p).ends)
+                closed = pipeline_span(name, m, cost, hop)
+                if name in ("interleaved-1f1b", "zb-h1") and heavy not in (None, p - 1):
+                    assert abs(closed / replayed - 1) <= 0.05, (name, p, heavy)
+                else:
+                    assert abs(closed - replayed) <= p * v * hop + 1e-9, (name, p, heavy)
+                    if name == "interleaved-1f1b":  # the count exact
+                        assert closed == pytest.approx(replayed), (name, p, heavy)
 
 
 def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipeline():
@@ -899,9 +935,10 @@ def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipelin
     c p chunk-backwards before the rank's end (interleaved 1F1B's cool-down runs the chunks
     in reverse); under ZB-H1 the last is a weight gradient, deferred to the end. Catches
     the closed form that put every chunk's window at the end, which left the Megatron-LM
-    README's interleaved rows' reduction exposed (8.7% held out, 7.3% replayed), and a
-    ZB-H1 window as long as a whole backward (which hid more of the reduction than the
-    replay does: 2.8% under it for llama2-7b, pp 4, m 16)."""
+    README's interleaved rows' reduction exposed (8.7% held out, 7.3% replayed), a ZB-H1
+    window as long as a whole backward (which hid more of the reduction than the replay
+    does: 2.8% under it for llama2-7b, pp 4, m 16), and cool-down spacing without the
+    gradients' messages (5.4% over the replay for interleaved pp 16 at 1 GB/s)."""
     from plait.sim.simulate import _formula_pipeline as formula
 
     for p, v, m, schedule in ((4, 2, 16, "interleaved-1f1b"), (8, 2, 32, "interleaved-1f1b"),
@@ -910,11 +947,14 @@ def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipelin
         lay = Layout(dp=1, tp=1, pp=p, vpp=v, micro_batch_size=1, global_batch_size=m,
                      schedule=schedule)  # fmt: skip
         cost = tuple(tuple((1 / v, 2 / v, 1 / v, 1 / v) for _ in range(v)) for _ in range(p))
-        p2p = tuple((0.0, 0.0) for _ in range(p))
-        exact = pipeline.run(pipeline.compile_schedule(lay.schedule, p, m, v), cost, p2p)
-        closed = formula(lay, cost, p2p)
-        for r in range(p):
-            for c in range(v):
-                got = [closed.ends[r] - t for t in closed.windows[r][c]]
-                want = [exact.ends[r] - t for t in exact.windows[r][c]]
-                assert got == pytest.approx(want), (p, v, m, r, c)
+        for hop in (0.0, 0.05):
+            p2p = tuple((hop, hop) for _ in range(p))
+            exact = pipeline.run(pipeline.compile_schedule(lay.schedule, p, m, v), cost, p2p)
+            closed = formula(lay, cost, p2p)
+            # with transfers, rank 0's (the one that ends last; the others' last backward
+            # is followed by its gradient's message)
+            for r in range(p) if hop == 0 else (0,):
+                for c in range(v):
+                    got = [closed.ends[r] - t for t in closed.windows[r][c]]
+                    want = [exact.ends[r] - t for t in exact.windows[r][c]]
+                    assert got == pytest.approx(want), (p, v, m, hop, r, c)

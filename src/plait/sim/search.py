@@ -43,12 +43,14 @@ The method: best-first branch and bound, exact over the space
       and (the last stage's chunk with the head) -- both held at some instant of every
       schedule. A layout whose bound is above the device's memory can never fit, and is
       rejected without simulating;
-    - time: m x busiest-rank work + the other ranks' share of the fill and drain + the
-      transfers' fill + optimizer + ZeRO gathers + the exposed gradient reduction (all
-      of it where it is not overlapped; with one chunk per rank, what outlasts the last
-      backward; with several chunks, nothing) -- the closed form itself but for that
-      last case and ZB-H1's shares (each rank's forward only), taken 0.5% lower
-      (``SLACK``) to stay a bound through small refinements of the costs.
+    - time: m x busiest-rank work + the other ranks' share of the fill and drain (as
+      ``schedules.pipeline_span`` with that rank pacing) + the transfers the fewest
+      any rank waits on + optimizer + ZeRO gathers + the exposed gradient reduction (all of it where it is
+      not overlapped; with one chunk per rank, what outlasts the last backward; with
+      several chunks, nothing) -- the closed form itself but for that last case, the
+      ranks' shares where a forward is needed (ZB-H1's and 1F1B's, from below) and the
+      transfers of the rank that paces, taken 0.5% lower (``SLACK``) to stay a bound
+      through small refinements of the costs.
 
     The survivors go on a heap keyed by their bound. Popping the smallest: a bound is
     replaced by the layout's simulated time (pushed back); a simulated time is final --
@@ -87,7 +89,7 @@ import numpy as np
 from plait.layout import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES, Layout, check_cp_split
 from plait.model import sizes
 from plait.model.config import ModelConfig
-from plait.parallel.pipeline.schedules import in_flight_bound
+from plait.parallel.pipeline.schedules import in_flight_bound, pipeline_transfers
 from plait.sim import context as cp_sim
 from plait.sim import costs, step
 from plait.sim import expert as ep_sim
@@ -553,7 +555,7 @@ class _Bounds:
 
     @_memo
     def hop(self, tp, pp, dp, mbs, sp, cp=1):
-        """The slowest stage-to-stage message (the closed form's fill is 2 (S - 1) of them)."""
+        """The slowest stage-to-stage message (``schedules.pipeline_transfers`` of them)."""
         lay = self.proto(tp, pp, dp, mbs, sp, "none", 0, cp)
         return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw))
 
@@ -618,13 +620,20 @@ class _Bounds:
             c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
             c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep,
         )  # fmt: skip
-        # ``schedules.pipeline_span`` from below: what each other rank adds is at least
-        # its (F + B) / v, or under ZB-H1 (one chunk) at least its F
-        adds = fwd0 if c.schedule == "zb-h1" else work / c.vpp
-        pipe = m * float(work.max()) + float(adds.sum() - adds.max())
-        if c.pp > 1:
+        # ``schedules.pipeline_span`` from below, at the busiest rank k: what each other
+        # rank adds is its (F + B) / v; under 1F1B, after k, at least 2 (F + B) - k's;
+        # under ZB-H1 (one chunk) at least its F
+        k = int(work.argmax())
+        if c.schedule == "1f1b":
+            after = np.maximum(2 * work[k + 1 :] - work[k], 0.0)
+            pipe = m * float(work[k]) + float(work[:k].sum() + after.sum())
+        else:
+            adds = fwd0 if c.schedule == "zb-h1" else work / c.vpp
+            pipe = m * float(work[k]) + float(adds.sum() - adds.max())
+        if c.pp > 1:  # the fewest messages any pacing rank waits on (the middle ranks alike)
             hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp)
-            pipe += 2 * (c.pp * c.vpp - 1) * hop
+            pipe += hop * min(pipeline_transfers(c.schedule, r, c.pp, m, c.vpp)
+                              for r in (0, 1, c.pp - 1))  # fmt: skip
         grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero, c.cp, c.ep)
         if not self.rt.overlap_grad_reduce:
             pipe += float(grad.max())

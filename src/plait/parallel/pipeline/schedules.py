@@ -720,41 +720,89 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
 
 
-def pipeline_span(name: str, m: int, cost) -> float:
-    """The time ``m`` micro-batches take through the pipeline, transfers free, in closed form
-    from ``cost[rank][chunk]`` = (F, B, BI, W) seconds of one micro-batch: the busiest rank
-    runs its m micro-batches back to back, and every other rank adds its share of the fill
-    and the drain -- the time the busiest rank waits on it:
+def pipeline_transfers(name: str, rank: int, p: int, m: int, v: int = 1) -> int:
+    """Stage-to-stage messages on the critical path while ``rank`` paces the pipeline, as
+    the replay (``sim/pipeline.py``: a batch completes when its sends are received) counts
+    them: the fill's, 2 (p v - 1) -- the first micro-batch's activations out and its
+    gradients back -- and, for each micro-batch after the first, one wait per neighbour the
+    rank exchanges with. A GPipe or 1F1B rank waits on 2 neighbours (1 at either end);
+    interleaved 1F1B, which posts a forward's and a backward's messages together, once per
+    chunk (v, and v - 1 on rank 0, whose first chunk has no predecessor), its warm-up
+    hiding (p - 1)(v - 1) of the fill's ((p - 1)(v - 2) on rank 0); ZB-H1 three times in
+    the middle, twice on rank 0, once on the last rank.
 
-    - GPipe and 1F1B: its F + B (the first micro-batch's forward reaches the busiest
-      rank through it, the last one's backward leaves through it);
+    Exact in the replay for interleaved 1F1B, and for GPipe and 1F1B within 3 messages
+    (an even GPipe of two ranks waits twice a micro-batch: its forward and backward phases
+    are paced by different ranks); ZB-H1 counts up to p - 1 more than the replay
+    (``tests/test_sim.py``, which checks every count against the replay of a pipeline that
+    rank paces)."""
+    if p == 1:
+        return 0
+    first, last = int(rank == 0), int(rank == p - 1)
+    fill = 2 * (p * v - 1)
+    if name in ("gpipe", "1f1b"):
+        return fill + (m - 1) * (2 - first - last)
+    if name == "interleaved-1f1b":
+        return fill - (p - 1) * (v - 1 - first) + (m - 1) * (v - first)
+    if name == "zb-h1":
+        return fill + (m - 1) * (3 - first - 2 * last)
+    raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+
+
+def pipeline_span(name: str, m: int, cost, hop: float = 0.0) -> float:
+    """The time ``m`` micro-batches take through the pipeline in closed form, from
+    ``cost[rank][chunk]`` = (F, B, BI, W) seconds of one micro-batch and ``hop``, the
+    seconds of one stage-to-stage message: the rank that paces the pipeline runs its m
+    micro-batches back to back, waits on ``pipeline_transfers`` messages, and every other
+    rank adds its share of the fill and the drain -- the time the pacing rank waits on it:
+
+    - GPipe: its F + B (the first micro-batch's forward reaches the pacing rank through
+      it, the last one's backward leaves through it);
+    - 1F1B: the same from a rank before the pacing rank r; from one after it, what the
+      first backward's round trip through it adds beyond r's warm-up forwards,
+      max(2 (F + B) - (F + B)_r, F + B - F_r, 0) (equal ranks: F + B);
     - interleaved 1F1B: (F + B) / v, one chunk's;
     - ZB-H1: max(F + BI - W, F, BI), with F, BI, W of all its chunks: the forward and
       input-gradient chains pass through it, and a weight gradient only fills the slot
       it is deferred to when it is shorter than what it covers (F = BI = W: one F, the
       schedule's (p - 1) / (3 m)); with fewer micro-batches than ranks, (p - m) / (p - 1)
-      min(F, W) more (the tail no weight gradient is left to fill). Where the busiest
+      min(F, W) more (the tail no weight gradient is left to fill). Where the pacing
       rank's W is longer than every other's by d, its deferred weight gradients cover
       p d of the others' shares, down to their forwards (the fill no schedule hides).
 
-    Equal ranks give m (F + B) (1 + ``bubble_formula``) at the textbook costs and the
-    replay's span at any costs; one rank heavier than the rest (the head's), GPipe, 1F1B
-    and interleaved exactly, ZB-H1 within about 5% where m = p and exactly beyond
+    The pacing rank is the one that makes the span longest. With free transfers, equal
+    ranks give m (F + B) (1 + ``bubble_formula``) at the textbook costs and the replay's
+    span at any costs; one rank heavier than the rest: GPipe and 1F1B exactly wherever
+    it is, interleaved and ZB-H1 exactly where it is the last (the head's; ZB-H1 from
+    m = 2p, within about 5% at m = p) and within about 4% elsewhere
     (``tests/test_sim.py``: these rules were found against the replay). Before,
     m (F + B) of the busiest rank times (1 + ``bubble_formula``) charged every rank's
-    fill at the busiest rank's cost: a 1.3B model with the head on its own (last) stage,
-    pp 8, m 8, 18.6% over the replay."""
+    fill at the busiest rank's cost (a 1.3B model with the head on its own stage, pp 8,
+    m 8: 18.6% over the replay) and no transfer beyond the fill (36% under it for ZB-H1
+    at 1 GB/s between stages)."""
     p, v = len(cost), len(cost[0])
     work = [sum(f + b for f, b, _, _ in row) for row in cost]
-    busiest = max(range(p), key=work.__getitem__)
-    if name in ("gpipe", "1f1b", "interleaved-1f1b"):
+    if name == "1f1b":
+        f = [sum(chunk[0] for chunk in row) for row in cost]
+
+        def others(r):  # the ranks after r: their round trips, less r's warm-up forwards
+            after = sum(max(2 * work[s] - work[r], work[s] - f[r], 0.0) for s in range(r + 1, p))
+            return sum(work[:r]) + after
+    elif name in ("gpipe", "interleaved-1f1b"):
         adds = [w / v for w in work]
-        return m * work[busiest] + sum(adds) - adds[busiest]
-    if name != "zb-h1":
+
+        def others(r):
+            return sum(adds) - adds[r]
+    elif name == "zb-h1":
+        f, bi, w = ([sum(chunk[i] for chunk in row) for row in cost] for i in (0, 2, 3))
+        tail = max(0, p - m) / (p - 1) if p > 1 else 0.0
+        adds = [max(f[r] + bi[r] - w[r], f[r], bi[r]) + tail * min(f[r], w[r]) for r in range(p)]
+
+        def others(r):
+            rest = [s for s in range(p) if s != r]
+            longer = max(0.0, w[r] - max((w[s] for s in rest), default=w[r]))
+            return max(sum(adds) - adds[r] - p * longer, sum(f[s] for s in rest))
+    else:
         raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
-    f, bi, w = ([sum(chunk[i] for chunk in row) for row in cost] for i in (0, 2, 3))
-    others = [r for r in range(p) if r != busiest]
-    tail = max(0, p - m) / (p - 1) if p > 1 else 0.0
-    adds = sum(max(f[r] + bi[r] - w[r], f[r], bi[r]) + tail * min(f[r], w[r]) for r in others)
-    longer = max(0.0, w[busiest] - max((w[r] for r in others), default=w[busiest]))
-    return m * work[busiest] + max(adds - p * longer, sum(f[r] for r in others))
+    return max(m * work[r] + pipeline_transfers(name, r, p, m, v) * hop + others(r)
+               for r in range(p))  # fmt: skip
