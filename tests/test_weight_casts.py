@@ -115,6 +115,21 @@ def _block_gemms(block, x, *, casts: bool) -> tuple[int, torch.Tensor]:
     return count.n, y
 
 
+def _lora_model(cfg, targets=("q", "v")):
+    """A llama model with rank-4 adapters on ``targets`` whose update is nonzero (B starts
+    at zero)."""
+    from plait.model.lora import apply_lora
+    from plait.model.lora_config import LoRAConfig
+
+    model = build_model(cfg, seed=0)
+    apply_lora(model, LoRAConfig(rank=4, targets=targets), arch="llama", seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora.B"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return model
+
+
 def test_q_k_v_and_gate_up_run_as_one_gemm_each_inside_a_steps_casts():
     """Inside a step's ``weight_casts`` under autocast, a llama block runs 4 forward GEMMs
     (q / k / v, o, gate / up, down) where 7 ran, with the separate layers' output within
@@ -127,8 +142,6 @@ def test_q_k_v_and_gate_up_run_as_one_gemm_each_inside_a_steps_casts():
     where the plain loop made 99), one that engages where it costs memory, a split that
     hands the layers each other's rows, and an adapter whose update or gradient lands in
     another layer's rows."""
-    from plait.model.lora import apply_lora
-    from plait.model.lora_config import LoRAConfig
 
     cfg = preset("tiny", arch="llama", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2,
                  seq_len=16, vocab_size=128)  # fmt: skip
@@ -144,13 +157,7 @@ def test_q_k_v_and_gate_up_run_as_one_gemm_each_inside_a_steps_casts():
     assert err <= 4 * 2**-8 * y_ref.float().abs().max().item(), err
     block.to(torch.bfloat16)  # weights held in the compute dtype: no fusion
     assert _block_gemms(block, x, casts=True)[0] == 7
-    lora_model = build_model(cfg, seed=0)
-    apply_lora(lora_model, LoRAConfig(rank=4, targets=("q", "v")), arch="llama", seed=0)
-    with torch.no_grad():  # a nonzero update (B starts at zero)
-        for name, p in lora_model.named_parameters():
-            if name.endswith("lora.B"):
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    block = lora_model.blocks["0"]
+    block = _lora_model(cfg).blocks["0"]
     outs, grads = [], []
     for casts in (True, False):
         block.zero_grad(set_to_none=True)
@@ -219,8 +226,6 @@ def test_a_compiled_block_keeps_its_lora_layers_in_the_fused_groups(monkeypatch)
     run eagerly: inductor's code generation is not what is checked.)"""
     import functools
 
-    from plait.model.lora import apply_lora
-    from plait.model.lora_config import LoRAConfig
     from plait.model.transformer import compile_blocks
 
     graphs = []
@@ -235,12 +240,7 @@ def test_a_compiled_block_keeps_its_lora_layers_in_the_fused_groups(monkeypatch)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     results = []
     for compiled in (True, False):
-        model = build_model(cfg, seed=0)
-        apply_lora(model, LoRAConfig(rank=4, targets=("q", "v")), arch="llama", seed=0)
-        with torch.no_grad():  # a nonzero update (B starts at zero)
-            for name, p in model.named_parameters():
-                if name.endswith("lora.B"):
-                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        model = _lora_model(cfg)
         if compiled:
             torch._dynamo.reset()
             monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
