@@ -195,10 +195,16 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :D/2], x[..., D/2:]) -- the Hugging Face LLaMA convention."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, H, T, D/2) each
-    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 seq_dim: int = -2) -> torch.Tensor:  # fmt: skip
+    """Rotate pairs (x[..., :D/2], x[..., D/2:]) -- the Hugging Face LLaMA convention. ``x``
+    is (..., T, D), or (B, T, H, D) with ``seq_dim`` 1; the result is contiguous in that
+    order."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (..., D/2) each
+    T = x.shape[seq_dim]
+    cos, sin = cos[:T], sin[:T]
+    if seq_dim == 1:  # (T, 1, D/2): every head alike
+        cos, sin = cos[:, None], sin[:, None]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -304,12 +310,16 @@ class Attention(nn.Module):
             v = v.contiguous()
         q = q.view(B, T, self.n_heads, D)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, D)  # (B, T, K, D)
-        v = v.view(B, T, self.n_kv_heads, D).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, self.n_kv_heads, D)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rope is not None:  # rotated in (B, T, H, D) order, as the products lie
+            q, k = apply_rotary(q, *rope, seq_dim=1), apply_rotary(k, *rope, seq_dim=1)
+        # (B, H, T, D) views of the (B, T, H, D) tensors: the attention's output comes back
+        # in that order, and the heads merge below without a copy (rotating after the
+        # transpose made q contiguous as (B, H, T, D), the output too, and the merge
+        # copied it: one more (T, H D) tensor a block, kept for the o projection)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.selective_recompute and self.training:
             y = checkpoint(self._core, q, k, v, span, use_reentrant=False)
         else:
