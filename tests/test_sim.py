@@ -222,9 +222,11 @@ def test_megatron_runtimes_stream_the_fp32_vocab_parallel_loss():
     e + 8 and 4 + e; PyTorch's eager ``cross_entropy`` (FSDP's runtimes: llm-foundry under
     autocast, torchtitan's ``.float()``) the cast (e + 4) and log-softmax (8), backward the
     zeroed gradient (4), log-softmax's (12) and the cast back (4 + e) -- bytes counted on a
-    GPU profile's model (``benchmarks/fsdp_step.py``). Catches the Megatron profiles losing
-    the switch, FSDP's loss priced as one fused kernel, or the head pricing the loss without
-    its runtime (the default stays the fused one)."""
+    GPU profile's model (``benchmarks/fsdp_step.py``); plait's own vocab-parallel loss
+    (bf16 logits on any tp, ``tensor.vocab_parallel_cross_entropy``) Megatron's passes.
+    Catches the Megatron profiles losing the switch, FSDP's loss priced as one fused
+    kernel, plait's priced as the log-softmax it no longer runs on bf16 logits, or the head
+    pricing the loss without its runtime (the default stays the fused one)."""
     cfg, layout = preset("gpt3-175b"), lay(tp=8)
     logits = 2048 * GPT3.vocab_size / 8  # one micro-batch of 2,048 tokens, V / tp each
     fused = costs.head_cost(cfg, layout, A100)
@@ -232,13 +234,23 @@ def test_megatron_runtimes_stream_the_fp32_vocab_parallel_loss():
         eager = costs.head_cost(cfg, layout, A100, PROFILES[name])
         assert eager.fwd - fused.fwd == pytest.approx(4 * logits / A100.elementwise_bw)
         assert eager.bwd_input - fused.bwd_input == pytest.approx(16 * logits / A100.elementwise_bw)
-    for name in ("megatron-lm", "megatron-deepspeed", "megatron-core"):
-        assert PROFILES[name].unfused_fp32_loss, name
+    for name in ("megatron-lm", "megatron-deepspeed", "megatron-core", "plait"):
+        assert PROFILES[name].unfused_fp32_loss or name == "plait", name
         unfused = costs.head_cost(cfg, layout, A100, PROFILES[name])
         assert unfused.fwd - fused.fwd == pytest.approx(28 * logits / A100.elementwise_bw)
         assert unfused.bwd_input - fused.bwd_input == pytest.approx(
             8 * logits / A100.elementwise_bw
         )
+    # plait's own loss on one rank: the same passes on bf16 logits, log-softmax on fp32
+    one = lay(tp=1)
+    plait_bf16 = costs.head_cost(cfg, one, A100, PROFILES["plait"])
+    assert plait_bf16.fwd - costs.head_cost(cfg, one, A100).fwd == pytest.approx(
+        28 * 8 * logits / A100.elementwise_bw
+    )
+    fp32 = replace(one, dtype="fp32")
+    assert costs.head_cost(cfg, fp32, A100, PROFILES["plait"]).bwd_input - costs.head_cost(
+        cfg, fp32, A100
+    ).bwd_input == pytest.approx((16 - 8) * 8 * logits / A100.elementwise_bw)
 
 
 def test_tp_collectives_per_layer():

@@ -475,7 +475,8 @@ def embedding_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> EndCost:
     return EndCost(fwd=fwd, fwd_tp=fwd_tp, bwd_weight=bwd, kinds=kinds)
 
 
-def loss_bytes_per_logit(e: int, unfused_fp32: bool, kernels: str = "fused") -> tuple[int, int]:
+def loss_bytes_per_logit(e: int, unfused_fp32: bool, kernels: str = "fused",
+                         tp: int = 1) -> tuple[int, int]:  # fmt: skip
     """(forward, backward) bytes the cross-entropy streams per logit of e bytes. Fused: read
     the logits, write fp32 log-probabilities and reduce them (e + 8); backward reads those
     and writes the logits' gradient (4 + e). ``unfused_fp32``, Megatron's
@@ -489,9 +490,14 @@ def loss_bytes_per_logit(e: int, unfused_fp32: bool, kernels: str = "fused") -> 
     under autocast, torchtitan's ``.float()``; counted on fake tensors for the model of
     ``benchmarks/fsdp_step.py``, whose step a GPU profile timed): the cast (e + 4, none in
     fp32), log-softmax (8), and backward the negative log-likelihood's zeroed gradient
-    (4), log-softmax's backward (12) and the cast back (4 + e)."""
-    if unfused_fp32:
+    (4), log-softmax's backward (12) and the cast back (4 + e). ``kernels`` "plait" with
+    bf16 / fp16 logits, or over tp ranks: plait's own vocab-parallel loss
+    (``tensor.vocab_parallel_cross_entropy``), Megatron's passes; on fp32 logits over tp
+    without the cast and subtracting into a new buffer: 32 and 8."""
+    if unfused_fp32 or (kernels == "plait" and e < 4):
         return e + 36, e + 12
+    if kernels == "plait" and tp > 1:
+        return 32, 8
     if kernels in ("plait", "eager"):
         cast = e + 4 if e < 4 else 0
         return cast + 8, 16 + cast
@@ -512,6 +518,7 @@ def head_cost(
         e,
         runtime is not None and runtime.unfused_fp32_loss,
         runtime.layer_kernels if runtime is not None else "fused",
+        t,
     )
     loss_fwd = stream_time(hw, T * V_t * fwd_bytes)
     loss_bwd = stream_time(hw, T * V_t * bwd_bytes)
