@@ -14,6 +14,7 @@ from distributed import run_workers
 from test_data_parallel import make_data, run_config
 
 from plait import rehearse
+from plait.model.transformer import build_model
 from plait.topology import Topology
 
 
@@ -173,14 +174,20 @@ def test_cli_refuses_bad_ranks_in_one_line(capsys):
 def test_zero3_rehearsal_holds_the_shards_not_the_meta_model(tmp_path):
     """--dp 2 --zero 3, built on meta: after the build the rank holds its parameter
     shards and their AdamW moments -- the performance model's figures, byte for byte --
-    and nothing else; the meta model's storages (a size, no bytes) are not counted.
-    Catches a tracker that counts meta storages (1.7 MB of ``other`` here, the whole
-    model: at 175B, 700 GB a rank) or misses a resize_ of a unit's storage."""
+    and nothing else; the meta model's storages (a size, no bytes) are not counted, and
+    the build's peak is those shards and moments plus at most one whole parameter (its
+    initial value, made one at a time). Catches a tracker that counts meta storages
+    (1.7 MB of ``other`` here, the whole model: at 175B, 700 GB a rank), one that misses a
+    resize_ of a unit's storage, and hollowed parameters left with a storage of their
+    own under fake tensors (the whole fp32 model at the build's peak: llama2-7b 26.1 GiB
+    where 1.18 is held)."""
     cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, zero=3, global_batch_size=4)
     report = rehearse.rehearse_rank(cfg, 0)
     sim = rehearse.predicted(cfg, 0)["memory"]
     build = report.phases[0]
     assert build.split["parameters"] == sim["parameters"] > 0
+    largest = max(p.numel() * 4 for p in build_model(cfg.model, device="meta").parameters())
+    assert build.split["temporaries"] <= largest, build  # one transient at most
     assert abs(build.split["optimizer"] - sim["optimizer"]) <= 8 * 64  # AdamW's step counts
     assert build.split["other"] == 0 and build.split["buffers"] == 0, build.split
     for phase in report.phases:

@@ -678,9 +678,12 @@ def hollow(model: nn.Module, device: torch.device | str) -> None:
             if p is None or not p.is_meta:
                 continue
             if id(p) not in new:
-                t = torch.empty(p.shape, dtype=p.dtype, device=device)
-                resize_storage(t, 0)
-                q = nn.Parameter(t, requires_grad=p.requires_grad)
+                # the parameter's storage freed, not the tensor's it was made from: under
+                # FakeTensorMode (``plait rehearse``) the Parameter gets a storage of its
+                # own, which kept the whole model counted through the build (7B: 24.9 GiB)
+                q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                 requires_grad=p.requires_grad)  # fmt: skip
+                resize_storage(q, 0)
                 for key, value in p.__dict__.items():  # (a fake tensor's own stay)
                     q.__dict__.setdefault(key, value)
                 new[id(p)] = q
