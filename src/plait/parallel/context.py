@@ -516,6 +516,13 @@ def _block_args(layout, q_chunk, kv_chunks, picks, device):
     )
 
 
+def _sequence_major(outs, dtype) -> torch.Tensor:
+    """The output chunks (B, H, s, D), joined along the sequence into a (B, H, S, D) view
+    of a (B, S, H, D) tensor: the caller's merge of the heads (``transformer.Attention``)
+    is then a view of what the backward keeps, not a second copy of it."""
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=1).to(dtype).transpose(1, 2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, ring, scale):
@@ -549,7 +556,7 @@ class _RingAttention(torch.autograd.Function):
                         outs[a], lses[a] = o, lse
                     else:
                         outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
-        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+        out, lse = _sequence_major(outs, q.dtype), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.ring, ctx.scale = layout, ring, scale
         ctx.set_materialize_grads(False)
@@ -636,7 +643,7 @@ class _AllGatherAttention(torch.autograd.Function):
             )  # fmt: skip
             outs.append(o)
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+        out, lse = _sequence_major(outs, q.dtype), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)  # the shard only: gathered again backward
         ctx.layout, ctx.ring, ctx.scale = layout, ring, scale
         ctx.set_materialize_grads(False)
