@@ -394,12 +394,12 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     layers' own parameters (checkpoints, Hugging Face files, LoRA, tensor-parallel shards).
     A torch.compile'd block concatenates the fp32 weights in its graph instead
     (``_fused_weight``). LoRA'd layers stay in the group: their updates are added into the
-    product's rows (``_AdaptedColumns``; in a compiled block, added out of place). The outputs are views of one product, which any
-    of them that the backward saves keeps whole: a caller that replaces some (rotary on q
-    and k) gives the others their own storage (``model/transformer.py``). Not fused:
-    outside autocast or a step's casts (fp32, evaluation), a layer with ``weight_quant``,
-    or biases on some layers only. Weights already held in the compute
-    dtype (ZeRO-3's gathered units) are not copied: where they lie side by side in their
+    product's rows (``_AdaptedColumns``; in a compiled block, added out of place). The
+    outputs are views of one product, which any of them that the backward saves keeps
+    whole: a caller that replaces some (rotary on q and k) gives the others their own
+    storage (``model/transformer.py``). Not fused: outside autocast or a step's casts
+    (fp32, evaluation), a layer with ``weight_quant``, or biases on some layers only.
+    Weights already held in the compute dtype (ZeRO-3's gathered units) are not copied: where they lie side by side in their
     unit's buffer (``zero_units.Unit``) the GEMM reads the rows spanning them
     (``_adjacent_rows``), otherwise -- and inside a torch.compile'd block, where a
     concatenation would be a copy the step keeps -- the layers run apart."""

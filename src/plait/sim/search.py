@@ -31,10 +31,11 @@ The search space
 
 The method: best-first branch and bound, exact over the space
     The objective is the simulator's closed-form step time, ``simulate(exact=False)``
-    (``schedules.pipeline_span``: the busiest rank's micro-batches plus each other
-    rank's share of the fill and drain; equal to the replay for even stages), and a
-    layout is feasible when that simulation says it fits. Every layout first gets two cheap lower bounds, built with the simulator's own
-    cost functions (``costs.py``, ``memory.py``) from per-layer figures cached by the
+    (``schedules.pipeline_span``: the micro-batches of the rank that paces the pipeline,
+    each other rank's share of the fill and drain, and the messages it waits on; within
+    0.03% of the replay on average, ``benchmarks/closed_form.py``), and a layout is
+    feasible when that simulation says it fits. Every layout first gets two cheap lower
+    bounds, built with the simulator's own cost functions (``costs.py``, ``memory.py``) from per-layer figures cached by the
     few axes they depend on (a layer's cost depends on tp, micro-batch, sequence
     parallelism and recomputation only; model state on tp, pp, vpp, dp and ZeRO):
 
@@ -44,10 +45,10 @@ The method: best-first branch and bound, exact over the space
       schedule. A layout whose bound is above the device's memory can never fit, and is
       rejected without simulating;
     - time: m x busiest-rank work + the other ranks' share of the fill and drain (as
-      ``schedules.pipeline_span`` with that rank pacing) + the transfers the fewest
-      any rank waits on + optimizer + ZeRO gathers + the exposed gradient reduction (all of it where it is
-      not overlapped; with one chunk per rank, what outlasts the last backward; with
-      several chunks, nothing) -- the closed form itself but for that last case, the
+      ``schedules.pipeline_span`` with that rank pacing) + the fewest messages any rank
+      waits on + optimizer + ZeRO gathers + the exposed gradient reduction (all of it
+      where it is not overlapped; with one chunk per rank, what outlasts the last
+      backward; with several chunks, nothing) -- the closed form itself but for that last case, the
       ranks' shares where a forward is needed (ZB-H1's and 1F1B's, from below) and the
       transfers of the rank that paces, taken 0.5% lower (``SLACK``) to stay a bound
       through small refinements of the costs.

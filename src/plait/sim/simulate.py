@@ -127,9 +127,9 @@ def simulate(
     ``exact=False`` skips the replay: the pipeline takes ``schedules.pipeline_span`` (m
     micro-batches on the rank that paces it, each other rank's share of the fill and
     drain, the transfers it waits on), and memory counts ``schedules.in_flight_bound``
-    micro-batches. Much cheaper for pipelines of thousands of actions, equal to the
-    replay for even stages (and, but for ZB-H1, one heavier stage) and free transfers;
-    for ranking many candidates before simulating the best exactly.
+    micro-batches. Much cheaper for pipelines of thousands of actions and within 0.03%
+    of the replay on average (``benchmarks/closed_form.py``); for ranking many
+    candidates before simulating the best exactly.
 
     ``dp_algo`` (a ``dp_algos.DPAlgoConfig``): price local SGD, DiLoCo, gossip or a
     compressed all-reduce instead of the plain one (``sim/dp_algos.py``).
@@ -391,11 +391,10 @@ def _dp_time(model, layout, hw, rt, dp_algo, chunks, params, experts=0.0) -> dic
 def _formula_pipeline(layout, cost, p2p):
     """Closed-form stand-in for the replay (``exact=False``), without a timeline: the
     pipeline's span from ``schedules.pipeline_span``, with the transfers the pacing rank
-    waits on. Chunk c's
-    gradient window ends c p of its backwards before the end, as the replay's do in a
-    balanced interleaved pipeline (before: every chunk at the end, which left the
-    Megatron-LM README's interleaved rows' reduction exposed: 8.7% held out closed, 7.3%
-    replayed; now 7.5%)."""
+    waits on. Chunk c's gradient window ends c p of its backwards before the end, as the
+    replay's do in a balanced interleaved pipeline (before: every chunk at the end, which
+    left the Megatron-LM README's interleaved rows' reduction exposed: 8.7% held out
+    closed, 7.3% replayed; now 7.5%)."""
     p, v, m = layout.pp, layout.vpp, layout.num_microbatches
     hop = max(max(pair) for pair in p2p) if p > 1 else 0.0
     try:
