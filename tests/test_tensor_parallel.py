@@ -292,20 +292,29 @@ def _expected_layer_comms(name: str, tp: int) -> tuple[dict, dict]:
     f_back, g_back = ("reduce_scatter", "all_gather") if sp else ("all_reduce", None)
 
     def one(*ops):
-        return {("tp", op): (1, act) for op in ops if op is not None}
+        out: dict = {}
+        for op in ops:
+            if op is not None:
+                calls, nbytes = out.get(("tp", op), (0, 0))
+                out[("tp", op)] = (calls + 1, nbytes + act)
+        return out
+
+    # sequence parallelism: the backward gathers a column group's input again (its ops
+    # saved this rank's shard: tensor.keeping_shard)
+    regather = "all_gather" if sp else None
 
     if name.startswith("column-gather"):
         out = int(name.removeprefix("column-gather"))
         padded = local_size(out, vocab_spec(out), tp) * tp
         return {("tp", "all_gather"): (1, B * T * padded * 8)}, one("all_reduce")
     if name.startswith("column"):
-        return one(f_in), one(f_back)
+        return one(f_in), one(f_back, regather)
     if name.startswith("row"):
         return one(g_out), one(g_back)
     if name.startswith("embedding"):
         return one(g_out), one(g_back)
     if name.startswith(("mlp", "attention")):
-        return one(f_in, g_out), one(f_back, g_back)
+        return one(f_in, g_out), one(f_back, g_back, regather)
     if name.startswith("ce"):  # the max, then the target logit and the sum of exponentials
         return {("tp", "all_reduce"): (2, B * T * 4 * 3)}, {}  # float32 by design
     raise AssertionError(name)
@@ -490,7 +499,10 @@ def _expected_model_comms(cfg: ModelConfig, tp: int, sp: bool, b: int) -> dict:
         return {"fwd": fwd, "bwd": bwd}
     n = 2 * n_layers + 1  # per layer two, plus the embedding (reduce-scatter) / head (gather)
     fwd = {("tp", "all_gather"): (n, n * act), ("tp", "reduce_scatter"): (n, n * act), **ce}
-    bwd = {("tp", "all_gather"): (n, n * act), ("tp", "reduce_scatter"): (n, n * act)}
+    # backward: the same reversed, and each column group's saved input (two a layer, and
+    # the head's) gathered again from the shard its ops kept
+    g = 2 * n
+    bwd = {("tp", "all_gather"): (g, g * act), ("tp", "reduce_scatter"): (n, n * act)}
     return {"fwd": fwd, "bwd": bwd}
 
 

@@ -45,8 +45,10 @@ from plait.parallel.tensor import (
     column_linears,
     enter_tp,
     full_shape,
+    keeping_shard,
     mark_sequence_parallel,
     mark_tp_partial,
+    noted_cast,
     sequence_shard,
     shard_spec,
     tp_shard,
@@ -298,10 +300,11 @@ class Attention(nn.Module):
             )
 
     def forward(self, x, rope=None, span=None):  # (B, T, C) -> (B, T, C)
-        x = self.q.enter(x)  # one f (or all-gather) for q, k and v together
-        B, T, _ = x.shape
-        D = self.cfg.head_dim
-        q, k, v = column_linears((self.q, self.k, self.v), x)  # one GEMM where it can
+        full = self.q.enter(x)  # one f (or all-gather) for q, k and v together
+        with self.q.keeping(x, full):  # sequence parallelism: what they save is the shard
+            q, k, v = column_linears((self.q, self.k, self.v), full)  # one GEMM where it can
+        B, T, D = q.shape[0], q.shape[1], self.cfg.head_dim
+        del full  # (sequence parallelism: the backward gathers it again)
         if rope is not None or self.cfg.qk_norm:
             # q and k go on as new tensors (rotary, norms) and the attention saves those:
             # v, a view of the fused product, would keep all of it -- q's and k's dead rows
@@ -365,8 +368,11 @@ class MLP(nn.Module):
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         if self.arch == "gpt2":
             return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-        x = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
-        return self.down(_SwiGLU.apply(*column_linears((self.gate, self.up), x)))
+        full = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
+        with self.gate.keeping(x, full):
+            gate, up = column_linears((self.gate, self.up), full)
+        del full
+        return self.down(_SwiGLU.apply(gate, up))
 
 
 class Block(nn.Module):
@@ -561,8 +567,12 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if not self.cfg.tied_embeddings:
             return self.head(x)
-        x = enter_tp(x, self.topo, self.sequence_parallel)
-        return vocab_linear(x, self.embed.tokens.weight)
+        full = enter_tp(x, self.topo, self.sequence_parallel)
+        with keeping_shard(x, full, self.topo, self.sequence_parallel):
+            device = full.device.type
+            if torch.is_autocast_enabled(device):  # the cast the GEMM saves: noted
+                full = noted_cast(full, torch.get_autocast_dtype(device))
+            return vocab_linear(full, self.embed.tokens.weight)
 
     def forward(self, x, targets=None, documents=None):
         """ids (B, T) if ``pre`` else hidden (B, T, C) -- (B, T/tp, C), this rank's sequence

@@ -14,7 +14,11 @@ line below moves b*s*h*e counted bytes per call):
   all-gather backward: forward 2 all-gathers + 2 reduce-scatters, backward 2 reduce-scatters
   + 2 all-gathers, 4*b*s*h*e bytes each way. The all-reduce's ring cost is exactly one
   all-gather plus one reduce-scatter, so the traffic is the same; activations outside the
-  GEMMs (norms, dropout, residual) are stored and computed 1/t each.
+  GEMMs (norms, dropout, residual) are stored and computed 1/t each. The column groups
+  (q/k/v, the MLP's first GEMMs, the head) keep their input as this rank's sequence shard,
+  not gathered (``keeping_shard``), and the backward all-gathers it again: 2 more all-gathers
+  of b*s*h*e a layer, 1 for the head -- none in the blocks under ``--recompute full``,
+  whose checkpoint re-runs the forward's gathers instead.
 - embedding (vocabulary-parallel): forward 1 all-reduce of b*s*h*e (sequence parallel: a
   reduce-scatter; backward then 1 all-gather of b*s*h*e).
 - head: forward nothing (sequence parallel: 1 all-gather of b*s*h*e); backward 1
@@ -28,6 +32,11 @@ line below moves b*s*h*e counted bytes per call):
   are replicated because there are fewer key/value heads than tp ranks; with LoRA adapters
   (``model/lora.py``) R also holds each adapter's tp-replicated factor. Nothing when all
   are empty.
+- why it cannot deadlock: every collective here is issued on the tp group by the main
+  thread's forward or by autograd's backward, in the order of the block's operations --
+  the re-gathers when the first op that saved a group's input runs -- and every tp rank
+  builds the same graph (same layers, shapes and flags), so every rank issues the same
+  calls in the same order; none is conditional on data one rank alone holds.
 - with t == 1 nothing is issued; ``--recompute full`` repeats the forward's collectives
   inside the backward.
 - e is the residual stream's dtype for what enters a tp region (f, the sequence-parallel
@@ -252,6 +261,116 @@ def leave_tp(x: torch.Tensor, topo: Topology, sequence_parallel: bool) -> torch.
     return reduce_scatter_to_sp(x, topo) if sequence_parallel else reduce_from_tp(x, topo)
 
 
+class _SavedShard:
+    """One sequence-parallel entry into a tp region (``keeping_shard``): the ops inside that save
+    the all-gathered input -- or a compute-dtype cast of it (``noted_cast``), or a view
+    spanning it -- for their backward keep this rank's sequence shard instead, and the
+    backward all-gathers it again when the first of them runs (Megatron-LM's column-
+    parallel linear with sequence parallelism; Korthikanti et al. 2022 count the shard).
+    Held a block: q/k/v's input and the MLP's, T h e / t each where they were T h e, 7/8
+    of it gone at tp 8. The re-gather is built once per backward and dtype and dropped
+    when the last op that saved it has taken it."""
+
+    __slots__ = ("topo", "shard", "spans", "held", "packs", "rebuilt", "taken", "hooks")
+
+    def __init__(self, shard: torch.Tensor, full: torch.Tensor, topo: Topology):
+        self.topo, self.shard, self.spans = topo, shard, [full]
+        self.held: dict[torch.dtype, torch.Tensor] = {}  # the shard in each saved dtype
+        self.packs: dict[torch.dtype, int] = {}
+        self.rebuilt: dict[torch.dtype, torch.Tensor] = {}
+        self.taken: dict[torch.dtype, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+
+    def __enter__(self) -> None:
+        _REGIONS.append(self)
+        self.hooks.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+        _REGIONS.pop()
+        self.shard, self.spans, self.hooks = None, [], None  # only the packed shards stay
+
+    def pack(self, t: torch.Tensor):
+        if not any(_spans(t, full) for full in self.spans):
+            return t
+        held = self.held.get(t.dtype)
+        if held is None:
+            held = self.held[t.dtype] = self.shard.to(t.dtype).contiguous()
+        self.packs[t.dtype] = self.packs.get(t.dtype, 0) + 1
+        return _Regather(self, t.dtype, t.shape)
+
+    def rebuild(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        full = self.rebuilt.get(dtype)
+        if full is None:
+            full = self.rebuilt[dtype] = _all_gather_seq(self.held[dtype], self.topo)
+        self.taken[dtype] = self.taken.get(dtype, 0) + 1
+        if self.taken[dtype] % self.packs[dtype] == 0:  # the last op to take it
+            del self.rebuilt[dtype]
+        return full.view(shape)
+
+
+class _Regather:
+    """What a saved all-gathered input is packed into: its region, dtype and shape."""
+
+    __slots__ = ("region", "dtype", "shape")
+
+    def __init__(self, region: _SavedShard, dtype: torch.dtype, shape: torch.Size):
+        self.region, self.dtype, self.shape = region, dtype, shape
+
+
+def _unpack(packed):
+    if isinstance(packed, _Regather):
+        return packed.region.rebuild(packed.dtype, packed.shape)
+    return packed
+
+
+def _spans(t: torch.Tensor, full: torch.Tensor) -> bool:
+    """Whether ``t`` holds exactly ``full``'s elements (itself, or a contiguous view)."""
+    return (
+        t.dtype == full.dtype
+        and t.numel() == full.numel()
+        and t.is_contiguous()
+        and t.storage_offset() == full.storage_offset()
+        and t.untyped_storage()._cdata == full.untyped_storage()._cdata
+    )
+
+
+_REGIONS: list[_SavedShard] = []  # the entries whose ops are being built (innermost last)
+
+
+def keeping_shard(shard: torch.Tensor, full: torch.Tensor, topo: Topology,
+                  sequence_parallel: bool):  # fmt: skip
+    """A context for the ops that read ``full = enter_tp(shard)`` (q, k and v; the MLP's
+    first GEMMs; a head). Under sequence parallelism what they save of the all-gathered
+    input is this rank's shard, gathered again in the backward (``_SavedShard``: one more
+    all-gather of T h e an entry, issued by autograd in graph order, the same on every tp
+    rank). Not where another saved-tensor hook already decides what is kept --
+    ``--recompute full``'s checkpoint keeps only the block's input, and re-runs the
+    forward's all-gather in the backward -- nor inside a torch.compile'd graph, whose
+    partitioner chooses (it keeps the gathered input): there, and without sequence
+    parallelism, a ``nullcontext``. (Two steps, not one context that also gathers: the
+    gather breaks a compiled graph, and a context object built before the break cannot be
+    carried across it.)"""
+    if (
+        not sequence_parallel
+        or topo.tp == 1
+        or torch.compiler.is_compiling()
+        or not torch.is_grad_enabled()
+        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    ):
+        return contextlib.nullcontext()
+    return _SavedShard(shard, full, topo)
+
+
+def noted_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``; where x is the input a ``keeping_shard`` region gathered, the ops saving
+    the cast keep the shard (cast) too."""
+    y = x.to(dtype)
+    if _REGIONS and y is not x and any(_spans(x, full) for full in _REGIONS[-1].spans):
+        _REGIONS[-1].spans.append(y)
+    return y
+
+
 def sequence_shard(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     """This tp rank's slice of a replicated (B, T, ...) tensor along T (no gradient path)."""
     if topo.tp == 1:
@@ -408,7 +527,7 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     if autocast:
         dtype = torch.get_autocast_dtype(device)
         if x.dtype != dtype and x.is_floating_point():
-            x = x.to(dtype)
+            x = noted_cast(x, dtype)
     fused = _fused_weight(layers) if autocast else None
     if fused is None:
         return [layer(x, entered=True) for layer in layers]
@@ -657,6 +776,11 @@ class ColumnParallelLinear(nn.Module):
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return enter_tp(x, self.topo, self.sequence_parallel)
 
+    def keeping(self, shard: torch.Tensor, full: torch.Tensor):
+        """``keeping_shard`` for this layer's group (``full = self.enter(shard)``): the ops
+        in the ``with`` block that save the all-gathered input keep the sequence shard."""
+        return keeping_shard(shard, full, self.topo, self.sequence_parallel)
+
     def autocast_params(self) -> list[nn.Parameter]:
         """The parameters only ``F.linear`` reads, which autocast computes with in the
         compute dtype anyway: ZeRO-3 may hold them gathered in it (``zero_units.py``)."""
@@ -666,7 +790,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x, *, entered: bool = False):  # (..., in) -> (..., out / tp)
         """``entered=True``: x already went through ``self.enter`` -- several column-parallel
         layers reading one input (q, k, v) share one f / all-gather."""
-        x = x if entered else self.enter(x)
+        if not entered:
+            full = self.enter(x)
+            with self.keeping(x, full):
+                device = full.device.type
+                if torch.is_autocast_enabled(device):  # the cast the ops save: noted
+                    full = noted_cast(full, torch.get_autocast_dtype(device))
+                return self.forward(full, entered=True)
         if self.spec.size is not None and self.bias is None:  # a vocabulary head
             y = vocab_linear(x, _weight(self))
         else:

@@ -403,8 +403,10 @@ def layer_cost(
                 bwd_tp = 2 * ag_out + sum(
                     max(0.0, ag - lin[i][1]) + max(0.0, rs_in - lin[i][2]) for i in (0, 2)
                 )
-            else:
+            else:  # and each column group's input gathered again (its ops kept the shard)
                 fwd_tp, bwd_tp = 2 * (ag + rs), 2 * (rs_in + ag_out)
+                if layout.recompute != "full":  # full: the recomputed forward gathers it
+                    bwd_tp += 2 * all_gather_time(nbytes, t, link)
         else:
             fwd_tp = 2 * all_reduce_time(nbytes, t, link)
             ar = all_reduce_time(rbytes, t, link)  # a column-parallel linear's input gradient
@@ -528,9 +530,13 @@ def head_cost(
         # vocab-parallel cross-entropy: the max (T floats), then the sum of exponentials
         # and the target logit together (2 T floats)
         fwd_tp = all_reduce_time(4 * T, t, link) + all_reduce_time(8 * T, t, link)
-        if layout.sequence_parallel:
+        if layout.sequence_parallel:  # gathered forward, and again backward (the shard kept)
             fwd_tp += all_gather_time(nbytes, t, link)
             bwd_tp = reduce_scatter_time(nbytes, t, link)
+            again = all_gather_time(T * h * e, t, link)
+            if runtime is not None and (runtime.overlap_tp_grad or runtime.overlap_tp_comm):
+                again = max(0.0, again - bi)  # beside the input gradient's GEMM (Megatron)
+            bwd_tp += again
         else:
             bwd_tp = all_reduce_time(nbytes, t, link)
     k_fwd, k_bwd = END_KERNELS["head"]

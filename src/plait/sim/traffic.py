@@ -11,7 +11,11 @@ L_c layers:
   residual stream's bytes per element (``costs.residual_bytes``: e, or 4 under
   ``--fp32-residual``; the backward's input gradients are those of the norms' outputs);
   sequence parallelism: 2 all-gathers (T h r) and 2 reduce-scatters (T h e) forward, the
-  reverse backward; ``--recompute full`` repeats the forward's. The embedding's
+  reverse backward, plus the all-gather again (T h e) of each column group's saved input
+  (two a block, one a MoE block, one the head; ``regathered_groups`` under LoRA) --
+  the blocks' not under ``--recompute full``, which repeats the forward's -- all but the
+  MLP's exit (g, T h e): the recomputation stops at the last tensor the backward needs,
+  the down projection's input (``torch.utils.checkpoint``'s early stop). The embedding's
   all-reduce (stage 0; T h r), the head's backward all-reduce (T h r) and the loss's
   12 T bytes (last stage), and with the scatter/gather the all-gather of every received
   pipeline message (T h e).
@@ -37,6 +41,7 @@ L_c layers:
 from __future__ import annotations
 
 from plait.layout import Layout
+from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
@@ -53,6 +58,53 @@ def lora_skipped_entries(lora) -> int:
     parallelism's reduce-scatter) is skipped whatever the targets, and the MLP's too when
     the block's attention has no adapter (nothing before the MLP then needs a gradient)."""
     return 1 if set(lora.targets) & {"q", "k", "v", "o"} else 2
+
+
+def regathered_groups(lora) -> tuple[int, int]:
+    """(attention, MLP): whether a block's column group (q, k, v; the MLP's first GEMMs)
+    saves its input for the backward, which sequence parallelism then all-gathers again
+    (``tensor.keeping_shard``): where a weight or an adapter in it trains -- always without LoRA,
+    and with it where ``--lora-targets`` names one of the group's layers."""
+    if lora is None:
+        return 1, 1
+    targets = set(lora.targets)
+    return int(bool(targets & {"q", "k", "v"})), int(bool(targets & {"up", "gate"}))
+
+
+def tp_sync_params(model: ModelConfig, layout: Layout, layers: int, moe_layers: int,
+                   first: bool, last: bool) -> float:  # fmt: skip
+    """Parameters of a virtual stage whose gradients ``tensor.TPGradSync`` sums over tp once
+    a step (its R + K), on a tp rank of a run without LoRA: under sequence parallelism
+    every tp-replicated one -- a block's two norms, its row-parallel biases (o and the
+    MLP's second GEMM, with ``biases``), the query / key norms, GPT-2's learned positions
+    (first stage), the final norm (last); without it, the query / key norms only; a MoE
+    block's router (and GPT-2 experts' second bias: E / ep of them) either way; and the
+    key / value weights (and biases) wherever tp exceeds the key / value heads.
+    Shared experts' replicated biases are not counted (none of plait's presets has both)."""
+    t, h = layout.tp, model.hidden
+    if t == 1:
+        return 0.0
+    qk = 2 * model.head_dim if model.qk_norm else 0
+    n = 0.0
+    if layout.sequence_parallel:
+        norm = 2 * h if model.biases else h  # LayerNorm's weight and bias, or RMSNorm's
+        n += layers * (2 * norm + (2 * h if model.biases else 0) + qk)
+        if model.biases:  # a MoE block has the experts' bias in place of the MLP's
+            n -= moe_layers * h
+        if first and model.arch == "gpt2":
+            n += model.seq_len * h
+        if last:
+            n += sizes.final_norm_params(model)
+    else:
+        n += layers * qk
+    if moe_layers:
+        n += moe_layers * model.moe_experts * h  # the router
+        if model.arch == "gpt2":
+            n += moe_layers * model.moe_experts // layout.ep * h
+    if model.n_kv_heads < t:
+        kv_bias = model.kv_dim if (model.biases or model.qkv_bias) else 0
+        n += layers * 2 * (model.kv_dim * h + kv_bias)
+    return n
 
 
 def bytes_per_axis(
@@ -77,11 +129,18 @@ def bytes_per_axis(
         r = residual_bytes(layout)
         fwd = 2 * T * h * (e + r if sp else e)  # f (sp: all-gathers, T h r) and g
         per_layer = fwd + 2 * T * h * (e + r if sp else r)  # backward: the same reversed
-        if layout.recompute == "full":
-            per_layer += fwd
+        if layout.recompute == "full":  # the forward again, up to its last saved tensor
+            per_layer += fwd - T * h * e  # (checkpoint's early stop: the MLP's exit is not)
+        # sequence parallelism: each column group's saved input gathered again (T h e) --
+        # MoE blocks' routed MLPs keep theirs; full recomputation gathers it in its forward
+        attn_re, mlp_re = regathered_groups(lora) if sp and layout.recompute != "full" else (0, 0)
+        moe_at = ep_sim.stage_moe_layers(model, stage_layers)
         tp = 0.0
         for stage, layers in chunks:
             tp += layers * per_layer
+            tp += T * h * e * (layers * attn_re + (layers - moe_at[stage]) * mlp_re)
+            if stage == S - 1 and sp and lora is None:  # the head's (frozen under LoRA)
+                tp += T * h * e
             if stage == 0 and lora is not None and layers:
                 tp -= T * h * r * (2 if sp else 1) * lora_skipped_entries(lora)
             if stage == 0:
@@ -94,6 +153,11 @@ def bytes_per_axis(
         if lora is not None:  # TPGradSync: each adapter's tp-replicated factor, fp32, once
             layers_here = sum(layers for _, layers in chunks)
             out["tp"] += layers_here * len(lora.targets) * 4 * lora.rank * h
+        else:  # TPGradSync: the replicated parameters' gradients, fp32, once
+            out["tp"] += 4 * sum(
+                tp_sync_params(model, layout, layers, moe_at[stage], stage == 0, stage == S - 1)
+                for stage, layers in chunks
+            )
     if p > 1:
         share = t
         messages = sum(2 * ((stage > 0) + (stage < S - 1)) for stage, _ in chunks)
