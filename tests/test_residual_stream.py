@@ -102,6 +102,39 @@ def test_fp32_run_is_unchanged_bit_for_bit():
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def test_fp32_rms_norm_keeps_its_input_and_statistics_only():
+    """``RMSNorm`` on an fp32 input (``--dtype fp32``, ``--fp32-residual``) saves for the
+    backward x, its weight and the per-token 1/rms -- h + 1 elements a token, the model's
+    count -- where autograd's composite also kept the normalised x (2 h + 1: a layer of
+    LLaMA held 8 bytes a token and h more than modelled, x1.12 rehearsed, fp32, tp 1),
+    and its gradients are float64 autograd's within fp32 noise. Catches the composite
+    back in the fp32 path, and a hand-written backward that drifts from the formula."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 64, generator=g).requires_grad_()
+    rms = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        rms.weight.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = rms(x)
+    kept = {t.untyped_storage()._cdata: t.numel() for t in saved}  # each storage once
+    assert sum(kept.values()) == x.numel() + 3 * 7 + 64, [tuple(t.shape) for t in saved]
+    dy = torch.randn(out.shape, generator=g)
+    out.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = rms.weight.detach().double().requires_grad_()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    ref.backward(dy.double())
+    for got, want in ((out, ref), (x.grad, x64.grad), (rms.weight.grad, w64.grad)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err <= 1e-5, err.item()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16_norm_gradients_are_the_fp32_maths_rounded_once(bias, device):

@@ -91,7 +91,7 @@ class _LowPrecisionNorm(torch.autograd.Function):
             out, rstd = torch.ops.aten._fused_rms_norm(xf, shape, weight, eps)
         else:
             rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
-            out = xf.mul_(rstd).mul_(weight)
+            out = (xf.mul(rstd) if xf is x else xf.mul_(rstd)).mul_(weight)  # x: fp32
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return out.to(x.dtype)
 
@@ -126,9 +126,10 @@ def _low_precision(x: torch.Tensor) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32 whatever the input's dtype; the output has the input's. A bf16 /
-    fp16 input (the residual stream under ``--dtype bf16|fp16``, or a head's queries and
-    keys) keeps no fp32 copy for the backward (``_LowPrecisionNorm``)."""
+    """RMSNorm in fp32 whatever the input's dtype; the output has the input's. It keeps
+    only its input and the per-token 1/rms for the backward (``_LowPrecisionNorm``): a
+    bf16 / fp16 input (the residual stream under ``--dtype bf16|fp16``, or a head's
+    queries and keys) no fp32 copy, an fp32 one no normalised copy."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -136,11 +137,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
-        if _low_precision(x):
-            return _LowPrecisionNorm.apply(x, self.weight, None, self.eps)
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).to(x.dtype)
+        # an fp32 input too (``--fp32-residual``, ``--dtype fp32``): autograd's composite
+        # kept the normalised x (fp32, h a token) beside x itself -- two more bytes per
+        # element a norm than the model's count (``sizes.activation_bytes_per_layer``)
+        return _LowPrecisionNorm.apply(x, self.weight, None, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):
