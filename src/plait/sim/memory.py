@@ -275,13 +275,19 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     return 2 * gathered + grads * g_bytes
 
 
-def weight_cast_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int) -> float:
+def weight_cast_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
+                      last: bool = False) -> float:  # fmt: skip
     """The compute-dtype copy of a rank's blocks' matrix weights that a step holds
     (``Runtime.weight_cast_per_step``): 2 bytes per matmul parameter of its ``layers``
-    blocks' tp shard -- 2.53 GiB a rank for 6 layers of GPT-3 175B at tp 8."""
+    blocks' tp shard -- 2.53 GiB a rank for 6 layers of GPT-3 175B at tp 8 -- and on the
+    ``last`` stage the head's vocabulary shard (V h / t; a tied head's cast is autocast's,
+    held by the micro-batch in flight there: the same bytes). Found by rehearsal: LLaMA-2
+    7B's activations outside its blocks were 0.245 GiB over the model at 2,048 and 4,096
+    tokens alike, the head's 32,000 x 4,096 bf16 copy."""
     if not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero == 3:
         return 0.0
-    return 2.0 * layers * sizes.layer_matmul_params(cfg) / layout.tp
+    head = cfg.vocab_size * cfg.hidden if last else 0
+    return 2.0 * (layers * sizes.layer_matmul_params(cfg) + head) / layout.tp
 
 
 def memory_per_rank(
@@ -349,6 +355,6 @@ def memory_per_rank(
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
         cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
-        casts = weight_cast_bytes(cfg, layout, runtime, layers)
+        casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1)
         out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts))
     return out
