@@ -541,10 +541,13 @@ class RankReport:
         return max(self.phases, key=lambda p: p.peak)
 
     def bytes_per_axis(self) -> dict[str, int]:
-        """Counted bytes per axis of one step (step 2's), ``comm.py``'s convention."""
+        """Counted bytes per axis of one step (step 2's), ``comm.py``'s convention. An
+        all-to-all over dp is expert parallelism's (its group is a dp sub-group,
+        ``parallel/expert.py``): counted as "ep", as the model counts it."""
         out = Counter()
         for c in self.step_calls:
-            out[c.axis] += c.nbytes  # a wait counts 0
+            axis = "ep" if c.op == "all_to_all" and c.axis == "dp" else c.axis
+            out[axis] += c.nbytes  # a wait counts 0
         return dict(out)
 
     def to_dict(self) -> dict:
@@ -655,6 +658,8 @@ def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from plait.model.moe import balanced_routing
+
     lay = cfg.layout
     world = lay.world_size
     if dist.is_initialized():
@@ -667,7 +672,8 @@ def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
         report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP], cp_rank=c[Axis.CP],
                             microbatches=(full or lay).num_microbatches,
                             microbatches_run=lay.num_microbatches)  # fmt: skip
-        with FakeTensorMode(), _memtracker_class()() as mem:
+        # MoE layers route balanced (``moe.balanced_routing``): the counts are known
+        with FakeTensorMode(), _memtracker_class()() as mem, balanced_routing():
             t0 = time.perf_counter()
             made = full.global_batch_size if full is not None else None
             trainer = _trainer_class(made)(cfg, topo=topo)

@@ -61,10 +61,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             values["dtype"] = "bf16"  # the run being sized is a GPU's
         cfg = build_run_config(values)
         ranks = rehearse.parse_ranks(args.ranks, cfg.layout)
-        if cfg.model.moe:
+        if cfg.model.moe and cfg.model.moe_capacity_factor is not None:
             raise UserError(
-                "--moe-experts is not rehearsed yet: the experts' token counts are data, "
-                "which fake tensors do not have; size it with plait simulate (or plait info)"
+                "--moe-capacity-factor is not rehearsed: the rehearsal routes every layer "
+                "balanced and dropless (the tokens an expert drops are data, which fake "
+                "tensors do not have); leave it out to size the layout"
             )
     except (UserError, ValueError) as e:
         return die("rehearse", str(e).strip().splitlines()[0])

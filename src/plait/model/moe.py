@@ -59,7 +59,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
-from plait.parallel.tensor import ShardSpec, enter_tp, leave_tp, mark_tp_partial, set_shard
+from plait.model.ops import SwiGLU
+from plait.parallel.tensor import (
+    ShardSpec,
+    enter_tp,
+    leave_tp,
+    mark_tp_partial,
+    set_shard,
+    step_cast,
+)
 from plait.topology import Axis, Topology
 
 _AUX_SCALE = 1.0  # the gradient of the aux losses in the backward (aux_loss_scale)
@@ -110,6 +118,75 @@ class _AttachAux(torch.autograd.Function):
         return grad, torch.full((), _AUX_SCALE / ctx.tp, device=grad.device), None
 
 
+_BALANCED = False  # ``balanced_routing``: the rehearsal's stand-in for the router's choices
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Every MoE layer routes assignment j of a micro-batch (token j // K's (j % K)-th
+    choice) to expert j mod E, whatever the scores say: each expert gets N K / E
+    assignments (the first N K mod E one more), the case ``sim/expert.py`` prices
+    (``moe_imbalance`` 1). For ``plait rehearse``, whose fake tensors have no values for a
+    router to choose by: the counts are then known on the host without reading a tensor,
+    and the step runs the very code a real one does -- scores, weights and aux losses
+    computed and differentiated, the counts all-to-all issued -- with the host's counts
+    where a real step reads them."""
+    global _BALANCED
+    outer, _BALANCED = _BALANCED, True
+    try:
+        yield
+    finally:
+        _BALANCED = outer
+
+
+def balanced_counts(assignments: int, experts: int) -> list[int]:
+    """Assignments per expert under ``balanced_routing``."""
+    base, extra = divmod(assignments, experts)
+    return [base + (e < extra) for e in range(experts)]
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``F.linear(x.to(dt), weight.to(dt))``, the router's logits in fp32 (or x's wider
+    type), keeping x in its own dtype for the backward: autograd kept the fp32 copy, twice
+    a bf16 x's bytes (a MoE layer's input, T h a token)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dt):
+        # x for the weight's gradient (a frozen router, LoRA's, keeps only the weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.dt, ctx.x_dtype = dt, x.dtype
+        return F.linear(x.to(dt), weight.to(dt))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gx = (grad @ weight.to(ctx.dt)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad.t() @ x.to(ctx.dt)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+class _Combine(torch.autograd.Function):
+    """Each assignment's expert output times its routing weight, added into its token's
+    row: ``zeros(N, C).index_add(0, token, ys * weight)``, keeping ``ys`` and the weights
+    (for each other's gradients) but not the product, which autograd's ``index_add`` kept
+    whole as well (M h a layer)."""
+
+    @staticmethod
+    def forward(ctx, ys, weight, token, n):
+        w = weight.to(ys.dtype)[:, None]
+        ctx.save_for_backward(ys, w, token)
+        ctx.weight_dtype = weight.dtype
+        return ys.new_zeros(n, ys.shape[1]).index_add_(0, token, ys * w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ys, w, token = ctx.saved_tensors
+        g = grad.index_select(0, token)  # (M, C): each assignment's row of the gradient
+        gys = g * w if ctx.needs_input_grad[0] else None
+        gw = (g * ys).sum(-1).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return gys, gw, None, None
+
+
 @dataclass
 class Routing:
     """One micro-batch's routing: ``idx`` (N, K) chosen experts, ``weights`` (N, K) fp32
@@ -125,6 +202,7 @@ class Routing:
     aux: torch.Tensor | None
     aux_value: torch.Tensor
     z_value: torch.Tensor
+    host_counts: list[int] | None = None  # ``balanced_routing``: counts known on the host
 
 
 def capacity(cfg, tokens: int) -> int | None:
@@ -182,8 +260,13 @@ class Experts(nn.Module):
         self.lora = None  # {weight name: ExpertLoRA} under --lora-rank (model/lora.py)
 
     def _linear(self, name: str, x: torch.Tensor, e: int, bias=None) -> torch.Tensor:
-        """x times expert e's weight ``name`` (plus its adapter's update, if it has one)."""
-        y = F.linear(x, getattr(self, name)[e], bias)
+        """x times expert e's weight ``name`` (plus its adapter's update, if it has one).
+        Under autocast the stacked weight is cast once a step (``tensor.step_cast``), not
+        once per expert and micro-batch: autocast's copies were kept for each
+        micro-batch's backward, E/ep x 3 h F / t elements a layer and micro-batch in
+        flight (rehearsed: a tiny llama MoE layer held 8.25 of its 84 units in them)."""
+        stacked = step_cast((self, name), lambda: getattr(self, name), x.device.type)
+        y = F.linear(x, stacked[e], bias)
         if self.lora is not None and name in self.lora:
             y = y + self.lora[name](x, e)
         return y
@@ -197,7 +280,7 @@ class Experts(nn.Module):
                 hid = F.gelu(lin("w_fc", xe, e, self.b_fc[e]), approximate="tanh")
                 y = lin("w_proj", hid, e) + self.b_proj[e] * self.bias_share
             else:
-                hid = F.silu(lin("w_gate", xe, e)) * lin("w_up", xe, e)
+                hid = SwiGLU.apply(lin("w_gate", xe, e), lin("w_up", xe, e))
                 y = lin("w_down", hid, e)
             out.append(y)
         return torch.cat(out)
@@ -271,7 +354,7 @@ class MoE(nn.Module):
         cfg, E, K = self.cfg, self.cfg.moe_experts, self.cfg.moe_top_k
         dt = torch.promote_types(x.dtype, torch.float32)  # fp32, or the input's wider type
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.to(dt), self.router.weight.to(dt))  # (N, E)
+            logits = _RouterLogits.apply(x, self.router.weight, dt)  # (N, E)
         if cfg.moe_router == "softmax":
             scores = probs = logits.softmax(-1)
         else:
@@ -279,10 +362,18 @@ class MoE(nn.Module):
             probs = scores / scores.sum(-1, keepdim=True)
         pick = scores if self.expert_bias is None else scores.detach() + self.expert_bias
         idx = pick.topk(K, dim=-1).indices  # (N, K)
+        host = None
+        if _BALANCED:
+            N = x.shape[0]
+            idx = (torch.arange(N * K, device=x.device) % E).view(N, K)
+            host = balanced_counts(N * K, E)
         weights = scores.gather(-1, idx)
         if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        counts = torch.bincount(idx.reshape(-1), minlength=E).to(dt)
+        if host is None:
+            counts = torch.bincount(idx.reshape(-1), minlength=E).to(dt)
+        else:
+            counts = torch.tensor(host, dtype=dt, device=x.device)
         z = logits.logsumexp(-1).square()  # (N,)
         stats = torch.cat([counts, probs.detach().sum(0), z.detach().sum()[None],
                            x.new_full((1,), x.shape[0], dtype=dt)])  # fmt: skip
@@ -300,11 +391,13 @@ class MoE(nn.Module):
         keep, cap = None, capacity(cfg, int(n.item()) if self.token_axes else x.shape[0])
         if cap is not None:
             keep = capacity_keep(idx, scores.detach().gather(-1, idx), num_experts=E, cap=cap)
-        return Routing(idx, weights, keep, counts, aux, aux_value, z_value)
+        return Routing(idx, weights, keep, counts, aux, aux_value, z_value, host)
 
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, x):  # (B, T, C) or (B, T/t, C) -> the same
+        # (sequence parallelism: the router keeps the gathered input, not the shard as the
+        # dense blocks' groups do -- ``tensor.keeping_shard`` here held more, rehearsed)
         x = enter_tp(x, self.topo, self.sequence_parallel)
         B, T, C = x.shape
         xf = x.reshape(B * T, C)
@@ -330,16 +423,19 @@ class MoE(nn.Module):
             expert, token, weight = expert[kept], token[kept], weight[kept]
         order = torch.argsort(expert, stable=True)  # (M,), tokens by expert
         token, weight = token[order], weight[order]
-        counts = torch.bincount(expert, minlength=E)
+        if r.host_counts is None:
+            counts = torch.bincount(expert, minlength=E)
+        else:  # balanced_routing (dropless): known on the host
+            counts = torch.tensor(r.host_counts, device=xf.device)
         xs = xf[token]  # (M, C)
         if self.ep is None:
-            ys = self.experts(xs, counts.tolist())
+            ys = self.experts(xs, counts.tolist() if r.host_counts is None else r.host_counts)
         else:
             from plait.parallel.expert import expert_parallel
 
-            ys = expert_parallel(xs, counts, self.experts, topo=self.ep[0], axis=self.ep[1])
-        ys = ys * weight.to(ys.dtype)[:, None]
-        return ys.new_zeros(N, xf.shape[1]).index_add(0, token, ys)
+            ys = expert_parallel(xs, counts, self.experts, topo=self.ep[0], axis=self.ep[1],
+                                 host_counts=r.host_counts)  # fmt: skip
+        return _Combine.apply(ys, weight, token, N)
 
 
 # -- the model's MoE layers --------------------------------------------------------------
@@ -379,6 +475,10 @@ def _summary(table: torch.Tensor) -> dict:
     """``_rows``' table (of any layers, summed over any ranks) -> the metrics: tokens per
     expert per layer and micro-batch (min / max / mean; imbalance = max / mean, the largest
     over layers), dropped fraction of the assignments, mean aux and z losses."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(table):  # ``plait rehearse``: no values to summarise
+        return {}
     table = table[table[:, -1] > 0].double().cpu()
     if not len(table):
         return {}

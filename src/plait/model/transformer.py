@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
 from plait.model.moe import MoE
+from plait.model.ops import SwiGLU as _SwiGLU
 from plait.parallel.context import ContextLayout, context_attention, shard
 from plait.parallel.flat import resize_storage
 from plait.parallel.tensor import (
@@ -329,24 +330,6 @@ class Attention(nn.Module):
             y = self._core(q, k, v, span)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * D)  # (B, T, H*D), this rank's heads
         return self.o(y)
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up keeping only ``gate`` and ``up`` for the backward (Megatron's fused
-    SwiGLU does the same): autograd's ``silu`` then ``mul`` would keep silu(gate) as well,
-    one more F-wide tensor a token and block. The backward recomputes silu(gate) and runs
-    the very operators autograd would (``mul`` and ``silu_backward``), so the gradients
-    are the same, bit for bit."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 class MLP(nn.Module):

@@ -67,19 +67,29 @@ def exchange_counts(counts: torch.Tensor, *, topo, axis) -> torch.Tensor:
     return received.view(n, -1)
 
 
-def expert_parallel(x: torch.Tensor, counts: torch.Tensor, experts, *, topo, axis) -> torch.Tensor:
+def expert_parallel(x: torch.Tensor, counts: torch.Tensor, experts, *, topo, axis,
+                    host_counts: list[int] | None = None) -> torch.Tensor:  # fmt: skip
     """Run ``experts`` (this rank's E/n, called as ``experts(rows, counts_per_expert)``) on
     the rows routed to them from every rank of the ep group. x (M, C): this rank's rows
     sorted by global expert, ``counts`` (E,) of them per expert, on the device. Returns
-    (M, C): each row's expert output, in x's order. Differentiable (module docstring)."""
+    (M, C): each row's expert output, in x's order. Differentiable (module docstring).
+    ``host_counts``: ``counts`` already known on the host, the same on every rank of the
+    group (``moe.balanced_routing``, the rehearsal's): the counts are exchanged as in a
+    real step and the splits taken from these instead of read back."""
     n = topo.size(axis)
     E = counts.numel()
     if E % n:
         raise ValueError(f"{E} experts do not split over an ep group of {n}")
-    received = exchange_counts(counts, topo=topo, axis=axis)  # (n, E/n)
-    both = comm.host_values(torch.cat([counts, received.reshape(-1)]))  # the splits: one read
-    sent, got = both[:E], both[E:]
     local = E // n
+    received = exchange_counts(counts, topo=topo, axis=axis)  # (n, E/n)
+    if host_counts is None:
+        both = comm.host_values(torch.cat([counts, received.reshape(-1)]))  # the splits
+        sent, got = both[:E], both[E:]
+    else:  # every rank sent these: rank i's row here is its counts for this rank's experts
+        me = topo.coord(axis)
+        sent = list(host_counts)
+        mine = host_counts[me * local : (me + 1) * local]
+        got = mine * n
     in_splits = [sum(sent[j * local : (j + 1) * local]) for j in range(n)]
     matrix = [got[i * local : (i + 1) * local] for i in range(n)]  # [source][local expert]
     out_splits = [sum(row) for row in matrix]

@@ -480,19 +480,30 @@ def _weight(layer: nn.Module) -> torch.Tensor:
     as the layer, is added to the layer's (still partial, for a row-parallel layer)
     product. Neither adds a collective to the forward or backward.
     """
-    device = layer.weight.device.type
+
+    def weight():
+        return layer.weight if layer.weight_quant is None else layer.weight_quant(layer.weight)
+
+    return step_cast(layer, weight, layer.weight.device.type)
+
+
+def step_cast(key, weight, device: str) -> torch.Tensor:
+    """``weight()`` -- a parameter, or a function of one -- in the autocast dtype, made once
+    within a step's ``weight_casts`` under ``key`` and shared by every micro-batch (the
+    parallel linear layers' weights, ``_weight``; MoE's stacked expert weights,
+    ``moe.Experts``); outside a step's casts or autocast, ``weight()`` as it is."""
     # Under torch.compile the cast is part of the block's graph (autocast's own, fused, and
     # recomputed in the backward from the fp32 weight rather than saved): the step's dict
     # stays out of it -- reading it would make dynamo guard on its length, one recompile
     # per block until the recompile limit sends every block back to eager.
     casts = None if torch.compiler.is_compiling() else _CASTS
     if casts is None or not torch.is_autocast_enabled(device):
-        return layer.weight if layer.weight_quant is None else layer.weight_quant(layer.weight)
-    cast = casts.get(layer)
+        return weight()
+    cast = casts.get(key)
     if cast is None:
-        w = layer.weight if layer.weight_quant is None else layer.weight_quant(layer.weight)
+        w = weight()
         dtype = torch.get_autocast_dtype(device)
-        cast = casts[layer] = w if w.dtype == dtype else w.to(dtype)
+        cast = casts[key] = w if w.dtype == dtype else w.to(dtype)
     return cast
 
 

@@ -276,18 +276,27 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
 
 
 def weight_cast_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
-                      last: bool = False) -> float:  # fmt: skip
+                      last: bool = False, moe_layers: int = 0) -> float:  # fmt: skip
     """The compute-dtype copy of a rank's blocks' matrix weights that a step holds
     (``Runtime.weight_cast_per_step``): 2 bytes per matmul parameter of its ``layers``
     blocks' tp shard -- 2.53 GiB a rank for 6 layers of GPT-3 175B at tp 8 -- and on the
     ``last`` stage the head's vocabulary shard (V h / t; a tied head's cast is autocast's,
     held by the micro-batch in flight there: the same bytes). Found by rehearsal: LLaMA-2
     7B's activations outside its blocks were 0.245 GiB over the model at 2,048 and 4,096
-    tokens alike, the head's 32,000 x 4,096 bf16 copy."""
+    tokens alike, the head's 32,000 x 4,096 bf16 copy. ``moe_layers`` of the ``layers``
+    hold their experts' stacked weights (this ep rank's routed ones and the shared ones)
+    in place of the dense MLP's (``moe.Experts``: one cast a step, ``tensor.step_cast``)."""
     if not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero == 3:
         return 0.0
+    t = layout.tp
     head = cfg.vocab_size * cfg.hidden if last else 0
-    return 2.0 * (layers * sizes.layer_matmul_params(cfg) + head) / layout.tp
+    n = (layers * sizes.layer_matmul_params(cfg) + head) / t
+    if moe_layers:
+        c = 2 if cfg.arch == "gpt2" else 3
+        routed = cfg.moe_experts / layout.ep * sizes.expert_matmul_params(cfg)
+        shared = cfg.moe_shared_experts * c * cfg.hidden * cfg.moe_ffn_hidden
+        n += moe_layers * (routed + shared - c * cfg.hidden * cfg.ffn_hidden) / t
+    return 2.0 * n
 
 
 def memory_per_rank(
@@ -355,6 +364,8 @@ def memory_per_rank(
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
         cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
-        casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1)
+        moe_here = sum(moe[c * p + rank] for c in range(v))
+        casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1,
+                                  moe_layers=moe_here)  # fmt: skip
         out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts))
     return out

@@ -35,7 +35,8 @@ L_c layers:
 - ep: per MoE layer the dispatch of ``sim/expert.py``'s ``layer_bytes`` (balanced;
   counted), forward and backward; ``--recompute full`` repeats the forward's. Routed
   experts' gradients reduce over their edp group, counted on the dp axis.
-- world: the step's statistics, 8 (3 + R + W) bytes (``step.stats_bytes``).
+- world: the step's statistics, 8 (4 + W) bytes, and a MoE model's routing table
+  (``step.stats_bytes``).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def lora_skipped_entries(lora) -> int:
 def regathered_groups(lora) -> tuple[int, int]:
     """(attention, MLP): whether a block's column group (q, k, v; the MLP's first GEMMs)
     saves its input for the backward, which sequence parallelism then all-gathers again
-    (``tensor.keeping_shard``): where a weight or an adapter in it trains -- always without LoRA,
-    and with it where ``--lora-targets`` names one of the group's layers."""
+    (``tensor.keeping_shard``): where a weight or an adapter in it trains -- always
+    without LoRA, and with it where ``--lora-targets`` names one of the group's layers. A
+    MoE block's MLP keeps its gathered input (``moe.MoE.forward``): nothing again."""
     if lora is None:
         return 1, 1
     targets = set(lora.targets)
@@ -133,7 +135,8 @@ def bytes_per_axis(
             per_layer += fwd - T * h * e  # (checkpoint's early stop: the MLP's exit is not)
         # sequence parallelism: each column group's saved input gathered again (T h e) --
         # MoE blocks' routed MLPs keep theirs; full recomputation gathers it in its forward
-        attn_re, mlp_re = regathered_groups(lora) if sp and layout.recompute != "full" else (0, 0)
+        regather = sp and layout.recompute != "full"
+        attn_re, mlp_re = regathered_groups(lora) if regather else (0, 0)
         moe_at = ep_sim.stage_moe_layers(model, stage_layers)
         tp = 0.0
         for stage, layers in chunks:
@@ -190,7 +193,7 @@ def bytes_per_axis(
     if dp:
         out["dp"] = dp
     if layout.world_size > 1:
-        out["world"] = stats_bytes(layout)
+        out["world"] = stats_bytes(layout, model)
     return out
 
 
