@@ -44,12 +44,12 @@ from plait.parallel.tensor import (
     TPDropout,
     VocabParallelEmbedding,
     column_linears,
+    compute_input,
     enter_tp,
     full_shape,
     keeping_shard,
     mark_sequence_parallel,
     mark_tp_partial,
-    noted_cast,
     sequence_shard,
     shard_spec,
     tp_shard,
@@ -552,10 +552,7 @@ class Transformer(nn.Module):
             return self.head(x)
         full = enter_tp(x, self.topo, self.sequence_parallel)
         with keeping_shard(x, full, self.topo, self.sequence_parallel):
-            device = full.device.type
-            if torch.is_autocast_enabled(device):  # the cast the GEMM saves: noted
-                full = noted_cast(full, torch.get_autocast_dtype(device))
-            return vocab_linear(full, self.embed.tokens.weight)
+            return vocab_linear(compute_input(full), self.embed.tokens.weight)
 
     def forward(self, x, targets=None, documents=None):
         """ids (B, T) if ``pre`` else hidden (B, T, C) -- (B, T/tp, C), this rank's sequence

@@ -263,7 +263,7 @@ def leave_tp(x: torch.Tensor, topo: Topology, sequence_parallel: bool) -> torch.
 
 class _SavedShard:
     """One sequence-parallel entry into a tp region (``keeping_shard``): the ops inside that save
-    the all-gathered input -- or a compute-dtype cast of it (``noted_cast``), or a view
+    the all-gathered input -- or a compute-dtype cast of it (``compute_input``), or a view
     spanning it -- for their backward keep this rank's sequence shard instead, and the
     backward all-gathers it again when the first of them runs (Megatron-LM's column-
     parallel linear with sequence parallelism; Korthikanti et al. 2022 count the shard).
@@ -362,10 +362,15 @@ def keeping_shard(shard: torch.Tensor, full: torch.Tensor, topo: Topology,
     return _SavedShard(shard, full, topo)
 
 
-def noted_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``; where x is the input a ``keeping_shard`` region gathered, the ops saving
-    the cast keep the shard (cast) too."""
-    y = x.to(dtype)
+def compute_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the linear layers under autocast read it: cast to the autocast dtype once,
+    here (each ``F.linear`` would cast it and save its own copy), or as it is outside
+    autocast. Where x is the input a ``keeping_shard`` region gathered, the ops saving the
+    cast keep the shard (cast) too."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or not x.is_floating_point():
+        return x
+    y = x.to(torch.get_autocast_dtype(device))
     if _REGIONS and y is not x and any(_spans(x, full) for full in _REGIONS[-1].spans):
         _REGIONS[-1].spans.append(y)
     return y
@@ -533,12 +538,8 @@ def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
     unit's buffer (``zero_units.Unit``) the GEMM reads the rows spanning them
     (``_adjacent_rows``), otherwise -- and inside a torch.compile'd block, where a
     concatenation would be a copy the step keeps -- the layers run apart."""
-    device = x.device.type
-    autocast = torch.is_autocast_enabled(device)
-    if autocast:
-        dtype = torch.get_autocast_dtype(device)
-        if x.dtype != dtype and x.is_floating_point():
-            x = noted_cast(x, dtype)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    x = compute_input(x)
     fused = _fused_weight(layers) if autocast else None
     if fused is None:
         return [layer(x, entered=True) for layer in layers]
@@ -804,10 +805,7 @@ class ColumnParallelLinear(nn.Module):
         if not entered:
             full = self.enter(x)
             with self.keeping(x, full):
-                device = full.device.type
-                if torch.is_autocast_enabled(device):  # the cast the ops save: noted
-                    full = noted_cast(full, torch.get_autocast_dtype(device))
-                return self.forward(full, entered=True)
+                return self.forward(compute_input(full), entered=True)
         if self.spec.size is not None and self.bias is None:  # a vocabulary head
             y = vocab_linear(x, _weight(self))
         else:
