@@ -164,10 +164,10 @@ def test_cli_refuses_bad_ranks_in_one_line(capsys):
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err, (bad, err)
         assert err.startswith("plait rehearse: error: --ranks"), err
-    # a MoE model with a capacity factor: the tokens an expert drops are data, which fake
-    # tensors lack (the rehearsal routes balanced and dropless)
+    # a MoE model with a capacity factor below 1: which tokens an expert drops is data,
+    # which fake tensors lack (balanced routing drops nothing at 1 or more)
     code = main(["rehearse", "--model", "tiny", "--moe-experts", "4", "--dp", "2", "--ep", "2",
-                 "--moe-capacity-factor", "1.25"])  # fmt: skip
+                 "--moe-capacity-factor", "0.5"])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "--moe-capacity-factor" in err, err
 
@@ -182,12 +182,15 @@ def _moe_rehearsed(tmp_path, layers: int, **kw):
     return rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)
 
 
-@pytest.mark.parametrize("kw", [{"dp": 4, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2}],
-                         ids=["dp4-ep2", "tp2-ep2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [{"dp": 4, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2, "moe_capacity_factor": 1.25}],
+    ids=["dp4-ep2", "tp2-ep2-capacity"],
+)  # fmt: skip
 def test_moe_rehearses_balanced_and_holds_the_models_layer(tmp_path, kw):
     """A MoE model rehearsed (``moe.balanced_routing``: each expert N K / E assignments,
-    the case ``sim/expert.py`` prices) at 2 and 4 layers: a MoE block's activations within
-    2 % of the model's, and the bytes of every axis equal to the model's -- the experts'
+    the case ``sim/expert.py`` prices; a capacity factor of 1 or more then drops nothing)
+    at 2 and 4 layers: a MoE block's activations within 2 % of the model's, and the bytes of every axis equal to the model's -- the experts'
     all-to-alls counted on ep, the routing table in the step's statistics. Measured a
     block (tp 1, top-2): 1.006 of the model; before, 1.39 -- autocast cast each expert's
     weights per micro-batch (now once a step, ``tensor.step_cast``), the experts' SwiGLU

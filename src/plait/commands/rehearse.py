@@ -61,11 +61,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             values["dtype"] = "bf16"  # the run being sized is a GPU's
         cfg = build_run_config(values)
         ranks = rehearse.parse_ranks(args.ranks, cfg.layout)
-        if cfg.model.moe and cfg.model.moe_capacity_factor is not None:
+        factor = cfg.model.moe_capacity_factor if cfg.model.moe else None
+        if factor is not None and factor < 1:
             raise UserError(
-                "--moe-capacity-factor is not rehearsed: the rehearsal routes every layer "
-                "balanced and dropless (the tokens an expert drops are data, which fake "
-                "tensors do not have); leave it out to size the layout"
+                f"--moe-capacity-factor {factor} is not rehearsed: the rehearsal routes "
+                "every layer balanced, where a factor below 1 drops assignments (which "
+                "ones is data, which fake tensors do not have); use 1 or more"
             )
     except (UserError, ValueError) as e:
         return die("rehearse", str(e).strip().splitlines()[0])

@@ -130,7 +130,8 @@ def balanced_routing():
     router to choose by: the counts are then known on the host without reading a tensor,
     and the step runs the very code a real one does -- scores, weights and aux losses
     computed and differentiated, the counts all-to-all issued -- with the host's counts
-    where a real step reads them."""
+    where a real step reads them. A capacity factor of 1 or more then drops nothing (each
+    expert's N K / E is within its ceil(C N K / E)), as a real balanced step would not."""
     global _BALANCED
     outer, _BALANCED = _BALANCED, True
     try:
@@ -388,9 +389,18 @@ class MoE(nn.Module):
         if cfg.moe_z_loss_coef > 0:
             z_loss = cfg.moe_z_loss_coef * z.sum() / n
             aux = z_loss if aux is None else aux + z_loss
-        keep, cap = None, capacity(cfg, int(n.item()) if self.token_axes else x.shape[0])
-        if cap is not None:
+        if host is None:
+            whole = int(n.item()) if self.token_axes else x.shape[0]
+        else:  # balanced: every rank of the token axes holds as many tokens as this one
+            whole = x.shape[0] * math.prod(self.topo.size(a) for a in self.token_axes)
+        keep, cap = None, capacity(cfg, whole)
+        if cap is not None and host is None:
             keep = capacity_keep(idx, scores.detach().gather(-1, idx), num_experts=E, cap=cap)
+        elif cap is not None and max(host) > cap:  # balanced: only a factor below 1 drops
+            raise ValueError(
+                f"--moe-capacity-factor {cfg.moe_capacity_factor} drops assignments even "
+                "when routing is balanced, which the rehearsal does not model; use 1 or more"
+            )
         return Routing(idx, weights, keep, counts, aux, aux_value, z_value, host)
 
     # -- forward -------------------------------------------------------------------------
