@@ -184,8 +184,9 @@ def _moe_rehearsed(tmp_path, layers: int, **kw):
 
 @pytest.mark.parametrize(
     "kw",
-    [{"dp": 4, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2, "moe_capacity_factor": 1.25}],
-    ids=["dp4-ep2", "tp2-ep2-capacity"],
+    [{"dp": 4, "ep": 2}, {"tp": 2, "dp": 2, "ep": 2, "moe_capacity_factor": 1.25},
+     {"dp": 2, "ep": 2, "lora_rank": 4}],
+    ids=["dp4-ep2", "tp2-ep2-capacity", "lora-dp2-ep2"],
 )  # fmt: skip
 def test_moe_rehearses_balanced_and_holds_the_models_layer(tmp_path, kw):
     """A MoE model rehearsed (``moe.balanced_routing``: each expert N K / E assignments,
@@ -195,7 +196,9 @@ def test_moe_rehearses_balanced_and_holds_the_models_layer(tmp_path, kw):
     block (tp 1, top-2): 1.006 of the model; before, 1.39 -- autocast cast each expert's
     weights per micro-batch (now once a step, ``tensor.step_cast``), the experts' SwiGLU
     kept silu(gate), the router its fp32 input, the combine the weighted rows (now
-    ``ops.SwiGLU``, ``_RouterLogits``, ``_Combine``). Catches those coming back, a model
+    ``ops.SwiGLU``, ``_RouterLogits``, ``_Combine``); with LoRA on q and v, 1.011 (0.85
+    before ``memory.lora_moe_dropped``: a frozen MoE MLP keeps neither its permuted rows
+    nor its second GEMMs' inputs). Catches those coming back, a model
     that drifts from them, and a rehearsal that can no longer run a MoE step (it refused
     before: fake tensors have no counts to route by)."""
     short, long = _moe_rehearsed(tmp_path, 2, **kw), _moe_rehearsed(tmp_path, 4, **kw)

@@ -228,9 +228,34 @@ def chunk_activation_bytes(
         held += moe_layers * (routed - dense_mlp)
         M, R = ep_sim.rows(cfg, layout, runtime.moe_imbalance)
         F_t = cfg.moe_ffn_hidden / t  # W keeps the experts' inputs and last GEMMs' inputs
+        if lora is not None:
+            held -= moe_layers * lora_moe_dropped(cfg, layout, lora, M, R, tokens)
         moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
         keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
     return held, min(keep, held)
+
+
+def lora_moe_dropped(cfg: ModelConfig, layout: Layout, lora, M: float, R: float,
+                     tokens: int) -> float:  # fmt: skip
+    """Bytes a MoE block of a LoRA run keeps less than ``chunk_activation_bytes`` counts
+    from the dense block's drops and ``expert.activation_bytes``: the frozen router keeps
+    no input, so the MLP's input (h, split under sequence parallelism) goes even where up
+    or gate has an adapter (the experts' adapters read the permuted rows); the dense
+    block's second-GEMM input that ``lora_dropped_inputs`` took off does not exist in a MoE
+    block (it is put back); the permuted rows (M h) go unless up or gate has an adapter,
+    the experts' second-GEMM inputs (R F / t) unless down has one. Counted with ``plait
+    rehearse`` (a tiny llama MoE block, LoRA on q and v: 0.85 of the model before)."""
+    e, t = ACT_BYTES[layout.dtype], layout.tp
+    split_all = t if layout.sequence_parallel else 1
+    targets = set(lora.targets)
+    first = bool(targets & {"up", "gate"})
+    out = tokens * e * cfg.hidden / split_all if first else 0.0
+    if "down" not in targets:
+        out -= tokens * e * cfg.ffn_hidden / t  # lora_dropped_inputs' dense term, back
+        out += R * cfg.moe_ffn_hidden / t * e
+    if not first:
+        out += M * cfg.hidden * e
+    return out
 
 
 def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
