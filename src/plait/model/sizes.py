@@ -57,7 +57,8 @@ def _moe_mlp_biases(cfg: ModelConfig, *, active: bool = False) -> int:
     return routed * (cfg.moe_ffn_hidden + cfg.hidden) + shared
 
 
-def _dense_mlp_matmul_params(cfg: ModelConfig) -> int:
+def dense_mlp_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the dense MLP (GELU: 2 h f, SwiGLU: 3 h f)."""
     return (2 if cfg.arch == "gpt2" else 3) * cfg.hidden * cfg.ffn_hidden
 
 
@@ -65,7 +66,7 @@ def _moe_extra(cfg: ModelConfig, *, active: bool, matmul_only: bool) -> int:
     """What the MoE blocks add over dense blocks, in all (``n_moe_layers`` of them)."""
     if not cfg.moe:
         return 0
-    extra = moe_mlp_matmul_params(cfg, active=active) - _dense_mlp_matmul_params(cfg)
+    extra = moe_mlp_matmul_params(cfg, active=active) - dense_mlp_matmul_params(cfg)
     if not matmul_only and cfg.biases:
         extra += _moe_mlp_biases(cfg, active=active) - (cfg.ffn_hidden + cfg.hidden)
     return cfg.n_moe_layers * extra

@@ -213,8 +213,8 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
       (``grad_predivide``: 4 + 4 bytes in fp32), in any dtype;
     - nothing for Megatron, which accumulates in fp32 inside the weight-gradient GEMM.
 
-    ``moe``: the experts' weights this rank holds (``expert.mlp_matmul_params``) in
-    place of the dense MLP's: plait casts their stacked weights once a step too."""
+    ``moe``: the experts' weights this rank holds in place of the dense MLP's
+    (``expert.mlp_matmul_extra``): plait casts their stacked weights once a step too."""
     m, per = layout.num_microbatches, 0.0
     if layout.dtype != "fp32":  # the casts and copies of mixed precision
         if runtime.weight_cast_per_step:
@@ -229,8 +229,7 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
         return 0.0
     n = sizes.layer_matmul_params(cfg) / layout.tp
     if moe:
-        n -= (2 if cfg.block == "gpt2" else 3) * cfg.hidden * cfg.ffn_hidden / layout.tp
-        n += ep_sim.mlp_matmul_params(cfg, layout)
+        n += ep_sim.mlp_matmul_extra(cfg, layout)
     return n * per
 
 

@@ -226,13 +226,13 @@ def layer_expert_params(cfg: ModelConfig, *, ep: int, tp: int) -> float:
     return local * one
 
 
-def mlp_matmul_params(cfg: ModelConfig, layout: Layout) -> float:
-    """Matrix weights of one MoE layer's MLP a (tp, ep) rank multiplies by: its E / ep
-    routed experts and the shared ones, each c h F / t (the router apart: fp32, no cast)."""
-    c = 2 if cfg.arch == "gpt2" else 3
-    routed = cfg.moe_experts / layout.ep * sizes.expert_matmul_params(cfg)
-    shared = cfg.moe_shared_experts * c * cfg.hidden * cfg.moe_ffn_hidden
-    return (routed + shared) / layout.tp
+def mlp_matmul_extra(cfg: ModelConfig, layout: Layout) -> float:
+    """Matrix weights one MoE layer's MLP has on a (tp, ep) rank over the dense MLP's: its
+    E / ep routed experts and the shared ones, each c h F / t, less the dense c h f / t
+    (the router apart: fp32, no cast)."""
+    experts = cfg.moe_experts / layout.ep + cfg.moe_shared_experts
+    dense = sizes.dense_mlp_matmul_params(cfg)
+    return (experts * sizes.expert_matmul_params(cfg) - dense) / layout.tp
 
 
 def dense_part_extra(cfg: ModelConfig, layout: Layout) -> float:

@@ -313,12 +313,9 @@ def weight_cast_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers
     in place of the dense MLP's (``moe.Experts``: one cast a step, ``tensor.step_cast``)."""
     if not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero == 3:
         return 0.0
-    t, c = layout.tp, (2 if cfg.arch == "gpt2" else 3)
     head = cfg.vocab_size * cfg.hidden if last else 0
-    n = (layers * sizes.layer_matmul_params(cfg) + head) / t
-    if moe_layers:  # the experts' weights in place of the dense MLP's
-        dense = c * cfg.hidden * cfg.ffn_hidden / t
-        n += moe_layers * (ep_sim.mlp_matmul_params(cfg, layout) - dense)
+    n = (layers * sizes.layer_matmul_params(cfg) + head) / layout.tp
+    n += moe_layers * ep_sim.mlp_matmul_extra(cfg, layout)  # experts for the dense MLP
     return 2.0 * n
 
 
