@@ -227,7 +227,9 @@ def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
         torch.testing.assert_close(engine.grad(p).view(q.shape), q.grad, rtol=0, atol=0, msg=name)
     engine.close()
     # bf16 units: the dense engine finds the linear weights on the whole model (not on
-    # its subset, which has no modules), the experts are held in fp32 and cast locally
+    # its subset, which has no modules); the experts' stacked weights, which only
+    # ``F.linear`` reads, are gathered in bf16 too (``Experts.autocast_params``: gathered in
+    # fp32, the step's one cast of each was a new tensor held to the step's end)
     model = build_model(cfg, seed=3, topo=topo, ep=(topo, Axis.DP))
     engine = ExpertDataParallel(model, topo=topo, edp_topo=topo,
                                 cfg=DataParallelConfig(zero=3, gather_dtype="bf16"),
@@ -236,7 +238,7 @@ def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
     held = {u.name: {b.dtype for b in u.buffers} for u in engine.dense.units.units}
     assert held["blocks.1"] == {torch.bfloat16, torch.float32}, held
     [experts] = engine.experts.units.units
-    assert not experts.resident and {b.dtype for b in experts.buffers} == {torch.float32}
+    assert not experts.resident and {b.dtype for b in experts.buffers} == {torch.bfloat16}
     engine.close()
 
 

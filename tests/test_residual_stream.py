@@ -314,6 +314,35 @@ def test_sequence_parallel_blocks_keep_the_sequence_shard(tmp_path, kw):
         assert got == want, (got, want)
 
 
+def test_a_kept_shard_region_frees_what_the_loss_never_reaches():
+    """Inside a ``keeping_shard`` region every saved tensor passes through its pack hook.
+    An op's saved output handed back as itself holds its own ``grad_fn``: a cycle through
+    C++ that no collector breaks, so an op on a branch the loss never reaches -- the
+    router's z statistics without a z loss -- kept its saved tensors for good (rehearsed:
+    two router-sized and one T h storages a MoE layer and step, the leak that kept the
+    MoE block out of the region). Catches a pack hook that returns the tensor undetached;
+    and checks that the region still gives the ops that do reach the loss their saved
+    tensors (gradients equal to the plain graph's)."""
+    import gc
+    import weakref
+
+    from plait.parallel.tensor import _SavedShard
+
+    x = torch.randn(8, 4, requires_grad=True)
+    full = torch.randn(16, 4)  # a gathered input nothing here reads: no pack replaced
+    with _SavedShard(full[:8], full, topo=None):
+        dead = x.exp()  # exp saves its own output: the cycle, if returned as itself
+        lse = x.logsumexp(-1)  # saves its input and its output
+        live = (x.sin() * x).sum()
+    refs = [weakref.ref(dead), weakref.ref(lse)]
+    del dead, lse
+    gc.collect()
+    assert all(r() is None for r in refs), "a saved output outlived its dead branch"
+    live.backward()
+    want = torch.autograd.grad((x.sin() * x).sum(), x)[0]
+    assert torch.equal(x.grad, want)
+
+
 # --- multi-process: tp 2 and pp 2 against the single process, bf16 -----------------------
 
 STEPS = 8

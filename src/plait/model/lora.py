@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,10 @@ class ExpertLoRA(nn.Module):
         shard = getattr(weight, "expert_shard", None)
         if shard is not None:  # an ep rank's experts: the adapters are held as they are
             self.A.expert_shard = self.B.expert_shard = shard
+
+    def autocast_params(self) -> list[nn.Parameter]:
+        """Both factors: only ``F.linear`` reads them."""
+        return [self.A, self.B]
 
     def forward(self, x, e: int):  # (M_e, in or in/t) -> (M_e, out/t or out)
         return F.linear(F.linear(x, self.A[e]) * self.scale, self.B[e])
@@ -257,6 +262,46 @@ def adapter_params_per_layer(model_cfg: ModelConfig, cfg: LoRAConfig, tp: int = 
         else:
             n += r * i + o * r / tp if column else r * i / tp + o * r
     return n
+
+
+class StageAdapters(NamedTuple):
+    """Adapter parameters one tp / ep rank holds for some blocks: ``replicated`` (the dense
+    blocks', the MoE blocks' attention and shared-expert adapters: trained over dp),
+    ``routed`` (its E / ep routed experts': over their edp group), and ``tp_partial``, those
+    of either whose gradient ``TPGradSync`` sums over tp (the factor beside the split one)."""
+
+    replicated: float
+    routed: float
+    tp_partial: float
+
+
+def stage_adapters(model_cfg: ModelConfig, cfg: LoRAConfig, *, tp: int, ep: int, layers: int,
+                   moe_layers: int) -> StageAdapters:  # fmt: skip
+    """``StageAdapters`` of ``layers`` blocks, ``moe_layers`` of them MoE. A MoE block's MLP
+    targets adapt each expert (``ExpertLoRA``: A (n, r, in), B (n, out, r), split over tp
+    as the dense pair), not a dense MLP."""
+    h, r = model_cfg.hidden, cfg.rank
+    if not touches_experts(model_cfg, cfg):
+        n = layers * adapter_params_per_layer(model_cfg, cfg, tp)
+        return StageAdapters(n, 0.0, layers * len(cfg.targets) * r * h)
+    block = "gpt2" if model_cfg.arch == "gpt2" else "llama"
+    attention = tuple(t for t in cfg.targets if t not in EXPERT_TARGETS)
+    mlp = sum(1 for t in cfg.targets if block in EXPERT_TARGETS.get(t, {}))
+    ffn, S = model_cfg.moe_ffn_hidden, model_cfg.moe_shared_experts
+    local = model_cfg.moe_experts / ep
+
+    def expert(width: float) -> float:  # one expert's adapter of each MLP target, a tp rank's
+        return mlp * (r * h + width * r / tp)  # the factor on h whole, the other split
+
+    dense = layers - moe_layers
+    per_moe = adapter_params_per_layer(model_cfg, cfg, tp, attention) + (
+        expert(S * ffn) if S else 0
+    )
+    replicated = dense * adapter_params_per_layer(model_cfg, cfg, tp) + moe_layers * per_moe
+    routed = moe_layers * local * expert(ffn)
+    tp_partial = r * h * (dense * len(cfg.targets)
+                          + moe_layers * (len(attention) + mlp * (local + (1 if S else 0))))  # fmt: skip
+    return StageAdapters(replicated, routed, tp_partial)
 
 
 def num_adapter_params(model_cfg: ModelConfig, cfg: LoRAConfig, *, active: bool = False) -> int:

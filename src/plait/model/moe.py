@@ -5,7 +5,9 @@ hidden h, e bytes per activation element, E experts, L MoE layers on this rank):
 
 - tensor parallelism: exactly the dense MLP's -- the tokens enter the tp region once (f,
   or the sequence-parallel all-gather) and the experts' partial outputs leave it once (g,
-  or the reduce-scatter), b*s*h*e counted bytes each way (``parallel/tensor.py``). The
+  or the reduce-scatter), b*s*h*e counted bytes each way (``parallel/tensor.py``); with
+  sequence parallelism the router and the shared experts save the shard, and the
+  backward all-gathers it again (``tensor.keeping_shard``, as the dense groups). The
   router runs inside the region on the whole micro-batch (replicated over tp: E*h
   multiply-adds a token, nothing beside the experts'), so every tp rank makes the same
   routing decisions and routing needs no collective.
@@ -63,6 +65,7 @@ from plait.model.ops import SwiGLU
 from plait.parallel.tensor import (
     ShardSpec,
     enter_tp,
+    keeping_shard,
     leave_tp,
     mark_tp_partial,
     set_shard,
@@ -260,6 +263,16 @@ class Experts(nn.Module):
             self.w_down = param(n, h, f, dim=2)
         self.lora = None  # {weight name: ExpertLoRA} under --lora-rank (model/lora.py)
 
+    def autocast_params(self) -> list[nn.Parameter]:
+        """The stacked weights (and GPT-2's first bias), which only ``F.linear`` reads, through
+        their one compute-dtype copy of a step: ZeRO-3 gathers them in the compute dtype
+        (``zero_units.compute_dtype_params``). Gathered in fp32, each layer's cast was a
+        new tensor the step's ``weight_casts`` kept to the step's end, every expert weight
+        of the rank held at once (rehearsed: a MoE block 1.083 of the model at ZeRO-3)."""
+        if self.arch == "gpt2":
+            return [self.w_fc, self.b_fc, self.w_proj]
+        return [self.w_gate, self.w_up, self.w_down]
+
     def _linear(self, name: str, x: torch.Tensor, e: int, bias=None) -> torch.Tensor:
         """x times expert e's weight ``name`` (plus its adapter's update, if it has one).
         Under autocast the stacked weight is cast once a step (``tensor.step_cast``), not
@@ -375,7 +388,8 @@ class MoE(nn.Module):
             counts = torch.bincount(idx.reshape(-1), minlength=E).to(dt)
         else:
             counts = torch.tensor(host, dtype=dt, device=x.device)
-        z = logits.logsumexp(-1).square()  # (N,)
+        # (N,): differentiated only under a z loss; else statistics, no graph to keep
+        z = (logits if cfg.moe_z_loss_coef > 0 else logits.detach()).logsumexp(-1).square()
         stats = torch.cat([counts, probs.detach().sum(0), z.detach().sum()[None],
                            x.new_full((1,), x.shape[0], dtype=dt)])  # fmt: skip
         for axis in self.token_axes:  # the whole micro-batch's
@@ -406,18 +420,19 @@ class MoE(nn.Module):
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, x):  # (B, T, C) or (B, T/t, C) -> the same
-        # (sequence parallelism: the router keeps the gathered input, not the shard as the
-        # dense blocks' groups do -- ``tensor.keeping_shard`` here held more, rehearsed)
-        x = enter_tp(x, self.topo, self.sequence_parallel)
-        B, T, C = x.shape
-        xf = x.reshape(B * T, C)
-        r = self.route(xf)
-        self._record(r)
-        y = self._routed(xf, r)  # (N, C), partial over tp
-        if self.shared is not None:
-            y = y + self.shared(xf, [xf.shape[0]])
-        if r.aux is not None and torch.is_grad_enabled():
-            y = _AttachAux.apply(y, r.aux, self.topo.tp)
+        full = enter_tp(x, self.topo, self.sequence_parallel)
+        B, T, C = full.shape
+        # sequence parallelism: what the router and the shared experts save of the gathered
+        # input is this rank's shard, gathered again in the backward, as the dense blocks'
+        with keeping_shard(x, full, self.topo, self.sequence_parallel):
+            xf = full.reshape(B * T, C)
+            r = self.route(xf)
+            self._record(r)
+            y = self._routed(xf, r)  # (N, C), partial over tp
+            if self.shared is not None:
+                y = y + self.shared(xf, [xf.shape[0]])
+            if r.aux is not None and torch.is_grad_enabled():
+                y = _AttachAux.apply(y, r.aux, self.topo.tp)
         return leave_tp(y.view(B, T, C), self.topo, self.sequence_parallel)
 
     def _routed(self, xf: torch.Tensor, r: Routing) -> torch.Tensor:

@@ -15,10 +15,11 @@ line below moves b*s*h*e counted bytes per call):
   + 2 all-gathers, 4*b*s*h*e bytes each way. The all-reduce's ring cost is exactly one
   all-gather plus one reduce-scatter, so the traffic is the same; activations outside the
   GEMMs (norms, dropout, residual) are stored and computed 1/t each. The column groups
-  (q/k/v, the MLP's first GEMMs, the head) keep their input as this rank's sequence shard,
-  not gathered (``keeping_shard``), and the backward all-gathers it again: 2 more all-gathers
-  of b*s*h*e a layer, 1 for the head -- none in the blocks under ``--recompute full``,
-  whose checkpoint re-runs the forward's gathers instead.
+  (q/k/v, the MLP's first GEMMs or a MoE block's router, the head) keep their input as
+  this rank's sequence shard, not gathered (``keeping_shard``), and the backward
+  all-gathers it again: 2 more all-gathers of b*s*h*e a layer, 1 for the head -- none
+  in the blocks under ``--recompute full``, whose checkpoint re-runs the forward's
+  gathers instead.
 - embedding (vocabulary-parallel): forward 1 all-reduce of b*s*h*e (sequence parallel: a
   reduce-scatter; backward then 1 all-gather of b*s*h*e).
 - head: forward nothing (sequence parallel: 1 all-gather of b*s*h*e); backward 1
@@ -292,7 +293,10 @@ class _SavedShard:
 
     def pack(self, t: torch.Tensor):
         if not any(_spans(t, full) for full in self.spans):
-            return t
+            # detached: a saved output returned as itself holds its own grad_fn, a cycle
+            # through C++ that nothing collects -- an op on a branch the loss never reaches
+            # (the router's z statistics) would keep its saved tensors for good
+            return t.detach()
         held = self.held.get(t.dtype)
         if held is None:
             held = self.held[t.dtype] = self.shard.to(t.dtype).contiguous()

@@ -118,13 +118,14 @@ def rank_model_state(
     adapters: float | None = None,
     state_bytes: tuple[int, int, int] = (4, 4, 8),
     experts: float = 0.0,
+    expert_adapters: float = 0.0,
 ) -> dict[str, float]:
     """``sizes.model_state_breakdown`` of one device holding ``params`` parameters, sharded
     over its ZeRO shard group; ``state_bytes``: bytes per parameter of the weights, the
     gradients and the optimizer state (default plait's: fp32, fp32, AdamW's two fp32
     moments). With ``adapters`` (LoRA) the ``params`` are the frozen base and only the
     adapters are trained. ``experts``: routed expert parameters on top, sharded over their
-    edp group (frozen too under LoRA)."""
+    edp group (frozen too under LoRA, where ``expert_adapters`` of theirs train)."""
     w_bytes, g_bytes, o_bytes = state_bytes
     out = None
     for n, group in ((params, False), (experts, True)):
@@ -132,7 +133,8 @@ def rank_model_state(
             break
         shard, _ = dp_groups(layout, group)
         state = sizes.model_state_breakdown(
-            n if adapters is None else (0 if group else adapters), dp=shard, zero=layout.zero,
+            n if adapters is None else (expert_adapters if group else adapters), dp=shard,
+            zero=layout.zero,
             offload_optimizer=layout.offload_optimizer,
             param_bytes=w_bytes, grad_bytes=g_bytes, optim_bytes=o_bytes,
             frozen_params=0 if adapters is None else n,
@@ -151,12 +153,16 @@ def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str
     routed = cfg.n_moe_layers * ep_sim.layer_expert_params(cfg, ep=1, tp=1)  # all of them
     experts = routed / (layout.ep * layout.tp * layout.pp)
     params = round((sizes.num_params(cfg) - routed) / (layout.tp * layout.pp))  # whole ones
-    adapters = None
+    adapters, routed_adapters = None, 0.0
     if lora is not None:  # the adapters of the rank's n_layers / pp blocks
-        from plait.model.lora import adapter_params_per_layer
+        from plait.model.lora import stage_adapters
 
-        adapters = round(cfg.n_layers / layout.pp * adapter_params_per_layer(cfg, lora, layout.tp))
-    return rank_model_state(layout, params, adapters, experts=round(experts))
+        held = stage_adapters(cfg, lora, tp=layout.tp, ep=layout.ep, layers=cfg.n_layers,
+                              moe_layers=cfg.n_moe_layers)  # fmt: skip
+        adapters = round(held.replicated / layout.pp)
+        routed_adapters = round(held.routed / layout.pp)
+    return rank_model_state(layout, params, adapters, experts=round(experts),
+                            expert_adapters=routed_adapters)  # fmt: skip
 
 
 def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
@@ -240,7 +246,8 @@ def lora_moe_dropped(cfg: ModelConfig, layout: Layout, lora, M: float, R: float,
     """Bytes a MoE block of a LoRA run keeps less than ``chunk_activation_bytes`` counts
     from the dense block's drops and ``expert.activation_bytes``: the frozen router keeps
     no input, so the MLP's input (h, split under sequence parallelism) goes even where up
-    or gate has an adapter (the experts' adapters read the permuted rows); the dense
+    or gate has an adapter (the routed experts' adapters read the permuted rows) -- unless
+    shared experts, which read it, have one; the dense
     block's second-GEMM input that ``lora_dropped_inputs`` took off does not exist in a MoE
     block (it is put back); the permuted rows (M h) go unless up or gate has an adapter,
     the experts' second-GEMM inputs (R F / t) unless down has one. Counted with ``plait
@@ -249,10 +256,11 @@ def lora_moe_dropped(cfg: ModelConfig, layout: Layout, lora, M: float, R: float,
     split_all = t if layout.sequence_parallel else 1
     targets = set(lora.targets)
     first = bool(targets & {"up", "gate"})
-    out = tokens * e * cfg.hidden / split_all if first else 0.0
+    # (shared experts with such an adapter read, and keep, the MLP's input themselves)
+    out = tokens * e * cfg.hidden / split_all if first and not cfg.moe_shared_experts else 0.0
     if "down" not in targets:
         out -= tokens * e * cfg.ffn_hidden / t  # lora_dropped_inputs' dense term, back
-        out += R * cfg.moe_ffn_hidden / t * e
+        out += (R + tokens * cfg.moe_shared_experts) * cfg.moe_ffn_hidden / t * e
     if not first:
         out += M * cfg.hidden * e
     return out
@@ -337,6 +345,7 @@ def memory_per_rank(
     last_stage = p * v - 1
     w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
     weights, heads, params, adapters, experts = [], [], [], [], []
+    routed_adapters = []
     head = last_stage_buffers(cfg, layout)
     moe = ep_sim.stage_moe_layers(cfg, stage_layers)
     for rank in range(p):
@@ -353,10 +362,13 @@ def memory_per_rank(
         params.append(n)
         experts.append(x)
         if lora is not None:
-            from plait.model.lora import adapter_params_per_layer
+            from plait.model.lora import stage_adapters
 
-            layers_here = sum(stage_layers[c * p + rank] for c in range(v))
-            adapters.append(layers_here * adapter_params_per_layer(cfg, lora, layout.tp))
+            held = stage_adapters(cfg, lora, tp=layout.tp, ep=layout.ep,
+                                  layers=sum(stage_layers[c * p + rank] for c in range(v)),
+                                  moe_layers=sum(moe[c * p + rank] for c in range(v)))  # fmt: skip
+            adapters.append(held.replicated)
+            routed_adapters.append(held.routed)
     if compiled is not None:
         act = peak_held(compiled, tuple(weights))
     else:
@@ -376,6 +388,7 @@ def memory_per_rank(
         state = rank_model_state(  # LoRA: adapters trained, the base frozen
             layout, n, adapters[rank] if lora is not None else None,
             state_bytes=(w_bytes, g_bytes, o_bytes), experts=experts[rank],
+            expert_adapters=routed_adapters[rank] if lora is not None else 0.0,
         )  # fmt: skip
         w, g, o = state["params"], state["grads"], state["optim"]
         buffers = zero3_buffer_bytes(cfg, layout, runtime)

@@ -12,7 +12,7 @@ L_c layers:
   ``--fp32-residual``; the backward's input gradients are those of the norms' outputs);
   sequence parallelism: 2 all-gathers (T h r) and 2 reduce-scatters (T h e) forward, the
   reverse backward, plus the all-gather again (T h e) of each column group's saved input
-  (two a block, one a MoE block, one the head; ``regathered_groups`` under LoRA) --
+  (two a block, one the head; ``regathered_groups`` under LoRA) --
   the blocks' not under ``--recompute full``, which repeats the forward's -- all but the
   MLP's exit (g, T h e): the recomputation stops at the last tensor the backward needs,
   the down projection's input (``torch.utils.checkpoint``'s early stop). The embedding's
@@ -61,16 +61,19 @@ def lora_skipped_entries(lora) -> int:
     return 1 if set(lora.targets) & {"q", "k", "v", "o"} else 2
 
 
-def regathered_groups(lora) -> tuple[int, int]:
-    """(attention, MLP): whether a block's column group (q, k, v; the MLP's first GEMMs)
-    saves its input for the backward, which sequence parallelism then all-gathers again
-    (``tensor.keeping_shard``): where a weight or an adapter in it trains -- always
-    without LoRA, and with it where ``--lora-targets`` names one of the group's layers. A
-    MoE block's MLP keeps its gathered input (``moe.MoE.forward``): nothing again."""
+def regathered_groups(lora, model: ModelConfig) -> tuple[int, int, int]:
+    """(attention, MLP, MoE MLP): whether a block's column group (q, k, v; the MLP's first
+    GEMMs; a MoE block's router and shared experts) saves its input for the backward,
+    which sequence parallelism then all-gathers again (``tensor.keeping_shard``): where a
+    weight or an adapter in it trains -- always without LoRA, and with it where
+    ``--lora-targets`` names one of the group's layers. Under LoRA a MoE block's router is
+    frozen and its routed experts read permuted rows, not the gathered input: only shared
+    experts with an adapter on up or gate keep it."""
     if lora is None:
-        return 1, 1
+        return 1, 1, 1
     targets = set(lora.targets)
-    return int(bool(targets & {"q", "k", "v"})), int(bool(targets & {"up", "gate"}))
+    mlp = int(bool(targets & {"up", "gate"}))
+    return int(bool(targets & {"q", "k", "v"})), mlp, mlp * int(model.moe_shared_experts > 0)
 
 
 def tp_sync_params(model: ModelConfig, layout: Layout, layers: int, moe_layers: int,
@@ -133,15 +136,16 @@ def bytes_per_axis(
         per_layer = fwd + 2 * T * h * (e + r if sp else r)  # backward: the same reversed
         if layout.recompute == "full":  # the forward again, up to its last saved tensor
             per_layer += fwd - T * h * e  # (checkpoint's early stop: the MLP's exit is not)
-        # sequence parallelism: each column group's saved input gathered again (T h e) --
-        # MoE blocks' routed MLPs keep theirs; full recomputation gathers it in its forward
+        # sequence parallelism: each column group's saved input gathered again (T h e);
+        # full recomputation gathers it in its forward
         regather = sp and layout.recompute != "full"
-        attn_re, mlp_re = regathered_groups(lora) if regather else (0, 0)
+        attn_re, mlp_re, moe_re = regathered_groups(lora, model) if regather else (0, 0, 0)
         moe_at = ep_sim.stage_moe_layers(model, stage_layers)
         tp = 0.0
         for stage, layers in chunks:
             tp += layers * per_layer
-            tp += T * h * e * (layers * attn_re + (layers - moe_at[stage]) * mlp_re)
+            dense = layers - moe_at[stage]
+            tp += T * h * e * (layers * attn_re + dense * mlp_re + moe_at[stage] * moe_re)
             if stage == S - 1 and sp and lora is None:  # the head's (frozen under LoRA)
                 tp += T * h * e
             if stage == 0 and lora is not None and layers:
@@ -154,8 +158,7 @@ def bytes_per_axis(
                 tp += T * h * e * ((stage > 0) + (stage < S - 1))
         out["tp"] = m * tp
         if lora is not None:  # TPGradSync: each adapter's tp-replicated factor, fp32, once
-            layers_here = sum(layers for _, layers in chunks)
-            out["tp"] += layers_here * len(lora.targets) * 4 * lora.rank * h
+            out["tp"] += 4 * _adapters(model, layout, lora, chunks, stage_layers).tp_partial
         else:  # TPGradSync: the replicated parameters' gradients, fp32, once
             out["tp"] += 4 * sum(
                 tp_sync_params(model, layout, layers, moe_at[stage], stage == 0, stage == S - 1)
@@ -178,16 +181,21 @@ def bytes_per_axis(
         nb = ep_sim.layer_bytes(model, layout)
         per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
         out["ep"] = m * moe_layers * per_layer
+        first = 0 in (stage for stage, _ in chunks) and model.is_moe_layer(0)
+        if lora is not None and first and not set(lora.targets) & {"q", "k", "v", "o"}:
+            # nothing below the first block trains: its dispatch's backward is never issued
+            R = ep_sim.rows(model, layout, 1.0)[1]
+            out["ep"] -= m * R * model.hidden * ep_sim.act_bytes(layout)
     moe = ep_sim.stage_moe_layers(model, stage_layers)
     groups = [(sum(stage_params(model, layout, layers, stage == 0, stage == S - 1, moe[stage])
                    for stage, layers in chunks), False),
               (moe_layers * ep_sim.expert_params(model, layout), True)]  # fmt: skip
-    if lora is not None:
-        from plait.model.lora import adapter_params_per_layer
-
-        layers_here = sum(layers for _, layers in chunks)
-        trainable = layers_here * adapter_params_per_layer(model, lora, t)
-        dp = _dp_bytes(trainable, layout, runtime, False, gathered=sum(n for n, _ in groups))
+    if lora is not None:  # the adapters train: the dense ones over dp, the routed over edp
+        held = _adapters(model, layout, lora, chunks, stage_layers)
+        dp = _dp_bytes(
+            held.replicated, layout, runtime, False, gathered=groups[0][0] + held.replicated
+        )
+        dp += _dp_bytes(held.routed, layout, runtime, True, gathered=groups[1][0] + held.routed)
     else:
         dp = sum(_dp_bytes(params, layout, runtime, experts) for params, experts in groups)
     if dp:
@@ -197,13 +205,23 @@ def bytes_per_axis(
     return out
 
 
+def _adapters(model: ModelConfig, layout: Layout, lora, chunks, stage_layers):
+    """``lora.stage_adapters`` of a pipeline rank's chunks."""
+    from plait.model.lora import stage_adapters
+
+    moe = ep_sim.stage_moe_layers(model, stage_layers)
+    return stage_adapters(model, lora, tp=layout.tp, ep=layout.ep,
+                          layers=sum(layers for _, layers in chunks),
+                          moe_layers=sum(moe[stage] for stage, _ in chunks))  # fmt: skip
+
+
 def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool,
               gathered: float | None = None) -> float:  # fmt: skip
     """Counted dp bytes of one step for ``params`` trained weights (module docstring);
     ``experts``: routed experts over their edp group (a dp sub-group: counted on the dp
     axis); ``gathered``: the weights ZeRO-3 gathers, when more than those trained."""
     gathered = params if gathered is None else gathered
-    if grad_ranks(layout, experts) <= 1 or not params:
+    if grad_ranks(layout, experts) <= 1 or not gathered:  # (ZeRO-3 gathers frozen ones too)
         return 0.0
     m = layout.num_microbatches
     g = params * runtime.grad_comm_bytes(layout.dtype)
