@@ -343,6 +343,62 @@ def test_a_kept_shard_region_frees_what_the_loss_never_reaches():
     assert torch.equal(x.grad, want)
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetched", "on-demand"])
+def test_a_kept_shard_is_gathered_again_from_the_exit_of_its_region(monkeypatch, prefetch):
+    """The backward's re-gather of a kept shard is issued when the gradient reaches the
+    region's exit (``prefetch_from``) -- before the ops between the exit and the group run,
+    which it overlaps -- and waited for by the group's first op; without an exit it is
+    issued on demand, after them. One re-gather either way, the same gradients as the plain
+    graph. Catches a prefetch that never fires (the gather exposed again), one issued
+    after the ops it should hide behind, and a second gather beside the prefetched one."""
+    from plait.parallel import tensor as tp_mod
+
+    events = []
+
+    def start(shard, topo):
+        events.append("issued")
+        return torch.cat([shard, shard], dim=tp_mod.SEQ_DIM), None
+
+    def finish(rows, work, topo):
+        events.append("waited")
+        return rows
+
+    def on_demand(shard, topo):
+        events.append("gathered on demand")
+        return torch.cat([shard, shard], dim=tp_mod.SEQ_DIM)
+
+    monkeypatch.setattr(tp_mod, "_start_gather_seq", start)
+    monkeypatch.setattr(tp_mod, "_finish_gather_seq", finish)
+    monkeypatch.setattr(tp_mod, "_all_gather_seq", on_demand)
+
+    class Between(torch.autograd.Function):  # the exit's own backward (o, the core)
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            events.append("between")
+            return g
+
+    shard = torch.randn(1, 3, 4)
+    full = torch.cat([shard, shard], dim=1)  # what the all-gather would have made
+    w = torch.randn(4, 5, requires_grad=True)
+    with tp_mod._SavedShard(shard, full, topo=None) as kept:
+        h = full @ w  # saves full: packed as the shard
+    y = Between.apply(h.tanh())
+    if prefetch:
+        kept.prefetch_from(y)
+    y.sum().backward()
+    if prefetch:
+        assert events == ["issued", "between", "waited"], events
+    else:
+        assert events == ["between", "gathered on demand"], events
+    w2 = w.detach().clone().requires_grad_()
+    (full @ w2).tanh().sum().backward()
+    assert torch.equal(w.grad, w2.grad)
+
+
 # --- multi-process: tp 2 and pp 2 against the single process, bf16 -----------------------
 
 STEPS = 8

@@ -424,7 +424,7 @@ class MoE(nn.Module):
         B, T, C = full.shape
         # sequence parallelism: what the router and the shared experts save of the gathered
         # input is this rank's shard, gathered again in the backward, as the dense blocks'
-        with keeping_shard(x, full, self.topo, self.sequence_parallel):
+        with keeping_shard(x, full, self.topo, self.sequence_parallel) as kept:
             xf = full.reshape(B * T, C)
             r = self.route(xf)
             self._record(r)
@@ -433,6 +433,8 @@ class MoE(nn.Module):
                 y = y + self.shared(xf, [xf.shape[0]])
             if r.aux is not None and torch.is_grad_enabled():
                 y = _AttachAux.apply(y, r.aux, self.topo.tp)
+        if kept is not None:  # the backward re-gathers the input under the experts'
+            kept.prefetch_from(y)
         return leave_tp(y.view(B, T, C), self.topo, self.sequence_parallel)
 
     def _routed(self, xf: torch.Tensor, r: Routing) -> torch.Tensor:

@@ -302,7 +302,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope=None, span=None):  # (B, T, C) -> (B, T, C)
         full = self.q.enter(x)  # one f (or all-gather) for q, k and v together
-        with self.q.keeping(x, full):  # sequence parallelism: what they save is the shard
+        with self.q.keeping(x, full) as kept:  # sequence parallelism: they save the shard
             q, k, v = column_linears((self.q, self.k, self.v), full)  # one GEMM where it can
         B, T, D = q.shape[0], q.shape[1], self.cfg.head_dim
         del full  # (sequence parallelism: the backward gathers it again)
@@ -329,7 +329,7 @@ class Attention(nn.Module):
         else:
             y = self._core(q, k, v, span)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * D)  # (B, T, H*D), this rank's heads
-        return self.o(y)
+        return self.o(y, prefetch=kept)  # (the backward re-gathers q/k/v's input under o's)
 
 
 class MLP(nn.Module):
@@ -350,12 +350,17 @@ class MLP(nn.Module):
 
     def forward(self, x):  # (B, T, C) -> (B, T, C)
         if self.arch == "gpt2":
-            return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+            full = self.fc.enter(x)
+            with self.fc.keeping(x, full) as kept:
+                h = self.fc(compute_input(full), entered=True)
+            del full
+            return self.proj(F.gelu(h, approximate="tanh"), prefetch=kept)
         full = self.gate.enter(x)  # one f (or all-gather) for both GEMMs
-        with self.gate.keeping(x, full):
+        with self.gate.keeping(x, full) as kept:
             gate, up = column_linears((self.gate, self.up), full)
         del full
-        return self.down(_SwiGLU.apply(gate, up))
+        # (the backward re-gathers the input under the down projection's)
+        return self.down(_SwiGLU.apply(gate, up), prefetch=kept)
 
 
 class Block(nn.Module):

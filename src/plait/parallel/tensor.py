@@ -35,9 +35,14 @@ line below moves b*s*h*e counted bytes per call):
   are empty.
 - why it cannot deadlock: every collective here is issued on the tp group by the main
   thread's forward or by autograd's backward, in the order of the block's operations --
-  the re-gathers when the first op that saved a group's input runs -- and every tp rank
-  builds the same graph (same layers, shapes and flags), so every rank issues the same
-  calls in the same order; none is conditional on data one rank alone holds.
+  a group's re-gather when the backward reaches its row-parallel exit (issued there
+  without waiting, on every rank at the same point of the same graph: after the exit's
+  own collective, before any other tp call of the block's backward) or, without an exit
+  to start it, when the first op that saved the input runs -- and every tp rank builds
+  the same graph (same layers, shapes and flags), so every rank issues the same calls in
+  the same order; none is conditional on data one rank alone holds. An issued re-gather
+  is waited on by the first op that unpacks the input, before the group's own
+  reduce-scatter is issued.
 - with t == 1 nothing is issued; ``--recompute full`` repeats the forward's collectives
   inside the backward.
 - e is the residual stream's dtype for what enters a tp region (f, the sequence-parallel
@@ -194,6 +199,17 @@ def _all_gather_seq(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     return comm.all_gather(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
 
 
+def _start_gather_seq(x: torch.Tensor, topo: Topology):
+    """``_all_gather_seq`` issued without waiting: (the (t, ...) rows, the work handle)."""
+    rows = torch.empty((topo.tp, *x.shape), dtype=x.dtype, device=x.device)
+    return rows, comm.all_gather_into(rows, x, topo=topo, axis=Axis.TP, async_op=True)
+
+
+def _finish_gather_seq(rows: torch.Tensor, work, topo: Topology) -> torch.Tensor:
+    comm.wait([work], topo=topo, what="all_gather", axis="tp")
+    return torch.cat(rows.unbind(0), dim=SEQ_DIM)
+
+
 def _reduce_scatter_seq(x: torch.Tensor, topo: Topology) -> torch.Tensor:
     return comm.reduce_scatter(x, topo=topo, axis=Axis.TP, dim=SEQ_DIM)
 
@@ -270,21 +286,33 @@ class _SavedShard:
     parallel linear with sequence parallelism; Korthikanti et al. 2022 count the shard).
     Held a block: q/k/v's input and the MLP's, T h e / t each where they were T h e, 7/8
     of it gone at tp 8. The re-gather is built once per backward and dtype and dropped
-    when the last op that saved it has taken it."""
+    when the last op that saved it has taken it.
 
-    __slots__ = ("topo", "shard", "spans", "held", "packs", "rebuilt", "taken", "hooks")
+    Overlapped where the region's owner says where its backward starts
+    (``prefetch_from``, given the tensor that leaves the tp region: the o projection's or
+    the MLP's partial output): when that tensor's gradient is computed -- after the exit's
+    own collective, before the row-parallel layer's backward -- the re-gather is issued
+    asynchronously, and runs while that layer's GEMMs (and the attention core's or the
+    activation's backward) do; the first op that unpacks the input waits for it. Megatron-
+    LM overlaps the same gather with one GEMM, the column layer's input gradient; this
+    starts it a layer earlier. Without an owner's tensor the gather is issued on demand."""
+
+    __slots__ = ("topo", "shard", "spans", "held", "packs", "rebuilt", "taken", "hooks",
+                 "pending")  # fmt: skip
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, topo: Topology):
         self.topo, self.shard, self.spans = topo, shard, [full]
         self.held: dict[torch.dtype, torch.Tensor] = {}  # the shard in each saved dtype
         self.packs: dict[torch.dtype, int] = {}
         self.rebuilt: dict[torch.dtype, torch.Tensor] = {}
+        self.pending: dict[torch.dtype, tuple] = {}  # issued re-gathers: (rows, work)
         self.taken: dict[torch.dtype, int] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _SavedShard:
         _REGIONS.append(self)
         self.hooks.__enter__()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.hooks.__exit__(*exc)
@@ -303,10 +331,25 @@ class _SavedShard:
         self.packs[t.dtype] = self.packs.get(t.dtype, 0) + 1
         return _Regather(self, t.dtype, t.shape)
 
+    def prefetch_from(self, y: torch.Tensor) -> None:
+        """Issue the backward's re-gathers when ``y``'s gradient is computed (class doc)."""
+        if self.held and y.requires_grad:
+            y.register_hook(self._prefetch)
+
+    def _prefetch(self, grad: torch.Tensor) -> None:
+        for dtype, shard in self.held.items():  # (in the order packed: the same on every rank)
+            if dtype not in self.rebuilt and dtype not in self.pending:
+                self.pending[dtype] = _start_gather_seq(shard, self.topo)
+
     def rebuild(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         full = self.rebuilt.get(dtype)
         if full is None:
-            full = self.rebuilt[dtype] = _all_gather_seq(self.held[dtype], self.topo)
+            issued = self.pending.pop(dtype, None)
+            full = self.rebuilt[dtype] = (
+                _all_gather_seq(self.held[dtype], self.topo)
+                if issued is None
+                else _finish_gather_seq(*issued, self.topo)
+            )
         self.taken[dtype] = self.taken.get(dtype, 0) + 1
         if self.taken[dtype] % self.packs[dtype] == 0:  # the last op to take it
             del self.rebuilt[dtype]
@@ -354,7 +397,8 @@ def keeping_shard(shard: torch.Tensor, full: torch.Tensor, topo: Topology,
     partitioner chooses (it keeps the gathered input): there, and without sequence
     parallelism, a ``nullcontext``. (Two steps, not one context that also gathers: the
     gather breaks a compiled graph, and a context object built before the break cannot be
-    carried across it.)"""
+    carried across it.) ``with ... as kept``: the region (None where it stands aside), whose
+    ``prefetch_from`` the owner calls with the tensor leaving the tp region."""
     if (
         not sequence_parallel
         or topo.tp == 1
@@ -854,10 +898,14 @@ class RowParallelLinear(nn.Module):
         reduction, outside ``F.linear``, in the dtype it is held in)."""
         return [self.weight] if self.weight_quant is None else []
 
-    def forward(self, x):  # (..., in / tp) -> (..., out)
+    def forward(self, x, *, prefetch: _SavedShard | None = None):  # (..., in / tp) -> (..., out)
+        """``prefetch``: the region its block entered (``keeping_shard``), whose re-gather the
+        backward issues before this layer's (``_SavedShard.prefetch_from``)."""
         y = F.linear(x, _weight(self))
         if self.lora is not None:  # a partial sum like the product: reduced with it
             y = y + self.lora(x)
+        if prefetch is not None:
+            prefetch.prefetch_from(y)
         y = leave_tp(y, self.topo, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 

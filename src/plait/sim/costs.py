@@ -409,7 +409,12 @@ def layer_cost(
             else:  # and each column group's input gathered again (its ops kept the shard)
                 fwd_tp, bwd_tp = 2 * (ag + rs), 2 * (rs_in + ag_out)
                 if layout.recompute != "full":  # full: the recomputed forward gathers it
-                    bwd_tp += 2 * all_gather_time(nbytes, t, link)
+                    again = all_gather_time(nbytes, t, link)
+                    if runtime.prefetch_sp_regather:  # behind the exit's GEMMs (and the core's)
+                        bwd_tp += max(0.0, again - lin[1][1] - lin[1][2] - attn_bwd)
+                        bwd_tp += max(0.0, again - lin[3][1] - lin[3][2])
+                    else:
+                        bwd_tp += 2 * again
         else:
             fwd_tp = 2 * all_reduce_time(nbytes, t, link)
             ar = all_reduce_time(rbytes, t, link)  # a column-parallel linear's input gradient

@@ -36,6 +36,11 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   the weight-gradient GEMM; with sequence parallelism the input's re-gather beside the
   input-gradient GEMM and the input gradient's reduce-scatter beside the weight-gradient
   GEMM. The row-parallel linears' backward gathers stay exposed.
+- ``prefetch_sp_regather``: with sequence parallelism, each column group's input, kept as
+  the shard, is all-gathered again asynchronously when the backward reaches the group's
+  row-parallel exit (plait: ``tensor._SavedShard.prefetch_from``), hidden behind that
+  layer's GEMMs and the attention core's backward (the MLP: the down projection's); else
+  issued when the first op needs it, exposed.
 - ``grad_bucket_bytes``: gradients are reduced in buckets of this size, each leaving
   once the backward has filled it (PyTorch DDP and plait: 25 MiB; Megatron-Core: 40M
   parameters); ``None``: one bucket per layer (FSDP's per-layer units). A model smaller
@@ -128,6 +133,7 @@ class Runtime:
     overlap_param_gather: bool = False
     overlap_tp_comm: bool = False
     overlap_tp_grad: bool = False
+    prefetch_sp_regather: bool = False
     grad_bucket_bytes: float | None = 25 * 2**20
     bucket_from_layout: bool = False
     master_weights: bool = False
@@ -224,6 +230,7 @@ PROFILES: dict[str, Runtime] = {
         gather_in_compute_dtype=True,
         weight_cast_per_step=True,
         bucket_from_layout=True,
+        prefetch_sp_regather=True,
         layer_kernels="plait",
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
