@@ -55,22 +55,26 @@ def test_bytes_per_layer_are_the_dispatch_docstring_formula():
 
 
 def test_imbalance_loads_the_busiest_rank_as_documented():
-    """rho = (n/E)(g + (E/n - 1)(E - g)/(E - 1)): 1 when one rank holds every expert, g
-    when each holds one; the other ranks' rows make up the rest exactly (the rows received
-    over the group are the rows routed); a capacity factor caps g. A model that charges the
-    mean rank, or the hot expert times every expert, fails."""
+    """The hottest expert routed g A / E of a rank's A assignments, every other (E - g) /
+    (E - 1) A / E; the busiest ep rank holds the hottest and E/n - 1 others, from every rank
+    of its group: R = M at n = 1, g A at n = E, and the group's ranks receive n A rows in all
+    (the rows routed). A capacity factor keeps at most C A / E of each expert's and drops
+    the rest -- not rerouted: M falls by the hottest expert's excess, and below 1 every
+    expert is cut. A model that charges the mean rank, the hot expert times every expert,
+    or sends dropped rows, fails."""
     cfg = _moe()
-    g = 1.6
-    assert ep_sim.load(cfg, _layout(ep=1), g) == 1.0
-    assert ep_sim.load(cfg, _layout(ep=8), g) == pytest.approx(g)
+    g, A = 1.6, 2 * 64 * K
+    assert ep_sim.rows(cfg, _layout(ep=1), g) == (A, A)
+    assert ep_sim.rows(cfg, _layout(ep=8), g) == (A, pytest.approx(g * A))
+    others = (E - g) / (E - 1) * A / E  # every other expert's rows
     for n in (2, 4):
-        rho = ep_sim.load(cfg, _layout(ep=n), g)
-        others = (E - g) / (E - 1)  # every other expert's load over the mean
-        assert rho + (n - 1) * others == pytest.approx(n)  # n ranks receive n M rows in all
-    capped = _moe(moe_capacity_factor=1.25)
-    assert ep_sim.load(capped, _layout(ep=8), g) == pytest.approx(1.25)
-    M, R = ep_sim.rows(cfg, _layout(ep=8), g)
-    assert (M, R) == (2 * 64 * K, pytest.approx(g * 2 * 64 * K))
+        M, R = ep_sim.rows(cfg, _layout(ep=n), g)
+        assert M == pytest.approx(A)
+        assert R + (n - 1) * n * (E // n) * others == pytest.approx(n * A)
+    M, R = ep_sim.rows(_moe(moe_capacity_factor=1.25), _layout(ep=8), g)
+    assert (M, R) == (pytest.approx(A - (g - 1.25) * A / E), pytest.approx(1.25 * A))
+    M, R = ep_sim.rows(_moe(moe_capacity_factor=0.5), _layout(ep=4), 1.0)
+    assert (M, R) == (pytest.approx(0.5 * A), pytest.approx(0.5 * A))
     with pytest.raises(ValueError, match="--moe-imbalance 5"):
         ep_sim.check_imbalance(cfg, 5.0)  # beyond E / K: more than every token
 

@@ -533,6 +533,7 @@ class RankReport:
     bytes_written: int = 0  # tensor data of the checkpoint save (``RecordedCheckpoint``)
     bytes_read: int = 0  # ... and of its load
     boxes_written: dict[tuple, int] = field(default_factory=dict)  # (key, offsets) -> bytes
+    moe_imbalance: float = 1.0  # how its MoE layers routed (``moe.modelled_routing``)
 
     def training_peak(self) -> int:
         return max(p.peak for p in self.phases if p.name.startswith("step"))
@@ -637,28 +638,31 @@ def _full_step_calls(trainer, log: list, mark: int, layout) -> list[Call]:
     return before + run + after
 
 
-def rehearse_rank(cfg, rank: int, *, full_steps: bool = False) -> RankReport:
+def rehearse_rank(cfg, rank: int, *, full_steps: bool = False,
+                  moe_imbalance: float = 1.0) -> RankReport:  # fmt: skip
     """Build rank ``rank`` of ``cfg``'s layout and run two optimizer steps on fake
     tensors under the fake process group (module docstring). Unless ``full_steps``, a
     pipeline rank runs the fewest micro-batches a step that reach the full step's states
     (``shortened_layout``; its peaks are the full step's) and its step calls are counted
-    for the full step (``_full_step_calls``)."""
+    for the full step (``_full_step_calls``). MoE layers route as the model prices
+    ``moe_imbalance`` (``moe.modelled_routing``: this rank the busiest)."""
     run = cfg.layout if full_steps else shortened_layout(cfg, rank)
     if run.num_microbatches < cfg.layout.num_microbatches:
         try:
-            return _rehearse_rank(dataclasses.replace(cfg, layout=run), rank, full=cfg.layout)
+            return _rehearse_rank(dataclasses.replace(cfg, layout=run), rank, full=cfg.layout,
+                                  moe_imbalance=moe_imbalance)  # fmt: skip
         except NotRepeating:
             pass  # every micro-batch, then
-    return _rehearse_rank(cfg, rank)
+    return _rehearse_rank(cfg, rank, moe_imbalance=moe_imbalance)
 
 
-def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
+def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> RankReport:
     """``rehearse_rank`` at ``cfg.layout``; with ``full`` (a layout of more micro-batches)
     step 2's calls are counted for ``full``'s step."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from plait.model.moe import balanced_routing
+    from plait.model.moe import modelled_routing
 
     lay = cfg.layout
     world = lay.world_size
@@ -672,8 +676,10 @@ def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
         report = RankReport(rank, c[Axis.PP], c[Axis.DP], c[Axis.TP], cp_rank=c[Axis.CP],
                             microbatches=(full or lay).num_microbatches,
                             microbatches_run=lay.num_microbatches)  # fmt: skip
-        # MoE layers route balanced (``moe.balanced_routing``): the counts are known
-        with FakeTensorMode(), _memtracker_class()() as mem, balanced_routing():
+        # MoE layers route as the model prices them (``moe.modelled_routing``): the counts
+        # are known on the host
+        report.moe_imbalance = moe_imbalance
+        with FakeTensorMode(), _memtracker_class()() as mem, modelled_routing(moe_imbalance):
             t0 = time.perf_counter()
             made = full.global_batch_size if full is not None else None
             trainer = _trainer_class(made)(cfg, topo=topo)
@@ -715,14 +721,15 @@ def _rehearse_rank(cfg, rank: int, *, full=None) -> RankReport:
         dist.destroy_process_group()
 
 
-def rehearse(cfg, ranks: list[int], *, progress=None, full_steps: bool = False) -> list[RankReport]:
+def rehearse(cfg, ranks: list[int], *, progress=None, full_steps: bool = False,
+             moe_imbalance: float = 1.0) -> list[RankReport]:  # fmt: skip
     """``rehearse_rank`` of each rank, one after another; ``progress(line)`` is told of
     each as it starts."""
     out = []
     for rank in ranks:
         if progress is not None:
             progress(f"rank {rank} of {cfg.layout.world_size}")
-        out.append(rehearse_rank(cfg, rank, full_steps=full_steps))
+        out.append(rehearse_rank(cfg, rank, full_steps=full_steps, moe_imbalance=moe_imbalance))
     return out
 
 
@@ -815,11 +822,11 @@ def check_p2p(reports: list[RankReport], layout) -> str:
 # -- held against the performance model ------------------------------------------------------
 
 
-def predicted(cfg, pp_rank: int) -> dict:
+def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     """What the performance model says of a rank of pipeline rank ``pp_rank`` in the same
-    layout, runtime ``plait``: memory per category (``sim/memory.py``'s
-    ``memory_per_rank``, no framework overhead) and counted bytes per axis of a step
-    (``sim/traffic.py``)."""
+    layout, runtime ``plait`` (at ``moe_imbalance``, the busiest ep rank): memory per
+    category (``sim/memory.py``'s ``memory_per_rank``, no framework overhead) and counted
+    bytes per axis of a step (``sim/traffic.py``)."""
     from plait.sim.memory import memory_per_rank
     from plait.sim.pipeline import compile_schedule
     from plait.sim.runtime import get_runtime
@@ -827,7 +834,7 @@ def predicted(cfg, pp_rank: int) -> dict:
     from plait.sim.traffic import bytes_per_axis
 
     model, lay = cfg.model, cfg.layout
-    rt = get_runtime("plait")
+    rt = dataclasses.replace(get_runtime("plait"), moe_imbalance=moe_imbalance)
     stage_layers = layers_per_stage(model, lay)
     compiled = compile_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
     mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]
@@ -846,7 +853,7 @@ def compared(report: RankReport, cfg) -> dict:
     counted bytes per axis, each with the ratio rehearsed / simulated (None where the
     model has no figure); and ``ACT_PEAK``, step 2's activations at their own peak, which
     is what the model's activation figure (its peak) is to be compared with."""
-    sim = predicted(cfg, report.pp_rank)
+    sim = predicted(cfg, report.pp_rank, report.moe_imbalance)
     peak = next(p for p in report.phases if p.name == "step 2")
     rows = {}
     for cat in (*CATEGORIES, "total"):

@@ -46,6 +46,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="run every micro-batch of a step; by default a pipeline rank runs the "
                    "fewest whose schedule reaches the full step's states (the same peaks) and "
                    "counts the calls of the full step")  # fmt: skip
+    g.add_argument("--moe-imbalance", type=float, metavar="G", default=None,
+                   help="MoE: the most-loaded expert's assignments over the mean, routed on "
+                   "the rehearsed rank's experts as plait simulate prices it (default 1.0, "
+                   "balanced)")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_train_arguments(p)
     return p
@@ -61,19 +65,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             values["dtype"] = "bf16"  # the run being sized is a GPU's
         cfg = build_run_config(values)
         ranks = rehearse.parse_ranks(args.ranks, cfg.layout)
-        factor = cfg.model.moe_capacity_factor if cfg.model.moe else None
-        if factor is not None and factor < 1:
-            raise UserError(
-                f"--moe-capacity-factor {factor} is not rehearsed: the rehearsal routes "
-                "every layer balanced, where a factor below 1 drops assignments (which "
-                "ones is data, which fake tensors do not have); use 1 or more"
-            )
+        imbalance = args.moe_imbalance
+        if imbalance is not None:
+            from plait.sim.expert import check_imbalance
+
+            if not cfg.model.moe:
+                raise UserError("--moe-imbalance needs a mixture of experts (--moe-experts)")
+            check_imbalance(cfg.model, imbalance)
     except (UserError, ValueError) as e:
         return die("rehearse", str(e).strip().splitlines()[0])
     say = None if args.json else (lambda line: print(f"plait rehearse: {line} ...", flush=True))
     if say:
         say(_header(cfg, values))
-    reports = rehearse.rehearse(cfg, ranks, progress=say, full_steps=args.full_steps)
+    reports = rehearse.rehearse(cfg, ranks, progress=say, full_steps=args.full_steps,
+                                moe_imbalance=1.0 if imbalance is None else imbalance)  # fmt: skip
     p2p = rehearse.check_p2p(reports, cfg.layout)
     if args.json:
         out = {"layout": cfg.layout.to_dict(), "model": cfg.model.to_dict(), "p2p_check": p2p,

@@ -121,32 +121,39 @@ class _AttachAux(torch.autograd.Function):
         return grad, torch.full((), _AUX_SCALE / ctx.tp, device=grad.device), None
 
 
-_BALANCED = False  # ``balanced_routing``: the rehearsal's stand-in for the router's choices
+_MODELLED: float | None = None  # ``modelled_routing``'s imbalance: the rehearsal's routing
 
 
 @contextlib.contextmanager
-def balanced_routing():
-    """Every MoE layer routes assignment j of a micro-batch (token j // K's (j % K)-th
-    choice) to expert j mod E, whatever the scores say: each expert gets N K / E
-    assignments (the first N K mod E one more), the case ``sim/expert.py`` prices
-    (``moe_imbalance`` 1). For ``plait rehearse``, whose fake tensors have no values for a
-    router to choose by: the counts are then known on the host without reading a tensor,
-    and the step runs the very code a real one does -- scores, weights and aux losses
-    computed and differentiated, the counts all-to-all issued -- with the host's counts
-    where a real step reads them. A capacity factor of 1 or more then drops nothing (each
-    expert's N K / E is within its ceil(C N K / E)), as a real balanced step would not."""
-    global _BALANCED
-    outer, _BALANCED = _BALANCED, True
+def modelled_routing(imbalance: float = 1.0):
+    """Every MoE layer routes a micro-batch's N K assignments as the performance model
+    prices them (``sim/expert.py``), whatever the scores say: at imbalance g the hottest
+    expert takes round(g N K / E) and the others share the rest evenly; at 1 each takes
+    N K / E (the first N K mod E one more). The hottest is the first expert of this rank's
+    ep group coordinate, so the rank rehearsed is the busiest one the model prices. A
+    capacity factor then keeps each expert's first ceil(C N K / E) (which ones is data a
+    fake tensor does not have; how many is not). For ``plait rehearse``: the counts are
+    known on the host without reading a tensor, and the step runs the very code a real
+    one does -- scores, weights and aux losses computed and differentiated, the counts'
+    all-to-all issued -- with the host's counts where a real step reads them."""
+    global _MODELLED
+    outer, _MODELLED = _MODELLED, imbalance
     try:
         yield
     finally:
-        _BALANCED = outer
+        _MODELLED = outer
 
 
-def balanced_counts(assignments: int, experts: int) -> list[int]:
-    """Assignments per expert under ``balanced_routing``."""
-    base, extra = divmod(assignments, experts)
-    return [base + (e < extra) for e in range(experts)]
+def modelled_counts(assignments: int, experts: int, imbalance: float = 1.0,
+                    hot: int = 0) -> list[int]:  # fmt: skip
+    """Assignments per expert under ``modelled_routing``: expert ``hot`` the most loaded."""
+    if imbalance == 1.0 or experts == 1:
+        base, extra = divmod(assignments, experts)
+        return [base + (e < extra) for e in range(experts)]
+    top = round(imbalance * assignments / experts)
+    base, extra = divmod(assignments - top, experts - 1)
+    rest = iter(base + (i < extra) for i in range(experts - 1))
+    return [top if e == hot else next(rest) for e in range(experts)]
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -206,7 +213,9 @@ class Routing:
     aux: torch.Tensor | None
     aux_value: torch.Tensor
     z_value: torch.Tensor
-    host_counts: list[int] | None = None  # ``balanced_routing``: counts known on the host
+    host_counts: list[int] | None = None  # ``modelled_routing``: counts known on the host
+    host_kept: list[int] | None = None  # ... and those a capacity factor keeps of them
+    kept_at: torch.Tensor | None = None  # ... at these flat (N K) positions, where it drops
 
 
 def capacity(cfg, tokens: int) -> int | None:
@@ -292,7 +301,8 @@ class Experts(nn.Module):
         for e, xe in enumerate(x.split(counts)):
             if self.arch == "gpt2":
                 hid = F.gelu(lin("w_fc", xe, e, self.b_fc[e]), approximate="tanh")
-                y = lin("w_proj", hid, e) + self.b_proj[e] * self.bias_share
+                y = lin("w_proj", hid, e)  # the bias in y's dtype, as F.linear adds one:
+                y = y + (self.b_proj[e] * self.bias_share).to(y.dtype)  # fp32 doubled the rows
             else:
                 hid = SwiGLU.apply(lin("w_gate", xe, e), lin("w_up", xe, e))
                 y = lin("w_down", hid, e)
@@ -358,6 +368,8 @@ class MoE(nn.Module):
         self._bias_load += r.counts
         if r.keep is not None:
             self._dropped += (~r.keep).sum()
+        elif r.host_kept is not None:
+            self._dropped += sum(r.host_counts) - sum(r.host_kept)
         self._aux += torch.stack([r.aux_value, r.z_value])
         self._micro_batches += 1
 
@@ -377,10 +389,8 @@ class MoE(nn.Module):
         pick = scores if self.expert_bias is None else scores.detach() + self.expert_bias
         idx = pick.topk(K, dim=-1).indices  # (N, K)
         host = None
-        if _BALANCED:
-            N = x.shape[0]
-            idx = (torch.arange(N * K, device=x.device) % E).view(N, K)
-            host = balanced_counts(N * K, E)
+        if _MODELLED is not None:
+            idx, host = self._modelled_choices(x.shape[0], x.device)
         weights = scores.gather(-1, idx)
         if cfg.moe_norm_topk or cfg.moe_router == "sigmoid":
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
@@ -405,17 +415,49 @@ class MoE(nn.Module):
             aux = z_loss if aux is None else aux + z_loss
         if host is None:
             whole = int(n.item()) if self.token_axes else x.shape[0]
-        else:  # balanced: every rank of the token axes holds as many tokens as this one
+        else:  # modelled: every rank of the token axes holds as many tokens as this one
             whole = x.shape[0] * math.prod(self.topo.size(a) for a in self.token_axes)
         keep, cap = None, capacity(cfg, whole)
+        kept, kept_at = host, None
         if cap is not None and host is None:
             keep = capacity_keep(idx, scores.detach().gather(-1, idx), num_experts=E, cap=cap)
-        elif cap is not None and max(host) > cap:  # balanced: only a factor below 1 drops
-            raise ValueError(
-                f"--moe-capacity-factor {cfg.moe_capacity_factor} drops assignments even "
-                "when routing is balanced, which the rehearsal does not model; use 1 or more"
-            )
-        return Routing(idx, weights, keep, counts, aux, aux_value, z_value, host)
+        elif cap is not None and max(host) > cap:  # modelled: each expert's first ``cap``
+            kept = [min(c, cap) for c in host]
+            kept_at = self._modelled_kept(x.shape[0], host, kept, x.device)
+        return Routing(idx, weights, keep, counts, aux, aux_value, z_value, host, kept, kept_at)
+
+    def _modelled_kept(self, N: int, counts: list[int], kept: list[int], device):
+        """Flat (N K, row-major) positions of the assignments a capacity factor keeps under
+        ``modelled_routing``: each expert's first ``kept[e]`` in ``_modelled_choices``'
+        layout, in flat order (as ``capacity_keep``'s mask selects them)."""
+        E, K = self.cfg.moe_experts, self.cfg.moe_top_k
+        pieces, start = [], 0
+        for e, (c, k) in enumerate(zip(counts, kept)):
+            if len(set(counts)) == 1 or _MODELLED == 1.0:  # expert j mod E: j = e + E i
+                pieces.append(torch.arange(e, e + E * k, E, device=device))
+            else:  # laid out by expert, dealt a slot at a time: p = k N + t is t K + k
+                p = torch.arange(start, start + k, device=device)
+                pieces.append((p % N) * K + p // N)
+            start += c
+        return torch.cat(pieces).sort().values
+
+    def _modelled_choices(self, N: int, device) -> tuple[torch.Tensor, list[int]]:
+        """(idx (N, K), assignments per expert) under ``modelled_routing``: the counts of
+        ``modelled_counts``, laid out by expert over the N K assignments and dealt to the
+        tokens a slot at a time (assignment j to token j mod N), so a token never picks an
+        expert twice (each expert's run is at most N long: g <= E / K)."""
+        E, K = self.cfg.moe_experts, self.cfg.moe_top_k
+        hot = 0
+        if self.ep is not None:  # the first expert of this rank's ep coordinate
+            topo, axis = self.ep
+            hot = topo.coord(axis) * (E // topo.size(axis))
+        counts = modelled_counts(N * K, E, _MODELLED, hot)
+        if len(set(counts)) == 1 or _MODELLED == 1.0:
+            idx = torch.arange(N * K, device=device) % E  # balanced: expert j mod E
+            return idx.view(N, K), counts
+        ends = torch.tensor(counts, device=device).cumsum(0)[:-1]
+        flat = torch.bucketize(torch.arange(N * K, device=device), ends, right=True)
+        return flat.view(K, N).t(), counts
 
     # -- forward -------------------------------------------------------------------------
 
@@ -445,23 +487,23 @@ class MoE(nn.Module):
         expert = r.idx.reshape(-1)
         token = torch.arange(N, device=xf.device).repeat_interleave(K)
         weight = r.weights.reshape(-1)
-        if r.keep is not None:
-            kept = r.keep.reshape(-1)
+        kept = r.keep.reshape(-1) if r.keep is not None else r.kept_at
+        if kept is not None:
             expert, token, weight = expert[kept], token[kept], weight[kept]
         order = torch.argsort(expert, stable=True)  # (M,), tokens by expert
         token, weight = token[order], weight[order]
         if r.host_counts is None:
             counts = torch.bincount(expert, minlength=E)
-        else:  # balanced_routing (dropless): known on the host
-            counts = torch.tensor(r.host_counts, device=xf.device)
+        else:  # modelled_routing: known on the host
+            counts = torch.tensor(r.host_kept, device=xf.device)
         xs = xf[token]  # (M, C)
         if self.ep is None:
-            ys = self.experts(xs, counts.tolist() if r.host_counts is None else r.host_counts)
+            ys = self.experts(xs, counts.tolist() if r.host_counts is None else r.host_kept)
         else:
             from plait.parallel.expert import expert_parallel
 
             ys = expert_parallel(xs, counts, self.experts, topo=self.ep[0], axis=self.ep[1],
-                                 host_counts=r.host_counts)  # fmt: skip
+                                 host_counts=r.host_kept)  # fmt: skip
         return _Combine.apply(ys, weight, token, N)
 
 

@@ -74,7 +74,7 @@ def expert_parallel(x: torch.Tensor, counts: torch.Tensor, experts, *, topo, axi
     sorted by global expert, ``counts`` (E,) of them per expert, on the device. Returns
     (M, C): each row's expert output, in x's order. Differentiable (module docstring).
     ``host_counts``: ``counts`` already known on the host, the same on every rank of the
-    group (``moe.balanced_routing``, the rehearsal's): the counts are exchanged as in a
+    group (``moe.modelled_routing``, the rehearsal's): the counts are exchanged as in a
     real step and the splits taken from these instead of read back."""
     n = topo.size(axis)
     E = counts.numel()

@@ -6,20 +6,22 @@ Letters, per tp rank and micro-batch: T = b s / cp tokens (the whole micro-batch
 rank routes all of it, after the sequence-parallel all-gather), E experts, K top-k, S
 shared experts, F the expert FFN width (``moe_ffn_hidden``, split over t = tp), n = ep,
 h hidden, e bytes per activation element, c = 2 FFN matrices for GELU (gpt2), 3 for
-SwiGLU (llama). M = T K the assignments a rank routes (dropless; a capacity factor drops
-some only where an expert overflows, which the imbalance below stands for).
+SwiGLU (llama). M = T K the assignments a rank routes (dropless; a capacity factor C
+keeps at most C T K / E of each expert's: M the kept ones, ``rows``).
 
 Imbalance g (``Runtime.moe_imbalance``, ``--moe-imbalance``; default 1.0): the most-loaded
 expert's assignments over the mean, the ``moe_imbalance`` ``plait train`` logs. The
 default is a balanced router -- the Switch auxiliary loss or DeepSeek-V3's bias keep it
 near 1 once training settles (a few percent above, at the micro-batch level) -- and is
 what the published MoE throughput figures assume; a run measured at 1.3 is priced at
-1.3 by passing it. It is capped by the capacity factor C (an expert takes at most C times
-the mean) and by E / K (an expert cannot take more than every token). The busiest ep
-rank holds the hottest expert, its other E/n - 1 experts sharing the rest evenly, so its
-experts receive R = rho M rows, rho = (n / E) (g + (E/n - 1) (E - g) / (E - 1)): rho = 1
-at n = 1 (every expert on one rank), g at n = E. Every ep rank waits for it (the
-all-to-all that returns its outputs), so a layer costs what the busiest rank does.
+1.3 by passing it; at most E / K (an expert cannot take more than every token). The
+hottest expert is routed g T K / E of a rank's assignments, each other (E - g) / (E - 1)
+T K / E; a capacity factor C keeps at most C T K / E of each (the rest are dropped, not
+sent elsewhere). The busiest ep rank holds the hottest expert and E/n - 1 others, and
+every rank of its group sends it as many, so its experts receive R = n (hot + (E/n - 1)
+cold) rows: R = M at n = 1 (every expert on one rank), n g T K / E at n = E without a
+cap (``rows``). Every ep rank waits for it (the all-to-all that returns its outputs), so
+a layer costs what the busiest rank does.
 
 Compute per MoE layer, forward, on the busiest rank (``mlp_cost``): the router, a
 (T, E, h) GEMM in fp32; the routed experts, E/n GEMMs of R n / E rows each (c h F / t
@@ -58,11 +60,11 @@ experts are dense state. Activations of a MoE layer (``activation_bytes``) repla
 dense MLP's c f / t per token with: the router's fp32 logits and probabilities (2 E 4 per
 token), each routed row's weighted output and fp32 weight (M (h e + 4)), the experts'
 inputs and hidden activations on the busiest rank (R (h + c F / t) e), the shared
-experts' hidden (T c S F / t e). Gradients of expert parameters are reduced over edp
+experts' hidden (T c S F / t e), and the gathers' int64 positions (``index_bytes``: 8 (T K
++ 2 M), + 16 R under ep). Gradients of expert parameters are reduced over edp
 (ranks ep cp tp apart), the dense ones over dp.
 
-Not modelled: overlap of the dispatch with compute, token dropping's saving (the
-capacity factor only caps the imbalance), expert tensor parallelism other than the
+Not modelled: overlap of the dispatch with compute, expert tensor parallelism other than the
 dense MLP's split, the load-balancing statistics' all-reduce over the cp ring (4 (2E + 2)
 bytes per MoE layer and micro-batch under cp), the aux-loss-free bias all-reduce (4 L E
 bytes once a step), and where the trainer places ep groups under cp (blocks of the
@@ -109,23 +111,24 @@ def tokens(cfg: ModelConfig, layout: Layout) -> float:
     return layout.micro_batch_size * cfg.seq_len / layout.cp
 
 
-def load(cfg: ModelConfig, layout: Layout, imbalance: float) -> float:
-    """rho: rows the busiest ep rank's experts receive over the rows a rank routes (module
-    docstring), the imbalance capped by the capacity factor."""
-    E, n = cfg.moe_experts, layout.ep
-    g = imbalance
-    if cfg.moe_capacity_factor is not None:
-        g = max(1.0, min(g, cfg.moe_capacity_factor))
-    if E == 1 or n == 1:
-        return 1.0
-    local = E / n
-    return (g + (local - 1) * (E - g) / (E - 1)) / local
-
-
 def rows(cfg: ModelConfig, layout: Layout, imbalance: float) -> tuple[float, float]:
-    """(M, R): assignments one rank routes, rows the busiest rank's experts receive."""
-    M = tokens(cfg, layout) * cfg.moe_top_k
-    return M, load(cfg, layout, imbalance) * M
+    """(M, R): assignments one rank routes and keeps, rows the busiest rank's experts
+    receive (module docstring). Of a rank's A = T K assignments the hottest expert is
+    routed g A / E, every other (E - g) / (E - 1) A / E; a capacity factor keeps at most
+    C A / E of each (the excess is dropped, not sent elsewhere). The busiest ep rank holds
+    the hottest expert and E/n - 1 others, and every rank of its group sends it as many."""
+    A = tokens(cfg, layout) * cfg.moe_top_k
+    E, n = cfg.moe_experts, layout.ep
+    mean = A / E
+    hot = imbalance * mean
+    cold = (E - imbalance) / (E - 1) * mean if E > 1 else hot
+    if cfg.moe_capacity_factor is not None:
+        cap = cfg.moe_capacity_factor * mean
+        hot, cold = min(hot, cap), min(cold, cap)
+    M = hot + (E - 1) * cold
+    if n == 1:
+        return M, M
+    return M, n * (hot + (E // n - 1) * cold)
 
 
 def layer_bytes(cfg: ModelConfig, layout: Layout, imbalance: float = 1.0) -> LayerBytes:
@@ -259,7 +262,18 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, imbalance: float) -> floa
     c = 2 if cfg.arch == "gpt2" else 3
     F_t = cfg.moe_ffn_hidden / t
     return (T * 2 * cfg.moe_experts * FP32 + M * (cfg.hidden * e + FP32)
-            + R * (cfg.hidden + c * F_t) * e + T * c * cfg.moe_shared_experts * F_t * e)  # fmt: skip
+            + R * (cfg.hidden + c * F_t) * e + T * c * cfg.moe_shared_experts * F_t * e
+            + index_bytes(cfg, layout, M, R))  # fmt: skip
+
+
+def index_bytes(cfg: ModelConfig, layout: Layout, M: float, R: float) -> float:
+    """The int64 positions a MoE layer's gathers keep for their backward (``moe.MoE``): the
+    chosen experts, which the weights' gather keeps (T K); the expert order and the token
+    of each kept row (M each); a capacity factor's mask (T K bools, where it drops); and
+    under ep the received rows' order to the local experts and back (R each)."""
+    A = tokens(cfg, layout) * cfg.moe_top_k
+    out = 8 * (A + 2 * M) + (A if cfg.moe_capacity_factor is not None and M < A else 0)
+    return out + (16 * R if layout.ep > 1 else 0)
 
 
 def stage_moe_layers(cfg: ModelConfig, stage_layers: list[int]) -> list[int]:

@@ -178,13 +178,13 @@ def bytes_per_axis(
         out["cp"] = m * sum(layers for _, layers in chunks) * per_layer
     moe_layers = sum(ep_sim.stage_moe_layers(model, stage_layers)[stage] for stage, _ in chunks)
     if layout.ep > 1 and moe_layers:  # the experts' dispatch (sim/expert.py), balanced
-        nb = ep_sim.layer_bytes(model, layout)
+        nb = ep_sim.layer_bytes(model, layout, runtime.moe_imbalance)
         per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
         out["ep"] = m * moe_layers * per_layer
         first = 0 in (stage for stage, _ in chunks) and model.is_moe_layer(0)
         if lora is not None and first and not set(lora.targets) & {"q", "k", "v", "o"}:
             # nothing below the first block trains: its dispatch's backward is never issued
-            R = ep_sim.rows(model, layout, 1.0)[1]
+            R = ep_sim.rows(model, layout, runtime.moe_imbalance)[1]
             out["ep"] -= m * R * model.hidden * ep_sim.act_bytes(layout)
     moe = ep_sim.stage_moe_layers(model, stage_layers)
     groups = [(sum(stage_params(model, layout, layers, stage == 0, stage == S - 1, moe[stage])
