@@ -232,6 +232,41 @@ def test_moe_rehearses_routed_as_modelled_and_holds_the_models_layer(tmp_path, k
             assert want is not None and abs(got - want) <= 1e-9 * want, (axis, got, want)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{"kv_heads": 1, "tp": 2, "sequence_parallel": True, "global_batch_size": 4},
+     {"cp": 2, "cp_mode": "a2a", "global_batch_size": 2},
+     {"arch": "gpt2", "tp": 2, "dp": 2, "zero": 3, "global_batch_size": 8},
+     {"lora_rank": 16, "lora_targets": "q,k,v,o,up,gate,down", "dp": 2,
+      "global_batch_size": 8}],
+    ids=["kv-replicated", "ulysses", "gpt2-tp2-zero3", "lora"],
+)  # fmt: skip
+def test_a_block_is_the_models_in_layouts_found_by_a_sweep(tmp_path, kw):
+    """Layouts a sweep of small rehearsals (2 and 4 layers, h 128, 256 tokens) found off the
+    model, each fixed in the model: a block's activations within 1 %, every axis's bytes
+    equal. Fewer key / value heads than tp ranks: each rank holds a replicated head, the
+    model counted K / t (1.037; ``sizes.activation_bytes_per_layer``, and
+    ``sizes.layer_params_per_rank`` for the weights). Ulysses: the attention output is
+    kept twice, head-split by the core and sequence-split by the o projection (1.046).
+    GPT-2 at tp 2 under ZeRO-3: the column-parallel biases are split, not whole (dp bytes
+    x0.9974: ``memory.stage_params``). LoRA: each adapter keeps its rank-r product (r 16
+    on all seven linears: 1.056, now 1.0065). Catches any of them coming back."""
+    from plait.commands.train import build_run_config
+
+    got = {}
+    for layers in (2, 4):
+        values = {"model": "tiny", "arch": "llama", "hidden": 128, "heads": 4, "seq_len": 256,
+                  "dtype": "bf16", "out": str(tmp_path / str(layers)), **kw, "layers": layers}  # fmt: skip
+        cfg = build_run_config(values)
+        got[layers] = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)
+    g4, w4, _ = got[4]["memory"][rehearse.ACT_PEAK]
+    g2, w2, _ = got[2]["memory"][rehearse.ACT_PEAK]
+    assert abs((g4 - g2) / (w4 - w2) - 1) <= 0.01, (g4 - g2, w4 - w2)
+    for c in got.values():
+        for axis, (b, want, _) in c["bytes"].items():
+            assert want is not None and abs(b - want) <= 1e-9 * want, (axis, b, want)
+
+
 def test_zero3_rehearsal_holds_the_shards_not_the_meta_model(tmp_path):
     """--dp 2 --zero 3, built on meta: after the build the rank holds its parameter
     shards and their AdamW moments -- the performance model's figures, byte for byte --

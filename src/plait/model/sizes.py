@@ -96,6 +96,29 @@ def layer_params(cfg: ModelConfig) -> int:
     return n
 
 
+def layer_params_per_rank(cfg: ModelConfig, tp: int) -> float:
+    """Parameters of one block a tp rank holds: q, o and the MLP's weights split t ways,
+    with the biases inside the column-parallel layers (q, k, v, the MLP's first); k and v
+    by heads, max(K / t, 1) of them (replicated where there are fewer than t); the norms and
+    the biases added after a tp reduction (o's, the MLP's last) whole. ``layer_params`` at
+    t = 1."""
+    h, t = cfg.hidden, tp
+    kv = cfg.head_dim * max(cfg.n_kv_heads / t, 1.0)  # a rank's k (or v) width
+    c = 2 if cfg.arch == "gpt2" else 3
+    n = 2 * h * cfg.q_dim / t + 2 * h * kv + c * h * cfg.ffn_hidden / t
+    if cfg.biases:
+        n += h / t + 2 * kv + h  # q, k, v biases split as their weights; o's whole
+        n += cfg.ffn_hidden / t + h  # the MLP's first bias split, its last whole
+        n += 2 * 2 * h  # two LayerNorms, weight and bias
+    else:
+        n += 2 * h  # two RMSNorm weights
+    if cfg.qkv_bias:
+        n += cfg.q_dim / t + 2 * kv
+    if cfg.qk_norm:
+        n += 2 * cfg.head_dim
+    return n
+
+
 def layer_tensors(cfg: ModelConfig) -> int:
     """Parameter tensors of one block as plait builds it (separate q, k, v)."""
     if cfg.biases:
@@ -249,7 +272,9 @@ def activation_bytes_per_layer(
     """
     s = cfg.seq_len if seq_len is None else seq_len
     tokens = micro_batch_size * s
-    h, kv, e = cfg.hidden, cfg.kv_dim, act_bytes
+    # k and v: each tp rank holds max(K / t, 1) key / value heads -- replicated where there
+    # are fewer than t (``Attention``): head_dim max(K, t) / t of them a token
+    h, kv, e = cfg.hidden, cfg.head_dim * max(cfg.n_kv_heads, tp), act_bytes
     r = act_bytes if residual_bytes is None else residual_bytes
     masks = cfg.dropout > 0
     split_all = tp if sequence_parallel else 1

@@ -21,7 +21,7 @@ GROUPS = {
     ("fsdp", "a100"): (19, 0.0474, 0.1239, "mosaic2_a100_30b_s2048_8"),
     ("fsdp", "h100"): (15, 0.0766, -0.1463, "ibmfsdp_h100_7B"),
     ("fsdp2", "a100"): (3, 0.0295, -0.0691, "titan_a100_llama2-13b_bs2_none"),
-    ("megatron-core", "h100"): (9, 0.0728, 0.2739, "mlm_readme_h100_32B"),
+    ("megatron-core", "h100"): (9, 0.0728, 0.2736, "mlm_readme_h100_32B"),
     ("megatron-deepspeed", "a100"): (32, 0.0662, -0.2041, "bloom_jz_181b_dp8_tp8_pp6_mbs4_gbs1568"),
     ("megatron-lm", "a100"): (16, 0.0225, 0.0863, "ntk21_t1_4"),
     ("megatron-lm-2022", "a100"): (9, 0.0396, 0.0901, "kort22_1t_full"),

@@ -99,8 +99,7 @@ def stage_params(
     of them MoE blocks, less their routed experts (``expert.expert_params``: sharded over
     another group)."""
     t = layout.tp
-    n = layers * (sizes.layer_matmul_params(cfg) / t + sizes.layer_params(cfg))
-    n -= layers * sizes.layer_matmul_params(cfg)  # norms and biases stay replicated
+    n = layers * sizes.layer_params_per_rank(cfg, t)
     n += moe_layers * ep_sim.dense_part_extra(cfg, layout)
     vh = cfg.vocab_size * cfg.hidden / t
     if first:
@@ -196,14 +195,16 @@ def lora_dropped_inputs(cfg: ModelConfig, layout: Layout, lora) -> float:
 
 def chunk_activation_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, moe_layers: int = 0,
-    lora=None,
+    lora=None, first: bool = False,
 ) -> tuple[float, float]:  # fmt: skip
     """(bytes its blocks hold per in-flight micro-batch, of which kept until W). With cp,
     of the s / cp tokens a rank holds, and no scores (module docstring). ``moe_layers`` of
     the ``layers`` are MoE blocks (``expert.activation_bytes`` for their MLP). ``lora``
     (a ``LoRAConfig``): a frozen linear keeps no input for a weight gradient, so the
     inputs only the base's weight gradients kept go unless an adapter on that linear
-    keeps them (``lora_dropped_inputs``)."""
+    keeps them (``lora_dropped_inputs``). ``first``: the chunk holds the model's first
+    block, whose attention under LoRA without an attention adapter sees nothing that
+    trains (the embedding is frozen) and keeps nothing at all."""
     e = ACT_BYTES[layout.dtype]
     b, t, s = layout.micro_batch_size, layout.tp, cfg.seq_len // layout.cp
     per_layer = sizes.activation_bytes_per_layer(
@@ -224,10 +225,28 @@ def chunk_activation_bytes(
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
+    adapters = 0.0
     if lora is not None and layout.recompute != "full":
         dropped = tokens * e * lora_dropped_inputs(cfg, layout, lora)
         per_layer, w_keep = per_layer - dropped, max(0.0, w_keep - dropped)
+        # each adapter keeps its rank-r product (B's input: T r, a partial sum beside a
+        # row-parallel layer), the dense MLP's targets in dense blocks only
+        mlp = sum(1 for x in lora.targets if x in ("up", "gate", "down"))
+        adapters = tokens * e * lora.rank * len(lora.targets)
+        per_layer += adapters
+        adapters = tokens * e * lora.rank * mlp  # (what a MoE block has not: below)
     held, keep = layers * per_layer, layers * w_keep
+    if first and layers and lora is not None and layout.recompute != "full":
+        if not set(lora.targets) & {"q", "k", "v", "o"}:  # block 0's attention: no graph
+            kv = cfg.head_dim * max(cfg.n_kv_heads, t)  # (as activation_bytes_per_layer)
+            core = 4 * cfg.n_heads  # fused attention's log-sum-exp
+            held -= tokens * (cfg.hidden * residual_bytes(layout) / split_all
+                              + ((2 * cfg.q_dim + 2 * kv) * e + core) / t)  # fmt: skip
+    if layout.cp > 1 and layout.cp_mode == "a2a" and layout.recompute == "none":
+        # Ulysses: the attention's output is kept twice -- head-split over the whole
+        # sequence by the core, sequence-split by the o projection after the all-to-all
+        # back (one storage where they are one tensor; selective recomputes the core)
+        held += layers * tokens * e * cfg.q_dim / t
     if moe_layers and layout.recompute != "full":  # the routed MLP's in place of the dense
         dense_mlp = tokens * (2 if cfg.arch == "gpt2" else 3) * cfg.ffn_hidden / t * e
         routed = ep_sim.activation_bytes(cfg, layout, runtime.moe_imbalance)
@@ -235,7 +254,7 @@ def chunk_activation_bytes(
         M, R = ep_sim.rows(cfg, layout, runtime.moe_imbalance)
         F_t = cfg.moe_ffn_hidden / t  # W keeps the experts' inputs and last GEMMs' inputs
         if lora is not None:
-            held -= moe_layers * lora_moe_dropped(cfg, layout, lora, M, R, tokens)
+            held -= moe_layers * (lora_moe_dropped(cfg, layout, lora, M, R, tokens) + adapters)
         moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
         keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
     return held, min(keep, held)
@@ -340,7 +359,7 @@ def memory_per_rank(
     a compiled schedule, each rank holds ``schedules.in_flight_bound`` micro-batches of
     its average chunk (exact for even stages). ``lora`` (a ``LoRAConfig``): the base is
     frozen -- weights only, sharded under ZeRO-3 -- and the adapters carry gradients and
-    optimizer state (their activations are not added)."""
+    optimizer state (each keeps its rank-r product: ``chunk_activation_bytes``)."""
     p, v = layout.pp, layout.vpp
     last_stage = p * v - 1
     w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
@@ -355,7 +374,8 @@ def memory_per_rank(
             layers = stage_layers[stage]
             n += stage_params(cfg, layout, layers, stage == 0, stage == last_stage, moe[stage])
             x += moe[stage] * ep_sim.expert_params(cfg, layout)
-            held, keep = chunk_activation_bytes(cfg, layout, runtime, layers, moe[stage], lora)
+            held, keep = chunk_activation_bytes(cfg, layout, runtime, layers, moe[stage], lora,
+                                                first=stage == 0)  # fmt: skip
             row.append((held + (head if stage == last_stage else 0.0), keep))
         weights.append(tuple(row))
         heads.append(head if rank == last_stage % p else 0.0)
