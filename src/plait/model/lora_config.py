@@ -61,6 +61,12 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def adapts_attention(self) -> bool:
+        """Whether a target is in the attention (q, k, v, o): without one, nothing in the
+        first block's attention trains, nor anything below it (the embedding is frozen)."""
+        return bool(set(self.targets) & {"q", "k", "v", "o"})
+
     def check_model(self, cfg: ModelConfig) -> None:
         """ValueError (one line) if a target does not exist in ``cfg``'s flavour."""
         for t in self.targets:

@@ -433,7 +433,7 @@ class MoE(nn.Module):
         E, K = self.cfg.moe_experts, self.cfg.moe_top_k
         pieces, start = [], 0
         for e, (c, k) in enumerate(zip(counts, kept)):
-            if len(set(counts)) == 1 or _MODELLED == 1.0:  # expert j mod E: j = e + E i
+            if _MODELLED == 1.0:  # balanced, expert j mod E: j = e + E i
                 pieces.append(torch.arange(e, e + E * k, E, device=device))
             else:  # laid out by expert, dealt a slot at a time: p = k N + t is t K + k
                 p = torch.arange(start, start + k, device=device)
@@ -452,7 +452,7 @@ class MoE(nn.Module):
             topo, axis = self.ep
             hot = topo.coord(axis) * (E // topo.size(axis))
         counts = modelled_counts(N * K, E, _MODELLED, hot)
-        if len(set(counts)) == 1 or _MODELLED == 1.0:
+        if _MODELLED == 1.0:
             idx = torch.arange(N * K, device=device) % E  # balanced: expert j mod E
             return idx.view(N, K), counts
         ends = torch.tensor(counts, device=device).cumsum(0)[:-1]

@@ -237,7 +237,7 @@ def chunk_activation_bytes(
         adapters = tokens * e * lora.rank * mlp  # (what a MoE block has not: below)
     held, keep = layers * per_layer, layers * w_keep
     if first and layers and lora is not None and layout.recompute != "full":
-        if not set(lora.targets) & {"q", "k", "v", "o"}:  # block 0's attention: no graph
+        if not lora.adapts_attention:  # block 0's attention: no graph
             kv = cfg.head_dim * max(cfg.n_kv_heads, t)  # (as activation_bytes_per_layer)
             core = 4 * cfg.n_heads  # fused attention's log-sum-exp
             held -= tokens * (cfg.hidden * residual_bytes(layout) / split_all

@@ -58,7 +58,7 @@ def lora_skipped_entries(lora) -> int:
     gradient of its input -- the attention's entry (f's all-reduce, or sequence
     parallelism's reduce-scatter) is skipped whatever the targets, and the MLP's too when
     the block's attention has no adapter (nothing before the MLP then needs a gradient)."""
-    return 1 if set(lora.targets) & {"q", "k", "v", "o"} else 2
+    return 1 if lora.adapts_attention else 2
 
 
 def regathered_groups(lora, model: ModelConfig) -> tuple[int, int, int]:
@@ -182,7 +182,7 @@ def bytes_per_axis(
         per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
         out["ep"] = m * moe_layers * per_layer
         first = 0 in (stage for stage, _ in chunks) and model.is_moe_layer(0)
-        if lora is not None and first and not set(lora.targets) & {"q", "k", "v", "o"}:
+        if lora is not None and first and not lora.adapts_attention:
             # nothing below the first block trains: its dispatch's backward is never issued
             R = ep_sim.rows(model, layout, runtime.moe_imbalance)[1]
             out["ep"] -= m * R * model.hidden * ep_sim.act_bytes(layout)
