@@ -204,8 +204,10 @@ def test_moe_rehearses_routed_as_modelled_and_holds_the_models_layer(tmp_path, k
     the model's -- the experts' all-to-alls counted on ep, the routing table in the step's
     statistics. Measured a block: 1.0005 (dp 4 ep 2), 1.0008 (capacity 1.25), 1.0020 (g
     1.75, capacity 1.5: the hot expert cut to 1.5), 1.0036 (capacity 0.5: every expert
-    cut), 1.0007 (LoRA on q, v), 1.0000 (tp 2 sp, shared experts), 1.0067 (LoRA on the
-    shared experts' up), 1.0058 (ZeRO-3, adapters on the experts), 1.0016 (gpt2: biases, GELU).
+    cut), 1.0007 (LoRA on q, v), 1.0000 (tp 2 sp, shared experts), 1.0013 (LoRA on the
+    shared experts' up), 1.0012 (ZeRO-3, adapters on the experts), 1.0016 (gpt2: biases,
+    GELU); the two with expert adapters 1.006-1.007 before their rank-r products were
+    counted (``memory.chunk_activation_bytes``).
 
     What each once was: 1.39 at first -- autocast cast each expert's weights per
     micro-batch (now once a step, ``tensor.step_cast``), the experts' SwiGLU kept

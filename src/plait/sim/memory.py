@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
+from plait.model.lora_config import EXPERT_TARGETS
 from plait.parallel.pipeline.schedules import in_flight_bound
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
@@ -255,6 +256,12 @@ def chunk_activation_bytes(
         F_t = cfg.moe_ffn_hidden / t  # W keeps the experts' inputs and last GEMMs' inputs
         if lora is not None:
             held -= moe_layers * (lora_moe_dropped(cfg, layout, lora, M, R, tokens) + adapters)
+            # the experts' adapters' rank-r products: the busiest rank's R rows (and every
+            # token through the shared experts) per adapted expert weight
+            block = "gpt2" if cfg.arch == "gpt2" else "llama"
+            on = sum(1 for x in lora.targets if block in EXPERT_TARGETS.get(x, {}))
+            rows = R + (tokens if cfg.moe_shared_experts else 0)
+            held += moe_layers * on * rows * lora.rank * e
         moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
         keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
     return held, min(keep, held)
