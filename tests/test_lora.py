@@ -267,8 +267,8 @@ def test_simulator_and_info_count_the_frozen_base():
     """``plait simulate`` / ``plait info`` with --lora-rank: weights of base + adapters,
     gradients and AdamW state of the adapters only (tp 2: each rank's split of them), and
     the activations of the base plus each adapter's rank-r product (T r a token and
-    adapter). Catches adapters counted as full weights, a frozen base given gradients, and
-    the adapters' own activations dropped again."""
+    adapter), less the frozen head's input. Catches adapters counted as full weights, a
+    frozen base given gradients, and the adapters' own activations dropped again."""
     from plait.layout import Layout
     from plait.sim.costs import ACT_BYTES
     from plait.sim.hardware import get_hardware
@@ -283,9 +283,10 @@ def test_simulator_and_info_count_the_frozen_base():
     assert tuned.grads == pytest.approx(4 * adapters)
     assert tuned.optimizer == pytest.approx(8 * adapters)
     assert tuned.weights == pytest.approx(full.weights + 4 * adapters)
-    # every linear adapted: no input dropped; each adapter keeps its rank-8 product
-    tokens = lay.micro_batch_size * cfg.seq_len
-    kept = cfg.n_layers * 7 * tokens * 8 * ACT_BYTES[lay.dtype]
+    # every linear adapted: no input dropped; each adapter keeps its rank-8 product; the
+    # frozen head keeps no input
+    tokens, e = lay.micro_batch_size * cfg.seq_len, ACT_BYTES[lay.dtype]
+    kept = cfg.n_layers * 7 * tokens * 8 * e - tokens * cfg.hidden * e
     assert tuned.activations == pytest.approx(full.activations + kept)
 
 

@@ -165,13 +165,15 @@ def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str
                             expert_adapters=routed_adapters)  # fmt: skip
 
 
-def last_stage_buffers(cfg: ModelConfig, layout: Layout) -> float:
+def last_stage_buffers(cfg: ModelConfig, layout: Layout, lora=None) -> float:
     """Bytes the last stage keeps per micro-batch in flight for the final norm, the head
     and the loss: T (h (r + e) + V / t (e + 4)), r the residual stream's bytes (the final
-    norm's input; ``costs.residual_bytes``)."""
+    norm's input; ``costs.residual_bytes``). Under LoRA (``lora``) the head is frozen and
+    keeps no input (h e) for a weight gradient."""
     e, r = ACT_BYTES[layout.dtype], residual_bytes(layout)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-    return tokens * (cfg.hidden * (r + e) + cfg.vocab_size / layout.tp * (e + 4))
+    head_input = 0 if lora is not None else e
+    return tokens * (cfg.hidden * (r + head_input) + cfg.vocab_size / layout.tp * (e + 4))
 
 
 def lora_dropped_inputs(cfg: ModelConfig, layout: Layout, lora) -> float:
@@ -372,7 +374,7 @@ def memory_per_rank(
     w_bytes, g_bytes, o_bytes = runtime.state_bytes(layout.dtype)
     weights, heads, params, adapters, experts = [], [], [], [], []
     routed_adapters = []
-    head = last_stage_buffers(cfg, layout)
+    head = last_stage_buffers(cfg, layout, lora)
     moe = ep_sim.stage_moe_layers(cfg, stage_layers)
     for rank in range(p):
         row, n, x = [], 0.0, 0.0
