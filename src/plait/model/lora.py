@@ -212,10 +212,16 @@ def _apply_expert_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: in
     return adapted
 
 
+def expert_targets(model_cfg: ModelConfig, cfg: LoRAConfig) -> int:
+    """How many of ``cfg``'s targets are weights of ``model_cfg``'s stacked experts (its
+    flavour's: gpt2 experts have no gate)."""
+    block = "gpt2" if model_cfg.arch == "gpt2" else "llama"
+    return sum(1 for t in cfg.targets if block in EXPERT_TARGETS.get(t, {}))
+
+
 def touches_experts(model_cfg: ModelConfig, cfg: LoRAConfig) -> bool:
     """Whether ``cfg`` adapts the stacked experts of ``model_cfg``'s MoE layers."""
-    block = "gpt2" if model_cfg.arch == "gpt2" else "llama"
-    return model_cfg.moe and any(block in EXPERT_TARGETS.get(t, {}) for t in cfg.targets)
+    return model_cfg.moe and expert_targets(model_cfg, cfg) > 0
 
 
 def is_adapter(name: str) -> bool:
@@ -284,9 +290,8 @@ def stage_adapters(model_cfg: ModelConfig, cfg: LoRAConfig, *, tp: int, ep: int,
     if not touches_experts(model_cfg, cfg):
         n = layers * adapter_params_per_layer(model_cfg, cfg, tp)
         return StageAdapters(n, 0.0, layers * len(cfg.targets) * r * h)
-    block = "gpt2" if model_cfg.arch == "gpt2" else "llama"
     attention = tuple(t for t in cfg.targets if t not in EXPERT_TARGETS)
-    mlp = sum(1 for t in cfg.targets if block in EXPERT_TARGETS.get(t, {}))
+    mlp = expert_targets(model_cfg, cfg)
     ffn, S = model_cfg.moe_ffn_hidden, model_cfg.moe_shared_experts
     local = model_cfg.moe_experts / ep
 

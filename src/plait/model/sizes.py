@@ -96,6 +96,12 @@ def layer_params(cfg: ModelConfig) -> int:
     return n
 
 
+def kv_width_per_rank(cfg: ModelConfig, tp: int) -> float:
+    """Width of a tp rank's k (or v): max(K / t, 1) heads of ``head_dim`` -- a kv head is
+    replicated where there are fewer than t (``Attention``)."""
+    return cfg.head_dim * max(cfg.n_kv_heads / tp, 1.0)
+
+
 def layer_params_per_rank(cfg: ModelConfig, tp: int) -> float:
     """Parameters of one block a tp rank holds: q, o and the MLP's weights split t ways,
     with the biases inside the column-parallel layers (q, k, v, the MLP's first); k and v
@@ -103,7 +109,7 @@ def layer_params_per_rank(cfg: ModelConfig, tp: int) -> float:
     the biases added after a tp reduction (o's, the MLP's last) whole. ``layer_params`` at
     t = 1."""
     h, t = cfg.hidden, tp
-    kv = cfg.head_dim * max(cfg.n_kv_heads / t, 1.0)  # a rank's k (or v) width
+    kv = kv_width_per_rank(cfg, t)
     c = 2 if cfg.arch == "gpt2" else 3
     n = 2 * h * cfg.q_dim / t + 2 * h * kv + c * h * cfg.ffn_hidden / t
     if cfg.biases:
@@ -272,9 +278,8 @@ def activation_bytes_per_layer(
     """
     s = cfg.seq_len if seq_len is None else seq_len
     tokens = micro_batch_size * s
-    # k and v: each tp rank holds max(K / t, 1) key / value heads -- replicated where there
-    # are fewer than t (``Attention``): head_dim max(K, t) / t of them a token
-    h, kv, e = cfg.hidden, cfg.head_dim * max(cfg.n_kv_heads, tp), act_bytes
+    # k and v: a tp rank's width (``kv_width_per_rank``), times t as the sum below divides
+    h, kv, e = cfg.hidden, kv_width_per_rank(cfg, tp) * tp, act_bytes
     r = act_bytes if residual_bytes is None else residual_bytes
     masks = cfg.dropout > 0
     split_all = tp if sequence_parallel else 1

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
-from plait.model.lora_config import EXPERT_TARGETS
 from plait.parallel.pipeline.schedules import in_flight_bound
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
@@ -228,23 +227,22 @@ def chunk_activation_bytes(
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
-    adapters = 0.0
+    mlp_adapters = 0.0  # the dense MLP's adapters' products, which a MoE block has not
     if lora is not None and layout.recompute != "full":
         dropped = tokens * e * lora_dropped_inputs(cfg, layout, lora)
         per_layer, w_keep = per_layer - dropped, max(0.0, w_keep - dropped)
         # each adapter keeps its rank-r product (B's input: T r, a partial sum beside a
         # row-parallel layer), the dense MLP's targets in dense blocks only
+        per_layer += tokens * e * lora.rank * len(lora.targets)
         mlp = sum(1 for x in lora.targets if x in ("up", "gate", "down"))
-        adapters = tokens * e * lora.rank * len(lora.targets)
-        per_layer += adapters
-        adapters = tokens * e * lora.rank * mlp  # (what a MoE block has not: below)
+        mlp_adapters = tokens * e * lora.rank * mlp
     held, keep = layers * per_layer, layers * w_keep
     if first and layers and lora is not None and layout.recompute != "full":
         if not lora.adapts_attention:  # block 0's attention: no graph
-            kv = cfg.head_dim * max(cfg.n_kv_heads, t)  # (as activation_bytes_per_layer)
+            kv = sizes.kv_width_per_rank(cfg, t)
             core = 4 * cfg.n_heads  # fused attention's log-sum-exp
             held -= tokens * (cfg.hidden * residual_bytes(layout) / split_all
-                              + ((2 * cfg.q_dim + 2 * kv) * e + core) / t)  # fmt: skip
+                              + (2 * cfg.q_dim * e + core) / t + 2 * kv * e)  # fmt: skip
     if layout.cp > 1 and layout.cp_mode == "a2a" and layout.recompute == "none":
         # Ulysses: the attention's output is kept twice -- head-split over the whole
         # sequence by the core, sequence-split by the o projection after the all-to-all
@@ -257,13 +255,13 @@ def chunk_activation_bytes(
         M, R = ep_sim.rows(cfg, layout, runtime.moe_imbalance)
         F_t = cfg.moe_ffn_hidden / t  # W keeps the experts' inputs and last GEMMs' inputs
         if lora is not None:
-            held -= moe_layers * (lora_moe_dropped(cfg, layout, lora, M, R, tokens) + adapters)
+            held -= moe_layers * (lora_moe_dropped(cfg, layout, lora, M, R, tokens) + mlp_adapters)
             # the experts' adapters' rank-r products: the busiest rank's R rows (and every
             # token through the shared experts) per adapted expert weight
-            block = "gpt2" if cfg.arch == "gpt2" else "llama"
-            on = sum(1 for x in lora.targets if block in EXPERT_TARGETS.get(x, {}))
+            from plait.model.lora import expert_targets
+
             rows = R + (tokens if cfg.moe_shared_experts else 0)
-            held += moe_layers * on * rows * lora.rank * e
+            held += moe_layers * expert_targets(cfg, lora) * rows * lora.rank * e
         moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
         keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
     return held, min(keep, held)
