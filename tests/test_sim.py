@@ -828,6 +828,62 @@ def test_compute_by_kind_adds_up_to_the_compute(recompute, arch):
         )
 
 
+def _recomputed_linear_share(cfg) -> float:
+    """FLOPs of the linear layers a plait model's full recomputation runs again, over its
+    blocks' forward linear FLOPs, counted by ``FlopCounterMode`` (the head is not in a
+    checkpointed block, so the difference of the two runs is the recomputation's)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from plait.model.transformer import build_model
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    linear = ("aten.mm", "aten.addmm", "aten.bmm")
+
+    def count(recompute, backward=True):
+        model = build_model(cfg, seed=1, recompute=recompute)
+        with FlopCounterMode(display=False) as fc:
+            if backward:
+                model(ids[:, :-1], ids[:, 1:]).mean().backward()
+            else:
+                with torch.no_grad():
+                    model(ids[:, :-1], ids[:, 1:])
+        return sum(v for k, v in fc.get_flop_counts()["Global"].items() if str(k) in linear)
+
+    head = 2 * ids[:, :-1].numel() * cfg.hidden * cfg.vocab_size
+    return (count("full") - count("none")) / (count("none", backward=False) - head)
+
+
+@pytest.mark.parametrize("arch, dropout", [("llama", 0.0), ("gpt2", 0.0), ("llama", 0.1)])
+def test_full_recomputation_reruns_what_plaits_checkpointed_block_reruns(arch, dropout):
+    """plait checkpoints a block with ``use_reentrant=False``, which stops the recomputation
+    at the block's last saved tensor: the down projection's input, packed before that
+    GEMM runs, so the down projection is not run again (unless dropout after the MLP
+    saves a mask last). The model's recomputed GEMM time, at GEMM times proportional to
+    FLOPs, is the share ``FlopCounterMode`` counts in the real model's backward. Catches
+    pricing the whole forward again (the 4/3 textbook) for a runtime that stops early, or
+    stopping early where the block does not; and, through the Megatron profile, skipping
+    for a runtime whose reentrant checkpoint reruns everything."""
+    cfg = preset("tiny", arch=arch, dropout=dropout)
+    measured = _recomputed_linear_share(cfg)
+    flat = A100.replace(  # every GEMM at one rate, none memory-bound: time is FLOPs
+        efficiency=replace(A100.efficiency, gemm_half_k=0, gemm_half_flops=0),
+        memory_bandwidth=1e30,
+    )
+    layout = Layout(global_batch_size=2, micro_batch_size=2, dtype="bf16")
+
+    def modelled(runtime):
+        gemm = {}
+        for recompute in ("none", "full"):
+            lc = costs.layer_cost(cfg, replace(layout, recompute=recompute), flat, runtime)
+            gemm[recompute] = dict(lc.kinds)["gemm"]
+        return 3 * (gemm["full"] - gemm["none"]) / gemm["none"]  # F, BI, W: a forward each
+
+    assert modelled(PROFILES["plait"]) == pytest.approx(measured, rel=1e-6)
+    assert modelled(PROFILES["megatron-core"]) == pytest.approx(1.0, rel=1e-6)
+    assert (measured < 0.8) == (dropout == 0.0)  # the down projection is a fifth or more
+
+
 def test_negative_gemm_saturation_is_refused():
     """A hardware file's ``gemm_half_k`` or ``gemm_half_flops`` below zero is refused when
     the efficiency is built (the check sat after a ``return``, unreachable: a negative

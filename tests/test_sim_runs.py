@@ -104,8 +104,8 @@ def test_the_printed_accuracy_is_the_current_models(held_out, capsys):
     from plait.cli import main
     from plait.sim import held_out as figures
 
-    def same(stored, fresh):  # the figures are rounded to 4 places: a last-digit tie may fall
-        n, mean, worst, row = stored  # either way on another platform's floating point
+    def same(stored, fresh):  # the figures are rounded to 6 places (the CLI's 1-decimal
+        n, mean, worst, row = stored  # percent then rounds as the fresh figure does)
         return (n, row) == (fresh[0], fresh[3]) and mean == pytest.approx(fresh[1], abs=2e-4) \
             and worst == pytest.approx(fresh[2], abs=2e-4)  # fmt: skip
 

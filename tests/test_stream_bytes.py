@@ -12,6 +12,8 @@ not 4 h), so a coefficient that only fits one shape fails here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,7 +193,9 @@ def test_weight_gradient_casts_by_runtime():
                         zero=zero, dp=dp, tp=tp)  # fmt: skip
         return costs.weight_stream_bytes(cfg, layout, PROFILES[runtime]) / (n / tp)
 
-    assert per_weight("fsdp") == per_weight("fsdp2", m=4, zero=3) == 6.0
+    # (FSDP2 and plait copy each gathered weight out, 2 x (2 + 2) bytes a micro-batch
+    # under ZeRO-3: the test below)
+    assert per_weight("fsdp") == per_weight("fsdp2", m=4, zero=3) - 8.0 == 6.0
     assert per_weight("fsdp", tp=2) == 6.0  # each tp rank casts its own slice
     assert per_weight("fsdp2", dtype="fp32") == 0.0
     # FSDP1 also divides the fp32 unsharded gradient before reduce-scattering it, when
@@ -201,7 +205,7 @@ def test_weight_gradient_casts_by_runtime():
     assert per_weight("megatron-core") == per_weight("megatron-lm") == 0.0
     assert per_weight("plait", m=1) == pytest.approx(6 + 6)
     assert per_weight("plait", m=4) == pytest.approx(6 + 12 * 3 / 4 + 6 / 4)
-    assert per_weight("plait", m=4, zero=3) == pytest.approx(6 + 12 * 3 / 4)
+    assert per_weight("plait", m=4, zero=3) == pytest.approx(6 + 12 * 3 / 4 + 8)
 
 
 GPT3 = preset("gpt3-175b")
@@ -235,3 +239,36 @@ def test_deepspeed_optimizers_by_dtype():
     link = a100.intra_node
     assert grad["fp16"] == pytest.approx(collectives.reduce_scatter_time(2e9, 8, link))
     assert grad["bf16"] == pytest.approx(collectives.all_reduce_time(4e9, 8, link))
+
+
+def test_a_zero3_gather_copies_each_weight_out_as_the_model_prices_it():
+    """``Runtime.gather_copy_out``: after a ZeRO-3 all-gather, plait copies each parameter
+    out of the rank-major buffer (``FlatLayout.unpack``) and FSDP2 does the same
+    (``split_with_sizes_copy`` in ``foreach_all_gather_copy_out``); the model prices 2 x the
+    gathered dtype's bytes a weight per gather, two gathers a micro-batch, for those
+    runtimes and none for FSDP1 (its flat parameter is gathered in place). Counted here on
+    one of plait's blocks' weights, gathered over 4 ranks in bf16. Breaks caught: a
+    copy-out left unpriced or priced in the wrong dtype, or a gather that stops copying
+    (then the term must go)."""
+    from plait.parallel.flat import FlatLayout
+
+    cfg = preset("tiny", arch="llama", hidden=256, n_heads=4, ffn_hidden=704)
+    block = next(iter(transformer.build_model(cfg).blocks.values()))
+    weights = [p for p in block.parameters() if p.dim() == 2]
+    layout = FlatLayout.of(weights, n=4)
+    gathered = torch.zeros(layout.numel, dtype=torch.bfloat16)
+    dests = [torch.empty_like(w, dtype=torch.bfloat16) for w in weights]
+    counted = StreamBytes()
+    with counted:
+        layout.unpack(gathered, dests)
+    one_gather = counted.memory_bound()
+
+    zero3 = Layout(global_batch_size=4, micro_batch_size=1, dp=4, zero=3, dtype="bf16")
+    for name, copies in (("plait", True), ("fsdp2", True), ("fsdp", False)):
+        rt = PROFILES[name]
+        assert rt.gather_copy_out == copies, name
+        without = dataclasses.replace(rt, gather_copy_out=False)
+        extra = costs.weight_stream_bytes(cfg, zero3, rt) - costs.weight_stream_bytes(
+            cfg, zero3, without
+        )
+        assert extra == pytest.approx(2 * one_gather if copies else 0.0, rel=1e-9), name

@@ -211,6 +211,8 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
       autograd's accumulation of the fp16 gradient from the second micro-batch on (6);
     - FSDP1's division of each micro-batch's unsharded gradient before its reduce-scatter
       (``grad_predivide``: 4 + 4 bytes in fp32), in any dtype;
+    - under ZeRO-3, each gathered weight copied out of the gather's buffer
+      (``gather_copy_out``: read and write, at the forward's and the backward's gather);
     - nothing for Megatron, which accumulates in fp32 inside the weight-gradient GEMM.
 
     ``moe``: the experts' weights this rank holds in place of the dense MLP's
@@ -225,6 +227,8 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
             per = 18.0 if layout.dtype == "bf16" else 6 * (m - 1) / m
     if runtime.grad_predivide and layout.dp > 1:  # read and write, in the reduce dtype
         per += 2 * runtime.grad_comm_bytes(layout.dtype)
+    if runtime.gather_copy_out and layout.zero >= 3 and layout.dp > 1:
+        per += 2 * 2 * runtime.param_comm_bytes(layout.dtype)  # two gathers, read + write
     if per == 0.0:
         return 0.0
     n = sizes.layer_matmul_params(cfg) / layout.tp
@@ -385,12 +389,14 @@ def layer_cost(
     # reduce-scatter with sequence parallelism), each of T h bytes-per-element: the
     # entries (f) in the residual stream's dtype r, the exits (g) in e (``residual_bytes``).
     fwd_tp = bwd_tp = 0.0
+    down_exit = 0.0  # of fwd_tp, the MLP's exit (after its down projection)
     if t > 1:
         link = group_link(hw, t, 1)
         nbytes, rbytes = T * h * e, T * h * residual_bytes(layout)
         if sp:
             ag, rs = all_gather_time(rbytes, t, link), reduce_scatter_time(nbytes, t, link)
             rs_in, ag_out = reduce_scatter_time(rbytes, t, link), all_gather_time(nbytes, t, link)
+            down_exit = max(0.0, rs - lin[3][0]) if runtime.overlap_tp_comm else rs
             if runtime.overlap_tp_comm:  # each hides behind the GEMM next to it
                 fwd_tp = sum(
                     max(0.0, c - g)
@@ -416,7 +422,8 @@ def layer_cost(
                     else:
                         bwd_tp += 2 * again
         else:
-            fwd_tp = 2 * all_reduce_time(nbytes, t, link)
+            down_exit = all_reduce_time(nbytes, t, link)
+            fwd_tp = 2 * down_exit
             ar = all_reduce_time(rbytes, t, link)  # a column-parallel linear's input gradient
             if runtime.overlap_tp_grad:  # beside that linear's weight-gradient GEMM
                 bwd_tp = sum(max(0.0, ar - lin[i][2]) for i in (0, 2))
@@ -432,11 +439,16 @@ def layer_cost(
     attn, mem = attn_fwd + attn_bwd, mem_fwd + mem_bwd + mem_w
     launch = (2 * kernels + linears) * ov
     if layout.recompute == "full":
-        recompute, recompute_tp = fwd, fwd_tp
+        # stopping at the last saved tensor (``Runtime.recompute_stops_early``) leaves out
+        # the down projection and its exit: a dense block without dropout after its MLP
+        skip, skip_tp = 0.0, 0.0
+        if runtime.recompute_stops_early and mc is None and not cfg.dropout:
+            skip, skip_tp = lin[3][0], down_exit
+        recompute, recompute_tp = fwd - skip, fwd_tp - skip_tp
         bwd_cp += fwd_cp  # the recomputed forward exchanges again
         bwd_ep += fwd_ep
         gemm, attn, mem, launch = (
-            gemm + fwd_gemm,
+            gemm + fwd_gemm - skip,
             attn + attn_fwd,
             mem + mem_fwd,
             launch + kernels * ov,

@@ -388,11 +388,11 @@ def _floats(d) -> dict:
 #   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
 #   others; docs/performance-model.md). V100 reuses the closest fitted part; the H200's
 #   is measured (below). On one H100 an MPT-7B block's GEMMs ran at 0.68-0.78 of peak
-#   (``benchmarks/fsdp_step.py``): the fitted 0.57 also carries a many-GPU cost of the
+#   (``benchmarks/fsdp_step.py``): the fitted 0.53 also carries a many-GPU cost of the
 #   published runs that the model does not name yet (docs/performance-model.md section 6).
 
-_A100_EFF = Efficiency(gemm_max=0.73, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
-_H100_EFF = Efficiency(gemm_max=0.57, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
+_A100_EFF = Efficiency(gemm_max=0.72, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_H100_EFF = Efficiency(gemm_max=0.53, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
 # H200: the H100's shape terms, at the level its GEMMs reached in calibrate's bf16 sweep on
 # an H200 (759-784 of 989 TFLOP/s, RESULTS.md 2026-11-26): measured, where the H100's

@@ -82,6 +82,12 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
 - ``gather_in_compute_dtype``: ZeRO-3 gathers weights in the compute dtype under
   bf16 / fp16 (plait, FSDP2's mixed-precision policy: half the bytes) while the fp32
   masters stay sharded; otherwise in the stored weights' dtype.
+- ``gather_copy_out``: a ZeRO-3 all-gather lands rank-major in one buffer and each
+  parameter is then copied out of it into its own tensor, on the compute stream (plait:
+  ``FlatLayout.unpack``; FSDP2: ``foreach_all_gather_copy_out``'s
+  ``split_with_sizes_copy``): 2 x the gathered dtype's bytes a weight, at each of a
+  micro-batch's two gathers (forward, backward). FSDP1 gathers its flat parameter in
+  place, and its parameters are views of it.
 - ``zero3_in_place_alone``: a ZeRO-3 shard group of one rank (the routed experts' edp
   group at ep == dp) gathering in the stored dtype keeps its parameters where they are
   stored, with no gathered copy (plait: ``zero_units.Unit.resident``).
@@ -110,6 +116,16 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   PyTorch's foreach AdamW with weight decay (torchtitan's ``foreach=True``; IBM's fms-fsdp
   takes the same default), 84 for a per-parameter loop of unfused operations (Composer's
   2023 ``DecoupledAdamW``, llm-foundry's optimizer).
+- ``recompute_stops_early``: full recomputation ends at the block's last saved tensor
+  (PyTorch's non-reentrant ``torch.utils.checkpoint`` from 2.1, where early stopping is
+  the default: pytorch/pytorch#96866). A dense block saves nothing after the input of
+  its MLP's down projection, which autograd packs before that GEMM runs, so the
+  recomputed forward stops there: the down projection, its tensor-parallel exit and the
+  residual add are not run again (about a third of the MLP's FLOPs; checked with
+  ``FlopCounterMode`` on plait's blocks, ``tests/test_sim.py``). Not a MoE block (its
+  combine saves the experts' outputs) nor one with dropout after the MLP (the mask is
+  saved last). Megatron's and DeepSpeed's reentrant checkpointing, and PyTorch before
+  2.1, run the whole forward again.
 - ``moe_imbalance``: not the software but the run's routing, priced here because every
   cost function reads the runtime: the most-loaded expert's tokens over the mean
   (``sim/expert.py``; ``simulate(moe_imbalance=)``, ``--moe-imbalance``). 1.0, a balanced
@@ -146,11 +162,13 @@ class Runtime:
     zero3_regather_recompute: bool = False
     zero3_reduce_per_microbatch: bool = True
     zero3_in_place_alone: bool = False
+    gather_copy_out: bool = False
     gather_in_compute_dtype: bool = False
     weight_cast_per_step: bool = False
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
     adamw_bytes: int = 28
+    recompute_stops_early: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     description: str = dataclasses.field(default="", compare=False)
 
@@ -211,9 +229,11 @@ _FSDP1 = Runtime(
     grad_predivide=True,
     layer_kernels="eager",
     adamw_bytes=84,
+    recompute_stops_early=True,  # checkpoint_wrapper(NO_REENTRANT) on PyTorch >= 2.1
     description="PyTorch FSDP1 (FullyShardedDataParallel; llm-foundry, IBM's fms-fsdp): "
     "FlashAttention, prefetched all-gathers in the compute dtype, sharded fp32 weights, "
-    "fp32 reduce-scatter (Composer's DEFAULT mixed precision) after a division pass",
+    "fp32 reduce-scatter (Composer's DEFAULT mixed precision) after a division pass, "
+    "non-reentrant activation checkpointing that stops early (PyTorch >= 2.1)",
 )
 
 PROFILES: dict[str, Runtime] = {
@@ -227,10 +247,12 @@ PROFILES: dict[str, Runtime] = {
         zero1_grad_all_reduce=True,
         zero3_reduce_per_microbatch=False,
         zero3_in_place_alone=True,
+        gather_copy_out=True,
         gather_in_compute_dtype=True,
         weight_cast_per_step=True,
         bucket_from_layout=True,
         prefetch_sp_regather=True,
+        recompute_stops_early=True,  # Block.forward: checkpoint(use_reentrant=False)
         layer_kernels="plait",
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
@@ -284,10 +306,18 @@ PROFILES: dict[str, Runtime] = {
         "--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap",
     ),
     "fsdp": _FSDP1,
+    "fsdp-torch2.0": dataclasses.replace(
+        _FSDP1,
+        name="fsdp-torch2.0",
+        recompute_stops_early=False,
+        description="PyTorch FSDP1 on PyTorch 2.0 or older (llm-foundry's 2023 tables): as "
+        "fsdp, with the whole block's forward recomputed (no early stop before 2.1)",
+    ),
     "fsdp2": dataclasses.replace(
         _FSDP1,
         name="fsdp2",
         grad_predivide=False,
+        gather_copy_out=True,
         adamw_bytes=56,
         description="PyTorch FSDP2 (fully_shard; torchtitan): as FSDP1, with fp32 "
         "gradient averaging left to NCCL (no division pass)",

@@ -269,7 +269,7 @@ def held_out_groups(report: Report) -> dict[tuple[str, str], tuple[int, float, f
     out = {}
     for key, preds in sorted(groups.items()):
         mean, w = mean_and_worst(preds)
-        out[key] = (len(preds), round(mean, 4), round(w.error, 4), w.case.id)
+        out[key] = (len(preds), round(mean, 6), round(w.error, 6), w.case.id)
     return out
 
 
@@ -282,7 +282,7 @@ def held_out_block(report: Report) -> str:
 
     groups = "".join(f"    {tup(k)}: {tup(v)},\n" for k, v in held_out_groups(report).items())
     w = report.worst
-    everything = (len(report.predictions), round(report.mean_error, 4), round(w.error, 4),
+    everything = (len(report.predictions), round(report.mean_error, 6), round(w.error, 6),
                   w.case.id)  # fmt: skip
     return f"GROUPS = {{\n{groups}}}\nALL = {tup(everything)}\n"
 
