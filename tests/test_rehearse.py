@@ -191,10 +191,11 @@ def _moe_rehearsed(tmp_path, layers: int, **kw):
      {"tp": 2, "dp": 2, "sequence_parallel": True, "moe_shared_experts": 1},
      {"tp": 2, "dp": 2, "sequence_parallel": True, "moe_shared_experts": 1, "lora_rank": 4,
       "lora_targets": "up"},
-     {"dp": 4, "ep": 2, "zero": 3, "lora_rank": 4, "lora_targets": "gate,down"}],
+     {"dp": 4, "ep": 2, "zero": 3, "lora_rank": 4, "lora_targets": "gate,down"},
+     {"arch": "gpt2", "tp": 2, "dp": 2, "moe_shared_experts": 1, "recompute": "full"}],
     ids=["dp4-ep2", "tp2-ep2-capacity", "imbalance-capacity", "tp2-ep2-capacity-half", "gpt2",
          "lora-dp2-ep2", "tp2-sp-shared", "tp2-sp-shared-lora-up",
-         "zero3-ep2-lora-experts"],
+         "zero3-ep2-lora-experts", "gpt2-tp2-shared-recompute"],
 )  # fmt: skip
 def test_moe_rehearses_routed_as_modelled_and_holds_the_models_layer(tmp_path, kw):
     """A MoE model rehearsed (``moe.modelled_routing``: each expert N K / E assignments, or
@@ -221,7 +222,8 @@ def test_moe_rehearses_routed_as_modelled_and_holds_the_models_layer(tmp_path, k
     the compute dtype, ``Experts.autocast_params``), dp x1.02 (the adapters' own gathers),
     ep x0.94 (the first block's dispatch backward is never issued when nothing below it
     trains); gpt2's experts added their second bias in fp32, so the combine's exchanges
-    ran in fp32 (ep x1.5). A capacity factor below 1 or an imbalance was refused: balanced routing
+    ran in fp32 (ep x1.5); gpt2's shared expert's replicated second bias was left out of
+    the tp gradient sum (tp x1.0004, ``traffic.tp_sync_params``). A capacity factor below 1 or an imbalance was refused: balanced routing
     could not drop. Catches any of those coming back, a model that sends dropped rows or
     prices the mean rank, and a rehearsal that can no longer run a MoE step."""
     short, long = _moe_rehearsed(tmp_path, 2, **kw), _moe_rehearsed(tmp_path, 4, **kw)
@@ -240,8 +242,9 @@ def test_moe_rehearses_routed_as_modelled_and_holds_the_models_layer(tmp_path, k
      {"cp": 2, "cp_mode": "a2a", "global_batch_size": 2},
      {"arch": "gpt2", "tp": 2, "dp": 2, "zero": 3, "global_batch_size": 8},
      {"lora_rank": 16, "lora_targets": "q,k,v,o,up,gate,down", "dp": 2,
-      "global_batch_size": 8}],
-    ids=["kv-replicated", "ulysses", "gpt2-tp2-zero3", "lora"],
+      "global_batch_size": 8},
+     {"tp": 2, "recompute": "full", "dropout": 0.1, "global_batch_size": 4}],
+    ids=["kv-replicated", "ulysses", "gpt2-tp2-zero3", "lora", "tp2-dropout-recompute"],
 )  # fmt: skip
 def test_a_block_is_the_models_in_layouts_found_by_a_sweep(tmp_path, kw):
     """Layouts a sweep of small rehearsals (2 and 4 layers, h 128, 256 tokens) found off the
@@ -252,7 +255,11 @@ def test_a_block_is_the_models_in_layouts_found_by_a_sweep(tmp_path, kw):
     kept twice, head-split by the core and sequence-split by the o projection (1.046).
     GPT-2 at tp 2 under ZeRO-3: the column-parallel biases are split, not whole (dp bytes
     x0.9974: ``memory.stage_params``). LoRA: each adapter keeps its rank-r product (r 16
-    on all seven linears: 1.056, now 1.0065). Catches any of them coming back."""
+    on all seven linears: 1.056, now 1.0065). Dropout at tp 2 under full recomputation:
+    the rehearsal failed reading a fake tensor's value (``tensor.tp_shard_rng``'s seed
+    draw), and the model left the MLP's exit out of the recomputed forward, where dropout's
+    mask after it is the last saved tensor and the exit runs again (tp bytes short by
+    T h e a block and micro-batch). Catches any of them coming back."""
     from plait.commands.train import build_run_config
 
     got = {}

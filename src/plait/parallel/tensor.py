@@ -441,6 +441,16 @@ def sequence_shard(x: torch.Tensor, topo: Topology) -> torch.Tensor:
 _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads tp ranks over the seed space
 
 
+def _default_stream_draw() -> int:
+    """One draw from the default CPU generator. Under ``plait rehearse``'s fake tensors a
+    drawn tensor has no value to read, so the draw runs on a real one: the generator
+    advances as in the real program, and the recomputation's replay redraws it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
 @contextlib.contextmanager
 def tp_shard_rng(topo: Topology):
     """Run the body on this tp rank's own random stream, then resume the default one.
@@ -454,7 +464,7 @@ def tp_shard_rng(topo: Topology):
     if topo.tp == 1:
         yield
         return
-    base = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    base = _default_stream_draw()
     seed = (base ^ ((topo.tp_rank * _GOLDEN) & (2**63 - 1))) % 2**63
     cuda = topo.device.type == "cuda"
     with torch.random.fork_rng(devices=[topo.device] if cuda else [], device_type="cuda"):

@@ -440,10 +440,13 @@ def layer_cost(
     launch = (2 * kernels + linears) * ov
     if layout.recompute == "full":
         # stopping at the last saved tensor (``Runtime.recompute_stops_early``) leaves out
-        # the down projection and its exit: a dense block without dropout after its MLP
+        # what follows it, unless dropout after the MLP saves its mask last: the MLP's exit
+        # and a dense block's down projection; a MoE block's routed experts all run again
+        # (their combine saves their outputs) but not the shared experts' down, after it
         skip, skip_tp = 0.0, 0.0
-        if runtime.recompute_stops_early and mc is None and not cfg.dropout:
-            skip, skip_tp = lin[3][0], down_exit
+        if runtime.recompute_stops_early and not cfg.dropout:
+            skip = lin[3][0] if mc is None else mc.shared_down
+            skip_tp = down_exit
         recompute, recompute_tp = fwd - skip, fwd_tp - skip_tp
         bwd_cp += fwd_cp  # the recomputed forward exchanges again
         bwd_ep += fwd_ep

@@ -168,13 +168,17 @@ class MLPCost:
     """A MoE block's MLP on the busiest rank, one micro-batch: (forward, input-gradient,
     weight-gradient) seconds of the GEMMs on each side of the activation (``up``: router,
     routed and shared first GEMMs; ``down``: the last ones), forward memory-bound bytes,
-    and kernels (forward, weight-gradient linears)."""
+    and kernels (forward, weight-gradient linears). ``shared_down``: the forward seconds of
+    the shared experts' down GEMM (of ``down[0]``), the block's last GEMM: plait runs the
+    shared experts after the routed ones' combine, so a recomputation that stops at the
+    last saved tensor (``Runtime.recompute_stops_early``) does not run it again."""
 
     up: tuple[float, float, float]
     down: tuple[float, float, float]
     stream_bytes: float
     kernels: int
     linears: int
+    shared_down: float = 0.0
 
 
 def mlp_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, imbalance: float, *,
@@ -200,15 +204,17 @@ def mlp_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, imbalance: float, *
     up_cols = (c - 1) * F_t  # gpt2 fc; llama gate and up together
     parts_up = [router, grouped(per, up_cols, h, local)]
     parts_down = [grouped(per, h, F_t, local)]
+    shared_down = 0.0
     if S:
         parts_up.append(linear_times(hw, dtype, T, (c - 1) * S * F_t, h))
         parts_down.append(linear_times(hw, dtype, T, h, S * F_t))
+        shared_down = parts_down[-1][0]
     up = tuple(sum(x[i] for x in parts_up) for i in range(3))
     down = tuple(sum(x[i] for x in parts_down) for i in range(3))
     stream = 4 * T * E * FP32 + e * (R * c * F_t + T * c * S * F_t + 2 * (3 * M + 2 * R) * h)
     kernels = ROUTER_KERNELS + EXPERT_KERNELS * (local + (1 if S else 0))
     linears = 1 + c * (local + (1 if S else 0))  # the router; each expert's matrices
-    return MLPCost(up, down, stream, kernels, linears)
+    return MLPCost(up, down, stream, kernels, linears, shared_down)
 
 
 def expert_params(cfg: ModelConfig, layout: Layout) -> float:

@@ -15,7 +15,8 @@ L_c layers:
   (two a block, one the head; ``regathered_groups`` under LoRA) --
   the blocks' not under ``--recompute full``, which repeats the forward's -- all but the
   MLP's exit (g, T h e): the recomputation stops at the last tensor the backward needs,
-  the down projection's input (``torch.utils.checkpoint``'s early stop). The embedding's
+  the down projection's input (``torch.utils.checkpoint``'s early stop), unless dropout
+  after the MLP saves its mask last (then the exit runs again too). The embedding's
   all-reduce (stage 0; T h r), the head's backward all-reduce (T h r) and the loss's
   12 T bytes (last stage), and with the scatter/gather the all-gather of every received
   pipeline message (T h e).
@@ -83,9 +84,9 @@ def tp_sync_params(model: ModelConfig, layout: Layout, layers: int, moe_layers: 
     every tp-replicated one -- a block's two norms, its row-parallel biases (o and the
     MLP's second GEMM, with ``biases``), the query / key norms, GPT-2's learned positions
     (first stage), the final norm (last); without it, the query / key norms only; a MoE
-    block's router (and GPT-2 experts' second bias: E / ep of them) either way; and the
-    key / value weights (and biases) wherever tp exceeds the key / value heads.
-    Shared experts' replicated biases are not counted (none of plait's presets has both)."""
+    block's router (and GPT-2 experts' second bias: E / ep of them, and the shared experts'
+    one) either way; and the key / value weights (and biases) wherever tp exceeds the
+    key / value heads."""
     t, h = layout.tp, model.hidden
     if t == 1:
         return 0.0
@@ -104,8 +105,9 @@ def tp_sync_params(model: ModelConfig, layout: Layout, layers: int, moe_layers: 
         n += layers * qk
     if moe_layers:
         n += moe_layers * model.moe_experts * h  # the router
-        if model.arch == "gpt2":
-            n += moe_layers * model.moe_experts // layout.ep * h
+        if model.arch == "gpt2":  # the shared experts are one expert of S F columns
+            shared = 1 if model.moe_shared_experts else 0
+            n += moe_layers * (model.moe_experts // layout.ep + shared) * h
     if model.n_kv_heads < t:
         kv_bias = model.kv_dim if (model.biases or model.qkv_bias) else 0
         n += layers * 2 * (model.kv_dim * h + kv_bias)
@@ -135,7 +137,9 @@ def bytes_per_axis(
         fwd = 2 * T * h * (e + r if sp else e)  # f (sp: all-gathers, T h r) and g
         per_layer = fwd + 2 * T * h * (e + r if sp else r)  # backward: the same reversed
         if layout.recompute == "full":  # the forward again, up to its last saved tensor
-            per_layer += fwd - T * h * e  # (checkpoint's early stop: the MLP's exit is not)
+            # (checkpoint's early stop: the MLP's exit is not, unless dropout's mask after
+            # it is that tensor)
+            per_layer += fwd - (0.0 if model.dropout else T * h * e)
         # sequence parallelism: each column group's saved input gathered again (T h e);
         # full recomputation gathers it in its forward
         regather = sp and layout.recompute != "full"
