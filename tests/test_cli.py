@@ -268,7 +268,9 @@ def test_bad_input_one_line(extra, needles, tmp_path):
      (["--weight-decay", "-1"], "--weight-decay"), (["--eval-batches", "0"], "--eval-batches"),
      (["--peak-tflops", "-5"], "--peak-tflops"), (["--qat", "int4", "--quant-group-size", "0"],
      "--quant-group-size must be"), (["--tokenizer", "bytes", "--vocab-size", "10"],
-     "--tokenizer bytes has 256 ids")],
+     "--tokenizer bytes has 256 ids"),
+     (["--recompute-layers", "1"], "use it with --recompute full"),
+     (["--recompute", "full", "--recompute-layers", "0"], "--recompute-layers must be at least 1")],
 )  # fmt: skip
 def test_bad_flags_are_refused_before_torch_loads(extra, needle, tmp_path):
     """A mistyped flag, a --data path that is not there or a --resume with nothing to resume
@@ -278,7 +280,8 @@ def test_bad_flags_are_refused_before_torch_loads(extra, needle, tmp_path):
     ``QuantConfig``, ...), --data's parser (``data/sources.py``) and the checkpoint folder's
     reader (``train/checkpoint_files.py``) live apart from the torch code for this. The
     later cases were tracebacks, a 56-line usage block, or runs that started with a
-    negative learning-rate knob or ignored a flag."""
+    negative learning-rate knob or ignored a flag; --recompute-layers without --recompute
+    full would have recomputed nothing, silently."""
     code = (
         "import sys\nfrom plait.cli import main\n"
         f"rc = main(['train', '--out', {str(tmp_path / 'run')!r}, *{extra!r}])\n"

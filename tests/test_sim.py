@@ -1036,3 +1036,35 @@ def test_the_closed_forms_gradient_windows_are_the_replays_in_a_balanced_pipelin
                     got = [closed.ends[r] - t for t in closed.windows[r][c]]
                     want = [exact.ends[r] - t for t in exact.windows[r][c]]
                     assert got == pytest.approx(want), (p, v, m, hop, r, c)
+
+
+def test_recompute_layers_prices_each_chunks_first_blocks_as_recomputing():
+    """Under ``--recompute full --recompute-layers N`` a pipeline chunk costs N blocks at
+    full recomputation's price and the rest at no recomputation's (``memory.chunk_blocks``):
+    at pp 2 with 4 blocks a chunk, each rank's F, B, BI and W of a micro-batch are the
+    blend N / 4 of the two layouts' (the embedding and head cancel), N = 4 or more is
+    ``--recompute full``, and the step's hardware FLOPs count N / 4 of the recomputed
+    forwards. Catches the time model ignoring the flag (every block priced recomputing)
+    or applying it over the model rather than per chunk (N of 8 blocks, not N of 4)."""
+    from plait.sim.simulate import _action_costs, layers_per_stage
+
+    model = ModelConfig(n_layers=8, hidden=512, n_heads=8, seq_len=512, vocab_size=4096)
+    base = Layout(pp=2, global_batch_size=8, micro_batch_size=1, dtype="bf16")
+    hw, rt = get_hardware("a100-80gb"), PROFILES["plait"]
+    stages = layers_per_stage(model, base)
+
+    def action_costs(layout):
+        return _action_costs(model, layout, hw, rt, stages, [0] * len(stages))[0]
+
+    none = action_costs(base)
+    full = action_costs(replace(base, recompute="full"))
+    for n in (1, 3):
+        got = action_costs(replace(base, recompute="full", recompute_layers=n))
+        for rank in range(2):
+            for g, a, b in zip(got[rank][0], none[rank][0], full[rank][0]):
+                assert g == pytest.approx(a + n / 4 * (b - a), rel=1e-9)
+    assert action_costs(replace(base, recompute="full", recompute_layers=4)) == full
+    flops = {n: costs.flops_per_step(model, replace(base, recompute="full", recompute_layers=n))[1]
+             for n in (1, 4)}  # fmt: skip
+    plain = costs.flops_per_step(model, base)[1]
+    assert flops[1] - plain == pytest.approx((flops[4] - plain) / 4, rel=1e-12)

@@ -44,6 +44,7 @@ LAYOUT_FLAGS = (
     "offload_optimizer",
     "sequence_parallel",
     "recompute",
+    "recompute_layers",
     "dtype",
     "fp32_residual",
     "pp_layout",
@@ -142,6 +143,9 @@ def layout_parent() -> argparse.ArgumentParser:
     g.add_argument("--offload-optimizer", action="store_true", default=None)
     g.add_argument("--sequence-parallel", action="store_true", default=None)
     g.add_argument("--recompute", choices=RECOMPUTE, default=None)
+    g.add_argument("--recompute-layers", type=int, metavar="N", default=None,
+                   help="with --recompute full: only the first N blocks of each model chunk "
+                   "(pipeline stage) recompute; the rest keep their activations")  # fmt: skip
     g.add_argument("--dtype", choices=DTYPES, default=None)
     g.add_argument("--fp32-residual", action="store_true", default=None,
                    help="bf16 / fp16: keep the residual stream in fp32 (Megatron's "

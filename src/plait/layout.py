@@ -62,6 +62,10 @@ class Layout:
     offload_optimizer: bool = False
     sequence_parallel: bool = False
     recompute: str = "none"
+    # --recompute full on only the first N blocks of each model chunk (a pipeline stage's,
+    # or the whole model's); the others keep their activations (Megatron's
+    # --recompute-method block --recompute-num-layers N). None: every block
+    recompute_layers: int | None = None
     dtype: str = "fp32"
     # bf16 / fp16: keep the residual stream fp32 (Megatron's --fp32-residual-connection);
     # by default it is in the compute dtype (model/transformer.py, Embedding)
@@ -87,6 +91,17 @@ class Layout:
             raise ValueError(
                 f"--recompute {self.recompute!r}: choose one of {', '.join(RECOMPUTE)}"
             )
+        if self.recompute_layers is not None:
+            if self.recompute != "full":
+                raise ValueError(
+                    "--recompute-layers N recomputes the first N blocks of each model chunk "
+                    "in full; use it with --recompute full"
+                )
+            if self.recompute_layers < 1:
+                raise ValueError(
+                    f"--recompute-layers must be at least 1, got {self.recompute_layers} "
+                    "(no block recomputed: --recompute none)"
+                )
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         per_step = self.micro_batch_size * self.dp
@@ -128,6 +143,34 @@ class Layout:
             )
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"--cp-mode {self.cp_mode!r}: choose one of {', '.join(CP_MODES)}")
+
+    def recomputed_blocks(self, layers: int) -> int:
+        """How many of a model chunk's ``layers`` blocks re-run their forward in the
+        backward: its first ``recompute_layers`` (all of them when that is None) under
+        ``--recompute full``, none otherwise (``selective`` re-runs every block's attention
+        core, not its forward)."""
+        if self.recompute != "full":
+            return 0
+        return layers if self.recompute_layers is None else min(self.recompute_layers, layers)
+
+    def recomputed_share(self, n_layers: int, stage_layers=None) -> float:
+        """The share of a model's ``n_layers`` blocks that re-run their forward
+        (``recomputed_blocks`` over the virtual stages of ``stage_layers`` layers: by
+        default ``--pp-layout``, or as even as the layers allow)."""
+        if self.recompute != "full" or n_layers < 1:
+            return 0.0
+        S = self.num_stages
+        parts = stage_layers or self.pp_layout or [n_layers // S + (i < n_layers % S)
+                                                   for i in range(S)]  # fmt: skip
+        return sum(self.recomputed_blocks(n) for n in parts) / n_layers
+
+    def without_recompute(self) -> Layout:
+        """This layout for the blocks ``recomputed_blocks`` leaves out: no recomputation."""
+        return dataclasses.replace(self, recompute="none", recompute_layers=None)
+
+    def recomputing_all(self) -> Layout:
+        """This layout for the blocks ``recomputed_blocks`` counts: every block in full."""
+        return dataclasses.replace(self, recompute_layers=None)
 
     @property
     def world_size(self) -> int:

@@ -86,20 +86,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         + (f"; host {st['host'] / gib:.3f}" if st["host"] else "")
     )
     cp, held = layout.cp, model.seq_len // layout.cp
-    act = activation_bytes_per_layer(
-        model, micro_batch_size=layout.micro_batch_size, seq_len=held, tp=layout.tp,
-        sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-        act_bytes=4 if layout.dtype == "fp32" else 2, flash_attention=cp > 1,
-        residual_bytes=residual_bytes(layout),
-    ) * model.n_layers / layout.pp  # fmt: skip
+
+    def per_layer(recompute):
+        return activation_bytes_per_layer(
+            model, micro_batch_size=layout.micro_batch_size, seq_len=held, tp=layout.tp,
+            sequence_parallel=layout.sequence_parallel, recompute=recompute,
+            act_bytes=4 if layout.dtype == "fp32" else 2, flash_attention=cp > 1,
+            residual_bytes=residual_bytes(layout),
+        )  # fmt: skip
+
+    # --recompute-layers: that share of the blocks recomputes, the rest keep theirs
+    share = layout.recomputed_share(model.n_layers) if layout.recompute == "full" else 1.0
+    act = (share * per_layer(layout.recompute) + (1 - share) * per_layer("none")
+           ) * model.n_layers / layout.pp  # fmt: skip
     if model.moe:  # the routed MLP's bytes in place of the dense one's (sim/expert.py)
         from plait.sim.expert import activation_bytes
 
         e = 4 if layout.dtype == "fp32" else 2
         T = layout.micro_batch_size * held
         dense_mlp = T * (2 if model.arch == "gpt2" else 3) * model.ffn_hidden / layout.tp * e
-        if layout.recompute != "full":
-            act += (
+        if layout.recompute != "full" or share < 1:  # the blocks that keep theirs
+            act += (1 - share if layout.recompute == "full" else 1) * (
                 (activation_bytes(model, layout, 1.0) - dense_mlp) * model.n_moe_layers / layout.pp
             )
     tokens = f"{held} of {model.seq_len} tokens per sequence at cp={cp}" if cp > 1 else (
@@ -107,7 +114,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(
         f"activations per rank {act / gib:.3f} GiB per micro-batch in flight "
         f"({layout.micro_batch_size} x {tokens}, {layout.dtype}{residual_note(layout)}, "
-        f"recompute={layout.recompute}; blocks only, Korthikanti et al. 2022)"
+        f"recompute={layout.recompute}"
+        + (
+            f" on the first {layout.recompute_layers} blocks of each chunk"
+            if layout.recompute_layers is not None
+            else ""
+        )
+        + "; blocks only, Korthikanti et al. 2022)"
     )
     if model.moe:
         from plait.sim.expert import expert_params

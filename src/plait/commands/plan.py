@@ -158,7 +158,7 @@ def _request(values: dict, model, hw, tokens: float | None):
 
     # not searched: fine at their defaults (as a run's config.yaml holds them)
     fixed = {"pp_layout": None, "zero_shard_group": None, "offload_optimizer": False,
-             "bucket_mb": DEFAULT_BUCKET_MB}  # fmt: skip
+             "bucket_mb": DEFAULT_BUCKET_MB, "recompute_layers": None}  # fmt: skip
     for key, default in fixed.items():
         if values.get(key) not in (None, default):
             flag = "--" + key.replace("_", "-")

@@ -184,6 +184,8 @@ def report(res, model, layout, name: str = "model", moe_imbalance: float | None 
     tokens = layout.global_batch_size * model.seq_len
     mem = res.memory
     flags = [f"zero={layout.zero}", f"recompute={layout.recompute}", f"dtype={layout.dtype}"]
+    if layout.recompute_layers is not None:
+        flags.insert(2, f"recompute-layers={layout.recompute_layers}")
     if layout.sequence_parallel:
         flags.append("sequence-parallel")
     if layout.dtype != "fp32":  # the residual stream: the compute dtype, or --fp32-residual
@@ -258,8 +260,8 @@ def _moe_lines(res, model, layout, imbalance, hw) -> list[str]:
     if layout.ep > 1:
         nb = ep_sim.layer_bytes(model, layout, imbalance)
         steps = layout.num_microbatches * model.n_moe_layers / layout.pp  # per rank and step
-        if layout.recompute == "full":
-            steps *= 1 + nb.fwd_sent / nb.sent  # the forward's dispatch again
+        if layout.recompute == "full":  # the forward's dispatch again, where it recomputes
+            steps *= 1 + layout.recomputed_share(model.n_layers) * nb.fwd_sent / nb.sent
         where = ""
         if hw is not None:
             inside = ep_sim.link(hw, layout) is hw.intra_node

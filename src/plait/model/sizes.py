@@ -172,18 +172,21 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> flo
 
 
 def hardware_flops_per_token(
-    cfg: ModelConfig, seq_len: int | None = None, recompute: str = "none"
-) -> float:
+    cfg: ModelConfig, seq_len: int | None = None, recompute: str = "none",
+    recomputed_share: float = 1.0,
+) -> float:  # fmt: skip
     """FLOPs actually executed: model FLOPs plus what recomputation repeats.
 
     ``full`` reruns every block's forward (4 passes instead of 3 for the blocks, the
-    96 B s l h^2 of Narayanan et al.); ``selective`` reruns only the attention core
-    (scores, softmax, weighted values), as in Korthikanti et al. 2022.
+    96 B s l h^2 of Narayanan et al.), or ``recomputed_share`` of the blocks' forwards
+    (``--recompute-layers``); ``selective`` reruns only the attention core (scores,
+    softmax, weighted values), as in Korthikanti et al. 2022.
     """
     s = cfg.seq_len if seq_len is None else seq_len
     flops = model_flops_per_token(cfg, s)
     if recompute == "full":
-        flops += 2.0 * blocks_matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.q_dim
+        flops += recomputed_share * (2.0 * blocks_matmul_params(cfg)
+                                     + 4 * cfg.n_layers * s * cfg.q_dim)  # fmt: skip
     elif recompute == "selective":
         flops += 4.0 * cfg.n_layers * s * cfg.q_dim
     elif recompute != "none":

@@ -481,6 +481,7 @@ class Transformer(nn.Module):
         pre: bool = True,
         post: bool = True,
         recompute: str = "none",
+        recompute_layers: int | None = None,
         sequence_parallel: bool = False,
         cp_mode: str = "ring",
         ep=None,
@@ -500,18 +501,21 @@ class Transformer(nn.Module):
                 cfg, topo=topo, positions=pre and cfg.arch == "gpt2", sequence_parallel=sp,
                 fp32_residual=fp32_residual,
             )  # fmt: skip
+        # --recompute-layers N: the chunk's first N blocks recompute in full, the rest keep
+        # their activations (``Layout.recomputed_blocks``)
+        full = len(layers) if recompute_layers is None else recompute_layers
         self.blocks = nn.ModuleDict(
             {
                 str(i): Block(
                     cfg,
                     topo=topo,
-                    recompute=recompute,
+                    recompute=recompute if recompute != "full" or k < full else "none",
                     sequence_parallel=sp,
                     cp_mode=cp_mode,
                     layer=i,
                     ep=ep,
                 )
-                for i in layers
+                for k, i in enumerate(layers)
             }
         )
         if post:
@@ -701,6 +705,7 @@ def build_model(
 ) -> Transformer:
     """Build (a chunk of) the model with its deterministic initial weights. ``chunk``:
     ``Transformer``'s keywords (``topo``, ``layers``, ``pre``, ``post``, ``recompute``,
+    ``recompute_layers`` (the chunk's first N blocks recompute under ``full``),
     ``sequence_parallel``, ``cp_mode``, ``fp32_residual``, ``ep``: the (topo, axis) of the MoE layers' expert-parallel
     group). On the ``meta`` device nothing is allocated or initialised: for sizes and
     memory of large presets, and for ZeRO-3, which initialises each parameter's shard from

@@ -101,7 +101,10 @@ class Model:
             rc = simulate(model, rc_layout, hw, exact=False)
         stage_layers = model.n_layers / rc_layout.pp
         forward = m * stage_layers * lc.fwd
-        stage = m * stage_layers * (lc.fwd + lc.bwd_input + lc.bwd_weight + lc.recompute)
+        re = lc.recompute  # (--recompute-layers: the share of the blocks that recompute)
+        if layout.recompute_layers is not None:
+            re *= layout.recomputed_share(model.n_layers)
+        stage = m * stage_layers * (lc.fwd + lc.bwd_input + lc.bwd_weight + re)
         hidden = rc.breakdown.get("bubble", 0.0)
         self.rc_step_s = rc.iter_time_s + max(0.0, forward - hidden)
         self.rc_degraded_s = stage  # one node running two stages: its pipeline's extra time

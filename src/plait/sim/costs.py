@@ -773,10 +773,18 @@ def optimizer_time(
     return stream_time(hw, n * per_param) + fixed
 
 
-def flops_per_step(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:
-    """(model, hardware) FLOPs of one optimizer step over all devices (``sizes.py``)."""
+def flops_per_step(
+    cfg: ModelConfig, layout: Layout, stage_layers: list[int] | None = None
+) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one optimizer step over all devices (``sizes.py``);
+    under ``--recompute-layers`` the blocks that recompute of virtual stages of
+    ``stage_layers`` layers (``Layout.recomputed_share``)."""
     tokens = layout.global_batch_size * cfg.seq_len
+    share = layout.recomputed_share(cfg.n_layers, stage_layers)
     return (
         tokens * sizes.model_flops_per_token(cfg),
-        tokens * sizes.hardware_flops_per_token(cfg, recompute=layout.recompute),
+        tokens
+        * sizes.hardware_flops_per_token(
+            cfg, recompute=layout.recompute, recomputed_share=share
+        ),  # fmt: skip
     )

@@ -56,7 +56,7 @@ from plait.parallel.pipeline.schedules import ScheduleError, pipeline_span
 from plait.sim import costs, pipeline, step
 from plait.sim import expert as ep_sim
 from plait.sim.hardware import Hardware
-from plait.sim.memory import Memory, memory_per_rank, stage_params
+from plait.sim.memory import Memory, chunk_blocks, memory_per_rank, stage_params
 from plait.sim.pipeline import compile_schedule
 from plait.sim.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
 
@@ -292,7 +292,7 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
                            params[crit])  # fmt: skip
         algo_info = {k: busiest[k] for k in ("bytes_sent", "messages", "latency")}
         algo_info.update(label=dp_algo.label(), state_bytes=algo_mem, sync_s=sync)
-    model_flops, hw_flops = costs.flops_per_step(model, layout)
+    model_flops, hw_flops = costs.flops_per_step(model, layout, stage_layers)
     n = layout.world_size
     return Result(
         iter_time_s=iter_time,
@@ -418,8 +418,15 @@ def _action_costs(model, layout, hw, rt, stage_layers, stage_moe):
     F + B together; ``stage_moe[stage]`` of a stage's layers are MoE blocks."""
     p, v = layout.pp, layout.vpp
     S = p * v
-    dense = step.layer_step(model, layout, hw, rt)
-    routed = step.layer_step(model, layout, hw, rt, moe=True) if model.moe else dense
+
+    def steps(lay):  # (dense, routed) blocks' LayerStep under ``lay``
+        dense = step.layer_step(model, lay, hw, rt)
+        return dense, step.layer_step(model, lay, hw, rt, moe=True) if model.moe else dense
+
+    # --recompute-layers: a chunk's first blocks recompute, the rest do not (counts below)
+    kinds = {True: steps(layout.recomputing_all())}
+    if layout.recompute_layers is not None:
+        kinds[False] = steps(layout.without_recompute())
     emb = costs.embedding_cost(model, layout, hw)
     head = costs.head_cost(model, layout, hw, rt)
     none = costs.EndCost()
@@ -428,15 +435,21 @@ def _action_costs(model, layout, hw, rt, stage_layers, stage_moe):
         row, parts = [], []
         for chunk in range(v):
             stage = chunk * p + rank
-            k = stage_moe[stage]
-            n = stage_layers[stage] - k
             e = emb if stage == 0 else none
             hd = head if stage == S - 1 else none
-            f = n * dense.fwd + k * routed.fwd + e.fwd + e.fwd_tp + hd.fwd + hd.fwd_tp
-            bi = n * dense.bwd_input + k * routed.bwd_input + hd.bwd_input + hd.bwd_tp
-            w = n * dense.bwd_weight + k * routed.bwd_weight + e.bwd_weight + hd.bwd_weight
+            f = bi = w = 0.0
+            comp = tp = z3 = cp = ep = 0.0
+            for recomputed, (n, k) in chunk_blocks(model, layout, stage_layers, stage).items():
+                dense, routed = kinds[recomputed]
+                f += n * dense.fwd + k * routed.fwd
+                bi += n * dense.bwd_input + k * routed.bwd_input
+                w += n * dense.bwd_weight + k * routed.bwd_weight
+                more = (n * x + k * y for x, y in zip(dense.parts, routed.parts))
+                comp, tp, z3, cp, ep = (a + b for a, b in zip((comp, tp, z3, cp, ep), more))
+            f = f + e.fwd + e.fwd_tp + hd.fwd + hd.fwd_tp  # (summed in this order)
+            bi = bi + hd.bwd_input + hd.bwd_tp
+            w = w + e.bwd_weight + hd.bwd_weight
             row.append((f, bi + w, bi, w))
-            comp, tp, z3, cp, ep = (n * x + k * y for x, y in zip(dense.parts, routed.parts))
             comp += e.fwd + hd.fwd + hd.bwd_input + e.bwd_weight + hd.bwd_weight
             parts.append((comp, tp + e.fwd_tp + hd.fwd_tp + hd.bwd_tp, z3, cp, ep))
         cost.append(tuple(row))

@@ -48,7 +48,7 @@ from plait.model.config import ModelConfig
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
 from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks, residual_bytes
-from plait.sim.memory import stage_params
+from plait.sim.memory import chunk_blocks, stage_params
 from plait.sim.runtime import Runtime
 from plait.sim.step import stats_bytes
 
@@ -136,20 +136,24 @@ def bytes_per_axis(
         r = residual_bytes(layout)
         fwd = 2 * T * h * (e + r if sp else e)  # f (sp: all-gathers, T h r) and g
         per_layer = fwd + 2 * T * h * (e + r if sp else r)  # backward: the same reversed
-        if layout.recompute == "full":  # the forward again, up to its last saved tensor
-            # (checkpoint's early stop: the MLP's exit is not, unless dropout's mask after
-            # it is that tensor)
-            per_layer += fwd - (0.0 if model.dropout else T * h * e)
-        # sequence parallelism: each column group's saved input gathered again (T h e);
-        # full recomputation gathers it in its forward
-        regather = sp and layout.recompute != "full"
-        attn_re, mlp_re, moe_re = regathered_groups(lora, model) if regather else (0, 0, 0)
+        # a recomputing block (``Layout.recomputed_blocks``) runs the forward again, up to
+        # its last saved tensor (checkpoint's early stop: the MLP's exit is not, unless
+        # dropout's mask after it is that tensor)
+        again = fwd - (0.0 if model.dropout else T * h * e)
+        # sequence parallelism: each column group's saved input gathered again (T h e)
+        # by a block that does not recompute (one that does gathers it in its forward)
+        attn_re, mlp_re, moe_re = regathered_groups(lora, model) if sp else (0, 0, 0)
         moe_at = ep_sim.stage_moe_layers(model, stage_layers)
         tp = 0.0
         for stage, layers in chunks:
             tp += layers * per_layer
-            dense = layers - moe_at[stage]
-            tp += T * h * e * (layers * attn_re + dense * mlp_re + moe_at[stage] * moe_re)
+            for recomputed, (dense, routed) in chunk_blocks(model, layout, stage_layers,
+                                                             stage).items():  # fmt: skip
+                if recomputed and layout.recompute == "full":
+                    tp += (dense + routed) * again
+                else:
+                    tp += T * h * e * ((dense + routed) * attn_re + dense * mlp_re
+                                       + routed * moe_re)  # fmt: skip
             if stage == S - 1 and sp and lora is None:  # the head's (frozen under LoRA)
                 tp += T * h * e
             if stage == 0 and lora is not None and layers:
@@ -178,13 +182,18 @@ def bytes_per_axis(
     if layout.cp > 1:
         nb = cp_sim.layer_bytes(model, layout)
         # recomputation (full, or selective's attention core) runs the exchange again
-        per_layer = nb.counted + (nb.fwd_counted if layout.recompute != "none" else 0.0)
-        out["cp"] = m * sum(layers for _, layers in chunks) * per_layer
+        # (``Layout.recomputed_blocks``: under --recompute-layers the chunk's first ones)
+        again = sum(layout.recomputed_blocks(layers) for _, layers in chunks)
+        if layout.recompute == "selective":
+            again = sum(layers for _, layers in chunks)
+        out["cp"] = m * (sum(layers for _, layers in chunks) * nb.counted
+                         + again * nb.fwd_counted)  # fmt: skip
     moe_layers = sum(ep_sim.stage_moe_layers(model, stage_layers)[stage] for stage, _ in chunks)
     if layout.ep > 1 and moe_layers:  # the experts' dispatch (sim/expert.py), balanced
         nb = ep_sim.layer_bytes(model, layout, runtime.moe_imbalance)
-        per_layer = nb.counted + (nb.fwd_counted if layout.recompute == "full" else 0.0)
-        out["ep"] = m * moe_layers * per_layer
+        again = sum(chunk_blocks(model, layout, stage_layers, stage)[True][1]
+                    for stage, _ in chunks) if layout.recompute == "full" else 0  # fmt: skip
+        out["ep"] = m * (moe_layers * nb.counted + again * nb.fwd_counted)
         first = 0 in (stage for stage, _ in chunks) and model.is_moe_layer(0)
         if lora is not None and first and not lora.adapts_attention:
             # nothing below the first block trains: its dispatch's backward is never issued

@@ -250,6 +250,7 @@ class Trainer:
                 device=device,
                 topo=topo,
                 recompute=layout.recompute,
+                recompute_layers=layout.recompute_layers,
                 sequence_parallel=layout.sequence_parallel,
                 fp32_residual=layout.fp32_residual,
                 cp_mode=layout.cp_mode,

@@ -134,6 +134,7 @@ def build_stage(
             pre=s == 0,
             post=s == num_stages - 1,
             recompute=layout.recompute,
+            recompute_layers=layout.recompute_layers,
             sequence_parallel=layout.sequence_parallel,
             fp32_residual=layout.fp32_residual,
             cp_mode=layout.cp_mode,
