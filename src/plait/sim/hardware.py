@@ -391,7 +391,7 @@ def _floats(d) -> dict:
 #   (``benchmarks/fsdp_step.py``): the fitted 0.53 also carries a many-GPU cost of the
 #   published runs that the model does not name yet (docs/performance-model.md section 6).
 
-_A100_EFF = Efficiency(gemm_max=0.72, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_A100_EFF = Efficiency(gemm_max=0.71, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
 _H100_EFF = Efficiency(gemm_max=0.53, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
 # H200: the H100's shape terms, at the level its GEMMs reached in calibrate's bf16 sweep on

@@ -19,7 +19,9 @@ Reading a row
       when ffn = 4 x hidden and there is no grouped-query attention, else SwiGLU
       (``llama``).
     - vpp, sp, zero empty: 1, off, 0. recompute empty: none. precision: bf16 / fp16 / fp32
-      as named (default bf16).
+      as named (default bf16). ``recompute_layers`` (a column of its own): with full
+      recomputation, the blocks of each pipeline chunk that recompute
+      (``Layout.recompute_layers``; torchtitan's every-other-layer checkpointing is half).
     - zero: a leading digit is the stage; "FSDP"/"FULL_SHARD"/"HSDP" is 3,
       "SHARD_GRAD_OP" is 2. "HSDP" / "HYBRID_SHARD" shards within a node and replicates
       across nodes (PyTorch FSDP's ``HYBRID_SHARD``): ``--zero-shard-group`` = the node's
@@ -46,8 +48,8 @@ Reading a row
     or the Megatron-LM README's H100 tables -> megatron-core; a DeepSpeed ZeRO-3
     baseline -> deepspeed-zero3; Narayanan et al. SC21 (Megatron-LM PTD-P) ->
     megatron-lm; Korthikanti et al. 2022 -> megatron-lm-2022; BigScience /
-    Megatron-DeepSpeed -> megatron-deepspeed; torchtitan -> fsdp2; llm-foundry / FSDP ->
-    fsdp; anything else -> plait.
+    Megatron-DeepSpeed -> megatron-deepspeed; torchtitan -> fsdp2; IBM's FSDP blog
+    (fms-fsdp) -> fms-fsdp; llm-foundry / FSDP -> fsdp; anything else -> plait.
 
 Sources
     ``source_key`` names a row's source for validation (the ``source`` column up to its
@@ -108,6 +110,7 @@ _SOURCE_RUNTIME = (  # (regex on the source column, runtime profile), first matc
     (r"sc21|ptd-p", "megatron-lm"),
     (r"bigscience|megatron-deepspeed", "megatron-deepspeed"),
     (r"torchtitan", "fsdp2"),
+    (r"maximizing.training|fms-fsdp", "fms-fsdp"),
     (r"llm-foundry|mosaic|fsdp", "fsdp"),
 )
 
@@ -126,6 +129,7 @@ UNKNOWN_DEFAULTS: dict[str, dict] = {
     "megatron-deepspeed": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
     "deepspeed-zero3": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
     "fsdp": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
+    "fms-fsdp": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
     "fsdp2": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=3),
     "plait": dict(mbs=1, vpp=1, recompute="none", sp=False, zero=0),
 }
@@ -393,6 +397,7 @@ def row_spec(row: dict) -> RowSpec:
             micro_batch_size=knobs["mbs"], dtype=_dtype(row),
             schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
             sequence_parallel=knobs["sp"], recompute=knobs["recompute"], zero=knobs["zero"],
+            recompute_layers=_int(row, "recompute_layers") if _raw(row, "recompute_layers") else None,
             zero_shard_group=min(hw.devices_per_node, dp) if _hybrid(row) and knobs["zero"] else None,
             pp_layout=_partition(row, layers, pp) if vpp == 1 else None,
         )  # fmt: skip
@@ -413,9 +418,10 @@ def simulate_row(spec: RowSpec, *, exact: bool = True, hardware: Hardware | None
 
 def describe_layout(layout: Layout) -> str:
     cp = f"cp={layout.cp} {layout.cp_mode} " if layout.cp > 1 else ""
+    part = f"x{layout.recompute_layers}" if layout.recompute_layers is not None else ""
     return (
         f"tp={layout.tp} pp={layout.pp} {cp}dp={layout.dp} vpp={layout.vpp} "
-        f"mbs={layout.micro_batch_size} recompute={layout.recompute} "
+        f"mbs={layout.micro_batch_size} recompute={layout.recompute}{part} "
         f"sp={int(layout.sequence_parallel)} zero={layout.zero}"
     )
 

@@ -122,9 +122,10 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   its MLP's down projection, which autograd packs before that GEMM runs, so the
   recomputed forward stops there: the down projection, its tensor-parallel exit and the
   residual add are not run again (about a third of the MLP's FLOPs; checked with
-  ``FlopCounterMode`` on plait's blocks, ``tests/test_sim.py``). Not a MoE block (its
-  combine saves the experts' outputs) nor one with dropout after the MLP (the mask is
-  saved last). Megatron's and DeepSpeed's reentrant checkpointing, and PyTorch before
+  ``FlopCounterMode`` on plait's blocks, ``tests/test_sim.py``). A MoE block's routed
+  experts all run again (their combine saves their outputs), its shared experts' down
+  GEMM and the exit do not; with dropout after the MLP (its mask saved last) the whole
+  forward runs again. Megatron's and DeepSpeed's reentrant checkpointing, and PyTorch before
   2.1, run the whole forward again.
 - ``moe_imbalance``: not the software but the run's routing, priced here because every
   cost function reads the runtime: the most-loaded expert's tokens over the mean
@@ -306,6 +307,15 @@ PROFILES: dict[str, Runtime] = {
         "--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap",
     ),
     "fsdp": _FSDP1,
+    "fms-fsdp": dataclasses.replace(
+        _FSDP1,
+        name="fms-fsdp",
+        grad_reduce_fp32=False,
+        adamw_bytes=56,
+        description="IBM's fms-fsdp (2024-02, the code of its 2024-03 blog's table): FSDP1 "
+        "under its bfSixteen policy (weights gathered and gradients reduced in bf16), "
+        "PyTorch's default foreach AdamW, non-reentrant checkpointing that stops early",
+    ),
     "fsdp-torch2.0": dataclasses.replace(
         _FSDP1,
         name="fsdp-torch2.0",

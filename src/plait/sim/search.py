@@ -146,6 +146,7 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
         ep=(1,),
     ),
     "fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3), cp=(1,), ep=(1,)),
+    "fms-fsdp": dict(tp=(1,), pp=(1,), zero=(2, 3), cp=(1,), ep=(1,)),
     "fsdp2": dict(tp=(1,), pp=(1,), zero=(2, 3), cp=(1,), ep=(1,)),
 }
 
