@@ -154,11 +154,12 @@ class Layout:
         return layers if self.recompute_layers is None else min(self.recompute_layers, layers)
 
     def recomputed_share(self, n_layers: int, stage_layers=None) -> float:
-        """The share of a model's ``n_layers`` blocks that re-run their forward
+        """The share of a model's ``n_layers`` blocks that recompute as ``--recompute``
+        says: all of them, but under ``--recompute-layers`` the chunks' first ones
         (``recomputed_blocks`` over the virtual stages of ``stage_layers`` layers: by
         default ``--pp-layout``, or as even as the layers allow)."""
-        if self.recompute != "full" or n_layers < 1:
-            return 0.0
+        if self.recompute_layers is None or n_layers < 1:
+            return 1.0
         S = self.num_stages
         parts = stage_layers or self.pp_layout or [n_layers // S + (i < n_layers % S)
                                                    for i in range(S)]  # fmt: skip

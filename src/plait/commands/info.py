@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )  # fmt: skip
 
     # --recompute-layers: that share of the blocks recomputes, the rest keep theirs
-    share = layout.recomputed_share(model.n_layers) if layout.recompute == "full" else 1.0
+    share = layout.recomputed_share(model.n_layers)
     act = (share * per_layer(layout.recompute) + (1 - share) * per_layer("none")
            ) * model.n_layers / layout.pp  # fmt: skip
     if model.moe:  # the routed MLP's bytes in place of the dense one's (sim/expert.py)

@@ -101,9 +101,7 @@ class Model:
             rc = simulate(model, rc_layout, hw, exact=False)
         stage_layers = model.n_layers / rc_layout.pp
         forward = m * stage_layers * lc.fwd
-        re = lc.recompute  # (--recompute-layers: the share of the blocks that recompute)
-        if layout.recompute_layers is not None:
-            re *= layout.recomputed_share(model.n_layers)
+        re = lc.recompute * layout.recomputed_share(model.n_layers)  # --recompute-layers
         stage = m * stage_layers * (lc.fwd + lc.bwd_input + lc.bwd_weight + re)
         hidden = rc.breakdown.get("bubble", 0.0)
         self.rc_step_s = rc.iter_time_s + max(0.0, forward - hidden)

@@ -73,9 +73,7 @@ def layer_costs(model: ModelConfig, layout: Layout, hw) -> tuple[list[float], fl
 
     rt = get_runtime("plait")
     lc = costs.layer_cost(model, layout, hw, rt)
-    re = lc.recompute  # (--recompute-layers: the share of the blocks that recompute)
-    if layout.recompute_layers is not None:
-        re *= layout.recomputed_share(model.n_layers)
+    re = lc.recompute * layout.recomputed_share(model.n_layers)  # --recompute-layers
     per_layer = lc.fwd + lc.bwd_input + lc.bwd_weight + re
     emb, head = costs.embedding_cost(model, layout, hw), costs.head_cost(model, layout, hw)
     first = emb.fwd + emb.bwd_input + emb.bwd_weight

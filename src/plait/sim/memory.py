@@ -419,8 +419,8 @@ def memory_per_rank(
             n += stage_params(cfg, layout, layers, stage == 0, stage == last_stage, moe[stage])
             x += moe[stage] * ep_sim.expert_params(cfg, layout)
             held = keep = freed = 0.0
-            for recomputed, (dense, routed) in chunk_blocks(cfg, layout, stage_layers,
-                                                             stage).items():  # fmt: skip
+            blocks = chunk_blocks(cfg, layout, stage_layers, stage)
+            for recomputed, (dense, routed) in blocks.items():
                 lay = layout.recomputing_all() if recomputed else layout.without_recompute()
                 # the model's first block: the first of those recomputing, if any do
                 at_first = stage == 0 and (recomputed or layout.recomputed_blocks(layers) == 0)
@@ -431,7 +431,7 @@ def memory_per_rank(
                     freed += h
             if layout.recompute == "full":
                 freed += head if stage == last_stage else 0.0
-                dense, routed = chunk_blocks(cfg, layout, stage_layers, stage)[True]
+                dense, routed = blocks[True]
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
