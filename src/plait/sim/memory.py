@@ -202,7 +202,7 @@ def chunk_blocks(model: ModelConfig, layout: Layout, stage_layers, stage: int) -
     full and the rest do not (``Layout.recomputed_blocks``)."""
     start = sum(stage_layers[:stage])
     layers = stage_layers[stage]
-    n = layout.recomputed_blocks(layers) if layout.recompute_layers is not None else layers
+    n = layers if layout.recompute_layers is None else min(layout.recompute_layers, layers)
     out = {}
     for recomputed, blocks in ((True, range(start, start + n)),
                                (False, range(start + n, start + layers))):  # fmt: skip

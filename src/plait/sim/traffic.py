@@ -182,10 +182,9 @@ def bytes_per_axis(
     if layout.cp > 1:
         nb = cp_sim.layer_bytes(model, layout)
         # recomputation (full, or selective's attention core) runs the exchange again
-        # (``Layout.recomputed_blocks``: under --recompute-layers the chunk's first ones)
-        again = sum(layout.recomputed_blocks(layers) for _, layers in chunks)
-        if layout.recompute == "selective":
-            again = sum(layers for _, layers in chunks)
+        # (under --recompute-layers the chunk's first blocks: ``memory.chunk_blocks``)
+        again = sum(sum(chunk_blocks(model, layout, stage_layers, stage)[True])
+                    for stage, _ in chunks) if layout.recompute != "none" else 0  # fmt: skip
         out["cp"] = m * (sum(layers for _, layers in chunks) * nb.counted
                          + again * nb.fwd_counted)  # fmt: skip
     moe_layers = sum(ep_sim.stage_moe_layers(model, stage_layers)[stage] for stage, _ in chunks)
