@@ -6,11 +6,15 @@ import itertools
 
 from plait.parallel.pipeline.partition import stage_costs
 from plait.sim import simulate
-from plait.sim.search import Candidate, PlanRequest, candidates, make_layout
+from plait.sim.search import FEWEST_BLOCKS, Candidate, PlanRequest, candidates, make_layout
+from plait.sim.simulate import layers_per_stage
 
 
 def brute_force(req: PlanRequest) -> list[tuple[float, Candidate]]:
-    """Every layout that fits (and runs ``req.dp_algo``, if any), fastest first."""
+    """Every layout that fits (and runs ``req.dp_algo``, if any), fastest first. A layout
+    that recomputes the fewest blocks that fit (``FEWEST_BLOCKS``) is every count from 1 to
+    one short of the largest chunk's blocks, tried each; its fastest that fits stands for
+    it, unless the layout fits recomputing nothing (then it is none)."""
     out = []
     for c in candidates(req):
         lay = make_layout(c, req)
@@ -19,10 +23,22 @@ def brute_force(req: PlanRequest) -> list[tuple[float, Candidate]]:
                 req.dp_algo.check_layout(lay)
             except ValueError:
                 continue  # the algorithm does not run on this layout
-        r = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=False,
-                     dp_algo=req.dp_algo)  # fmt: skip
-        if r.fits:
-            out.append((r.iter_time_s, c))
+        family = [c]
+        if c.recompute_layers == FEWEST_BLOCKS:
+            most = max(layers_per_stage(req.model, lay))
+            family = [c._replace(recompute_layers=n) for n in range(1, most)]
+            nothing = c._replace(recompute="none", recompute_layers=0)
+            if simulate(req.model, make_layout(nothing, req), req.hardware, runtime=req.runtime,
+                        exact=False, dp_algo=req.dp_algo).fits:  # fmt: skip
+                continue
+        fits = []
+        for member in family:
+            r = simulate(req.model, make_layout(member, req), req.hardware,
+                         runtime=req.runtime, exact=False, dp_algo=req.dp_algo)  # fmt: skip
+            if r.fits:
+                fits.append((r.iter_time_s, member))
+        if fits:
+            out.append(min(fits))
     return sorted(out)
 
 

@@ -71,8 +71,11 @@ def config_text(entry, model, preset_name: str | None, header: str, dp_algo=None
         "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "schedule": lay.schedule,
         "micro-batch-size": lay.micro_batch_size, "global-batch-size": lay.global_batch_size,
         "zero": lay.zero, "sequence-parallel": lay.sequence_parallel,
-        "recompute": lay.recompute, "dtype": lay.dtype,
+        "recompute": lay.recompute,
     })  # fmt: skip
+    if lay.recompute_layers is not None:
+        out["recompute-layers"] = lay.recompute_layers
+    out["dtype"] = lay.dtype
     if lay.cp > 1:
         out.update({"cp": lay.cp, "cp-mode": lay.cp_mode})
     if lay.ep > 1:
@@ -153,12 +156,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
 def _request(values: dict, model, hw, tokens: float | None):
     """The ``sim.search.PlanRequest`` the flag values describe."""
     from plait.cli_args import LAYOUT_FLAGS
-    from plait.layout import DEFAULT_BUCKET_MB
+    from plait.layout import DEFAULT_BUCKET_MB, Layout
     from plait.sim.search import PlanRequest, space_for
 
     # not searched: fine at their defaults (as a run's config.yaml holds them)
     fixed = {"pp_layout": None, "zero_shard_group": None, "offload_optimizer": False,
-             "bucket_mb": DEFAULT_BUCKET_MB, "recompute_layers": None}  # fmt: skip
+             "bucket_mb": DEFAULT_BUCKET_MB}  # fmt: skip
     for key, default in fixed.items():
         if values.get(key) not in (None, default):
             flag = "--" + key.replace("_", "-")
@@ -195,6 +198,11 @@ def _request(values: dict, model, hw, tokens: float | None):
                                            "zero", "recompute", "cp", "cp_mode", "ep")}  # fmt: skip
     if pins.get("sequence_parallel"):
         space_pins["sequence_parallel"] = True
+    if pins.get("recompute_layers") is not None:  # train's checks: with full, at least 1
+        Layout(recompute=pins.get("recompute") or "none", recompute_layers=pins["recompute_layers"])
+        space_pins["recompute_layers"] = pins["recompute_layers"]
+    elif pins.get("recompute") == "full":  # as plait train reads it: every block
+        space_pins["recompute_layers"] = 0
 
     def given(key, default):  # 0 is a value to refuse, not "the default"
         return default if values.get(key) is None else values[key]
@@ -368,6 +376,11 @@ def report(plan, name: str | None = None) -> str:
         if has_days:
             row += f" {e.train_days:>7.1f}"
         lines.append(row)
+    if any(e.candidate.recompute_layers for e in plan.entries):
+        lines.append(
+            "           full xN: --recompute full --recompute-layers N, the first N blocks of "
+            "each model chunk recompute (the fewest that fit)"
+        )
     if n_replayed < len(plan.entries):
         lines.append(
             "           ~ closed form (schedule not replayed: --no-replay, or past the replay "

@@ -527,6 +527,7 @@ def _nearest_fit(cfg, hw, algo) -> str | None:
         flags += [f"--vpp {c.vpp}"] * (c.vpp > 1) + [f"--schedule {c.schedule}"]
     flags += [f"--zero {c.zero}", f"--micro-batch-size {c.micro_batch_size}"]
     flags += ["--sequence-parallel"] * c.sequence_parallel + [f"--recompute {c.recompute}"]
+    flags += [f"--recompute-layers {c.recompute_layers}"] * (c.recompute_layers > 0)
     return f"{' '.join(flags)} (~{plan.best.result.peak_mem_bytes / GiB:.1f} GiB)"
 
 

@@ -13,7 +13,8 @@ The search space
     the schedules gpipe, 1f1b, zb-h1 and interleaved-1f1b with 2..``--max-vpp`` chunks
     per rank (pp vpp at most the layers, micro-batches a multiple of pp); ZeRO 0-3 (one stage
     only without data parallelism); sequence parallelism on or off (only with tp > 1);
-    recomputation none, selective or full; context parallelism (cp > 1, each rank holding
+    recomputation none, selective or full, and full for only the first N blocks of each
+    model chunk (``--recompute-layers N``, below); context parallelism (cp > 1, each rank holding
     s / cp tokens of every sequence, ``sim/context.py``) for sequences of at least
     ``CP_MIN_SEQ_LEN`` tokens (or when ``--cp`` pins it): every cp dividing the devices
     left by tp x pp (dp = devices / (tp pp cp)), at most ``--max-cp``, with 2 cp dividing
@@ -62,9 +63,18 @@ The method: best-first branch and bound, exact over the space
     about a second, a few dozen simulations. tests/test_plan.py checks the result against
     brute force on small spaces.
 
+    Partial recomputation is one layout per layout of full recomputation
+    (``FEWEST_BLOCKS``): the fewest blocks per chunk, 1 to one short of the chunk, whose
+    closed form fits -- each block more recomputes more and holds less, so that is the
+    fastest that fits (``resolve_blocks`` bisects when the layout comes up; a layout that
+    fits recomputing nothing drops it, being that layout made slower). Its bounds: no
+    recomputation's time plus a block's recomputation per chunk (``family_time``), full
+    recomputation's memory. tests/test_plan.py's brute force tries every N.
+
     The K winners are then replayed exactly (``simulate(exact=True)``, the figures
     ``plait simulate`` prints; uneven stages and transfers included) and shown in that
-    order; a layout whose replayed memory no longer fits is dropped for the next one.
+    order; a layout whose replayed memory no longer fits is dropped for the next one (a
+    partial recomputation's N + 1 goes back on the heap by its closed form).
     Compiling a schedule for the replay costs ~0.1 ms per (rank, micro-batch, chunk), so
     winners are replayed best first while the schedules they add stay within
     ``REPLAY_BUDGET`` of those units; the rest keep their closed-form figures (marked).
@@ -110,6 +120,7 @@ SLACK = 0.995  # the time bound is taken this much lower (module docstring)
 # winners are replayed, best first, while the new schedules they need stay within this
 # many units in all (~2 s).
 REPLAY_BUDGET = 16384
+FEWEST_BLOCKS = -1  # Candidate.recompute_layers: the fewest recomputing blocks that fit
 FOLD = 1e-3  # relative step-time difference below which two layouts tie
 # Context parallelism joins the search from this sequence length (module docstring): Llama 3
 # trained 8k-token sequences without it and turned it on for its 128k phase.
@@ -118,15 +129,18 @@ TOKENS_PER_PARAM = 20  # Chinchilla (Hoffmann et al. 2022): compute-optimal toke
 
 # What the software each runtime profile models could do (the rest is searched fully).
 # Megatron-LM 2021 (Narayanan et al. SC21): 1F1B and interleaved 1F1B, full activation
-# recomputation, no ZeRO; sequence parallelism and selective recomputation came in 2022
+# recomputation of every block (the block method landed after the paper's runs, August
+# 2021), no ZeRO; sequence parallelism and selective recomputation came in 2022
 # (Korthikanti et al.: megatron-lm-2022). Megatron-DeepSpeed (BLOOM): its 1F1B engine,
-# ZeRO-1, full recomputation. FSDP (llm-foundry): data parallelism with sharding only.
+# ZeRO-1, full recomputation in intervals alike. FSDP (llm-foundry): data parallelism
+# with sharding only.
 RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
     "megatron-lm": dict(
         schedule=("1f1b", "interleaved-1f1b"),
         zero=(0,),
         sequence_parallel=(False,),
         recompute=("none", "full"),
+        recompute_layers=(0,),
         cp=(1,),
         ep=(1,),
     ),
@@ -142,6 +156,7 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
         zero=(0, 1),
         sequence_parallel=(False,),
         recompute=("none", "full"),
+        recompute_layers=(0,),
         cp=(1,),
         ep=(1,),
     ),
@@ -166,10 +181,15 @@ class Candidate(NamedTuple):
     cp: int = 1
     cp_mode: str = "ring"
     ep: int = 1
+    # under ``full``: 0 every block; N > 0 the first N of each model chunk
+    # (``--recompute-layers N``); ``FEWEST_BLOCKS``: the fewest N that fit, chosen when
+    # the layout is simulated (``resolve_blocks``)
+    recompute_layers: int = 0
 
     def label(self) -> str:
         """Short form for tables: ``tp8 pp8 dp16 interleaved v2 mbs1 z1 sp selective``
-        (with context parallelism ``tp8 pp1 dp2 cp4 ring ...``)."""
+        (with context parallelism ``tp8 pp1 dp2 cp4 ring ...``; ``full x3``: the first 3
+        blocks of each chunk recompute)."""
         sched = {"interleaved-1f1b": f"interleaved v{self.vpp}"}.get(self.schedule, self.schedule)
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         if self.ep > 1:
@@ -182,6 +202,9 @@ class Candidate(NamedTuple):
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(self.recompute)
+        if self.recompute_layers:
+            parts.append("x?" if self.recompute_layers == FEWEST_BLOCKS else
+                         f"x{self.recompute_layers}")  # fmt: skip
         return " ".join(parts)
 
 
@@ -199,6 +222,9 @@ class Space:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple[str, ...] = RECOMPUTE
+    # under ``full``: 0 every block, N the first N of each chunk; None: every block, and
+    # the fewest blocks that fit (``Candidate.recompute_layers``)
+    recompute_layers: tuple[int, ...] | None = None
     cp: tuple[int, ...] | None = None  # None: 1, and more from CP_MIN_SEQ_LEN tokens
     cp_mode: tuple[str, ...] = CP_MODES
     ep: tuple[int, ...] | None = None  # None: every ep dividing dp and the experts (MoE)
@@ -235,9 +261,12 @@ def space_for(runtime: str, pins: dict | None = None, **limits) -> Space:
     for axis, value in pins.items():
         allowed = getattr(space, axis)
         if allowed is not None and value not in allowed:
+            can = ", ".join(map(_flag_value, allowed))
+            if axis == "recompute_layers":
+                can = "every block under --recompute full"
             raise ValueError(
                 f"--{axis.replace('_', '-')} {_flag_value(value)} is outside what --runtime "
-                f"{runtime} can run ({', '.join(map(_flag_value, allowed))})"
+                f"{runtime} can run ({can})"
             )
         wanted[axis] = (value,)
     return space.narrowed(**wanted) if wanted else space
@@ -388,10 +417,21 @@ def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str
                 if seq_par and (tp == 1 or (mbs * cfg.seq_len // cp) % tp):
                     continue
                 for recompute in sp_.recompute:
-                    for zero in zeros:
-                        yield Candidate(
-                            tp, pp, dp, vpp, schedule, mbs, zero, seq_par, recompute, cp, mode, ep
-                        )
+                    for blocks in _block_choices(sp_, recompute, -(-L // (pp * vpp))):
+                        for zero in zeros:
+                            yield Candidate(tp, pp, dp, vpp, schedule, mbs, zero, seq_par,
+                                            recompute, cp, mode, ep, blocks)  # fmt: skip
+
+
+def _block_choices(space: Space, recompute: str, chunk: int) -> list[int]:
+    """``Candidate.recompute_layers`` values under ``recompute`` for chunks of at most
+    ``chunk`` blocks: 0 but under ``full``, where the pinned ones, or every block and the
+    fewest that fit (when a chunk has blocks to leave out)."""
+    if recompute != "full":
+        return [0]
+    if space.recompute_layers is not None:
+        return list(space.recompute_layers)
+    return [0, FEWEST_BLOCKS] if chunk > 1 else [0]
 
 
 def _cp_choices(req: PlanRequest, tp: int, pp: int) -> list[tuple[int, str]]:
@@ -445,8 +485,50 @@ def make_layout(c: Candidate, req: PlanRequest) -> Layout:
         dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
         micro_batch_size=c.micro_batch_size, global_batch_size=req.global_batch_size,
         zero=c.zero, sequence_parallel=c.sequence_parallel, recompute=c.recompute,
+        recompute_layers=c.recompute_layers if c.recompute_layers > 0 else None,
         dtype=req.dtype, cp=c.cp, cp_mode=c.cp_mode, ep=c.ep,
     )  # fmt: skip
+
+
+def chunk_blocks(c: Candidate, req: PlanRequest) -> int:
+    """The blocks of ``c``'s largest model chunk (the planner's layouts cut uniformly)."""
+    return -(-req.model.n_layers // (c.pp * c.vpp))
+
+
+def resolve_blocks(
+    req: PlanRequest, c: Candidate, known: bool = False
+) -> tuple[Candidate | None, Result | None, int]:
+    """A ``FEWEST_BLOCKS`` candidate made concrete: the fewest recomputing blocks per chunk,
+    1 to one short of every block, whose closed form fits (each block more recomputes
+    more and holds less, so the fewest that fit is the fastest that fits; tests/test_plan.py
+    holds it against every N), with its result and the simulations it took. When none
+    fits: the leanest of them, its result not fitting. When the layout fits recomputing
+    nothing, the family is that layout made slower: (None, None, runs). ``known``: that
+    it does not."""
+
+    def member(n):  # 0: recomputing nothing
+        return c._replace(recompute_layers=n, recompute="full" if n else "none")
+
+    def sim(n):
+        return simulate(req.model, make_layout(member(n), req), req.hardware,
+                        runtime=req.runtime, exact=False, dp_algo=req.dp_algo,
+                        moe_imbalance=req.moe_imbalance)  # fmt: skip
+
+    hi = chunk_blocks(c, req) - 1
+    best, runs = (hi, sim(hi)), 1
+    if not best[1].fits:
+        return member(hi), best[1], runs
+    lo = 1 if known else 0  # the fewest that fit is in [lo, best]
+    while lo < best[0]:
+        mid = (lo + best[0]) // 2
+        res, runs = sim(mid), runs + 1
+        if res.fits:
+            best = (mid, res)
+        else:
+            lo = mid + 1
+    if best[0] == 0:
+        return None, None, runs
+    return member(best[0]), best[1], runs
 
 
 # -- bounds --------------------------------------------------------------------------------
@@ -615,13 +697,27 @@ class _Bounds:
         buffers = zero3_buffer_bytes(self.cfg, lay, self.rt)
         return per_param(dp * cp), per_param(dp // ep * cp), buffers
 
+    @_memo
+    def first_block(self, tp, mbs, sp, z3_dp, cp=1, mode="ring", ep=1) -> float:
+        """The least a block's backward gains when it recomputes its forward (dense or MoE)."""
+        full = self.layer(tp, mbs, sp, "full", z3_dp, cp, mode, ep)
+        none = self.layer(tp, mbs, sp, "none", z3_dp, cp, mode, ep)
+        return min(full[0].bwd - none[0].bwd, full[5].bwd - none[5].bwd)
+
     def time(self, c: Candidate) -> float:
-        """A lower bound on ``simulate(exact=False).iter_time_s`` (module docstring)."""
+        """A lower bound on ``simulate(exact=False).iter_time_s`` (module docstring; a
+        chunk's first blocks recomputing: no recomputation's work, each chunk's backward
+        re-running at least one block)."""
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
+        z3_dp = c.dp if c.zero == 3 else 0
         work, fwd0, bwd = self.work(
-            c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
-            c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep,
+            c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel,
+            "none" if c.recompute_layers else c.recompute, z3_dp, c.cp, c.cp_mode, c.ep,
         )  # fmt: skip
+        if c.recompute_layers:
+            more = c.vpp * self.first_block(c.tp, c.micro_batch_size, c.sequence_parallel,
+                                            z3_dp, c.cp, c.cp_mode, c.ep)  # fmt: skip
+            work, bwd = work + more, bwd + more
         # ``schedules.pipeline_span`` from below, at the busiest rank k: what each other
         # rank adds is its (F + B) / v; under 1F1B, after k, at least 2 (F + B) - k's;
         # under ZB-H1 (one chunk) at least its F
@@ -646,9 +742,20 @@ class _Bounds:
         exposed = float(np.max(step.exposed_weight_gather(gather, fwd0, self.rt)))
         return SLACK * (pipe + opt + exposed)
 
+    def family_time(self, c: Candidate, plain: float) -> float:
+        """``time(c)`` from below for a chunk's first blocks recomputing, given ``plain``,
+        the bound of ``c`` recomputing nothing: each rank's work grows by at least a block's
+        recomputation per chunk, δ, which adds m δ to the span and hides at most δ more
+        of the gradient reduction."""
+        m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
+        more = c.vpp * self.first_block(c.tp, c.micro_batch_size, c.sequence_parallel,
+                                        c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep)  # fmt: skip
+        return plain + SLACK * (m - 1) * more
+
     def memory(self, c: Candidate) -> float:
         """A lower bound on the peak bytes per device, closed form or replayed (module
-        docstring): the fullest pipeline rank."""
+        docstring): the fullest pipeline rank (a chunk's first blocks recomputing: every
+        block's)."""
         rk = self.ranks(c.tp, c.pp, c.vpp, c.ep)
         params, experts = rk[6], rk[9]
         per_param, per_expert_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp, c.ep)
@@ -682,7 +789,7 @@ def search(req: PlanRequest) -> Plan:
     for seconds, c, res in _fastest_first(req, heap, rejected, counts):
         # A layout that only changes ZeRO stage or recomputation of a better one, at the
         # same predicted time, is the same plan with more memory: fold it into that one.
-        fold = c._replace(zero=0, recompute="", cp_mode="")
+        fold = c._replace(zero=0, recompute="", cp_mode="", recompute_layers=0)
         if folded.get(fold, -1.0) >= seconds * (1 - FOLD):
             continue
         lay = make_layout(c, req)
@@ -697,6 +804,15 @@ def search(req: PlanRequest) -> Plan:
                 budget -= units
             if not res.fits:  # the replayed peak is above the closed form's
                 rejected.add(res.iter_time_s, c)
+                more = c._replace(recompute_layers=c.recompute_layers + 1)
+                searched = req.space.recompute_layers is None and c.recompute_layers > 0
+                if searched and more.recompute_layers < chunk_blocks(c, req):
+                    # the fewest blocks that fit: one more, ranked by its own closed form
+                    res = simulate(req.model, make_layout(more, req), req.hardware,
+                                   runtime=req.runtime, exact=False, dp_algo=req.dp_algo,
+                                   moe_imbalance=req.moe_imbalance)  # fmt: skip
+                    counts["simulated"] += 1
+                    _ranked(heap, rejected, more, res)
                 continue
         replaying = replayed  # the replayed entries are a prefix of the ranking
         folded[fold] = seconds
@@ -731,12 +847,25 @@ def _bounded(req: PlanRequest, bounds: _Bounds):
     rejected = _Rejections()
     heap = []
     n = 0
+    group, known = None, {}  # the bounds of this group's layouts (below)
     for c in candidates(req):
         if req.dp_algo is not None and not _runs_algo(req, c):
             continue
         n += 1
-        lb = bounds.time(c)
-        if bounds.memory(c) > cap:
+        # a chunk's first blocks recomputing: no recomputation's time bound (made larger),
+        # every block's memory bound, both of the same group (layouts that differ only in
+        # ZeRO and recomputation, enumerated together)
+        key = c[:6] + c[7:8] + c[9:12]  # all but zero, recompute and recompute_layers
+        if key != group:
+            group, known = key, {}
+        nothing, every = known.get(("none", c.zero)), known.get(("full", c.zero))
+        if c.recompute_layers == FEWEST_BLOCKS and nothing and every:
+            lb, mem = bounds.family_time(c, nothing[0]), every[1]
+        else:
+            lb, mem = bounds.time(c), bounds.memory(c)
+            if not c.recompute_layers:
+                known[c.recompute, c.zero] = (lb, mem)
+        if mem > cap:
             rejected.add(lb, c)
         else:  # kind 0: a bound, popped before a simulated time it ties with
             heap.append((lb, 0, 0.0, c, None))
@@ -756,20 +885,39 @@ def _runs_algo(req: PlanRequest, c: Candidate) -> bool:
 def _fastest_first(req: PlanRequest, heap: list, rejected: _Rejections, counts: dict):
     """Yield (closed-form seconds, layout, result) of the layouts that fit, fastest first
     (ties: least memory first), simulating a layout only when its bound comes up."""
+    plain: set[Candidate] = set()  # layouts without recomputation that fit
     while heap:
         _, kind, _, c, res = heapq.heappop(heap)
         if kind == 1:
             yield res.iter_time_s, c, res
             continue
-        res = simulate(req.model, make_layout(c, req), req.hardware, runtime=req.runtime,
-                       exact=False, dp_algo=req.dp_algo,
-                       moe_imbalance=req.moe_imbalance)  # fmt: skip
-        counts["simulated"] += 1
-        if res.fits:
-            tie = float(f"{res.iter_time_s:.12g}")  # equal times: least memory first
-            heapq.heappush(heap, (tie, 1, res.peak_mem_bytes, c, res))
+        if c.recompute_layers == FEWEST_BLOCKS:
+            nothing = c._replace(recompute="none", recompute_layers=0)
+            if nothing in plain:  # it fits recomputing nothing: that layout, made slower
+                continue
+            c, res, runs = resolve_blocks(req, c, nothing in rejected.seen)
+            counts["simulated"] += runs
+            if c is not None:
+                _ranked(heap, rejected, c, res)
+            continue
         else:
-            rejected.add(res.iter_time_s, c, res)
+            res, runs = simulate(req.model, make_layout(c, req), req.hardware,
+                                 runtime=req.runtime, exact=False, dp_algo=req.dp_algo,
+                                 moe_imbalance=req.moe_imbalance), 1  # fmt: skip
+        counts["simulated"] += runs
+        if c.recompute == "none" and res.fits:
+            plain.add(c)
+        _ranked(heap, rejected, c, res)
+
+
+def _ranked(heap: list, rejected: _Rejections, c: Candidate, res: Result) -> None:
+    """A simulated layout onto the heap by its time (equal times: least memory first), or
+    among the rejected when it does not fit."""
+    if res.fits:
+        tie = float(f"{res.iter_time_s:.12g}")
+        heapq.heappush(heap, (tie, 1, res.peak_mem_bytes, c, res))
+    else:
+        rejected.add(res.iter_time_s, c, res)
 
 
 class _Rejections:
