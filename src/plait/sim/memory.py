@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
-from plait.parallel.pipeline.schedules import in_flight_bound
+from plait.parallel.pipeline.schedules import awaiting_weight_bound, in_flight_bound
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
 from plait.sim.costs import ACT_BYTES, dp_groups, residual_bytes
@@ -395,7 +395,8 @@ def memory_per_rank(
 ) -> list[Memory]:
     """Memory of one device on each pipeline rank (all dp / tp peers are alike). Without
     a compiled schedule, each rank holds ``schedules.in_flight_bound`` micro-batches of
-    its average chunk (exact for even stages). ``lora`` (a ``LoRAConfig``): the base is
+    its average chunk, and under ZB-H1 ``awaiting_weight_bound`` more of what each keeps
+    for its deferred W (exact for even stages). ``lora`` (a ``LoRAConfig``): the base is
     frozen -- weights only, sharded under ZeRO-3 -- and the adapters carry gradients and
     optimizer state (each keeps its rank-r product: ``chunk_activation_bytes``)."""
     p, v = layout.pp, layout.vpp
@@ -455,12 +456,13 @@ def memory_per_rank(
         m = layout.num_microbatches
         act = []
         for rank in range(p):
-            bound = in_flight_bound(
-                layout.schedule, num_ranks=p, num_microbatches=m, num_chunks=v, rank=rank
-            )
+            kw = dict(num_ranks=p, num_microbatches=m, num_chunks=v, rank=rank)
+            bound = in_flight_bound(layout.schedule, **kw)
+            waiting = awaiting_weight_bound(layout.schedule, **kw)  # ZB-H1's deferred W
             blocks = sum(held for held, _ in weights[rank]) - heads[rank]
+            kept = sum(keep for _, keep in weights[rank])
             last_in_flight = m if layout.schedule == "gpipe" else 1
-            act.append(bound * blocks / v + heads[rank] * last_in_flight)
+            act.append((bound * blocks + waiting * kept) / v + heads[rank] * last_in_flight)
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
 
     out = []

@@ -703,6 +703,21 @@ def in_flight_bound(
     raise ScheduleError(f"--schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
 
 
+def awaiting_weight_bound(
+    name: str, *, num_ranks: int, num_microbatches: int, num_chunks: int = 1, rank: int = 0
+) -> int:
+    """Micro-batches whose weight gradient (W) is still to run on ``rank`` when it holds
+    ``in_flight_bound`` forwards: ZB-H1 defers rank r's W by r slots, so its peak holds
+    min(p - r, m) forwards and min(r, m - that) inputs kept for W (one peak per rank,
+    ``tests/test_schedules.py`` holds it against the compiled schedules); 0 for the
+    schedules that run B whole."""
+    if name != "zb-h1":
+        return 0
+    held = in_flight_bound(name, num_ranks=num_ranks, num_microbatches=num_microbatches,
+                           num_chunks=num_chunks, rank=rank)  # fmt: skip
+    return min(rank, num_microbatches - held)
+
+
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     """Bubble fraction (idle / compute, as ``Timeline.bubble_fraction``) in closed form.
 
