@@ -60,6 +60,18 @@ def small_cases():
             cap = mems[len(mems) // 3]
             req = PlanRequest(**{**req.__dict__, "hardware": hw.replace(memory_bytes=cap)})
         cases.append(req)
+    # ZeRO-3's HSDP groups (``Candidate.shard``): nodes of 2 devices, so that 8-16 of them
+    # give groups of 2, 4 and 8 data-parallel ranks
+    for i, (model, runtime) in enumerate([(models[0], "plait"), (models[2], "fsdp2"),
+                                          (models[3], "fsdp"), (models[4], "plait")]):  # fmt: skip
+        hw = get_hardware(hws[1 + i % 2]).replace(devices_per_node=2)
+        n = 8 * (1 + i % 2)
+        req = PlanRequest(model=model, hardware=hw, n_devices=n, global_batch_size=2 * n,
+                          runtime=runtime, space=space_for(runtime, max_vpp=2), top_k=3,
+                          exact=False)  # fmt: skip
+        mems = sorted(_Bounds(req).memory(c) for c in candidates(req))
+        cap = mems[len(mems) // 3]
+        cases.append(dataclasses.replace(req, hardware=hw.replace(memory_bytes=cap)))
     return cases
 
 
@@ -86,7 +98,7 @@ def test_search_returns_the_brute_force_optimum(req):
 
 def test_bounds_are_lower_bounds():
     rng = random.Random(3)
-    for req in small_cases()[:8]:
+    for req in small_cases()[:8] + small_cases()[-4:]:
         bounds = _Bounds(req)
         cands = list(candidates(req))
         for c in rng.sample(cands, min(15, len(cands))):
@@ -151,16 +163,19 @@ def test_the_search_takes_one_block_more_when_the_replay_does_not_fit():
 
 
 def test_gpt3_175b_recomputes_the_fewest_blocks_that_fit():
-    """GPT-3 175B on 1,024 A100-80GB under Megatron-Core: with none of its layouts fitting
-    without recomputation at tp 8 pp 1, recomputing 6 of 96 blocks beats every layout
-    that recomputes all blocks or none, by the simulator's own figures. Catches a planner
-    that leaves --recompute-layers out of the search, and the plan file losing it."""
+    """GPT-3 175B on 1,024 A100-80GB under Megatron-Core (ZeRO over every dp rank, as
+    Megatron-Core shards): with none of its layouts fitting without recomputation at tp 8
+    pp 1, recomputing 6 of 96 blocks beats every layout that recomputes all blocks or none,
+    by the simulator's own figures. Catches a planner that leaves --recompute-layers out of
+    the search, and the plan file losing it."""
+    space = {"zero_shard_group": 0}
     req = PlanRequest(model=preset("gpt3-175b"), hardware=A100, n_devices=1024,
-                      global_batch_size=1536, runtime="megatron-core", top_k=1)  # fmt: skip
+                      global_batch_size=1536, runtime="megatron-core", top_k=1,
+                      space=space_for("megatron-core", space))  # fmt: skip
     best = search(req).best
     assert best.layout.recompute == "full" and 0 < best.layout.recompute_layers < 96
     whole = search(dataclasses.replace(req, space=space_for("megatron-core",
-                                                            {"recompute_layers": 0}))).best  # fmt: skip
+                                       {**space, "recompute_layers": 0}))).best  # fmt: skip
     assert not whole.layout.recompute_layers
     assert best.result.iter_time_s < whole.result.iter_time_s * 0.99  # measured: 2.2%
     from plait.commands.plan import config_text
@@ -168,6 +183,27 @@ def test_gpt3_175b_recomputes_the_fewest_blocks_that_fit():
     assert f"recompute-layers: {best.layout.recompute_layers}" in config_text(
         best, req.model, "gpt3-175b", "header"
     )
+
+
+def test_fsdp_at_4096_gpus_shards_within_groups():
+    """Llama 2 70B on 4,096 H100s under FSDP2: ZeRO-3 over all 4,096 ranks pays each
+    per-layer gather's ring latency across 512 nodes, 20% of the step exposed; the planner
+    shards within groups instead (HSDP, ``--zero-shard-group``) and the plan is faster
+    than any layout sharding over every rank, by the simulator's own figures. The plan
+    file carries the group. Catches a planner that does not search the shard group."""
+    req = PlanRequest(model=preset("llama2-70b"), hardware=get_hardware("h100-sxm"),
+                      n_devices=4096, global_batch_size=4096, runtime="fsdp2", top_k=1,
+                      space=space_for("fsdp2"))  # fmt: skip
+    best = search(req).best
+    assert best.layout.zero == 3 and 8 <= best.layout.zero_shard_group < 4096
+    whole = search(dataclasses.replace(req, space=space_for("fsdp2",
+                                                            {"zero_shard_group": 0}))).best  # fmt: skip
+    assert whole.layout.zero_shard_group is None
+    assert best.result.iter_time_s < whole.result.iter_time_s * 0.85  # measured: 0.80
+    from plait.commands.plan import config_text
+
+    text = config_text(best, req.model, "llama2-70b", "header")
+    assert f"zero-shard-group: {best.layout.zero_shard_group}" in text
 
 
 def test_bounds_stay_lower_bounds_when_the_host_runs_beside_the_device():
@@ -226,6 +262,11 @@ def test_pins_and_runtime_narrow_the_space():
     free = dataclasses.replace(req, space=space_for("plait", {"recompute": "full"}))
     assert {c.recompute_layers for c in candidates(free)} == {0, FEWEST_BLOCKS}
     assert {c.recompute_layers for c in candidates(req)} == {0}  # Megatron-LM 2021
+    assert {c.shard for c in candidates(req)} == {0}
+    hsdp = dataclasses.replace(req, space=space_for("plait", {"zero": 3, "pp": 1}))
+    assert {c.shard for c in candidates(hsdp) if c.tp == 1} == {0, 8}  # dp 16, 8 a node
+    pinned = dataclasses.replace(req, space=space_for("plait", {"zero_shard_group": 4}))
+    assert {(c.shard, c.zero > 0) for c in candidates(pinned)} == {(4, True)}
     with pytest.raises(ValueError, match="--max-vpp"):
         Space(max_vpp=0)
 
@@ -348,6 +389,14 @@ def test_budget_proposes_a_chinchilla_model(capsys, tmp_path):
         (
             ["--gpus", "2", "--global-batch-size", "8", "--recompute-layers", "2"],
             "--recompute-layers N recomputes the first N blocks of each model chunk in full",
+        ),
+        (
+            ["--gpus", "8", "--global-batch-size", "16", "--zero-shard-group", "3"],
+            "--zero-shard-group 3: it divides the data-parallel ranks",
+        ),
+        (
+            "--gpus 8 --global-batch-size 16 --zero-shard-group 2 --zero 0".split(),
+            "--zero-shard-group needs --zero 1, 2 or 3",
         ),
         (
             "--gpus 2 --global-batch-size 8 --runtime megatron-lm --recompute full "

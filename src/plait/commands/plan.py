@@ -76,6 +76,8 @@ def config_text(entry, model, preset_name: str | None, header: str, dp_algo=None
     if lay.recompute_layers is not None:
         out["recompute-layers"] = lay.recompute_layers
     out["dtype"] = lay.dtype
+    if lay.zero_shard_group is not None:
+        out["zero-shard-group"] = lay.zero_shard_group
     if lay.cp > 1:
         out.update({"cp": lay.cp, "cp-mode": lay.cp_mode})
     if lay.ep > 1:
@@ -160,7 +162,7 @@ def _request(values: dict, model, hw, tokens: float | None):
     from plait.sim.search import PlanRequest, space_for
 
     # not searched: fine at their defaults (as a run's config.yaml holds them)
-    fixed = {"pp_layout": None, "zero_shard_group": None, "offload_optimizer": False,
+    fixed = {"pp_layout": None, "offload_optimizer": False,
              "bucket_mb": DEFAULT_BUCKET_MB}  # fmt: skip
     for key, default in fixed.items():
         if values.get(key) not in (None, default):
@@ -203,6 +205,13 @@ def _request(values: dict, model, hw, tokens: float | None):
         space_pins["recompute_layers"] = pins["recompute_layers"]
     elif pins.get("recompute") == "full":  # as plait train reads it: every block
         space_pins["recompute_layers"] = 0
+    group = pins.get("zero_shard_group")
+    if group is not None:  # train's checks: with ZeRO, at least 1
+        if group < 1:
+            raise ValueError(f"--zero-shard-group must be at least 1, got {group}")
+        if pins.get("zero") == 0:
+            Layout(dp=group, zero=0, zero_shard_group=group)
+        space_pins["zero_shard_group"] = group
 
     def given(key, default):  # 0 is a value to refuse, not "the default"
         return default if values.get(key) is None else values[key]

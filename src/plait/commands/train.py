@@ -525,7 +525,8 @@ def _nearest_fit(cfg, hw, algo) -> str | None:
     flags = [f"--dp {c.dp}", f"--tp {c.tp}", f"--pp {c.pp}"]
     if c.pp > 1:
         flags += [f"--vpp {c.vpp}"] * (c.vpp > 1) + [f"--schedule {c.schedule}"]
-    flags += [f"--zero {c.zero}", f"--micro-batch-size {c.micro_batch_size}"]
+    flags += [f"--zero {c.zero}"] + [f"--zero-shard-group {c.shard}"] * (c.shard > 0)
+    flags += [f"--micro-batch-size {c.micro_batch_size}"]
     flags += ["--sequence-parallel"] * c.sequence_parallel + [f"--recompute {c.recompute}"]
     flags += [f"--recompute-layers {c.recompute_layers}"] * (c.recompute_layers > 0)
     return f"{' '.join(flags)} (~{plan.best.result.peak_mem_bytes / GiB:.1f} GiB)"

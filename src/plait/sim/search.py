@@ -12,7 +12,8 @@ The search space
     micro-batch size dividing the per-replica batch (up to ``--max-micro-batch-size``);
     the schedules gpipe, 1f1b, zb-h1 and interleaved-1f1b with 2..``--max-vpp`` chunks
     per rank (pp vpp at most the layers, micro-batches a multiple of pp); ZeRO 0-3 (one stage
-    only without data parallelism); sequence parallelism on or off (only with tp > 1);
+    only without data parallelism), and for ZeRO-3 on one pipeline stage HSDP groups
+    (``_shard_choices``: a node's dp ranks times a power of two); sequence parallelism on or off (only with tp > 1);
     recomputation none, selective or full, and full for only the first N blocks of each
     model chunk (``--recompute-layers N``, below); context parallelism (cp > 1, each rank holding
     s / cp tokens of every sequence, ``sim/context.py``) for sequences of at least
@@ -97,7 +98,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from plait.layout import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES, Layout, check_cp_split
+from plait.layout import (
+    CP_MODES,
+    DEFAULT_BUCKET_MB,
+    DTYPES,
+    RECOMPUTE,
+    SCHEDULES,
+    Layout,
+    check_cp_split,
+)
 from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import in_flight_bound, pipeline_transfers
@@ -138,6 +147,7 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
     "megatron-lm": dict(
         schedule=("1f1b", "interleaved-1f1b"),
         zero=(0,),
+        zero_shard_group=(0,),
         sequence_parallel=(False,),
         recompute=("none", "full"),
         recompute_layers=(0,),
@@ -147,6 +157,7 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
     "megatron-lm-2022": dict(
         schedule=("1f1b", "interleaved-1f1b"),
         zero=(0,),
+        zero_shard_group=(0,),
         recompute=("none", "selective", "full"),
         cp=(1,),
         ep=(1,),
@@ -154,6 +165,7 @@ RUNTIME_FEATURES: dict[str, dict[str, tuple]] = {
     "megatron-deepspeed": dict(
         schedule=("1f1b",),
         zero=(0, 1),
+        zero_shard_group=(0,),
         sequence_parallel=(False,),
         recompute=("none", "full"),
         recompute_layers=(0,),
@@ -185,11 +197,13 @@ class Candidate(NamedTuple):
     # (``--recompute-layers N``); ``FEWEST_BLOCKS``: the fewest N that fit, chosen when
     # the layout is simulated (``resolve_blocks``)
     recompute_layers: int = 0
+    shard: int = 0  # ZeRO's shard group (HSDP, ``--zero-shard-group``); 0: all dp ranks
 
     def label(self) -> str:
         """Short form for tables: ``tp8 pp8 dp16 interleaved v2 mbs1 z1 sp selective``
         (with context parallelism ``tp8 pp1 dp2 cp4 ring ...``; ``full x3``: the first 3
-        blocks of each chunk recompute)."""
+        blocks of each chunk recompute; ``z3 hsdp64``: ZeRO-3 sharded within groups of
+        64 dp ranks, replicated across them)."""
         sched = {"interleaved-1f1b": f"interleaved v{self.vpp}"}.get(self.schedule, self.schedule)
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         if self.ep > 1:
@@ -199,6 +213,8 @@ class Candidate(NamedTuple):
         if self.pp > 1:
             parts.append(sched)
         parts += [f"mbs{self.micro_batch_size}", f"z{self.zero}"]
+        if self.shard:
+            parts.append(f"hsdp{self.shard}")
         if self.sequence_parallel:
             parts.append("sp")
         parts.append(self.recompute)
@@ -220,6 +236,9 @@ class Space:
     schedule: tuple[str, ...] = SCHEDULES
     micro_batch_size: tuple[int, ...] | None = None
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    # ZeRO-3's shard group (0: every dp rank); None: every dp rank, and groups of a node's
+    # dp ranks times a power of two (``_shard_choices``)
+    zero_shard_group: tuple[int, ...] | None = None
     sequence_parallel: tuple[bool, ...] = (False, True)
     recompute: tuple[str, ...] = RECOMPUTE
     # under ``full``: 0 every block, N the first N of each chunk; None: every block, and
@@ -264,6 +283,8 @@ def space_for(runtime: str, pins: dict | None = None, **limits) -> Space:
             can = ", ".join(map(_flag_value, allowed))
             if axis == "recompute_layers":
                 can = "every block under --recompute full"
+            elif axis == "zero_shard_group":
+                can = "no HSDP: ZeRO shards over every data-parallel rank"
             raise ValueError(
                 f"--{axis.replace('_', '-')} {_flag_value(value)} is outside what --runtime "
                 f"{runtime} can run ({can})"
@@ -419,8 +440,30 @@ def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str
                 for recompute in sp_.recompute:
                     for blocks in _block_choices(sp_, recompute, -(-L // (pp * vpp))):
                         for zero in zeros:
-                            yield Candidate(tp, pp, dp, vpp, schedule, mbs, zero, seq_par,
-                                            recompute, cp, mode, ep, blocks)  # fmt: skip
+                            for shard in _shard_choices(req, tp, pp, dp, zero, cp, ep):
+                                yield Candidate(tp, pp, dp, vpp, schedule, mbs, zero, seq_par,
+                                                recompute, cp, mode, ep, blocks, shard)  # fmt: skip
+
+
+def _shard_choices(
+    req: PlanRequest, tp: int, pp: int, dp: int, zero: int, cp: int, ep: int
+) -> list[int]:
+    """``Candidate.shard`` values: the pinned ones where ZeRO shards and they divide dp;
+    else 0 (every dp rank), and under ZeRO-3 (its per-layer gathers and reductions are
+    what a smaller group speeds) HSDP groups of the dp ranks in a node (at least 2) times
+    a power of two, below dp: for one pipeline stage (the FSDP-style layouts HSDP is made
+    for; with pipelines the space would grow by three quarters at 1,024 GPUs), dense
+    models and no cp (their groups span dp alone)."""
+    pinned = req.space.zero_shard_group
+    if pinned is not None:
+        return [g for g in pinned if g == 0 or (zero and dp % g == 0)]
+    if zero != 3 or pp > 1 or cp > 1 or ep > 1:
+        return [0]
+    out, g = [0], max(2, req.hardware.devices_per_node // tp)
+    while g < dp and dp % g == 0:
+        out.append(g)
+        g *= 2
+    return out
 
 
 def _block_choices(space: Space, recompute: str, chunk: int) -> list[int]:
@@ -486,7 +529,7 @@ def make_layout(c: Candidate, req: PlanRequest) -> Layout:
         micro_batch_size=c.micro_batch_size, global_batch_size=req.global_batch_size,
         zero=c.zero, sequence_parallel=c.sequence_parallel, recompute=c.recompute,
         recompute_layers=c.recompute_layers if c.recompute_layers > 0 else None,
-        dtype=req.dtype, cp=c.cp, cp_mode=c.cp_mode, ep=c.ep,
+        dtype=req.dtype, cp=c.cp, cp_mode=c.cp_mode, ep=c.ep, zero_shard_group=c.shard or None,
     )  # fmt: skip
 
 
@@ -566,21 +609,24 @@ class _Bounds:
         self._memo_tables: dict[str, dict] = {}
 
     @_memo
-    def proto(self, tp, pp, dp, mbs, sp, recompute, zero, cp=1, mode="ring", ep=1) -> Layout:
+    def proto(self, tp, pp, dp, mbs, sp, recompute, zero, cp=1, mode="ring", ep=1,
+              shard=0) -> Layout:  # fmt: skip
         """A layout with these fields, for the cost functions (batch: one micro-batch)."""
         return Layout(
             dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, global_batch_size=mbs * dp,
             sequence_parallel=sp, recompute=recompute, zero=zero, dtype=self.req.dtype,
-            cp=cp, cp_mode=mode, ep=ep,
+            cp=cp, cp_mode=mode, ep=ep, zero_shard_group=shard or None,
         )  # fmt: skip
 
     @_memo
-    def layer(self, tp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1):
-        """One layer's ``step.LayerStep`` (``z3_dp``: the data-parallel ranks of the ZeRO-3
-        shard group, 0 for none; the group spans them x cp); embedding and head (F, B);
+    def layer(self, tp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1, shard=0):
+        """One layer's ``step.LayerStep`` (``z3_dp``: the data-parallel ranks of ZeRO-3, 0
+        for none; its shard group spans them x cp, or ``shard`` of them); embedding and
+        head (F, B);
         activation bytes of a layer and of the head; one layer's cp exchange buffers; a MoE
         block's step and activation bytes (the dense block's for a dense model)."""
-        lay = self.proto(tp, 1, z3_dp or ep, mbs, sp, recompute, 3 if z3_dp else 0, cp, mode, ep)
+        lay = self.proto(tp, 1, z3_dp or ep, mbs, sp, recompute, 3 if z3_dp else 0, cp, mode, ep,
+                         shard if z3_dp else 0)  # fmt: skip
         if z3_dp:  # ZeRO-3's gradient reduction may spread over the step's micro-batches
             lay = lay.replace(global_batch_size=self.req.global_batch_size)
         e = costs.embedding_cost(self.cfg, lay, self.hw)
@@ -625,11 +671,11 @@ class _Bounds:
         )  # fmt: skip
 
     @_memo
-    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1):
+    def work(self, tp, pp, vpp, mbs, sp, recompute, z3_dp, cp=1, mode="ring", ep=1, shard=0):
         """(per rank F + B of one micro-batch; per rank the F of its first chunk; per rank
         its B, with one chunk per rank), summed as ``simulate._action_costs`` does."""
         layer, (fe, be, fh, bh), _, _, _, routed, _ = self.layer(tp, mbs, sp, recompute, z3_dp,
-                                                                 cp, mode, ep)  # fmt: skip
+                                                                 cp, mode, ep, shard)  # fmt: skip
         f, b, fm, bm = layer.fwd, layer.bwd, routed.fwd, routed.bwd
         layers, chunk0, _, first, last, _, _, moe, moe0, _ = self.ranks(tp, pp, vpp, ep)
         dense = layers - moe
@@ -638,16 +684,28 @@ class _Bounds:
         return total, fwd0, dense * b + moe * bm + first * be + last * bh
 
     @_memo
+    def buckets(self, tp, pp, vpp, ep=1):
+        """Per rank, the buckets its overlapped gradient reduction streams in (as
+        ``simulate``'s: the runtime's bucket size, or one per layer without one)."""
+        rk = self.ranks(tp, pp, vpp, ep)
+        layers, params = rk[0], rk[6] + rk[9]
+        bucket = (DEFAULT_BUCKET_MB * 2**20 if self.rt.bucket_from_layout
+                  else self.rt.grad_bucket_bytes)  # fmt: skip
+        if not bucket:
+            return np.maximum(layers, 1.0)
+        return np.maximum(np.ceil(params * self.rt.grad_comm_bytes(self.req.dtype) / bucket), 1.0)
+
+    @_memo
     def hop(self, tp, pp, dp, mbs, sp, cp=1):
         """The slowest stage-to-stage message (``schedules.pipeline_transfers`` of them)."""
         lay = self.proto(tp, pp, dp, mbs, sp, "none", 0, cp)
         return max(max(pair) for pair in step.stage_messages(self.cfg, lay, self.hw))
 
     @_memo
-    def dp_times(self, tp, pp, vpp, dp, zero, cp=1, ep=1):
+    def dp_times(self, tp, pp, vpp, dp, zero, cp=1, ep=1, shard=0):
         """Per rank (gradient reduction, weight gather) seconds; optimizer seconds (the
         gradients reduced over dp x cp, ``costs.grad_ranks``; routed experts' over edp)."""
-        lay = self.proto(tp, pp, dp, 1, False, "none", zero, cp, "ring", ep)
+        lay = self.proto(tp, pp, dp, 1, False, "none", zero, cp, "ring", ep, shard)
         rk = self.ranks(tp, pp, vpp, ep)
         held = list(zip(rk[6].tolist(), rk[9].tolist()))  # (dense, routed experts) per rank
         tied = step.tied_sync(self.cfg, lay, self.hw, self.rt)
@@ -682,9 +740,10 @@ class _Bounds:
         return np.maximum(flight * smallest * held, last * (last_layers * held + head))
 
     @_memo
-    def state(self, tp, dp, zero, cp=1, ep=1):
-        """Model-state bytes per parameter on a device (ZeRO shards over dp x cp; a routed
-        expert's over dp / ep x cp), and ZeRO-3's layer buffers."""
+    def state(self, tp, dp, zero, cp=1, ep=1, shard=0):
+        """Model-state bytes per parameter on a device (ZeRO shards over dp x cp, or the
+        ``shard`` group; a routed expert's over dp / ep x cp), and ZeRO-3's layer
+        buffers."""
         w_b, g_b, o_b = self.rt.state_bytes(self.req.dtype)
 
         def per_param(shard):
@@ -693,15 +752,15 @@ class _Bounds:
                 optim_bytes=o_b,
             )["device"]  # fmt: skip
 
-        lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp, "ring", ep)
+        lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp, "ring", ep, shard)
         buffers = zero3_buffer_bytes(self.cfg, lay, self.rt)
-        return per_param(dp * cp), per_param(dp // ep * cp), buffers
+        return per_param(shard or dp * cp), per_param(dp // ep * cp), buffers
 
     @_memo
-    def first_block(self, tp, mbs, sp, z3_dp, cp=1, mode="ring", ep=1) -> float:
+    def first_block(self, tp, mbs, sp, z3_dp, cp=1, mode="ring", ep=1, shard=0) -> float:
         """The least a block's backward gains when it recomputes its forward (dense or MoE)."""
-        full = self.layer(tp, mbs, sp, "full", z3_dp, cp, mode, ep)
-        none = self.layer(tp, mbs, sp, "none", z3_dp, cp, mode, ep)
+        full = self.layer(tp, mbs, sp, "full", z3_dp, cp, mode, ep, shard)
+        none = self.layer(tp, mbs, sp, "none", z3_dp, cp, mode, ep, shard)
         return min(full[0].bwd - none[0].bwd, full[5].bwd - none[5].bwd)
 
     def time(self, c: Candidate) -> float:
@@ -712,11 +771,11 @@ class _Bounds:
         z3_dp = c.dp if c.zero == 3 else 0
         work, fwd0, bwd = self.work(
             c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel,
-            "none" if c.recompute_layers else c.recompute, z3_dp, c.cp, c.cp_mode, c.ep,
+            "none" if c.recompute_layers else c.recompute, z3_dp, c.cp, c.cp_mode, c.ep, c.shard,
         )  # fmt: skip
         if c.recompute_layers:
             more = c.vpp * self.first_block(c.tp, c.micro_batch_size, c.sequence_parallel,
-                                            z3_dp, c.cp, c.cp_mode, c.ep)  # fmt: skip
+                                            z3_dp, c.cp, c.cp_mode, c.ep, c.shard)  # fmt: skip
             work, bwd = work + more, bwd + more
         # ``schedules.pipeline_span`` from below, at the busiest rank k: what each other
         # rank adds is its (F + B) / v; under 1F1B, after k, at least 2 (F + B) - k's;
@@ -732,12 +791,12 @@ class _Bounds:
             hop = self.hop(c.tp, c.pp, c.dp, c.micro_batch_size, c.sequence_parallel, c.cp)
             pipe += hop * min(pipeline_transfers(c.schedule, r, c.pp, m, c.vpp)
                               for r in (0, 1, c.pp - 1))  # fmt: skip
-        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero, c.cp, c.ep)
+        grad, gather, opt = self.dp_times(c.tp, c.pp, c.vpp, c.dp, c.zero, c.cp, c.ep, c.shard)
         if not self.rt.overlap_grad_reduce:
             pipe += float(grad.max())
-        elif c.vpp == 1:  # streamed during the backward, the rest after it
-            layers = self.ranks(c.tp, c.pp, c.vpp, c.ep)[0]
-            pipe += float(np.maximum(grad - bwd, grad / layers).max(initial=0.0))
+        elif c.vpp == 1:  # streamed during the backward, the rest after it: at least a bucket
+            pieces = self.buckets(c.tp, c.pp, c.vpp, c.ep)
+            pipe += float(np.maximum(grad - bwd, grad / pieces).max(initial=0.0))
         # every pipeline rank at once (arrays): the busiest rank's exposed gather
         exposed = float(np.max(step.exposed_weight_gather(gather, fwd0, self.rt)))
         return SLACK * (pipe + opt + exposed)
@@ -749,7 +808,8 @@ class _Bounds:
         of the gradient reduction."""
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         more = c.vpp * self.first_block(c.tp, c.micro_batch_size, c.sequence_parallel,
-                                        c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep)  # fmt: skip
+                                        c.dp if c.zero == 3 else 0, c.cp, c.cp_mode, c.ep,
+                                        c.shard)  # fmt: skip
         return plain + SLACK * (m - 1) * more
 
     def memory(self, c: Candidate) -> float:
@@ -758,7 +818,8 @@ class _Bounds:
         block's)."""
         rk = self.ranks(c.tp, c.pp, c.vpp, c.ep)
         params, experts = rk[6], rk[9]
-        per_param, per_expert_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp, c.ep)
+        per_param, per_expert_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp, c.ep,
+                                                             c.shard)  # fmt: skip
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
         act = self.act(c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
                        c.schedule, m, c.cp, c.ep)  # fmt: skip
@@ -789,7 +850,7 @@ def search(req: PlanRequest) -> Plan:
     for seconds, c, res in _fastest_first(req, heap, rejected, counts):
         # A layout that only changes ZeRO stage or recomputation of a better one, at the
         # same predicted time, is the same plan with more memory: fold it into that one.
-        fold = c._replace(zero=0, recompute="", cp_mode="", recompute_layers=0)
+        fold = c._replace(zero=0, recompute="", cp_mode="", recompute_layers=0, shard=0)
         if folded.get(fold, -1.0) >= seconds * (1 - FOLD):
             continue
         lay = make_layout(c, req)
@@ -855,16 +916,16 @@ def _bounded(req: PlanRequest, bounds: _Bounds):
         # a chunk's first blocks recomputing: no recomputation's time bound (made larger),
         # every block's memory bound, both of the same group (layouts that differ only in
         # ZeRO and recomputation, enumerated together)
-        key = c[:6] + c[7:8] + c[9:12]  # all but zero, recompute and recompute_layers
+        key = c[:6] + c[7:8] + c[9:12]  # all but ZeRO, recomputation and the shard group
         if key != group:
             group, known = key, {}
-        nothing, every = known.get(("none", c.zero)), known.get(("full", c.zero))
+        nothing, every = known.get(("none", c.zero, c.shard)), known.get(("full", c.zero, c.shard))
         if c.recompute_layers == FEWEST_BLOCKS and nothing and every:
             lb, mem = bounds.family_time(c, nothing[0]), every[1]
         else:
             lb, mem = bounds.time(c), bounds.memory(c)
             if not c.recompute_layers:
-                known[c.recompute, c.zero] = (lb, mem)
+                known[c.recompute, c.zero, c.shard] = (lb, mem)
         if mem > cap:
             rejected.add(lb, c)
         else:  # kind 0: a bound, popped before a simulated time it ties with
@@ -951,6 +1012,12 @@ def _entry(
 
 def _no_layout_message(req: PlanRequest) -> str:
     cfg, n = req.model, req.n_devices
+    if req.space.zero_shard_group and any(req.space.zero_shard_group):
+        g = req.space.zero_shard_group[0]
+        return (
+            f"--zero-shard-group {g}: it divides the data-parallel ranks (dp = gpus / (tp x "
+            f"pp)) of no layout of --gpus {n} with ZeRO 1-3; use a divisor of one such dp"
+        )
     return (
         f"--gpus {n}: no layout of {cfg.n_layers} layers, {cfg.n_heads} heads and global batch "
         f"{req.global_batch_size} is valid (dp = gpus / (tp x pp) must divide "
