@@ -395,6 +395,10 @@ def test_budget_proposes_a_chinchilla_model(capsys, tmp_path):
             "--zero-shard-group 3: it divides the data-parallel ranks",
         ),
         (
+            "--gpus 8 --global-batch-size 16 --zero-shard-group -1".split(),
+            "plait plan also takes 0: shard over every data-parallel rank",
+        ),
+        (
             "--gpus 8 --global-batch-size 16 --zero-shard-group 2 --zero 0".split(),
             "--zero-shard-group needs --zero 1, 2 or 3",
         ),

@@ -206,10 +206,13 @@ def _request(values: dict, model, hw, tokens: float | None):
     elif pins.get("recompute") == "full":  # as plait train reads it: every block
         space_pins["recompute_layers"] = 0
     group = pins.get("zero_shard_group")
-    if group is not None:  # train's checks: with ZeRO, at least 1
-        if group < 1:
-            raise ValueError(f"--zero-shard-group must be at least 1, got {group}")
-        if pins.get("zero") == 0:
+    if group is not None:  # train's checks (with ZeRO, at least 1); 0 here: no HSDP
+        if group < 0:
+            raise ValueError(
+                f"--zero-shard-group must be at least 1, got {group} (plait plan also takes 0: "
+                "shard over every data-parallel rank, no HSDP)"
+            )
+        if pins.get("zero") == 0 and group:
             Layout(dp=group, zero=0, zero_shard_group=group)
         space_pins["zero_shard_group"] = group
 
