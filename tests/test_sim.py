@@ -585,7 +585,7 @@ def test_fsdp_gathers_in_bf16_and_reduce_scatters_in_fp32():
     assert (rt.param_comm_bytes("bf16"), rt.grad_comm_bytes("bf16")) == (2, 4)
     layout = lay(dp=8, zero=3, global_batch_size=8)
     link = collectives.group_link(A100, 8, 1)
-    fwd, bwd = costs.zero3_layer_comm(GPT3, 1e9, layout, A100, rt)
+    fwd, bwd = costs.zero_layer_comm(GPT3, 1e9, layout, A100, rt)
     assert fwd == pytest.approx(collectives.all_gather_time(2e9, 8, link))
     assert bwd == pytest.approx(fwd + collectives.reduce_scatter_time(4e9, 8, link))
 

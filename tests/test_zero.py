@@ -436,9 +436,11 @@ def _expected_state_dp(cfg) -> int:
 
 def test_zero_engine_counts_collectives_per_step(runs):
     """dp 2, two micro-batches, small buckets: per step, stage 1 all-reduces and then
-    all-gathers one bucket at a time; stage 2 reduce-scatters and all-gathers one bucket at
-    a time; stage 3 all-gathers each unit twice per micro-batch and reduce-scatters it
-    once. Nothing on the first micro-batch's backward except stage 3's gathers."""
+    all-gathers one bucket at a time; stage 2 reduce-scatters every micro-batch and
+    all-gathers once, one bucket at a time; stage 3 all-gathers each unit twice per
+    micro-batch and reduce-scatters it once per micro-batch. The first micro-batch's
+    backward: stage 1 nothing, stages 2 and 3 their reduce-scatters (no unsharded gradient
+    outlives a micro-batch)."""
     _, ranks = runs["w2"]
     (z1, z2, z3, z2_offload, z3_bf16), _, _ = ranks[0]
     for seen in (z1, z2, z3, z2_offload, z3_bf16):
@@ -453,15 +455,17 @@ def test_zero_engine_counts_collectives_per_step(runs):
     assert z1["after finish"] == {("dp", "all_reduce"): nb}
     assert z1["step"] == {("dp", "all_gather"): nb}
     for seen in (z2, z2_offload):
-        assert seen["after micro-batch 1"] == {}
-        assert seen["after finish"] == {("dp", "reduce_scatter"): seen["buckets"]}
+        assert seen["after micro-batch 1"] == {("dp", "reduce_scatter"): seen["buckets"]}
+        assert seen["after finish"] == {("dp", "reduce_scatter"): 2 * seen["buckets"]}
         assert seen["step"] == {("dp", "all_gather"): seen["buckets"]}
     # stage 3: units = embedding/norm ("rest") + 2 blocks; gathered before forward and
-    # before backward of each of the 2 micro-batches
+    # before backward of each of the 2 micro-batches, reduced after each backward
     units = z3["buckets"]
     assert units == 3
-    assert z3["after micro-batch 1"] == {("dp", "all_gather"): 2 * units}
-    assert z3["after finish"] == {("dp", "all_gather"): 4 * units, ("dp", "reduce_scatter"): units}
+    assert z3["after micro-batch 1"] == {("dp", "all_gather"): 2 * units,
+                                         ("dp", "reduce_scatter"): units}  # fmt: skip
+    assert z3["after finish"] == {("dp", "all_gather"): 4 * units,
+                                  ("dp", "reduce_scatter"): 2 * units}  # fmt: skip
     assert z3["step"] == {}
     # under bf16 the same collectives, each all-gather in bf16: half the counted bytes
     assert z3_bf16["after finish"] == z3["after finish"] and z3_bf16["step"] == {}
@@ -477,8 +481,9 @@ def test_zero_engine_counts_collectives_per_step(runs):
 
 
 def test_hybrid_sharding_counts(runs):
-    """dp 4 in shard groups of 2: stage 2 reduce-scatters in the shard group and then
-    all-reduces each bucket's shard across the replicas (both counted on the dp axis)."""
+    """dp 4 in shard groups of 2, two micro-batches: stage 2 reduce-scatters in the shard
+    group every micro-batch and then all-reduces each bucket's summed shard across the
+    replicas once (both counted on the dp axis)."""
     _, ranks = runs["w4"]
     (h1, h2, z3), _, _ = ranks[0]
     for seen in (h1, h2, z3):
@@ -486,12 +491,12 @@ def test_hybrid_sharding_counts(runs):
         assert seen["param_err"] < PARAM_TOL
     nb = h2["buckets"]
     assert h1["after finish"] == {("dp", "all_reduce"): h1["buckets"]}
-    assert h2["after finish"] == {("dp", "reduce_scatter"): nb, ("dp", "all_reduce"): nb}
+    assert h2["after finish"] == {("dp", "reduce_scatter"): 2 * nb, ("dp", "all_reduce"): nb}
     assert h2["step"] == {("dp", "all_gather"): nb}
-    # what crosses the replicas is the shard: 1/K of what was reduce-scattered in the group
+    # what crosses the replicas is the shard: 1/K of what one micro-batch reduce-scattered
     b = h2["finish bytes"]
-    assert b[("dp", "all_reduce")] * 2 == b[("dp", "reduce_scatter")]
-    assert h2["step bytes"][("dp", "all_gather")] == b[("dp", "reduce_scatter")]
+    assert b[("dp", "all_reduce")] * 2 * 2 == b[("dp", "reduce_scatter")]
+    assert h2["step bytes"][("dp", "all_gather")] * 2 == b[("dp", "reduce_scatter")]
 
 
 def _curve(result) -> list[dict]:

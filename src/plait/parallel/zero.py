@@ -13,11 +13,12 @@ reduce-scatter its input):
 - stage 1: backward of the last micro-batch: the stage-0 bucketed all-reduce over all dp
   ranks (``data_parallel.py``), 4N bytes; optimizer step: each rank updates its 1/d of
   every parameter, then one all-gather per bucket over the shard group, 4N bytes.
-- stage 2: backward of the last micro-batch: one reduce-scatter per bucket over the shard
-  group as each bucket completes, 4N bytes, after which the full gradients are freed
-  (HSDP: then one all-reduce per bucket over the R replicas, 4N/d bytes); step: one
-  all-gather per bucket, 4N bytes. Same volume as stage 0 on the wire: (d-1)/d x 4N for
-  each of the reduce-scatter and the all-gather.
+- stage 2: the backward of every micro-batch: one reduce-scatter per bucket over the shard
+  group as each bucket completes, 4N bytes a micro-batch (4mN a step), after which the
+  full gradients are freed and the rows summed (HSDP: after the last micro-batch's, one
+  all-reduce per bucket over the R replicas, 4N/d bytes); step: one all-gather per
+  bucket, 4N bytes. With one micro-batch, the volume of stage 0 on the wire: (d-1)/d x
+  4N for each of the reduce-scatter and the all-gather.
 - stage 3 (the units' hooks: ``zero_units.py``): one all-gather per unit (the embedding,
   each transformer block, the final norm and head) before its forward and again before
   its backward, every micro-batch: 8mN bytes per step (8m(N + F) with F frozen parameters
@@ -25,9 +26,12 @@ reduce-scatter its input):
   to reduce and no optimizer state); the next unit's gather is issued (prefetched) when a
   unit starts, and a unit's full parameters are freed after its forward and after its
   backward. Gradients:
-  one reduce-scatter per unit in the last micro-batch's backward, 4N bytes (HSDP: + an
-  all-reduce of 4N/d). Nothing after the step.
-- earlier micro-batches reduce nothing (gradients accumulate unsharded), in every stage.
+  one reduce-scatter per unit in every micro-batch's backward, 4mN bytes a step (HSDP: +
+  an all-reduce of 4N/d after the last). Nothing after the step.
+- stages 0 and 1: earlier micro-batches reduce nothing (gradients accumulate unsharded,
+  the size of the weights every rank holds anyway); stages 2 and 3 reduce every
+  micro-batch's, so that no rank ever holds more than a bucket's full gradient beyond its
+  shards (accumulated unsharded: the whole model's fp32 gradient, 700 GB at 175B).
 - checkpoints: nothing at a save (each rank writes its own shards, ``held_state``); after
   a load, stages 1-2 re-gather the parameters (one all-gather per bucket, 4N bytes).
 - d == 1: nothing is issued for the shard group; R == 1: nothing across replicas.
@@ -59,8 +63,11 @@ So the backward's reduce-scatters and the next unit's gather overlap compute (on
 run on NCCL's stream). Hooks fire in the same order on every rank of a shard group: all of
 them run the same model over the same schedule, and autograd orders a backward
 deterministically. Hence every rank issues the same collectives in the same order on each
-group, which is all NCCL needs; HSDP's replica all-reduces are issued by ``finish()`` in
-bucket order, after the shard group's reduce-scatters. No thread pool is involved.
+group, which is all NCCL needs; HSDP's replica all-reduce of a bucket is issued when its
+last micro-batch's reduce-scatter completes -- in launch order, the same on every rank --
+and a compressed one by ``finish()`` in bucket order. A bucket relaunched in the next
+micro-batch first completes its previous reduce-scatter (its row is summed in order).
+No thread pool is involved.
 """
 
 from __future__ import annotations
@@ -94,23 +101,33 @@ from plait.topology import Axis, Topology
 
 class ReduceScatterGrads(GradReducer):
     """Each bucket's gradients are packed rank-major, freed, and reduce-scattered over the
-    shard group into a row holding this rank's shards (HSDP: then summed over the
-    replicas). After ``finish()``, ``shard[p]`` is the view of ``p``'s shard.
+    shard group into a row holding this rank's shards -- in every micro-batch's backward,
+    as the bucket completes, the rows summed in fp32 (``bucket.flat``), so no rank holds
+    more than a bucket's full gradient beyond its shards (accumulated unsharded, the
+    micro-batches would hold the whole model's fp32 gradient: 25 GiB a rank at 7B, 700 GB
+    at 175B). HSDP: after the last micro-batch's, the row is summed over the replicas
+    once. After ``finish()``, ``shard[p]`` is the view of ``p``'s shard.
 
     Gradients are reduced in fp32 whatever the parameter's dtype. A parameter held in the
     compute dtype (stage 3 under bf16 / fp16) gets its gradient from autograd in that dtype
-    -- the values autocast's cast would have carried back to an fp32 parameter -- and
-    each micro-batch's but the last is moved into an fp32 sum (``_fold``) as it arrives,
-    so micro-batches add up in fp32 as an fp32 ``p.grad`` would.
+    -- the values autocast's cast would have carried back to an fp32 parameter -- packed
+    into fp32 per micro-batch; the micro-batches add up in fp32 in the row.
+
+    A bucket whose hooks do not fire (deferred: a pipeline's tied copies) accumulates in
+    ``p.grad`` and goes from ``finish()`` with the last micro-batch's. A parameter without
+    a gradient in some micro-batch (an expert no token reached) shifts its bucket's count:
+    the bucket then completes later, with what has arrived, and whatever arrives after a
+    launch is packed by the next one -- every gradient once; the last launch comes when
+    every hook has fired m times, or from ``finish()``.
 
     At most ``in_flight`` reduce-scatters are outstanding: launching one more first
     completes the oldest (``_complete``, launch order), which frees its packed input. Kept
     until ``finish()`` instead, those inputs would add up to the whole model's fp32
-    gradient by the end of the backward (~25 GiB a rank at 7B); FSDP2 bounds them the same
-    way. The order is the hooks' launch order, the same on every rank of a group, so the
-    waits (and HSDP's all-reduce over the replicas) come in the same order everywhere. A
-    compressed sum across shard groups (``dp_algos``' ``Across``) is still called in bucket
-    order from ``finish()``, its inputs kept until then."""
+    gradient by the end of the backward; FSDP2 bounds them the same way. The order is the
+    hooks' launch order, the same on every rank of a group, so the waits (and HSDP's
+    all-reduce over the replicas) come in the same order everywhere. A compressed sum
+    across shard groups (``dp_algos``' ``Across``) is called in bucket order from
+    ``finish()``, on the summed rows."""
 
     grad_dtype = torch.float32
     in_flight = 2
@@ -123,29 +140,23 @@ class ReduceScatterGrads(GradReducer):
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.shard_topo, self.across_topo = shard_topo, across_topo
         self.shards: dict[nn.Parameter, torch.Tensor] = {}
-        self.sums: dict[nn.Parameter, torch.Tensor] = {}  # fp32 sums of earlier micro-batches
         self.pending: list[Bucket] = []  # launched, not completed: launch order
 
-    def _grad_ready(self, index: int, param) -> None:
+    def _grad_ready(self, index: int, _param) -> None:
         bucket = self.buckets[index]
-        last = bucket.microbatches == self.cfg.num_microbatches - 1
-        if param.dtype != self.grad_dtype and not last:
-            self._fold(param)
-        super()._grad_ready(index, param)
+        bucket.fired += 1
+        if bucket.fired < len(bucket.params):
+            return
+        bucket.fired = 0
+        bucket.microbatches += 1
+        self._launch(bucket, last=bucket.microbatches == self.cfg.num_microbatches)
 
-    def _fold(self, p: nn.Parameter) -> None:
-        """Move ``p.grad`` into its fp32 sum (a + b: the order an fp32 ``p.grad`` adds in)."""
-        if p.grad is not None:
-            prev = self.sums.get(p)
-            self.sums[p] = p.grad.float() if prev is None else prev.add_(p.grad)
-            p.grad = None
-
-    def _grad_of(self, p: nn.Parameter) -> torch.Tensor | None:
-        """The micro-batches' gradient of ``p``: its fp32 sum and ``p.grad``, if any."""
-        if p not in self.sums:
-            return p.grad
-        self._fold(p)
-        return self.sums.pop(p)
+    def finish(self) -> None:
+        """The last launches, every wait, then the compressed sums across shard groups."""
+        super().finish()
+        if self.across is not None and self.across_topo is not None:
+            for bucket in self.buckets:
+                self.across(bucket.flat, bucket.layout, bucket.params)
 
     def _make_buckets(self, params, *, deferred):
         if self.groups is None or deferred:
@@ -158,9 +169,11 @@ class ReduceScatterGrads(GradReducer):
         """Rank-major rows: one reduce-scatter leaves each rank its shards."""
         return FlatLayout.of(params, n=self.n, rank=self.rank)
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket, last: bool = True) -> None:
+        if bucket.handle is not None:  # its previous micro-batch's, still in flight
+            self._complete(bucket)
         like = torch.empty(0, dtype=self.grad_dtype, device=bucket.params[0].device)
-        flat = bucket.layout.pack([self._grad_of(p) for p in bucket.params], like=like)
+        flat = bucket.layout.pack([p.grad for p in bucket.params], like=like)
         for p in bucket.params:
             p.grad = None  # the full gradient is no longer needed
         shard = torch.empty(
@@ -168,32 +181,29 @@ class ReduceScatterGrads(GradReducer):
         )
         handle = comm.reduce_scatter_into(shard, flat, topo=self.shard_topo, axis=Axis.DP,
                                           async_op=True)  # fmt: skip
-        bucket.handle = (handle, flat, shard)  # the input lives until the collective is done
-        bucket.launched = True
+        bucket.handle = (handle, flat, shard, last)  # the input lives until it is done
+        bucket.launched = bucket.launched or last
         self.pending.append(bucket)
-        # a compressed sum across shard groups (dp_algos) keeps its bucket order: finish()
-        while len(self.pending) > self.in_flight and self.across is None:
+        while len(self.pending) > self.in_flight:
             self._complete(self.pending[0])
 
     def _complete(self, bucket: Bucket) -> None:
         if bucket.handle is None:  # completed when a later bucket launched
             return
         self.pending = [b for b in self.pending if b is not bucket]
-        handle, _, shard = bucket.handle
+        handle, _, shard, last = bucket.handle
         bucket.handle = None  # the packed input goes
         comm.wait([handle], topo=self.shard_topo, what="reduce_scatter", axis="dp")
-        if self.across_topo is not None:  # HSDP: sum the shard over the replicas
-            if self.across is None:
-                comm.all_reduce(shard, topo=self.across_topo, axis=Axis.DP)
-            else:  # compressed (dp_algos)
-                self.across(shard, bucket.layout, bucket.params)
-        bucket.flat = shard
+        bucket.flat = shard if bucket.flat is None else bucket.flat.add_(shard)
+        if not last:
+            return
+        if self.across_topo is not None and self.across is None:  # HSDP: over the replicas
+            comm.all_reduce(bucket.flat, topo=self.across_topo, axis=Axis.DP)
         self.shards.update(zip(bucket.params, bucket.layout.views(bucket.flat)))
 
     def zero_grad(self) -> None:
         super().zero_grad()
         self.shards.clear()
-        self.sums.clear()
 
 
 # --- the optimizer on shards ---------------------------------------------------------------

@@ -43,7 +43,7 @@ sequence parallelism 2 all-gathers + 2 reduce-scatters of the same size), and th
 again in backward. Pipeline: one T h e message per stage boundary and direction, sent as
 t slices of 1/t (scatter/gather) and all-gathered over NVLink on arrival (with sequence
 parallelism the activations are already sliced). Data parallelism and ZeRO: see
-``dp_comm_time`` and ``zero3_layer_comm``.
+``dp_comm_time`` and ``zero_layer_comm``.
 """
 
 from __future__ import annotations
@@ -649,7 +649,7 @@ def dp_comm_time(
     all-reduces them whole at stage 1), all-gather the updated weights after the step,
     with the copies that pack this rank's shards into the message and unpack the gathered
     row into the weights (streamed at the elementwise rate). ZeRO 3 does its
-    communication per layer and micro-batch instead (``zero3_layer_comm``); only the HSDP
+    communication per layer and micro-batch instead (``zero_layer_comm``); only the HSDP
     replica all-reduce is left here.
     With cp the data-parallel axis is dp x cp (``grad_ranks``); ``experts``: routed expert
     weights over their edp group.
@@ -670,13 +670,15 @@ def dp_comm_time(
         return {"grad": across, "param": 0.0}
     if layout.zero == 1 and runtime.zero1_all_reduce(layout.dtype):
         grad = all_reduce_time(gbytes, dp, group_link(hw, dp, t))
+    elif layout.zero == 2 and runtime.zero2_reduce_per_microbatch:  # in the layers' steps
+        grad = across
     else:
         grad = reduce_scatter_time(gbytes, shard, shard_link) + across
     copies = stream_time(hw, 2 * pbytes * (1 + 1 / shard))  # pack the shards, unpack the row
     return {"grad": grad, "param": all_gather_time(pbytes, shard, shard_link) + copies}
 
 
-def zero3_layer_comm(
+def zero_layer_comm(
     cfg: ModelConfig,
     layer_params: float,
     layout: Layout,
@@ -684,18 +686,21 @@ def zero3_layer_comm(
     runtime: Runtime,
     experts: bool = False,
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of ZeRO-3's per-layer traffic in one micro-batch:
+    """(forward, backward) seconds of ZeRO's per-layer traffic in one micro-batch. ZeRO-3:
     gather the weights before the forward, again before the backward (and once more for a
     recomputed forward where the runtime re-gathers), reduce-scatter the gradients after
     it (every micro-batch, or only in the last where the runtime accumulates them
-    unsharded: then 1/m of it per micro-batch), over the shard group.
+    unsharded: then 1/m of it per micro-batch), over the shard group. ZeRO-2 under
+    ``zero2_reduce_per_microbatch``: that reduce-scatter alone (``dp_comm_time`` keeps the
+    gather after the step); else nothing (``dp_comm_time`` has it all).
 
     A runtime that gathers per parameter tensor pays the ring latency once per tensor
     (``collectives.ring_latency``: milliseconds at thousands of ranks), and one that
     gathers into a list of per-rank outputs launches one copy kernel per rank
     (``Hardware.kernel_launch``). ``experts``: a MoE layer's routed experts, over their edp
     shard group."""
-    if layout.zero != 3 or layer_params <= 0:
+    per_microbatch = layout.zero == 2 and runtime.zero2_reduce_per_microbatch
+    if (layout.zero != 3 and not per_microbatch) or layer_params <= 0:
         return 0.0, 0.0
     shard, _ = dp_groups(layout, experts)
     link = group_link(hw, shard, grad_stride(layout, experts))
@@ -707,8 +712,10 @@ def zero3_layer_comm(
             t += calls * shard * hw.launch_s
         return t
 
-    ag = collective(layer_params * runtime.param_comm_bytes(layout.dtype), "all_gather")
     rs = collective(layer_params * runtime.grad_comm_bytes(layout.dtype), "reduce_scatter")
+    if per_microbatch:
+        return 0.0, rs
+    ag = collective(layer_params * runtime.param_comm_bytes(layout.dtype), "all_gather")
     if not runtime.zero3_reduce_per_microbatch:
         rs /= layout.num_microbatches
     regather = layout.recompute == "full" and runtime.zero3_regather_recompute

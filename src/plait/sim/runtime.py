@@ -97,8 +97,13 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   ``Memory.weight_casts``; ``plait rehearse`` finds it among the activations, made in
   a forward); ZeRO-3 gathers in the compute dtype instead (its buffers).
 - ``zero3_reduce_per_microbatch``: ZeRO-3 reduce-scatters each layer's gradients in every
-  micro-batch's backward (DeepSpeed, FSDP); plait accumulates them unsharded and
-  reduce-scatters in the last micro-batch only.
+  micro-batch's backward (DeepSpeed, FSDP, plait); without it, a runtime accumulates them
+  unsharded (the whole model's gradient on every rank) and reduce-scatters in the last
+  micro-batch only (plait did until 2026-11-27).
+- ``zero2_reduce_per_microbatch``: ZeRO-2 does the same, its reduce-scatter priced in
+  each layer's backward (``costs.zero_layer_comm``) and the HSDP sum across replicas once
+  a step (plait). Without it (the other profiles, as fitted) the reduce-scatter is priced
+  once, in the last micro-batch's backward.
 - ``unfused_fp32_loss``: the loss casts the logits to fp32 and runs Megatron's
   vocab-parallel cross entropy as separate passes (max, subtract, exp, sum, divide;
   backward: multiply, cast back), 52 bytes a bf16 logit instead of a fused kernel's 16
@@ -162,6 +167,7 @@ class Runtime:
     gather_list_outputs: bool = False
     zero3_regather_recompute: bool = False
     zero3_reduce_per_microbatch: bool = True
+    zero2_reduce_per_microbatch: bool = False
     zero3_in_place_alone: bool = False
     gather_copy_out: bool = False
     gather_in_compute_dtype: bool = False
@@ -246,7 +252,7 @@ PROFILES: dict[str, Runtime] = {
         attention_native=True,
         cp_document_math=True,
         zero1_grad_all_reduce=True,
-        zero3_reduce_per_microbatch=False,
+        zero2_reduce_per_microbatch=True,
         zero3_in_place_alone=True,
         gather_copy_out=True,
         gather_in_compute_dtype=True,

@@ -69,15 +69,15 @@ class LayerStep:
 def layer_step(
     model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime, moe: bool = False
 ) -> LayerStep:
-    """A layer's micro-batch with ZeRO-3's traffic (``costs.zero3_layer_comm``), hidden
+    """A layer's micro-batch with ZeRO-3's traffic (``costs.zero_layer_comm``), hidden
     behind the layer's own compute where the runtime prefetches the gathers. ``moe``: a
     MoE block (``sim/expert.py``), whose routed experts ZeRO-3 gathers over their edp
     group."""
     lc = costs.layer_cost(model, layout, hw, rt, moe=moe)
     dense = stage_params(model, layout, 1, False, False, moe_layers=int(moe))
-    z3_fwd, z3_bwd = costs.zero3_layer_comm(model, dense, layout, hw, rt)
+    z3_fwd, z3_bwd = costs.zero_layer_comm(model, dense, layout, hw, rt)
     if moe:
-        ef, eb = costs.zero3_layer_comm(model, ep_sim.expert_params(model, layout), layout, hw,
+        ef, eb = costs.zero_layer_comm(model, ep_sim.expert_params(model, layout), layout, hw,
                                         rt, experts=True)  # fmt: skip
         z3_fwd, z3_bwd = z3_fwd + ef, z3_bwd + eb
     if rt.overlap_param_gather:

@@ -24,11 +24,12 @@ L_c layers:
   T h e / t each (the scatter), send and receive both counted; with tied embeddings the
   first and last stages swap their copy's gradient once per step (V h 4 / t each way).
 - dp: ZeRO 0 all-reduces the gradients (P g bytes, P this rank's parameters, g
-  ``Runtime.grad_comm_bytes``); ZeRO 1 (plait: whole) / 2 (reduce-scatter) and then
-  all-gathers the updated weights; ZeRO 3 all-gathers every unit before its forward and
-  its backward in every micro-batch (P w each, w ``Runtime.param_comm_bytes``) and
-  reduce-scatters the gradients (every micro-batch, or once where the runtime
-  accumulates them whole); HSDP adds the all-reduce of the shard across replicas.
+  ``Runtime.grad_comm_bytes``); ZeRO 1 (plait: whole) / 2 (reduce-scatter: every
+  micro-batch under ``zero2_reduce_per_microbatch``, plait's) and then all-gathers the
+  updated weights; ZeRO 3 all-gathers every unit before its forward and its backward in
+  every micro-batch (P w each, w ``Runtime.param_comm_bytes``) and reduce-scatters the
+  gradients (every micro-batch, or once where the runtime accumulates them whole); HSDP
+  adds the all-reduce of the summed shard across replicas, once a step.
 - cp: per layer the exchanges of ``sim/context.py``'s ``layer_bytes`` (counted), forward
   and backward; ``--recompute full`` repeats the forward's. The gradients' dp traffic
   runs over dp x cp ranks (``costs.grad_ranks``) and counts on the dp axis, as
@@ -245,9 +246,10 @@ def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool,
         # the updated weights, in their stored dtype (``gather_in_compute_dtype`` is a
         # ZeRO-3 unit's: plait's stage 1-2 gather fp32 weights, as ``plait rehearse`` logs)
         gather = params * runtime.state_bytes(layout.dtype)[0]
-        return (
-            g if layout.zero == 1 and runtime.zero1_all_reduce(layout.dtype) else g + across
-        ) + gather
+        if layout.zero == 1 and runtime.zero1_all_reduce(layout.dtype):
+            return g + gather
+        reduces = m if layout.zero == 2 and runtime.zero2_reduce_per_microbatch else 1
+        return reduces * g + across + gather
     w = runtime.param_comm_bytes(layout.dtype)
     reduces = m if runtime.zero3_reduce_per_microbatch else 1
-    return 2 * m * gathered * w + reduces * (g + across)
+    return 2 * m * gathered * w + reduces * g + across
