@@ -22,7 +22,7 @@ from plait.sim.search import (
     _Bounds,
     candidates,
     chinchilla_model,
-    chunk_blocks,
+    largest_chunk,
     make_layout,
     search,
     space_for,
@@ -127,7 +127,7 @@ def test_a_block_recomputing_familys_bounds_hold_for_every_member():
             plain = bounds.time(c._replace(recompute="none", recompute_layers=0))
             lb, short, mem = bounds.time(c), bounds.family_time(c, plain), bounds.memory(c)
             assert plain <= short <= lb * (1 + 1e-12)
-            for n in range(1, chunk_blocks(c, req)):
+            for n in range(1, largest_chunk(c, req)):
                 lay = make_layout(c._replace(recompute_layers=n), req)
                 closed = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=False)
                 replay = simulate(req.model, lay, req.hardware, runtime=req.runtime, exact=True)

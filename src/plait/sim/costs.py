@@ -639,6 +639,16 @@ def dp_groups(layout: Layout, experts: bool = False) -> tuple[int, int]:
     return shard, dp // shard
 
 
+def grad_buckets(params: float, layers: int, layout: Layout, runtime: Runtime) -> int:
+    """The buckets an overlapped gradient reduction of ``params`` weights streams in: of
+    the runtime's size (the layout's ``--bucket-mb`` under ``bucket_from_layout``), or
+    one per layer of ``layers`` where the runtime has none."""
+    bucket = layout.bucket_mb * 2**20 if runtime.bucket_from_layout else runtime.grad_bucket_bytes
+    if not bucket:
+        return layers
+    return math.ceil(params * runtime.grad_comm_bytes(layout.dtype) / bucket)
+
+
 def dp_comm_time(
     params: float, layout: Layout, hw: Hardware, runtime: Runtime, experts: bool = False
 ) -> dict:

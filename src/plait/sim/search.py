@@ -98,15 +98,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from plait.layout import (
-    CP_MODES,
-    DEFAULT_BUCKET_MB,
-    DTYPES,
-    RECOMPUTE,
-    SCHEDULES,
-    Layout,
-    check_cp_split,
-)
+from plait.layout import CP_MODES, DTYPES, RECOMPUTE, SCHEDULES, Layout, check_cp_split
 from plait.model import sizes
 from plait.model.config import ModelConfig
 from plait.parallel.pipeline.schedules import in_flight_bound, pipeline_transfers
@@ -438,7 +430,7 @@ def _per_replica(req: PlanRequest, tp: int, pp: int, dp: int, cp: int, mode: str
                 if seq_par and (tp == 1 or (mbs * cfg.seq_len // cp) % tp):
                     continue
                 for recompute in sp_.recompute:
-                    for blocks in _block_choices(sp_, recompute, -(-L // (pp * vpp))):
+                    for blocks in _block_choices(sp_, recompute, _ceil_div(L, pp * vpp)):
                         for zero in zeros:
                             for shard in _shard_choices(req, tp, pp, dp, zero, cp, ep):
                                 yield Candidate(tp, pp, dp, vpp, schedule, mbs, zero, seq_par,
@@ -533,9 +525,13 @@ def make_layout(c: Candidate, req: PlanRequest) -> Layout:
     )  # fmt: skip
 
 
-def chunk_blocks(c: Candidate, req: PlanRequest) -> int:
+def largest_chunk(c: Candidate, req: PlanRequest) -> int:
     """The blocks of ``c``'s largest model chunk (the planner's layouts cut uniformly)."""
-    return -(-req.model.n_layers // (c.pp * c.vpp))
+    return _ceil_div(req.model.n_layers, c.pp * c.vpp)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def resolve_blocks(
@@ -557,7 +553,7 @@ def resolve_blocks(
                         runtime=req.runtime, exact=False, dp_algo=req.dp_algo,
                         moe_imbalance=req.moe_imbalance)  # fmt: skip
 
-    hi = chunk_blocks(c, req) - 1
+    hi = largest_chunk(c, req) - 1
     best, runs = (hi, sim(hi)), 1
     if not best[1].fits:
         return member(hi), best[1], runs
@@ -685,15 +681,12 @@ class _Bounds:
 
     @_memo
     def buckets(self, tp, pp, vpp, ep=1):
-        """Per rank, the buckets its overlapped gradient reduction streams in (as
-        ``simulate``'s: the runtime's bucket size, or one per layer without one)."""
+        """Per rank, the buckets its overlapped gradient reduction streams in
+        (``costs.grad_buckets``, as ``simulate`` counts them), at least one."""
         rk = self.ranks(tp, pp, vpp, ep)
-        layers, params = rk[0], rk[6] + rk[9]
-        bucket = (DEFAULT_BUCKET_MB * 2**20 if self.rt.bucket_from_layout
-                  else self.rt.grad_bucket_bytes)  # fmt: skip
-        if not bucket:
-            return np.maximum(layers, 1.0)
-        return np.maximum(np.ceil(params * self.rt.grad_comm_bytes(self.req.dtype) / bucket), 1.0)
+        lay = self.proto(tp, pp, ep, 1, False, "none", 0, 1, "ring", ep)
+        return np.array([max(1, costs.grad_buckets(n, int(k), lay, self.rt))
+                         for k, n in zip(rk[0], rk[6] + rk[9])], float)  # fmt: skip
 
     @_memo
     def hop(self, tp, pp, dp, mbs, sp, cp=1):
@@ -867,7 +860,7 @@ def search(req: PlanRequest) -> Plan:
                 rejected.add(res.iter_time_s, c)
                 more = c._replace(recompute_layers=c.recompute_layers + 1)
                 searched = req.space.recompute_layers is None and c.recompute_layers > 0
-                if searched and more.recompute_layers < chunk_blocks(c, req):
+                if searched and more.recompute_layers < largest_chunk(c, req):
                     # the fewest blocks that fit: one more, ranked by its own closed form
                     res = simulate(req.model, make_layout(more, req), req.hardware,
                                    runtime=req.runtime, exact=False, dp_algo=req.dp_algo,

@@ -45,7 +45,6 @@ slots; a pipeline whose stages idle in bubbles shares less. ``time_sharing`` rep
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field, fields
 
 from plait.layout import Layout
@@ -230,13 +229,11 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
         syncs.append(dp["sync"])
         t_grad = dp["grad"] + (tied_sync if r in (0, p - 1) else 0.0)
         if rt.overlap_grad_reduce and t_grad > 0:
-            bucket = layout.bucket_mb * 2**20 if rt.bucket_from_layout else rt.grad_bucket_bytes
-            gbytes = rt.grad_comm_bytes(layout.dtype)
             held = params[r] + experts[r]
-            shares = [  # (chunk, share of the bytes, buckets; per layer without a size)
-                (c, n / held, math.ceil(n * gbytes / bucket) if bucket else stage_layers[c * p + r])
+            shares = [  # (chunk, share of the bytes, buckets)
+                (c, n / held, costs.grad_buckets(n, stage_layers[c * p + r], layout, rt))
                 for c, n in enumerate(a + b for a, b in zip(chunk_params[r], chunk_experts[r]))
-            ]  # fmt: skip
+            ]
             done = _overlapped_reduce(windows[r], shares, t_grad)
         else:
             done = ends[r] + t_grad
