@@ -226,7 +226,11 @@ class GradReducer:
             return
         bucket.fired = 0
         bucket.microbatches += 1
-        if bucket.microbatches == self.cfg.num_microbatches and not bucket.launched:
+        self._completed(bucket, last=bucket.microbatches == self.cfg.num_microbatches)
+
+    def _completed(self, bucket: Bucket, last: bool) -> None:
+        """A micro-batch's backward is done with ``bucket``: launch it on the last one."""
+        if last and not bucket.launched:
             self._launch(bucket)
 
     def finish(self) -> None:

@@ -142,14 +142,9 @@ class ReduceScatterGrads(GradReducer):
         self.shards: dict[nn.Parameter, torch.Tensor] = {}
         self.pending: list[Bucket] = []  # launched, not completed: launch order
 
-    def _grad_ready(self, index: int, _param) -> None:
-        bucket = self.buckets[index]
-        bucket.fired += 1
-        if bucket.fired < len(bucket.params):
-            return
-        bucket.fired = 0
-        bucket.microbatches += 1
-        self._launch(bucket, last=bucket.microbatches == self.cfg.num_microbatches)
+    def _completed(self, bucket: Bucket, last: bool) -> None:
+        """Every micro-batch's backward launches the bucket (class docstring)."""
+        self._launch(bucket, last=last)
 
     def finish(self) -> None:
         """The last launches, every wait, then the compressed sums across shard groups."""
