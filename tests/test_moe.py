@@ -193,7 +193,7 @@ def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
                                 make_optimizer=functools.partial(optim.build_optimizer,
                                                                  cfg=TrainConfig()))  # fmt: skip
     units = {"dense": engine.dense.units, "experts": engine.experts.units}
-    assert [u.name for u in units["dense"].units] == ["rest", "blocks.0", "blocks.1"]
+    assert [u.name for u in units["dense"].units] == ["embed", "blocks.0", "blocks.1", "head"]
     assert [u.name for u in units["experts"].units] == ["blocks.1"]
     for which, pu in units.items():
         for u in pu.units:
@@ -220,8 +220,9 @@ def test_zero3_under_ep_splits_each_moe_block_into_a_dense_and_an_expert_unit():
     loss.backward()
     engine.finish()
     blk1 = [("dense", "blocks.1"), ("experts", "blocks.1")]
-    forward = [("dense", "rest"), ("dense", "blocks.0"), *blk1]
-    assert order == forward + [("dense", "rest"), *blk1, ("dense", "blocks.0")], order
+    forward = [("dense", "embed"), ("dense", "blocks.0"), *blk1, ("dense", "head")]
+    backward = [("dense", "head"), *blk1, ("dense", "blocks.0"), ("dense", "embed")]
+    assert order == forward + backward, order
     torch.testing.assert_close(loss, ref(ids, ids).sum().detach(), rtol=0, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(engine.grad(p).view(q.shape), q.grad, rtol=0, atol=0, msg=name)

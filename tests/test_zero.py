@@ -711,6 +711,49 @@ def test_zero3_holds_at_most_two_packed_gradients_during_the_backward():
     engine.close()
 
 
+def test_zero3_holds_one_block_at_a_time_and_no_reduce_scatter_across_micro_batches():
+    """ZeRO-3 under bf16 (units gathered by a local cast, so freed as at dp > 1), an untied
+    llama, two micro-batches: while a middle block runs forward only it and its prefetched
+    successor are gathered -- not the embedding, not the head; and between the first
+    micro-batch's backward and the second forward no reduce-scatter is in flight (its
+    packed fp32 input freed). Catches the embedding, final norm and head held as one unit
+    from the embedding's forward to the loss (0.73 GiB through every block at llama2-7b,
+    3.1 GiB at a 128k vocabulary), and the last units' reduce-scatters left pending
+    through the next forward (1.5 GiB at llama2-7b dp 64: the rehearsal's and the H200's
+    peak 8% over the model)."""
+    from plait.parallel.zero import ReduceScatterGrads
+
+    topo = Topology.single()
+    cfg = dataclasses.replace(tiny("llama"), n_layers=4, tied_embeddings=False)
+    model = build_model(cfg, seed=0, topo=topo)
+    engine = build_data_parallel(
+        model, topo=topo,
+        cfg=DataParallelConfig(zero=3, num_microbatches=2, gather_dtype="bf16"),
+        make_optimizer=functools.partial(optim.build_adamw, cfg=TrainConfig(lr=1e-2, warmup=0)),
+    )  # fmt: skip
+    units = engine.units.units
+    assert [u.name for u in units] == ["embed", *(f"blocks.{i}" for i in range(4)), "head"]
+    seen = []
+
+    def record(module, args):
+        seen.append({u.name for u in units if u.gathered or u.pending is not None})
+
+    hook = model.blocks["2"].register_forward_pre_hook(record)
+    reducer = engine.grads
+    assert isinstance(reducer, ReduceScatterGrads)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids[:, :-1], ids[:, 1:]).mean().backward()
+    assert reducer.pending == [] and all(b.handle is None for b in reducer.buckets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids[:, :-1], ids[:, 1:]).mean().backward()
+    engine.finish()
+    hook.remove()
+    # (the hook runs after the engine's: the block gathered, its successor prefetched)
+    assert seen == [{"blocks.2", "blocks.3"}] * 2, seen
+    engine.close()
+
+
 def test_one_rank_stage_0_and_1_register_no_gradient_hooks_zero_3_does():
     """A dp group of one rank: stages 0 and 1 register no per-parameter gradient hooks (they
     would only launch a reduction early; ``finish`` launches every bucket, and each

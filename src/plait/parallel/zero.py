@@ -120,12 +120,18 @@ class ReduceScatterGrads(GradReducer):
     launch is packed by the next one -- every gradient once; the last launch comes when
     every hook has fired m times, or from ``finish()``.
 
-    At most ``in_flight`` reduce-scatters are outstanding: launching one more first
-    completes the oldest (``_complete``, launch order), which frees its packed input. Kept
+    At most ``in_flight`` packed inputs exist: packing one more first completes the
+    oldest reduce-scatter (``_complete``, launch order), which frees its input. Kept
     until ``finish()`` instead, those inputs would add up to the whole model's fp32
-    gradient by the end of the backward; FSDP2 bounds them the same way. The order is the
-    hooks' launch order, the same on every rank of a group, so the waits (and HSDP's
-    all-reduce over the replicas) come in the same order everywhere. A compressed sum
+    gradient by the end of the backward; FSDP2 bounds them the same way. And once an
+    earlier micro-batch's backward has launched every hooked bucket, all its
+    reduce-scatters are completed (FSDP2's ``finalize_backward``): left pending, the last
+    units' inputs would be held through the next forward's activation peak (1.5 GiB at
+    llama2-7b). The order is the hooks' launch order, the same on every rank of a
+    group, so the waits (and HSDP's all-reduce over the replicas) come in the same order
+    everywhere; completing is only waiting, and issues nothing but HSDP's all-reduce
+    after a bucket's last micro-batch -- in launch order, as the in-flight bound's
+    completions do. A compressed sum
     across shard groups (``dp_algos``' ``Across``) is called in bucket order from
     ``finish()``, on the summed rows."""
 
@@ -141,10 +147,22 @@ class ReduceScatterGrads(GradReducer):
         self.shard_topo, self.across_topo = shard_topo, across_topo
         self.shards: dict[nn.Parameter, torch.Tensor] = {}
         self.pending: list[Bucket] = []  # launched, not completed: launch order
+        self._hooked = sum(not b.deferred for b in self.buckets)
+        self._done: dict[int, int] = {}  # micro-batch -> buckets its backward launched
 
     def _completed(self, bucket: Bucket, last: bool) -> None:
-        """Every micro-batch's backward launches the bucket (class docstring)."""
+        """Every micro-batch's backward launches the bucket (class docstring); once an
+        earlier micro-batch's backward is done with every bucket, its reduce-scatters are
+        completed before the next forward."""
         self._launch(bucket, last=last)
+        if last:
+            return  # ``finish()`` follows
+        k = bucket.microbatches
+        self._done[k] = self._done.get(k, 0) + 1
+        if self._done[k] == self._hooked:
+            del self._done[k]
+            while self.pending:
+                self._complete(self.pending[0])
 
     def finish(self) -> None:
         """The last launches, every wait, then the compressed sums across shard groups."""
@@ -167,6 +185,8 @@ class ReduceScatterGrads(GradReducer):
     def _launch(self, bucket: Bucket, last: bool = True) -> None:
         if bucket.handle is not None:  # its previous micro-batch's, still in flight
             self._complete(bucket)
+        while len(self.pending) >= self.in_flight:  # the oldest's input goes before this one's
+            self._complete(self.pending[0])
         like = torch.empty(0, dtype=self.grad_dtype, device=bucket.params[0].device)
         flat = bucket.layout.pack([p.grad for p in bucket.params], like=like)
         for p in bucket.params:
@@ -179,8 +199,6 @@ class ReduceScatterGrads(GradReducer):
         bucket.handle = (handle, flat, shard, last)  # the input lives until it is done
         bucket.launched = bucket.launched or last
         self.pending.append(bucket)
-        while len(self.pending) > self.in_flight:
-            self._complete(self.pending[0])
 
     def _complete(self, bucket: Bucket) -> None:
         if bucket.handle is None:  # completed when a later bucket launched
@@ -199,6 +217,7 @@ class ReduceScatterGrads(GradReducer):
     def zero_grad(self) -> None:
         super().zero_grad()
         self.shards.clear()
+        self._done.clear()
 
 
 # --- the optimizer on shards ---------------------------------------------------------------

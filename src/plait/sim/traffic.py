@@ -205,9 +205,15 @@ def bytes_per_axis(
               (moe_layers * ep_sim.expert_params(model, layout), True)]  # fmt: skip
     if lora is not None:  # the adapters train: the dense ones over dp, the routed over edp
         held = _adapters(model, layout, lora, chunks, stage_layers)
+        # ZeRO-3: the frozen embedding in a unit of its own (``zero_units``: untied, or a
+        # first stage without the head) has no gradient to compute, so it is gathered for
+        # its forward only
+        alone = any(stage == 0 and (S > 1 or not model.tied_embeddings) for stage, _ in chunks)
+        once = stage_params(model, layout, 0, True, False) if alone else 0.0
         dp = _dp_bytes(
-            held.replicated, layout, runtime, False, gathered=groups[0][0] + held.replicated
-        )
+            held.replicated, layout, runtime, False, gathered=groups[0][0] + held.replicated,
+            forward_only=once,
+        )  # fmt: skip
         dp += _dp_bytes(held.routed, layout, runtime, True, gathered=groups[1][0] + held.routed)
     else:
         dp = sum(_dp_bytes(params, layout, runtime, experts) for params, experts in groups)
@@ -229,10 +235,11 @@ def _adapters(model: ModelConfig, layout: Layout, lora, chunks, stage_layers):
 
 
 def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool,
-              gathered: float | None = None) -> float:  # fmt: skip
+              gathered: float | None = None, forward_only: float = 0.0) -> float:  # fmt: skip
     """Counted dp bytes of one step for ``params`` trained weights (module docstring);
     ``experts``: routed experts over their edp group (a dp sub-group: counted on the dp
-    axis); ``gathered``: the weights ZeRO-3 gathers, when more than those trained."""
+    axis); ``gathered``: the weights ZeRO-3 gathers, when more than those trained, of which
+    ``forward_only`` are not gathered again for the backward."""
     gathered = params if gathered is None else gathered
     if grad_ranks(layout, experts) <= 1 or not gathered:  # (ZeRO-3 gathers frozen ones too)
         return 0.0
@@ -252,4 +259,4 @@ def _dp_bytes(params: float, layout: Layout, runtime: Runtime, experts: bool,
         return reduces * g + across + gather
     w = runtime.param_comm_bytes(layout.dtype)
     reduces = m if runtime.zero3_reduce_per_microbatch else 1
-    return 2 * m * gathered * w + reduces * g + across
+    return m * (2 * gathered - forward_only) * w + reduces * g + across
