@@ -27,7 +27,8 @@ Communication: none leaves the process (the fake group); every case runs in this
 one after another, each under its own group, destroyed before the next.
 
 Prints, per case: peak memory per step measured / rehearsed / simulated (GiB) and the
-ratios, the step time measured and modelled; ``--json FILE`` writes the same.
+ratios, the step time measured and modelled; then one JSON line of the figures;
+``--json FILE`` writes every field.
 """
 
 from __future__ import annotations
@@ -269,6 +270,9 @@ def main(argv=None) -> int:
         print(summary(r) + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print(json.dumps({r["case"]: {k: r[k] for k in ("step_peaks", "rehearsed_peaks",
+                                                     "simulated_peak", "losses", "step_s")}
+                      for r in results}, default=str))  # fmt: skip
     return 1 if failed else 0
 
 

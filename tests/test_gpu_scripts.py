@@ -72,6 +72,46 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_rank_on_gpu_gives_plaits_collectives_their_local_writes(tmp_path):
+    """``rank_on_gpu.py``: under the fake process group the all-gather and reduce-scatter
+    that ``comm.py`` calls write the shard into every slot and sum the slices into the
+    shard, a batch's receive is zeroed, and all is undone on leaving. Catches the patch
+    applied to ``torch.distributed`` where ``comm.py`` bound its own names at import (the
+    GPU rank would run on whatever the allocator left in the buffers), and its smoke case
+    broken by a change to the trainer or the rehearsal."""
+    code = f"""
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import rank_on_gpu
+from plait import comm
+dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+before = (comm._all_gather_single, comm._reduce_scatter_single, dist.batch_isend_irecv)
+with rank_on_gpu.local_traffic():
+    out = torch.full((12,), -1.0)
+    comm._all_gather_single(out, torch.arange(3.0))
+    assert out.tolist() == [0.0, 1.0, 2.0] * 4, out
+    out = torch.zeros(3)
+    comm._reduce_scatter_single(out, torch.arange(12.0))
+    assert out.tolist() == [18.0, 22.0, 26.0], out
+    got = torch.full((2,), -1.0)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, 1)])
+    assert got.tolist() == [0.0, 0.0], got
+after = (comm._all_gather_single, comm._reduce_scatter_single, dist.batch_isend_irecv)
+assert after == before
+dist.destroy_process_group()
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    lines = [x for x in _smoke("rank_on_gpu.py", tmp_path).splitlines() if x.startswith("{")]
+    for case, r in json.loads(lines[-1]).items():
+        assert len(r["losses"]) == 3 and r["rehearsed_peaks"]["step 2"] > 0, case
+        assert r["simulated_peak"] > 0, case
+
+
 def test_a_plait_step_makes_the_plain_loops_gemms(tmp_path):
     """``single_gpu.py --count-ops``: one steady bf16 step of plait's trainer dispatches as
     many GEMMs as the plain loop (GPT-2's 12 blocks: 147), and the printed line says so.
