@@ -5,9 +5,9 @@
 #
 # Each check runs under its own timeout, writes $OUT/<name>.log and the run goes on after
 # a failure; the last lines are one PASS/FAIL line per check, also in $OUT/summary.txt.
-# $OUT (default /tmp/plait-gpu-checks) ends up holding at most 8 files: env.log,
+# $OUT (default /tmp/plait-gpu-checks) ends up holding at most 8 files by default: env.log,
 # pytest.log, peaks.log, profile.log, calibrate.log, calibrated.yaml, single_gpu.log,
-# summary.txt.
+# summary.txt (fsdp and rank add their logs: pick fewer checks with CHECKS=).
 #
 #   env         nvidia-smi, torch / CUDA versions, plait importing without torchao,
 #               datasets and peft (blocked; the GPU machine has none of them)    ~15 s
@@ -22,6 +22,10 @@
 #               compute and model-step probes, no collectives)                   ~45 s
 #   single_gpu  benchmarks/single_gpu.py, one round, measured vs simulated on
 #               the calibrated file (eager and compiled: compile time counts)    ~120 s
+#   rank        (only when CHECKS names it) benchmarks/rank_on_gpu.py --only 7b-z3
+#               --profile: rank 0 of llama2-7b dp 64 ZeRO-3 run for real under the
+#               fake process group: CUDA's peak against the rehearsal's and the
+#               model's, device time by kind against the model's                 ~110 s
 #   fsdp        (only when CHECKS names it) benchmarks/fsdp_step.py: an MPT-shaped
 #               step under FSDP1 as llm-foundry ran it, with and without
 #               recomputation, by kind of kernel against the model's fsdp runtime ~120 s
@@ -207,6 +211,9 @@ want calibrate && check calibrate 90 "$PY" -m plait.cli calibrate --device "$DEV
 HW=()
 [ -s "${HARDWARE:-$OUT/calibrated.yaml}" ] && HW=(--hardware "${HARDWARE:-$OUT/calibrated.yaml}")
 want fsdp && check fsdp 200 "$PY" benchmarks/fsdp_step.py ${SMOKE:+--smoke}
+RANK=(--only 7b-z3)
+[ -n "${SMOKE:-}" ] && RANK=(--smoke --only tiny-z3)
+want rank && check rank 240 "$PY" benchmarks/rank_on_gpu.py --profile "${RANK[@]}"
 want single_gpu && check single_gpu 150 "$PY" benchmarks/single_gpu.py --rounds 1 --steps 8 \
     --warmup-steps 3 ${SMOKE:+--smoke} "${HW[@]}"
 

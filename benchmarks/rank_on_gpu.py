@@ -3,6 +3,7 @@ and the performance model say of it.
 
     python benchmarks/rank_on_gpu.py                         # every case, on CUDA
     python benchmarks/rank_on_gpu.py --only 7b-z3,7b-z3-m1   # some
+    python benchmarks/rank_on_gpu.py --only 7b-z3 --profile  # device time by kind
     python benchmarks/rank_on_gpu.py --smoke                 # a tiny model on the CPU
 
 ``plait rehearse`` runs a rank's program on fake tensors (no storage) and counts what its
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_profile
 
 GiB = 2**30
 
@@ -73,9 +75,10 @@ SMOKE = {
 
 
 @contextlib.contextmanager
-def local_traffic():
-    """ZeRO's gathers and reduce-scatters, and a pipeline's receives, given back the
-    writes a real backend makes to their outputs (module docstring)."""
+def local_traffic(collectives: bool = True):
+    """ZeRO's gathers and reduce-scatters (unless not ``collectives``), and a pipeline's
+    receives, given back the writes a real backend makes to their outputs (module
+    docstring)."""
     from plait import comm
 
     gather, scatter, batch = comm._all_gather_single, comm._reduce_scatter_single, None
@@ -101,7 +104,8 @@ def local_traffic():
                 op.tensor.zero_()
         return works
 
-    comm._all_gather_single, comm._reduce_scatter_single = all_gather, reduce_scatter
+    if collectives:
+        comm._all_gather_single, comm._reduce_scatter_single = all_gather, reduce_scatter
     dist.batch_isend_irecv = batch_isend_irecv
     try:
         yield
@@ -115,9 +119,32 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_for_real(cfg, rank: int, device, steps: int, made_batch: int | None) -> dict:
+def profiled_step(trainer, step: int, device) -> dict:
+    """One more step under ``torch.profiler``: device time by kind of kernel
+    (``plait.train.profiling.summarise``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from plait.train.profiling import summarise
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        trainer.step(step)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    with __import__("tempfile").NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    return summarise(trace, 1, wall)
+
+
+def run_for_real(cfg, rank: int, device, steps: int, made_batch: int | None,
+                 profile: bool = False) -> dict:  # fmt: skip
     """Rank ``rank`` of ``cfg``'s layout built and stepped ``steps`` times on ``device``
-    under the fake process group: each step's allocator peak and time."""
+    under the fake process group: each step's allocator peak and time; with ``profile``
+    two more steps under the profiler, with the collectives' local writes and without
+    them (what those writes, which NCCL would make, cost on this GPU)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from plait import rehearse
@@ -153,10 +180,18 @@ def run_for_real(cfg, rank: int, device, steps: int, made_batch: int | None) -> 
                 losses.append(stats.get("loss") if isinstance(stats, dict) else None)
             retries = (torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
                        if device.type == "cuda" else 0)  # fmt: skip
-            trainer.close()
-            del trainer
+            kinds = {"local writes": profiled_step(trainer, steps, device)} if profile else {}
+        if profile:  # the same step with the gathers and reduce-scatters writing nothing
+            with local_traffic(collectives=False):
+                try:
+                    kinds["no local writes"] = profiled_step(trainer, steps + 1, device)
+                except FloatingPointError as e:  # stale buffers: not a step to time
+                    print(f"  (the step without local writes: {e})", flush=True)
+        trainer.close()
+        del trainer
         return {"build_s": built, "build_peak": build_peak, "step_peaks": peaks,
-                "step_s": times, "losses": losses, "alloc_retries": retries}  # fmt: skip
+                "step_s": times, "losses": losses, "alloc_retries": retries,
+                "profiled": kinds}  # fmt: skip
     finally:
         dist.destroy_process_group()
         gc.collect()
@@ -178,7 +213,19 @@ def modelled_step(cfg, hw_name: str) -> float | None:
     return simulate(cfg.model, lay, hw, lay.world_size, runtime="plait").iter_time_s
 
 
-def run_case(name: str, values: dict, device, steps: int, hw_name: str) -> dict:
+def modelled_kinds(cfg, hw_name: str) -> dict | None:
+    """The model's device seconds a step by kind for this rank (None with pipelines)."""
+    from gpu_profile import simulated_kinds
+
+    from plait.sim import get_hardware
+
+    if cfg.layout.pp > 1:
+        return None
+    return simulated_kinds(cfg.model, cfg.layout, get_hardware(hw_name))
+
+
+def run_case(name: str, values: dict, device, steps: int, hw_name: str,
+             profile: bool = False) -> dict:  # fmt: skip
     from plait import rehearse
     from plait.commands.train import build_run_config
 
@@ -195,12 +242,13 @@ def run_case(name: str, values: dict, device, steps: int, hw_name: str) -> dict:
         if run.num_microbatches < cfg.layout.num_microbatches:
             made = cfg.layout.global_batch_size
             cfg = dataclasses.replace(cfg, layout=run)
-        real = run_for_real(cfg, 0, device, steps, made)
+        real = run_for_real(cfg, 0, device, steps, made, profile)
     real.update(
         case=name, flags=values, microbatches_run=cfg.layout.num_microbatches,
         rehearsed_peaks=rehearsed, rehearsed_split=report.phases[2].split,
         simulated_peak=simulated, simulated_split={k: v[1] for k, v in compared["memory"].items()},
         rehearse_s=rehearsed_s, modelled_step_s=modelled_step(cfg, hw_name),
+        modelled_kinds=modelled_kinds(cfg, hw_name) if profile else None,
     )  # fmt: skip
     return real
 
@@ -225,6 +273,25 @@ def summary(r: dict) -> str:
     )
 
 
+def kinds_table(r: dict) -> str:
+    """Measured device ms a step by kind (with and without the local writes) beside the
+    model's."""
+    runs = {k: v["by_kind_s_per_step"] for k, v in r["profiled"].items()}
+    model = r.get("modelled_kinds") or {}
+    names = sorted(set(model).union(*runs.values()))
+    head = "".join(f"{k:>17s}" for k in runs) + f"{'model':>10s}"
+    lines = [f"  {'device ms by kind':24s}{head}"]
+    for n in names:
+        got = "".join(f"{1e3 * v.get(n, 0.0):17.1f}" for v in runs.values())
+        lines.append(f"  {n:24s}{got}{1e3 * model.get(n, 0.0):10.1f}")
+    busy = "".join(f"{1e3 * (v['device_busy_s_per_step'] or 0):17.1f}"
+                   for v in r["profiled"].values())  # fmt: skip
+    wall = "".join(f"{1e3 * v['wall_s_per_step']:17.1f}" for v in r["profiled"].values())
+    lines.append(f"  {'busy':24s}{busy}{1e3 * sum(model.values()):10.1f}")
+    lines.append(f"  {'wall':24s}{wall}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
@@ -232,6 +299,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps run for real (>= 2)")
     ap.add_argument("--hardware", default=None, help="the model's GPU (default: by name)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--profile", action="store_true",
+                    help="two more steps under torch.profiler (with and without the local "
+                    "writes): device time by kind against the model's")  # fmt: skip
     args = ap.parse_args(argv)
     cases = SMOKE if args.smoke else CASES
     names = args.only.split(",") if args.only else list(cases)
@@ -257,7 +327,7 @@ def main(argv=None) -> int:
     for name in names:
         t0 = time.perf_counter()
         try:
-            r = run_case(name, cases[name], device, max(args.steps, 2), hw)
+            r = run_case(name, cases[name], device, max(args.steps, 2), hw, args.profile)
         except Exception as e:  # noqa: BLE001 -- one case's failure is reported, the rest run
             failed += 1
             print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}",
@@ -268,6 +338,8 @@ def main(argv=None) -> int:
             continue
         results.append(r)
         print(summary(r) + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+        if r["profiled"]:
+            print(kinds_table(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps({r["case"]: {k: r[k] for k in ("step_peaks", "rehearsed_peaks",

@@ -15,10 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _smoke(script: str, tmp_path) -> str:
+def _smoke(script: str, tmp_path, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MASTER_PORT": "29573",
            "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}  # fmt: skip
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"],
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *extra],
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -106,7 +106,9 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
-    lines = [x for x in _smoke("rank_on_gpu.py", tmp_path).splitlines() if x.startswith("{")]
+    out = _smoke("rank_on_gpu.py", tmp_path, "--profile")
+    assert "device ms by kind" in out and "no local writes" in out, out[-2000:]
+    lines = [x for x in out.splitlines() if x.startswith("{")]
     for case, r in json.loads(lines[-1]).items():
         assert len(r["losses"]) == 3 and r["rehearsed_peaks"]["step 2"] > 0, case
         assert r["simulated_peak"] > 0, case
