@@ -6,7 +6,7 @@
 
 Two gloo processes (``--dp``) hold four implementations of the same GPT (default: 6 layers
 x 256 hidden, vocabulary 4,096, 16 sequences of 128 tokens = 2,048 tokens a step, fp32,
-one micro-batch per rank), all built from the same initial weights:
+``--micro`` micro-batches per rank, default one), all built from the same initial weights:
 
 - plait ``--zero 0``: ``build_data_parallel`` (bucketed all-reduce launched from the
   backward hooks)                    vs  ``torch.nn.parallel.DistributedDataParallel``;
@@ -14,6 +14,9 @@ one micro-batch per rank), all built from the same initial weights:
                                      vs  FSDP2: ``fully_shard`` on every block, then the root.
 
 A step is forward + backward + gradient sync + AdamW (foreach) for all four; no clipping.
+With ``--micro M`` each rank runs M forward-backward passes a step: DDP under ``no_sync``
+until the last (as plait's stage 0 communicates only then), FSDP2 reduce-scattering
+every one (its default, and what plait's stages 2-3 do).
 Pairs alternate in blocks of ``--steps`` steps, ``--reps`` times (runs here vary by
 10-20%); figures are medians of per-step times (a barrier closes each block). Step-1
 losses of all four are checked to agree.
@@ -31,6 +34,7 @@ gradients, AdamW state) beside ``sizes.model_state_breakdown``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
 import gc
@@ -104,14 +108,19 @@ def build(name: str, args, topo) -> Impl:
     if name.startswith("plait"):
         zero = int(name[-1])
         engine = build_data_parallel(
-            model, topo=topo, cfg=DataParallelConfig(zero=zero, bucket_mb=args.bucket_mb),
+            model, topo=topo,
+            cfg=DataParallelConfig(zero=zero, bucket_mb=args.bucket_mb,
+                                   num_microbatches=args.micro),
             make_optimizer=functools.partial(optim.build_adamw, cfg=tcfg),
             owns_grad=functools.partial(optim.owns_grad, topo=topo),
         )  # fmt: skip
 
         def step(x, y, tokens):  # loss over the global tokens: the dp sum is the mean
-            loss = model(x, y).sum() / tokens
-            loss.backward()
+            loss = 0.0
+            for xm, ym in zip(x.chunk(args.micro), y.chunk(args.micro)):
+                part = model(xm, ym).sum() / tokens
+                part.backward()
+                loss += part.detach()
             engine.finish()
             engine.step(1e-3)
             engine.zero_grad()
@@ -136,8 +145,15 @@ def build(name: str, args, topo) -> Impl:
     opt = optim.build_adamw([(n, p, p) for n, p in named], tcfg)
 
     def step(x, y, tokens):  # DDP and FSDP average over dp: loss over the local tokens
-        loss = wrapped(x, y).sum() / (tokens / args.dp)
-        loss.backward()
+        # accumulation as each is used: DDP under no_sync until the last micro-batch,
+        # FSDP2 reduce-scattering every one (its default, and plait's ZeRO-2/3)
+        loss = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(args.micro), y.chunk(args.micro))):
+            quiet = name == "ddp" and i < args.micro - 1
+            with wrapped.no_sync() if quiet else contextlib.nullcontext():
+                part = wrapped(xm, ym).sum() / (tokens / args.dp)
+                part.backward()
+            loss += part.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -217,7 +233,7 @@ def overlap(args, topo, x, y, tokens) -> dict:
     impls = {}
     for zero in (0, 2):
         for hooks in (True, False):
-            a = argparse.Namespace(**{**vars(args), "bucket_mb": 4.0})
+            a = argparse.Namespace(**{**vars(args), "bucket_mb": 4.0, "micro": 1})
             impl = build(f"plait-zero{zero}", a, topo)
             if not hooks:  # (ZeRO-2 launches every micro-batch's buckets from its hooks)
                 impl.engine.grads.remove_hooks()
@@ -258,8 +274,8 @@ def report(args, results: list[dict], wall: float) -> str:
     mib = 2**20
     lines = [
         f"{args.dp} gloo processes x 1 thread, GPT {args.layers}x{args.hidden} vocab "
-        f"{args.vocab}, {args.batch} x {args.seq_len} tokens a step, fp32, one micro-batch "
-        f"per rank; {args.reps} reps x {args.steps} steps, medians; wall {wall:.0f} s. "
+        f"{args.vocab}, {args.batch} x {args.seq_len} tokens a step, fp32, {args.micro} "
+        f"micro-batch(es) per rank; {args.reps} reps x {args.steps} steps, medians; wall {wall:.0f} s. "
         f"Step-1 losses agree within {spread:.1e} ({losses['ddp']:.5f}).",
         "",
         "| plait | s/step | PyTorch | s/step | time ratio | peak MiB/rank plait | "
@@ -308,6 +324,8 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16, help="sequences per step, all ranks")
+    p.add_argument("--micro", type=int, default=1,
+                   help="micro-batches a step on each rank (gradient accumulation)")  # fmt: skip
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps per timed block")
