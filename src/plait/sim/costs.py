@@ -192,6 +192,13 @@ def plait_fused_bytes(cfg: ModelConfig, layout: Layout, *, moe: bool = False) ->
     return 2 * e * out
 
 
+def _reduced_every_microbatch(layout: Layout, runtime: Runtime) -> bool:
+    """ZeRO-2/3 under a runtime that reduce-scatters every micro-batch's gradients."""
+    return (layout.zero == 3 and runtime.zero3_reduce_per_microbatch) or (
+        layout.zero == 2 and runtime.zero2_reduce_per_microbatch
+    )
+
+
 def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
                         moe: bool = False) -> float:  # fmt: skip
     """Bytes a micro-batch streams per block in proportion to its linear weights on one tp
@@ -200,7 +207,10 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
     - fp32 weights under bf16 / fp16 autocast (``weight_cast_per_step``: plait): each weight
       gradient is cast to fp32 (2 + 4 bytes) and, from a step's second micro-batch on,
       added to the fp32 gradient (12), and each weight is cast to the compute dtype once a
-      step (4 + 2; not under ZeRO-3, which gathers in it);
+      step (4 + 2; not under ZeRO-3, which gathers in it). Where every micro-batch is
+      reduce-scattered (plait's ZeRO-2 and 3) nothing whole is accumulated: ZeRO-3 packs
+      each compute-dtype gradient into fp32 (2 + 4), ZeRO-2 casts it (2 + 4) and packs the
+      fp32 gradient (4 + 4), and the micro-batches add up in the 1/d rows;
     - weights held in the compute dtype with gradients reduced in fp32 (FSDP's
       ``reduce_dtype``: no ``master_weights``, ``grad_reduce_fp32``): the backward leaves
       each weight gradient in the compute dtype and it is cast to fp32 for the reduction in
@@ -219,7 +229,11 @@ def weight_stream_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, *,
     (``expert.mlp_matmul_extra``): plait casts their stacked weights once a step too."""
     m, per = layout.num_microbatches, 0.0
     if layout.dtype != "fp32":  # the casts and copies of mixed precision
-        if runtime.weight_cast_per_step:
+        if runtime.weight_cast_per_step and _reduced_every_microbatch(layout, runtime):
+            # ZeRO-2/3 pack each micro-batch's gradient into fp32 for its reduce-scatter
+            # and sum the rows: 1/d of a weight's bytes, left out
+            per = 6.0 if layout.zero == 3 else 6 + 8 + 6 / m
+        elif runtime.weight_cast_per_step:
             per = 6 + 12 * (m - 1) / m + (6 / m if layout.zero < 3 else 0.0)
         elif not runtime.master_weights and runtime.grad_reduce_fp32:
             per = 6.0
