@@ -720,7 +720,7 @@ def test_zero3_holds_one_block_at_a_time_and_no_reduce_scatter_across_micro_batc
     from the embedding's forward to the loss (0.73 GiB through every block at llama2-7b,
     3.1 GiB at a 128k vocabulary), and the last units' reduce-scatters left pending
     through the next forward (1.5 GiB at llama2-7b dp 64: the rehearsal's and the H200's
-    peak 8% over the model)."""
+    peak 8% over the model), in ZeRO-2's buckets too."""
     from plait.parallel.zero import ReduceScatterGrads
 
     topo = Topology.single()
@@ -751,6 +751,16 @@ def test_zero3_holds_one_block_at_a_time_and_no_reduce_scatter_across_micro_batc
     hook.remove()
     # (the hook runs after the engine's: the block gathered, its successor prefetched)
     assert seen == [{"blocks.2", "blocks.3"}] * 2, seen
+    engine.close()
+    # ZeRO-2's buckets (16 KiB: several) the same: nothing in flight into the next forward
+    model = build_model(cfg, seed=0, topo=topo)
+    engine = build_data_parallel(
+        model, topo=topo, cfg=DataParallelConfig(zero=2, num_microbatches=2, bucket_mb=1 / 64),
+        make_optimizer=functools.partial(optim.build_adamw, cfg=TrainConfig(lr=1e-2, warmup=0)),
+    )  # fmt: skip
+    assert len(engine.grads.buckets) > 2
+    model(ids[:, :-1], ids[:, 1:]).mean().backward()
+    assert engine.grads.pending == [] and all(b.handle is None for b in engine.grads.buckets)
     engine.close()
 
 
