@@ -254,22 +254,17 @@ class ParamUnits:
         for chunk in model_chunks(model):
             found = _units_of(chunk, n=n, rank=rank, compute_dtype=wire_dtype, low=low,
                               device=shard_topo.device)  # fmt: skip
-            named = {}
+            kinds: dict[str, list[Unit]] = {}  # "embed", "blocks", "head" or "rest"
             for u, _, _ in found:
-                named.setdefault(u.name if not u.name.startswith("blocks.") else "blocks",
-                                 []).append(u)  # fmt: skip
-            rest, blocks = named.get("rest", []), named.get("blocks", [])
-            embed, head = named.get("embed", []), named.get("head", [])
+                kinds.setdefault(u.name.split(".")[0], []).append(u)
+            embed, blocks, head, rest = (
+                kinds.get(k, []) for k in ("embed", "blocks", "head", "rest")
+            )
             whole = structure(chunk)
             pre, post = getattr(whole, "pre", True), getattr(whole, "post", True)
             fwd = embed + (rest if pre else []) + blocks + head + (rest if post and not pre else [])
-            bwd = (
-                head
-                + (rest if post else [])
-                + blocks[::-1]
-                + embed
-                + (rest if pre and not post else [])
-            )
+            top = head + (rest if post else [])  # the backward starts at the loss
+            bwd = top + blocks[::-1] + embed + (rest if pre and not post else [])
             for order, attr in ((fwd, "next_forward"), (bwd, "next_backward")):
                 for a, b in zip(order, order[1:]):
                     setattr(a, attr, b)
