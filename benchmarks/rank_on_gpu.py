@@ -41,6 +41,7 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def local_traffic(collectives: bool = True):
     docstring)."""
     from plait import comm
 
-    gather, scatter, batch = comm._all_gather_single, comm._reduce_scatter_single, None
+    gather, scatter = comm._all_gather_single, comm._reduce_scatter_single
+    batch = dist.batch_isend_irecv
 
     def all_gather(out, inp, group=None, async_op=False):
         work = gather(out, inp, group=group, async_op=async_op)
@@ -94,8 +96,6 @@ def local_traffic(collectives: bool = True):
         n = inp.numel() // max(out.numel(), 1)
         torch.sum(inp.view(n, -1), 0, out=out.view(-1))
         return work
-
-    batch = dist.batch_isend_irecv
 
     def batch_isend_irecv(ops):
         works = batch(ops)
@@ -133,7 +133,7 @@ def profiled_step(trainer, step: int, device) -> dict:
         trainer.step(step)
         _sync(device)
         wall = time.perf_counter() - t0
-    with __import__("tempfile").NamedTemporaryFile(suffix=".json") as f:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
     return summarise(trace, 1, wall)
@@ -177,7 +177,7 @@ def run_for_real(cfg, rank: int, device, steps: int, made_batch: int | None,
                 peaks.append(
                     torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
                 )
-                losses.append(stats.get("loss") if isinstance(stats, dict) else None)
+                losses.append(stats.get("loss"))
             retries = (torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
                        if device.type == "cuda" else 0)  # fmt: skip
             kinds = {"local writes": profiled_step(trainer, steps, device)} if profile else {}
@@ -229,7 +229,7 @@ def run_case(name: str, values: dict, device, steps: int, hw_name: str,
     from plait import rehearse
     from plait.commands.train import build_run_config
 
-    with __import__("tempfile").TemporaryDirectory(prefix="plait-rank-") as out:
+    with tempfile.TemporaryDirectory(prefix="plait-rank-") as out:
         cfg = build_run_config({**values, "out": out})
         t0 = time.perf_counter()
         report = rehearse.rehearse_rank(cfg, 0)
@@ -245,7 +245,7 @@ def run_case(name: str, values: dict, device, steps: int, hw_name: str,
         real = run_for_real(cfg, 0, device, steps, made, profile)
     real.update(
         case=name, flags=values, microbatches_run=cfg.layout.num_microbatches,
-        rehearsed_peaks=rehearsed, rehearsed_split=report.phases[2].split,
+        rehearsed_peaks=rehearsed, rehearsed_split=next(p.split for p in report.phases if p.name == "step 2"),
         simulated_peak=simulated, simulated_split={k: v[1] for k, v in compared["memory"].items()},
         rehearse_s=rehearsed_s, modelled_step_s=modelled_step(cfg, hw_name),
         modelled_kinds=modelled_kinds(cfg, hw_name) if profile else None,
