@@ -45,8 +45,9 @@ the calls its kind (op, chunk; first, middle or last micro-batch) logged in the 
 step (``_full_step_calls``), so the point-to-point check runs on the full step's
 batches. ``--full-steps`` runs every micro-batch.
 
-Fake tensors live on the CPU here, so the rank runs the program of its CPU twin with two
-GPU choices taken: fused AdamW (``optim.build_adamw``) and one host read per step.
+Fake tensors live on the CPU here, so the rank runs the program of its CPU twin with
+three GPU choices taken: fused AdamW (``optim.build_adamw``), one host read per step, and
+PyTorch's RMSNorm kernels (``transformer.rehearsing_gpu_kernels``).
 Autocast follows the CPU's rules (matmuls in bf16, as on CUDA).
 """
 
@@ -663,6 +664,7 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from plait.model.moe import modelled_routing
+    from plait.model.transformer import rehearsing_gpu_kernels
 
     lay = cfg.layout
     world = lay.world_size
@@ -679,7 +681,8 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
         # MoE layers route as the model prices them (``moe.modelled_routing``): the counts
         # are known on the host
         report.moe_imbalance = moe_imbalance
-        with FakeTensorMode(), _memtracker_class()() as mem, modelled_routing(moe_imbalance):
+        with (FakeTensorMode(), _memtracker_class()() as mem, modelled_routing(moe_imbalance),
+              rehearsing_gpu_kernels()):  # fmt: skip
             t0 = time.perf_counter()
             made = full.global_batch_size if full is not None else None
             trainer = _trainer_class(made)(cfg, topo=topo)
@@ -838,9 +841,12 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     stage_layers = layers_per_stage(model, lay)
     compiled = compile_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
     mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]
-    # the step's weight copy is made in a forward: the rehearsal counts it an activation
+    # the step's weight copy is made in a forward: the rehearsal counts it an activation;
+    # at the model's peak the activations are their own peak less what the gradients'
+    # arrival after it takes off (``Memory.grads_apart``)
+    act = mem.activations + mem.weight_casts
     memory = {"parameters": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer,
-              "buffers": mem.buffers, "activations": mem.activations + mem.weight_casts,
+              "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: act,
               "total": mem.total}  # fmt: skip
     return {
         "memory": memory,
@@ -860,8 +866,8 @@ def compared(report: RankReport, cfg) -> dict:
         got = peak.peak if cat == "total" else peak.split[cat]
         want = sim["memory"].get(cat)
         rows[cat] = (got, want, got / want if want else None)
-    # the model's activations are their own peak, wherever the step's peak lies
-    want = sim["memory"]["activations"]
+    # the model's activations at their own peak, wherever the step's peak lies
+    want = sim["memory"][ACT_PEAK]
     rows[ACT_PEAK] = (peak.activations_peak, want, peak.activations_peak / want if want else None)
     got_bytes = report.bytes_per_axis()
     axes = {}

@@ -64,9 +64,26 @@ _FUSED_RMS = hasattr(torch.ops.aten, "_fused_rms_norm_backward")  # torch >= 2.8
 
 
 def _fused_rms(x: torch.Tensor) -> bool:
-    """PyTorch's RMSNorm kernels serve ``x``: its backward has a CUDA kernel only (and a
-    meta one, for a rehearsal's fake CUDA tensors); elsewhere the few operations below."""
-    return _FUSED_RMS and x.device.type == "cuda"
+    """PyTorch's RMSNorm kernels serve ``x``: its backward has a CUDA kernel only, and a
+    meta one, which a rehearsal's fake tensors run (``rehearsing_gpu_kernels``);
+    elsewhere the few operations below."""
+    return _FUSED_RMS and (x.device.type == "cuda" or _GPU_KERNELS_ON_FAKE)
+
+
+_GPU_KERNELS_ON_FAKE = False
+
+
+@contextlib.contextmanager
+def rehearsing_gpu_kernels():
+    """``plait rehearse``: its fake tensors (on the CPU) take the CUDA-only kernels'
+    path, as the GPU run being sized does -- a norm's backward holds three fp32 copies of
+    its input with PyTorch's kernels, six with the operations of the CPU's path."""
+    global _GPU_KERNELS_ON_FAKE
+    before, _GPU_KERNELS_ON_FAKE = _GPU_KERNELS_ON_FAKE, True
+    try:
+        yield
+    finally:
+        _GPU_KERNELS_ON_FAKE = before
 
 
 class _LowPrecisionNorm(torch.autograd.Function):

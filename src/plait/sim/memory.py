@@ -19,6 +19,13 @@
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
   loss: T (h (r + e) + V / t (e + 4)) bytes, r the residual stream's bytes per element
   (e, or 4 under ``--fp32-residual``; Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
+- Weight gradients exist from a chunk's first backward on (autograd makes them there).
+  A rank whose last forward comes before its first backward -- GPipe, 1F1B's rank r at
+  m <= p - r, one stage at one micro-batch -- never holds its activation peak and its
+  gradients at once: its peak is the larger of the activations alone and, at the end of
+  its first backward, the gradients, the activations still in flight and that backward's
+  working set (``backward_transient``). ``Memory.grads_apart`` is what this takes off
+  the sum of the two peaks (``pipeline.peak_with_grads``).
 - ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
   layer's full gradient before it is reduce-scattered. A gathered layer holds its linear
   weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
@@ -39,16 +46,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
-from plait.parallel.pipeline.schedules import awaiting_weight_bound, in_flight_bound
+from plait.parallel.pipeline.schedules import (
+    ScheduleError,
+    awaiting_weight_bound,
+    in_flight_bound,
+)
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
 from plait.sim.costs import ACT_BYTES, dp_groups, residual_bytes
-from plait.sim.pipeline import Compiled, peak_held
+from plait.sim.pipeline import Compiled, compile_schedule, peak_held, peak_with_grads
 from plait.sim.runtime import Runtime
 
 
@@ -65,6 +77,8 @@ class Memory:
     overhead: float
     cp_buffers: float = 0.0  # one layer's context-parallel exchange (sim/context.py)
     weight_casts: float = 0.0  # the step's compute-dtype weight copy (``weight_cast_bytes``)
+    # activations' peak + grads less their joint peak (module docstring)
+    grads_apart: float = 0.0
 
     @property
     def total(self) -> float:
@@ -73,12 +87,15 @@ class Memory:
             + self.overhead
             + self.cp_buffers
             + self.weight_casts
+            - self.grads_apart
         )
 
     def to_dict(self) -> dict:
         cp = {"cp_buffers": self.cp_buffers} if self.cp_buffers else {}
         if self.weight_casts:
             cp["weight_casts"] = self.weight_casts
+        if self.grads_apart:
+            cp["grads_apart"] = self.grads_apart
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -226,6 +243,22 @@ def recompute_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, lora
     return max(0.0, kept - ckpt)
 
 
+def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """Bytes a block's backward holds beyond its activations and the gradients as it ends:
+    its input norm's backward, over the tokens a rank holds (split over tp under sequence
+    parallelism) x h -- the gradient coming in, the one going out and their residual sum
+    in the stream's dtype, and under the ``plait`` runtime three fp32 copies besides
+    (input, gradient and input gradient: ``_LowPrecisionNorm`` runs PyTorch's fp32 norm
+    kernels; fused norms keep those in registers). ``plait rehearse`` of LLaMA-2 70B tp 8
+    pp 4 dp 8 at 4 micro-batches held exactly these at rank 0's peak: 3 x 128 MiB fp32
+    and 3 x 64 MiB bf16 (2026-11-27)."""
+    r = residual_bytes(layout)
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = layout.tp if layout.sequence_parallel else 1
+    copies = 3 * 4 if runtime.layer_kernels == "plait" and r < 4 else 0
+    return tokens * cfg.hidden / split * (3 * r + copies)
+
+
 def chunk_activation_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, moe_layers: int = 0,
     lora=None, first: bool = False,
@@ -256,6 +289,11 @@ def chunk_activation_bytes(
     # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
     # (h / t) and the FC2 input (f / t)
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
+    # and their output gradients: QKV's and FC1's (split by t), the attention output
+    # projection's and FC2's (h: the partial sums' gradient, whole under SP too)
+    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
+    qkv = cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)
+    w_keep += tokens * e * (qkv + up / t + 2 * cfg.hidden) if lora is None else 0.0
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
     mlp_adapters = 0.0  # the dense MLP's adapters' products, which a MoE block has not
@@ -268,6 +306,12 @@ def chunk_activation_bytes(
         mlp = sum(1 for x in lora.targets if x in ("up", "gate", "down"))
         mlp_adapters = tokens * e * lora.rank * mlp
     held, keep = layers * per_layer, layers * w_keep
+    # ``zb_keeps_graph``: the whole micro-batch waits for W, and the gradients BI captured
+    # (the linears' output gradients and the two norms'; a MoE block's counted as a dense
+    # one's)
+    graph = runtime.zb_keeps_graph and layout.recompute != "full" and lora is None
+    captured = layers * tokens * (e * (qkv + up / t + 2 * cfg.hidden)
+                                  + 2 * cfg.hidden * residual_bytes(layout) / split_all)  # fmt: skip
     if first and layers and lora is not None and layout.recompute != "full":
         if not lora.adapts_attention:  # block 0's attention: no graph
             kv = sizes.kv_width_per_rank(cfg, t)
@@ -295,6 +339,8 @@ def chunk_activation_bytes(
             held += moe_layers * expert_targets(cfg, lora) * rows * lora.rank * e
         moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
         keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
+    if graph:
+        return held, held + captured
     return held, min(keep, held)
 
 
@@ -411,13 +457,24 @@ def memory_per_rank(
     # reached the block: the chunk's later blocks, which keep their activations
     # (--recompute-layers), and on the last stage the head's buffers
     transient = []
+    chunk_params = []  # per rank, each chunk's parameters (its share of the gradients)
+    # per rank, under ``zb_keeps_graph``: what a W lets go of as it makes the gradients
+    # (each linear's input and output gradient; on stage 0, whose W is the whole backward,
+    # all but that backward's working set)
+    lets_go = [0.0] * p
+    ideal = dataclasses.replace(runtime, zb_keeps_graph=False)
+    ends = backward_transient(cfg, layout, runtime)
     for rank in range(p):
         row, n, x = [], 0.0, 0.0
         transient.append(0.0)
+        chunk_params.append([])
         for chunk in range(v):
             stage = chunk * p + rank
             layers = stage_layers[stage]
-            n += stage_params(cfg, layout, layers, stage == 0, stage == last_stage, moe[stage])
+            chunk_params[rank].append(
+                stage_params(cfg, layout, layers, stage == 0, stage == last_stage, moe[stage])
+            )
+            n += chunk_params[rank][-1]
             x += moe[stage] * ep_sim.expert_params(cfg, layout)
             held = keep = freed = 0.0
             blocks = chunk_blocks(cfg, layout, stage_layers, stage)
@@ -428,6 +485,10 @@ def memory_per_rank(
                 h, k = chunk_activation_bytes(cfg, lay, runtime, dense + routed, routed, lora,
                                               first=at_first and dense + routed > 0)  # fmt: skip
                 held, keep = held + h, keep + k
+                if runtime.zb_keeps_graph:
+                    lets_go[rank] += chunk_activation_bytes(
+                        cfg, lay, ideal, dense + routed, routed, lora,
+                        first=at_first and dense + routed > 0)[1]  # fmt: skip
                 if not recomputed:
                     freed += h
             if layout.recompute == "full":
@@ -437,6 +498,18 @@ def memory_per_rank(
                     if count:
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
+            if stage == 0 and runtime.zb_keeps_graph and keep > held:
+                keep = held  # no input gradient: BI runs nothing, W the whole backward
+                lets_go[rank] = keep - ends
+            elif stage == last_stage and runtime.zb_keeps_graph and keep > held:
+                # the head's micro-batch waits for W too, with the gradients BI captured
+                # at the final norm and the head (``chunk_activation_bytes``)
+                tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+                split = layout.tp if layout.sequence_parallel else 1
+                e = ACT_BYTES[layout.dtype]
+                keep += head + tokens * (cfg.hidden * residual_bytes(layout) / split
+                                         + cfg.vocab_size / layout.tp * e)  # fmt: skip
+                lets_go[rank] += tokens * e * (cfg.hidden + cfg.vocab_size / layout.tp)
             row.append((held + (head if stage == last_stage else 0.0), keep))
         weights.append(tuple(row))
         heads.append(head if rank == last_stage % p else 0.0)
@@ -462,8 +535,22 @@ def memory_per_rank(
             blocks = sum(held for held, _ in weights[rank]) - heads[rank]
             kept = sum(keep for _, keep in weights[rank])
             last_in_flight = m if layout.schedule == "gpipe" else 1
-            act.append((bound * blocks + waiting * kept) / v + heads[rank] * last_in_flight)
+            peak = (bound * blocks + waiting * kept) / v + heads[rank] * last_in_flight
+            if layout.schedule == "zb-h1" and p > 1:  # after BIs, up to r + 1 wait for W
+                most = min(rank + 1, bound + waiting)  # (tests/test_schedules.py)
+                peak = max(peak, (bound + waiting - most) * (blocks + heads[rank])
+                           + most * kept)  # fmt: skip
+            act.append(peak)
+    bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
+    # only with no more micro-batches than stages can a rank's forwards all come before
+    # its first gradients (GPipe's always do): the schedule, short then, says which
+    states = compiled
+    if states is None and layout.schedule != "gpipe" and layout.num_microbatches <= p:
+        try:
+            states = compile_schedule(layout.schedule, p, layout.num_microbatches, v)
+        except ScheduleError:
+            pass  # not a schedule that runs: the simulator says so
 
     out = []
     for rank in range(p):
@@ -483,5 +570,17 @@ def memory_per_rank(
         moe_here = sum(moe[c * p + rank] for c in range(v))
         casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1,
                                   moe_layers=moe_here)  # fmt: skip
-        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts))
+        # the gradients and the activations' peak together (module docstring)
+        if states is not None:
+            shares = [g * c / n if n else g / v for c in chunk_params[rank]]
+            graph = -lets_go[rank] if runtime.zb_keeps_graph else None
+            joint = peak_with_grads(states, rank, weights[rank], shares,
+                                    (transient[rank], ends, graph))  # fmt: skip
+        elif layout.schedule == "gpipe":  # every forward before the first backward
+            m = layout.num_microbatches
+            joint = max(act[rank], bare[rank] * (m - 1) / m + g + ends)
+        else:  # m > p: a forward follows every rank's first backward
+            joint = act[rank] + g
+        apart = max(0.0, act[rank] + g - joint)
+        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart))
     return out

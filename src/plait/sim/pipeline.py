@@ -19,7 +19,9 @@ tries, is only the timing pass: the same times as ``replay`` (tests check equali
 hundred microseconds instead of tens of milliseconds.
 
 The compiled form also records, per rank, which (micro-batch, chunk) activations are
-held after each forward (for the memory peak) and the last backward of each chunk (for
+held after each forward (for the memory peak), the same with which chunks have made
+their weight gradients by then (``grad_states``: a rank whose last forward comes before
+its first backward never holds both at once) and the last backward of each chunk (for
 gradient-reduction overlap).
 """
 
@@ -83,7 +85,7 @@ class Compiled:
     (rank * v + chunk) * 4 + column (F, B, BI, W) of the flattened cost table and a send
     entry 2 * rank (activation) or 2 * rank + 1 (gradient) of the flattened transfer
     table. ``finals[rank]``: (item, chunk) of each chunk's final B or W on the rank.
-    ``held_vectors``: see ``_held_vectors``.
+    ``held_vectors``: see ``_held_vectors``; ``grad_states``: see ``_grad_states``.
     """
 
     p: int
@@ -93,6 +95,7 @@ class Compiled:
     resolution: Resolution
     finals: tuple[tuple[tuple[int, int], ...], ...]
     held_vectors: tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]
+    grad_states: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...] = ()
 
 
 @lru_cache(maxsize=64)
@@ -113,11 +116,14 @@ def compile_schedule(name: str, p: int, m: int, v: int) -> Compiled:
             if isinstance(a, Action) and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
                 last_of[a.chunk] = i
         finals.append(tuple(sorted((i, c) for c, i in last_of.items())))
-    return Compiled(p, m, v, lists, resolution, tuple(finals), tuple(_held_vectors(lists, v)))
+    return Compiled(p, m, v, lists, resolution, tuple(finals), tuple(_held_vectors(lists, v)),
+                    tuple(_grad_states(lists, v)))  # fmt: skip
 
 
 def _held_vectors(lists, v: int):
-    """Per rank, the (held until B/BI, held until W) counts per chunk at each local peak."""
+    """Per rank, the (held until B/BI, held until W) counts per chunk at each local peak:
+    after a forward followed by a backward, and after each BI (what waits for its W can
+    be more than the micro-batch held: ``runtime.zb_keeps_graph``)."""
     out = []
     for actions in lists:
         fwd, wait_w = [0] * v, [0] * v
@@ -137,18 +143,71 @@ def _held_vectors(lists, v: int):
                 fwd[a.chunk] -= 1
             elif a.op is Op.BACKWARD_WEIGHT:
                 wait_w[a.chunk] -= 1
-            else:  # BI
+            else:  # BI: what waits for W may be more than it held (``zb_keeps_graph``)
                 fwd[a.chunk] -= 1
                 wait_w[a.chunk] += 1
+                peaks.add((tuple(fwd), tuple(wait_w)))
         if rising:
             peaks.add((tuple(fwd), tuple(wait_w)))
         out.append(tuple(sorted(_pareto(peaks))))
     return out
 
 
+def _grad_states(lists, v: int):
+    """Per rank, the states at which its activations and weight gradients together can
+    peak, each (f, w, g, x): per chunk the micro-batches held until B/BI (f) and until W
+    (w) and whether the chunk's weight gradients exist yet (g: its first B or W has run;
+    autograd makes them there); x = 1 for the moment a chunk's first B or W ends, its
+    micro-batch's activations freed, its gradients made, and that backward's working set
+    still held (``memory.backward_transient``); x = 2 for the moment a chunk's first W has
+    made its gradients and not yet let go of what its micro-batch kept for it (a W that
+    restarts autograd on the retained graph: ``runtime.zb_keeps_graph``). The others are
+    the local maxima of the activations (a forward not followed by one, and each BI), with
+    the gradients made so far. A later B or W ends below the local maximum before it (its
+    working set is less than the micro-batch's activations it has freed), so only the
+    first counts."""
+    out = []
+    for actions in lists:
+        fwd, wait_w, made = [0] * v, [0] * v, [0] * v
+        states = set()
+        rising = False
+        for a in actions:
+            if not isinstance(a, Action):
+                continue
+            if a.op is Op.FORWARD:
+                fwd[a.chunk] += 1
+                rising = True
+                continue
+            if rising:
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
+                rising = False
+            first = a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and not made[a.chunk]
+            if first and a.op is Op.BACKWARD_WEIGHT:  # its gradients made, its graph held
+                done = tuple(1 if c == a.chunk else x for c, x in enumerate(made))
+                states.add((tuple(fwd), tuple(wait_w), done, (2,)))
+            if a.op is Op.BACKWARD:
+                fwd[a.chunk] -= 1
+            elif a.op is Op.BACKWARD_WEIGHT:
+                wait_w[a.chunk] -= 1
+            else:  # BI
+                fwd[a.chunk] -= 1
+                wait_w[a.chunk] += 1
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
+            if first:
+                made[a.chunk] = 1
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (1,)))
+        if rising:
+            states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
+        # a transient need not grow with x: prune among the states of one x
+        kept = [s for x in {s[3] for s in states}
+                for s in _pareto({s for s in states if s[3] == x})]  # fmt: skip
+        out.append(tuple(sorted(kept)))
+    return out
+
+
 def _pareto(vectors: set) -> list:
     """Drop held-count vectors dominated by another (they can never be the peak)."""
-    flat = sorted(((sum(f) + sum(w), f + w, (f, w)) for f, w in vectors), reverse=True)
+    flat = sorted(((sum(map(sum, x)), sum(x, ()), x) for x in vectors), reverse=True)
     keep: list = []
     for _, x, orig in flat:
         if not any(all(a >= b for a, b in zip(y, x)) for y, _ in keep):
@@ -229,3 +288,22 @@ def peak_held(compiled: Compiled, weights: tuple) -> list[float]:
             best = max(best, total)
         peaks.append(best)
     return peaks
+
+
+def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
+                    transient: tuple[float, float]) -> float:  # fmt: skip
+    """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
+    ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
+    weight gradients, ``transient``: (what the backward after a local maximum adds to
+    it, what a first backward holds as it ends, and None where a W lets go of its
+    micro-batch as it makes the gradients -- else 0.0)."""
+    best = 0.0
+    for fwd, wait_w, made, (x,) in compiled.grad_states[rank]:
+        if transient[x] is None:
+            continue
+        total = transient[x]
+        for c, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
+            held, keep = weights[c]
+            total += n_f * held + n_w * keep + done * grads[c]
+        best = max(best, total)
+    return best

@@ -110,6 +110,12 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   (``costs.loss_bytes_per_logit``): Megatron-LM, Megatron-DeepSpeed and Megatron-Core
   without ``--cross-entropy-loss-fusion`` (``fp16_lm_cross_entropy`` off, the default,
   upcasts).
+- ``zb_keeps_graph``: a zero-bubble schedule's W restarts autograd on the micro-batch's
+  retained graph (plait's ``executor.backward_input``, as ``torch.distributed.pipelining``'s
+  ``stage_backward_input``): BI frees none of its saved tensors, and the gradients it
+  captured where each weight's branch joins the input path (every linear's output
+  gradient, each norm's) wait with them. Otherwise W keeps, per linear, its input and its
+  output gradient only (Qi et al. 2023's W; Megatron's weight-gradient store).
 - ``layer_kernels``: how the software writes a block's memory-bound work (norms,
   activations, rotary, residual adds, casts), which sets the bytes it streams
   (``costs.stream_bytes``): "fused" (Megatron, Transformer Engine: one kernel per
@@ -174,6 +180,7 @@ class Runtime:
     weight_cast_per_step: bool = False
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
+    zb_keeps_graph: bool = False
     adamw_bytes: int = 28
     recompute_stops_early: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
@@ -261,6 +268,7 @@ PROFILES: dict[str, Runtime] = {
         prefetch_sp_regather=True,
         recompute_stops_early=True,  # Block.forward: checkpoint(use_reentrant=False)
         layer_kernels="plait",
+        zb_keeps_graph=True,
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
     ),

@@ -44,7 +44,8 @@ The method: best-first branch and bound, exact over the space
     - memory: model state per ZeRO stage + buffers + overhead + activations, the
       larger of (the schedule's in-flight micro-batches x the rank's smallest chunk)
       and (the last stage's chunk with the head) -- both held at some instant of every
-      schedule. A layout whose bound is above the device's memory can never fit, and is
+      schedule (the gradients left out where they may come after that instant: GPipe,
+      or no more micro-batches than stages). A layout whose bound is above the device's memory can never fit, and is
       rejected without simulating;
     - time: m x busiest-rank work + the other ranks' share of the fill and drain (as
       ``schedules.pipeline_span`` with that rank pacing) + the fewest messages any rank
@@ -735,19 +736,20 @@ class _Bounds:
     @_memo
     def state(self, tp, dp, zero, cp=1, ep=1, shard=0):
         """Model-state bytes per parameter on a device (ZeRO shards over dp x cp, or the
-        ``shard`` group; a routed expert's over dp / ep x cp), and ZeRO-3's layer
-        buffers."""
+        ``shard`` group; a routed expert's over dp / ep x cp), ZeRO-3's layer buffers, and
+        of the two per-parameter figures, the gradients' bytes."""
         w_b, g_b, o_b = self.rt.state_bytes(self.req.dtype)
 
         def per_param(shard):
             return sizes.model_state_breakdown(
                 1.0, dp=shard if zero else 1, zero=zero, param_bytes=w_b, grad_bytes=g_b,
                 optim_bytes=o_b,
-            )["device"]  # fmt: skip
+            )  # fmt: skip
 
         lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp, "ring", ep, shard)
         buffers = zero3_buffer_bytes(self.cfg, lay, self.rt)
-        return per_param(shard or dp * cp), per_param(dp // ep * cp), buffers
+        dense, routed = per_param(shard or dp * cp), per_param(dp // ep * cp)
+        return dense["device"], routed["device"], buffers, (dense["grads"], routed["grads"])
 
     @_memo
     def first_block(self, tp, mbs, sp, z3_dp, cp=1, mode="ring", ep=1, shard=0) -> float:
@@ -811,9 +813,12 @@ class _Bounds:
         block's)."""
         rk = self.ranks(c.tp, c.pp, c.vpp, c.ep)
         params, experts = rk[6], rk[9]
-        per_param, per_expert_param, z3_buffers = self.state(c.tp, c.dp, c.zero, c.cp, c.ep,
-                                                             c.shard)  # fmt: skip
+        per_param, per_expert_param, z3_buffers, grads = self.state(c.tp, c.dp, c.zero, c.cp,
+                                                                    c.ep, c.shard)  # fmt: skip
         m = self.req.global_batch_size // (c.dp * c.micro_batch_size)
+        if c.schedule == "gpipe" or m <= c.pp:  # the gradients may come after the peak
+            per_param -= grads[0]  # (``memory.py``): count the activations' alone
+            per_expert_param -= grads[1]
         act = self.act(c.tp, c.pp, c.vpp, c.micro_batch_size, c.sequence_parallel, c.recompute,
                        c.schedule, m, c.cp, c.ep)  # fmt: skip
         cp_buf = self.layer(c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, 0, c.cp,
