@@ -31,7 +31,8 @@ shards under ZeRO-3), gradients, optimizer state, and buffers (ZeRO-3's gathered
 gathers in flight and packed gradients awaiting their reduce-scatter, module buffers);
 what is left is activations (made in a forward), temporaries (made in a backward or an
 optimizer step) and other state made at build. The peak of each phase (build, step 1,
-step 2, save, load) is reported with its split. Storages on ``meta`` (a ZeRO-3 model is
+step 2, save, load) is reported with its split; the build's from the model's move to the
+device on (``Trainer.placed``: before it, the parameters were initialised on the host). Storages on ``meta`` (a ZeRO-3 model is
 built there) hold no bytes and are not counted.
 
 A step's micro-batches repeat: a pipeline rank runs the fewest whose schedule passes
@@ -101,7 +102,9 @@ class SyntheticBatches:
         return self.global_batch * self.seq_len
 
 
-def _trainer_class(made_batch: int | None = None):
+def _trainer_class(made_batch: int | None = None, placed=None):
+    """The rehearsal's ``Trainer``; ``placed()`` is called when the build has put the
+    model on the device (``Trainer.placed``)."""
     from plait.train.loop import Trainer
 
     class RehearsalTrainer(Trainer):
@@ -112,6 +115,10 @@ def _trainer_class(made_batch: int | None = None):
                                        seq_len=self.cfg.model.seq_len,
                                        made_batch=made_batch)  # fmt: skip
             return batches, []
+
+        def placed(self):
+            if placed is not None:
+                placed()
 
     return RehearsalTrainer
 
@@ -685,7 +692,9 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
               rehearsing_gpu_kernels()):  # fmt: skip
             t0 = time.perf_counter()
             made = full.global_batch_size if full is not None else None
-            trainer = _trainer_class(made)(cfg, topo=topo)
+            # the build's peak on the device: from the model's arrival there (before it,
+            # its initialisation ran on the host)
+            trainer = _trainer_class(made, placed=mem.reset_peak)(cfg, topo=topo)
             if lay.pp > 1:  # a send completes once posted here: let it go as a real one would
                 trainer.runner.sends_done_when_reaped = True
             mem.built(trainer)

@@ -204,6 +204,11 @@ class Trainer:
 
     # -- build ---------------------------------------------------------------------------
 
+    def placed(self) -> None:
+        """Called by ``build`` once the model is on the rank's device: what the build made
+        before (the parameters' initialisation on the CPU) was host memory. A hook for
+        ``plait rehearse``, whose fake tensors all live on one device."""
+
     def build(self, topo: Topology, *, part: Part | None = None) -> None:
         """Data, model, parallel engines and runner for this worker's place in ``topo``
         (and in ``part``, when the run's pipelines differ: module docstring)."""
@@ -263,6 +268,7 @@ class Trainer:
             hollow(model, topo.device)
         elif any(t.device != topo.device for t in held):
             model.to(topo.device)
+        self.placed()
         if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
             from plait.model import hf
 
