@@ -552,3 +552,21 @@ def test_the_builds_peak_is_the_devices(tmp_path, kw):
     assert build.name == "build" and build.split["parameters"] > 0, build
     # beside the parameters, at most a scalar the engine keeps (a one-byte flag here)
     assert build.peak - build.split["parameters"] <= 8, build.split
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero12_step_gathers_a_bucket_at_a_time(tmp_path, zero):
+    """ZeRO-1/2's step all-gathers the updated parameters bucket by bucket, at most
+    ``ZeroDataParallel.gathers_in_flight`` at once: rehearsed (dp 2, llama h 2048, 4
+    layers, 2,048 tokens, bf16) the rank's whole peak within 3 % of the model's, which
+    has no such buffer (1.014 / 1.016 measured). Catches every bucket's gather issued
+    before the first is unpacked: a whole copy of the rank's parameters at the step,
+    1.079 / 1.090 here (5.45 GiB a rank at 175B tp 8 pp 16)."""
+    from plait.commands.train import build_run_config
+
+    values = {"model": "tiny", "arch": "llama", "hidden": 2048, "heads": 16, "seq_len": 2048,
+              "layers": 4, "dp": 2, "zero": zero, "global_batch_size": 4,
+              "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
+    cfg = build_run_config(values)
+    got, want, ratio = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]["total"]
+    assert abs(ratio - 1) <= 0.03, (got, want)
