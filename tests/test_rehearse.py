@@ -558,10 +558,12 @@ def test_the_builds_peak_is_the_devices(tmp_path, kw):
 def test_zero12_step_gathers_a_bucket_at_a_time(tmp_path, zero):
     """ZeRO-1/2's step all-gathers the updated parameters bucket by bucket, at most
     ``ZeroDataParallel.gathers_in_flight`` at once: rehearsed (dp 2, llama h 2048, 4
-    layers, 2,048 tokens, bf16) the rank's whole peak within 3 % of the model's, which
-    has no such buffer (1.014 / 1.016 measured). Catches every bucket's gather issued
-    before the first is unpacked: a whole copy of the rank's parameters at the step,
-    1.079 / 1.090 here (5.45 GiB a rank at 175B tp 8 pp 16)."""
+    layers, 2,048 tokens, bf16) the rank's whole peak within the issue's 5 % of the
+    model's, which has no such buffer (1.003 / 1.040 measured; ZeRO-2's remaining 4 % is
+    its reduce-scatter buckets in flight during the backward, which the model does not
+    count). Catches every bucket's gather issued before the first is unpacked: a whole
+    copy of the rank's parameters at the step, 1.079 / 1.090 here (5.45 GiB a rank at
+    175B tp 8 pp 16)."""
     from plait.commands.train import build_run_config
 
     values = {"model": "tiny", "arch": "llama", "hidden": 2048, "heads": 16, "seq_len": 2048,
@@ -569,4 +571,4 @@ def test_zero12_step_gathers_a_bucket_at_a_time(tmp_path, zero):
               "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
     cfg = build_run_config(values)
     got, want, ratio = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]["total"]
-    assert abs(ratio - 1) <= 0.03, (got, want)
+    assert abs(ratio - 1) <= 0.05, (got, want)

@@ -282,13 +282,21 @@ class Experts(nn.Module):
             return [self.w_fc, self.b_fc, self.w_proj]
         return [self.w_gate, self.w_up, self.w_down]
 
-    def _linear(self, name: str, x: torch.Tensor, e: int, bias=None) -> torch.Tensor:
+    def _linear(self, name: str, x: torch.Tensor, e: int, bias=None,
+                stacks: dict | None = None) -> torch.Tensor:  # fmt: skip
         """x times expert e's weight ``name`` (plus its adapter's update, if it has one).
         Under autocast the stacked weight is cast once a step (``tensor.step_cast``), not
         once per expert and micro-batch: autocast's copies were kept for each
         micro-batch's backward, E/ep x 3 h F / t elements a layer and micro-batch in
-        flight (rehearsed: a tiny llama MoE layer held 8.25 of its 84 units in them)."""
-        stacked = step_cast((self, name), lambda: getattr(self, name), x.device.type)
+        flight (rehearsed: a tiny llama MoE layer held 8.25 of its 84 units in them).
+        ``stacks``: the forward's uses of the copies, one per weight (each use is an
+        autograd node that casts its gradient back: one per expert would cast the whole
+        stack's gradient E times)."""
+        stacked = None if stacks is None else stacks.get(name)
+        if stacked is None:
+            stacked = step_cast((self, name), lambda: getattr(self, name), x.device.type)
+            if stacks is not None:
+                stacks[name] = stacked
         y = F.linear(x, stacked[e], bias)
         if self.lora is not None and name in self.lora:
             y = y + self.lora[name](x, e)
@@ -297,7 +305,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (M, C) sorted by expert, ``counts[e]`` rows for expert e -> (M, C), a partial
         sum over tp. An expert with no rows still takes part (zero gradients)."""
-        out, lin = [], self._linear
+        out, stacks = [], {}
+
+        def lin(name, xe, e, bias=None):
+            return self._linear(name, xe, e, bias, stacks)
+
         for e, xe in enumerate(x.split(counts)):
             if self.arch == "gpt2":
                 hid = F.gelu(lin("w_fc", xe, e, self.b_fc[e]), approximate="tanh")
