@@ -32,7 +32,9 @@ gathers in flight and packed gradients awaiting their reduce-scatter, module buf
 what is left is activations (made in a forward), temporaries (made in a backward or an
 optimizer step) and other state made at build. The peak of each phase (build, step 1,
 step 2, save, load) is reported with its split; the build's from the model's move to the
-device on (``Trainer.placed``: before it, the parameters were initialised on the host). Storages on ``meta`` (a ZeRO-3 model is
+device on (``Trainer.placed``: before it, the parameters were initialised on the host).
+Under ``--offload-optimizer`` AdamW's state and the fp32 masters live on the host
+(``HOST``): every figure here is the device's, without them. Storages on ``meta`` (a ZeRO-3 model is
 built there) hold no bytes and are not counted.
 
 A step's micro-batches repeat: a pipeline rank runs the fewest whose schedule passes
@@ -72,6 +74,7 @@ from plait.topology import Axis, Call, Topology, coords
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers", "activations",
               "temporaries", "other")  # fmt: skip
+HOST = "host"  # offloaded optimizer state: beside the device's categories, not in its peak
 PHASES = ("build", "step 1", "step 2", "save", "load")
 ACT_PEAK = "activations, own peak"  # ``compared``'s row: the activations at their own peak
 
@@ -136,10 +139,12 @@ def _stable_roles(trainer) -> list[tuple[str, torch.Tensor]]:
     opt = getattr(engine, "optimizer", None)
     torch_opt = getattr(opt, "optimizer", opt)
     if torch_opt is not None:
-        out += [("optimizer", t) for s in torch_opt.state.values() for t in s.values()
+        offload = getattr(opt, "offload", False)  # the state and masters on the host
+        role = HOST if offload else "optimizer"
+        out += [(role, t) for s in torch_opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor)]  # fmt: skip
-        if getattr(opt, "offload", False):  # host masters
-            out += [("optimizer", t) for t in opt.targets.values()]
+        if offload:
+            out += [(HOST, t) for t in opt.targets.values()]
     units = getattr(engine, "units", None)
     if units is not None:  # ZeRO-3: the rows are the parameters, the gathered ones buffers
         out += [("parameters", u.row) for u in units.units]
@@ -238,6 +243,8 @@ def _memtracker_class():
             super().__init__()
             self._mod_tracker = _ForwardHooks()
             self.trainer, self.params = None, []
+            # id -> winfo of the storages on the host (``HOST``), while they live
+            self.host = weakref.WeakValueDictionary()
             self.peak, self.split = 0, dict.fromkeys(CATEGORIES, 0)
             self.act_peak = self._act_seen = 0
 
@@ -271,7 +278,10 @@ def _memtracker_class():
             return [s for dev, s in self._curr_mem_snap.items() if dev.type != "meta"]
 
         def current(self) -> int:
-            return sum(s[_TOTAL_KEY] for s in self._snaps())
+            """Bytes on the device now (a fake tensor's storage is on the CPU whatever it
+            stands for: the host's are those ``built`` found in the ``HOST`` role)."""
+            on_host = sum(w.mem_consumed for w in self.host.values())
+            return sum(s[_TOTAL_KEY] for s in self._snaps()) - on_host
 
         def _update_peak_stats(self, peak_state) -> None:
             total = self.current()
@@ -308,6 +318,8 @@ def _memtracker_class():
                 for k, v in snap.items():
                     if k != _TOTAL_KEY:
                         out[category[k]] += v
+            for winfo in self.host.values():
+                out[category[winfo.reftype]] -= winfo.mem_consumed
             if self.trainer is not None:
                 for role, winfo in self._winfos(_passing_roles(self.trainer, self.params)):
                     if winfo.device.type == "meta":
@@ -325,6 +337,9 @@ def _memtracker_class():
                 if winfo is not None and winfo.reftype == _MemRefType.ACT:
                     self._relabel(winfo, _MemRefType.OTH)
             for role, winfo in self._winfos(_stable_roles(trainer)):
+                if role == HOST:
+                    self.host[id(winfo)] = winfo
+                    role = "optimizer"
                 self._relabel(winfo, label[role])
 
         def _relabel(self, winfo, reftype) -> None:
@@ -699,7 +714,9 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
                 trainer.runner.sends_done_when_reaped = True
             mem.built(trainer)
             # the build's peak came before the roles existed: its split is what the build
-            # leaves, and the rest of its peak was transient (temporaries)
+            # leaves, and the rest of its peak was transient (temporaries); the host's
+            # state (offload), made in the build and kept, is not the device's
+            mem.peak -= sum(w.mem_consumed for w in mem.host.values())
             held = mem.breakdown()
             held["temporaries"] += mem.peak - sum(held.values())
             report.phases.append(Phase("build", mem.peak, held, time.perf_counter() - t0))
