@@ -116,6 +116,10 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   captured where each weight's branch joins the input path (every linear's output
   gradient, each norm's) wait with them. Otherwise W keeps, per linear, its input and its
   output gradient only (Qi et al. 2023's W; Megatron's weight-gradient store).
+- ``zero3_grads_in_flight``: k > 0, ZeRO-3 packs each layer's full gradient as its
+  backward ends and keeps up to k of them awaiting their reduce-scatters (plait's
+  ``ReduceScatterGrads``: 2); its backward then peaks k blocks in (``memory.py``). 0: one
+  layer's gradient is counted beside the gathered layers (the other profiles, as fitted).
 - ``layer_kernels``: how the software writes a block's memory-bound work (norms,
   activations, rotary, residual adds, casts), which sets the bytes it streams
   (``costs.stream_bytes``): "fused" (Megatron, Transformer Engine: one kernel per
@@ -181,6 +185,7 @@ class Runtime:
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
     zb_keeps_graph: bool = False
+    zero3_grads_in_flight: int = 0
     adamw_bytes: int = 28
     recompute_stops_early: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
@@ -269,6 +274,7 @@ PROFILES: dict[str, Runtime] = {
         recompute_stops_early=True,  # Block.forward: checkpoint(use_reentrant=False)
         layer_kernels="plait",
         zb_keeps_graph=True,
+        zero3_grads_in_flight=2,  # ReduceScatterGrads.in_flight
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",
     ),

@@ -112,6 +112,7 @@ from plait.sim.memory import (
     last_stage_buffers,
     stage_params,
     zero3_buffer_bytes,
+    zero3_gathered_bytes,
 )
 from plait.sim.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
 from plait.sim.simulate import Result, layers_per_stage, simulate
@@ -748,6 +749,8 @@ class _Bounds:
 
         lay = self.proto(tp, 1, dp, 1, False, "none", zero, cp, "ring", ep, shard)
         buffers = zero3_buffer_bytes(self.cfg, lay, self.rt)
+        if buffers and self.rt.zero3_grads_in_flight:  # the gathered layers, at least
+            buffers = 2 * zero3_gathered_bytes(self.cfg, lay, self.rt)
         dense, routed = per_param(shard or dp * cp), per_param(dp // ep * cp)
         return dense["device"], routed["device"], buffers, (dense["grads"], routed["grads"])
 
