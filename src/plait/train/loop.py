@@ -282,8 +282,12 @@ class Trainer:
         self.model = model
         self.tp_grad_sync = TPGradSync(list(model.parameters()), topo=topo)
         # gradients completed after the backward (over tp; the pipeline's tied embedding
-        # copies, summed by the runner): their dp reduction waits for finish()
-        deferred = self.tp_grad_sync.partial + self.tp_grad_sync.replicated_kv
+        # copies, summed by the runner): their dp reduction waits for finish(). At tp 1
+        # nothing completes them: they go with the rest (LoRA's factors beside split
+        # weights were held back to the step's end, reduced once where the model, and
+        # every other gradient, reduce each micro-batch under ZeRO-2/3)
+        sync = self.tp_grad_sync
+        deferred = sync.partial + sync.replicated_kv if sync.active else []
         if getattr(model, "tied_copy", None) is not None:
             deferred.append(model.tied_copy)
         # across replicas: plain or compressed all-reduce, local SGD / DiLoCo, gossip; the
