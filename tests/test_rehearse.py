@@ -599,9 +599,9 @@ def test_zero3_backward_holds_its_packed_gradients_as_modelled(tmp_path):
     """ZeRO-3 packs each block's full gradient as its backward ends and keeps two awaiting
     their reduce-scatters (``ReduceScatterGrads.in_flight``); under full recomputation a
     block's activations are its checkpoint, so the rank peaks in the backward, two
-    blocks in, not as the forward ends (``memory.py``: k (F - A) beyond the gathered
-    layers). LLaMA-2 7B's blocks (4 of them), dp 64, one micro-batch of 4,096 tokens:
-    whole peak within 5 % of the model's (1.022 measured). Catches the model's one
+    blocks in, not as the forward ends (``memory.py``: k (F (1 + 1/n) - A) beyond the
+    gathered layers). LLaMA-2 7B's blocks (4 of them), dp 64, one micro-batch of 4,096 tokens:
+    whole peak within 5 % of the model's (1.015 measured). Catches the model's one
     gradient beside the gathered layers: 1.286 here (the full 7B 1.157, 70B 1.19)."""
     from plait.commands.train import build_run_config
 

@@ -30,8 +30,9 @@
   layer's full gradient before it is reduce-scattered. A runtime that keeps k packed
   gradients in flight (``Runtime.zero3_grads_in_flight``; plait's ``ReduceScatterGrads``:
   2) peaks either as the forward ends (the two gathered layers beside the activations'
-  peak) or in the backward, k blocks after its start: their activations freed and their
-  k gradients packed, k (F - A) beyond the first, F a layer's full gradient and A its
+  peak) or in the backward, k blocks after its start: their activations freed, their k
+  gradients packed and each reduce-scatter's output shard written, k (F (1 + 1/n) - A)
+  beyond the first, F a layer's full gradient, n the shard group and A a layer's
   activations of one micro-batch. Under full recomputation A is the checkpoint and the
   backward's state wins (LLaMA-2 7B dp 64: rehearsed 5.64 GiB against 4.87 modelled
   with one gradient beside the gathered layers). A gathered layer holds its linear
@@ -590,7 +591,8 @@ def memory_per_rank(
             k = runtime.zero3_grads_in_flight
             lay = layout.recomputing_all() if layout.recompute_layers else layout
             a = chunk_activation_bytes(cfg, lay, runtime, 1, 0, lora)[0]
-            buffers += max(0.0, k * (full - a)) - full
+            shard = dp_groups(layout, False)[0]  # each in flight also writes its shard
+            buffers += max(0.0, k * (full * (1 + 1 / shard) - a)) - full
         cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
         moe_here = sum(moe[c * p + rank] for c in range(v))
