@@ -116,41 +116,18 @@ def compile_schedule(name: str, p: int, m: int, v: int) -> Compiled:
             if isinstance(a, Action) and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
                 last_of[a.chunk] = i
         finals.append(tuple(sorted((i, c) for c, i in last_of.items())))
-    return Compiled(p, m, v, lists, resolution, tuple(finals), tuple(_held_vectors(lists, v)),
-                    tuple(_grad_states(lists, v)))  # fmt: skip
+    states = tuple(_grad_states(lists, v))
+    return Compiled(p, m, v, lists, resolution, tuple(finals), tuple(_held_vectors(states)),
+                    states)  # fmt: skip
 
 
-def _held_vectors(lists, v: int):
-    """Per rank, the (held until B/BI, held until W) counts per chunk at each local peak:
-    after a forward followed by a backward, and after each BI (what waits for its W can
-    be more than the micro-batch held: ``runtime.zb_keeps_graph``)."""
-    out = []
-    for actions in lists:
-        fwd, wait_w = [0] * v, [0] * v
-        peaks = set()  # held vectors at local maxima: a forward not followed by one
-        rising = False
-        for a in actions:
-            if not isinstance(a, Action):
-                continue
-            if a.op is Op.FORWARD:
-                fwd[a.chunk] += 1
-                rising = True
-                continue
-            if rising:  # the vector before this backward is a local maximum
-                peaks.add((tuple(fwd), tuple(wait_w)))
-                rising = False
-            if a.op is Op.BACKWARD:
-                fwd[a.chunk] -= 1
-            elif a.op is Op.BACKWARD_WEIGHT:
-                wait_w[a.chunk] -= 1
-            else:  # BI: what waits for W may be more than it held (``zb_keeps_graph``)
-                fwd[a.chunk] -= 1
-                wait_w[a.chunk] += 1
-                peaks.add((tuple(fwd), tuple(wait_w)))
-        if rising:
-            peaks.add((tuple(fwd), tuple(wait_w)))
-        out.append(tuple(sorted(_pareto(peaks))))
-    return out
+def _held_vectors(grad_states) -> list:
+    """Per rank, the (held until B/BI, held until W) counts per chunk at each local peak
+    of the activations (``_grad_states``' x = 0 states, their gradients set aside): after
+    a forward followed by a backward, and after each BI (what waits for its W can be more
+    than the micro-batch held: ``runtime.zb_keeps_graph``)."""
+    return [tuple(sorted(_pareto({(f, w) for f, w, _, (x,) in states if x == 0})))
+            for states in grad_states]  # fmt: skip
 
 
 def _grad_states(lists, v: int):
