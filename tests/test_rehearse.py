@@ -497,11 +497,10 @@ def test_a_ranks_peak_holds_the_gradients_when_they_exist(tmp_path, schedule, m,
     against the model's within 5 %. Where every forward comes before the rank's first
     backward (1F1B's rank r at m <= p - r, GPipe), its activations' peak and its
     gradients are never held at once (``memory.py``: ``Memory.grads_apart``); the model
-    added them, 0.914-0.936 of the rehearsal. Under ZB-H1 plait's W restarts autograd on
-    the micro-batch's retained graph, so what waits for it is all the micro-batch held
-    and the output gradients BI captured (``runtime.zb_keeps_graph``), most of it after a
-    BI; the model counted the four linears' inputs, 1.24 (m 2) and 1.49 (m 8) of it on
-    the last stage."""
+    added them, 0.914-0.936 of the rehearsal. Under ZB-H1 what waits for W is each
+    linear's and norm's input and the output gradients BI captured, and a BI ends with
+    its micro-batch whole beside them (``runtime.zb_autograd_split``); the model counted
+    the four linears' inputs, 1.24 (m 2) and 1.49 (m 8) of it on the last stage."""
     from plait.commands.train import build_run_config
 
     values = {"model": "tiny", "arch": "llama", "hidden": 2048, "heads": 16, "seq_len": 2048,

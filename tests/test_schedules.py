@@ -108,7 +108,7 @@ def test_zb_h1_peaks_are_the_closed_forms():
     min(r, m - that) micro-batches waiting for their W, as ``in_flight_bound`` and
     ``awaiting_weight_bound`` give them, each BI moving one from held to waiting, up to
     min(r + 1, their sum) waiting (the memory model's closed form for the schedule: what
-    waits for W can be more than a held micro-batch, ``runtime.zb_keeps_graph``).
+    waits for W can be more than a held micro-batch: the output gradients W needs).
     Catches the closed form leaving out the W-deferred micro-batches, which it did (the
     replay then held up to 2% more), or the states after a BI, which plait's W holds
     most in (the closed form was 1.5x short of a rehearsed last stage)."""

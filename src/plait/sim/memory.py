@@ -54,7 +54,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from plait.layout import Layout
@@ -85,7 +84,8 @@ class Memory:
     overhead: float
     cp_buffers: float = 0.0  # one layer's context-parallel exchange (sim/context.py)
     weight_casts: float = 0.0  # the step's compute-dtype weight copy (``weight_cast_bytes``)
-    # activations' peak + grads less their joint peak (module docstring)
+    # activations' peak + grads less their joint peak (module docstring); negative where
+    # the joint peak holds more than both (a zero-bubble BI's captured gradients)
     grads_apart: float = 0.0
 
     @property
@@ -267,6 +267,25 @@ def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     return tokens * cfg.hidden / split * (3 * r + copies)
 
 
+def bi_captured_bytes(
+    cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, last: bool = False
+) -> float:
+    """The output gradients a zero-bubble BI captures for its W (``executor.backward_input``)
+    over a chunk of ``layers`` blocks: each linear's (QKV's and FC1's split by t, the
+    output projection's and FC2's h), each norm's under ``zb_autograd_split``, and on the
+    ``last`` stage the head's (V / t) and the final norm's."""
+    e, t = ACT_BYTES[layout.dtype], layout.tp
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = t if layout.sequence_parallel else 1
+    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
+    qkv = cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)
+    norms = cfg.hidden / split * e if runtime.zb_autograd_split else 0.0
+    out = layers * tokens * (e * (qkv + up / t + 2 * cfg.hidden) + 2 * norms)
+    if last:
+        out += tokens * (e * cfg.vocab_size / t + norms)
+    return out
+
+
 def chunk_activation_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, moe_layers: int = 0,
     lora=None, first: bool = False,
@@ -302,6 +321,8 @@ def chunk_activation_bytes(
     up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
     qkv = cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)
     w_keep += tokens * e * (qkv + up / t + 2 * cfg.hidden) if lora is None else 0.0
+    if runtime.zb_autograd_split and lora is None:  # and the two norms' input and gradient
+        w_keep += 2 * tokens * cfg.hidden / split_all * (residual_bytes(layout) + e)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
     mlp_adapters = 0.0  # the dense MLP's adapters' products, which a MoE block has not
@@ -314,12 +335,6 @@ def chunk_activation_bytes(
         mlp = sum(1 for x in lora.targets if x in ("up", "gate", "down"))
         mlp_adapters = tokens * e * lora.rank * mlp
     held, keep = layers * per_layer, layers * w_keep
-    # ``zb_keeps_graph``: the whole micro-batch waits for W, and the gradients BI captured
-    # (the linears' output gradients and the two norms'; a MoE block's counted as a dense
-    # one's)
-    graph = runtime.zb_keeps_graph and layout.recompute != "full" and lora is None
-    captured = layers * tokens * (e * (qkv + up / t + 2 * cfg.hidden)
-                                  + 2 * cfg.hidden * residual_bytes(layout) / split_all)  # fmt: skip
     if first and layers and lora is not None and layout.recompute != "full":
         if not lora.adapts_attention:  # block 0's attention: no graph
             kv = sizes.kv_width_per_rank(cfg, t)
@@ -347,9 +362,7 @@ def chunk_activation_bytes(
             held += moe_layers * expert_targets(cfg, lora) * rows * lora.rank * e
         moe_keep = e * (R * (cfg.hidden + F_t) + tokens * cfg.moe_shared_experts * F_t)
         keep += moe_layers * (moe_keep - tokens * e * cfg.ffn_hidden / t)
-    if graph:
-        return held, held + captured
-    return held, min(keep, held)
+    return held, keep  # (more than held: the output gradients W needs are BI's)
 
 
 def lora_moe_dropped(cfg: ModelConfig, layout: Layout, lora, M: float, R: float,
@@ -478,12 +491,9 @@ def memory_per_rank(
     # (--recompute-layers), and on the last stage the head's buffers
     transient = []
     chunk_params = []  # per rank, each chunk's parameters (its share of the gradients)
-    # per rank, under ``zb_keeps_graph``: what a W lets go of as it makes the gradients
-    # (each linear's input and output gradient; on stage 0, whose W is the whole backward,
-    # all but that backward's working set)
-    lets_go = [0.0] * p
-    ideal = dataclasses.replace(runtime, zb_keeps_graph=False)
     ends = backward_transient(cfg, layout, runtime)
+    # per rank, the output gradients a BI captures for its W, of its largest chunk
+    captured = [0.0] * p
     for rank in range(p):
         row, n, x = [], 0.0, 0.0
         transient.append(0.0)
@@ -505,10 +515,6 @@ def memory_per_rank(
                 h, k = chunk_activation_bytes(cfg, lay, runtime, dense + routed, routed, lora,
                                               first=at_first and dense + routed > 0)  # fmt: skip
                 held, keep = held + h, keep + k
-                if runtime.zb_keeps_graph:
-                    lets_go[rank] += chunk_activation_bytes(
-                        cfg, lay, ideal, dense + routed, routed, lora,
-                        first=at_first and dense + routed > 0)[1]  # fmt: skip
                 if not recomputed:
                     freed += h
             if layout.recompute == "full":
@@ -518,18 +524,19 @@ def memory_per_rank(
                     if count:
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
-            if stage == 0 and runtime.zb_keeps_graph and keep > held:
-                keep = held  # no input gradient: BI runs nothing, W the whole backward
-                lets_go[rank] = keep - ends
-            elif stage == last_stage and runtime.zb_keeps_graph and keep > held:
-                # the head's micro-batch waits for W too, with the gradients BI captured
-                # at the final norm and the head (``chunk_activation_bytes``)
+            if stage == 0 and runtime.zb_autograd_split:
+                keep = held  # no input gradient: its W is the whole backward (runtime.py)
+            elif keep and lora is None:
+                captured[rank] = max(captured[rank], bi_captured_bytes(
+                    cfg, layout, runtime, layers, last=stage == last_stage))  # fmt: skip
+            if stage == last_stage and stage and keep and lora is None:  # the head's W: its input
+                # and output gradient (the logits'); and the final norm's, where kept
                 tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-                split = layout.tp if layout.sequence_parallel else 1
                 e = ACT_BYTES[layout.dtype]
-                keep += head + tokens * (cfg.hidden * residual_bytes(layout) / split
-                                         + cfg.vocab_size / layout.tp * e)  # fmt: skip
-                lets_go[rank] += tokens * e * (cfg.hidden + cfg.vocab_size / layout.tp)
+                keep += tokens * e * (cfg.hidden + cfg.vocab_size / layout.tp)
+                if runtime.zb_autograd_split:
+                    split = layout.tp if layout.sequence_parallel else 1
+                    keep += tokens * cfg.hidden / split * (residual_bytes(layout) + e)
             row.append((held + (head if stage == last_stage else 0.0), keep))
         weights.append(tuple(row))
         heads.append(head if rank == last_stage % p else 0.0)
@@ -543,6 +550,7 @@ def memory_per_rank(
                                   moe_layers=sum(moe[c * p + rank] for c in range(v)))  # fmt: skip
             adapters.append(held.replicated)
             routed_adapters.append(held.routed)
+    at_bi = [0.0] * p  # closed form, ZB-H1: the held bytes as a BI ends, before it lets go
     if compiled is not None:
         act = peak_held(compiled, tuple(weights))
     else:
@@ -560,6 +568,9 @@ def memory_per_rank(
                 most = min(rank + 1, bound + waiting)  # (tests/test_schedules.py)
                 peak = max(peak, (bound + waiting - most) * (blocks + heads[rank])
                            + most * kept)  # fmt: skip
+                # a BI ends from each chain state that still holds a forward: the larger end
+                at_bi[rank] = max((bound + waiting - j) * (blocks + heads[rank]) + j * kept
+                                  for j in {waiting, max(waiting, most - 1)})  # fmt: skip
             act.append(peak)
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
@@ -601,14 +612,15 @@ def memory_per_rank(
         # the gradients and the activations' peak together (module docstring)
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
-            graph = -lets_go[rank] if runtime.zb_keeps_graph else None
             joint = peak_with_grads(states, rank, weights[rank], shares,
-                                    (transient[rank], ends, graph))  # fmt: skip
+                                    (transient[rank], ends, captured[rank]))  # fmt: skip
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
             joint = max(act[rank], bare[rank] * (m - 1) / m + g + ends)
         else:  # m > p: a forward follows every rank's first backward
             joint = act[rank] + g
-        apart = max(0.0, act[rank] + g - joint)
+            if captured[rank] and at_bi[rank]:  # a BI's captured gradients on top
+                joint = max(joint, at_bi[rank] + captured[rank] + g)
+        apart = act[rank] + g - joint  # < 0: a BI's captured gradients on top of both
         out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart))
     return out

@@ -125,7 +125,7 @@ def _held_vectors(grad_states) -> list:
     """Per rank, the (held until B/BI, held until W) counts per chunk at each local peak
     of the activations (``_grad_states``' x = 0 states, their gradients set aside): after
     a forward followed by a backward, and after each BI (what waits for its W can be more
-    than the micro-batch held: ``runtime.zb_keeps_graph``)."""
+    than the micro-batch held)."""
     return [tuple(sorted(_pareto({(f, w) for f, w, _, (x,) in states if x == 0})))
             for states in grad_states]  # fmt: skip
 
@@ -136,9 +136,9 @@ def _grad_states(lists, v: int):
     (w) and whether the chunk's weight gradients exist yet (g: its first B or W has run;
     autograd makes them there); x = 1 for the moment a chunk's first B or W ends, its
     micro-batch's activations freed, its gradients made, and that backward's working set
-    still held (``memory.backward_transient``); x = 2 for the moment a chunk's first W has
-    made its gradients and not yet let go of what its micro-batch kept for it (a W that
-    restarts autograd on the retained graph: ``runtime.zb_keeps_graph``). The others are
+    still held (``memory.backward_transient``); x = 2 for the end of a BI, its micro-batch
+    still whole beside the output gradients it captured for W (what it does not keep for
+    W goes after it: ``executor.SavedBoxes``). The others are
     the local maxima of the activations (a forward not followed by one, and each BI), with
     the gradients made so far. A later B or W ends below the local maximum before it (its
     working set is less than the micro-batch's activations it has freed), so only the
@@ -159,14 +159,12 @@ def _grad_states(lists, v: int):
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
                 rising = False
             first = a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and not made[a.chunk]
-            if first and a.op is Op.BACKWARD_WEIGHT:  # its gradients made, its graph held
-                done = tuple(1 if c == a.chunk else x for c, x in enumerate(made))
-                states.add((tuple(fwd), tuple(wait_w), done, (2,)))
             if a.op is Op.BACKWARD:
                 fwd[a.chunk] -= 1
             elif a.op is Op.BACKWARD_WEIGHT:
                 wait_w[a.chunk] -= 1
-            else:  # BI
+            else:  # BI: as it ends, its micro-batch whole and the gradients it captured
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (2,)))
                 fwd[a.chunk] -= 1
                 wait_w[a.chunk] += 1
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
@@ -272,12 +270,9 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (what the backward after a local maximum adds to
-    it, what a first backward holds as it ends, and None where a W lets go of its
-    micro-batch as it makes the gradients -- else 0.0)."""
+    it, what a first backward holds as it ends, what a BI has captured as it ends)."""
     best = 0.0
     for fwd, wait_w, made, (x,) in compiled.grad_states[rank]:
-        if transient[x] is None:
-            continue
         total = transient[x]
         for c, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
             held, keep = weights[c]

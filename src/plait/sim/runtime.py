@@ -110,12 +110,13 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   (``costs.loss_bytes_per_logit``): Megatron-LM, Megatron-DeepSpeed and Megatron-Core
   without ``--cross-entropy-loss-fusion`` (``fp16_lm_cross_entropy`` off, the default,
   upcasts).
-- ``zb_keeps_graph``: a zero-bubble schedule's W restarts autograd on the micro-batch's
-  retained graph (plait's ``executor.backward_input``, as ``torch.distributed.pipelining``'s
-  ``stage_backward_input``): BI frees none of its saved tensors, and the gradients it
-  captured where each weight's branch joins the input path (every linear's output
-  gradient, each norm's) wait with them. Otherwise W keeps, per linear, its input and its
-  output gradient only (Qi et al. 2023's W; Megatron's weight-gradient store).
+- ``zb_autograd_split``: a zero-bubble schedule's W is autograd's, restarted on the
+  retained graph from where each weight's branch joins the input path down to the
+  weights (plait's ``executor.backward_input``): it keeps, besides each linear's input
+  and output gradient (Qi et al. 2023's W; Megatron's weight-gradient store), each
+  norm's, and BI lets go of every other saved tensor (``SavedBoxes``) only as it ends;
+  the first stage, with no input gradient to make, runs its whole backward as W, its
+  micro-batches whole until then.
 - ``zero3_grads_in_flight``: k > 0, ZeRO-3 packs each layer's full gradient as its
   backward ends and keeps up to k of them awaiting their reduce-scatters (plait's
   ``ReduceScatterGrads``: 2); its backward then peaks k blocks in (``memory.py``). 0: one
@@ -184,7 +185,7 @@ class Runtime:
     weight_cast_per_step: bool = False
     unfused_fp32_loss: bool = False
     layer_kernels: str = "fused"
-    zb_keeps_graph: bool = False
+    zb_autograd_split: bool = False
     zero3_grads_in_flight: int = 0
     adamw_bytes: int = 28
     recompute_stops_early: bool = False
@@ -273,7 +274,7 @@ PROFILES: dict[str, Runtime] = {
         prefetch_sp_regather=True,
         recompute_stops_early=True,  # Block.forward: checkpoint(use_reentrant=False)
         layer_kernels="plait",
-        zb_keeps_graph=True,
+        zb_autograd_split=True,
         zero3_grads_in_flight=2,  # ReduceScatterGrads.in_flight
         description="plait: SDPA attention, fp32 weights/grads under autocast, DDP-style "
         "bucketed reduction overlapped with backward",

@@ -58,6 +58,7 @@ call over all weights: it re-runs the forward once but also redoes the input pat
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,6 +127,58 @@ def _upwards(starts, parents, stop=frozenset()) -> tuple[set, set]:
     return seen, met
 
 
+class SavedBoxes:
+    """The tensors one micro-batch's forward saves for its backward, each behind a box
+    (``saved_tensors_hooks``), so that after BI those W will not read can be let go:
+    ``keep_only(nodes)`` reads the saved tensors of the nodes W runs (marking their boxes)
+    and empties every other box. What a nested hook packs (activation checkpointing,
+    ``tensor.keeping_shard``) never reaches these boxes and stays as it is."""
+
+    class _Box:
+        __slots__ = ("t", "needed")
+
+        def __init__(self, t):
+            self.t, self.needed = t, False
+
+    def __init__(self):
+        self.boxes: list = []
+        self._marking = False
+
+    def pack(self, t):
+        box = self._Box(t)
+        self.boxes.append(box)
+        return box
+
+    def unpack(self, box):
+        if self._marking:
+            box.needed = True
+        elif box.t is None:
+            raise RuntimeError("a W read a saved tensor its BI let go: SavedBoxes.keep_only "
+                               "missed a node W runs")  # fmt: skip
+        return box.t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def keep_only(self, nodes) -> None:
+        self._marking = True
+        try:
+            for node in nodes:
+                for name in dir(node):
+                    if name.startswith("_saved_"):
+                        with contextlib.suppress(RuntimeError):
+                            getattr(node, name)
+                if hasattr(node, "saved_tensors"):  # a custom Function's
+                    with contextlib.suppress(RuntimeError):
+                        _ = node.saved_tensors
+        finally:
+            self._marking = False
+        for box in self.boxes:
+            if not box.needed:
+                box.t = None
+        self.boxes = []
+
+
 @dataclass(eq=False)
 class _WeightGroup:
     params: list
@@ -162,6 +215,8 @@ class WeightGrad:
             finally:
                 for h in hooks:
                     h.remove()
+            g.grads = {}  # the captured gradients go as their group is done, not at the end
+            del edges, grads
         self.groups = []
 
 
@@ -177,25 +232,30 @@ class FullBackward:
 
 
 def backward_input(
-    root, grad, x: torch.Tensor, params, *, one_call: bool = False
-) -> tuple[torch.Tensor, WeightGrad]:
+    root, grad, x: torch.Tensor, params, *, one_call: bool = False,
+    boxes: SavedBoxes | None = None,
+) -> tuple[torch.Tensor, WeightGrad]:  # fmt: skip
     """BI: the gradient of ``x`` only; returns it and the W that completes the backward.
 
     ``root`` is the stage output (a tensor or its GradientEdge) with gradient ``grad``, or
     the loss with ``grad`` None. W runs one autograd call per group of weights that share
     joints, which touches nothing on the input path. ``one_call``: one call for all of
     them instead -- for ``--recompute full``, where every call would re-run the
-    checkpointed forward; one call re-runs it once but also redoes the input path."""
+    checkpointed forward; one call re-runs it once but also redoes the input path.
+    ``boxes``: the micro-batch's saved tensors (``SavedBoxes``): after BI, those no node
+    of W's reads are let go (the graph stays, W's nodes keep theirs)."""
     root_node = root.node if isinstance(root, GradientEdge) else root.grad_fn
     parents = _parents(root_node)
     path, _ = _upwards([_grad_node(x)], parents)  # what BI runs
     owner: dict = {}
     groups: list[_WeightGroup] = []
+    w_nodes: set = set()  # what W runs: the joints and the nodes below them to the weights
     for p in params:
         acc = _grad_node(p)
         if acc not in parents:
             continue  # not used by this micro-batch's graph
-        _, joints = _upwards([acc], parents, stop=path)
+        below, joints = _upwards([acc], parents, stop=path)
+        w_nodes |= below | joints
         group = _WeightGroup([p], set(joints))
         for other in {id(owner[j]): owner[j] for j in joints if j in owner}.values():
             group.params += other.params
@@ -221,6 +281,8 @@ def backward_input(
     finally:
         for h in hooks:
             h.remove()
+    if boxes is not None:
+        boxes.keep_only(w_nodes)
     return dx, WeightGrad(groups)
 
 
@@ -241,6 +303,7 @@ class _Step:
     roots: dict = field(default_factory=dict)  # where backward starts: edge or scaled loss
     input_grads: dict = field(default_factory=dict)  # awaiting their send
     deferred: dict = field(default_factory=dict)  # BI done, W to run
+    boxes: dict = field(default_factory=dict)  # (mb, chunk) -> SavedBoxes, until its BI
     batches: dict = field(default_factory=dict)  # item index -> _Posted, not yet waited on
     holder: dict = field(default_factory=dict)  # (kind, mb, chunk) -> its batch's item index
     # last stage: the loss shares summed on the device as each micro-batch's forward ends
@@ -294,6 +357,12 @@ class PipelineRunner:
         # of it; a barrier on the pp group brings its communicator up with all of them.
         comm.barrier(topo=topo, axis=Axis.PP)
         self.train_actions = schedule[topo.pp_rank]
+        # a split backward (BI, then W): each forward's saved tensors go in boxes, so BI
+        # can let go of those W does not read (``SavedBoxes``); with --recompute full the
+        # checkpoints' own hooks hold them, and W is one call
+        self.split = layout.recompute == "none" and any(
+            isinstance(a, Action) and a.op is Op.BACKWARD_INPUT for a in self.train_actions
+        )
         self._eval_actions: dict[int, list[Item]] = {}
         cfg, tp = stage.chunks[0].cfg, topo.tp
         sp = layout.sequence_parallel and tp > 1  # boundaries carry sequence shards already
@@ -534,7 +603,11 @@ class PipelineRunner:
             if st.train:
                 x.requires_grad_(True)
                 st.inputs[key] = x
-        with self.autocast():
+        saved = contextlib.nullcontext()
+        if st.train and self.split and not self._is_first(a.chunk):  # BI, then W: module doc
+            st.boxes[key] = SavedBoxes()
+            saved = st.boxes[key].hooks()
+        with self.autocast(), saved:
             out = chunk(x, targets, **kw) if self._is_last(a.chunk) else chunk(x, **kw)
         if self._is_last(a.chunk):  # out: per-token loss (B*T,)
             loss = out.sum() / st.tokens_global
@@ -566,8 +639,9 @@ class PipelineRunner:
             st.deferred[key] = FullBackward(root, grad)
             return
         dx, st.deferred[key] = backward_input(
-            root, grad, x, self.params[a.chunk], one_call=self.layout.recompute == "full"
-        )
+            root, grad, x, self.params[a.chunk], one_call=self.layout.recompute == "full",
+            boxes=st.boxes.pop(key, None),
+        )  # fmt: skip
         st.input_grads[key] = dx
 
     def _backward_weight(self, a: Action, st: _Step) -> None:
