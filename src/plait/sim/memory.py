@@ -316,13 +316,12 @@ def chunk_activation_bytes(
     # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
     # (h / t) and the FC2 input (f / t)
     w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
-    # and their output gradients: QKV's and FC1's (split by t), the attention output
-    # projection's and FC2's (h: the partial sums' gradient, whole under SP too)
-    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
-    qkv = cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)
-    w_keep += tokens * e * (qkv + up / t + 2 * cfg.hidden) if lora is None else 0.0
-    if runtime.zb_autograd_split and lora is None:  # and the two norms' input and gradient
-        w_keep += 2 * tokens * cfg.hidden / split_all * (residual_bytes(layout) + e)
+    # and their output gradients (``bi_captured_bytes``); where W re-runs the norms'
+    # backwards, their inputs too
+    if lora is None:
+        w_keep += bi_captured_bytes(cfg, layout, runtime, 1)
+        if runtime.zb_autograd_split:
+            w_keep += 2 * tokens * cfg.hidden / split_all * residual_bytes(layout)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
     mlp_adapters = 0.0  # the dense MLP's adapters' products, which a MoE block has not
@@ -532,11 +531,10 @@ def memory_per_rank(
             if stage == last_stage and stage and keep and lora is None:  # the head's W: its input
                 # and output gradient (the logits'); and the final norm's, where kept
                 tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-                e = ACT_BYTES[layout.dtype]
-                keep += tokens * e * (cfg.hidden + cfg.vocab_size / layout.tp)
-                if runtime.zb_autograd_split:
-                    split = layout.tp if layout.sequence_parallel else 1
-                    keep += tokens * cfg.hidden / split * (residual_bytes(layout) + e)
+                split = layout.tp if layout.sequence_parallel else 1
+                norm = residual_bytes(layout) / split if runtime.zb_autograd_split else 0.0
+                keep += bi_captured_bytes(cfg, layout, runtime, 0, last=True)
+                keep += tokens * cfg.hidden * (ACT_BYTES[layout.dtype] + norm)
             row.append((held + (head if stage == last_stage else 0.0), keep))
         weights.append(tuple(row))
         heads.append(head if rank == last_stage % p else 0.0)
