@@ -82,3 +82,72 @@ def test_stage0_gradients_are_views_into_the_bucket_buffers():
     engine.scale_grads_(0.5)
     assert all(torch.equal(p.grad, g * 0.5) for p, g in before.items())
     engine.close()
+
+
+def _rows_by_definition(tensors, n: int, dtype) -> torch.Tensor:
+    """The rank-major rows built element by element from ``shard_range``: row r is
+    shard r of each tensor in turn, zero padded to its shard size."""
+    from plait.parallel.flat import shard_range, shard_size
+
+    rows = []
+    for r in range(n):
+        row = []
+        for t in tensors:
+            lo, hi = shard_range(t.numel(), r, n)
+            piece = torch.zeros(shard_size(t.numel(), n), dtype=dtype)
+            piece[: hi - lo] = t.reshape(-1)[lo:hi].to(dtype)
+            row.append(piece)
+        rows.append(torch.cat(row))
+    return torch.cat(rows)
+
+
+def test_rows_of_mixed_dtypes_pack_and_unpack_exactly():
+    """A ZeRO-3 block: bf16 linears with fp32 norm weights, packed into an fp32 reduce
+    buffer and copied out of a bf16 gather, divisible and padded (``pack``'s one-kernel
+    path with stand-ins, ``unpack``'s split copy, and the strided path for the rest).
+    Catches a stand-in's garbage left in the buffer, a norm weight rounded to bf16 on
+    the way in, padding not zeroed, or a shard copied to the wrong rank's place."""
+    torch.manual_seed(0)
+    for n, sizes in ((4, (64, 32, 256, 16)), (4, (60, 7, 256, 3)), (3, (10, 3)), (8, (4096, 64))):
+        tensors = [torch.randn(k, dtype=torch.bfloat16 if i % 2 == 0 else torch.float32)
+                   for i, k in enumerate(sizes)]  # fmt: skip
+        tensors[1] = tensors[1] + 1 / 3  # not a bf16 value: rounding it would show
+        layout = FlatLayout([t.numel() for t in tensors], n=n)
+        packed = layout.pack(tensors, like=torch.empty(0, dtype=torch.float32))
+        assert torch.equal(packed, _rows_by_definition(tensors, n, torch.float32))
+        wire = _rows_by_definition(tensors, n, torch.bfloat16)
+        dests = [torch.full_like(t, float("nan")) for t in tensors]
+        layout.unpack(wire, dests)
+        for d, t in zip(dests, tensors):
+            assert torch.equal(d, t.to(torch.bfloat16).to(t.dtype))
+
+
+def test_a_zero3_block_packs_and_unpacks_in_one_kernel_each():
+    """The one-kernel paths are taken for what ZeRO-3 moves every micro-batch: a block of
+    bf16 linears and fp32 norm weights over 64 ranks. Catches a condition that sends it
+    back to one strided copy per tensor -- the first version required one dtype for the
+    whole unit, so a block never took it, and the step on an H200 did not change (RESULTS.md,
+    the sixth GPU session)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    n, h, f = 64, 256, 704
+    shapes = [(3 * h, h), (h, h), (2 * f, h), (h, f), (h,), (h,)]
+    grads = [torch.randn(s, dtype=torch.bfloat16 if len(s) == 2 else torch.float32)
+             for s in shapes]  # fmt: skip
+    layout = FlatLayout([g.numel() for g in grads], n=n)
+    with Ops() as ops:
+        packed = layout.pack(grads, like=torch.empty(0, dtype=torch.float32))
+    assert ops.names.count("_chunk_cat") == 1 and ops.names.count("copy_") == 2, ops.names
+    dests = [torch.empty_like(g) for g in grads]
+    with Ops() as ops:
+        layout.unpack(packed.to(torch.bfloat16), dests)
+    assert ops.names.count("split_with_sizes_copy") == 1 and ops.names.count("copy_") == 2

@@ -117,7 +117,21 @@ class FlatLayout:
             for t, view in zip(tensors, self.views(out[0])):
                 view.zero_() if t is None else view.copy_(t.reshape(-1))
             return out.view(-1)
-        for t, off, s, k in zip(tensors, self.offsets, self.sizes, self.numels):
+        rest = range(len(tensors))
+        common = _common_dtype(tensors, dtype, device)
+        if common is not None:
+            # the shards of every tensor of the common dtype, padded, rank-major, in one
+            # kernel (``_chunk_cat``'s layout; FSDP2 packs its reduce-scatter input with
+            # it), casting bf16 to an fp32 buffer on the way: one strided copy per tensor
+            # ran at 1.5 TB/s on an H200 (RESULTS.md, the sixth GPU session). A tensor of
+            # another dtype (a block's fp32 norm weights beside its bf16 linears) holds its
+            # place with an uninitialised stand-in and is copied in exactly after.
+            rest = [i for i, t in enumerate(tensors) if t.dtype != common]
+            parts = [t.reshape(-1) if t.dtype == common else t.new_empty(t.numel(), dtype=common)
+                     for t in tensors]  # fmt: skip
+            torch._chunk_cat(parts, 0, self.n, out=out)
+        for i in rest:
+            t, off, s, k = tensors[i], self.offsets[i], self.sizes[i], self.numels[i]
             dst = out[:, off : off + s]
             if t is None:
                 dst.zero_()
@@ -139,6 +153,23 @@ class FlatLayout:
                 dest.view(-1).copy_(view)
             return
         rows = flat.view(self.n, self.row_numel)
+        by_dtype: dict[torch.dtype, int] = {}
+        for d in dests:
+            by_dtype[d.dtype] = by_dtype.get(d.dtype, 0) + d.numel()
+        if (
+            all(k == self.n * s for k, s in zip(self.numels, self.sizes))
+            and all(d.is_contiguous() and d.device == flat.device for d in dests)
+            and _few(by_dtype, flat.dtype)
+        ):  # no padding: each tensor's n shards are one column block of the rows, and
+            # one kernel copies them all out (FSDP2's all-gather copy-out); a tensor of
+            # another dtype than the rows' goes through a stand-in and is cast after
+            outs = [d.view(self.n, s) if d.dtype == flat.dtype else
+                    flat.new_empty(self.n, s) for d, s in zip(dests, self.sizes)]  # fmt: skip
+            torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=outs)
+            for d, o in zip(dests, outs):
+                if d.dtype != flat.dtype:
+                    d.view(o.shape).copy_(o)
+            return
         for dest, off, s, k in zip(dests, self.offsets, self.sizes, self.numels):
             src, dst, full_rows = rows[:, off : off + s], dest.view(-1), k // s
             dst[: full_rows * s].view(full_rows, s).copy_(src[:full_rows])
@@ -151,6 +182,30 @@ class FlatLayout:
         for view, shard in zip(self.views(row), shards):
             view.copy_(shard)
         return row
+
+
+def _common_dtype(tensors, dtype: torch.dtype, device) -> torch.dtype | None:
+    """The dtype of most of ``pack``'s elements, when one kernel can pack them into a
+    ``dtype`` buffer: every tensor present, contiguous and on the buffer's device, that
+    dtype ``dtype`` itself or bf16 into fp32 (the cases with a CUDA kernel of their own),
+    and the tensors of other dtypes within ``_few``; else None."""
+    if not tensors or any(
+        t is None or not t.is_contiguous() or t.device != device for t in tensors
+    ):
+        return None
+    by_dtype: dict[torch.dtype, int] = {}
+    for t in tensors:
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel()
+    common = max(by_dtype, key=by_dtype.__getitem__)
+    fast = common == dtype or (common == torch.bfloat16 and dtype == torch.float32)
+    return common if fast and _few(by_dtype, common) else None
+
+
+def _few(by_dtype: dict, common: torch.dtype) -> bool:
+    """Elements not of dtype ``common`` are at most an eighth of all: what goes through
+    a stand-in (``pack``, ``unpack``) is a block's norm weights, not a unit's bulk."""
+    total = sum(by_dtype.values())
+    return 8 * (total - by_dtype.get(common, 0)) <= total
 
 
 def _dtype_device(tensors, like, device) -> tuple[torch.dtype, torch.device]:
