@@ -22,7 +22,7 @@
 #               compute and model-step probes, no collectives)                   ~45 s
 #   single_gpu  benchmarks/single_gpu.py, one round, measured vs simulated on
 #               the calibrated file (eager and compiled: compile time counts)    ~120 s
-#   rank        (only when CHECKS names it) benchmarks/rank_on_gpu.py --only 7b-z3
+#   rank        (only when CHECKS names it) benchmarks/rank_on_gpu.py --only 7b-z3 --kernels 30
 #               --profile: rank 0 of llama2-7b dp 64 ZeRO-3 run for real under the
 #               fake process group: CUDA's peak against the rehearsal's and the
 #               model's, device time by kind against the model's                 ~110 s
@@ -213,7 +213,7 @@ HW=()
 want fsdp && check fsdp 200 "$PY" benchmarks/fsdp_step.py ${SMOKE:+--smoke}
 RANK=(--only 7b-z3)
 [ -n "${SMOKE:-}" ] && RANK=(--smoke --only tiny-z3)
-want rank && check rank 240 "$PY" benchmarks/rank_on_gpu.py --profile "${RANK[@]}"
+want rank && check rank 240 "$PY" benchmarks/rank_on_gpu.py --profile --kernels 30 "${RANK[@]}"
 want single_gpu && check single_gpu 150 "$PY" benchmarks/single_gpu.py --rounds 1 --steps 8 \
     --warmup-steps 3 ${SMOKE:+--smoke} "${HW[@]}"
 

@@ -119,9 +119,10 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profiled_step(trainer, step: int, device) -> dict:
+def profiled_step(trainer, step: int, device, top: int = 0) -> dict:
     """One more step under ``torch.profiler``: device time by kind of kernel
-    (``plait.train.profiling.summarise``)."""
+    (``plait.train.profiling.summarise``); with ``top``, its ``top`` kernels and the
+    operators by their own device time (``ops``: PyTorch's table)."""
     from torch.profiler import ProfilerActivity, profile
 
     from plait.train.profiling import summarise
@@ -136,11 +137,15 @@ def profiled_step(trainer, step: int, device) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    return summarise(trace, 1, wall)
+    out = summarise(trace, 1, wall, top)
+    if top:
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        out["ops"] = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60)
+    return out
 
 
 def run_for_real(cfg, rank: int, device, steps: int, made_batch: int | None,
-                 profile: bool = False) -> dict:  # fmt: skip
+                 profile: bool = False, top: int = 0) -> dict:  # fmt: skip
     """Rank ``rank`` of ``cfg``'s layout built and stepped ``steps`` times on ``device``
     under the fake process group: each step's allocator peak and time; with ``profile``
     two more steps under the profiler, with the collectives' local writes and without
@@ -184,7 +189,7 @@ def run_for_real(cfg, rank: int, device, steps: int, made_batch: int | None,
         if profile:  # the same step with the gathers and reduce-scatters writing nothing
             with local_traffic(collectives=False):
                 try:
-                    kinds["no local writes"] = profiled_step(trainer, steps + 1, device)
+                    kinds["no local writes"] = profiled_step(trainer, steps + 1, device, top)
                 except FloatingPointError as e:  # stale buffers: not a step to time
                     print(f"  (the step without local writes: {e})", flush=True)
         trainer.close()
@@ -225,7 +230,7 @@ def modelled_kinds(cfg, hw_name: str) -> dict | None:
 
 
 def run_case(name: str, values: dict, device, steps: int, hw_name: str,
-             profile: bool = False) -> dict:  # fmt: skip
+             profile: bool = False, top: int = 0) -> dict:  # fmt: skip
     from plait import rehearse
     from plait.commands.train import build_run_config
 
@@ -242,7 +247,7 @@ def run_case(name: str, values: dict, device, steps: int, hw_name: str,
         if run.num_microbatches < cfg.layout.num_microbatches:
             made = cfg.layout.global_batch_size
             cfg = dataclasses.replace(cfg, layout=run)
-        real = run_for_real(cfg, 0, device, steps, made, profile)
+        real = run_for_real(cfg, 0, device, steps, made, profile, top)
     real.update(
         case=name, flags=values, microbatches_run=cfg.layout.num_microbatches,
         rehearsed_peaks=rehearsed, rehearsed_split=next(p.split for p in report.phases if p.name == "step 2"),
@@ -288,8 +293,23 @@ def kinds_table(r: dict) -> str:
                    for v in r["profiled"].values())  # fmt: skip
     wall = "".join(f"{1e3 * v['wall_s_per_step']:17.1f}" for v in r["profiled"].values())
     lines.append(f"  {'busy':24s}{busy}{1e3 * sum(model.values()):10.1f}")
+    # the fake group's all-gather copies its input into every slot of the output (64
+    # device-to-device copies a gather at dp 64): a collective's work, which the model's
+    # step with free links leaves out, as it does the local writes
+    bare = "".join(f"{1e3 * ((v['device_busy_s_per_step'] or 0) - v['by_kind_s_per_step'].get('copy', 0)):17.1f}"
+                   for v in r["profiled"].values())  # fmt: skip
+    lines.append(f"  {'busy less copies':24s}{bare}{1e3 * sum(model.values()):10.1f}")
     lines.append(f"  {'wall':24s}{wall}")
     return "\n".join(lines)
+
+
+def kernels_table(r: dict) -> str:
+    """The step's top kernels and operators (``--kernels``), without the local writes."""
+    got = r["profiled"].get("no local writes") or {}
+    lines = [
+        f"  {1e3 * s:8.2f} ms {c:7.0f}x  {k:12s} {n}" for n, k, c, s in got.get("top_kernels", [])
+    ]
+    return "\n".join(lines + ([got["ops"]] if got.get("ops") else []))
 
 
 def main(argv=None) -> int:
@@ -302,6 +322,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="two more steps under torch.profiler (with and without the local "
                     "writes): device time by kind against the model's")  # fmt: skip
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="with --profile: the N kernels and operators with the most device "
+                    "time in the step without local writes")  # fmt: skip
     args = ap.parse_args(argv)
     cases = SMOKE if args.smoke else CASES
     names = args.only.split(",") if args.only else list(cases)
@@ -327,7 +350,8 @@ def main(argv=None) -> int:
     for name in names:
         t0 = time.perf_counter()
         try:
-            r = run_case(name, cases[name], device, max(args.steps, 2), hw, args.profile)
+            r = run_case(name, cases[name], device, max(args.steps, 2), hw, args.profile,
+                         args.kernels)  # fmt: skip
         except Exception as e:  # noqa: BLE001 -- one case's failure is reported, the rest run
             failed += 1
             print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}",
@@ -340,6 +364,7 @@ def main(argv=None) -> int:
         print(summary(r) + f" [{time.perf_counter() - t0:.0f} s]", flush=True)
         if r["profiled"]:
             print(kinds_table(r), flush=True)
+            print(kernels_table(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps({r["case"]: {k: r[k] for k in ("step_peaks", "rehearsed_peaks",

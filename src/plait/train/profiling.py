@@ -56,17 +56,25 @@ def kind_of(name: str, cat: str) -> str:
     return "other"
 
 
-def summarise(trace: dict, steps: int, wall_s: float) -> dict:
-    """Per-step device time by kind from a Chrome trace's events (durations in us)."""
+def summarise(trace: dict, steps: int, wall_s: float, top: int = 0) -> dict:
+    """Per-step device time by kind from a Chrome trace's events (durations in us);
+    with ``top``, also the ``top`` kernels by device time (``top_kernels``: name cut to
+    120 characters, kind, launches a step, seconds a step)."""
     by_kind: dict[str, float] = {}
+    by_name: dict[tuple[str, str], list] = {}
     for ev in trace.get("traceEvents", []):
         cat = ev.get("cat", "")
         if ev.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         kind = kind_of(ev.get("name", ""), cat)
         by_kind[kind] = by_kind.get(kind, 0.0) + ev.get("dur", 0.0) * 1e-6
+        entry = by_name.setdefault((ev.get("name", "")[:120], kind), [0, 0.0])
+        entry[0] += 1
+        entry[1] += ev.get("dur", 0.0) * 1e-6
     busy = sum(by_kind.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {
+        "top_kernels": [[n, k, c / steps, s / steps] for (n, k), (c, s) in ranked],
         "steps": steps,
         "wall_s_per_step": wall_s / steps,
         "device_busy_s_per_step": busy / steps if by_kind else None,
@@ -164,7 +172,12 @@ class StreamBytes(TorchDispatchMode):
         kind = "gemm" if name in GEMM_OPS else "attention" if "attention" in name else name
         # a copy writes its destination without reading it: the destination once, as the
         # result, not again as an argument
-        moved = (args[1:], kwargs, out) if name == "copy_" else (args, kwargs, out)
+        # an ``out=`` result is its argument: counted once
+        moved = (
+            (args[1:], kwargs, out) if name == "copy_"
+            else (args, kwargs) if (kwargs or {}).get("out") is not None
+            else (args, kwargs, out)
+        )  # fmt: skip
         self.bytes[kind] += sum(
             t.numel() * t.element_size() for t in tree_leaves(moved) if isinstance(t, torch.Tensor)
         )
