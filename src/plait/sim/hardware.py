@@ -394,10 +394,12 @@ def _floats(d) -> dict:
 _A100_EFF = Efficiency(gemm_max=0.71, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
 _H100_EFF = Efficiency(gemm_max=0.53, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
-# H200: the H100's shape terms, at the level its GEMMs reached in calibrate's bf16 sweep on
-# an H200 (759-784 of 989 TFLOP/s, RESULTS.md 2026-11-26): measured, where the H100's
-# is fitted on published runs.
-_H200_EFF = dataclasses.replace(_H100_EFF, gemm_max=0.78)
+# H200: the H100's shape terms, at the level plait's own steps' GEMMs reached, profiled on
+# an H200 (RESULTS.md, the sixth GPU session): the ~1B llama's 120.5 ms of GEMMs a step
+# invert to 0.87, the 7B ZeRO-3 rank's 377.6 ms to 0.91; their mean prices each within 3%.
+# Measured, where the H100's is fitted on published runs. calibrate's bf16 sweep topped out
+# lower (759-784 of 989 TFLOP/s, 0.78 then): a sweep's GEMMs alone, not the step's.
+_H200_EFF = dataclasses.replace(_H100_EFF, gemm_max=0.89)
 _NVLINK_HOP, _NETWORK_HOP, _LAUNCH = 3.4e-6, 9.6e-6, 5e-6
 ELEMENTWISE_OF_PEAK = 0.625  # 3.0 of the H200's 4.8 TB/s (above)
 
