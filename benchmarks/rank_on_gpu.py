@@ -4,6 +4,7 @@ and the performance model say of it.
     python benchmarks/rank_on_gpu.py                         # every case, on CUDA
     python benchmarks/rank_on_gpu.py --only 7b-z3,7b-z3-m1   # some
     python benchmarks/rank_on_gpu.py --only 7b-z3 --profile  # device time by kind
+    python benchmarks/rank_on_gpu.py --only 7b-z3 --profile --kernels 30  # and by kernel
     python benchmarks/rank_on_gpu.py --smoke                 # a tiny model on the CPU
 
 ``plait rehearse`` runs a rank's program on fake tensors (no storage) and counts what its
