@@ -66,3 +66,20 @@ def test_summary_sorts_kernels_by_kind_and_finds_an_idle_gpu():
                      "multi_tensor": 0.00025, "copy": 0.000125, "other": 0.000375}  # fmt: skip
     assert abs(s["device_busy_s_per_step"] - 0.003) < 1e-12
     assert abs(s["busy_fraction"] - 0.3) < 1e-12
+    # the two kernels with the most device time, launches and seconds a step
+    top = summarise(trace, steps=2, wall_s=0.020, top=2)["top_kernels"]
+    assert [(k, c, t) for _, k, c, t in top] == [("gemm", 0.5, 0.001), ("gemm", 0.5, 0.0005)]
+
+
+def test_stream_bytes_counts_an_out_result_once():
+    """``torch.add(a, b, out=c)`` reads a and b and writes c: 3 tensors' bytes. Catches the
+    result counted again beside its ``out=`` argument (ZeRO's one-kernel pack, an
+    ``out=`` operator, counted 4)."""
+    import torch
+
+    from plait.train.profiling import StreamBytes
+
+    a, b, c = torch.ones(256), torch.ones(256), torch.empty(256)
+    with StreamBytes() as count:
+        torch.add(a, b, out=c)
+    assert count.bytes["add"] == 3 * 256 * 4

@@ -153,13 +153,10 @@ class FlatLayout:
                 dest.view(-1).copy_(view)
             return
         rows = flat.view(self.n, self.row_numel)
-        by_dtype: dict[torch.dtype, int] = {}
-        for d in dests:
-            by_dtype[d.dtype] = by_dtype.get(d.dtype, 0) + d.numel()
         if (
             all(k == self.n * s for k, s in zip(self.numels, self.sizes))
             and all(d.is_contiguous() and d.device == flat.device for d in dests)
-            and _few(by_dtype, flat.dtype)
+            and _few(_numels_by_dtype(dests), flat.dtype)
         ):  # no padding: each tensor's n shards are one column block of the rows, and
             # one kernel copies them all out (FSDP2's all-gather copy-out); a tensor of
             # another dtype than the rows' goes through a stand-in and is cast after
@@ -193,12 +190,17 @@ def _common_dtype(tensors, dtype: torch.dtype, device) -> torch.dtype | None:
         t is None or not t.is_contiguous() or t.device != device for t in tensors
     ):
         return None
-    by_dtype: dict[torch.dtype, int] = {}
-    for t in tensors:
-        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel()
+    by_dtype = _numels_by_dtype(tensors)
     common = max(by_dtype, key=by_dtype.__getitem__)
     fast = common == dtype or (common == torch.bfloat16 and dtype == torch.float32)
     return common if fast and _few(by_dtype, common) else None
+
+
+def _numels_by_dtype(tensors) -> dict[torch.dtype, int]:
+    out: dict[torch.dtype, int] = {}
+    for t in tensors:
+        out[t.dtype] = out.get(t.dtype, 0) + t.numel()
+    return out
 
 
 def _few(by_dtype: dict, common: torch.dtype) -> bool:
