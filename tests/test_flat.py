@@ -6,6 +6,7 @@ buffers in the multi-process tests of each engine."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 from test_data_parallel import tiny
@@ -108,10 +109,16 @@ def test_rows_of_mixed_dtypes_pack_and_unpack_exactly():
     Catches a stand-in's garbage left in the buffer, a norm weight rounded to bf16 on
     the way in, padding not zeroed, or a shard copied to the wrong rank's place."""
     torch.manual_seed(0)
-    for n, sizes in ((4, (64, 32, 256, 16)), (4, (60, 7, 256, 3)), (3, (10, 3)), (8, (4096, 64))):
-        tensors = [torch.randn(k, dtype=torch.bfloat16 if i % 2 == 0 else torch.float32)
-                   for i, k in enumerate(sizes)]  # fmt: skip
-        tensors[1] = tensors[1] + 1 / 3  # not a bf16 value: rounding it would show
+    cases = ((4, (64, 32, 256, 16)), (4, (60, 7, 256, 3)), (3, (10, 3)), (8, (4096, 64)))
+    # bf16 the bulk (a GPU's one-kernel cast; a CPU's strided copies), or fp32 the bulk
+    # with a bf16 tensor beside it (one kernel and a stand-in, on a CPU too)
+    for (n, sizes), bulk, other in itertools.product(
+        cases, (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)
+    ):
+        if bulk == other:
+            continue
+        tensors = [torch.randn(k, dtype=bulk if i % 2 == 0 else other) for i, k in enumerate(sizes)]
+        tensors = [t + 1 / 3 if t.dtype == torch.float32 else t for t in tensors]  # not bf16 values
         layout = FlatLayout([t.numel() for t in tensors], n=n)
         packed = layout.pack(tensors, like=torch.empty(0, dtype=torch.float32))
         assert torch.equal(packed, _rows_by_definition(tensors, n, torch.float32))
@@ -141,13 +148,19 @@ def test_a_zero3_block_packs_and_unpacks_in_one_kernel_each():
 
     n, h, f = 64, 256, 704
     shapes = [(3 * h, h), (h, h), (2 * f, h), (h, f), (h,), (h,)]
-    grads = [torch.randn(s, dtype=torch.bfloat16 if len(s) == 2 else torch.float32)
-             for s in shapes]  # fmt: skip
+    # on the meta device: a GPU's path (a CPU keeps the strided copies for bf16 into fp32)
+    grads = [torch.empty(s, dtype=torch.bfloat16 if len(s) == 2 else torch.float32,
+                         device="meta") for s in shapes]  # fmt: skip
     layout = FlatLayout([g.numel() for g in grads], n=n)
     with Ops() as ops:
-        packed = layout.pack(grads, like=torch.empty(0, dtype=torch.float32))
+        packed = layout.pack(grads, like=torch.empty(0, dtype=torch.float32, device="meta"))
     assert ops.names.count("_chunk_cat") == 1 and ops.names.count("copy_") == 2, ops.names
     dests = [torch.empty_like(g) for g in grads]
     with Ops() as ops:
         layout.unpack(packed.to(torch.bfloat16), dests)
     assert ops.names.count("split_with_sizes_copy") == 1 and ops.names.count("copy_") == 2
+    # fp32 gradients into an fp32 buffer take one kernel on a CPU too
+    grads = [torch.randn(s) for s in shapes]
+    with Ops() as ops:
+        layout.pack(grads, like=torch.empty(0))
+    assert ops.names.count("_chunk_cat") == 1 and "copy_" not in ops.names

