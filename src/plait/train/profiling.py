@@ -60,17 +60,18 @@ def summarise(trace: dict, steps: int, wall_s: float, top: int = 0) -> dict:
     """Per-step device time by kind from a Chrome trace's events (durations in us);
     with ``top``, also the ``top`` kernels by device time (``top_kernels``: name cut to
     120 characters, kind, launches a step, seconds a step)."""
-    by_kind: dict[str, float] = {}
-    by_name: dict[tuple[str, str], list] = {}
+    by_name: dict[tuple[str, str], list] = {}  # (name, kind) -> [launches, seconds]
     for ev in trace.get("traceEvents", []):
         cat = ev.get("cat", "")
         if ev.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
-        kind = kind_of(ev.get("name", ""), cat)
-        by_kind[kind] = by_kind.get(kind, 0.0) + ev.get("dur", 0.0) * 1e-6
-        entry = by_name.setdefault((ev.get("name", "")[:120], kind), [0, 0.0])
+        name = ev.get("name", "")
+        entry = by_name.setdefault((name[:120], kind_of(name, cat)), [0, 0.0])
         entry[0] += 1
         entry[1] += ev.get("dur", 0.0) * 1e-6
+    by_kind: dict[str, float] = {}
+    for (_, kind), (_, seconds) in by_name.items():
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     busy = sum(by_kind.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {
