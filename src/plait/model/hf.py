@@ -8,6 +8,9 @@ for GPT-2, transposing its ``Conv1D`` weights and splitting the fused q/k/v proj
     hf.save(folder, state, cfg)           # config.json + model.safetensors (from_pretrained)
     hf.save_parts(folder, parts, cfg)     # ... or sharded, one part (a block) at a time
     cfg, state = hf.load(folder)          # a folder written by save_pretrained, or by save
+    weights = hf.HFWeights(folder)        # ... each tensor read when asked for: weights[name]
+    hf.load_into(model, weights, topo)    # a rank's parameters filled one at a time
+    hf.defer_into(model, weights, topo)   # ... or, built on meta (ZeRO-3), when filled
 
 The ``config.json``'s ``model_type`` picks plait's ``arch`` (gpt2, llama, qwen2, qwen3,
 mistral); its fields map onto ``ModelConfig``'s: ``head_dim``, ``tie_word_embeddings``,
@@ -52,6 +55,7 @@ MoE blocks of other families are refused in one line.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -330,16 +334,6 @@ def _moe_to_hf(i: str, ours: str, t: torch.Tensor, cfg: ModelConfig) -> dict[str
     return {f"{base}experts.{j}.{stacks[stack]}": t[j] for j in range(t.shape[0])}
 
 
-def _moe_from_hf(hf: dict, i: int, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    prefix, router, stacks = _EXPERTS[moe_family(cfg)]
-    base = f"model.layers.{i}.{prefix}"
-    out = {f"blocks.{i}.mlp.router.weight": hf[base + router]}
-    for stack, theirs in stacks.items():
-        experts = [hf[f"{base}experts.{j}.{theirs}"] for j in range(cfg.moe_experts)]
-        out[f"blocks.{i}.mlp.experts.{stack}"] = torch.stack(experts)
-    return out
-
-
 def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Hugging Face tensors for plait's full state dict (every name of the whole model);
     a tied model's ``lm_head`` is the token embedding, as ``save_pretrained`` has it."""
@@ -390,44 +384,69 @@ def to_hf_part(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _one(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0]
+
+
+def _conv1d(ts: list[torch.Tensor]) -> torch.Tensor:  # GPT-2's (in, out) Conv1D weights
+    return ts[0].t() if ts[0].dim() == 2 else ts[0]
+
+
+def _qkv(j: int, ts: list[torch.Tensor]) -> torch.Tensor:  # q, k or v of GPT-2's fused c_attn
+    t = ts[0]
+    return (t.t() if t.dim() == 2 else t).chunk(3, dim=0)[j]
+
+
+def _recipes(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], object]]:
+    """plait name -> (the Hugging Face tensors it is made of, how: a function of their
+    list) for every tensor of the whole model: the name map above, one plait tensor at a
+    time (``from_hf`` makes them all, ``HFWeights`` each when asked). The ``lm_head`` of a
+    tied model and rotary / attention buffers are not read."""
+    out: dict[str, tuple[tuple[str, ...], object]] = {}
+    if cfg.rotary:
+        out["embed.tokens.weight"] = (("model.embed_tokens.weight",), _one)
+        out["norm.weight"] = (("model.norm.weight",), _one)
+        if not cfg.tied_embeddings:
+            out["head.weight"] = (("lm_head.weight",), _one)
+        for i in range(cfg.n_layers):
+            moe_block = cfg.is_moe_layer(i)
+            for ours, theirs in _block_names(cfg).items():
+                if not (moe_block and ours.startswith("mlp.")):
+                    out[f"blocks.{i}.{ours}"] = ((f"model.layers.{i}.{theirs}",), _one)
+            if moe_block:  # one tensor per expert, stacked (E, ...)
+                prefix, router, stacks = _EXPERTS[moe_family(cfg)]
+                base = f"model.layers.{i}.{prefix}"
+                out[f"blocks.{i}.mlp.router.weight"] = ((base + router,), _one)
+                for stack, theirs in stacks.items():
+                    names = tuple(f"{base}experts.{j}.{theirs}" for j in range(cfg.moe_experts))
+                    out[f"blocks.{i}.mlp.experts.{stack}"] = (names, torch.stack)
+        return out
+    out["embed.tokens.weight"] = (("transformer.wte.weight",), _one)
+    out["embed.positions.weight"] = (("transformer.wpe.weight",), _one)
+    out["norm.weight"] = (("transformer.ln_f.weight",), _one)
+    out["norm.bias"] = (("transformer.ln_f.bias",), _one)
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}.", f"transformer.h.{i}."
+        for ours, theirs in _GPT2.items():
+            out[b + ours] = ((h + theirs,), _conv1d)
+        for j, x in enumerate("qkv"):
+            for kind in ("weight", "bias"):
+                out[f"{b}attn.{x}.{kind}"] = (
+                    (f"{h}attn.c_attn.{kind}",),
+                    functools.partial(_qkv, j),
+                )
+    return out
+
+
 def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """plait's full state dict for Hugging Face tensors (the ``lm_head`` of a tied model
     and rotary/attention buffers are ignored)."""
-    try:
-        if cfg.rotary:
-            out = {
-                "embed.tokens.weight": hf["model.embed_tokens.weight"],
-                "norm.weight": hf["model.norm.weight"],
-            }
-            if not cfg.tied_embeddings:
-                out["head.weight"] = hf["lm_head.weight"]
-            for i in range(cfg.n_layers):
-                moe_block = cfg.is_moe_layer(i)
-                for ours, theirs in _block_names(cfg).items():
-                    if not (moe_block and ours.startswith("mlp.")):
-                        out[f"blocks.{i}.{ours}"] = hf[f"model.layers.{i}.{theirs}"]
-                if moe_block:
-                    out.update(_moe_from_hf(hf, i, cfg))
-        else:
-            out = {
-                "embed.tokens.weight": hf["transformer.wte.weight"],
-                "embed.positions.weight": hf["transformer.wpe.weight"],
-                "norm.weight": hf["transformer.ln_f.weight"],
-                "norm.bias": hf["transformer.ln_f.bias"],
-            }
-            for i in range(cfg.n_layers):
-                b, h = f"blocks.{i}.", f"transformer.h.{i}."
-                for ours, theirs in _GPT2.items():
-                    t = hf[h + theirs]
-                    out[b + ours] = t.t() if t.dim() == 2 else t
-                q, k, v = hf[h + "attn.c_attn.weight"].t().chunk(3, dim=0)
-                qb, kb, vb = hf[h + "attn.c_attn.bias"].chunk(3)
-                out.update({b + "attn.q.weight": q, b + "attn.k.weight": k,
-                            b + "attn.v.weight": v, b + "attn.q.bias": qb,
-                            b + "attn.k.bias": kb, b + "attn.v.bias": vb})  # fmt: skip
-    except KeyError as e:
-        raise HFError(f"the Hugging Face weights lack {e.args[0]!r}") from None
-    out = {k: v.contiguous() for k, v in out.items()}
+    out = {}
+    for name, (theirs, make) in _recipes(cfg).items():
+        missing = next((n for n in theirs if n not in hf), None)
+        if missing is not None:
+            raise HFError(f"the Hugging Face weights lack {missing!r}")
+        out[name] = make([hf[n] for n in theirs]).contiguous()
     _check_names(out, cfg)
     return out
 
@@ -541,33 +560,86 @@ def read_config(folder: str | Path) -> ModelConfig:
         raise HFError(f"{conf}: not valid JSON ({e})") from None
 
 
+class HFWeights:
+    """plait's whole tensors of a Hugging Face model folder, each read from its safetensors
+    files only when asked for (``weights[name]``, fp32): a rank that fills its parameters
+    one at a time (``load_into``, or ZeRO-3's ``defer_into``) never holds more than one of
+    them beside its own share -- reading them all first held the whole model in fp32 on
+    every rank (280 GB at 70B). Names and shapes are checked when it opens, from the
+    files' headers, without reading a weight."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import SafetensorError, safe_open
+
+        folder = Path(folder)
+        self.cfg = read_config(folder)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise HFError(f"--init-hf {folder}: no .safetensors weights there")
+        self._file: dict[str, object] = {}  # Hugging Face name -> its open file
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise HFError(f"--init-hf {f}: not a readable safetensors file ({e})") from None
+            for key in handle.keys():
+                self._file[key] = handle
+        self._recipes = _recipes(self.cfg)
+        shapes = {}  # each recipe run on storage-less tensors of the headers' shapes
+        for name, (theirs, make) in self._recipes.items():
+            missing = next((n for n in theirs if n not in self._file), None)
+            if missing is not None:
+                raise HFError(f"the Hugging Face weights lack {missing!r}")
+            metas = [torch.empty(self._file[n].get_slice(n).get_shape(), device="meta")
+                     for n in theirs]  # fmt: skip
+            shapes[name] = make(metas)
+        _check_names(shapes, self.cfg)
+
+    def keys(self):
+        return self._recipes.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._recipes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        theirs, make = self._recipes[name]
+        return make([self._file[n].get_tensor(n).float() for n in theirs]).contiguous()
+
+
 def load(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(config, plait's full state dict) from a Hugging Face model folder: ``config.json``
-    and ``model.safetensors`` or its shards (``model-0000x-of-0000y.safetensors``)."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    cfg = read_config(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise HFError(f"--init-hf {folder}: no .safetensors weights there")
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return cfg, from_hf({k: v.float() for k, v in tensors.items()}, cfg)
+    and ``model.safetensors`` or its shards (``model-0000x-of-0000y.safetensors``). The
+    whole model at once: a trainer reads ``HFWeights`` instead."""
+    weights = HFWeights(folder)
+    return weights.cfg, {name: weights[name] for name in weights.keys()}
 
 
-def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], topo) -> None:
-    """Copy whole tensors into ``model``'s parameters, cut for this tensor-parallel rank
-    (a pipeline rank takes the names it holds)."""
-    from plait.parallel.tensor import full_shape, shard_spec, tp_shard
+def _rank_value(state, name: str, p: torch.Tensor, topo) -> torch.Tensor:
+    """This rank's part of ``state[name]`` as parameter ``p`` holds it, in ``p``'s dtype."""
+    from plait.model.transformer import rank_part, whole_shape
 
+    if name not in state:
+        raise HFError(f"weights lack {name!r}")
+    full = state[name]
+    if tuple(full.shape) != whole_shape(p, topo.tp):
+        raise HFError(f"{name}: shape {tuple(full.shape)} does not fit this model")
+    return rank_part(full.to(p.dtype), p, topo)
+
+
+def load_into(model: torch.nn.Module, state, topo) -> None:
+    """Copy whole tensors (a dict, or ``HFWeights`` read one at a time) into ``model``'s
+    parameters, cut for this rank (tp shard, an ep rank's experts; a pipeline rank takes
+    the names it holds)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name not in state:
-                raise HFError(f"weights lack {name!r}")
-            spec = shard_spec(p)
-            full = state[name]
-            if tuple(full.shape) != tuple(full_shape(p.shape, spec, topo.tp)):
-                raise HFError(f"{name}: shape {tuple(full.shape)} does not fit this model")
-            p.copy_(tp_shard(full.to(p.dtype), spec, tp_rank=topo.tp_rank, tp=topo.tp))
+            p.copy_(_rank_value(state, name, p, topo))
+
+
+def defer_into(model: torch.nn.Module, state, topo) -> None:
+    """``load_into`` for a model built on meta (ZeRO-3): each parameter's ``init_value()``
+    reads and cuts its tensor when the engine fills that parameter's shard, one at a time
+    (``zero_units.initial_value``), so neither the model nor the file is held whole."""
+    for name, p in model.named_parameters():
+        if name not in state:
+            raise HFError(f"weights lack {name!r}")
+        p.init_value = functools.partial(_rank_value, state, name, p, topo)

@@ -70,7 +70,6 @@ from plait.parallel.tensor import (
     mark_tp_partial,
     set_shard,
     shard_spec,
-    tp_shard,
 )
 
 _ROW_PARALLEL = ("w_proj", "w_down")  # split over tp by input columns (the rest: by rows)
@@ -175,20 +174,24 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: int) -> li
 
 @torch.no_grad()
 def _init_adapters(module: nn.Module, prefix: str, topo, seed: int) -> None:
-    """Copy each adapter's initial value into ``module``'s factors: its tp shard of the
-    full value (``init_adapter``), of its experts' rows only under ``--ep``."""
-    from plait.parallel.tensor import full_shape
+    """Give each adapter factor of ``module`` its initial value: this rank's part of the
+    full value (``init_adapter``; ``transformer.rank_part``). On a model built on meta
+    (ZeRO-3) as an ``init_value()`` the engine calls when it fills the factor's shard, as
+    it does the base's (``transformer.defer_init``)."""
+    import functools
 
     for key, p in module.named_parameters():
-        spec = shard_spec(p)
-        shape = full_shape(p.shape, spec, topo.tp)
-        experts = getattr(p, "expert_shard", None)  # (E, first held)
-        if experts is not None:
-            shape = (experts[0], *shape[1:])
-        full = init_adapter(f"{prefix}.{key}", shape, seed)
-        if experts is not None:
-            full = full.narrow(0, experts[1], p.shape[0])
-        p.copy_(tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp))
+        make = functools.partial(_adapter_part, f"{prefix}.{key}", p, topo, seed)
+        if p.is_meta:
+            p.init_value = make
+        else:
+            p.copy_(make())
+
+
+def _adapter_part(name: str, p: torch.Tensor, topo, seed: int) -> torch.Tensor:
+    from plait.model.transformer import rank_part, whole_shape
+
+    return rank_part(init_adapter(name, whole_shape(p, topo.tp), seed), p, topo)
 
 
 def _apply_expert_lora(model: nn.Module, cfg: LoRAConfig, *, arch: str, seed: int) -> list[str]:

@@ -648,18 +648,28 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     return torch.randn(shape, generator=g) * std
 
 
-def _initial_shard(cfg: ModelConfig, name: str, p: torch.Tensor, topo: Topology, seed: int):
-    """This rank's part of parameter ``name``'s initial value (``init_value``): its tp
-    shard, of its experts only under expert parallelism."""
-    spec = shard_spec(p)
-    shape = full_shape(p.shape, spec, topo.tp)
-    experts = getattr(p, "expert_shard", None)  # (E, first held): an ep rank's experts
-    if experts is not None:
-        shape = (experts[0], *shape[1:])
-    full = init_value(cfg, name, shape, seed)
+def whole_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
+    """The shape of the whole tensor that parameter ``p`` holds a part of: its tp shard
+    widened, and under expert parallelism all E experts (``expert_shard``: (E, first
+    held))."""
+    shape = full_shape(p.shape, shard_spec(p), tp)
+    experts = getattr(p, "expert_shard", None)
+    return (experts[0], *shape[1:]) if experts is not None else tuple(shape)
+
+
+def rank_part(full: torch.Tensor, p: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """This rank's part of ``full`` (of ``whole_shape``) as parameter ``p`` holds it: its
+    experts' rows under expert parallelism, its tp shard. What a seeded initial value, a
+    Hugging Face weight and a LoRA factor alike go through on their way into a rank."""
+    experts = getattr(p, "expert_shard", None)
     if experts is not None:
         full = full.narrow(0, experts[1], p.shape[0])
-    return tp_shard(full, spec, tp_rank=topo.tp_rank, tp=topo.tp)
+    return tp_shard(full, shard_spec(p), tp_rank=topo.tp_rank, tp=topo.tp)
+
+
+def _initial_shard(cfg: ModelConfig, name: str, p: torch.Tensor, topo: Topology, seed: int):
+    """This rank's part of parameter ``name``'s initial value (``init_value``)."""
+    return rank_part(init_value(cfg, name, whole_shape(p, topo.tp), seed), p, topo)
 
 
 @torch.no_grad()

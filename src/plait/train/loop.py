@@ -231,9 +231,10 @@ class Trainer:
         # model and its parallel wrapping. ZeRO-3 builds it on meta: the engine makes each
         # parameter's shard from its initial value, one parameter at a time (a 70B model at
         # dp 64 never holds 280 GB on a rank; MoE too: its routing state is built on the
-        # CPU, moved by ``hollow``); --init-hf, LoRA and QAT write into whole parameters
-        # first, so they build it whole.
-        meta = layout.zero == 3 and not (tcfg.init_hf or cfg.lora or cfg.qat)
+        # CPU, moved by ``hollow``) -- a seeded one, or --init-hf's tensor read when asked
+        # for (``hf.defer_into``), LoRA's factors alike. QAT wraps whole parameters first,
+        # so it builds the model whole.
+        meta = layout.zero == 3 and not cfg.qat
         device = "meta" if meta else "cpu"
         # --ep: the MoE layers' experts split over ep groups carved out of dp, their
         # gradients reduced over the expert-data-parallel group (parallel/expert_engine.py)
@@ -264,16 +265,23 @@ class Trainer:
         # moved only when it is elsewhere: a no-op move still swaps every tensor, which
         # the fake tensors of a rehearsal (plait.rehearse) refuse
         held = itertools.chain(model.parameters(), model.buffers())
+        weights = None
+        if tcfg.init_hf:  # read one tensor at a time, as each parameter is filled
+            from plait.model import hf
+
+            weights = hf.HFWeights(tcfg.init_hf)
         if meta:  # parameters on the device without storage, filled by the ZeRO-3 engine
+            if weights is not None:
+                hf.defer_into(model, weights, topo)
+            if cfg.lora:  # the adapters on meta too, their values deferred alike
+                lora.apply_lora(model, cfg.lora, arch=model_cfg.arch, seed=tcfg.seed)
             hollow(model, topo.device)
         elif any(t.device != topo.device for t in held):
             model.to(topo.device)
         self.placed()
-        if tcfg.init_hf:  # before the engine: ZeRO-3 moves parameters into its own buffers
-            from plait.model import hf
-
-            hf.load_into(model, hf.load(tcfg.init_hf)[1], topo)
-        if cfg.lora:  # base frozen, adapters beside the targeted layers (model/lora.py)
+        if weights is not None and not meta:  # before the engine wraps the parameters
+            hf.load_into(model, weights, topo)
+        if cfg.lora and not meta:  # base frozen, adapters beside the targeted layers
             lora.apply_lora(model, cfg.lora, arch=model_cfg.arch, seed=tcfg.seed)
         if cfg.qat:  # fake-quantised block linears (model/quant.py)
             quant.apply_qat(model, cfg.qat)
