@@ -2,8 +2,8 @@
 tensor at a time, never the model. Rank 0 of a dp-8 layout under PyTorch's fake process
 group, with real tensors on the CPU (the build's collectives write nothing), measured by
 ``MemTracker`` (every storage an operator makes, live or freed) -- the build ``plait
-train`` runs, from ``--init-hf`` weights and with LoRA adapters, the two builds that held
-the whole model until they were deferred like a seeded one (``hf.defer_into``,
+train`` runs, from ``--init-hf`` weights, with LoRA adapters and with QAT: the builds that
+held the whole model until they were deferred like a seeded one (``hf.defer_into``,
 ``lora._init_adapters``). Communication: none between processes (one process, the fake
 group completes every collective at once)."""
 
@@ -109,3 +109,34 @@ def test_zero3_build_of_a_lora_run_holds_one_tensor_beyond_its_shards():
     most, whole = bound()
     peak = build_peak({"lora_rank": 4})
     assert peak <= most, (peak, most, whole)
+
+
+def test_zero3_build_of_a_qat_run_holds_one_tensor_beyond_its_shards():
+    """QAT (int8) at dp 8 under ZeRO-3 builds on meta too (its fake quantisation holds no
+    weight): the build peaks at rank 0's share plus one tensor. Catches the whole model
+    built on the CPU for QAT."""
+    most, whole = bound()
+    peak = build_peak({"qat": "int8"})
+    assert peak <= most, (peak, most, whole)
+
+
+def test_qat_under_zero3_starts_from_the_same_loss_as_without_zero():
+    """One rank (gloo, world 1): QAT's first loss under ZeRO-3 (built on meta, filled shard
+    by shard) equals ZeRO-0's (built whole), and differs from the same run without QAT.
+    Catches QAT's fake quantisation lost on the meta-built layers, and the deferred
+    initial values differing from the eager ones."""
+
+    def first_loss(values: dict) -> float:
+        cfg = run_config({"dp": 1, "global_batch_size": 2, **values})
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            trainer = rehearse._trainer_class(None)(cfg, topo=Topology.build(pp=1, dp=1, tp=1))
+            loss = trainer.step(0)["loss"]
+            trainer.engine.close()
+        finally:
+            dist.destroy_process_group()
+        return loss
+
+    zero3 = first_loss({"qat": "int8", "zero": 3})
+    assert zero3 == first_loss({"qat": "int8", "zero": 0})
+    assert zero3 != first_loss({"zero": 3})

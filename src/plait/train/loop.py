@@ -232,9 +232,9 @@ class Trainer:
         # parameter's shard from its initial value, one parameter at a time (a 70B model at
         # dp 64 never holds 280 GB on a rank; MoE too: its routing state is built on the
         # CPU, moved by ``hollow``) -- a seeded one, or --init-hf's tensor read when asked
-        # for (``hf.defer_into``), LoRA's factors alike. QAT wraps whole parameters first,
-        # so it builds the model whole.
-        meta = layout.zero == 3 and not cfg.qat
+        # for (``hf.defer_into``), LoRA's factors alike; QAT's fake quantisation holds no
+        # weight of its own, whatever the build.
+        meta = layout.zero == 3
         device = "meta" if meta else "cpu"
         # --ep: the MoE layers' experts split over ep groups carved out of dp, their
         # gradients reduced over the expert-data-parallel group (parallel/expert_engine.py)
