@@ -246,7 +246,7 @@ def _memtracker_class():
             # id -> winfo of the storages on the host (``HOST``), while they live
             self.host = weakref.WeakValueDictionary()
             self.peak, self.split = 0, dict.fromkeys(CATEGORIES, 0)
-            self.act_peak = self._act_seen = 0
+            self.act_peak = 0
 
         # module hooks: activation checkpointing's recomputed forward only
         def _pre_fw_hook(self, module, inputs):
@@ -291,15 +291,17 @@ def _memtracker_class():
             # the activations' own peak: where the phase's peak lies elsewhere (a step
             # of few micro-batches peaks in the optimizer step, its activations freed),
             # it is what the model's activation figure is to be held against
+            # (the storages labelled ACT include buffers a role claims -- ZeRO-3's gathered
+            # units, made in a forward -- so their sum bounds the activations from above:
+            # only above the peak so far can the activations have a new one)
             act = sum(s.get(_MemRefType.ACT, 0) for s in self._snaps())
-            if act > self._act_seen:
-                self._act_seen = act
+            if act > self.act_peak:
                 split = self.split if new_peak else self.breakdown()
                 self.act_peak = max(self.act_peak, split["activations"])
 
         def reset_peak(self) -> None:
             self.peak, self.split = self.current(), self.breakdown()
-            self.act_peak = self._act_seen = self.split["activations"]
+            self.act_peak = self.split["activations"]
 
         def _winfos(self, pairs):
             """(category, winfo) of each storage of ``pairs``' tensors, once each."""
@@ -873,7 +875,7 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     act = mem.activations + mem.weight_casts
     memory = {"parameters": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer,
               "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: act,
-              "total": mem.total}  # fmt: skip
+              "temporaries": mem.temporaries or None, "total": mem.total}  # fmt: skip
     return {
         "memory": memory,
         "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank, lora=cfg.lora),

@@ -26,6 +26,9 @@
   its first backward, the gradients, the activations still in flight and that backward's
   working set (``backward_transient``). ``Memory.grads_apart`` is what this takes off
   the sum of the two peaks (``pipeline.peak_with_grads``).
+- A backward starts with every activation of its chunk held and its last block's MLP
+  making its gradients (``mlp_backward_working_set``, ``Memory.temporaries``), less what
+  it freed before (the head's buffers): the walk's states after a local peak carry it.
 - ZeRO-3 keeps two gathered layers (the current one and the prefetched next) and one
   layer's full gradient before it is reduce-scattered. A runtime that keeps k packed
   gradients in flight (``Runtime.zero3_grads_in_flight``; plait's ``ReduceScatterGrads``:
@@ -87,6 +90,9 @@ class Memory:
     # activations' peak + grads less their joint peak (module docstring); negative where
     # the joint peak holds more than both (a zero-bubble BI's captured gradients)
     grads_apart: float = 0.0
+    # what a backward holds beside the activations' peak as it starts (the MLP's gradients,
+    # ``mlp_backward_working_set``) beyond what it frees first (the head's buffers)
+    temporaries: float = 0.0
 
     @property
     def total(self) -> float:
@@ -95,6 +101,7 @@ class Memory:
             + self.overhead
             + self.cp_buffers
             + self.weight_casts
+            + self.temporaries
             - self.grads_apart
         )
 
@@ -104,6 +111,8 @@ class Memory:
             cp["weight_casts"] = self.weight_casts
         if self.grads_apart:
             cp["grads_apart"] = self.grads_apart
+        if self.temporaries:
+            cp["temporaries"] = self.temporaries
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -267,6 +276,32 @@ def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     return tokens * cfg.hidden / split * (3 * r + copies)
 
 
+def mlp_backward_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                             moe: bool = False) -> float:  # fmt: skip
+    """Bytes a block's backward holds beyond its activations as it starts, in its MLP: the
+    residual stream's incoming gradient (T h / t under sequence parallelism, the stream's
+    dtype) and the MLP's own gradients at their fullest, each T x F / t in the activation
+    dtype -- SwiGLU under plait's kernel four (the gradient coming out of the down
+    projection, silu(gate) recomputed, the gate's and the up's gradients: ``ops.SwiGLU``),
+    three under a fused kernel that keeps silu(gate) (its output is the two gradients
+    side by side); GELU two (the gradient in, the gradient out). A MoE block's experts hold
+    theirs for the busiest rank's R rows (``expert.rows``). ``plait rehearse`` of a llama
+    block (h 2048, F 5632, T 2048, bf16) held exactly 4 x 22 + 8 MiB of temporaries there,
+    on top of every activation of the step, where ZeRO-3 under LoRA (no weight gradients
+    to wait for) put its peak (2026-11-28)."""
+    e, t = ACT_BYTES[layout.dtype], layout.tp
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = t if layout.sequence_parallel else 1
+    if cfg.arch == "gpt2":
+        k = 2
+    else:
+        k = 4 if runtime.layer_kernels == "plait" else 3
+    rows, width = tokens, cfg.ffn_hidden
+    if moe:
+        rows, width = ep_sim.rows(cfg, layout, runtime.moe_imbalance)[1], cfg.moe_ffn_hidden
+    return tokens * cfg.hidden / split * residual_bytes(layout) + k * rows * width / t * e
+
+
 def bi_captured_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, last: bool = False
 ) -> float:
@@ -407,8 +442,8 @@ def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> 
 
 def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
     """ZeRO-3's working buffers on one device: two gathered layers (the current one and
-    the prefetched next, ``gathered_layer_bytes``) and one layer's full gradient before
-    its reduce-scatter. With MoE blocks, of the larger block: a MoE block gathers its
+    the prefetched next, ``gathered_layer_bytes``), the prefetch's input
+    (``gather_input_bytes``) and one layer's full gradient before its reduce-scatter. With MoE blocks, of the larger block: a MoE block gathers its
     router, shared and E / ep routed experts in the dtype of the matrix weights -- the
     experts over their edp group, and not at all where that group is one rank, the
     runtime keeps them in place (``zero3_in_place_alone``: ep == dp) and they are
@@ -416,7 +451,19 @@ def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     if layout.zero != 3:
         return 0.0
     gathered, grads = _zero3_parts(cfg, layout, runtime)
-    return 2 * gathered + grads
+    return 2 * gathered + grads + gather_input_bytes(cfg, layout, runtime)
+
+
+def gather_input_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """A ZeRO-3 all-gather's input when the wire dtype is not the shards' (bf16 gathers of
+    fp32 shards): this rank's row of a block cast to it (``zero_units.Gather``; FSDP2's
+    all-gather input alike), held while the prefetched gather is in flight. A block's
+    parameters over the shard group, in the wire dtype: 49 MiB at the rehearsal sweep's
+    dp 2, 6 MiB for LLaMA-2 7B at dp 64."""
+    w, e = runtime.state_bytes(layout.dtype)[0], runtime.param_comm_bytes(layout.dtype)
+    if layout.zero != 3 or e == w:
+        return 0.0
+    return sizes.layer_params(cfg) / layout.tp / dp_groups(layout, False)[0] * e
 
 
 def zero3_gathered_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
@@ -489,6 +536,9 @@ def memory_per_rank(
     # reached the block: the chunk's later blocks, which keep their activations
     # (--recompute-layers), and on the last stage the head's buffers
     transient = []
+    # per rank, the same with each block's backward working set on top
+    # (``mlp_backward_working_set``): what the rehearsal calls temporaries
+    working = []
     chunk_params = []  # per rank, each chunk's parameters (its share of the gradients)
     ends = backward_transient(cfg, layout, runtime)
     # per rank, the output gradients a BI captures for its W, of its largest chunk
@@ -496,6 +546,7 @@ def memory_per_rank(
     for rank in range(p):
         row, n, x = [], 0.0, 0.0
         transient.append(0.0)
+        working.append(0.0)
         chunk_params.append([])
         for chunk in range(v):
             stage = chunk * p + rank
@@ -516,13 +567,24 @@ def memory_per_rank(
                 held, keep = held + h, keep + k
                 if not recomputed:
                     freed += h
+            head_freed = head if stage == last_stage else 0.0
             if layout.recompute == "full":
-                freed += head if stage == last_stage else 0.0
+                freed += head_freed
                 dense, routed = blocks[True]
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
+                        ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
+                        working[rank] = max(working[rank], t + ws - freed)
+            # a block that keeps its activations starts its backward with them all held,
+            # the head's buffers freed (the recomputing ones: above)
+            keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
+            for dense, routed in keeps.values():
+                for count, moe_block in ((dense, False), (routed, True)):
+                    if count:
+                        ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
+                        working[rank] = max(working[rank], ws - head_freed)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
             elif keep and lora is None:
@@ -572,6 +634,7 @@ def memory_per_rank(
             act.append(peak)
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
+    held = [a + w for a, w in zip(bare, working)]  # ... and the backward's working set
     # only with no more micro-batches than stages can a rank's forwards all come before
     # its first gradients (GPipe's always do): the schedule, short then, says which
     states = compiled
@@ -611,14 +674,15 @@ def memory_per_rank(
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
             joint = peak_with_grads(states, rank, weights[rank], shares,
-                                    (transient[rank], ends, captured[rank]))  # fmt: skip
+                                    (working[rank], ends, captured[rank]))  # fmt: skip
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
-            joint = max(act[rank], bare[rank] * (m - 1) / m + g + ends)
+            joint = max(held[rank], bare[rank] * (m - 1) / m + g + ends)
         else:  # m > p: a forward follows every rank's first backward
-            joint = act[rank] + g
+            joint = held[rank] + g
             if captured[rank] and at_bi[rank]:  # a BI's captured gradients on top
                 joint = max(joint, at_bi[rank] + captured[rank] + g)
-        apart = act[rank] + g - joint  # < 0: a BI's captured gradients on top of both
-        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart))
+        apart = held[rank] + g - joint  # < 0: a BI's captured gradients on top of both
+        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart,
+                          temporaries=held[rank] - act[rank]))  # fmt: skip
     return out

@@ -109,6 +109,7 @@ from plait.sim import expert as ep_sim
 from plait.sim.hardware import Hardware
 from plait.sim.memory import (
     chunk_activation_bytes,
+    gather_input_bytes,
     last_stage_buffers,
     stage_params,
     zero3_buffer_bytes,
@@ -751,6 +752,7 @@ class _Bounds:
         buffers = zero3_buffer_bytes(self.cfg, lay, self.rt)
         if buffers and self.rt.zero3_grads_in_flight:  # the gathered layers, at least
             buffers = 2 * zero3_gathered_bytes(self.cfg, lay, self.rt)
+            buffers += gather_input_bytes(self.cfg, lay, self.rt)
         dense, routed = per_param(shard or dp * cp), per_param(dp // ep * cp)
         return dense["device"], routed["device"], buffers, (dense["grads"], routed["grads"])
 
