@@ -418,7 +418,9 @@ def test_a_tp_group_is_the_unit_of_failure_on_the_failure_free_curve(corpus, ref
     it (declared dead with it and expelled, not killed: its shards are useless alone), a
     replacement group of two consecutive workers (8, 9) starts on their node and devices,
     and the three groups left re-form in place, the ones that lack a stage receiving it tp
-    rank to tp rank from the group that holds it. Every step once, on the failure-free curve
+    rank to tp rank from the group that holds it -- with the replacement group if it is
+    ready by the time they have left (a loaded host), else without it until it joins: the
+    run goes on at 6 or 8 workers, never waiting. Every step once, on the failure-free curve
     (loss and grad norm), every tensor bitwise equal on the workers holding the same tp
     shard of it. Breaks if the peer stays on with half a layer, if a group is planned split
     over two stages, if a shard lands on the other tp rank (the shapes match: the run would
@@ -440,8 +442,10 @@ def test_a_tp_group_is_the_unit_of_failure_on_the_failure_free_curve(corpus, ref
     assert [e["worker"] for e in spawns][:2] == [8, 9], spawns  # a whole group, in tp order
     decision = next(e for e in events if e["event"] == "decision" and e["gen"] == 1)
     assert decision["moves"] > 0 and decision["moves"] % 2 == 0  # tp rank r -> tp rank r
+    assert sorted(map(int, decision["reports"])) == [0, 1, 2, 3, 6, 7]  # the groups left
     same_curve(out, reference)
-    assert 6 in [r.get("world_size") for r in records(out)]
+    # whether a step ran at 6 depends on when the replacement was ready (see above)
+    assert {r.get("world_size") for r in records(out)} <= {6, 8}
     assert "plait: replicas verified:" in proc.stdout
 
 
