@@ -234,3 +234,37 @@ def test_recompute_layers_recomputes_the_first_blocks_of_each_chunk():
     assert all(torch.equal(a, b) for a, b in zip(g_none, g_one))
     chunk = build_model(cfg, layers=[2, 3], pre=False, recompute="full", recompute_layers=1)
     assert [chunk.blocks[k].recompute_full for k in ("2", "3")] == [True, False]
+
+
+def test_rotary_is_the_rotation_and_its_backward_the_rotation_back():
+    """``apply_rotary`` (``transformer._Rotary``: two kernels a half each way): its forward
+    equals the rotation of each pair (x1, x2) by its position's angle -- (x1 cos - x2 sin,
+    x2 cos + x1 sin) -- on a strided (B, T, H, D) view, within one rounding of bf16 and to
+    fp32's rounding in fp32, contiguous and in x's dtype; its backward is that rotation's
+    adjoint (``gradcheck`` in float64). Catches a sign flipped in either direction (a
+    backward that rotates forward again passes every loss-curve test at small angles but
+    not this), swapped halves, and a result left strided or in fp32."""
+    from plait.model.transformer import apply_rotary, rotary_tables
+
+    cfg = preset("tiny", arch="llama", hidden=256, n_heads=4, n_kv_heads=4, seq_len=32)
+    cos, sin = rotary_tables(cfg, 32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    # fp32 arithmetic: two rounded products and their rounded sum, <= 3 u (|a| + |b|); then
+    # one rounding to x's dtype, <= u_x |result| (u: half an ulp, relative)
+    for dtype, u_x in ((torch.bfloat16, 2**-8), (torch.float32, 0.0)):
+        qkv = torch.randn(2, 32, 12, 64, generator=g).to(dtype)
+        x = qkv[:, :, 4:8]  # (B, T, H, D), strided as q or k of a fused product
+        got = apply_rotary(x, cos, sin, seq_dim=1)
+        x1, x2 = x.double().chunk(2, dim=-1)
+        c, s = cos[:, None].double(), sin[:, None].double()
+        want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        terms = torch.cat([(x1 * c).abs() + (x2 * s).abs(), (x2 * c).abs() + (x1 * s).abs()], -1)
+        bound = 3 * 2**-24 * terms + u_x * want.abs() * (1 + 2**-20)
+        assert got.dtype == dtype and got.is_contiguous() and got.shape == x.shape
+        assert ((got.double() - want).abs() <= bound).all(), dtype
+
+    c64, s64 = cos.double(), sin.double()
+    x = torch.randn(2, 8, 2, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda t: apply_rotary(t, c64[:, :8], s64[:, :8], seq_dim=1), (x,)
+    )

@@ -120,8 +120,12 @@ FLASH_BLOCK = 128  # query/key tile of fused attention kernels (sets the causal 
 #   Checked against torchtitan's own code: 9.14 GB counted, 9.13 priced for a llama2-13b
 #   block at 2 x 4096 tokens; 14.27 and 14.30 for llama3-70b's (grouped-query) at 8192.
 # - "plait": plait's own blocks (``benchmarks/stream_bytes.py`` counts them; tested in
-#   ``tests/test_stream_bytes.py``): fp32 copies around bf16 norms, rotary by halves (cat, neg),
-#   each norm output cast per linear. Counted per dtype; fp16 as bf16. Under autocast q, k
+#   ``tests/test_stream_bytes.py``): fp32 copies around bf16 norms, each norm output cast
+#   per linear; rotary two kernels a half each way (``transformer._Rotary``: x1 cos, then
+#   minus x2 sin into the output; 3 + 4 bytes an element of a half under bf16, 4 + 6 fp32:
+#   14 and 20 an element, the tables' per-token reads aside; 48 / 52 and 36 / 40 with
+#   autograd's composite of casts, four products, a sum and a concatenation, until
+#   2026-11-28). Counted per dtype; fp16 as bf16. Under autocast q, k
 #   and v (and llama's gate and up) run as one GEMM (``tensor.column_linears``): the
 #   backward concatenates their output gradients (``plait_fused_bytes``, apart: it goes
 #   with the heads, not h) and has no input-gradient sums to add; where q and k leave as
@@ -142,9 +146,9 @@ EAGER_STREAM = {  # passes of e bytes per element of (h, f), forward then backwa
 }
 PLAIT_STREAM = {  # bytes (not elements) per token per (h, f, r), forward then backward
     ("gpt2", "bf16"): ((84.0, 4.0, 0.0), (122.0, 8.0, 0.0)),
-    ("llama", "bf16"): ((92.5, 10.0, 48.0), (72.5, 22.0, 52.0)),
+    ("llama", "bf16"): ((92.5, 10.0, 14.0), (72.5, 22.0, 14.0)),
     ("gpt2", "fp32"): ((56.0, 8.0, 0.0), (92.0, 16.0, 0.0)),
-    ("llama", "fp32"): ((80.5, 20.0, 36.0), (84.5, 44.0, 40.0)),
+    ("llama", "fp32"): ((80.5, 20.0, 20.0), (84.5, 44.0, 20.0)),
 }
 
 
