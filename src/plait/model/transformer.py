@@ -225,6 +225,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     cos, sin = cos[:T], sin[:T]
     if seq_dim == 1:  # (T, 1, D/2): every head alike
         cos, sin = cos[:, None], sin[:, None]
+    if torch.compiler.is_compiling():  # inductor fuses the composite into one kernel a way;
+        # ``_Rotary``'s writes into halves of its output would break the block's graph
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return _Rotary.apply(x, cos, sin)
 
 
