@@ -653,3 +653,52 @@ def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
     for row in ("total", "buffers", rehearse.ACT_PEAK):
         got, want, ratio = memory[row]
         assert abs(ratio - 1) <= 0.05, (row, got, want)
+
+
+def test_rehearsal_of_a_hugging_face_folder_reads_no_weight(tmp_path, monkeypatch):
+    """``plait rehearse --init-hf DIR`` (dp 2, ZeRO-3, LoRA: the build defers every read)
+    sizes the folder's model from its config and its safetensors headers: under the fake
+    tensors each weight is a tensor of its shape (``hf.HFWeights``), never read -- a 70B
+    folder is sized without loading 140 GB -- and the rank's steps, checkpoint and bytes
+    hold what the seeded run of the same shapes holds. Catches the rehearsal that stopped on a traceback
+    reading real tensors into fake ones (until 2026-11-28), and one that reads weights."""
+    import safetensors
+
+    from plait.commands.train import build_run_config
+    from plait.model import hf
+    from plait.model.config import preset
+
+    model = preset("tiny", arch="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2,
+                   vocab_size=512, seq_len=128)  # fmt: skip
+    hf.save(tmp_path / "hf", dict(build_model(model, seed=1).named_parameters()), model)
+    opened = safetensors.safe_open
+
+    class Headers:  # a file whose weights may not be read
+        def __init__(self, *a, **k):
+            self.handle = opened(*a, **k)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_slice(self, name):
+            return self.handle.get_slice(name)
+
+        def get_tensor(self, name):
+            raise AssertionError(f"the rehearsal read {name}")
+
+    monkeypatch.setattr(safetensors, "safe_open", Headers)
+    layout = {"dp": 2, "zero": 3, "lora_rank": 8, "global_batch_size": 2,
+              "micro_batch_size": 1, "dtype": "bf16"}  # fmt: skip
+    from_hf = build_run_config({"init_hf": str(tmp_path / "hf"), "out": str(tmp_path / "a"),
+                                **layout})  # fmt: skip
+    seeded = build_run_config({"model": "tiny", "arch": "llama", "layers": 2, "hidden": 256,
+                               "heads": 4, "kv_heads": 2, "vocab_size": 512, "seq_len": 128,
+                               "out": str(tmp_path / "b"), **layout})  # fmt: skip
+    assert from_hf.model == seeded.model
+    got, want = rehearse.rehearse_rank(from_hf, 0), rehearse.rehearse_rank(seeded, 0)
+    # the build differs by how a value is made (a seeded one's random draw and scaling
+    # are temporaries of their own); from there on the two runs hold the same
+    assert got.phases[0].name == "build" and got.phases[0].peak <= want.phases[0].peak
+    steps = [(p.name, p.peak, p.split) for p in got.phases[1:]]
+    assert steps == [(p.name, p.peak, p.split) for p in want.phases[1:]]
+    assert got.bytes_per_axis() == want.bytes_per_axis()

@@ -577,6 +577,7 @@ class HFWeights:
         if not files:
             raise HFError(f"--init-hf {folder}: no .safetensors weights there")
         self._file: dict[str, object] = {}  # Hugging Face name -> its open file
+        self._shape: dict[str, tuple[int, ...]] = {}  # ... and its shape, from the header
         for f in files:
             try:
                 handle = safe_open(str(f), framework="pt")
@@ -584,15 +585,14 @@ class HFWeights:
                 raise HFError(f"--init-hf {f}: not a readable safetensors file ({e})") from None
             for key in handle.keys():
                 self._file[key] = handle
+                self._shape[key] = tuple(handle.get_slice(key).get_shape())
         self._recipes = _recipes(self.cfg)
         shapes = {}  # each recipe run on storage-less tensors of the headers' shapes
         for name, (theirs, make) in self._recipes.items():
             missing = next((n for n in theirs if n not in self._file), None)
             if missing is not None:
                 raise HFError(f"the Hugging Face weights lack {missing!r}")
-            metas = [torch.empty(self._file[n].get_slice(n).get_shape(), device="meta")
-                     for n in theirs]  # fmt: skip
-            shapes[name] = make(metas)
+            shapes[name] = make([torch.empty(self._shape[n], device="meta") for n in theirs])
         _check_names(shapes, self.cfg)
 
     def keys(self):
@@ -603,7 +603,18 @@ class HFWeights:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         theirs, make = self._recipes[name]
+        if _faking():  # ``plait rehearse``: sizes, not values -- nothing is read
+            return make([torch.empty(self._shape[n]) for n in theirs]).contiguous()
         return make([self._file[n].get_tensor(n).float() for n in theirs]).contiguous()
+
+
+def _faking() -> bool:
+    """Whether a ``FakeTensorMode`` is active (a rehearsal: tensors of shapes and dtypes,
+    no storage), where a tensor read from a file could not enter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 def load(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
