@@ -271,8 +271,10 @@ def test_megatron_2022_runs_the_backward_tp_collectives_beside_the_gemms():
     all-reduce asynchronously and computes the weight gradient meanwhile; with sequence
     parallelism the input's re-gather runs beside the input-gradient GEMM and the
     reduce-scatter beside the weight-gradient GEMM, while the row-parallel linears'
-    gathers of the output gradient stay exposed. Catches the flag ignored (the 2021 cost),
-    the hidden part charged, or a collective hidden behind a GEMM shorter than it."""
+    gathers of the output gradient stay exposed. A hidden collective costs only the GEMM's
+    slowdown beside it (``Hardware.overlap_slowdown`` of the time they share). Catches the
+    flag ignored (the 2021 cost), the hidden part charged in full, or a collective hidden
+    behind a GEMM shorter than it."""
     old, new = PROFILES["megatron-lm"], PROFILES["megatron-lm-2022"]
     assert new.overlap_tp_grad and not old.overlap_tp_grad
     link = A100.intra_node
@@ -281,12 +283,15 @@ def test_megatron_2022_runs_the_backward_tp_collectives_beside_the_gemms():
     qkv = costs.linear_times(A100, "bf16", 2048, 3 * h / 8, h)
     up = costs.linear_times(A100, "bf16", 2048, f / 8, h)  # gpt2: one up projection
     assert qkv[2] > ar and up[2] > ar  # at GPT-3's width each all-reduce hides whole
+    k = A100.overlap_slowdown
     a, b = (costs.layer_cost(GPT3, lay(tp=8), A100, rt) for rt in (old, new))
-    assert a.bwd_tp == pytest.approx(2 * ar) and b.bwd_tp == 0.0
+    assert a.bwd_tp == pytest.approx(2 * ar) and b.bwd_tp == pytest.approx(2 * k * ar)
     assert b.fwd_tp == a.fwd_tp and b.bwd_weight == a.bwd_weight  # the forward is unchanged
     sp = lay(tp=8, sequence_parallel=True)
     ag = collectives.all_gather_time(2048 * GPT3.hidden * 2, 8, link)
-    assert costs.layer_cost(GPT3, sp, A100, new).bwd_tp == pytest.approx(2 * ag)
+    rs = collectives.reduce_scatter_time(2048 * GPT3.hidden * 2, 8, link)
+    got = costs.layer_cost(GPT3, sp, A100, new).bwd_tp
+    assert got == pytest.approx(2 * ag + 2 * k * (ag + rs))
     # a narrow model: the weight-gradient GEMM is shorter than the all-reduce
     narrow = ModelConfig(n_layers=2, hidden=512, n_heads=8, seq_len=2048, vocab_size=512)
     c = costs.layer_cost(narrow, lay(tp=8), A100, new)
@@ -295,7 +300,8 @@ def test_megatron_2022_runs_the_backward_tp_collectives_beside_the_gemms():
         costs.linear_times(A100, "bf16", 2048, n, 512)[2]
         for n in (3 * 512 / 8, narrow.ffn_hidden / 8)  # gpt2: one up
     ]
-    assert c.bwd_tp == pytest.approx(sum(max(0.0, ar_n - x) for x in w)) and c.bwd_tp > 0
+    hidden = sum(max(0.0, ar_n - x) + k * min(ar_n, x) for x in w)
+    assert c.bwd_tp == pytest.approx(hidden) and c.bwd_tp > sum(k * x for x in w)
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -1084,3 +1090,33 @@ def test_zb_h1_closed_form_memory_is_the_replays():
             closed = simulate(model, lay, A100, exact=False).peak_mem_bytes
             replayed = simulate(model, lay, A100, exact=True).peak_mem_bytes
             assert closed == pytest.approx(replayed, rel=1e-12), (recompute, layers, pp, m)
+
+
+def test_compute_beside_an_overlapped_collective_slows_by_the_published_fraction():
+    """Every GPU entry carries the 18.9 % by which compute slows beside a collective
+    (``Hardware.overlap_slowdown``, arXiv 2507.03114), a CPU entry none, and a hardware
+    file keeps it. ZeRO-3's per-layer gathers and reduce-scatters hidden behind a layer's
+    compute (FSDP2, LLaMA-2 7B at dp 64 on H100) cost that fraction of the time they
+    overlap: what outlasts the compute, plus 0.189 of the rest. Catches the slowdown lost
+    at this overlap site (free hiding, the model before), charged in full, given to a
+    CPU's workers, or dropped by a YAML round trip."""
+    from plait.sim import step
+    from plait.sim.memory import stage_params
+
+    for name in ("v100", "a100-40gb", "a100-80gb", "h100-sxm", "h200"):
+        assert get_hardware(name).overlap_slowdown == 0.189, name
+    assert get_hardware("cpu").overlap_slowdown == 0.0
+    hw = get_hardware("h100-sxm")
+    assert Hardware.from_dict(hw.to_dict()).overlap_slowdown == 0.189
+    model, rt = preset("llama2-7b"), PROFILES["fsdp2"]
+    layout = Layout(dp=64, zero=3, global_batch_size=64, micro_batch_size=1, dtype="bf16")
+    lc = costs.layer_cost(model, layout, hw, rt)
+    ag, total = costs.zero_layer_comm(model, stage_params(model, layout, 1, False, False),
+                                      layout, hw, rt)  # fmt: skip
+    bwd = lc.bwd_input + lc.bwd_weight + lc.recompute
+    assert 0 < ag < lc.fwd and 0 < total < bwd  # both hide whole at this size
+    got = step.layer_step(model, layout, hw, rt)
+    assert got.zero3_fwd == pytest.approx(0.189 * ag)
+    assert got.zero3_bwd == pytest.approx(0.189 * total)
+    free = step.layer_step(model, layout, hw.replace(overlap_slowdown=0.0), rt)
+    assert free.zero3_fwd == 0.0 and free.zero3_bwd == 0.0

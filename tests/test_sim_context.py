@@ -133,7 +133,8 @@ def test_mode_buffers_follow_their_formulas():
 def test_attention_flops_per_rank_fall_by_cp_and_the_ring_hides_behind_them():
     """Fused attention: the layer's compute at cp N is ~1/N of cp 1's (head-tail balance);
     a ring on NVLink whose block compute outlasts its message exposes only the last dK/dV
-    hop; on a slow link it exposes the difference."""
+    hop, and the block compute's slowdown beside its N - 1 messages
+    (``Hardware.overlap_slowdown``); on a slow link it exposes the difference."""
     cfg = _model(n_layers=2, hidden=4096, n_heads=32, n_kv_heads=8, ffn_hidden=11008,
                  seq_len=32768)  # fmt: skip
     hw = get_hardware("h100-sxm")
@@ -142,8 +143,12 @@ def test_attention_flops_per_rank_fall_by_cp_and_the_ring_hides_behind_them():
     for N in (2, 4, 8):
         lc = costs.layer_cost(cfg, lay.replace(cp=N), hw, _rt())
         assert lc.fwd == pytest.approx(one.fwd / N, rel=0.02)
-        dkv = cp_sim.p2p_time(2 * 32768 / N * 8 * 128 * 4, cp_sim.link(hw, lay.replace(cp=N)))
-        assert lc.fwd_cp == 0.0 and lc.bwd_cp == pytest.approx(dkv)
+        link = cp_sim.link(hw, lay.replace(cp=N))
+        kv = cp_sim.p2p_time(2 * 32768 / N * 8 * 128 * 2, link)
+        dkv = cp_sim.p2p_time(2 * 32768 / N * 8 * 128 * 4, link)
+        k = hw.overlap_slowdown
+        assert lc.fwd_cp == pytest.approx((N - 1) * k * kv)
+        assert lc.bwd_cp == pytest.approx((N - 1) * k * (kv + dkv) + dkv)
     slow = hw.replace(intra_node=hw.inter_node, devices_per_node=1)
     lc = costs.layer_cost(cfg, lay.replace(cp=8), slow, _rt())
     assert lc.fwd_cp > 0

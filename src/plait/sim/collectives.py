@@ -98,3 +98,16 @@ def p2p_time(nbytes: float, link: Link | None) -> float:
         return 0.0
     link = link.op("p2p")
     return link.latency + nbytes / link.bandwidth
+
+
+def hidden_behind(comm, work, hw: Hardware):
+    """Seconds a collective of ``comm`` seconds adds to ``work`` seconds of compute it runs
+    beside: what outlasts the work, and the work's own slowdown while the two share the
+    device (``Hardware.overlap_slowdown`` of the time they overlap). Floats, or numpy
+    arrays of them."""
+    import numpy as np
+
+    k = hw.overlap_slowdown
+    if np.ndim(comm) or np.ndim(work):
+        return np.maximum(0.0, np.subtract(comm, work)) + k * np.minimum(comm, work)
+    return max(0.0, comm - work) + k * min(comm, work)

@@ -70,7 +70,13 @@ from dataclasses import dataclass
 
 from plait.layout import Layout
 from plait.model.config import ModelConfig
-from plait.sim.collectives import all_gather_time, group_link, p2p_time, reduce_scatter_time
+from plait.sim.collectives import (
+    all_gather_time,
+    group_link,
+    hidden_behind,
+    p2p_time,
+    reduce_scatter_time,
+)
 from plait.sim.hardware import Hardware, Link
 
 FP32 = 4
@@ -158,8 +164,8 @@ def layer_comm(
     if layout.cp_mode == "ring":
         kv = p2p_time(2 * b * s / N * k * e, lk)
         dkv = p2p_time(2 * b * s / N * k * FP32, lk)
-        fwd = (N - 1) * max(0.0, kv - attn_fwd / N)
-        bwd = (N - 1) * max(0.0, kv + dkv - attn_bwd / N) + dkv
+        fwd = (N - 1) * hidden_behind(kv, attn_fwd / N, hw)
+        bwd = (N - 1) * hidden_behind(kv + dkv, attn_bwd / N, hw) + dkv
         return fwd, bwd
     nb = layer_bytes(cfg, layout)
     if layout.cp_mode == "allgather":

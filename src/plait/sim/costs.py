@@ -60,6 +60,7 @@ from plait.sim.collectives import (
     all_gather_time,
     all_reduce_time,
     group_link,
+    hidden_behind,
     p2p_time,
     reduce_scatter_time,
     ring_latency,
@@ -414,29 +415,30 @@ def layer_cost(
         if sp:
             ag, rs = all_gather_time(rbytes, t, link), reduce_scatter_time(nbytes, t, link)
             rs_in, ag_out = reduce_scatter_time(rbytes, t, link), all_gather_time(nbytes, t, link)
-            down_exit = max(0.0, rs - lin[3][0]) if runtime.overlap_tp_comm else rs
+            down_exit = hidden_behind(rs, lin[3][0], hw) if runtime.overlap_tp_comm else rs
             if runtime.overlap_tp_comm:  # each hides behind the GEMM next to it
                 fwd_tp = sum(
-                    max(0.0, c - g)
+                    hidden_behind(c, g, hw)
                     for c, g in ((ag, lin[0][0]), (rs, lin[1][0]), (ag, lin[2][0]), (rs, lin[3][0]))
                 )
                 bwd_tp = sum(
-                    max(0.0, c - g)
+                    hidden_behind(c, g, hw)
                     for c, g in ((rs_in, lin[0][1]), (ag_out, lin[1][1]), (rs_in, lin[2][1]),
                                  (ag_out, lin[3][1]))
                 )  # fmt: skip
             elif runtime.overlap_tp_grad:  # the column-parallel linears' (qkv, up)
                 fwd_tp = 2 * (ag + rs)
                 bwd_tp = 2 * ag_out + sum(
-                    max(0.0, ag - lin[i][1]) + max(0.0, rs_in - lin[i][2]) for i in (0, 2)
+                    hidden_behind(ag, lin[i][1], hw) + hidden_behind(rs_in, lin[i][2], hw)
+                    for i in (0, 2)
                 )
             else:  # and each column group's input gathered again (its ops kept the shard)
                 fwd_tp, bwd_tp = 2 * (ag + rs), 2 * (rs_in + ag_out)
                 if layout.recompute != "full":  # full: the recomputed forward gathers it
                     again = all_gather_time(nbytes, t, link)
                     if runtime.prefetch_sp_regather:  # behind the exit's GEMMs (and the core's)
-                        bwd_tp += max(0.0, again - lin[1][1] - lin[1][2] - attn_bwd)
-                        bwd_tp += max(0.0, again - lin[3][1] - lin[3][2])
+                        bwd_tp += hidden_behind(again, lin[1][1] + lin[1][2] + attn_bwd, hw)
+                        bwd_tp += hidden_behind(again, lin[3][1] + lin[3][2], hw)
                     else:
                         bwd_tp += 2 * again
         else:
@@ -444,7 +446,7 @@ def layer_cost(
             fwd_tp = 2 * down_exit
             ar = all_reduce_time(rbytes, t, link)  # a column-parallel linear's input gradient
             if runtime.overlap_tp_grad:  # beside that linear's weight-gradient GEMM
-                bwd_tp = sum(max(0.0, ar - lin[i][2]) for i in (0, 2))
+                bwd_tp = sum(hidden_behind(ar, lin[i][2], hw) for i in (0, 2))
             else:
                 bwd_tp = 2 * ar
 
@@ -576,7 +578,7 @@ def head_cost(
             bwd_tp = reduce_scatter_time(nbytes, t, link)
             again = all_gather_time(T * h * e, t, link)
             if runtime is not None and (runtime.overlap_tp_grad or runtime.overlap_tp_comm):
-                again = max(0.0, again - bi)  # beside the input gradient's GEMM (Megatron)
+                again = hidden_behind(again, bi, hw)  # beside the input gradient's GEMM
             bwd_tp += again
         else:
             bwd_tp = all_reduce_time(nbytes, t, link)

@@ -49,6 +49,7 @@ field is required except ``description`` and the optional ones)::
     op_overhead: 0.0                 # optional
     optimizer_tensor_overhead: 0.0   # optional
     host_overlap: false              # optional
+    overlap_slowdown: 0.0            # optional
 
 ``plait calibrate`` writes the same file for the machine it runs on: measured matmul
 efficiency (fit of ``gemm_max`` / ``gemm_half_flops``) and measured collective alpha/beta.
@@ -197,6 +198,10 @@ class Hardware:
     # and a step takes the longer of the two (``simulate``); False: the host runs each
     # kernel itself (a CPU worker), so the two add up
     host_overlap: bool = False
+    # the fraction by which a device's compute slows while a collective runs beside it
+    # (its kernels hold SMs and stream through the same HBM): overlapped communication
+    # costs this much of the time it overlaps (``collectives.hidden_behind``)
+    overlap_slowdown: float = 0.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -210,6 +215,8 @@ class Hardware:
         for name in ("op_overhead", "optimizer_tensor_overhead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"hardware {self.name}: {name} must be >= 0")
+        if not 0 <= self.overlap_slowdown < 1:
+            raise ValueError(f"hardware {self.name}: overlap_slowdown must be in [0, 1)")
         if self.compute_slots_per_node is not None and self.compute_slots_per_node < 1:
             raise ValueError(f"hardware {self.name}: compute_slots_per_node must be at least 1")
 
@@ -269,6 +276,7 @@ class Hardware:
             "optimizer_tensor_overhead",
             "kernel_launch",
             "host_overlap",
+            "overlap_slowdown",
         }
         missing = sorted(
             f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional
@@ -298,6 +306,8 @@ class Hardware:
             field(name, float)
         d["host_overlap"] = d.get("host_overlap", False)
         field("host_overlap", _flag)
+        d["overlap_slowdown"] = d.get("overlap_slowdown") or 0.0
+        field("overlap_slowdown", float)
         return cls(**d)
 
     @classmethod
@@ -388,11 +398,13 @@ def _floats(d) -> dict:
 #   published runs (``sim/validate.py``: every source's rows predicted by a fit on the
 #   others; docs/performance-model.md). V100 reuses the closest fitted part; the H200's
 #   is measured (below). On one H100 an MPT-7B block's GEMMs ran at 0.68-0.78 of peak
-#   (``benchmarks/fsdp_step.py``): the fitted 0.53 also carries a many-GPU cost of the
-#   published runs that the model does not name yet (docs/performance-model.md section 6).
+#   (``benchmarks/fsdp_step.py``): the fitted 0.56 still carries a many-GPU cost of the
+#   published runs that the model does not name yet (0.53 before the compute beside
+#   overlapped collectives was slowed, ``overlap_slowdown``; docs/performance-model.md
+#   section 6).
 
-_A100_EFF = Efficiency(gemm_max=0.71, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
-_H100_EFF = Efficiency(gemm_max=0.53, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
+_A100_EFF = Efficiency(gemm_max=0.72, gemm_half_k=200, gemm_half_flops=1.0e9, attention=0.55)
+_H100_EFF = Efficiency(gemm_max=0.56, gemm_half_k=256, gemm_half_flops=2.5e9, attention=0.30,
                        attention_native=0.50)  # fmt: skip
 # H200: the H100's shape terms, at the level plait's own steps' GEMMs reached, profiled on
 # an H200 (RESULTS.md, the sixth GPU session): the ~1B llama's 120.5 ms of GEMMs a step
@@ -401,9 +413,19 @@ _H100_EFF = Efficiency(gemm_max=0.53, gemm_half_k=256, gemm_half_flops=2.5e9, at
 # lower (759-784 of 989 TFLOP/s, 0.78 then): a sweep's GEMMs alone, not the step's.
 _H200_EFF = dataclasses.replace(_H100_EFF, gemm_max=0.89)
 _NVLINK_HOP, _NETWORK_HOP, _LAUNCH = 3.4e-6, 9.6e-6, 5e-6
+# - ``overlap_slowdown``: a GPU's compute runs 18.9 % slower, on average, while a
+#   collective runs beside it (its kernels hold SMs -- an all-gather's 24 blocks of an
+#   H100's 132 -- and stream through the same HBM; a GEMM of one full wave then needs a
+#   second): the average over GPT and LLaMA training workloads on A100, H100, MI250 and
+#   MI210 of "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed
+#   Deep Learning: Performance and Power Implications" (arXiv 2507.03114, 2025; at most
+#   40 %). The same figure for every GPU entry; a CPU's workers time-share its cores
+#   instead (``simulate``).
+OVERLAP_SLOWDOWN = 0.189
 ELEMENTWISE_OF_PEAK = 0.625  # 3.0 of the H200's 4.8 TB/s (above)
 
 _DGX_A100 = dict(
+    overlap_slowdown=OVERLAP_SLOWDOWN,
     devices_per_node=8,
     intra_node=Link(bandwidth=240e9, latency=_NVLINK_HOP),
     inter_node=Link(bandwidth=24e9, latency=_NETWORK_HOP),
@@ -413,6 +435,7 @@ _DGX_A100 = dict(
     framework_overhead_bytes=2 * GiB,
 )
 _DGX_H100 = dict(
+    overlap_slowdown=OVERLAP_SLOWDOWN,
     devices_per_node=8,
     intra_node=Link(bandwidth=360e9, latency=_NVLINK_HOP),
     inter_node=Link(bandwidth=47e9, latency=_NETWORK_HOP),
@@ -447,6 +470,7 @@ BUILTIN: dict[str, Hardware] = {
         intra_node=Link(bandwidth=130e9, latency=_NVLINK_HOP),
         inter_node=Link(bandwidth=11.5e9, latency=_NETWORK_HOP),
         kernel_launch=_LAUNCH,
+        overlap_slowdown=OVERLAP_SLOWDOWN,
         pcie_bandwidth=12e9,
         host_memory_bandwidth=100e9,
         framework_overhead_bytes=1.5 * GiB,

@@ -798,7 +798,7 @@ class _Bounds:
             pieces = self.buckets(c.tp, c.pp, c.vpp, c.ep)
             pipe += float(np.maximum(grad - bwd, grad / pieces).max(initial=0.0))
         # every pipeline rank at once (arrays): the busiest rank's exposed gather
-        exposed = float(np.max(step.exposed_weight_gather(gather, fwd0, self.rt)))
+        exposed = float(np.max(step.exposed_weight_gather(gather, fwd0, self.rt, self.hw)))
         return SLACK * (pipe + opt + exposed)
 
     def family_time(self, c: Candidate, plain: float) -> float:

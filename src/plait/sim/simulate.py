@@ -235,6 +235,9 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
                 for c, n in enumerate(a + b for a, b in zip(chunk_params[r], chunk_experts[r]))
             ]
             done = _overlapped_reduce(windows[r], shares, t_grad)
+            # the backward it ran beside is slowed for the time they shared the device
+            hidden = max(0.0, t_grad - max(0.0, done - ends[r]))
+            done = max(done, ends[r] + hw.overlap_slowdown * hidden)
         else:
             done = ends[r] + t_grad
         finish.append(max(done, ends[r]))
@@ -250,7 +253,9 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     opts = [costs.optimizer_time(n, layout, hw, rt, k, x)
             for n, k, x in zip(params, tensors, experts)]  # fmt: skip
     opt = max(opts)
-    gather = max(step.exposed_weight_gather(t, cost[r][0][0], rt) for r, t in enumerate(gathers))
+    gather = max(
+        step.exposed_weight_gather(t, cost[r][0][0], rt, hw) for r, t in enumerate(gathers)
+    )
     sync = max(syncs)  # dp_algos: averaging / mixing / decoding after the step, exposed
     iter_time = step_sync + opt + gather + sync
     for r in range(p):

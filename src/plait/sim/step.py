@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from plait.layout import Layout
 from plait.model.config import ModelConfig
 from plait.sim import collectives, costs
@@ -80,9 +78,10 @@ def layer_step(
         ef, eb = costs.zero_layer_comm(model, ep_sim.expert_params(model, layout), layout, hw,
                                         rt, experts=True)  # fmt: skip
         z3_fwd, z3_bwd = z3_fwd + ef, z3_bwd + eb
-    if rt.overlap_param_gather:
-        z3_fwd = max(0.0, z3_fwd - lc.fwd)
-        z3_bwd = max(0.0, z3_bwd - lc.bwd_input - lc.bwd_weight - lc.recompute)
+    if rt.overlap_param_gather:  # what outlasts the compute, and what slows it
+        z3_fwd = collectives.hidden_behind(z3_fwd, lc.fwd, hw)
+        z3_bwd = collectives.hidden_behind(z3_bwd, lc.bwd_input + lc.bwd_weight + lc.recompute,
+                                           hw)  # fmt: skip
     return LayerStep(lc, z3_fwd, z3_bwd)
 
 
@@ -130,10 +129,11 @@ def stats_time(layout: Layout, hw: Hardware) -> float:
                                        collectives.group_link(hw, world, 1))  # fmt: skip
 
 
-def exposed_weight_gather(seconds, first_forward, rt: Runtime):
-    """The part of the ZeRO-1/2 weight all-gather the step waits for: all of it, or what
-    outlasts the next step's first forward where the runtime overlaps the two. Floats, or
-    arrays of them (the planner's pipeline ranks at once)."""
+def exposed_weight_gather(seconds, first_forward, rt: Runtime, hw: Hardware):
+    """The part of the ZeRO-1/2 weight all-gather the step waits for: all of it, or where
+    the runtime overlaps it with the next step's first forward what outlasts that forward
+    and what it slows (``collectives.hidden_behind``). Floats, or arrays of them (the
+    planner's pipeline ranks at once)."""
     if rt.overlap_param_gather:
-        return np.maximum(0.0, np.subtract(seconds, first_forward))
+        return collectives.hidden_behind(seconds, first_forward, hw)
     return seconds
