@@ -73,3 +73,37 @@ def test_what_does_not_map_is_one_line(tmp_path):
     del state["blocks.1.mlp.up.weight"]
     with pytest.raises(hf.HFError, match="blocks.1.mlp.up.weight"):
         hf.to_hf(state, CASES["llama-gqa"])
+
+
+def test_a_folder_that_cannot_serve_is_one_line_before_any_worker(tmp_path, capsys):
+    """``plait train --init-hf`` (``--dry-run``: nothing starts) and ``plait rehearse
+    --init-hf`` open the folder's weight files before anything is built: a file that is
+    not safetensors, and one that lacks a tensor the model needs, each exit 2 with one
+    line naming it. Catches the check left to the workers' build (a traceback per rank,
+    as ``plait rehearse`` printed for a corrupt file until 2026-11-28)."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from plait.cli import main
+
+    model = dataclasses.replace(CASES["llama-gqa"], vocab_size=512)  # a BPE's vocabulary
+    folder = tmp_path / "hf"
+    hf.save(folder, dict(_plait(model).named_parameters()), model)
+    assert (
+        main(["train", "--init-hf", str(folder), "--dry-run", "--out", str(tmp_path / "ok")]) == 0
+    )
+    capsys.readouterr()
+    weights = next(folder.glob("*.safetensors"))
+    whole = hf.to_hf(dict(_plait(model).named_parameters()), model)
+    del whole["model.layers.1.mlp.up_proj.weight"]
+    save_file({k: v.detach().contiguous() for k, v in whole.items()}, str(weights))
+    for argv in (["train", "--dry-run"], ["rehearse", "--dp", "2"]):
+        assert main([*argv, "--init-hf", str(folder), "--out", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.layers.1.mlp.up_proj.weight" in err[0], err
+    weights.write_bytes(b"not a safetensors file")
+    for argv in (["train", "--dry-run"], ["rehearse", "--dp", "2"]):
+        assert main([*argv, "--init-hf", str(folder), "--out", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a readable safetensors file" in err[0], err

@@ -264,12 +264,14 @@ def finetune_configs(values: dict) -> dict:
 
 
 def _hf_model(values: dict):
-    """The model of ``--init-hf DIR``; a size flag that disagrees with it is an error."""
+    """The model of ``--init-hf DIR``; a size flag that disagrees with it is an error. The
+    weights' files are opened here too (their headers: every tensor the model needs, of
+    its shape), so that a folder that cannot serve is one line before any worker starts."""
     from plait.cli_args import MODEL_FLAGS
     from plait.model import hf
     from plait.model.config import FLAVOURS
 
-    model = hf.read_config(values["init_hf"])
+    model = hf.HFWeights(values["init_hf"]).cfg
     for flag, name in [*MODEL_FLAGS.items(), ("arch", "arch")]:
         given = values.get(flag)
         if flag == "arch" and given in FLAVOURS:  # --arch llama3 names the llama arch
