@@ -603,8 +603,8 @@ class HFWeights:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         theirs, make = self._recipes[name]
-        if _faking():  # ``plait rehearse``: sizes, not values -- nothing is read
-            return make([torch.empty(self._shape[n]) for n in theirs]).contiguous()
+        if _faking():  # ``plait rehearse``: sizes, not values (on the host, as a file's) -- no read
+            return make([torch.empty(self._shape[n], device="cpu") for n in theirs]).contiguous()
         return make([self._file[n].get_tensor(n).float() for n in theirs]).contiguous()
 
 

@@ -52,6 +52,7 @@ for plait's stacked experts, which export merged only).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import NamedTuple
@@ -178,8 +179,6 @@ def _init_adapters(module: nn.Module, prefix: str, topo, seed: int) -> None:
     full value (``init_adapter``; ``transformer.rank_part``). On a model built on meta
     (ZeRO-3) as an ``init_value()`` the engine calls when it fills the factor's shard, as
     it does the base's (``transformer.defer_init``)."""
-    import functools
-
     for key, p in module.named_parameters():
         make = functools.partial(_adapter_part, f"{prefix}.{key}", p, topo, seed)
         if p.is_meta:
