@@ -1099,7 +1099,8 @@ def test_compute_beside_an_overlapped_collective_slows_by_the_published_fraction
     compute (FSDP2, LLaMA-2 7B at dp 64 on H100) cost that fraction of the time they
     overlap: what outlasts the compute, plus 0.189 of the rest. Catches the slowdown lost
     at this overlap site (free hiding, the model before), charged in full, given to a
-    CPU's workers, or dropped by a YAML round trip."""
+    CPU's workers, or dropped by a YAML round trip (a GPU's file written before the field,
+    with ``host_overlap``, takes the figure; a CPU's, 0)."""
     from plait.sim import step
     from plait.sim.memory import stage_params
 
@@ -1108,6 +1109,9 @@ def test_compute_beside_an_overlapped_collective_slows_by_the_published_fraction
     assert get_hardware("cpu").overlap_slowdown == 0.0
     hw = get_hardware("h100-sxm")
     assert Hardware.from_dict(hw.to_dict()).overlap_slowdown == 0.189
+    older = {k: v for k, v in hw.to_dict().items() if k != "overlap_slowdown"}  # a GPU's
+    assert Hardware.from_dict({**older, "host_overlap": True}).overlap_slowdown == 0.189
+    assert Hardware.from_dict({**older, "host_overlap": False}).overlap_slowdown == 0.0
     model, rt = preset("llama2-7b"), PROFILES["fsdp2"]
     layout = Layout(dp=64, zero=3, global_batch_size=64, micro_batch_size=1, dtype="bf16")
     lc = costs.layer_cost(model, layout, hw, rt)

@@ -306,7 +306,8 @@ class Hardware:
             field(name, float)
         d["host_overlap"] = d.get("host_overlap", False)
         field("host_overlap", _flag)
-        d["overlap_slowdown"] = d.get("overlap_slowdown") or 0.0
+        if d.get("overlap_slowdown") is None:  # a GPU's file from before the field: its figure
+            d["overlap_slowdown"] = OVERLAP_SLOWDOWN if d["host_overlap"] else 0.0
         field("overlap_slowdown", float)
         return cls(**d)
 
