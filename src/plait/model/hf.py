@@ -438,15 +438,21 @@ def _recipes(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], object]]:
     return out
 
 
+def _check_present(recipes: dict, have) -> None:
+    """One line for the first Hugging Face tensor a recipe needs that ``have`` lacks."""
+    for theirs, _ in recipes.values():
+        missing = next((n for n in theirs if n not in have), None)
+        if missing is not None:
+            raise HFError(f"the Hugging Face weights lack {missing!r}")
+
+
 def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """plait's full state dict for Hugging Face tensors (the ``lm_head`` of a tied model
     and rotary/attention buffers are ignored)."""
-    out = {}
-    for name, (theirs, make) in _recipes(cfg).items():
-        missing = next((n for n in theirs if n not in hf), None)
-        if missing is not None:
-            raise HFError(f"the Hugging Face weights lack {missing!r}")
-        out[name] = make([hf[n] for n in theirs]).contiguous()
+    recipes = _recipes(cfg)
+    _check_present(recipes, hf)
+    out = {name: make([hf[n] for n in theirs]).contiguous()
+           for name, (theirs, make) in recipes.items()}  # fmt: skip
     _check_names(out, cfg)
     return out
 
@@ -587,12 +593,10 @@ class HFWeights:
                 self._file[key] = handle
                 self._shape[key] = tuple(handle.get_slice(key).get_shape())
         self._recipes = _recipes(self.cfg)
-        shapes = {}  # each recipe run on storage-less tensors of the headers' shapes
-        for name, (theirs, make) in self._recipes.items():
-            missing = next((n for n in theirs if n not in self._file), None)
-            if missing is not None:
-                raise HFError(f"the Hugging Face weights lack {missing!r}")
-            shapes[name] = make([torch.empty(self._shape[n], device="meta") for n in theirs])
+        _check_present(self._recipes, self._file)
+        # each recipe run on storage-less tensors of the headers' shapes
+        shapes = {name: make([torch.empty(self._shape[n], device="meta") for n in theirs])
+                  for name, (theirs, make) in self._recipes.items()}  # fmt: skip
         _check_names(shapes, self.cfg)
 
     def keys(self):

@@ -443,8 +443,9 @@ def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> 
 def zero3_buffer_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
     """ZeRO-3's working buffers on one device: two gathered layers (the current one and
     the prefetched next, ``gathered_layer_bytes``), the prefetch's input
-    (``gather_input_bytes``) and one layer's full gradient before its reduce-scatter. With MoE blocks, of the larger block: a MoE block gathers its
-    router, shared and E / ep routed experts in the dtype of the matrix weights -- the
+    (``gather_input_bytes``) and one layer's full gradient before its reduce-scatter.
+    With MoE blocks, of the larger block: a MoE block gathers its router, shared and
+    E / ep routed experts in the dtype of the matrix weights -- the
     experts over their edp group, and not at all where that group is one rank, the
     runtime keeps them in place (``zero3_in_place_alone``: ep == dp) and they are
     gathered in their stored dtype (plait: fp32 runs; under bf16 a cast copy is made)."""
