@@ -26,8 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "benchmarks" / "data" / "published_runs.csv"
 MORE = REPO / "benchmarks" / "data" / "published_runs_more.csv"
 INCOMPLETE = {"mlm_readme_h100_strong_96", "mlm_readme_h100_strong_4608"}  # no tp, pp
-# fms-fsdp's "selective" checkpointing of every n-th block: a recomputation not modelled
-PARTIAL = {"ibmfsdp_a100_13B", "ibmfsdp_h100_13B"}
 
 
 def published_rows() -> list[dict]:
@@ -71,7 +69,7 @@ def test_held_out_error_of_published_runs(held_out, grid):
     leaving a source out moves the fitted ``gemm_max``, the held-out prediction must use
     the moved value and differ from the in-sample one, and some sources must move."""
     table = validate.table(held_out) + "\n" + validate.rows_table(held_out)
-    assert set(held_out.skipped) == INCOMPLETE | PARTIAL, table
+    assert set(held_out.skipped) == INCOMPLETE, table
     assert len(held_out.predictions) >= 100, table
     assert len(held_out.by_source()) >= 6, table
     assert held_out.mean_error <= 0.09, table
@@ -149,9 +147,9 @@ def test_each_source_is_compared_in_its_own_flop_convention(predictions):
     # SC21 Table 1 and BLOOM count recomputation; Megatron-Core and MosaicML report MFU
     assert hardware == {f"ntk21_t1_{i}" for i in range(1, 11)} | {"bloom176b_prod"}
     for i, r in by_id.items():
-        if i in INCOMPLETE | PARTIAL:
+        if i in INCOMPLETE:
             assert r["pred_tflops_gpu"] == ""
-            assert r["pred_note"].startswith("incomplete" if i in INCOMPLETE else "recompute")
+            assert r["pred_note"].startswith("incomplete")
             continue
         pred = float(r["pred_tflops_gpu"])
         peak = 312 if "a100" in r["pred_hardware"] else 989.4
