@@ -33,12 +33,15 @@
   layer's full gradient before it is reduce-scattered. A runtime that keeps k packed
   gradients in flight (``Runtime.zero3_grads_in_flight``; plait's ``ReduceScatterGrads``:
   2) peaks either as the forward ends (the two gathered layers beside the activations'
-  peak) or in the backward, k blocks after its start: their activations freed, their k
-  gradients packed and each reduce-scatter's output shard written, k (F (1 + 1/n) - A)
-  beyond the first, F a layer's full gradient, n the shard group and A a layer's
-  activations of one micro-batch. Under full recomputation A is the checkpoint and the
-  backward's state wins (LLaMA-2 7B dp 64: rehearsed 5.64 GiB against 4.87 modelled
-  with one gradient beside the gathered layers). A gathered layer holds its linear
+  peak) or in the backward as it reaches a unit (``zero3_backward_moments``): the last k
+  units' packed fp32 gradients in flight and their reduce-scatters' output shards, every
+  activation behind it freed (on the last stage the head's first), the next block's
+  working set and first weight gradient held. Each category is the one at that moment:
+  ``plait rehearse`` of LLaMA-2 7B dp 64 agrees in every category to 0.1% (2026-11-28;
+  the model that added k blocks' gradients beside the gathered layers and took off k
+  blocks' activations agreed in sum, not by category: gradients 0.26 of the rehearsal's
+  at one micro-batch, buffers 1.56; with one gradient, under recomputation, 4.87 GiB
+  against 5.64 rehearsed). A gathered layer holds its linear
   weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
   plait and FSDP2, half of fp32 -- and its norms in the weights' dtype
   (``gathered_layer_bytes``).
@@ -660,7 +663,12 @@ def memory_per_rank(
             layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
             full = g_bytes * adapters[rank] / layers
-        if buffers and runtime.zero3_grads_in_flight:  # (module docstring)
+        moments = []  # ZeRO-3's backward, unit by unit (``zero3_backward_moments``)
+        if buffers and runtime.zero3_grads_in_flight and lora is None:
+            buffers -= full  # the gathered layers and the prefetch's input; in flight: below
+            layers = sum(stage_layers[c * p + rank] for c in range(v))
+            moments = zero3_backward_moments(cfg, layout, runtime, layers, rank == p - 1)
+        elif buffers and runtime.zero3_grads_in_flight:  # LoRA: the adapters' gradients
             k = runtime.zero3_grads_in_flight
             lay = layout.recomputing_all() if layout.recompute_layers else layout
             a = chunk_activation_bytes(cfg, lay, runtime, 1, 0, lora)[0]
@@ -684,6 +692,69 @@ def memory_per_rank(
             if captured[rank] and at_bi[rank]:  # a BI's captured gradients on top
                 joint = max(joint, at_bi[rank] + captured[rank] + g)
         apart = held[rank] + g - joint  # < 0: a BI's captured gradients on top of both
-        out.append(Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart,
-                          temporaries=held[rank] - act[rank]))  # fmt: skip
+        mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart,
+                     temporaries=held[rank] - act[rank])  # fmt: skip
+        rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
+        for grads, flight, freed, temps in moments:  # a peak in the backward (module doc)
+            back = Memory(rank, w, rows + grads, o, act[rank], buffers + flight, overhead, cp,
+                          casts, act[rank] - bare[rank] + freed, temporaries=temps)  # fmt: skip
+            if back.total > mem.total:
+                mem = back
+        out.append(mem)
+    return out
+
+
+def zero3_backward_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
+                           last: bool) -> list[tuple[float, float, float, float]]:  # fmt: skip
+    """What a ZeRO-3 rank holds, beyond its shards, the gathered layers and its activations'
+    peak, as its last micro-batch's backward reaches each unit: (gradients, packed inputs
+    in flight, activations freed, temporaries). ``Runtime.zero3_grads_in_flight`` = k:
+    each unit's backward packs its full gradient (fp32) for a reduce-scatter that writes
+    this rank's shard of it, and packing one more first completes the oldest of the k in
+    flight (plait's ``ReduceScatterGrads``). Going down, the backward has freed the
+    activations of the units behind it (on the last stage first the head's: its buffers
+    and logits) and holds the next block's working set (``mlp_backward_working_set``, and
+    a recomputing block's forward made again: "freed" is net of it) and that block's
+    first weight gradient, its down projection's in the gathered dtype, whose input the
+    gradient has consumed. The gradients are the reduce-scatters' outputs: in flight, and
+    in a step of one micro-batch those completed (from the second micro-batch on the rows
+    hold them: ``memory_per_rank`` adds them). On the last stage of an untied model the
+    final norm and head are a unit of their own, the first to reduce; a tied head is
+    reduced with the embedding, at the end. ``plait rehearse`` of LLaMA-2 7B dp 64 at one
+    micro-batch held at its peak 0.103 GiB of gradients (the head's and the last block's
+    shards in flight, the down projection's 4096 x 11008 bf16 gradient) and 2.002 of
+    buffers (the two packed, the two gathered blocks and the gather's input)."""
+    k = runtime.zero3_grads_in_flight
+    shard = dp_groups(layout, False)[0]
+    _, full = _zero3_parts(cfg, layout, runtime)
+    lay = layout.recomputing_all() if layout.recompute_layers else layout
+    a = chunk_activation_bytes(cfg, lay, runtime, 1, 0)[0]
+    work = mlp_backward_working_set(cfg, layout, runtime)
+    again = recompute_transient(cfg, layout, runtime)  # the next block's forward, remade
+    down = cfg.ffn_hidden * cfg.hidden / layout.tp * runtime.param_comm_bytes(layout.dtype)
+    # that projection's input, freed once its weight gradient is made (before the MLP's
+    # working set is whole)
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    down_input = tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
+    g_bytes = runtime.state_bytes(layout.dtype)[1]
+    units = [(full, a)] * layers  # (packed gradient, activations freed), in backward order
+    if last and units:
+        head = last_stage_buffers(cfg, layout)
+        if cfg.tied_embeddings:
+            units[0] = (full, a + head)
+        else:
+            units.insert(0, ((cfg.vocab_size / layout.tp + 1) * cfg.hidden * g_bytes, head))
+    out, freed, landed = [], 0.0, 0.0
+    for j, (_, act) in enumerate(units):
+        freed += act
+        flight = units[max(0, j - k + 1) : j + 1]
+        if j >= k and layout.num_microbatches == 1:
+            landed += units[j - k][0] / shard  # completed: its shard written
+        nxt = j + 1 < len(units)
+        out.append((
+            landed + sum(f for f, _ in flight) / shard + (down if nxt else 0.0),
+            sum(f for f, _ in flight),
+            freed + (down_input - again if nxt else 0.0),
+            work if nxt else 0.0,
+        ))  # fmt: skip
     return out
