@@ -667,7 +667,8 @@ def memory_per_rank(
         if buffers and runtime.zero3_grads_in_flight and lora is None:
             buffers -= full  # the gathered layers and the prefetch's input; in flight: below
             layers = sum(stage_layers[c * p + rank] for c in range(v))
-            moments = zero3_backward_moments(cfg, layout, runtime, layers, rank == p - 1)
+            moments = zero3_backward_moments(cfg, layout, runtime, layers, rank == 0,
+                                             rank == p - 1)  # fmt: skip
         elif buffers and runtime.zero3_grads_in_flight:  # LoRA: the adapters' gradients
             k = runtime.zero3_grads_in_flight
             lay = layout.recomputing_all() if layout.recompute_layers else layout
@@ -695,9 +696,9 @@ def memory_per_rank(
         mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart,
                      temporaries=held[rank] - act[rank])  # fmt: skip
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
-        for grads, flight, freed, temps in moments:  # a peak in the backward (module doc)
-            back = Memory(rank, w, rows + grads, o, act[rank], buffers + flight, overhead, cp,
-                          casts, act[rank] - bare[rank] + freed, temporaries=temps)  # fmt: skip
+        for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
+            back = Memory(rank, w, rows + grads, o, act[rank], zbufs, overhead, cp, casts,
+                          act[rank] - bare[rank] + freed, temporaries=temps)  # fmt: skip
             if back.total > mem.total:
                 mem = back
         out.append(mem)
@@ -705,56 +706,79 @@ def memory_per_rank(
 
 
 def zero3_backward_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
-                           last: bool) -> list[tuple[float, float, float, float]]:  # fmt: skip
-    """What a ZeRO-3 rank holds, beyond its shards, the gathered layers and its activations'
-    peak, as its last micro-batch's backward reaches each unit: (gradients, packed inputs
-    in flight, activations freed, temporaries). ``Runtime.zero3_grads_in_flight`` = k:
-    each unit's backward packs its full gradient (fp32) for a reduce-scatter that writes
-    this rank's shard of it, and packing one more first completes the oldest of the k in
-    flight (plait's ``ReduceScatterGrads``). Going down, the backward has freed the
-    activations of the units behind it (on the last stage first the head's: its buffers
-    and logits) and holds the next block's working set (``mlp_backward_working_set``, and
-    a recomputing block's forward made again: "freed" is net of it) and that block's
-    first weight gradient, its down projection's in the gathered dtype, whose input the
-    gradient has consumed. The gradients are the reduce-scatters' outputs: in flight, and
-    in a step of one micro-batch those completed (from the second micro-batch on the rows
-    hold them: ``memory_per_rank`` adds them). On the last stage of an untied model the
-    final norm and head are a unit of their own, the first to reduce; a tied head is
-    reduced with the embedding, at the end. ``plait rehearse`` of LLaMA-2 7B dp 64 at one
-    micro-batch held at its peak 0.103 GiB of gradients (the head's and the last block's
-    shards in flight, the down projection's 4096 x 11008 bf16 gradient) and 2.002 of
-    buffers (the two packed, the two gathered blocks and the gather's input)."""
+                           first: bool, last: bool) -> list[tuple[float, float, float, float]]:  # fmt: skip
+    """What a ZeRO-3 rank holds, beyond its shards and its activations' peak, as its last
+    micro-batch's backward finishes each unit: (gradients, buffers, activations freed,
+    temporaries). ``Runtime.zero3_grads_in_flight`` = k: each unit's backward packs its
+    full gradient (fp32) for a reduce-scatter that writes this rank's shard of it, and
+    packing one more first completes the oldest of the k in flight (plait's
+    ``ReduceScatterGrads``). The buffers are those packed inputs, the next block gathered
+    and the one after it being gathered (with the gather's input), none once the chunk's
+    last block is done. Going down, the backward has freed the activations of the units
+    behind it (on the last stage first the head's: its buffers and logits) and holds the
+    next block's working set (``mlp_backward_working_set``, and a recomputing block's
+    forward made again: "freed" is net of it) and that block's first weight gradient,
+    its down projection's in the gathered dtype, whose input the gradient has consumed.
+    Or, as a block packs, its own weight gradients (the size of the gathered block) not yet
+    let go, the block itself freed and only the next gathered, nothing of it begun. The gradients are the reduce-scatters' outputs: in
+    flight, and in a step of one micro-batch those completed (from the second micro-batch on the rows hold them:
+    ``memory_per_rank`` adds them). An untied model's final norm and head are a unit of
+    their own, the first to reduce on the last stage, and its embedding the last on the
+    first; a tied model's head, norm and embedding are one unit, reduced at the end.
+    ``plait rehearse`` of LLaMA-2 7B dp 64 at one micro-batch held at its peak 0.103 GiB
+    of gradients (the head's and the last block's shards in flight, the down projection's
+    4096 x 11008 bf16 gradient) and 2.002 of buffers (the two packed, the two gathered
+    blocks and the gather's input); a pipeline's first stage peaks as its chunk's
+    backward ends, two packed blocks in flight and nothing gathered."""
     k = runtime.zero3_grads_in_flight
     shard = dp_groups(layout, False)[0]
-    _, full = _zero3_parts(cfg, layout, runtime)
-    lay = layout.recomputing_all() if layout.recompute_layers else layout
-    a = chunk_activation_bytes(cfg, lay, runtime, 1, 0)[0]
+    gathered, full = _zero3_parts(cfg, layout, runtime)
+    gather_input = gather_input_bytes(cfg, layout, runtime)
+    # a block recomputing (the chunk's first ``recomputed_blocks``) frees its checkpoint
+    # and remakes its forward when its backward starts; the others free what they kept
+    ckpt = chunk_activation_bytes(cfg, layout.recomputing_all(), runtime, 1, 0)[0]
+    kept = chunk_activation_bytes(cfg, layout.without_recompute(), runtime, 1, 0)[0]
+    again = recompute_transient(cfg, layout, runtime)
+    redo = layout.recomputed_blocks(layers)
     work = mlp_backward_working_set(cfg, layout, runtime)
-    again = recompute_transient(cfg, layout, runtime)  # the next block's forward, remade
     down = cfg.ffn_hidden * cfg.hidden / layout.tp * runtime.param_comm_bytes(layout.dtype)
     # that projection's input, freed once its weight gradient is made (before the MLP's
     # working set is whole)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     down_input = tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
     g_bytes = runtime.state_bytes(layout.dtype)[1]
-    units = [(full, a)] * layers  # (packed gradient, activations freed), in backward order
+    table = cfg.vocab_size / layout.tp * cfg.hidden * g_bytes  # a vocabulary table's gradient
+    # (packed gradient, activations freed, forward remade as its backward starts, a block),
+    # in backward order: the chunk's last block first
+    units = [(full, ckpt, again, True) if b < redo else (full, kept, 0.0, True)
+             for b in reversed(range(layers))]  # fmt: skip
     if last and units:
         head = last_stage_buffers(cfg, layout)
         if cfg.tied_embeddings:
-            units[0] = (full, a + head)
+            units[0] = (full, units[0][1] + head, units[0][2], True)
         else:
-            units.insert(0, ((cfg.vocab_size / layout.tp + 1) * cfg.hidden * g_bytes, head))
+            units.insert(0, (table + cfg.hidden * g_bytes, head, 0.0, False))
+    if units and cfg.tied_embeddings and (first or last):
+        units.append((table + (cfg.hidden * g_bytes if last else 0.0), 0.0, 0.0, False))
+    elif units and first:
+        units.append((table, 0.0, 0.0, False))
     out, freed, landed = [], 0.0, 0.0
-    for j, (_, act) in enumerate(units):
+    for j, (_, act, _, _) in enumerate(units):
         freed += act
-        flight = units[max(0, j - k + 1) : j + 1]
+        flight = [f for f, _, _, _ in units[max(0, j - k + 1) : j + 1]]
         if j >= k and layout.num_microbatches == 1:
             landed += units[j - k][0] / shard  # completed: its shard written
-        nxt = j + 1 < len(units)
+        ahead = [u for u in units[j + 1 : j + 3] if u[3]]  # blocks gathered and gathering
+        nxt = units[j + 1] if j + 1 < len(units) and units[j + 1][3] else None
+        held = sum(flight) + len(ahead) * gathered + (gather_input if len(ahead) > 1 else 0.0)
+        outputs = landed + sum(flight) / shard
+        if units[j][3]:  # as it packs: its own weight gradients not yet let go, itself
+            # freed (its gradients all in), the next block gathered, not yet the one after
+            out.append((outputs + gathered, sum(flight) + (gathered if nxt else 0.0), freed, 0.0))
         out.append((
-            landed + sum(f for f, _ in flight) / shard + (down if nxt else 0.0),
-            sum(f for f, _ in flight),
-            freed + (down_input - again if nxt else 0.0),
+            outputs + (down if nxt else 0.0),
+            held,
+            freed + (down_input - nxt[2] if nxt else 0.0),
             work if nxt else 0.0,
         ))  # fmt: skip
     return out
