@@ -873,7 +873,8 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     # at the model's peak the activations are their own peak less what the gradients'
     # arrival after it takes off (``Memory.grads_apart``)
     act = mem.activations + mem.weight_casts
-    memory = {"parameters": mem.weights, "gradients": mem.grads, "optimizer": mem.optimizer,
+    memory = {"parameters": mem.weights, "gradients": mem.grads + mem.grads_moment,
+              "optimizer": mem.optimizer,
               "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: act,
               "temporaries": mem.temporaries or None, "total": mem.total}  # fmt: skip
     return {

@@ -45,6 +45,11 @@
   weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
   plait and FSDP2, half of fp32 -- and its norms in the weights' dtype
   (``gathered_layer_bytes``).
+- ZeRO-2 under a runtime that reduce-scatters every micro-batch (plait) may peak on the
+  last stage as the head's backward ends (``zero2_head_moment``): the head's whole
+  weight gradient beside the shard rows, until the final norm's closes its bucket.
+  Gradients a moment holds beyond the state (or, at one micro-batch, short of its rows)
+  are ``Memory.grads_moment``; ``Memory.grads`` stays the state's.
 - Context parallelism (``sim/context.py``): every per-token figure above counts the
   s / cp tokens a cp rank holds, and the cp attention keeps no scores (only Q, K, V, the
   output and a fp32 log-sum-exp: fused attention's accounting, whatever the runtime);
@@ -96,6 +101,10 @@ class Memory:
     # what a backward holds beside the activations' peak as it starts (the MLP's gradients,
     # ``mlp_backward_working_set``) beyond what it frees first (the head's buffers)
     temporaries: float = 0.0
+    # gradients the peak holds beyond the state's ``grads`` (negative: short of them): a
+    # ZeRO-2/3 backward's reduce-scatter outputs in flight and weight gradients not yet
+    # packed, less the shard rows a step's first micro-batch has not written yet
+    grads_moment: float = 0.0
 
     @property
     def total(self) -> float:
@@ -105,6 +114,7 @@ class Memory:
             + self.cp_buffers
             + self.weight_casts
             + self.temporaries
+            + self.grads_moment
             - self.grads_apart
         )
 
@@ -116,6 +126,8 @@ class Memory:
             cp["grads_apart"] = self.grads_apart
         if self.temporaries:
             cp["temporaries"] = self.temporaries
+        if self.grads_moment:
+            cp["grads_moment"] = self.grads_moment
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -664,6 +676,8 @@ def memory_per_rank(
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
             full = g_bytes * adapters[rank] / layers
         moments = []  # ZeRO-3's backward, unit by unit (``zero3_backward_moments``)
+        if layout.zero == 2 and runtime.zero2_reduce_per_microbatch and rank == p - 1:
+            moments = [zero2_head_moment(cfg, layout, runtime, lora)]
         if buffers and runtime.zero3_grads_in_flight and lora is None:
             buffers -= full  # the gathered layers and the prefetch's input; in flight: below
             layers = sum(stage_layers[c * p + rank] for c in range(v))
@@ -697,12 +711,30 @@ def memory_per_rank(
                      temporaries=held[rank] - act[rank])  # fmt: skip
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
         for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
-            back = Memory(rank, w, rows + grads, o, act[rank], zbufs, overhead, cp, casts,
-                          act[rank] - bare[rank] + freed, temporaries=temps)  # fmt: skip
+            back = Memory(rank, w, g, o, act[rank], zbufs, overhead, cp, casts,
+                          act[rank] - bare[rank] + freed, temporaries=temps,
+                          grads_moment=rows + grads - g)  # fmt: skip
             if back.total > mem.total:
                 mem = back
         out.append(mem)
     return out
+
+
+def zero2_head_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                      lora=None) -> tuple[float, float, float, float]:  # fmt: skip
+    """ZeRO-2's last stage as the head's backward ends, before the final norm's: the
+    head's weight gradient made whole (V h / t in the gradients' dtype: its bucket,
+    closed by the norm's, not yet packed into the shard rows), the head's buffers freed
+    (``last_stage_buffers``), and the logits' fp32 gradient and the head input's
+    gradient held. (gradients, buffers, activations freed, temporaries), as
+    ``zero3_backward_moments``. ``plait rehearse`` of LLaMA-2 7B dp 64 peaked there:
+    0.488 GiB of the head's gradient beside the shard rows, 0.52 of temporaries."""
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    e, g_bytes = ACT_BYTES[layout.dtype], runtime.state_bytes(layout.dtype)[1]
+    split = layout.tp if layout.sequence_parallel else 1
+    head = 0.0 if lora is not None else cfg.vocab_size / layout.tp * cfg.hidden * g_bytes
+    temps = tokens * (cfg.vocab_size / layout.tp * 4 + cfg.hidden / split * e)
+    return head, 0.0, last_stage_buffers(cfg, layout, lora), temps
 
 
 def zero3_backward_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
