@@ -675,7 +675,7 @@ def memory_per_rank(
             layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
             full = g_bytes * adapters[rank] / layers
-        moments = []  # ZeRO-3's backward, unit by unit (``zero3_backward_moments``)
+        moments = []  # where a ZeRO-2/3 backward may peak (``zero2_head_moment``, ``zero3_...``)
         if layout.zero == 2 and runtime.zero2_reduce_per_microbatch and rank == p - 1:
             moments = [zero2_head_moment(cfg, layout, runtime, lora)]
         if buffers and runtime.zero3_grads_in_flight and lora is None:
@@ -737,8 +737,9 @@ def zero2_head_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     return head, 0.0, last_stage_buffers(cfg, layout, lora), temps
 
 
-def zero3_backward_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
-                           first: bool, last: bool) -> list[tuple[float, float, float, float]]:  # fmt: skip
+def zero3_backward_moments(
+    cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, first: bool, last: bool
+) -> list[tuple[float, float, float, float]]:
     """What a ZeRO-3 rank holds, beyond its shards and its activations' peak, as its last
     micro-batch's backward finishes each unit: (gradients, buffers, activations freed,
     temporaries). ``Runtime.zero3_grads_in_flight`` = k: each unit's backward packs its
@@ -751,9 +752,10 @@ def zero3_backward_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, l
     next block's working set (``mlp_backward_working_set``, and a recomputing block's
     forward made again: "freed" is net of it) and that block's first weight gradient,
     its down projection's in the gathered dtype, whose input the gradient has consumed.
-    Or, as a block packs, its own weight gradients (the size of the gathered block) not yet
-    let go, the block itself freed and only the next gathered, nothing of it begun. The gradients are the reduce-scatters' outputs: in
-    flight, and in a step of one micro-batch those completed (from the second micro-batch on the rows hold them:
+    Or, as a block packs, its own weight gradients (the size of the gathered block) not
+    yet let go, the block itself freed and only the next gathered, nothing of it begun.
+    The gradients are the reduce-scatters' outputs: in flight, and in a step of one
+    micro-batch those completed (from the second micro-batch on the rows hold them:
     ``memory_per_rank`` adds them). An untied model's final norm and head are a unit of
     their own, the first to reduce on the last stage, and its embedding the last on the
     first; a tied model's head, norm and embedding are one unit, reduced at the end.
