@@ -658,6 +658,46 @@ def test_zero3_pipeline_stages_peak_as_modelled(tmp_path):
         assert abs(ratio - 1) <= 0.05, (rank, got, want)
 
 
+def test_zero3_cp_peaks_in_the_ring_backward_as_modelled(tmp_path):
+    """ZeRO-3 under context parallelism (--cp 2 --dp 2, four llama blocks of h 2048,
+    2,048 tokens, bf16): the rank peaks inside a block's ring-attention backward, its MLP
+    and output projection's weight gradients made, the MLP's saved tensors freed and the
+    ring's fp32 dK/dV pairs, query gradient and kernel outputs held
+    (``memory.zero3_backward_moments``, ``context.backward_buffer_bytes``). Gradients,
+    buffers, temporaries and the total within 5 % (1.000, 1.000, 1.039 and 1.003 on
+    rank 0). Catches the model without that moment (gradients 1.41, temporaries 2.25,
+    2026-11-28), and a rehearsal that sized the CPU kernel's fp32 copies of q, k and v
+    in the ring (total 1.065 against 1.022)."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, cp=2, dp=2, zero=3, arch="llama", hidden=2048,
+                        heads=16, seq_len=2048, micro_batch_size=1,
+                        global_batch_size=2)  # fmt: skip
+    rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    for row in ("total", "gradients", "buffers", "temporaries"):
+        got, want, ratio = rows[row]
+        assert ratio is not None and abs(ratio - 1) <= 0.05, (row, got, want)
+
+
+def test_a_rehearsal_sizes_the_rings_gpu_kernels():
+    """Under ``rehearsing_gpu_kernels`` a ring block's fused attention takes the CUDA path
+    (flash in bf16 / fp16, memory-efficient in fp32), which keeps q, k and v in their own
+    dtype, not the CPU kernel's fp32 copies. Catches the rehearsal that sized a GPU
+    run's ring attention with the CPU kernel (its temporaries 0.141 GiB against the GPU
+    path's 0.106 for a layer of h 2048 at cp 2)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from plait.model import transformer
+    from plait.parallel import context
+
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 64, 32, dtype=torch.bfloat16)
+        assert context._kernel(q, q, None) == "cpu"
+        with transformer.rehearsing_gpu_kernels():
+            assert context._kernel(q, q, None) == "flash"
+            assert context._kernel(q.float(), q.float(), None) == "efficient"
+            assert context._kernel(q, q, torch.zeros(1, 64)) is None  # document masks: math
+
+
 def test_the_rehearsal_sweep_prints_each_ranks_comparison():
     """``benchmarks/rehearse_sweep.py`` runs a case (pp 2, 1F1B) and prints one line per
     rank with the whole peak rehearsed vs modelled and their ratio, within the issue's

@@ -876,7 +876,8 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     memory = {"parameters": mem.weights, "gradients": mem.grads + mem.grads_moment,
               "optimizer": mem.optimizer,
               "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: act,
-              "temporaries": mem.temporaries or None, "total": mem.total}  # fmt: skip
+              "temporaries": (mem.temporaries + mem.cp_buffers) or None,
+              "total": mem.total}  # fmt: skip
     return {
         "memory": memory,
         "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank, lora=cfg.lora),

@@ -73,6 +73,13 @@ def _fused_rms(x: torch.Tensor) -> bool:
 _GPU_KERNELS_ON_FAKE = False
 
 
+def rehearsing_gpu() -> bool:
+    """Inside ``rehearsing_gpu_kernels``: fake tensors on the CPU stand for a GPU's, and
+    the layers take the paths a CUDA device would (context parallelism's fused attention
+    kernels in the input dtype, not the CPU kernel's fp32 copies)."""
+    return _GPU_KERNELS_ON_FAKE
+
+
 @contextlib.contextmanager
 def rehearsing_gpu_kernels():
     """``plait rehearse``: its fake tensors (on the CPU) take the CUDA-only kernels'

@@ -250,6 +250,10 @@ def _kernel(q, k, q_doc) -> str | None:
     checks (dtype, head size, GPU architecture) pick flash, then efficient."""
     if q_doc is not None:
         return None
+    from plait.model import transformer
+
+    if transformer.rehearsing_gpu():  # a rehearsal's fake tensors size the GPU's kernels
+        return "flash" if q.dtype in (torch.float16, torch.bfloat16) else "efficient"
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type != "cuda":
@@ -358,6 +362,8 @@ def _attend_backward_fused(kernel: str, q, k, v, dout, out, lse, *, causal, scal
         dk[..., keys, :] += b
         dv[..., keys, :] += c
     g = q.shape[1] // K
+    if g == 1:  # no grouped heads to sum: no fp32 copy of each
+        return dq, dk, dv
     return dq, dk.view(B, K, g, Tk, D).sum(2), dv.view(B, K, g, Tk, D).sum(2)
 
 
@@ -615,6 +621,7 @@ class _RingAttention(torch.autograd.Function):
                     for i, p in enumerate(picks):
                         block[0][..., p * c : (p + 1) * c, :] += dk[..., i * c : (i + 1) * c, :]
                         block[1][..., p * c : (p + 1) * c, :] += dv[..., i * c : (i + 1) * c, :]
+                    del dqa, dk, dv  # joined: not held through the next block's kernels
             else:  # accumulate: step 0 starts the accumulator of this rank's own block
                 acc = block if step.t == 0 else acc + block
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None

@@ -214,3 +214,29 @@ def buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: bool) -> flo
         held = b * s * (2 * h + 2 * k) / N * (e + FP32)
         block = b * H / N * s * s
     return held + (0.0 if flash_attention else 3 * FP32 * block)
+
+
+def backward_buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: bool) -> float:
+    """Transient bytes one layer's ring attention holds at its backward's fullest, the
+    fused kernels' path (``parallel/context.py``'s ``_RingAttention.backward``): the
+    incoming output gradient (T x h, the activation dtype) and the fp32 query gradient;
+    the K/V block held (and the next one arriving, from a ring of three on) and three
+    fp32 dK/dV pairs (this step's, the accumulator and the one arriving); and within it the
+    largest kernel call, a query chunk of T / 2 against a block of T keys: its query,
+    output gradient and output copied (T / 2 x h each), fp32 gradients of its queries and,
+    at the queries' heads, of its keys and values, the kernel's three outputs, and the
+    K/V repeated to the queries' heads where heads are grouped. T = b s / N, h and k the
+    query and key widths of a tp rank. ``plait rehearse`` of a llama layer (h 2048, 16
+    heads, s 2048, cp 2) held 13.6 x T h fp32 there against this 13. Other modes keep
+    ``buffer_bytes`` (the forward's)."""
+    N = layout.cp
+    if N == 1 or layout.cp_mode != "ring" or not flash_attention:
+        return buffer_bytes(cfg, layout, flash_attention)
+    b, e = layout.micro_batch_size, act_bytes(layout)
+    T = b * cfg.seq_len / N
+    H, h, k = widths(cfg, layout)
+    pairs = 1 if N == 2 else 2
+    ring = T * (h * (e + FP32) + k * (pairs * 2 * e + 3 * 2 * FP32))
+    repeat = 2 * T * h * e if k < h else 0.0
+    call = T * h * (e / 2 + e + FP32 / 2 + 2 * FP32 + e / 2 + 2 * e) + repeat
+    return max(ring + call, buffer_bytes(cfg, layout, flash_attention))
