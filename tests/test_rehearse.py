@@ -658,19 +658,21 @@ def test_zero3_pipeline_stages_peak_as_modelled(tmp_path):
         assert abs(ratio - 1) <= 0.05, (rank, got, want)
 
 
-def test_zero3_cp_peaks_in_the_ring_backward_as_modelled(tmp_path):
+@pytest.mark.parametrize("mode", ["ring", "allgather"])
+def test_zero3_cp_peaks_in_the_attention_backward_as_modelled(tmp_path, mode):
     """ZeRO-3 under context parallelism (--cp 2 --dp 2, four llama blocks of h 2048,
-    2,048 tokens, bf16): the rank peaks inside a block's ring-attention backward, its MLP
+    2,048 tokens, bf16): the rank peaks inside a block's cp-attention backward, its MLP
     and output projection's weight gradients made, the MLP's saved tensors freed and the
-    ring's fp32 dK/dV pairs, query gradient and kernel outputs held
+    attention's fp32 dK/dV, query gradient and kernel outputs held
     (``memory.zero3_backward_moments``, ``context.backward_buffer_bytes``). Gradients,
-    buffers, temporaries and the total within 5 % (1.000, 1.000, 1.039 and 1.003 on
-    rank 0). Catches the model without that moment (gradients 1.41, temporaries 2.25,
-    2026-11-28), and a rehearsal that sized the CPU kernel's fp32 copies of q, k and v
-    in the ring (total 1.065 against 1.022)."""
+    buffers, temporaries and the total within 5 % (ring: 1.000, 1.000, 1.039, 1.003;
+    allgather: 1.000, 1.000, 1.049, 1.004 on rank 0). Catches the model without that
+    moment (gradients 1.41, temporaries 2.25 / 1.38, 2026-11-28), and a rehearsal that
+    sized the CPU kernel's fp32 copies of q, k and v in the ring (total 1.065 against
+    1.022)."""
     cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, cp=2, dp=2, zero=3, arch="llama", hidden=2048,
-                        heads=16, seq_len=2048, micro_batch_size=1,
-                        global_batch_size=2)  # fmt: skip
+                        heads=16, seq_len=2048, micro_batch_size=1, global_batch_size=2,
+                        cp_mode=mode)  # fmt: skip
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
     for row in ("total", "gradients", "buffers", "temporaries"):
         got, want, ratio = rows[row]

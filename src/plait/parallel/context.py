@@ -679,8 +679,11 @@ class _AllGatherAttention(torch.autograd.Function):
             )  # fmt: skip
             dfull[0][..., upto, :] += dk
             dfull[1][..., upto, :] += dv
+            del dk, dv  # joined: not held through the next chunk's kernels
+        del full
         pieces = torch.stack([shard(dfull, cp=n, index=j, dim=-2) for j in range(n)])
-        dkv = torch.empty(pieces.shape[1:], dtype=dt, device=dfull.device)
+        del dfull
+        dkv = torch.empty(pieces.shape[1:], dtype=dt, device=pieces.device)
         comm.reduce_scatter_into(dkv, pieces, topo=ring.topo, axis=ring.axis)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 

@@ -227,14 +227,28 @@ def backward_buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: boo
     at the queries' heads, of its keys and values, the kernel's three outputs, and the
     K/V repeated to the queries' heads where heads are grouped. T = b s / N, h and k the
     query and key widths of a tp rank. ``plait rehearse`` of a llama layer (h 2048, 16
-    heads, s 2048, cp 2) held 13.6 x T h fp32 there against this 13. Other modes keep
-    ``buffer_bytes`` (the forward's)."""
+    heads, s 2048, cp 2) held 13.6 x T h fp32 there against this 13. Allgather
+    (``_AllGatherAttention.backward``): the output gradient, the fp32 query gradient, every
+    rank's K/V gathered and their fp32 gradient, and the last query chunk's call against
+    all N T keys -- its query, output gradient and output copied, fp32 gradients of its
+    queries and, at the queries' heads, of every key and value, the kernel's outputs for
+    the keys before the diagonal and for the diagonal's, whose K/V are copied out (or, if
+    more, the reduce-scatter's pieces of the fp32 K/V gradient); 0.129 GiB rehearsed there
+    against this 0.123 at h 2048, cp 2. All-to-all keeps ``buffer_bytes`` (the forward's)."""
     N = layout.cp
-    if N == 1 or layout.cp_mode != "ring" or not flash_attention:
+    if N == 1 or layout.cp_mode not in ("ring", "allgather") or not flash_attention:
         return buffer_bytes(cfg, layout, flash_attention)
     b, e = layout.micro_batch_size, act_bytes(layout)
     T = b * cfg.seq_len / N
     H, h, k = widths(cfg, layout)
+    if layout.cp_mode == "allgather":
+        Tk, c = N * T, T / 2  # every key; the queries of a chunk
+        kr = h if k < h else k  # the keys' width as the kernel takes them (heads repeated)
+        base = T * h * (e + FP32) + 2 * Tk * k * (e + FP32)
+        call = (c * h * (7 * e + FP32) + Tk * h * (2 * FP32 + 2 * e) - 2 * c * h * e
+                + 2 * c * kr * e + (2 * Tk * h * e if k < h else 0.0))  # fmt: skip
+        pieces = T * h * (e + FP32) + 3 * 2 * Tk * k * FP32
+        return max(base + call, pieces, buffer_bytes(cfg, layout, flash_attention))
     pairs = 1 if N == 2 else 2
     ring = T * (h * (e + FP32) + k * (pairs * 2 * e + 3 * 2 * FP32))
     repeat = 2 * T * h * e if k < h else 0.0

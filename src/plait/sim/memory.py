@@ -754,10 +754,11 @@ def zero3_backward_moments(
     its down projection's in the gathered dtype, whose input the gradient has consumed.
     Or, as a block packs, its own weight gradients (the size of the gathered block) not
     yet let go, the block itself freed and only the next gathered, nothing of it begun.
-    Under cp, also the next block's ring-attention backward: its MLP's and output
-    projection's weight gradients made, the MLP's saved tensors freed, the ring's working
-    set held (``context.backward_buffer_bytes``; a fused kernel's, without cp, is smaller
-    than the MLP's and never leads). llama h 2048, --cp 2 --dp 2: 1.003 of the model.
+    Under cp, also the next block's cp-attention backward: its MLP's and output
+    projection's weight gradients made, the MLP's saved tensors freed, the attention's
+    working set held (``context.backward_buffer_bytes``; a fused kernel's, without cp, is
+    smaller than the MLP's and never leads). llama h 2048, --cp 2 --dp 2: 1.003 (ring),
+    1.004 (allgather) of the model.
     The gradients are the reduce-scatters' outputs: in flight, and in a step of one
     micro-batch those completed (from the second micro-batch on the rows hold them:
     ``memory_per_rank`` adds them). An untied model's final norm and head are a unit of
@@ -800,7 +801,7 @@ def zero3_backward_moments(
         units.append((table + (cfg.hidden * g_bytes if last else 0.0), 0.0, 0.0, False))
     elif units and first:
         units.append((table, 0.0, 0.0, False))
-    attend = None  # a block's ring attention backward (cp), its MLP's backward done
+    attend = None  # a block's cp attention backward, its MLP's backward done
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
         fwd = cp_sim.buffer_bytes(cfg, layout, flash)  # held beside it (cp_buffers)
