@@ -2,6 +2,7 @@
 
     python benchmarks/simulator_accuracy.py --published           # published runs only (~3 s)
     python benchmarks/simulator_accuracy.py --published --write-held-out  # and sim/held_out.py
+    python benchmarks/simulator_accuracy.py --published --per-source  # each source's own fit
     python benchmarks/simulator_accuracy.py                       # both parts below
     python benchmarks/simulator_accuracy.py --quick-calibration --only "single,dp2,tp2,pp2 1f1b,dp2 zero3"
     python benchmarks/simulator_accuracy.py --rounds 5 --json results.json
@@ -10,7 +11,8 @@
 Part 1, published runs (``plait.sim.validate``): every row of
 ``benchmarks/data/published_runs.csv`` and ``benchmarks/data/published_runs_more.csv``,
 each source predicted with ``gemm_max`` fitted on the other sources only; prints the
-held-out error per source and per row.
+held-out error per source and per row. ``--per-source`` also fits each source on its own
+(``validate.per_source_fits``): the error no shared ``gemm_max`` can go below.
 
 Part 2, this machine:
 
@@ -141,7 +143,7 @@ PUBLISHED = [
 HELD_OUT = Path(__file__).resolve().parents[1] / "src" / "plait" / "sim" / "held_out.py"
 
 
-def published(rows: bool = True, write_held_out: bool = False) -> None:
+def published(rows: bool = True, write_held_out: bool = False, per_source: bool = False) -> None:
     """Part 1: leave-one-source-out predictions of the published runs (``write_held_out``:
     their errors by runtime and GPU type into ``src/plait/sim/held_out.py`` too)."""
     from plait.sim import validate
@@ -162,6 +164,14 @@ def published(rows: bool = True, write_held_out: bool = False) -> None:
               f"rank correlation of predicted and measured step times {rho:.2f}")  # fmt: skip
     print(f"({len(report.skipped)} rows not compared: {', '.join(sorted(report.skipped))}; "
           f"{time.perf_counter() - t0:.1f} s)\n")  # fmt: skip
+    if per_source:
+        fits, floor = validate.per_source_fits([p for p in PUBLISHED if p.exists()])
+        print("each source fitted on its own (in sample, formula pipeline):")
+        for (gpu, source), (level, err) in fits.items():
+            print(f"  {gpu:5s} {source[:44]:44s} gemm_max {level:.2f}  mean |error| "
+                  f"{100 * err:.1f}%")  # fmt: skip
+        print(f"  all rows at their own source's level: {100 * floor:.2f}% (held out: "
+              f"{100 * report.mean_error:.2f}%)\n")  # fmt: skip
 
 
 def main() -> int:
@@ -170,6 +180,11 @@ def main() -> int:
     ap.add_argument("--write-held-out", action="store_true",
                     help="write part 1's errors by runtime and GPU type into "
                     "src/plait/sim/held_out.py (what plait simulate and plan print)")  # fmt: skip
+    ap.add_argument(
+        "--per-source",
+        action="store_true",
+        help="part 1: also fit each source on its own (the error's floor)",
+    )
     ap.add_argument("--no-published", action="store_true", help="part 2 only")
     ap.add_argument("--hardware", help="one hardware file for every round (default: "
                     "plait calibrate --procs 4 before each round)")  # fmt: skip
@@ -183,7 +198,7 @@ def main() -> int:
     ap.add_argument("--no-plan", action="store_true", help="skip the plan check")
     args = ap.parse_args()
     if not args.no_published:
-        published(write_held_out=args.write_held_out)
+        published(write_held_out=args.write_held_out, per_source=args.per_source)
         if args.published:
             return 0
 

@@ -141,6 +141,25 @@ def test_a_sources_fold_does_not_see_it(grid):
         assert validate.fit(cases, moved, ~mine)["h100"] == fold, source
 
 
+def test_each_sources_own_fit_is_the_floor_of_any_shared_one():
+    """``validate.per_source_fits``: each source's level is the best of the grid for its
+    own rows, so the mean error over all rows at their sources' levels is at most the
+    mean at any one shared level. Catches a fit that maximises, that mixes GPU types
+    or sources, or a floor averaged over sources instead of rows."""
+    grid = (0.5, 0.6, 0.7, 0.8)
+    fits, floor = validate.per_source_fits([DATA, MORE], grid)
+    cases, _ = validate.load_cases([DATA, MORE])
+    errors = np.abs(validate.grid_times(cases, grid) / [[c.measured_s] for c in cases] - 1)
+    assert {(c.family, c.source) for c in cases} == set(fits)
+    for key, (level, err) in fits.items():
+        idx = [i for i, c in enumerate(cases) if (c.family, c.source) == key]
+        assert level in grid and err == pytest.approx(errors[idx].mean(axis=0).min())
+    assert floor <= errors.mean(axis=0).min() + 1e-12
+    assert floor == pytest.approx(
+        np.mean([errors[i, grid.index(fits[(c.family, c.source)][0])] for i, c in enumerate(cases)])
+    )
+
+
 def test_each_source_is_compared_in_its_own_flop_convention(predictions):
     by_id = {r["id"]: r for r in predictions}
     hardware = {i for i, r in by_id.items() if r["flops_convention"] == "hardware"}
