@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
+from plait.model.kernels import rehearsing_gpu, rehearsing_gpu_kernels  # noqa: F401 (re-exported)
 from plait.model.moe import MoE
 from plait.model.ops import SwiGLU as _SwiGLU
 from plait.parallel.context import ContextLayout, context_attention, shard
@@ -67,30 +68,7 @@ def _fused_rms(x: torch.Tensor) -> bool:
     """PyTorch's RMSNorm kernels serve ``x``: its backward has a CUDA kernel only, and a
     meta one, which a rehearsal's fake tensors run (``rehearsing_gpu_kernels``);
     elsewhere the few operations below."""
-    return _FUSED_RMS and (x.device.type == "cuda" or _GPU_KERNELS_ON_FAKE)
-
-
-_GPU_KERNELS_ON_FAKE = False
-
-
-def rehearsing_gpu() -> bool:
-    """Inside ``rehearsing_gpu_kernels``: fake tensors on the CPU stand for a GPU's, and
-    the layers take the paths a CUDA device would (context parallelism's fused attention
-    kernels in the input dtype, not the CPU kernel's fp32 copies)."""
-    return _GPU_KERNELS_ON_FAKE
-
-
-@contextlib.contextmanager
-def rehearsing_gpu_kernels():
-    """``plait rehearse``: its fake tensors (on the CPU) take the CUDA-only kernels'
-    path, as the GPU run being sized does -- a norm's backward holds three fp32 copies of
-    its input with PyTorch's kernels, six with the operations of the CPU's path."""
-    global _GPU_KERNELS_ON_FAKE
-    before, _GPU_KERNELS_ON_FAKE = _GPU_KERNELS_ON_FAKE, True
-    try:
-        yield
-    finally:
-        _GPU_KERNELS_ON_FAKE = before
+    return _FUSED_RMS and (x.device.type == "cuda" or rehearsing_gpu())
 
 
 class _LowPrecisionNorm(torch.autograd.Function):

@@ -71,6 +71,7 @@ from typing import NamedTuple
 import torch
 
 from plait import comm
+from plait.model.kernels import rehearsing_gpu
 from plait.nccl_p2p import RECV, SEND, Compute, Message, Post
 
 MODES = ("ring", "allgather", "a2a")
@@ -250,9 +251,7 @@ def _kernel(q, k, q_doc) -> str | None:
     checks (dtype, head size, GPU architecture) pick flash, then efficient."""
     if q_doc is not None:
         return None
-    from plait.model import transformer
-
-    if transformer.rehearsing_gpu():  # a rehearsal's fake tensors size the GPU's kernels
+    if rehearsing_gpu():  # a rehearsal's fake tensors size the GPU's kernels
         return "flash" if q.dtype in (torch.float16, torch.bfloat16) else "efficient"
     if q.device.type == "cpu":
         return "cpu"
