@@ -217,8 +217,8 @@ def buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: bool) -> flo
 
 
 def backward_buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: bool) -> float:
-    """Transient bytes one layer's ring attention holds at its backward's fullest, the
-    fused kernels' path (``parallel/context.py``'s ``_RingAttention.backward``): the
+    """Transient bytes one layer's cp attention holds at its backward's fullest, the fused
+    kernels' path. Ring (``parallel/context.py``'s ``_RingAttention.backward``): the
     incoming output gradient (T x h, the activation dtype) and the fp32 query gradient;
     the K/V block held (and the next one arriving, from a ring of three on) and three
     fp32 dK/dV pairs (this step's, the accumulator and the one arriving); and within it the
