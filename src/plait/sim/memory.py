@@ -713,7 +713,9 @@ def memory_per_rank(
                      temporaries=held[rank] - act[rank])  # fmt: skip
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
         for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
-            back = Memory(rank, w, g, o, act[rank], zbufs, overhead, cp, casts,
+            # no cp exchange runs at these moments but the attention's own, whose
+            # working set is among its temporaries
+            back = Memory(rank, w, g, o, act[rank], zbufs, overhead, 0.0, casts,
                           act[rank] - bare[rank] + freed, temporaries=temps,
                           grads_moment=rows + grads - g)  # fmt: skip
             if back.total > mem.total:
@@ -830,8 +832,7 @@ def zero3_backward_moments(
     attend = None  # a block's cp attention backward, its MLP's backward done
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
-        fwd = cp_sim.buffer_bytes(cfg, layout, flash)  # held beside it (cp_buffers)
-        ring = cp_sim.backward_buffer_bytes(cfg, layout, flash) - fwd
+        ring = cp_sim.backward_buffer_bytes(cfg, layout, flash)
         up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden  # the MLP's entry width
         made = (up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / layout.tp  # MLP, output proj.
         split = layout.tp if layout.sequence_parallel else 1
