@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.layout import check_tp_split
 from plait.model.config import ModelConfig
-from plait.model.kernels import rehearsing_gpu, rehearsing_gpu_kernels  # noqa: F401 (re-exported)
+from plait.model.kernels import rehearsing_gpu, rehearsing_gpu_kernels  # noqa: F401 (re-export)
 from plait.model.moe import MoE
 from plait.model.ops import SwiGLU as _SwiGLU
 from plait.parallel.context import ContextLayout, context_attention, shard

@@ -675,7 +675,7 @@ def memory_per_rank(
             layers = max(1, sum(stage_layers[c * p + rank] for c in range(v)))
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
             full = g_bytes * adapters[rank] / layers
-        moments = []  # where a ZeRO-2/3 backward may peak (``zero2_head_moment``, ``zero3_...``)
+        moments = []  # where a ZeRO-2/3 backward may peak (``zero2_*_moment``, ``zero3_...``)
         if layout.zero == 2 and runtime.zero2_reduce_per_microbatch:
             moments = [zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora)]
             if rank == p - 1:
@@ -832,14 +832,14 @@ def zero3_backward_moments(
     attend = None  # a block's cp attention backward, its MLP's backward done
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
-        ring = cp_sim.backward_buffer_bytes(cfg, layout, flash)
+        working = cp_sim.backward_buffer_bytes(cfg, layout, flash)  # ring or allgather
         up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden  # the MLP's entry width
         made = (up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / layout.tp  # MLP, output proj.
         split = layout.tp if layout.sequence_parallel else 1
         # the MLP's saved tensors besides the down projection's input: its norm's input
         # and output (the entry's input) and the entry's output
         saved = tokens * (2 * cfg.hidden / split + up / layout.tp) * ACT_BYTES[layout.dtype]
-        attend = (made * runtime.param_comm_bytes(layout.dtype), saved, ring)
+        attend = (made * runtime.param_comm_bytes(layout.dtype), saved, working)
     out, freed, landed = [], 0.0, 0.0
     for j, (_, act, _, _) in enumerate(units):
         freed += act
@@ -860,6 +860,7 @@ def zero3_backward_moments(
             work if nxt else 0.0,
         ))  # fmt: skip
         if nxt and attend:
-            grads, saved, ring = attend
-            out.append((outputs + grads, held, freed + down_input + saved - nxt[2], ring))
+            made_g, mlp_saved, attn_work = attend
+            out.append((outputs + made_g, held, freed + down_input + mlp_saved - nxt[2],
+                        attn_work))  # fmt: skip
     return out
