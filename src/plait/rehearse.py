@@ -871,12 +871,14 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]
     # the step's weight copy is made in a forward: the rehearsal counts it an activation;
     # at the model's peak the activations are their own peak less what the gradients'
-    # arrival after it takes off (``Memory.grads_apart``)
-    act = mem.activations + mem.weight_casts
+    # arrival after it takes off (``Memory.grads_apart``); the output gradients waiting for
+    # a zero-bubble W were made in a backward: temporaries, as the rehearsal counts them
+    act = mem.activations + mem.weight_casts - mem.w_gradients
+    own = act if mem.forward_made_peak is None else mem.forward_made_peak + mem.weight_casts
     memory = {"parameters": mem.weights, "gradients": mem.grads + mem.grads_moment,
               "optimizer": mem.optimizer,
-              "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: act,
-              "temporaries": (mem.temporaries + mem.cp_buffers) or None,
+              "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: own,
+              "temporaries": (mem.temporaries + mem.cp_buffers + mem.w_gradients) or None,
               "total": mem.total}  # fmt: skip
     return {
         "memory": memory,

@@ -105,6 +105,11 @@ class Memory:
     # ZeRO-2/3 backward's reduce-scatter outputs in flight and weight gradients not yet
     # packed, less the shard rows a step's first micro-batch has not written yet
     grads_moment: float = 0.0
+    # of the activations, the output gradients zero-bubble BIs captured for their Ws: made
+    # in a backward, which ``plait rehearse`` counts among the temporaries; and the peak of
+    # the rest, what forwards made, at its own moment (None: the activations')
+    w_gradients: float = 0.0
+    forward_made_peak: float | None = None
 
     @property
     def total(self) -> float:
@@ -128,6 +133,8 @@ class Memory:
             cp["temporaries"] = self.temporaries
         if self.grads_moment:
             cp["grads_moment"] = self.grads_moment
+        if self.w_gradients:
+            cp["w_gradients"] = self.w_gradients
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -559,8 +566,9 @@ def memory_per_rank(
     ends = backward_transient(cfg, layout, runtime)
     # per rank, the output gradients a BI captures for its W, of its largest chunk
     captured = [0.0] * p
+    w_grads = []  # per rank and chunk: of ``keep``, the output gradients BI captured
     for rank in range(p):
-        row, n, x = [], 0.0, 0.0
+        row, n, x, grad_rows = [], 0.0, 0.0, []
         transient.append(0.0)
         working.append(0.0)
         chunk_params.append([])
@@ -572,7 +580,7 @@ def memory_per_rank(
             )
             n += chunk_params[rank][-1]
             x += moe[stage] * ep_sim.expert_params(cfg, layout)
-            held = keep = freed = 0.0
+            held = keep = freed = captures = 0.0
             blocks = chunk_blocks(cfg, layout, stage_layers, stage)
             for recomputed, (dense, routed) in blocks.items():
                 lay = layout.recomputing_all() if recomputed else layout.without_recompute()
@@ -583,6 +591,8 @@ def memory_per_rank(
                 held, keep = held + h, keep + k
                 if not recomputed:
                     freed += h
+                if lora is None and lay.recompute != "full":  # of ``k``, BI's captures
+                    captures += bi_captured_bytes(cfg, lay, runtime, dense + routed)
             head_freed = head if stage == last_stage else 0.0
             if layout.recompute == "full":
                 freed += head_freed
@@ -603,6 +613,7 @@ def memory_per_rank(
                         working[rank] = max(working[rank], ws - head_freed)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
+                captures = 0.0
             elif keep and lora is None:
                 captured[rank] = max(captured[rank], bi_captured_bytes(
                     cfg, layout, runtime, layers, last=stage == last_stage))  # fmt: skip
@@ -611,10 +622,13 @@ def memory_per_rank(
                 tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
                 split = layout.tp if layout.sequence_parallel else 1
                 norm = residual_bytes(layout) / split if runtime.zb_autograd_split else 0.0
+                captures += bi_captured_bytes(cfg, layout, runtime, 0, last=True)
                 keep += bi_captured_bytes(cfg, layout, runtime, 0, last=True)
                 keep += tokens * cfg.hidden * (ACT_BYTES[layout.dtype] + norm)
             row.append((held + (head if stage == last_stage else 0.0), keep))
+            grad_rows.append(captures)
         weights.append(tuple(row))
+        w_grads.append(grad_rows)
         heads.append(head if rank == last_stage % p else 0.0)
         params.append(n)
         experts.append(x)
@@ -627,11 +641,15 @@ def memory_per_rank(
             adapters.append(held.replicated)
             routed_adapters.append(held.routed)
     at_bi = [0.0] * p  # closed form, ZB-H1: the held bytes as a BI ends, before it lets go
-    if compiled is not None:
-        act = peak_held(compiled, tuple(weights))
-    else:
+
+    def activation_peaks(weights: list) -> tuple[list[float], list[float]]:
+        """Each rank's activations' peak with ``weights[rank][chunk]`` = (held from F to
+        B / BI, kept until W) per micro-batch, and the output gradients BIs captured
+        (``w_grads``) that it holds (fills ``at_bi``)."""
+        if compiled is not None:
+            return peak_held(compiled, tuple(weights), tuple(w_grads))
         m = layout.num_microbatches
-        act = []
+        act, grads = [], []
         for rank in range(p):
             kw = dict(num_ranks=p, num_microbatches=m, num_chunks=v, rank=rank)
             bound = in_flight_bound(layout.schedule, **kw)
@@ -639,17 +657,30 @@ def memory_per_rank(
             blocks = sum(held for held, _ in weights[rank]) - heads[rank]
             kept = sum(keep for _, keep in weights[rank])
             last_in_flight = m if layout.schedule == "gpipe" else 1
+            captured_all = sum(w_grads[rank])
             peak = (bound * blocks + waiting * kept) / v + heads[rank] * last_in_flight
+            held_grads = waiting * captured_all / v
             if layout.schedule == "zb-h1" and p > 1:  # after BIs, up to r + 1 wait for W
                 most = min(rank + 1, bound + waiting)  # (tests/test_schedules.py)
-                peak = max(peak, (bound + waiting - most) * (blocks + heads[rank])
-                           + most * kept)  # fmt: skip
+                after = (bound + waiting - most) * (blocks + heads[rank]) + most * kept
+                if after > peak:
+                    peak, held_grads = after, most * captured_all
                 # a BI ends from each chain state that still holds a forward: the larger end
                 at_bi[rank] = max((bound + waiting - j) * (blocks + heads[rank]) + j * kept
                                   for j in {waiting, max(waiting, most - 1)})  # fmt: skip
             act.append(peak)
+            grads.append(held_grads)
+        return act, grads
+
+    # of the activations' peak, the output gradients BIs captured for their Ws: made in a
+    # backward (the rehearsal's temporaries), held as long as the inputs W also needs; and
+    # the peak of the rest, what forwards made, wherever it falls (``at_bi``: the second)
+    forward_made = activation_peaks([[(h, k - g) for (h, k), g in zip(row, grads)]
+                                     for row, grads in zip(weights, w_grads)])[0]  # fmt: skip
+    act, awaiting_w = activation_peaks(weights)
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
+    forward_made = [a + t for a, t in zip(forward_made, transient)]
     held = [a + w for a, w in zip(bare, working)]  # ... and the backward's working set
     # only with no more micro-batches than stages can a rank's forwards all come before
     # its first gradients (GPipe's always do): the schedule, short then, says which
@@ -710,14 +741,16 @@ def memory_per_rank(
                 joint = max(joint, at_bi[rank] + captured[rank] + g)
         apart = held[rank] + g - joint  # < 0: a BI's captured gradients on top of both
         mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts, apart,
-                     temporaries=held[rank] - act[rank])  # fmt: skip
+                     temporaries=held[rank] - act[rank], w_gradients=awaiting_w[rank],
+                     forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
         for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
             # no cp exchange runs at these moments but the attention's own, whose
             # working set is among its temporaries
             back = Memory(rank, w, g, o, act[rank], zbufs, overhead, 0.0, casts,
                           act[rank] - bare[rank] + freed, temporaries=temps,
-                          grads_moment=rows + grads - g)  # fmt: skip
+                          grads_moment=rows + grads - g, w_gradients=mem.w_gradients,
+                          forward_made_peak=mem.forward_made_peak)  # fmt: skip
             if back.total > mem.total:
                 mem = back
         out.append(mem)

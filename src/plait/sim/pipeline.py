@@ -248,21 +248,25 @@ def _transfer_waits(resolution: Resolution, times: Times) -> dict[int, list[tupl
     return waits
 
 
-def peak_held(compiled: Compiled, weights: tuple) -> list[float]:
+def peak_held(compiled: Compiled, weights: tuple, waiting: tuple | None = None):
     """Peak activation bytes per rank; ``weights[rank][chunk]`` = (bytes held from F to
-    B/BI per micro-batch, of which held on until W)."""
-    peaks = []
+    B/BI per micro-batch, of which held on until W). With ``waiting[rank][chunk]`` (bytes
+    of a micro-batch's ``keep`` of some kind), also what the peak's state holds of those:
+    (peaks, held of them at each peak)."""
+    peaks, parts = [], []
     for rank, vectors in enumerate(compiled.held_vectors):
         w = weights[rank]
-        best = 0.0
+        best, part = 0.0, 0.0
         for fwd, wait_w in vectors:
-            total = 0.0
-            for c, (n_f, n_w) in enumerate(zip(fwd, wait_w)):
-                held, keep = w[c]
-                total += n_f * held + n_w * keep
-            best = max(best, total)
+            total = sum(n_f * w[c][0] + n_w * w[c][1]
+                        for c, (n_f, n_w) in enumerate(zip(fwd, wait_w)))  # fmt: skip
+            if total > best:
+                best = total
+                if waiting is not None:
+                    part = sum(n_w * waiting[rank][c] for c, n_w in enumerate(wait_w))
         peaks.append(best)
-    return peaks
+        parts.append(part)
+    return peaks if waiting is None else (peaks, parts)
 
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
