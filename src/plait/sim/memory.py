@@ -862,6 +862,16 @@ def zero3_backward_moments(
         units.append((table + (cfg.hidden * g_bytes if last else 0.0), 0.0, 0.0, False))
     elif units and first:
         units.append((table, 0.0, 0.0, False))
+    # a tied model whose one rank holds both ends: its table, positions and final norm
+    # are one unit, gathered for the head's backward and held to the embedding's, where
+    # its gradient is complete -- in the stored dtype (the embedding reads the table
+    # other than through ``F.linear``: ``zero_units.compute_dtype_params``)
+    # the table's gradient from the head's backward waits for the embedding's likewise
+    tied = tied_grad = 0.0
+    if units and cfg.tied_embeddings and first and last:
+        w_bytes = runtime.state_bytes(layout.dtype)[0]
+        tied = stage_params(cfg, layout, 0, True, True) * w_bytes
+        tied_grad = cfg.vocab_size / layout.tp * cfg.hidden * w_bytes
     attend = None  # a block's cp attention backward, its MLP's backward done
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
@@ -882,18 +892,20 @@ def zero3_backward_moments(
         ahead = [u for u in units[j + 1 : j + 3] if u[3]]  # blocks gathered and gathering
         nxt = units[j + 1] if j + 1 < len(units) and units[j + 1][3] else None
         held = sum(flight) + len(ahead) * gathered + (gather_input if len(ahead) > 1 else 0.0)
+        held += tied
         outputs = landed + sum(flight) / shard
         if units[j][3]:  # as it packs: its own weight gradients not yet let go, itself
             # freed (its gradients all in), the next block gathered, not yet the one after
-            out.append((outputs + gathered, sum(flight) + (gathered if nxt else 0.0), freed, 0.0))
+            out.append((outputs + gathered, sum(flight) + (gathered if nxt else 0.0) + tied,
+                        freed, tied_grad))  # fmt: skip
         out.append((
             outputs + (down if nxt else 0.0),
             held,
             freed + (down_input - nxt[2] if nxt else 0.0),
-            work if nxt else 0.0,
+            (work if nxt else 0.0) + tied_grad,
         ))  # fmt: skip
         if nxt and attend:
             made_g, mlp_saved, attn_work = attend
             out.append((outputs + made_g, held, freed + down_input + mlp_saved - nxt[2],
-                        attn_work))  # fmt: skip
+                        attn_work + tied_grad))  # fmt: skip
     return out
