@@ -656,15 +656,17 @@ def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path):
     """ZeRO-2 with a small vocabulary (four llama blocks of h 2048, vocabulary 4,096, dp
     2, two micro-batches): the rank peaks as the last block's MLP backward starts, the
     head's and the down projection's gradients packed into fp32 and in flight (32 and 44
-    MiB), the MLP's working set held (``memory.zero2_block_moment``). Buffers, activations
-    at the peak and temporaries within 5 % (1.000, 1.001, 1.000), the whole peak within
-    2 % (1.012). Catches the model without that moment: no buffers at all, whole peak
-    1.030 (2026-11-28)."""
+    MiB) and each reduce-scatter's output a row of its own beside the bucket's rows until
+    it completes, the MLP's working set held (``memory.zero2_block_moment``). Gradients,
+    buffers, activations at the peak and temporaries within 5 % (1.000, 1.000, 1.001,
+    1.000), the whole peak within 2 % (1.000). Catches the model without that moment (no
+    buffers at all, whole peak 1.030) and without the outputs in flight (gradients 1.090,
+    whole 1.012; 2026-11-28)."""
     cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, zero=2, arch="llama", hidden=2048,
                         heads=16, seq_len=2048, micro_batch_size=1,
                         global_batch_size=4)  # fmt: skip
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in ("buffers", "activations", "temporaries"):
+    for row in ("gradients", "buffers", "activations", "temporaries"):
         got, want, ratio = rows[row]
         assert ratio is not None and abs(ratio - 1) <= 0.05, (row, got, want)
     got, want, ratio = rows["total"]

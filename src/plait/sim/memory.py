@@ -780,9 +780,10 @@ def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last:
     weight gradient made: that projection's gradient packed into fp32 with the final norm's
     (its bucket closed: a block's large tensors each fill a bucket of ``--bucket-mb``
     alone at any real size) and on the last stage the head's before it -- the two packed
-    inputs in flight (``ZeroDataParallel``'s ``in_flight`` = 2), the head's buffers and
-    the projection's input freed, and the MLP's working set (``mlp_backward_working_set``).
-    (gradients, buffers, activations freed, temporaries), as ``zero2_head_moment``.
+    inputs in flight (``ZeroDataParallel``'s ``in_flight`` = 2) and the shard of each that
+    its reduce-scatter writes, the head's buffers and the projection's input freed, and
+    the MLP's working set (``mlp_backward_working_set``). (gradients, buffers, activations
+    freed, temporaries), as ``zero2_head_moment``.
     ``plait rehearse`` of four llama blocks (h 2048, vocabulary 4,096, dp 2) peaked there:
     the head's and the down projection's packed gradients, 32 and 44 MiB, and the MLP's
     96 MiB of temporaries. LLaMA-2 7B dp 64 held there 55.617 GiB, buffers 0.656 and
@@ -795,7 +796,10 @@ def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last:
     head = cfg.vocab_size / t * cfg.hidden + cfg.hidden if last and not cfg.tied_embeddings else 0.0
     packed = (down + head) * 4  # fp32 rows of every shard: the whole gradient
     freed = (last_stage_buffers(cfg, layout) if last else 0.0) + tokens * cfg.ffn_hidden / t * e
-    return 0.0, packed, freed, mlp_backward_working_set(cfg, layout, runtime)
+    # each reduce-scatter in flight writes this rank's shard of its input, a row of its own
+    # until it completes and is added to the bucket's
+    outputs = packed / dp_groups(layout, False)[0]
+    return outputs, packed, freed, mlp_backward_working_set(cfg, layout, runtime)
 
 
 def zero3_backward_moments(
