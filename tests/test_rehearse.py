@@ -722,21 +722,30 @@ def test_zero3_cp_peaks_in_the_attention_backward_as_modelled(tmp_path, mode, ar
         assert ratio is not None and abs(ratio - 1) <= 0.05, (row, got, want)
 
 
-def test_a_tied_models_zero3_unit_is_held_as_modelled(tmp_path):
-    """ZeRO-3 of a tied model on one stage (Qwen 2.5 0.5B, vocabulary 151,936, dp 8,
-    1,024 tokens, bf16): its table, positions and final norm are one unit, held in fp32
-    (the embedding reads the table other than through a linear) from the head's forward
-    to the embedding's backward, and the head keeps its bf16 cast of the table for its
-    backward (``memory.tied_zero3_unit``). The rank peaks as the forward ends: the whole
-    peak, its buffers and the activations' own peak within 2 % (1.001, 1.006, 1.000).
-    Catches the model without the unit at the forward's end (whole 1.182, buffers 0.795,
-    own peak 1.141) and without it anywhere (1.288; LLaMA 3.2 1B 1.134)."""
+@pytest.mark.parametrize(
+    "kw,rows",
+    [({"dp": 8, "global_batch_size": 8}, ("total", "buffers", rehearse.ACT_PEAK)),
+     ({"cp": 2, "dp": 4, "global_batch_size": 4},
+      ("total", "gradients", "buffers", "temporaries", rehearse.ACT_PEAK))],
+)  # fmt: skip
+def test_a_tied_models_zero3_unit_is_held_as_modelled(tmp_path, kw, rows):
+    """ZeRO-3 of a tied model on one stage (Qwen 2.5 0.5B, vocabulary 151,936, 1,024
+    tokens, bf16): its table, positions and final norm are one unit, held in fp32 (the
+    embedding reads the table other than through a linear) from the head's forward to the
+    embedding's backward, and the head keeps its bf16 cast of the table for its backward
+    (``memory.tied_zero3_unit``). At dp 8 the rank peaks as the forward ends: the whole
+    peak, its buffers and the activations' own peak within 2 % (1.001, 1.006, 1.000);
+    the model without the unit there gave 1.182, 0.795, 1.141, and without it anywhere
+    1.288 (LLaMA 3.2 1B 1.134). At cp 2 x dp 4 it peaks in the embedding's backward,
+    where the table's gradient from the head, the embedding's own and their sum are
+    whole (``memory.zero3_backward_moments``): every category 1.000; the model without
+    that moment gave 1.200, temporaries 3.000 (LLaMA 3.2 1B 1.096)."""
     cfg = _pipeline_cfg(tmp_path, model="qwen2.5-0.5b", layers=None, hidden=None,
-                        heads=None, pp=1, tp=1, dp=8, zero=3, seq_len=1024,
-                        micro_batch_size=1, global_batch_size=8)  # fmt: skip
-    rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in ("total", "buffers", rehearse.ACT_PEAK):
-        got, want, ratio = rows[row]
+                        heads=None, pp=1, tp=1, zero=3, seq_len=1024, micro_batch_size=1,
+                        **kw)  # fmt: skip
+    got_rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    for row in rows:
+        got, want, ratio = got_rows[row]
         assert ratio is not None and abs(ratio - 1) <= 0.02, (row, got, want)
 
 

@@ -771,8 +771,10 @@ def memory_per_rank(
         for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
             # no cp exchange runs at these moments but the attention's own, whose
             # working set is among its temporaries
-            back = Memory(rank, w, g, o, act[rank], zbufs, overhead, 0.0, casts,
-                          act[rank] - bare[rank] + freed, temporaries=temps,
+            # (the head's cast of a tied table is among the activations' peak, and gone
+            # once the head's backward is: freed with the rest)
+            back = Memory(rank, w, g, o, act[rank], zbufs, overhead, 0.0, casts + head_cast,
+                          act[rank] - bare[rank] + freed + head_cast, temporaries=temps,
                           grads_moment=rows + grads - g, w_gradients=mem.w_gradients,
                           forward_made_peak=mem.forward_made_peak)  # fmt: skip
             if back.total > mem.total:
@@ -920,6 +922,13 @@ def zero3_backward_moments(
         held = sum(flight) + len(ahead) * gathered + (gather_input if len(ahead) > 1 else 0.0)
         held += tied
         outputs = landed + sum(flight) / shard
+        if tied and j == len(units) - 1:  # the embedding's backward, before the unit packs:
+            # the table's gradient from the head, the embedding's own and their sum, the
+            # k units before it in flight
+            done = units[j - k][0] / shard if j >= k and layout.num_microbatches == 1 else 0.0
+            prev = [f for f, _, _, _ in units[max(0, j - k) : j]]
+            out.append((landed - done + sum(prev) / shard, sum(prev) + tied, freed,
+                        3 * tied_grad))  # fmt: skip
         if units[j][3]:  # as it packs: its own weight gradients not yet let go, itself
             # freed (its gradients all in), the next block gathered, not yet the one after
             out.append((outputs + gathered, sum(flight) + (gathered if nxt else 0.0) + tied,
