@@ -807,6 +807,27 @@ def test_the_rehearsal_sweep_prints_each_ranks_comparison():
         assert abs(ratio - 1) <= 0.05 and "bytes equal" in x, x
 
 
+def test_the_presets_sweep_prints_each_ranks_comparison():
+    """``benchmarks/rehearse_presets.py`` rehearses a real preset (GPT-2 124M, pp 2 x dp
+    4, 2,048 tokens) and prints one line per rank with the whole peak's ratio to the
+    model's, within the issue's 5 % (1.000 and 1.000 measured). Catches the script
+    falling behind ``rehearse.compared``."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "rehearse_presets.py"
+    done = subprocess.run([sys.executable, str(script), "--models", "gpt2-124m", "--layouts",
+                           "pp2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [x for x in done.stdout.splitlines() if x.strip()]
+    assert [re.search(r"rank +(\d+):", x).group(1) for x in lines] == ["0", "7"], lines
+    for x in lines:
+        ratio = float(re.search(r"whole ([0-9.]+) of the model", x).group(1))
+        assert abs(ratio - 1) <= 0.05, x
+
+
 def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
     """ZeRO-3 under LoRA (dp 2, four llama blocks of h 2048, 2,048 tokens, bf16): with no
     weight gradients to wait for, the rank peaks as the last block's backward starts --
