@@ -751,6 +751,11 @@ def memory_per_rank(
         moe_here = sum(moe[c * p + rank] for c in range(v))
         casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1,
                                   moe_layers=moe_here)  # fmt: skip
+        # of those, a tied head's is autocast's, kept by its micro-batch for the head's
+        # backward only: gone at every backward moment (``weight_cast_bytes``)
+        tied_cast = 0.0
+        if casts and cfg.tied_embeddings and rank == p - 1:
+            tied_cast = 2.0 * cfg.vocab_size * cfg.hidden / layout.tp
         # the gradients and the activations' peak together (module docstring)
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
@@ -774,7 +779,8 @@ def memory_per_rank(
             # (the head's cast of a tied table is among the activations' peak, and gone
             # once the head's backward is: freed with the rest)
             back = Memory(rank, w, g, o, act[rank], zbufs, overhead, 0.0, casts + head_cast,
-                          act[rank] - bare[rank] + freed + head_cast, temporaries=temps,
+                          act[rank] - bare[rank] + freed + head_cast + tied_cast,
+                          temporaries=temps,
                           grads_moment=rows + grads - g, w_gradients=mem.w_gradients,
                           forward_made_peak=mem.forward_made_peak)  # fmt: skip
             if back.total > mem.total:
