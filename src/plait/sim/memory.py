@@ -641,9 +641,9 @@ def memory_per_rank(
                 tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
                 split = layout.tp if layout.sequence_parallel else 1
                 norm = residual_bytes(layout) / split if runtime.zb_autograd_split else 0.0
-                captures += bi_captured_bytes(cfg, layout, runtime, 0, last=True)
-                keep += bi_captured_bytes(cfg, layout, runtime, 0, last=True)
-                keep += tokens * cfg.hidden * (ACT_BYTES[layout.dtype] + norm)
+                head_grads = bi_captured_bytes(cfg, layout, runtime, 0, last=True)
+                captures += head_grads
+                keep += head_grads + tokens * cfg.hidden * (ACT_BYTES[layout.dtype] + norm)
             row.append((held + (head if stage == last_stage else 0.0), keep))
             grad_rows.append(captures)
         weights.append(tuple(row))
@@ -860,7 +860,10 @@ def zero3_backward_moments(
     micro-batch those completed (from the second micro-batch on the rows hold them:
     ``memory_per_rank`` adds them). An untied model's final norm and head are a unit of
     their own, the first to reduce on the last stage, and its embedding the last on the
-    first; a tied model's head, norm and embedding are one unit, reduced at the end.
+    first; a tied model's head, norm and embedding are one unit, reduced at the end --
+    where one rank holds both ends, gathered through the whole backward with the table's
+    gradient from the head, and at the embedding's backward three fp32 tables at once
+    (the head's gradient, the embedding's, their sum: ``tied_zero3_unit``).
     ``plait rehearse`` of LLaMA-2 7B dp 64 at one micro-batch held at its peak 0.103 GiB
     of gradients (the head's and the last block's shards in flight, the down projection's
     4096 x 11008 bf16 gradient) and 2.002 of buffers (the two packed, the two gathered
@@ -898,14 +901,11 @@ def zero3_backward_moments(
         units.append((table + (cfg.hidden * g_bytes if last else 0.0), 0.0, 0.0, False))
     elif units and first:
         units.append((table, 0.0, 0.0, False))
-    # a tied model whose one rank holds both ends: its table, positions and final norm
-    # are one unit, gathered for the head's backward and held to the embedding's, where
-    # its gradient is complete -- in the stored dtype (the embedding reads the table
-    # other than through ``F.linear``: ``zero_units.compute_dtype_params``)
-    # the table's gradient from the head's backward waits for the embedding's likewise
+    # a tied unit (``tied_zero3_unit``) stays gathered through the backward, and the
+    # table's gradient from the head's backward waits with it for the embedding's
     tied = tied_zero3_unit(cfg, layout, runtime)[0] if units and first and last else 0.0
-    tied_grad = cfg.vocab_size / layout.tp * cfg.hidden * runtime.state_bytes(layout.dtype)[0]
-    tied_grad = tied_grad if tied else 0.0
+    w_bytes = runtime.state_bytes(layout.dtype)[0]
+    tied_grad = cfg.vocab_size / layout.tp * cfg.hidden * w_bytes if tied else 0.0
     attend = None  # a block's cp attention backward, its MLP's backward done
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)

@@ -248,11 +248,10 @@ def _transfer_waits(resolution: Resolution, times: Times) -> dict[int, list[tupl
     return waits
 
 
-def peak_held(compiled: Compiled, weights: tuple, waiting: tuple | None = None):
-    """Peak activation bytes per rank; ``weights[rank][chunk]`` = (bytes held from F to
-    B/BI per micro-batch, of which held on until W). With ``waiting[rank][chunk]`` (bytes
-    of a micro-batch's ``keep`` of some kind), also what the peak's state holds of those:
-    (peaks, held of them at each peak)."""
+def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list, list]:
+    """Peak activation bytes per rank, ``weights[rank][chunk]`` = (bytes held from F to
+    B/BI per micro-batch, of which held on until W), and what the peak's state holds of
+    ``waiting[rank][chunk]`` (bytes of a micro-batch's ``keep`` of some kind)."""
     peaks, parts = [], []
     for rank, vectors in enumerate(compiled.held_vectors):
         w = weights[rank]
@@ -262,11 +261,10 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple | None = None):
                         for c, (n_f, n_w) in enumerate(zip(fwd, wait_w)))  # fmt: skip
             if total > best:
                 best = total
-                if waiting is not None:
-                    part = sum(n_w * waiting[rank][c] for c, n_w in enumerate(wait_w))
+                part = sum(n_w * waiting[rank][c] for c, n_w in enumerate(wait_w))
         peaks.append(best)
         parts.append(part)
-    return peaks if waiting is None else (peaks, parts)
+    return peaks, parts
 
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
