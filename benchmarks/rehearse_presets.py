@@ -9,10 +9,10 @@ pipeline's last, one layout at a time:
     PYTHONPATH=src python benchmarks/rehearse_presets.py --models llama3.2-1b --layouts z3,cp2z3
 
 Prints one line per rank: the whole peak's ratio rehearsed / modelled and the rehearsed
-peak, then every category whose ratio is beyond 5 % (or, for a layout plait refuses for
-a model, why: Mistral's sliding window under cp) (a category measured at the
-rehearsal's peak can differ from the model's at its own; the totals are the check).
-A few seconds a rank on a CPU (``plait rehearse``'s fake tensors); about five minutes in
+peak, then every category whose ratio is beyond 5 % (a category read at the rehearsal's
+peak can differ from the model's at its own moment; the totals are the check). A layout
+plait refuses for a model (Mistral's sliding window under cp) gets one line saying why.
+A few seconds a rank on a CPU (``plait rehearse``'s fake tensors); about six minutes in
 all.
 """
 

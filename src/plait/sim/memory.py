@@ -755,7 +755,8 @@ def memory_per_rank(
         # backward only: gone at every backward moment (``weight_cast_bytes``)
         tied_cast = 0.0
         if casts and cfg.tied_embeddings and rank == p - 1:
-            tied_cast = 2.0 * cfg.vocab_size * cfg.hidden / layout.tp
+            tied_cast = casts - weight_cast_bytes(cfg, layout, runtime, layers, last=False,
+                                                  moe_layers=moe_here)  # fmt: skip
         # the gradients and the activations' peak together (module docstring)
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
