@@ -297,13 +297,14 @@ class _SavedShard:
     LM overlaps the same gather with one GEMM, the column layer's input gradient; this
     starts it a layer earlier. Without an owner's tensor the gather is issued on demand."""
 
-    __slots__ = ("topo", "shard", "spans", "held", "packs", "rebuilt", "taken", "hooks",
-                 "pending")  # fmt: skip
+    __slots__ = ("topo", "shard", "spans", "held", "packs", "alive", "rebuilt", "taken",
+                 "hooks", "pending")  # fmt: skip
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, topo: Topology):
         self.topo, self.shard, self.spans = topo, shard, [full]
         self.held: dict[torch.dtype, torch.Tensor] = {}  # the shard in each saved dtype
         self.packs: dict[torch.dtype, int] = {}
+        self.alive: dict[torch.dtype, int] = {}  # saved references not yet let go
         self.rebuilt: dict[torch.dtype, torch.Tensor] = {}
         self.pending: dict[torch.dtype, tuple] = {}  # issued re-gathers: (rows, work)
         self.taken: dict[torch.dtype, int] = {}
@@ -329,7 +330,18 @@ class _SavedShard:
         if held is None:
             held = self.held[t.dtype] = self.shard.to(t.dtype).contiguous()
         self.packs[t.dtype] = self.packs.get(t.dtype, 0) + 1
+        self.alive[t.dtype] = self.alive.get(t.dtype, 0) + 1
         return _Regather(self, t.dtype, t.shape)
+
+    def release(self, dtype: torch.dtype) -> None:
+        """One saved reference let go (autograd frees a node's saved tensors once its
+        backward is done, or a zero-bubble W's): with the last, the shard goes too. The
+        region itself lives as long as the graph (``prefetch_from``'s hook), so without
+        this every block's shards stayed until the whole backward was done."""
+        self.alive[dtype] -= 1
+        if not self.alive[dtype]:
+            self.held.pop(dtype, None)
+            self.rebuilt.pop(dtype, None)
 
     def prefetch_from(self, y: torch.Tensor) -> None:
         """Issue the backward's re-gathers when ``y``'s gradient is computed (class doc)."""
@@ -363,6 +375,9 @@ class _Regather:
 
     def __init__(self, region: _SavedShard, dtype: torch.dtype, shape: torch.Size):
         self.region, self.dtype, self.shape = region, dtype, shape
+
+    def __del__(self):
+        self.region.release(self.dtype)
 
 
 def _unpack(packed):
