@@ -45,6 +45,14 @@
   weights in the dtype they are gathered in -- under bf16 / fp16 the compute dtype for
   plait and FSDP2, half of fp32 -- and its norms in the weights' dtype
   (``gathered_layer_bytes``).
+- A vocabulary table's gradient is made whole and new beside the state, where a large
+  vocabulary can put a rank's peak: the first stage's embedding backward at the end of
+  each of its backwards (``embedding_backward_transient``: the table's gradient before
+  it lands, three with a tied head on the same rank; the schedule walk's x = 3
+  states), ZeRO-0/1's head as its gradient lands (``head_backward_moment``), and the
+  end of the step, every activation gone (``finish_transient``: buckets flattened by
+  ``finish()``, ZeRO-1/2's gathers of the updated weights); a pipeline's tied copy is
+  held whole under ZeRO-2 (``deferred_table_grads``).
 - ZeRO-2 under a runtime that reduce-scatters every micro-batch (plait) may peak on the
   last stage as the head's backward ends (``zero2_head_moment``): the head's whole
   weight gradient beside the shard rows, until the final norm's closes its bucket.
@@ -65,6 +73,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from plait.layout import Layout
@@ -315,6 +324,150 @@ def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     split = layout.tp if layout.sequence_parallel else 1
     copies = 3 * 4 if runtime.layer_kernels == "plait" and r < 4 else 0
     return tokens * cfg.hidden / split * (3 * r + copies)
+
+
+def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                                 head_here: bool) -> float:  # fmt: skip
+    """Bytes beyond the gradients' state a first stage holds as its embedding's backward
+    runs, the last of a micro-batch's backward there. The table's dense gradient (V h / t
+    in the weights' dtype) is new: autograd hands it to ``p.grad`` as it is in a step's
+    first micro-batch and adds it in place after, and the data-parallel hooks copy it
+    into its bucket's flat buffer as they launch (a dp group of one has no hooks: one
+    micro-batch holds nothing more). Where the rank also holds a tied head
+    (``head_here``), the head's gradient of the table waits in autograd's buffer for the
+    embedding's and the two are summed: three tables, the state's one not yet written. A
+    pipeline's tied copies are deferred (``GradReducer``: no hooks), their gradient
+    accumulated in ``p.grad`` (``deferred_table_grads``). ZeRO-2 reducing every
+    micro-batch (``ReduceScatterGrads``) packs the table into fp32 beside its gradient,
+    one earlier bucket still in flight with its shard; tied, it peaks before packing,
+    three tables beside two buckets in flight; either way, in a step of one micro-batch,
+    without the table's shard in its rows. ZeRO-3 has its own moments
+    (``zero3_backward_moments``). ``plait rehearse`` of GPT-3 1.3B at ``--tp 2 --dp 4
+    --sequence-parallel``, one micro-batch: three fp32 tables of 196 MiB at the step's
+    peak, the gradients 0.192 GiB short of the state (2026-11-28)."""
+    if layout.zero == 3:
+        return 0.0
+    m = layout.num_microbatches
+    table = cfg.vocab_size / layout.tp * cfg.hidden * runtime.state_bytes(layout.dtype)[0]
+    if cfg.tied_embeddings and not head_here:  # a pipeline's tied copy, added in place
+        return table if m > 1 else 0.0
+    tied = cfg.tied_embeddings
+    if layout.zero < 2 or not runtime.zero2_reduce_per_microbatch:
+        if tied:
+            return 2 * table
+        return table if layout.dp > 1 or m > 1 else 0.0
+    shard = dp_groups(layout, False)[0]
+    packed = cfg.vocab_size / layout.tp * cfg.hidden * 4  # fp32 rows of every shard
+    # the bucket before it: the first block's first matrix, or --bucket-mb's worth
+    prev = max(layout.bucket_mb * 2**20, cfg.hidden * cfg.q_dim / layout.tp * 4)
+    unwritten = packed / shard if m == 1 else 0.0  # no rows yet
+    if tied:
+        return 3 * table + 2 * prev * (1 + 1 / shard) - unwritten
+    return table + packed + prev * (1 + 1 / shard) - unwritten
+
+
+def deferred_table_grads(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                         holds_table: bool) -> float:  # fmt: skip
+    """Gradient bytes beyond the ZeRO-2 state on a rank holding a pipeline's tied copy of
+    the table (``holds_table``: the first or the last stage): the copy's gradient is
+    deferred (``GradReducer``), accumulated whole in ``p.grad`` from its first backward
+    and reduce-scattered by ``finish()``, where its shard is what the state counts.
+    ``plait rehearse`` of a tied four-block model (vocabulary 65,536, h 2048) at ``--pp 2
+    --dp 2 --zero 2``: the last stage's gradients 0.25 GiB over the shards'."""
+    if not (holds_table and cfg.tied_embeddings and layout.pp > 1 and layout.zero == 2):
+        return 0.0
+    table = cfg.vocab_size / layout.tp * cfg.hidden * runtime.state_bytes(layout.dtype)[1]
+    return table * (1 - 1 / dp_groups(layout, False)[0])
+
+
+def _bucket_bytes(layout: Layout, largest: float) -> float:
+    """A gradient bucket's bytes (``split_buckets``): parameters of ``largest`` bytes each
+    until ``--bucket-mb`` is reached."""
+    limit = layout.bucket_mb * 2**20
+    return largest * max(1, math.ceil(limit / largest)) if largest else limit
+
+
+def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int,
+                     first: bool, last: bool) -> float:  # fmt: skip
+    """Bytes beyond the gradients a rank holds after its last backward, every activation
+    and weight cast gone, at the larger of two moments. ``finish()`` launching what the
+    hooks did not: in a dp group of one under ZeRO-0/1 every bucket (no hooks), the
+    largest copied into its flat buffer -- the table's on a stage that holds one; a
+    pipeline's tied copy of the table, its peer's received to be added
+    (``_sync_tied_grads``), then flattened (ZeRO-0/1) or packed into fp32 (ZeRO-2, beside
+    the buckets still in flight). And ZeRO-1/2's step gathering the updated parameters
+    (``gather_params``): two buckets in flight, each whole and its packed shard, the
+    table's with the next. ``plait rehearse`` of four llama blocks at ``--pp 2``, one
+    micro-batch: the first stage peaked at the first, the table's 512 MiB flat beside its
+    gradient, and at ``--dp 2 --zero 1`` at the second, 816 MiB (2026-11-28)."""
+    if layout.zero == 3:
+        return 0.0
+    w_bytes = runtime.state_bytes(layout.dtype)[0]
+    t = layout.tp
+    table = cfg.vocab_size / t * cfg.hidden * w_bytes
+    has_table = first or (last and (not cfg.tied_embeddings or layout.pp > 1))
+    tied_copy = cfg.tied_embeddings and layout.pp > 1 and (first or last)
+    width = (2 if cfg.arch != "gpt2" else 1) * cfg.ffn_hidden  # the MLP's entry
+    block = cfg.hidden * max(width, cfg.q_dim) / t * w_bytes if layers else 0.0
+    bucket = _bucket_bytes(layout, block)
+    largest = max(table if has_table else 0.0, bucket)
+    # the bucket next to the table: the first block's first matrices (q) or the last's
+    # down projection
+    # (a tied copy's bucket is deferred, after the stage's others: the first block's)
+    beside = cfg.hidden * (cfg.q_dim if first or tied_copy else cfg.ffn_hidden) / t * w_bytes
+    if has_table and layers:
+        bucket = _bucket_bytes(layout, beside)
+    shard = dp_groups(layout, False)[0]
+    out = 0.0
+    if layout.zero == 2 and tied_copy:  # two buckets in flight as the copies are summed
+        # (``_sync_tied_grads``: the peer's received), one as the copy is packed in fp32
+        prev = bucket * (1 + 1 / shard)
+        out = max(table + 2 * prev, table / w_bytes * 4 + prev)
+    elif layout.zero < 2 and layout.dp == 1:
+        out = largest
+    elif layout.zero < 2 and tied_copy:
+        out = table
+    if layout.zero in (1, 2):  # the two largest buckets gathered, and their shards; a
+        # tied copy's whole gradient (ZeRO-2: ``deferred_table_grads``) gone by then
+        pair = largest + (bucket if layers else 0.0)
+        gone = deferred_table_grads(cfg, layout, runtime, first or last)
+        out = max(out, pair * (1 + 1 / shard) - gone)
+    return out
+
+
+def head_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                         lora=None) -> tuple[float, float, float, float] | None:  # fmt: skip
+    """ZeRO-0/1's last stage as the head's weight gradient lands, its buffers freed
+    (``last_stage_buffers``) and the head input's gradient held: the gradient (V h / t)
+    is new beside the state, made by autocast's cast from the compute dtype's, both held
+    at once -- added in place from a step's second micro-batch on, and in its last
+    copied into its bucket's flat buffer by a dp group's hooks; in a step of one
+    micro-batch the only gradient yet, twice where the hooks copy it. Qwen 2.5 7B at dp 8
+    (vocabulary 152,064) peaked at the cast, 2.03 + 1.04 GiB. (gradients,
+    buffers, activations freed, temporaries), as ``zero2_head_moment``. None for
+    a tied head on the embedding's rank -- its gradient waits for the embedding's
+    (``embedding_backward_transient``) -- nor under ZB-H1, whose head makes it in a W
+    (the ZB-H1 rows of ``tests/test_rehearse.py`` hold without it). ``plait rehearse`` of four llama blocks
+    (vocabulary 65,536) at ``--pp 2 --dp 2``, one micro-batch: the last stage peaked
+    there, 2 x 512 MiB of the head's gradient (2026-11-28)."""
+    if layout.zero > 1 or lora is not None or (cfg.tied_embeddings and layout.pp == 1):
+        return None
+    if layout.schedule == "zb-h1":  # made in the head's W, its inputs held to then
+        return None
+    g_bytes, e = runtime.state_bytes(layout.dtype)[1], ACT_BYTES[layout.dtype]
+    elements = cfg.vocab_size / layout.tp * cfg.hidden
+    head = elements * g_bytes
+    hooked = not cfg.tied_embeddings and layout.dp > 1  # a tied copy is deferred
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = layout.tp if layout.sequence_parallel else 1
+    temps = tokens * cfg.hidden / split * e  # the head input's gradient
+    freed = last_stage_buffers(cfg, layout, lora)
+    # as autocast's cast carries the compute-dtype gradient back to the weights' dtype,
+    # both are held; then, in a step of one micro-batch, the hooks' copy beside it
+    cast = elements * e if layout.dtype != "fp32" else 0.0
+    if layout.num_microbatches == 1 and hooked and head > cast:
+        return 2 * head, 0.0, freed, temps
+    return head, 0.0, freed, temps + cast
 
 
 def mlp_backward_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
@@ -719,6 +872,7 @@ def memory_per_rank(
             expert_adapters=routed_adapters[rank] if lora is not None else 0.0,
         )  # fmt: skip
         w, g, o = state["params"], state["grads"], state["optim"]
+        g += deferred_table_grads(cfg, layout, runtime, rank in (0, p - 1))
         buffers = zero3_buffer_bytes(cfg, layout, runtime)
         full = _zero3_parts(cfg, layout, runtime)[1] if buffers else 0.0  # a layer's gradient
         if lora is not None and buffers:  # a layer's gradient awaiting its reduce-scatter
@@ -730,6 +884,14 @@ def memory_per_rank(
             moments = [zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora)]
             if rank == p - 1:
                 moments.append(zero2_head_moment(cfg, layout, runtime, lora))
+        elif layout.zero < 2 and rank == p - 1:
+            head_moment = head_backward_moment(cfg, layout, runtime, lora)
+            if head_moment is not None:
+                grads, zbufs, freed, temps = head_moment
+                m = layout.num_microbatches
+                if layout.schedule == "gpipe" and m > 1:  # with the gradients of m - 1
+                    freed += bare[rank] * (m - 1) / m  # micro-batches: only the last's held
+                moments = [(grads, zbufs, freed, temps)]
         head_cast = 0.0
         if buffers and runtime.zero3_grads_in_flight and lora is None:
             buffers -= full  # the gathered layers and the prefetch's input; in flight: below
@@ -757,22 +919,39 @@ def memory_per_rank(
         if casts and cfg.tied_embeddings and rank == p - 1:
             tied_cast = casts - weight_cast_bytes(cfg, layout, runtime, layers, last=False,
                                                   moe_layers=moe_here)  # fmt: skip
+        # a backward ends after the last stage's head has let go of a tied table's cast;
+        # the first stage's, in its embedding's backward (the table's gradients)
+        end = ends - tied_cast
+        emb = 0.0
+        if rank == 0:
+            emb = embedding_backward_transient(cfg, layout, runtime, p == 1) - tied_cast
         # the gradients and the activations' peak together (module docstring)
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
             joint = peak_with_grads(states, rank, weights[rank], shares,
-                                    (working[rank], ends, captured[rank]))  # fmt: skip
+                                    (working[rank], end, captured[rank], emb))  # fmt: skip
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
-            joint = max(held[rank], bare[rank] * (m - 1) / m + g + ends)
+            joint = max(held[rank], bare[rank] * (m - 1) / m + g + max(end, emb))
         else:  # m > p: a forward follows every rank's first backward
             joint = held[rank] + g
+            if emb > 0:  # a first-chunk backward done: its micro-batch freed
+                joint = max(joint, bare[rank] - weights[rank][0][0] + g + emb)
             if captured[rank] and at_bi[rank]:  # a BI's captured gradients on top
                 joint = max(joint, at_bi[rank] + captured[rank] + g)
         apart = held[rank] + g - joint  # < 0: a BI's captured gradients on top of both
         mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts + head_cast, apart,
                      temporaries=held[rank] - act[rank], w_gradients=awaiting_w[rank],
                      forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
+        # as ``finish()`` launches what the hooks did not: every activation and cast gone
+        fin = finish_transient(cfg, layout, runtime, layers, rank == 0, rank == p - 1)
+        if fin:
+            gone = act[rank] + casts + head_cast
+            end_of_step = Memory(rank, w, g, o, act[rank], 0.0, overhead, 0.0, casts + head_cast,
+                                 gone, grads_moment=fin,
+                                 forward_made_peak=mem.forward_made_peak)  # fmt: skip
+            if end_of_step.total > mem.total:
+                mem = end_of_step
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
         for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
             # no cp exchange runs at these moments but the attention's own, whose
@@ -929,13 +1108,18 @@ def zero3_backward_moments(
         held = sum(flight) + len(ahead) * gathered + (gather_input if len(ahead) > 1 else 0.0)
         held += tied
         outputs = landed + sum(flight) / shard
-        if tied and j == len(units) - 1:  # the embedding's backward, before the unit packs:
-            # the table's gradient from the head, the embedding's own and their sum, the
-            # k units before it in flight
+        if first and j == len(units) - 1:  # the embedding's backward, before the unit
+            # packs: the k units before it in flight, and the table's gradient -- tied, the
+            # head's, the embedding's own and their sum; untied, the embedding's own beside
+            # its unit, gathered for the backward in the weights' dtype
             done = units[j - k][0] / shard if j >= k and layout.num_microbatches == 1 else 0.0
             prev = [f for f, _, _, _ in units[max(0, j - k) : j]]
-            out.append((landed - done + sum(prev) / shard, sum(prev) + tied, freed,
-                        3 * tied_grad))  # fmt: skip
+            if tied:
+                out.append((landed - done + sum(prev) / shard, sum(prev) + tied, freed,
+                            3 * tied_grad))  # fmt: skip
+            elif not cfg.tied_embeddings:
+                own = cfg.vocab_size / layout.tp * cfg.hidden * w_bytes
+                out.append((landed - done + sum(prev) / shard, sum(prev) + own, freed, own))
         if units[j][3]:  # as it packs: its own weight gradients not yet let go, itself
             # freed (its gradients all in), the next block gathered, not yet the one after
             out.append((outputs + gathered, sum(flight) + (gathered if nxt else 0.0) + tied,

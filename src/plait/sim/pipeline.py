@@ -138,11 +138,14 @@ def _grad_states(lists, v: int):
     micro-batch's activations freed, its gradients made, and that backward's working set
     still held (``memory.backward_transient``); x = 2 for the end of a BI, its micro-batch
     still whole beside the output gradients it captured for W (what it does not keep for
-    W goes after it: ``executor.SavedBoxes``). The others are
+    W goes after it: ``executor.SavedBoxes``); x = 3 for the end of every B or W of the
+    first chunk, whose last act on the model's first stage is the embedding's backward
+    (``memory.embedding_backward_transient``: a vocabulary table's gradient or three,
+    which can outweigh the micro-batch it has freed). The others are
     the local maxima of the activations (a forward not followed by one, and each BI), with
     the gradients made so far. A later B or W ends below the local maximum before it (its
     working set is less than the micro-batch's activations it has freed), so only the
-    first counts."""
+    first counts, the first chunk's apart."""
     out = []
     for actions in lists:
         fwd, wait_w, made = [0] * v, [0] * v, [0] * v
@@ -171,6 +174,8 @@ def _grad_states(lists, v: int):
             if first:
                 made[a.chunk] = 1
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (1,)))
+            if a.chunk == 0 and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (3,)))
         if rising:
             states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
         # a transient need not grow with x: prune among the states of one x
@@ -268,11 +273,12 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list,
 
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
-                    transient: tuple[float, float]) -> float:  # fmt: skip
+                    transient: tuple[float, ...]) -> float:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (what the backward after a local maximum adds to
-    it, what a first backward holds as it ends, what a BI has captured as it ends)."""
+    it, what a first backward holds as it ends, what a BI has captured as it ends, what
+    the first chunk's backward holds as it ends)."""
     best = 0.0
     for fwd, wait_w, made, (x,) in compiled.grad_states[rank]:
         total = transient[x]
