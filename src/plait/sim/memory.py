@@ -411,9 +411,9 @@ def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers:
     block = cfg.hidden * max(width, cfg.q_dim) / t * w_bytes if layers else 0.0
     bucket = _bucket_bytes(layout, block)
     largest = max(table if has_table else 0.0, bucket)
-    # the bucket next to the table: the first block's first matrices (q) or the last's
-    # down projection
-    # (a tied copy's bucket is deferred, after the stage's others: the first block's)
+    # the bucket next to the table's: the first block's first matrices (q), or the last
+    # block's down projection -- but a tied copy's bucket is deferred, after the stage's
+    # others, and follows its first block's
     beside = cfg.hidden * (cfg.q_dim if first or tied_copy else cfg.ffn_hidden) / t * w_bytes
     if has_table and layers:
         bucket = _bucket_bytes(layout, beside)
@@ -442,14 +442,14 @@ def head_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     is new beside the state, made by autocast's cast from the compute dtype's, both held
     at once -- added in place from a step's second micro-batch on, and in its last
     copied into its bucket's flat buffer by a dp group's hooks; in a step of one
-    micro-batch the only gradient yet, twice where the hooks copy it. Qwen 2.5 7B at dp 8
-    (vocabulary 152,064) peaked at the cast, 2.03 + 1.04 GiB. (gradients,
-    buffers, activations freed, temporaries), as ``zero2_head_moment``. None for
-    a tied head on the embedding's rank -- its gradient waits for the embedding's
-    (``embedding_backward_transient``) -- nor under ZB-H1, whose head makes it in a W
-    (the ZB-H1 rows of ``tests/test_rehearse.py`` hold without it). ``plait rehearse`` of four llama blocks
-    (vocabulary 65,536) at ``--pp 2 --dp 2``, one micro-batch: the last stage peaked
-    there, 2 x 512 MiB of the head's gradient (2026-11-28)."""
+    micro-batch the only gradient yet, twice where the hooks copy it. (gradients,
+    buffers, activations freed, temporaries), as ``zero2_head_moment``; None for a tied
+    head on the embedding's rank -- its gradient waits for the embedding's
+    (``embedding_backward_transient``) -- and under ZB-H1, whose head makes it in a W
+    (the ZB-H1 rows of ``tests/test_rehearse.py`` hold without it). ``plait rehearse``
+    (2026-11-28): four llama blocks (vocabulary 65,536) at ``--pp 2 --dp 2``, one
+    micro-batch, peaked there on the last stage, 2 x 512 MiB of the head's gradient;
+    Qwen 2.5 7B at dp 8 (vocabulary 152,064) at the cast, 2.03 + 1.04 GiB."""
     if layout.zero > 1 or lora is not None or (cfg.tied_embeddings and layout.pp == 1):
         return None
     if layout.schedule == "zb-h1":  # made in the head's W, its inputs held to then
