@@ -86,7 +86,7 @@ from plait.parallel.pipeline.schedules import (
 )
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
-from plait.sim.costs import ACT_BYTES, dp_groups, residual_bytes
+from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks, residual_bytes
 from plait.sim.pipeline import Compiled, compile_schedule, peak_held, peak_with_grads
 from plait.sim.runtime import Runtime
 
@@ -104,11 +104,14 @@ class Memory:
     overhead: float
     cp_buffers: float = 0.0  # one layer's context-parallel exchange (sim/context.py)
     weight_casts: float = 0.0  # the step's compute-dtype weight copy (``weight_cast_bytes``)
-    # activations' peak + grads less their joint peak (module docstring); negative where
-    # the joint peak holds more than both (a zero-bubble BI's captured gradients)
+    # activations' peak + temporaries + grads less their joint peak (module docstring);
+    # negative where the joint peak holds more than both (a zero-bubble BI's captured
+    # gradients)
     grads_apart: float = 0.0
-    # what a backward holds beside the activations' peak as it starts (the MLP's gradients,
-    # ``mlp_backward_working_set``) beyond what it frees first (the head's buffers)
+    # the working set at the peak: what a backward holds beside the activations' peak as
+    # it starts (the MLP's gradients, ``mlp_backward_working_set``) beyond what it frees
+    # first (the head's buffers); or, where the peak is a backward's end, what it holds
+    # there (``backward_transient``, ``embedding_backward_transient``)
     temporaries: float = 0.0
     # gradients the peak holds beyond the state's ``grads`` (negative: short of them): a
     # ZeRO-2/3 backward's reduce-scatter outputs in flight and weight gradients not yet
@@ -345,7 +348,7 @@ def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runt
     (``zero3_backward_moments``). ``plait rehearse`` of GPT-3 1.3B at ``--tp 2 --dp 4
     --sequence-parallel``, one micro-batch: three fp32 tables of 196 MiB at the step's
     peak, the gradients 0.192 GiB short of the state (2026-11-28)."""
-    if layout.zero == 3:
+    if layout.zero == 3 or not runtime.bucket_from_layout:  # plait's ``GradReducer`` only
         return 0.0
     m = layout.num_microbatches
     table = cfg.vocab_size / layout.tp * cfg.hidden * runtime.state_bytes(layout.dtype)[0]
@@ -355,7 +358,7 @@ def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runt
     if layout.zero < 2 or not runtime.zero2_reduce_per_microbatch:
         if tied:
             return 2 * table
-        return table if layout.dp > 1 or m > 1 else 0.0
+        return table if grad_ranks(layout) > 1 or m > 1 else 0.0
     shard = dp_groups(layout, False)[0]
     packed = cfg.vocab_size / layout.tp * cfg.hidden * 4  # fp32 rows of every shard
     # the bucket before it: the first block's first matrix, or --bucket-mb's worth
@@ -400,7 +403,7 @@ def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers:
     table's with the next. ``plait rehearse`` of four llama blocks at ``--pp 2``, one
     micro-batch: the first stage peaked at the first, the table's 512 MiB flat beside its
     gradient, and at ``--dp 2 --zero 1`` at the second, 816 MiB (2026-11-28)."""
-    if layout.zero == 3:
+    if layout.zero == 3 or not runtime.bucket_from_layout:  # plait's ``GradReducer`` only
         return 0.0
     w_bytes = runtime.state_bytes(layout.dtype)[0]
     t = layout.tp
@@ -423,7 +426,7 @@ def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers:
         # (``_sync_tied_grads``: the peer's received), one as the copy is packed in fp32
         prev = bucket * (1 + 1 / shard)
         out = max(table + 2 * prev, table / w_bytes * 4 + prev)
-    elif layout.zero < 2 and layout.dp == 1:
+    elif layout.zero < 2 and grad_ranks(layout) == 1:
         out = largest
     elif layout.zero < 2 and tied_copy:
         out = table
@@ -452,12 +455,14 @@ def head_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     Qwen 2.5 7B at dp 8 (vocabulary 152,064) at the cast, 2.03 + 1.04 GiB."""
     if layout.zero > 1 or lora is not None or (cfg.tied_embeddings and layout.pp == 1):
         return None
+    if not runtime.bucket_from_layout:  # plait's ``GradReducer`` only
+        return None
     if layout.schedule == "zb-h1":  # made in the head's W, its inputs held to then
         return None
     g_bytes, e = runtime.state_bytes(layout.dtype)[1], ACT_BYTES[layout.dtype]
     elements = cfg.vocab_size / layout.tp * cfg.hidden
     head = elements * g_bytes
-    hooked = not cfg.tied_embeddings and layout.dp > 1  # a tied copy is deferred
+    hooked = not cfg.tied_embeddings and grad_ranks(layout) > 1  # a tied copy is deferred
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     split = layout.tp if layout.sequence_parallel else 1
     temps = tokens * cfg.hidden / split * e  # the head input's gradient
@@ -926,22 +931,30 @@ def memory_per_rank(
         if rank == 0:
             emb = embedding_backward_transient(cfg, layout, runtime, p == 1) - tied_cast
         # the gradients and the activations' peak together (module docstring)
+        ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
-            joint = peak_with_grads(states, rank, weights[rank], shares,
-                                    (working[rank], end, captured[rank], emb))  # fmt: skip
+            joint, ending = peak_with_grads(states, rank, weights[rank], shares,
+                                            (working[rank], end, captured[rank], emb))  # fmt: skip
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
-            joint = max(held[rank], bare[rank] * (m - 1) / m + g + max(end, emb))
+            at_end = bare[rank] * (m - 1) / m + g + max(end, emb)
+            joint = max(held[rank], at_end)
+            ending = max(end, emb) if at_end > held[rank] else 0.0
         else:  # m > p: a forward follows every rank's first backward
             joint = held[rank] + g
-            if emb > 0:  # a first-chunk backward done: its micro-batch freed
-                joint = max(joint, bare[rank] - weights[rank][0][0] + g + emb)
-            if captured[rank] and at_bi[rank]:  # a BI's captured gradients on top
-                joint = max(joint, at_bi[rank] + captured[rank] + g)
-        apart = held[rank] + g - joint  # < 0: a BI's captured gradients on top of both
+            if emb > 0 and bare[rank] - weights[rank][0][0] + g + emb > joint:  # a first-
+                joint = bare[rank] - weights[rank][0][0] + g + emb  # chunk backward's end
+                ending = emb
+            if captured[rank] and at_bi[rank] and at_bi[rank] + captured[rank] + g > joint:
+                joint, ending = at_bi[rank] + captured[rank] + g, 0.0  # a BI's captures
+        # the temporaries at the peak: a backward's end's working set, where the peak is
+        # there; else the working set a backward starts with
+        # (its transient is net of a tied head's cast, gone by then: off the activations)
+        temps = ending + tied_cast if ending > 0 else held[rank] - act[rank]
+        apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
         mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts + head_cast, apart,
-                     temporaries=held[rank] - act[rank], w_gradients=awaiting_w[rank],
+                     temporaries=temps, w_gradients=awaiting_w[rank],
                      forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
         # as ``finish()`` launches what the hooks did not: every activation and cast gone
         fin = finish_transient(cfg, layout, runtime, layers, rank == 0, rank == p - 1)
