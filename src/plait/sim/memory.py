@@ -506,15 +506,19 @@ def bi_captured_bytes(
 ) -> float:
     """The output gradients a zero-bubble BI captures for its W (``executor.backward_input``)
     over a chunk of ``layers`` blocks: each linear's (QKV's and FC1's split by t, the
-    output projection's and FC2's h), each norm's under ``zb_autograd_split``, and on the
-    ``last`` stage the head's (V / t) and the final norm's."""
+    output projection's and FC2's h), each norm's under ``zb_autograd_split``, GPT-2's two
+    row-parallel bias adds' in fp32, and on the ``last`` stage the head's (V / t) and the
+    final norm's."""
     e, t = ACT_BYTES[layout.dtype], layout.tp
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     split = t if layout.sequence_parallel else 1
     up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
     qkv = cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)
     norms = cfg.hidden / split * e if runtime.zb_autograd_split else 0.0
-    out = layers * tokens * (e * (qkv + up / t + 2 * cfg.hidden) + 2 * norms)
+    # a row-parallel layer's bias is added after the reduction in its own fp32
+    # (``RowParallelLinear``): that add's output gradient is fp32, and its own joint
+    biases = 2 * cfg.hidden / split * 4 if cfg.biases and e < 4 else 0.0
+    out = layers * tokens * (e * (qkv + up / t + 2 * cfg.hidden) + 2 * norms + biases)
     if last:
         out += tokens * (e * cfg.vocab_size / t + norms)
     return out
