@@ -160,6 +160,11 @@ class Memory:
         }
 
 
+def table_elements(cfg: ModelConfig, layout: Layout) -> float:
+    """Elements of a vocabulary table (the embedding's or the head's) on one tp rank."""
+    return cfg.vocab_size / layout.tp * cfg.hidden
+
+
 def stage_params(
     cfg: ModelConfig, layout: Layout, layers: int, first: bool, last: bool, moe_layers: int = 0
 ) -> float:
@@ -254,11 +259,7 @@ def tied_zero3_unit(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> tuple
     if layout.zero != 3 or not cfg.tied_embeddings or layout.pp != 1:
         return 0.0, 0.0
     unit = stage_params(cfg, layout, 0, True, True) * runtime.state_bytes(layout.dtype)[0]
-    cast = (
-        0.0
-        if layout.dtype == "fp32"
-        else cfg.vocab_size / layout.tp * cfg.hidden * ACT_BYTES[layout.dtype]
-    )
+    cast = 0.0 if layout.dtype == "fp32" else table_elements(cfg, layout) * ACT_BYTES[layout.dtype]
     return unit, cast
 
 
@@ -351,7 +352,7 @@ def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runt
     if layout.zero == 3 or not runtime.bucket_from_layout:  # plait's ``GradReducer`` only
         return 0.0
     m = layout.num_microbatches
-    table = cfg.vocab_size / layout.tp * cfg.hidden * runtime.state_bytes(layout.dtype)[0]
+    table = table_elements(cfg, layout) * runtime.state_bytes(layout.dtype)[0]
     if cfg.tied_embeddings and not head_here:  # a pipeline's tied copy, added in place
         return table if m > 1 else 0.0
     tied = cfg.tied_embeddings
@@ -360,7 +361,7 @@ def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runt
             return 2 * table
         return table if grad_ranks(layout) > 1 or m > 1 else 0.0
     shard = dp_groups(layout, False)[0]
-    packed = cfg.vocab_size / layout.tp * cfg.hidden * 4  # fp32 rows of every shard
+    packed = table_elements(cfg, layout) * 4  # fp32 rows of every shard
     # the bucket before it: the first block's first matrix, or --bucket-mb's worth
     prev = max(layout.bucket_mb * 2**20, cfg.hidden * cfg.q_dim / layout.tp * 4)
     unwritten = packed / shard if m == 1 else 0.0  # no rows yet
@@ -379,7 +380,7 @@ def deferred_table_grads(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     --dp 2 --zero 2``: the last stage's gradients 0.25 GiB over the shards'."""
     if not (holds_table and cfg.tied_embeddings and layout.pp > 1 and layout.zero == 2):
         return 0.0
-    table = cfg.vocab_size / layout.tp * cfg.hidden * runtime.state_bytes(layout.dtype)[1]
+    table = table_elements(cfg, layout) * runtime.state_bytes(layout.dtype)[1]
     return table * (1 - 1 / dp_groups(layout, False)[0])
 
 
@@ -407,7 +408,7 @@ def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers:
         return 0.0
     w_bytes = runtime.state_bytes(layout.dtype)[0]
     t = layout.tp
-    table = cfg.vocab_size / t * cfg.hidden * w_bytes
+    table = table_elements(cfg, layout) * w_bytes
     has_table = first or (last and (not cfg.tied_embeddings or layout.pp > 1))
     tied_copy = cfg.tied_embeddings and layout.pp > 1 and (first or last)
     width = (2 if cfg.arch != "gpt2" else 1) * cfg.ffn_hidden  # the MLP's entry
@@ -460,7 +461,7 @@ def head_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     if layout.schedule == "zb-h1":  # made in the head's W, its inputs held to then
         return None
     g_bytes, e = runtime.state_bytes(layout.dtype)[1], ACT_BYTES[layout.dtype]
-    elements = cfg.vocab_size / layout.tp * cfg.hidden
+    elements = table_elements(cfg, layout)
     head = elements * g_bytes
     hooked = not cfg.tied_embeddings and grad_ranks(layout) > 1  # a tied copy is deferred
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
@@ -998,7 +999,7 @@ def zero2_head_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     e, g_bytes = ACT_BYTES[layout.dtype], runtime.state_bytes(layout.dtype)[1]
     split = layout.tp if layout.sequence_parallel else 1
-    head = 0.0 if lora is not None else cfg.vocab_size / layout.tp * cfg.hidden * g_bytes
+    head = 0.0 if lora is not None else table_elements(cfg, layout) * g_bytes
     temps = tokens * (cfg.vocab_size / layout.tp * 4 + cfg.hidden / split * e)
     return head, 0.0, last_stage_buffers(cfg, layout, lora), temps
 
@@ -1022,7 +1023,7 @@ def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last:
     e, t = ACT_BYTES[layout.dtype], layout.tp
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     down = cfg.ffn_hidden * cfg.hidden / t
-    head = cfg.vocab_size / t * cfg.hidden + cfg.hidden if last and not cfg.tied_embeddings else 0.0
+    head = table_elements(cfg, layout) + cfg.hidden if last and not cfg.tied_embeddings else 0.0
     packed = (down + head) * 4  # fp32 rows of every shard: the whole gradient
     freed = (last_stage_buffers(cfg, layout) if last else 0.0) + tokens * cfg.ffn_hidden / t * e
     # each reduce-scatter in flight writes this rank's shard of its input, a row of its own
@@ -1083,7 +1084,7 @@ def zero3_backward_moments(
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     down_input = tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
     g_bytes = runtime.state_bytes(layout.dtype)[1]
-    table = cfg.vocab_size / layout.tp * cfg.hidden * g_bytes  # a vocabulary table's gradient
+    table = table_elements(cfg, layout) * g_bytes  # a vocabulary table's gradient
     # (packed gradient, activations freed, forward remade as its backward starts, a block),
     # in backward order: the chunk's last block first
     units = [(full, ckpt, again, True) if b < redo else (full, kept, 0.0, True)
@@ -1102,7 +1103,7 @@ def zero3_backward_moments(
     # table's gradient from the head's backward waits with it for the embedding's
     tied = tied_zero3_unit(cfg, layout, runtime)[0] if units and first and last else 0.0
     w_bytes = runtime.state_bytes(layout.dtype)[0]
-    tied_grad = cfg.vocab_size / layout.tp * cfg.hidden * w_bytes if tied else 0.0
+    tied_grad = table_elements(cfg, layout) * w_bytes if tied else 0.0
     attend = None  # a block's cp attention backward, its MLP's backward done
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
@@ -1135,7 +1136,7 @@ def zero3_backward_moments(
                 out.append((landed - done + sum(prev) / shard, sum(prev) + tied, freed,
                             3 * tied_grad))  # fmt: skip
             elif not cfg.tied_embeddings:
-                own = cfg.vocab_size / layout.tp * cfg.hidden * w_bytes
+                own = table_elements(cfg, layout) * w_bytes
                 out.append((landed - done + sum(prev) / shard, sum(prev) + own, freed, own))
         if units[j][3]:  # as it packs: its own weight gradients not yet let go, itself
             # freed (its gradients all in), the next block gathered, not yet the one after
