@@ -485,6 +485,8 @@ def _attack_run(out: Path, flags: list, forge) -> dict:
         seen["namespace_why"], seen["namespace_allowed"] = ns.why, ns.why is None
         if ns.why is None:
             seen["reachable"] = [p for _, p in seen["sockets"] if ns.reachable(p)]
+        # an attack on a run that had already ended proves nothing: the tests check this
+        seen["outlived_the_attack"] = proc.poll() is None
         seen["stdout"], seen["stderr"] = proc.communicate(timeout=300)
         seen["code"] = proc.returncode
         seen["victim_alive"] = victim.poll() is None
@@ -509,9 +511,23 @@ def _plant(raw, key: str, value, *, wrong: bool) -> None:
         raw.compare_set(key, "", value)
 
 
-def _forge_liveness(ports, victim_pid, *, marker: Path):
+def _await(seen_yet, timeout: float = 60.0) -> None:
+    """Wait until ``seen_yet()`` holds: a forged message stays until the run has read it
+    (a fixed pause raced a run that finished first). Gives up after ``timeout`` seconds;
+    the test's own assertions then say what was never read."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and not seen_yet():
+        time.sleep(0.05)
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _forge_liveness(ports, victim_pid, *, out: Path):
     raws = [_raw(port) for port in ports]  # the launcher's stores: liveness, rendezvous
-    for wrong in (False, True):  # each kind stays long enough for the watchdog to read it
+    log = out / "logs" / "launcher.log"
+    for wrong in (False, True):  # each kind stays until the watchdog has read it
         for raw in raws:
             store = SignedStore(raw, WRONG) if wrong else raw
             for rank in (0, 1):
@@ -520,16 +536,17 @@ def _forge_liveness(ports, victim_pid, *, marker: Path):
                     {"code": 2, "message": "\x1b[31mpwned\x1b[0m", "log": None, "detail": None}),
                     wrong=wrong)  # fmt: skip
                 store.set(liveness.BEAT.format(rank), "1")
-        time.sleep(1.0)
+        why = "wrongly signed" if wrong else "unsigned"
+        _await(lambda why=why: all(f"({why}): key {liveness.STATUS.format(r)!r}" in _text(log)
+                           for r in (0, 1)))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def torchrun_run(tmp_path_factory):
     """A --dp 2 run through torchrun, attacked on its stores while it trains."""
     out = tmp_path_factory.mktemp("attacked") / "run"
-    marker = out.parent / "payload-ran"
-    seen = _attack_run(out, ["--dp", 2, "--steps", 200],
-                       lambda ports, pid: _forge_liveness(ports, pid, marker=marker))  # fmt: skip
+    seen = _attack_run(out, ["--dp", 2, "--steps", 600],
+                       lambda ports, pid: _forge_liveness(ports, pid, out=out))  # fmt: skip
     return out, seen
 
 
@@ -540,6 +557,7 @@ def test_a_run_listens_on_loopback_only_and_ignores_forged_liveness_messages(tor
     signalled, or if the refusals are not logged."""
     out, seen = torchrun_run
     assert seen["code"] == 0, seen["stdout"][-2000:] + seen["stderr"][-3000:]
+    assert seen["outlived_the_attack"], "the run ended before the attack did: more --steps"
     # the launcher's two stores (liveness, rendezvous) and the workers' gloo sockets
     assert len(seen["launcher"]) == 2 and len(seen["sockets"]) > 2, seen["sockets"]
     assert {ip for ip, _ in seen["sockets"]} == {"127.0.0.1"}, seen["sockets"]
@@ -548,7 +566,7 @@ def test_a_run_listens_on_loopback_only_and_ignores_forged_liveness_messages(tor
     for key in ("liveness/status/0", "liveness/status/1"):
         for why in ("unsigned", "wrongly signed"):
             assert f"ignored a message on the run's store ({why}): key {key!r}" in log, log
-    assert "plait: done: step 200" in seen["stdout"]
+    assert "plait: done: step 600" in seen["stdout"]
 
 
 @pytest.mark.slow
@@ -559,6 +577,7 @@ def test_a_runs_ports_are_closed_to_another_address(torchrun_run):
     if not seen["namespace_allowed"]:  # a namespace needs root and ip(8), nothing else
         pytest.skip(f"no network namespace here: {seen['namespace_why']}")
     assert seen["namespace_why"] is None, seen["namespace_why"]
+    assert seen["outlived_the_attack"], "the run's ports were probed after it ended"
     assert seen["reachable"] == [], seen["sockets"]
 
 
@@ -572,10 +591,15 @@ def test_a_resilient_run_ignores_forged_protocol_messages(tmp_path):
     out = tmp_path / "run"
     marker = tmp_path / "payload-ran"
 
+    def rejected() -> set:
+        lines = _text(out / "logs" / "coordinator.jsonl").splitlines()
+        events = [json.loads(x) for x in lines if x.endswith("}")]
+        return {(e["key"], e["why"]) for e in events if e["event"] == "rejected"}
+
     def forge(ports, victim_pid):
         (port,) = ports  # the coordinator's one store
         raw = _raw(port)
-        for store in (raw, SignedStore(raw, WRONG)):  # each kind for long enough to be read
+        for store in (raw, SignedStore(raw, WRONG)):  # each kind stays until it is read
             store.set(protocol.GEN, "40")
             store.set(protocol.DECISION.format(40), json.dumps({"gen": 40, "stop": "pwned"}))
             store.set(protocol.REQUEST, "40")
@@ -593,11 +617,20 @@ def test_a_resilient_run_ignores_forged_protocol_messages(tmp_path):
                 for rank in (0, 1):  # denial of service, not what this test is after
                     key = async_checkpoint.POST.format(0, step, rank)
                     _plant(raw, key, pickle.dumps(Payload(marker)), wrong=store is not raw)
-            time.sleep(1.0)
+            why = "unsigned" if store is raw else "wrongly signed"
+            keys = (
+                protocol.LEFT.format(0, 0),
+                liveness.STATUS.format(0),
+                liveness.STATUS.format(1),
+            )
+            _await(lambda why=why, keys=keys: {(k, why) for k in keys} <= rejected())
+            _await(lambda: any(f"key {protocol.REQUEST!r}" in p.read_text()
+                               for p in (out / "logs").glob("rank-*.log")))  # fmt: skip
 
     seen = _attack_run(out, ["--dp", 2, "--steps", 120, "--fault-tolerance", 1, "--save-every", 30,
                              "--async-checkpoint", "--heartbeat-timeout", 3], forge)  # fmt: skip
     assert seen["code"] == 0, seen["stdout"][-2000:] + seen["stderr"][-3000:]
+    assert seen["outlived_the_attack"], "the run ended before the attack did: more --steps"
     assert {ip for ip, _ in seen["sockets"]} == {"127.0.0.1"}, seen["sockets"]
     if seen["namespace_allowed"]:
         assert seen["namespace_why"] is None, seen["namespace_why"]
@@ -607,9 +640,9 @@ def test_a_resilient_run_ignores_forged_protocol_messages(tmp_path):
     assert "plait: generation" not in seen["stdout"]  # never re-formed
     assert "plait: done: step 120" in seen["stdout"]
     events = [json.loads(x) for x in (out / "logs" / "coordinator.jsonl").read_text().splitlines()]
-    rejected = {(e["key"], e["why"]) for e in events if e["event"] == "rejected"}
+    refused = rejected()
     for key in (protocol.LEFT.format(0, 0), liveness.STATUS.format(0), liveness.STATUS.format(1)):
-        assert {(key, "unsigned"), (key, "wrongly signed")} <= rejected, rejected
+        assert {(key, "unsigned"), (key, "wrongly signed")} <= refused, refused
     assert not any(e["event"] in ("decision", "death", "chaos", "spawn") and e.get("worker", 0) > 1
                    for e in events)  # fmt: skip
     worker_logs = "".join(p.read_text() for p in (out / "logs").glob("rank-*.log"))
