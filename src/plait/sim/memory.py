@@ -49,7 +49,8 @@
   vocabulary can put a rank's peak: the first stage's embedding backward at the end of
   each of its backwards (``embedding_backward_transient``: the table's gradient before
   it lands, three with a tied head on the same rank; the schedule walk's x = 3
-  states), ZeRO-0/1's head as its gradient lands (``head_backward_moment``), and the
+  states), ZeRO-0/1's head as its gradient lands and the final norm's backward after
+  it (``head_backward_moment``, ``final_norm_transient``), and the
   end of the step, every activation gone (``finish_transient``: buckets flattened by
   ``finish()``, ZeRO-1/2's gathers of the updated weights); a pipeline's tied copy is
   held whole under ZeRO-2 (``deferred_table_grads``).
@@ -440,26 +441,28 @@ def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers:
 
 
 def head_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
-                         lora=None) -> tuple[float, float, float, float] | None:  # fmt: skip
-    """ZeRO-0/1's last stage as the head's weight gradient lands, its buffers freed
-    (``last_stage_buffers``) and the head input's gradient held: the gradient (V h / t)
-    is new beside the state, made by autocast's cast from the compute dtype's, both held
-    at once -- added in place from a step's second micro-batch on, and in its last
-    copied into its bucket's flat buffer by a dp group's hooks; in a step of one
-    micro-batch the only gradient yet, twice where the hooks copy it. (gradients,
-    buffers, activations freed, temporaries), as ``zero2_head_moment``; None for a tied
-    head on the embedding's rank -- its gradient waits for the embedding's
-    (``embedding_backward_transient``) -- and under ZB-H1, whose head makes it in a W
-    (the ZB-H1 rows of ``tests/test_rehearse.py`` hold without it). ``plait rehearse``
+                         lora=None) -> list[tuple[float, float, float, float]]:  # fmt: skip
+    """ZeRO-0/1's last stage at the end of its backward: two moments. First as the head's
+    weight gradient lands, its buffers freed (``last_stage_buffers``) and the head
+    input's gradient held: the gradient (V h / t) is new beside the state, made by
+    autocast's cast from the compute dtype's, both held at once -- from a step's second
+    micro-batch on a temporary, added into ``.grad`` in place (and in the last
+    micro-batch copied into its bucket's flat buffer by a dp group's hooks); in a step of
+    one micro-batch the only gradient yet, twice where the hooks copy it. Then the final
+    norm's backward, its input still held and ``final_norm_transient`` beside it.
+    [(gradients, buffers, activations freed, temporaries)], as ``zero2_head_moment``;
+    none for a tied head on the embedding's rank -- its gradient waits for the
+    embedding's (``embedding_backward_transient``) -- and under ZB-H1, whose head makes
+    it in a W (the ZB-H1 rows of ``tests/test_rehearse.py`` hold without it). ``plait rehearse``
     (2026-11-28): four llama blocks (vocabulary 65,536) at ``--pp 2 --dp 2``, one
     micro-batch, peaked there on the last stage, 2 x 512 MiB of the head's gradient;
     Qwen 2.5 7B at dp 8 (vocabulary 152,064) at the cast, 2.03 + 1.04 GiB."""
     if layout.zero > 1 or lora is not None or (cfg.tied_embeddings and layout.pp == 1):
-        return None
+        return []
     if not runtime.bucket_from_layout:  # plait's ``GradReducer`` only
-        return None
+        return []
     if layout.schedule == "zb-h1":  # made in the head's W, its inputs held to then
-        return None
+        return []
     g_bytes, e = runtime.state_bytes(layout.dtype)[1], ACT_BYTES[layout.dtype]
     elements = table_elements(cfg, layout)
     head = elements * g_bytes
@@ -471,9 +474,31 @@ def head_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     # as autocast's cast carries the compute-dtype gradient back to the weights' dtype,
     # both are held; then, in a step of one micro-batch, the hooks' copy beside it
     cast = elements * e if layout.dtype != "fp32" else 0.0
-    if layout.num_microbatches == 1 and hooked and head > cast:
-        return 2 * head, 0.0, freed, temps
-    return head, 0.0, freed, temps + cast
+    # then the final norm's backward: the head's buffers gone but the norm's input
+    norm = (0.0 if layout.num_microbatches > 1 else head, 0.0,
+            freed - tokens * cfg.hidden * residual_bytes(layout),
+            final_norm_transient(cfg, layout, runtime))  # fmt: skip
+    if layout.num_microbatches == 1:  # the cast's output becomes ``.grad``: a gradient
+        if hooked and head > cast:
+            return [(2 * head, 0.0, freed, temps), norm]
+        return [(head, 0.0, freed, temps + cast), norm]
+    # from the second micro-batch on, autograd adds it into ``.grad`` in place: until
+    # then it is a temporary beside the state's gradient (as the rehearsal counts it)
+    return [(0.0, 0.0, freed, temps + cast + head), norm]
+
+
+def final_norm_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """Bytes the last stage's final norm holds as its backward runs, beyond its input:
+    the gradient coming in from the head (the compute dtype), the one going out (the
+    stream's), and under the ``plait`` runtime the three fp32 copies of
+    ``backward_transient`` -- a block's norm without the residual sum. ``plait rehearse``
+    of LLaMA-2 70B tp 8 pp 4 dp 8 ZeRO-1, last stage: 3 x 128 MiB fp32 and 2 x 64 MiB
+    bf16 at its peak, the head's buffers freed (2026-11-28)."""
+    r, e = residual_bytes(layout), ACT_BYTES[layout.dtype]
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = layout.tp if layout.sequence_parallel else 1
+    copies = 3 * 4 if runtime.layer_kernels == "plait" and r < 4 else 0
+    return tokens * cfg.hidden / split * (e + r + copies)
 
 
 def mlp_backward_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
@@ -895,13 +920,11 @@ def memory_per_rank(
             if rank == p - 1:
                 moments.append(zero2_head_moment(cfg, layout, runtime, lora))
         elif layout.zero < 2 and rank == p - 1:
-            head_moment = head_backward_moment(cfg, layout, runtime, lora)
-            if head_moment is not None:
-                grads, zbufs, freed, temps = head_moment
-                m = layout.num_microbatches
+            m = layout.num_microbatches
+            for grads, zbufs, freed, temps in head_backward_moment(cfg, layout, runtime, lora):
                 if layout.schedule == "gpipe" and m > 1:  # with the gradients of m - 1
                     freed += bare[rank] * (m - 1) / m  # micro-batches: only the last's held
-                moments = [(grads, zbufs, freed, temps)]
+                moments.append((grads, zbufs, freed, temps))
         head_cast = 0.0
         if buffers and runtime.zero3_grads_in_flight and lora is None:
             buffers -= full  # the gathered layers and the prefetch's input; in flight: below
