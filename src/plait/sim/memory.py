@@ -54,6 +54,9 @@
   end of the step, every activation gone (``finish_transient``: buckets flattened by
   ``finish()``, ZeRO-1/2's gathers of the updated weights); a pipeline's tied copy is
   held whole under ZeRO-2 (``deferred_table_grads``).
+- Every block's backward casts each weight's bf16 gradient back to fp32, both held
+  beside the state from a step's second micro-batch on; the MLP's two are the largest
+  (``weight_grad_cast_working_set``, a working set like ``mlp_backward_working_set``).
 - ZeRO-2 under a runtime that reduce-scatters every micro-batch (plait) may peak on the
   last stage as the head's backward ends (``zero2_head_moment``): the head's whole
   weight gradient beside the shard rows, until the final norm's closes its bucket.
@@ -550,6 +553,36 @@ def bi_captured_bytes(
     return out
 
 
+def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """Bytes a dense block's backward holds beyond its activations where an MLP weight's
+    gradient is cast back to the weights' fp32 (``Runtime.weight_cast_per_step``: autocast's
+    cast of the step's weight copy), both copies held (e + 4 bytes a weight of the tp
+    shard) -- from a step's second micro-batch on beside the state, into whose ``.grad``
+    autograd then adds it in place. Two moments, the larger: the down projection's (FC2),
+    the block's first GEMM backward, with the residual stream's incoming gradient held
+    and the down projection's input gradient (T F / t) in place of its input, freed as
+    its backward ended; the up projection's (FC1; SwiGLU's
+    fused gate and up, twice the weights), the MLP's saved tensors and its input gone,
+    its input's gradient (T h) held. 0 where the moment is not one: one micro-batch (the
+    cast is the gradient's first, its ``.grad``), ZeRO-2/3 (their own moments), a
+    zero-bubble W, fp32. ``plait rehearse``: GPT-3 175B tp 8 pp 16 rank 0 peaked at FC2's
+    (144 + 288 MiB of weight gradient, 48 + 24 MiB of gradients; 0.492 GiB of temporaries
+    where the model had 0.094), Qwen 2.5 7B pp 2 rank 0 at the fused gate and up's
+    (259 + 518 MiB; 2026-11-28)."""
+    if (not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero > 1
+            or layout.num_microbatches == 1 or layout.schedule == "zb-h1"):  # fmt: skip
+        return 0.0
+    e, t, r = ACT_BYTES[layout.dtype], layout.tp, residual_bytes(layout)
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = t if layout.sequence_parallel else 1
+    f, h = cfg.ffn_hidden, cfg.hidden
+    up = (1 if cfg.arch == "gpt2" else 2) * f
+    saved = (2 if cfg.arch == "gpt2" else 3) * f  # the MLP's split part (sizes)
+    down = tokens * h / split * r + f * h / t * (e + 4)  # its input's gradient for its input
+    first = tokens * (h * e - saved / t * e - h / split * e) + up * h / t * (e + 4)
+    return max(down, first)
+
+
 def chunk_activation_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, moe_layers: int = 0,
     lora=None, first: bool = False,
@@ -817,6 +850,8 @@ def memory_per_rank(
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
                         ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
+                        if not moe_block and lora is None:  # an MLP weight's gradient cast
+                            ws = max(ws, weight_grad_cast_working_set(cfg, layout, runtime))
                         working[rank] = max(working[rank], ws - head_freed)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
