@@ -327,11 +327,18 @@ def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
     kernels; fused norms keep those in registers). ``plait rehearse`` of LLaMA-2 70B tp 8
     pp 4 dp 8 at 4 micro-batches held exactly these at rank 0's peak: 3 x 128 MiB fp32
     and 3 x 64 MiB bf16 (2026-11-27)."""
-    r = residual_bytes(layout)
+    return _norm_backward_bytes(cfg, layout, runtime, 3 * residual_bytes(layout))
+
+
+def _norm_backward_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                         gradients: float) -> float:  # fmt: skip
+    """A norm's backward over the tokens a rank holds: ``gradients`` bytes an element of
+    the h-wide gradients it holds, and under the ``plait`` runtime with a low-precision
+    stream ``_LowPrecisionNorm``'s three fp32 copies."""
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     split = layout.tp if layout.sequence_parallel else 1
-    copies = 3 * 4 if runtime.layer_kernels == "plait" and r < 4 else 0
-    return tokens * cfg.hidden / split * (3 * r + copies)
+    copies = 3 * 4 if runtime.layer_kernels == "plait" and residual_bytes(layout) < 4 else 0
+    return tokens * cfg.hidden / split * (gradients + copies)
 
 
 def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime,
@@ -497,11 +504,8 @@ def final_norm_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> 
     ``backward_transient`` -- a block's norm without the residual sum. ``plait rehearse``
     of LLaMA-2 70B tp 8 pp 4 dp 8 ZeRO-1, last stage: 3 x 128 MiB fp32 and 2 x 64 MiB
     bf16 at its peak, the head's buffers freed (2026-11-28)."""
-    r, e = residual_bytes(layout), ACT_BYTES[layout.dtype]
-    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-    split = layout.tp if layout.sequence_parallel else 1
-    copies = 3 * 4 if runtime.layer_kernels == "plait" and r < 4 else 0
-    return tokens * cfg.hidden / split * (e + r + copies)
+    return _norm_backward_bytes(cfg, layout, runtime,
+                                ACT_BYTES[layout.dtype] + residual_bytes(layout))  # fmt: skip
 
 
 def mlp_backward_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
@@ -561,9 +565,9 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runt
     autograd then adds it in place. Two moments, the larger: the down projection's (FC2),
     the block's first GEMM backward, with the residual stream's incoming gradient held
     and the down projection's input gradient (T F / t) in place of its input, freed as
-    its backward ended; the up projection's (FC1; SwiGLU's
-    fused gate and up, twice the weights), the MLP's saved tensors and its input gone,
-    its input's gradient (T h) held. 0 where the moment is not one: one micro-batch (the
+    its backward ended; the up projection's (FC1; SwiGLU's fused gate and up, twice the
+    weights), the MLP's saved tensors and its input gone, its input's gradient (T h)
+    held. 0 where the moment is not one: one micro-batch (the
     cast is the gradient's first, its ``.grad``), ZeRO-2/3 (their own moments), a
     zero-bubble W, fp32. ``plait rehearse``: GPT-3 175B tp 8 pp 16 rank 0 peaked at FC2's
     (144 + 288 MiB of weight gradient, 48 + 24 MiB of gradients; 0.492 GiB of temporaries
