@@ -50,6 +50,13 @@ def test_rehearsal_issues_the_real_runs_collectives(tmp_path):
         assert ("world", "all_reduce") in ops
 
 
+def _assert_within(rows: dict, names, tol: float) -> None:
+    """Each of ``names`` in ``compared``'s memory ``rows`` has a ratio within ``tol`` of 1."""
+    for row in names:
+        got, want, ratio = rows[row]
+        assert ratio is not None and abs(ratio - 1) <= tol, (row, got, want)
+
+
 def _pipeline_cfg(tmp_path, **kw):
     from plait.commands.train import build_run_config
 
@@ -628,9 +635,7 @@ def test_zero3_backward_holds_its_packed_gradients_as_modelled(tmp_path, recompu
     cfg = build_run_config(values)
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
     checked = ("total", "gradients", "buffers") + (("activations",) if recompute == "none" else ())
-    for row in checked:
-        got, want, ratio = rows[row]
-        assert abs(ratio - 1) <= 0.05, (row, got, want)
+    _assert_within(rows, checked, 0.05)
 
 
 def test_zero2_last_stage_peaks_with_the_heads_gradient_as_modelled(tmp_path):
@@ -647,9 +652,7 @@ def test_zero2_last_stage_peaks_with_the_heads_gradient_as_modelled(tmp_path):
               "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
     cfg = build_run_config(values)
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in ("total", "gradients", "activations", "temporaries"):
-        got, want, ratio = rows[row]
-        assert ratio is not None and abs(ratio - 1) <= 0.05, (row, got, want)
+    _assert_within(rows, ("total", "gradients", "activations", "temporaries"), 0.05)
 
 
 def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path):
@@ -666,9 +669,7 @@ def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path):
                         heads=16, seq_len=2048, micro_batch_size=1,
                         global_batch_size=4)  # fmt: skip
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in ("gradients", "buffers", "activations", "temporaries"):
-        got, want, ratio = rows[row]
-        assert ratio is not None and abs(ratio - 1) <= 0.05, (row, got, want)
+    _assert_within(rows, ("gradients", "buffers", "activations", "temporaries"), 0.05)
     got, want, ratio = rows["total"]
     assert abs(ratio - 1) <= 0.02, (got, want)
 
@@ -717,9 +718,7 @@ def test_zero3_cp_peaks_in_the_attention_backward_as_modelled(tmp_path, mode, ar
                         heads=16, seq_len=2048, micro_batch_size=1, global_batch_size=2,
                         cp_mode=mode)  # fmt: skip
     got_rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in rows:
-        got, want, ratio = got_rows[row]
-        assert ratio is not None and abs(ratio - 1) <= 0.05, (row, got, want)
+    _assert_within(got_rows, rows, 0.05)
 
 
 @pytest.mark.parametrize(
@@ -749,9 +748,7 @@ def test_a_tied_models_table_is_held_as_modelled(tmp_path, kw, rows):
                         heads=None, pp=1, tp=1, seq_len=1024, micro_batch_size=1,
                         **kw)  # fmt: skip
     got_rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in rows:
-        got, want, ratio = got_rows[row]
-        assert ratio is not None and abs(ratio - 1) <= 0.02, (row, got, want)
+    _assert_within(got_rows, rows, 0.02)
 
 
 @pytest.mark.parametrize(
@@ -799,9 +796,9 @@ def test_the_last_stage_peaks_in_its_final_norms_backward(tmp_path):
                         micro_batch_size=1, global_batch_size=8)  # fmt: skip
     (last,) = rehearse.parse_ranks("LAST", cfg.layout)
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, last), cfg)["memory"]
-    for row in ("parameters", "gradients", "optimizer", "activations", "temporaries", "total"):
-        got, want, ratio = rows[row]
-        assert ratio is not None and abs(ratio - 1) <= 0.02, (row, got, want)
+    _assert_within(
+        rows, ("parameters", "gradients", "optimizer", "activations", "temporaries", "total"), 0.02
+    )
 
 
 @pytest.mark.parametrize(
@@ -825,9 +822,7 @@ def test_an_mlp_weights_gradient_is_held_twice_as_it_is_cast(tmp_path, arch, kw,
     cfg = _pipeline_cfg(tmp_path, arch=arch, layers=4, seq_len=2048, vocab_size=4096,
                         micro_batch_size=1, **kw)  # fmt: skip
     got_rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in rows:
-        got, want, ratio = got_rows[row]
-        assert ratio is not None and abs(ratio - 1) <= 0.02, (row, got, want)
+    _assert_within(got_rows, rows, 0.02)
     if rows:
         assert abs(got_rows["temporaries"][2] - 1) <= 0.06, got_rows["temporaries"]
     assert abs(got_rows["total"][2] - 1) <= 0.01, got_rows["total"]
@@ -943,9 +938,7 @@ def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
               "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
     cfg = build_run_config(values)
     memory = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    for row in ("total", "buffers", rehearse.ACT_PEAK):
-        got, want, ratio = memory[row]
-        assert abs(ratio - 1) <= 0.05, (row, got, want)
+    _assert_within(memory, ("total", "buffers", rehearse.ACT_PEAK), 0.05)
 
 
 def test_rehearsal_of_a_hugging_face_folder_reads_no_weight(tmp_path, monkeypatch):
