@@ -804,9 +804,9 @@ def test_the_last_stage_peaks_in_its_final_norms_backward(tmp_path):
 @pytest.mark.parametrize(
     "arch,kw,rows",
     [("gpt2", {"hidden": 12288, "heads": 96, "tp": 8, "pp": 2, "dp": 1, "global_batch_size": 8},
-      ("parameters", "gradients", "optimizer", "activations")),
+      {"temporaries": 0.02, "activations": 0.03}),
      ("llama", {"hidden": 4096, "heads": 32, "tp": 1, "pp": 1, "dp": 2, "zero": 1,
-                "global_batch_size": 4}, ())],
+                "global_batch_size": 4}, {"activations": 0.02, "temporaries": 0.04})],
     ids=["gpt3-shaped-fc2", "llama-gate-up"],
 )  # fmt: skip
 def test_an_mlp_weights_gradient_is_held_twice_as_it_is_cast(tmp_path, arch, kw, rows):
@@ -815,16 +815,20 @@ def test_an_mlp_weights_gradient_is_held_twice_as_it_is_cast(tmp_path, arch, kw,
     (``memory.weight_grad_cast_working_set``). Four blocks, 2,048 tokens, rank 0: GPT-3
     175B's widths at tp 8 peak at FC2's, a llama of h 4096 at its fused gate and up's.
     The whole peak within 1 % (the model before: 1.046 and 1.017; GPT-3 175B's first
-    stage went 1.009 -> 1.001); at FC2's the other categories within 2 % and the
-    temporaries within 6 % (5.25 before): the model nets the down projection's input,
-    freed by then, against them, where the rehearsal finds it gone from the
-    activations."""
+    stage went 1.009 -> 1.001), the state within 2 %, and the temporaries and the
+    activations at the peak within ``rows``' tolerances (measured: 1.000 and 1.026 at
+    FC2's, 1.030 and 1.000 at the gate and up's), with what the moment has freed (the
+    down projection's input; the gate and up's saved tensors and input) gone from the
+    activations, as the rehearsal finds it. Catches the model that netted it against the
+    temporaries: 1.050 and 1.785, the llama's activations 0.917. (The GPT-3-shaped
+    activations: two blocks a stage, where the model's own activations' peak is 1.125 of
+    the rehearsal's; 175B's, six a stage, 1.009.)"""
     cfg = _pipeline_cfg(tmp_path, arch=arch, layers=4, seq_len=2048, vocab_size=4096,
                         micro_batch_size=1, **kw)  # fmt: skip
     got_rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
-    _assert_within(got_rows, rows, 0.02)
-    if rows:
-        assert abs(got_rows["temporaries"][2] - 1) <= 0.06, got_rows["temporaries"]
+    _assert_within(got_rows, ("parameters", "gradients", "optimizer"), 0.02)
+    for row, tol in rows.items():
+        _assert_within(got_rows, (row,), tol)
     assert abs(got_rows["total"][2] - 1) <= 0.01, got_rows["total"]
 
 
@@ -939,6 +943,26 @@ def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
     cfg = build_run_config(values)
     memory = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
     _assert_within(memory, ("total", "buffers", rehearse.ACT_PEAK), 0.05)
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2-last"])
+def test_zero3_lora_peaks_in_the_heads_backward_as_modelled(tmp_path, pp):
+    """ZeRO-3 under LoRA with a vocabulary of 65,536 (four llama blocks of h 2048, 2,048
+    tokens, bf16, dp 2), the last stage: the head's logits outweigh a block's backward
+    working set, so the rank peaks in the head's backward -- the head's unit gathered
+    beside the last block (prefetched) and the gather's input, the bf16 logits freed and
+    their gradient held (``memory.zero3_head_backward_moment``). Whole peak, buffers,
+    activations at the peak and temporaries within 2 % of the model's (0.997-1.002
+    measured). Catches the model that held two gathered blocks at the activations' peak,
+    a moment no run has (the forward's end holds the head's unit; two blocks are gathered
+    only once the head's activations are gone): whole peak 1.065 and 1.095, buffers
+    1.646, activations at the peak 0.78 and 0.74 (2026-11-28)."""
+    cfg = _pipeline_cfg(tmp_path, arch="llama", hidden=2048, heads=16, seq_len=2048,
+                        vocab_size=65536, tp=1, pp=pp, dp=2, zero=3, lora_rank=16,
+                        global_batch_size=4, micro_batch_size=1)  # fmt: skip
+    (rank,) = rehearse.parse_ranks("LAST", cfg.layout)
+    rows = rehearse.compared(rehearse.rehearse_rank(cfg, rank), cfg)["memory"]
+    _assert_within(rows, ("total", "buffers", "activations", "temporaries"), 0.02)
 
 
 def test_rehearsal_of_a_hugging_face_folder_reads_no_weight(tmp_path, monkeypatch):

@@ -557,34 +557,38 @@ def bi_captured_bytes(
     return out
 
 
-def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
-    """Bytes a dense block's backward holds beyond its activations where an MLP weight's
+def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout,
+                                 runtime: Runtime) -> tuple[float, float]:  # fmt: skip
+    """(Bytes held beyond the activations, activations freed by then) where an MLP weight's
     gradient is cast back to the weights' fp32 (``Runtime.weight_cast_per_step``: autocast's
     cast of the step's weight copy), both copies held (e + 4 bytes a weight of the tp
     shard) -- from a step's second micro-batch on beside the state, into whose ``.grad``
-    autograd then adds it in place. Two moments, the larger: the down projection's (FC2),
-    the block's first GEMM backward, with the residual stream's incoming gradient held
-    and the down projection's input gradient (T F / t) in place of its input, freed as
-    its backward ended; the up projection's (FC1; SwiGLU's fused gate and up, twice the
-    weights), the MLP's saved tensors and its input gone, its input's gradient (T h)
-    held. 0 where the moment is not one: one micro-batch (the
+    autograd then adds it in place. Two moments, the larger net of what they freed: the
+    down projection's (FC2), the block's first GEMM backward, with the residual stream's
+    incoming gradient held and the down projection's input gradient (T F / t), its input
+    freed as its backward ended; the up projection's (FC1; SwiGLU's fused gate and up,
+    twice the weights), the MLP's saved tensors and its input gone, its input's gradient
+    (T h) held. (0, 0) where the moment is not one: one micro-batch (the
     cast is the gradient's first, its ``.grad``), ZeRO-2/3 (their own moments), a
     zero-bubble W, fp32. ``plait rehearse``: GPT-3 175B tp 8 pp 16 rank 0 peaked at FC2's
     (144 + 288 MiB of weight gradient, 48 + 24 MiB of gradients; 0.492 GiB of temporaries
     where the model had 0.094), Qwen 2.5 7B pp 2 rank 0 at the fused gate and up's
-    (259 + 518 MiB; 2026-11-28)."""
+    (259 + 518 MiB; 2026-11-28). The freed activations are apart at the peak
+    (``memory_per_rank``'s ``start_freed``), as the rehearsal finds them."""
     if (not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero > 1
             or layout.num_microbatches == 1 or layout.schedule == "zb-h1"):  # fmt: skip
-        return 0.0
+        return 0.0, 0.0
     e, t, r = ACT_BYTES[layout.dtype], layout.tp, residual_bytes(layout)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     split = t if layout.sequence_parallel else 1
     f, h = cfg.ffn_hidden, cfg.hidden
     up = (1 if cfg.arch == "gpt2" else 2) * f
     saved = (2 if cfg.arch == "gpt2" else 3) * f  # the MLP's split part (sizes)
-    down = tokens * h / split * r + f * h / t * (e + 4)  # its input's gradient for its input
-    first = tokens * (h * e - saved / t * e - h / split * e) + up * h / t * (e + 4)
-    return max(down, first)
+    down_input = tokens * f / t * e  # and its gradient, as large
+    down = (tokens * h / split * r + f * h / t * (e + 4) + down_input, down_input)
+    gone = tokens * (saved / t * e + h / split * e)
+    first = (tokens * h * e + up * h / t * (e + 4), gone)
+    return max(down, first, key=lambda x: x[0] - x[1])
 
 
 def chunk_activation_bytes(
@@ -806,6 +810,12 @@ def memory_per_rank(
     # per rank, the same with each block's backward working set on top
     # (``mlp_backward_working_set``): what the rehearsal calls temporaries
     working = []
+    # per rank, the backward's start that ``working`` floors at 0: (activations freed,
+    # working set), the one that leads (a ZeRO-3 last stage's: ``zero3_forward_end_moment``)
+    starts = []
+    # per rank, of a kept block's backward start that leads ``working``, the activations it
+    # has freed (the head's buffers, an MLP's input): netted there, apart at the peak
+    start_freed = []
     chunk_params = []  # per rank, each chunk's parameters (its share of the gradients)
     ends = backward_transient(cfg, layout, runtime)
     # per rank, the output gradients a BI captures for its W, of its largest chunk
@@ -815,6 +825,8 @@ def memory_per_rank(
         row, n, x, grad_rows = [], 0.0, 0.0, []
         transient.append(0.0)
         working.append(0.0)
+        starts.append((0.0, -math.inf))
+        start_freed.append(0.0)
         chunk_params.append([])
         for chunk in range(v):
             stage = chunk * p + rank
@@ -846,7 +858,11 @@ def memory_per_rank(
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
                         ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
+                        if t + ws - freed > working[rank]:
+                            start_freed[rank] = 0.0  # (a transient, net of it: above)
                         working[rank] = max(working[rank], t + ws - freed)
+                        if t + ws - freed > starts[rank][1] - starts[rank][0]:
+                            starts[rank] = (freed, t + ws)
             # a block that keeps its activations starts its backward with them all held,
             # the head's buffers freed (the recomputing ones: above)
             keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
@@ -854,9 +870,16 @@ def memory_per_rank(
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
                         ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
+                        gone = head_freed
                         if not moe_block and lora is None:  # an MLP weight's gradient cast
-                            ws = max(ws, weight_grad_cast_working_set(cfg, layout, runtime))
-                        working[rank] = max(working[rank], ws - head_freed)
+                            cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime)
+                            if cast - cast_freed > ws:
+                                ws, gone = cast, head_freed + cast_freed
+                        if ws - gone > working[rank]:
+                            start_freed[rank] = gone
+                        working[rank] = max(working[rank], ws - gone)
+                        if ws - gone > starts[rank][1] - starts[rank][0]:
+                            starts[rank] = (gone, ws)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
                 captures = 0.0
@@ -980,6 +1003,13 @@ def memory_per_rank(
             a = chunk_activation_bytes(cfg, lay, runtime, 1, 0, lora)[0]
             shard = dp_groups(layout, False)[0]  # each in flight also writes its shard
             buffers += max(0.0, k * (full * (1 + 1 / shard) - a)) - full
+        if buffers and rank == p - 1 and not (cfg.tied_embeddings and p == 1):
+            moments.append(zero3_head_backward_moment(cfg, layout, runtime))
+            freed, ws = starts[rank]
+            if ws - freed < 0:  # the activations' peak is the forward's end, the head's
+                # unit gathered; the last block's backward start (two) a moment of its own
+                moments.append((0.0, buffers, freed, ws))
+                buffers = zero3_head_unit_bytes(cfg, layout, runtime)
         cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
         moe_here = sum(moe[c * p + rank] for c in range(v))
@@ -1019,6 +1049,11 @@ def memory_per_rank(
         # there; else the working set a backward starts with
         # (its transient is net of a tied head's cast, gone by then: off the activations)
         temps = ending + tied_cast if ending > 0 else held[rank] - act[rank]
+        if ending <= 0 and working[rank] > 0 and layout.schedule != "zb-h1":
+            # a kept block's backward start: what it freed is gone from the activations
+            # (``apart``). Not under ZB-H1, whose BI lets go of its saved tensors only as it
+            # ends and whose head's W keeps its input (``zb_autograd_split``)
+            temps += start_freed[rank]
         apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
         mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts + head_cast, apart,
                      temporaries=temps, w_gradients=awaiting_w[rank],
@@ -1092,6 +1127,33 @@ def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last:
     # until it completes and is added to the bucket's
     outputs = packed / dp_groups(layout, False)[0]
     return outputs, packed, freed, mlp_backward_working_set(cfg, layout, runtime)
+
+
+def zero3_head_unit_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """An untied head's ZeRO-3 unit, gathered: the final norm in the weights' dtype and
+    the head's table (a linear's weight) in the gathered one."""
+    e, w = runtime.param_comm_bytes(layout.dtype), runtime.state_bytes(layout.dtype)[0]
+    return table_elements(cfg, layout) * e + sizes.final_norm_params(cfg) * w
+
+
+def zero3_head_backward_moment(cfg: ModelConfig, layout: Layout,
+                               runtime: Runtime) -> tuple[float, float, float, float]:  # fmt: skip
+    """A ZeRO-3 last stage as its head's backward runs, every other activation of the
+    micro-batch still held: (gradients, buffers, activations freed, temporaries), as
+    ``zero3_backward_moments``. Gathered are the head's unit (``zero3_head_unit_bytes``)
+    and, prefetched as the backward began, the last block, with the gather's input; the
+    logits in the compute dtype are freed and their gradient, as large, held. Two blocks
+    are gathered only as the last block's backward starts, the head's activations gone
+    by then; at the forward's end, only the head's unit. ``plait rehearse`` of LLaMA-2 7B
+    dp 64 ZeRO-3 LoRA r16 (2026-11-28) peaked here, with 0.628 GiB of buffers (the head
+    0.244, a block 0.377 and the gather's input) where the model had two blocks (0.760);
+    LLaMA 3 8B at dp 8 with 2 x 1,002 MiB of logits and their gradient."""
+    e = ACT_BYTES[layout.dtype]
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    logits = tokens * cfg.vocab_size / layout.tp * e if e < 4 else 0.0
+    buffers = zero3_head_unit_bytes(cfg, layout, runtime) + zero3_gathered_bytes(
+        cfg, layout, runtime) + gather_input_bytes(cfg, layout, runtime)  # fmt: skip
+    return 0.0, buffers, logits, logits
 
 
 def zero3_backward_moments(
