@@ -114,6 +114,7 @@ from plait.sim.memory import (
     stage_params,
     zero3_buffer_bytes,
     zero3_gathered_bytes,
+    zero3_head_unit_bytes,
 )
 from plait.sim.runtime import DEFAULT_RUNTIME, Runtime, get_runtime
 from plait.sim.simulate import Result, layers_per_stage, simulate
@@ -755,6 +756,8 @@ class _Bounds:
         if buffers and self.rt.zero3_grads_in_flight:  # the gathered layers, at least
             buffers = 2 * zero3_gathered_bytes(self.cfg, lay, self.rt)
             buffers += gather_input_bytes(self.cfg, lay, self.rt)
+        if buffers:  # or, on a last stage as its forward ends, the head's unit alone
+            buffers = min(buffers, zero3_head_unit_bytes(self.cfg, lay, self.rt))
         dense, routed = per_param(shard or dp * cp), per_param(dp // ep * cp)
         return dense["device"], routed["device"], buffers, (dense["grads"], routed["grads"])
 
