@@ -741,8 +741,10 @@ class _Bounds:
     @_memo
     def state(self, tp, dp, zero, cp=1, ep=1, shard=0):
         """Model-state bytes per parameter on a device (ZeRO shards over dp x cp, or the
-        ``shard`` group; a routed expert's over dp / ep x cp), ZeRO-3's layer buffers, and
-        of the two per-parameter figures, the gradients' bytes."""
+        ``shard`` group; a routed expert's over dp / ep x cp), the least ZeRO-3's buffers
+        hold at any rank's peak (two gathered layers, or a last stage's head unit as its
+        forward ends: ``memory.zero3_head_unit_bytes``), and of the two per-parameter
+        figures, the gradients' bytes."""
         w_b, g_b, o_b = self.rt.state_bytes(self.req.dtype)
 
         def per_param(shard):
