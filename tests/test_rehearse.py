@@ -965,6 +965,23 @@ def test_zero3_lora_peaks_in_the_heads_backward_as_modelled(tmp_path, pp):
     _assert_within(rows, ("total", "buffers", "activations", "temporaries"), 0.02)
 
 
+def test_a_peak_before_any_gradient_holds_none_as_modelled(tmp_path):
+    """One micro-batch a step under LoRA (four llama blocks of h 2048, 2,048 tokens, bf16,
+    dp 2): the rank peaks as its forward ends, before any adapter has a gradient. The
+    model's joint peak is that state (``pipeline.peak_with_grads`` says which gradients
+    it holds), so its gradients at the peak are none and its activations whole: 0 and 0
+    bytes of gradients, activations within 2 % (0.992 measured). Catches the model that
+    reported the state's gradients and took them off the activations instead (LLaMA-2 7B
+    dp 8 LoRA: 0.031 GiB of gradients where the rehearsal has none, 2026-11-28)."""
+    cfg = _pipeline_cfg(tmp_path, arch="llama", hidden=2048, heads=16, seq_len=2048, tp=1,
+                        pp=1, dp=2, lora_rank=16, global_batch_size=2,
+                        micro_batch_size=1)  # fmt: skip
+    rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    got, want, _ = rows["gradients"]
+    assert got == 0 and want == 0, rows["gradients"]
+    _assert_within(rows, ("activations", "total"), 0.02)
+
+
 def test_rehearsal_of_a_hugging_face_folder_reads_no_weight(tmp_path, monkeypatch):
     """``plait rehearse --init-hf DIR`` (dp 2, ZeRO-3, LoRA: the build defers every read)
     sizes the folder's model from its config and its safetensors headers: under the fake

@@ -1029,10 +1029,12 @@ def memory_per_rank(
             emb = embedding_backward_transient(cfg, layout, runtime, p == 1) - tied_cast
         # the gradients and the activations' peak together (module docstring)
         ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
+        short = 0.0  # of the gradients, what the joint peak's state has not made yet
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
-            joint, ending = peak_with_grads(states, rank, weights[rank], shares,
-                                            (working[rank], end, captured[rank], emb))  # fmt: skip
+            joint, ending, made = peak_with_grads(states, rank, weights[rank], shares,
+                                                  (working[rank], end, captured[rank], emb))  # fmt: skip
+            short = max(0.0, g - made)
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
             at_end = bare[rank] * (m - 1) / m + g + max(end, emb)
@@ -1055,8 +1057,11 @@ def memory_per_rank(
             # ends and whose head's W keeps its input (``zb_autograd_split``)
             temps += start_freed[rank]
         apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
-        mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts + head_cast, apart,
-                     temporaries=temps, w_gradients=awaiting_w[rank],
+        # of which the gradients not made yet are the gradients' (short of the state's),
+        # the rest the activations'
+        mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts + head_cast,
+                     apart - short, temporaries=temps, grads_moment=-short,
+                     w_gradients=awaiting_w[rank],
                      forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
         # as ``finish()`` launches what the hooks did not: every activation and cast gone
         fin = finish_transient(cfg, layout, runtime, layers, rank == 0, rank == p - 1)
