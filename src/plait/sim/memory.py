@@ -574,7 +574,7 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout,
     (144 + 288 MiB of weight gradient, 48 + 24 MiB of gradients; 0.492 GiB of temporaries
     where the model had 0.094), Qwen 2.5 7B pp 2 rank 0 at the fused gate and up's
     (259 + 518 MiB; 2026-11-28). The freed activations are apart at the peak
-    (``memory_per_rank``'s ``start_freed``), as the rehearsal finds them."""
+    (``memory_per_rank``'s ``starts``), as the rehearsal finds them."""
     if (not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero > 1
             or layout.num_microbatches == 1 or layout.schedule == "zb-h1"):  # fmt: skip
         return 0.0, 0.0
@@ -810,12 +810,11 @@ def memory_per_rank(
     # per rank, the same with each block's backward working set on top
     # (``mlp_backward_working_set``): what the rehearsal calls temporaries
     working = []
-    # per rank, the backward's start that ``working`` floors at 0: (activations freed,
-    # working set), the one that leads (a ZeRO-3 last stage's: ``zero3_forward_end_moment``)
+    # per rank, the backward's start that leads ``working`` (which floors it at 0):
+    # (activations freed, working set, whether a kept block's -- a recomputing one's
+    # freed is netted in ``transient``); a kept block's freed bytes (the head's buffers,
+    # an MLP's input) are apart at the peak, and a ZeRO-3 last stage's start is a moment
     starts = []
-    # per rank, of a kept block's backward start that leads ``working``, the activations it
-    # has freed (the head's buffers, an MLP's input): netted there, apart at the peak
-    start_freed = []
     chunk_params = []  # per rank, each chunk's parameters (its share of the gradients)
     ends = backward_transient(cfg, layout, runtime)
     # per rank, the output gradients a BI captures for its W, of its largest chunk
@@ -825,8 +824,7 @@ def memory_per_rank(
         row, n, x, grad_rows = [], 0.0, 0.0, []
         transient.append(0.0)
         working.append(0.0)
-        starts.append((0.0, -math.inf))
-        start_freed.append(0.0)
+        starts.append((0.0, -math.inf, False))
         chunk_params.append([])
         for chunk in range(v):
             stage = chunk * p + rank
@@ -858,11 +856,9 @@ def memory_per_rank(
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
                         ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
-                        if t + ws - freed > working[rank]:
-                            start_freed[rank] = 0.0  # (a transient, net of it: above)
                         working[rank] = max(working[rank], t + ws - freed)
                         if t + ws - freed > starts[rank][1] - starts[rank][0]:
-                            starts[rank] = (freed, t + ws)
+                            starts[rank] = (freed, t + ws, False)
             # a block that keeps its activations starts its backward with them all held,
             # the head's buffers freed (the recomputing ones: above)
             keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
@@ -875,11 +871,9 @@ def memory_per_rank(
                             cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime)
                             if cast - cast_freed > ws:
                                 ws, gone = cast, head_freed + cast_freed
-                        if ws - gone > working[rank]:
-                            start_freed[rank] = gone
                         working[rank] = max(working[rank], ws - gone)
                         if ws - gone > starts[rank][1] - starts[rank][0]:
-                            starts[rank] = (gone, ws)
+                            starts[rank] = (gone, ws, True)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
                 captures = 0.0
@@ -1005,7 +999,7 @@ def memory_per_rank(
             buffers += max(0.0, k * (full * (1 + 1 / shard) - a)) - full
         if buffers and rank == p - 1 and not (cfg.tied_embeddings and p == 1):
             moments.append(zero3_head_backward_moment(cfg, layout, runtime))
-            freed, ws = starts[rank]
+            freed, ws, _ = starts[rank]
             if ws - freed < 0:  # the activations' peak is the forward's end, the head's
                 # unit gathered; the last block's backward start (two) a moment of its own
                 moments.append((0.0, buffers, freed, ws))
@@ -1051,11 +1045,12 @@ def memory_per_rank(
         # there; else the working set a backward starts with
         # (its transient is net of a tied head's cast, gone by then: off the activations)
         temps = ending + tied_cast if ending > 0 else held[rank] - act[rank]
-        if ending <= 0 and working[rank] > 0 and layout.schedule != "zb-h1":
+        freed, _, kept = starts[rank]
+        if ending <= 0 and working[rank] > 0 and kept and layout.schedule != "zb-h1":
             # a kept block's backward start: what it freed is gone from the activations
             # (``apart``). Not under ZB-H1, whose BI lets go of its saved tensors only as it
             # ends and whose head's W keeps its input (``zb_autograd_split``)
-            temps += start_freed[rank]
+            temps += freed
         apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
         # of which the gradients not made yet are the gradients' (short of the state's),
         # the rest the activations'
