@@ -1170,7 +1170,10 @@ def zero3_backward_moments(
     behind it (on the last stage first the head's: its buffers and logits) and holds the
     next block's working set (``mlp_backward_working_set``, and a recomputing block's
     forward made again: "freed" is net of it) and that block's first weight gradient,
-    its down projection's in the gathered dtype, whose input the gradient has consumed.
+    its down projection's in the gathered dtype, whose input the gradient has consumed;
+    then its up projection's, beside that projection's output gradient, its input's and
+    the stream's, the MLP's saved tensors but the norm's output freed (``plait rehearse``
+    of LLaMA-2 70B dp 64: 1.438 GiB of temporaries there, 2026-11-28).
     Or, as a block packs, its own weight gradients (the size of the gathered block) not
     yet let go, the block itself freed and only the next gathered, nothing of it begun.
     Under cp, also the next block's cp-attention backward: its MLP's and output
@@ -1207,6 +1210,16 @@ def zero3_backward_moments(
     # working set is whole)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     down_input = tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
+    # the block's up projection (SwiGLU's fused gate and up), its weight gradient made:
+    # the MLP's saved tensors but the norm's output freed (``sizes``' split part), and
+    # held the weight gradient, the projection's output gradient, its input's gradient
+    # and the stream's
+    e, split = ACT_BYTES[layout.dtype], layout.tp if layout.sequence_parallel else 1
+    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
+    mlp_saved_bytes = tokens * (up + cfg.ffn_hidden) / layout.tp * e
+    up_backward = (up * cfg.hidden / layout.tp * runtime.param_comm_bytes(layout.dtype)
+                   + tokens * (up / layout.tp * e + cfg.hidden * e
+                               + cfg.hidden / split * residual_bytes(layout)))  # fmt: skip
     g_bytes = runtime.state_bytes(layout.dtype)[1]
     table = table_elements(cfg, layout) * g_bytes  # a vocabulary table's gradient
     # (packed gradient, activations freed, forward remade as its backward starts, a block),
@@ -1272,6 +1285,11 @@ def zero3_backward_moments(
             freed + (down_input - nxt[2] if nxt else 0.0),
             (work if nxt else 0.0) + tied_grad,
         ))  # fmt: skip
+        if nxt:  # then its gate and up's (GPT-2: FC1's) weight gradient made, beside
+            # their output's gradient, their input's and the stream's; the MLP's saved
+            # tensors but their input freed
+            out.append((outputs + down, held, freed + mlp_saved_bytes - nxt[2],
+                        up_backward + tied_grad))  # fmt: skip
         if nxt and attend:
             made_g, mlp_saved, attn_work = attend
             out.append((outputs + made_g, held, freed + down_input + mlp_saved - nxt[2],
