@@ -1215,7 +1215,7 @@ def zero3_backward_moments(
     # held the weight gradient, the projection's output gradient, its input's gradient
     # and the stream's
     e, split = ACT_BYTES[layout.dtype], layout.tp if layout.sequence_parallel else 1
-    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
+    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden  # the MLP's entry width
     mlp_saved_bytes = tokens * (up + cfg.ffn_hidden) / layout.tp * e
     up_backward = (up * cfg.hidden / layout.tp * runtime.param_comm_bytes(layout.dtype)
                    + tokens * (up / layout.tp * e + cfg.hidden * e
@@ -1245,12 +1245,10 @@ def zero3_backward_moments(
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
         working = cp_sim.backward_buffer_bytes(cfg, layout, flash)  # ring or allgather
-        up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden  # the MLP's entry width
         made = (up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / layout.tp  # MLP, output proj.
-        split = layout.tp if layout.sequence_parallel else 1
         # the MLP's saved tensors besides the down projection's input: its norm's input
         # and output (the entry's input) and the entry's output
-        saved = tokens * (2 * cfg.hidden / split + up / layout.tp) * ACT_BYTES[layout.dtype]
+        saved = tokens * (2 * cfg.hidden / split + up / layout.tp) * e
         attend = (made * runtime.param_comm_bytes(layout.dtype), saved, working)
     out, freed, landed = [], 0.0, 0.0
     for j, (_, act, _, _) in enumerate(units):
