@@ -945,6 +945,34 @@ def test_the_presets_sweep_prints_each_ranks_comparison():
         assert abs(ratio - 1) <= 0.05, x
 
 
+def test_a_gathers_buffers_are_never_activations(tmp_path):
+    """ZeRO-3 under full recomputation (dp 2, four llama blocks of h 2048, 512 tokens,
+    bf16): the activations are a few checkpoints and one block made again, far below a
+    gathered block (98 MiB in bf16), so the activations' own peak shows at once whether
+    a gather's buffers were counted among them. They were at three moments, each an
+    operator whose output a unit takes only by the assignment after it: the cast of the
+    row a prefetch sends and the gather's output (``Gather.__init__`` ran before the unit
+    held it), and the gathered rows while being copied out (the unit let go of its
+    pending gather first). Rehearsed own peak 3.98 of the model's then, 1.098 now
+    (``RankMemory.settle``, ``Gather(start=False)``); the rest, ~2 x tokens x h at one
+    block's recomputation, is under ZeRO-1 too. Catches any of the three coming back:
+    each adds at least half a gathered block."""
+    from plait.commands.train import build_run_config
+
+    values = {"model": "tiny", "arch": "llama", "hidden": 2048, "heads": 16, "seq_len": 512,
+              "layers": 4, "dp": 2, "zero": 3, "recompute": "full", "global_batch_size": 2,
+              "micro_batch_size": 1, "dtype": "bf16", "out": str(tmp_path)}  # fmt: skip
+    cfg = build_run_config(values)
+    got, want, _ = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"][
+        rehearse.ACT_PEAK
+    ]
+    block = 2 * sum(
+        p.numel()
+        for p in next(iter(build_model(cfg.model, device="meta").blocks.values())).parameters()
+    )
+    assert got - want < block / 8, (got / 2**20, want / 2**20, block / 2**20)  # 3.8 < 12 MiB
+
+
 def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
     """ZeRO-3 under LoRA (dp 2, four llama blocks of h 2048, 2,048 tokens, bf16): with no
     weight gradients to wait for, the rank peaks as the last block's backward starts --

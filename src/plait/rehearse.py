@@ -247,6 +247,8 @@ def _memtracker_class():
             self.host = weakref.WeakValueDictionary()
             self.peak, self.split = 0, dict.fromkeys(CATEGORIES, 0)
             self.act_peak = 0
+            # a new peak's outputs, awaiting their roles (``settle``): (winfo, category)
+            self._fresh, self._fresh_split, self._fresh_act, self._act_before = None, False, None, 0
 
         # module hooks: activation checkpointing's recomputed forward only
         def _pre_fw_hook(self, module, inputs):
@@ -268,7 +270,43 @@ def _memtracker_class():
             # a step makes (the autograd engine asks for every tensor's), allocating nothing
             if func is torch.ops.prim.device.default:
                 return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            self.settle()
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self._fresh is not None:  # this operator made a new peak: its outputs
+                self._fresh = [(w, category[w.reftype]) for w in self._outputs(out)]
+            return out
+
+        def _outputs(self, out):
+            seen = set()
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    for st in get_untyped_storages(t):
+                        winfo, _ = self._WINFO.get(st, (None, None))
+                        if winfo is not None and id(winfo) not in seen:
+                            seen.add(id(winfo))
+                            yield winfo
+
+        def settle(self) -> None:
+            """A new peak's outputs take their roles from the assignment that follows
+            the operator making them (a gather's output, a packed gradient, a cast row):
+            read at the next operator, each output a role has claimed since moves to
+            that role in the peak's split, and out of the activations' own peak."""
+            fresh, self._fresh = self._fresh or (), None
+            act, self._fresh_act = self._fresh_act, None
+            split, self._fresh_split = self._fresh_split, False
+            roles = {}
+            if fresh and self.trainer is not None:
+                pairs = _passing_roles(self.trainer, self.params)
+                roles = {id(w): r for r, w in self._winfos(pairs)}
+            for winfo, was in fresh:
+                role = roles.get(id(winfo), was)
+                if role != was and split:
+                    self.split[was] -= winfo.mem_consumed
+                    self.split[role] += winfo.mem_consumed
+                if role != was and act is not None and was == "activations":
+                    act -= winfo.mem_consumed
+            if act is not None:
+                self.act_peak = max(self._act_before, act)
 
         def _snaps(self):
             """The per-device snapshots that are memory: not meta's. A ZeRO-3 model is
@@ -288,6 +326,7 @@ def _memtracker_class():
             new_peak = total > self.peak
             if new_peak:
                 self.peak, self.split = total, self.breakdown()
+                self._fresh, self._fresh_split = [], True
             # the activations' own peak: where the phase's peak lies elsewhere (a step
             # of few micro-batches peaks in the optimizer step, its activations freed),
             # it is what the model's activation figure is to be held against
@@ -297,9 +336,12 @@ def _memtracker_class():
             act = sum(s.get(_MemRefType.ACT, 0) for s in self._snaps())
             if act > self.act_peak:
                 split = self.split if new_peak else self.breakdown()
-                self.act_peak = max(self.act_peak, split["activations"])
+                if split["activations"] > self.act_peak:
+                    self._act_before, self._fresh_act = self.act_peak, split["activations"]
+                    self.act_peak, self._fresh = split["activations"], self._fresh or []
 
         def reset_peak(self) -> None:
+            self.settle()
             self.peak, self.split = self.current(), self.breakdown()
             self.act_peak = self.split["activations"]
 
@@ -510,6 +552,7 @@ def _save_and_load(trainer, step: int, out: Path, mem, report) -> None:
         mem.reset_peak()
         t0 = time.perf_counter()
         trainer.save(step)
+        mem.settle()
         report.phases.append(Phase("save", mem.peak, mem.split, time.perf_counter() - t0))
         path = out / "checkpoints" / f"step-{step:08d}"
         if not path.exists():  # rank 0 commits the folder (and its meta.json) in a real run
@@ -524,6 +567,7 @@ def _save_and_load(trainer, step: int, out: Path, mem, report) -> None:
         checkpoint.load(path, state=trainer.checkpoint_state(**entries), topo=trainer.topo,
                         verified=True)  # fmt: skip
         trainer.engine.state_loaded()
+        mem.settle()
         report.phases.append(Phase("load", mem.peak, mem.split, time.perf_counter() - t0))
     report.bytes_written, report.bytes_read = book.written, book.read
     report.boxes_written = book.boxes
@@ -730,6 +774,7 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
                 if full is not None and step == 1:
                     trainer.runner.compute_spans = []
                 trainer.step(step)
+                mem.settle()
                 report.phases.append(
                     Phase(f"step {step + 1}", mem.peak, mem.split, time.perf_counter() - t0,
                           mem.act_peak)

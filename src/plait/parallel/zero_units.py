@@ -52,14 +52,24 @@ from plait.topology import Axis, Topology
 
 class Gather:
     """An all-gather of every rank's row in flight: ``rows()`` waits and returns them,
-    (n * row,), in ``dtype`` (the wire dtype: the row is cast to it first)."""
+    (n * row,), in ``dtype`` (the wire dtype: the row is cast to it first). ``start=False``
+    makes it idle until ``start()``: a unit names its gather before the buffers exist, so
+    they are the unit's from their allocation (``plait rehearse`` files them as buffers)."""
 
-    def __init__(self, row: torch.Tensor, *, topo: Topology, dtype: torch.dtype | None = None):
-        self.topo = topo
+    def __init__(self, row: torch.Tensor, *, topo: Topology, dtype: torch.dtype | None = None,
+                 start: bool = True):  # fmt: skip
+        self.topo, self.row, self.dtype = topo, row, dtype
+        self.src = self.out = self.handle = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        row, dtype = self.row, self.dtype
         self.src = row if dtype in (None, row.dtype) else row.to(dtype)
-        self.out = torch.empty(topo.dp * row.numel(), dtype=self.src.dtype, device=row.device)
-        self.handle = comm.all_gather_into(self.out, self.src, topo=topo, axis=Axis.DP,
+        self.out = torch.empty(self.topo.dp * row.numel(), dtype=self.src.dtype, device=row.device)
+        self.handle = comm.all_gather_into(self.out, self.src, topo=self.topo, axis=Axis.DP,
                                            async_op=True)  # fmt: skip
+        self.row = None
 
     def rows(self) -> torch.Tensor:
         comm.wait([self.handle], topo=self.topo, what="all_gather", axis="dp")
@@ -289,20 +299,25 @@ class ParamUnits:
 
     # gather / free
 
-    def _start(self, unit: Unit) -> Gather:
-        return Gather(unit.row, topo=self.shard_topo, dtype=self.wire_dtype)
+    def _start(self, unit: Unit) -> None:
+        unit.pending = Gather(unit.row, topo=self.shard_topo, dtype=self.wire_dtype, start=False)
+        unit.pending.start()
 
     def prefetch(self, unit: Unit | None) -> None:
         if unit is not None and not unit.gathered and unit.pending is None:
-            unit.pending = self._start(unit)
+            self._start(unit)
 
     def gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
-        pending, unit.pending = unit.pending or self._start(unit), None
-        flat = pending.rows()
-        unit.allocate()
-        unit.layout.unpack(flat, unit.slices)
+        if unit.pending is None:
+            self._start(unit)
+        try:  # the gathered rows stay the unit's pending buffer until copied out of
+            flat = unit.pending.rows()
+            unit.allocate()
+            unit.layout.unpack(flat, unit.slices)
+        finally:
+            unit.pending = None
         unit.gathered = True
 
     def free(self, unit: Unit) -> None:
