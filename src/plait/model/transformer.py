@@ -442,8 +442,22 @@ class Block(nn.Module):
 
     def forward(self, x, rope=None, span=None):
         if self.recompute_full and self.training:
-            return checkpoint(self._forward, x, rope, span, use_reentrant=False)
+            return checkpoint(_Recomputed(self._forward), x, rope, span, use_reentrant=False)
         return self._forward(x, rope, span)
+
+
+class _Recomputed(nn.Module):
+    """A function as a module call of its own (no state; not a child of anything): what
+    activation checkpointing runs, so that module hooks see a recomputed forward begin and
+    end as one -- its residual sums included, which run between the submodules' calls
+    (``plait rehearse`` files what a recomputation makes as activations by those hooks)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
 
 
 class Span(NamedTuple):

@@ -318,6 +318,34 @@ def recompute_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, lora
     return max(0.0, kept - ckpt)
 
 
+def mlp_forward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """Bytes a dense MLP's forward holds for a moment beyond what it keeps: under plait's
+    kernels SwiGLU's silu(gate), T x F / t in the activation dtype, until its product with
+    the up projection is made (``ops.SwiGLU``: two kernels, on a GPU as here); a fused
+    kernel holds none, nor does GELU. It tops the activations' own peak where a recomputed
+    block's forward is made again on top of every checkpoint: ``plait rehearse`` of
+    LLaMA-2 70B dp 64 ZeRO-3 under ``--recompute full`` held 226 MiB more than the model
+    there, silu(gate) at 224 (2026-11-28). A MoE block's experts run one at a time, each
+    holding its own rows' (not modelled: their largest expert's rows are not)."""
+    if cfg.arch == "gpt2" or runtime.layer_kernels != "plait":
+        return 0.0
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    return tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
+
+
+def forward_mlp_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """Bytes above a forward's end that a stage holds as its last block's MLP makes its
+    product: silu(gate) (``mlp_forward_transient``) where the block's output, made after
+    it, is not yet (T h / t under sequence parallelism, the stream's dtype). Only a stage
+    without the head peaks there (the head's logits outweigh it): ``plait rehearse`` of
+    four llama blocks of h 512 at pp 2, rank 0, held silu(gate) at its activations' own
+    peak (2026-11-28)."""
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = layout.tp if layout.sequence_parallel else 1
+    output = tokens * cfg.hidden / split * residual_bytes(layout)
+    return max(0.0, mlp_forward_transient(cfg, layout, runtime) - output)
+
+
 def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
     """Bytes a block's backward holds beyond its activations and the gradients as it ends:
     its input norm's backward, over the tokens a rank holds (split over tp under sequence
@@ -807,6 +835,12 @@ def memory_per_rank(
     # reached the block: the chunk's later blocks, which keep their activations
     # (--recompute-layers), and on the last stage the head's buffers
     transient = []
+    # per rank, a moment that tops the activations' own peak and nothing else, as no
+    # gradient or working set is held there: a dense MLP's silu(gate)
+    # (``mlp_forward_transient``) on top of a recomputing block's forward made again, or,
+    # on a stage without the head, on top of a forward's saved tensors but its last
+    # block's output (``forward_mlp_moment``)
+    own_only = []
     # per rank, the same with each block's backward working set on top
     # (``mlp_backward_working_set``): what the rehearsal calls temporaries
     working = []
@@ -823,6 +857,7 @@ def memory_per_rank(
     for rank in range(p):
         row, n, x, grad_rows = [], 0.0, 0.0, []
         transient.append(0.0)
+        own_only.append(0.0)
         working.append(0.0)
         starts.append((0.0, -math.inf, False))
         chunk_params.append([])
@@ -848,6 +883,14 @@ def memory_per_rank(
                 if lora is None and lay.recompute != "full":  # of ``k``, BI's captures
                     captures += bi_captured_bytes(cfg, lay, runtime, dense + routed)
             head_freed = head if stage == last_stage else 0.0
+            if (
+                stage != last_stage
+                and layers
+                and (layout.recompute != "full" or layout.recomputed_blocks(layers) < layers)
+            ):
+                index = sum(stage_layers[:stage]) + layers - 1  # the chunk's last block
+                if not cfg.is_moe_layer(index):
+                    own_only[rank] = max(own_only[rank], forward_mlp_moment(cfg, layout, runtime))
             if layout.recompute == "full":
                 freed += head_freed
                 dense, routed = blocks[True]
@@ -856,6 +899,9 @@ def memory_per_rank(
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
                         ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
+                        if not moe_block:  # made again, silu(gate) beside the MLP's entry
+                            fwd = mlp_forward_transient(cfg, layout, runtime)
+                            own_only[rank] = max(own_only[rank], t + fwd - freed)
                         working[rank] = max(working[rank], t + ws - freed)
                         if t + ws - freed > starts[rank][1] - starts[rank][0]:
                             starts[rank] = (freed, t + ws, False)
@@ -943,6 +989,7 @@ def memory_per_rank(
     act, awaiting_w = activation_peaks(weights)
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
+    own = [max(a, b + o) for a, b, o in zip(act, bare, own_only)]  # and their own peak's
     forward_made = [a + t for a, t in zip(forward_made, transient)]
     held = [a + w for a, w in zip(bare, working)]  # ... and the backward's working set
     # only with no more micro-batches than stages can a rank's forwards all come before
@@ -1054,15 +1101,17 @@ def memory_per_rank(
         apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
         # of which the gradients not made yet are the gradients' (short of the state's),
         # the rest the activations'
-        mem = Memory(rank, w, g, o, act[rank], buffers, overhead, cp, casts + head_cast,
+        # the activations at their own peak, where a moment of theirs alone tops it: apart
+        apart += own[rank] - act[rank]
+        mem = Memory(rank, w, g, o, own[rank], buffers, overhead, cp, casts + head_cast,
                      apart - short, temporaries=temps, grads_moment=-short,
                      w_gradients=awaiting_w[rank],
                      forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
         # as ``finish()`` launches what the hooks did not: every activation and cast gone
         fin = finish_transient(cfg, layout, runtime, layers, rank == 0, rank == p - 1)
         if fin:
-            gone = act[rank] + casts + head_cast
-            end_of_step = Memory(rank, w, g, o, act[rank], 0.0, overhead, 0.0, casts + head_cast,
+            gone = own[rank] + casts + head_cast
+            end_of_step = Memory(rank, w, g, o, own[rank], 0.0, overhead, 0.0, casts + head_cast,
                                  gone, grads_moment=fin,
                                  forward_made_peak=mem.forward_made_peak)  # fmt: skip
             if end_of_step.total > mem.total:
@@ -1073,8 +1122,8 @@ def memory_per_rank(
             # working set is among its temporaries
             # (the head's cast of a tied table is among the activations' peak, and gone
             # once the head's backward is: freed with the rest)
-            back = Memory(rank, w, g, o, act[rank], zbufs, overhead, 0.0, casts + head_cast,
-                          act[rank] - bare[rank] + freed + head_cast + tied_cast,
+            back = Memory(rank, w, g, o, own[rank], zbufs, overhead, 0.0, casts + head_cast,
+                          own[rank] - bare[rank] + freed + head_cast + tied_cast,
                           temporaries=temps,
                           grads_moment=rows + grads - g, w_gradients=mem.w_gradients,
                           forward_made_peak=mem.forward_made_peak)  # fmt: skip
