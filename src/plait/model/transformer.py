@@ -361,7 +361,7 @@ class Attention(nn.Module):
         # copied it: one more (T, H D) tensor a block, kept for the o projection)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.selective_recompute and self.training:
-            y = checkpoint(self._core, q, k, v, span, use_reentrant=False)
+            y = checkpoint(_Recomputed(self._core), q, k, v, span, use_reentrant=False)
         else:
             y = self._core(q, k, v, span)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * D)  # (B, T, H*D), this rank's heads
