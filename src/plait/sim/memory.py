@@ -1019,9 +1019,13 @@ def memory_per_rank(
             full = g_bytes * adapters[rank] / layers
         moments = []  # where a ZeRO-2/3 backward may peak (``zero2_*_moment``, ``zero3_...``)
         if layout.zero == 2 and runtime.zero2_reduce_per_microbatch:
-            moments = [zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora)]
+            moments = [
+                zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora),
+                zero2_up_cast_moment(cfg, layout, runtime, rank == p - 1, lora),
+            ]
             if rank == p - 1:
                 moments.append(zero2_head_moment(cfg, layout, runtime, lora))
+                moments.append(zero2_head_pack_moment(cfg, layout, runtime, lora))
         elif layout.zero < 2 and rank == p - 1:
             m = layout.num_microbatches
             for grads, zbufs, freed, temps in head_backward_moment(cfg, layout, runtime, lora):
@@ -1150,6 +1154,30 @@ def zero2_head_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     return head, 0.0, last_stage_buffers(cfg, layout, lora), temps
 
 
+def zero2_head_pack_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                           lora=None) -> tuple[float, float, float, float]:  # fmt: skip
+    """ZeRO-2's last stage as the head's bucket packs, the final norm's backward done: the
+    head's weight gradient still whole beside its copy packed into fp32 rows of every
+    shard (V h / t + h: ``ZeroDataParallel._launch``, before the gradient is let go), the
+    logits' gradient gone, the final norm's input gradient held (T h / t under sequence
+    parallelism, the stream's dtype). (gradients, buffers, activations freed,
+    temporaries), as ``zero2_head_moment``; the packed copy is the pack's output, not yet
+    handed to its reduce-scatter: a temporary. Where the table outweighs the logits' fp32
+    gradient (LLaMA 3 8B, vocabulary 128,256, at 2,048 tokens: 2.0 GiB against 1.0) it
+    leads: ``plait rehearse`` at dp 8 held 1.973 GiB of temporaries there, 67.566 in all
+    (66.571 modelled without it). A tied table's gradient waits for the embedding's
+    (none here), as under LoRA."""
+    if lora is not None or cfg.tied_embeddings:
+        return 0.0, 0.0, 0.0, 0.0
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = layout.tp if layout.sequence_parallel else 1
+    g_bytes = runtime.state_bytes(layout.dtype)[1]
+    head = table_elements(cfg, layout)
+    packed = (head + cfg.hidden) * 4
+    temps = packed + tokens * cfg.hidden / split * residual_bytes(layout)
+    return head * g_bytes, 0.0, last_stage_buffers(cfg, layout, lora), temps
+
+
 def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last: bool,
                        lora=None) -> tuple[float, float, float, float]:  # fmt: skip
     """ZeRO-2 as a stage's last block starts its MLP's backward, its down projection's
@@ -1176,6 +1204,31 @@ def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last:
     # until it completes and is added to the bucket's
     outputs = packed / dp_groups(layout, False)[0]
     return outputs, packed, freed, mlp_backward_working_set(cfg, layout, runtime)
+
+
+def zero2_up_cast_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last: bool,
+                         lora=None) -> tuple[float, float, float, float]:  # fmt: skip
+    """ZeRO-2 a step on from ``zero2_block_moment``: the same block's up projection (SwiGLU's
+    fused gate and up; GPT-2's FC1) casting its weight gradient back to fp32
+    (``Runtime.weight_cast_per_step``), both copies held (e + 4 bytes a weight of the tp
+    shard), beside its input's gradient and the stream's; the packed gradients still in
+    flight, the MLP's saved tensors and its input freed. (gradients, buffers, activations
+    freed, temporaries), as ``zero2_head_moment``. ``plait rehearse`` of Mistral 7B dp 8
+    (2,048 tokens) peaked there: the head's and the down projection's packed gradients
+    (500 + 224 MiB) and 448 + 224 + 2 x 16 MiB of temporaries (60.151 GiB; 59.838
+    modelled without the moment)."""
+    if lora is not None or not runtime.weight_cast_per_step or layout.dtype == "fp32":
+        return 0.0, 0.0, 0.0, 0.0
+    outputs, packed, freed, _ = zero2_block_moment(cfg, layout, runtime, last)
+    e, t, r = ACT_BYTES[layout.dtype], layout.tp, residual_bytes(layout)
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = t if layout.sequence_parallel else 1
+    f, h = cfg.ffn_hidden, cfg.hidden
+    up = (1 if cfg.arch == "gpt2" else 2) * f  # the MLP's entry width
+    # beyond the down projection's input (freed above): the entry's output and its input
+    gone = tokens * (up / t * e + h / split * e)
+    temps = up * h / t * (e + 4) + tokens * (h * e + h / split * r)
+    return outputs, packed, freed + gone, temps
 
 
 def zero3_head_unit_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
