@@ -747,7 +747,8 @@ def test_zero3_cp_peaks_in_the_attention_backward_as_modelled(tmp_path, mode, ar
 
 @pytest.mark.parametrize(
     "kw,rows",
-    [({"dp": 8, "global_batch_size": 8}, ("total", "buffers", rehearse.ACT_PEAK)),
+    [({"dp": 8, "global_batch_size": 8},
+      ("total", "buffers", "activations", "temporaries", rehearse.ACT_PEAK)),
      ({"cp": 2, "dp": 4, "global_batch_size": 4},
       ("total", "gradients", "buffers", "temporaries", rehearse.ACT_PEAK)),
      ({"dp": 8, "zero": 2, "global_batch_size": 16}, ("total", "gradients"))],
@@ -757,10 +758,13 @@ def test_a_tied_models_table_is_held_as_modelled(tmp_path, kw, rows):
     tokens, bf16): its table, positions and final norm are one unit, held in fp32 (the
     embedding reads the table other than through a linear) from the head's forward to the
     embedding's backward, and the head keeps its bf16 cast of the table for its backward
-    (``memory.tied_zero3_unit``). At dp 8 the rank peaks as the forward ends: the whole
-    peak, its buffers and the activations' own peak within 2 % (1.001, 1.006, 1.000);
-    the model without the unit there gave 1.182, 0.795, 1.141, and without it anywhere
-    1.288 (LLaMA 3.2 1B 1.134). At cp 2 x dp 4 it peaks in the embedding's backward,
+    (``memory.tied_zero3_unit``). At dp 8 the rank peaks as the head's backward runs:
+    the unit, the last block prefetched and the gather's input gathered, the head's bf16
+    logits turned into their gradient, its cast of the table kept. The whole peak, its
+    buffers, activations and temporaries there and the activations' own peak within 2 %
+    (1.000 each); with the forward's end as the peak, activations 0.850 and temporaries
+    none; the model without the unit there gave 1.182, 0.795, 1.141, and without it
+    anywhere 1.288 (LLaMA 3.2 1B 1.134). At cp 2 x dp 4 it peaks in the embedding's backward,
     where the table's gradient from the head, the embedding's own and their sum are
     whole (``memory.zero3_backward_moments``): every category 1.000; the model without
     that moment gave 1.200, temporaries 3.000 (LLaMA 3.2 1B 1.096). Under ZeRO-2 the

@@ -1048,7 +1048,16 @@ def memory_per_rank(
             a = chunk_activation_bytes(cfg, lay, runtime, 1, 0, lora)[0]
             shard = dp_groups(layout, False)[0]  # each in flight also writes its shard
             buffers += max(0.0, k * (full * (1 + 1 / shard) - a)) - full
-        if buffers and rank == p - 1 and not (cfg.tied_embeddings and p == 1):
+        if buffers and rank == p - 1 and cfg.tied_embeddings and p == 1 and head_cast:
+            # tied on one stage: the head's backward beside the tied unit (gathered through
+            # the backward), the last block prefetched and the gather's input; the head
+            # keeps its cast of the table to its end (off what every moment frees)
+            _, _, logits, temps = zero3_head_backward_moment(cfg, layout, runtime)
+            unit = tied_zero3_unit(cfg, layout, runtime)[0]
+            gathered = unit + zero3_gathered_bytes(cfg, layout, runtime) + gather_input_bytes(
+                cfg, layout, runtime)  # fmt: skip
+            moments.append((0.0, gathered, logits - head_cast, temps))
+        elif buffers and rank == p - 1 and not (cfg.tied_embeddings and p == 1):
             moments.append(zero3_head_backward_moment(cfg, layout, runtime))
             freed, ws, _ = starts[rank]
             if ws - freed < 0:  # the activations' peak is the forward's end, the head's
