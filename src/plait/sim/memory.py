@@ -585,8 +585,8 @@ def bi_captured_bytes(
     return out
 
 
-def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout,
-                                 runtime: Runtime) -> tuple[float, float]:  # fmt: skip
+def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                                 whole_w: bool = False) -> tuple[float, float]:  # fmt: skip
     """(Bytes held beyond the activations, activations freed by then) where an MLP weight's
     gradient is cast back to the weights' fp32 (``Runtime.weight_cast_per_step``: autocast's
     cast of the step's weight copy), both copies held (e + 4 bytes a weight of the tp
@@ -598,13 +598,16 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout,
     twice the weights), the MLP's saved tensors and its input gone, its input's gradient
     (T h) held. (0, 0) where the moment is not one: one micro-batch (the
     cast is the gradient's first, its ``.grad``), ZeRO-2/3 (their own moments), a
-    zero-bubble W, fp32. ``plait rehearse``: GPT-3 175B tp 8 pp 16 rank 0 peaked at FC2's
+    zero-bubble W (but ``whole_w``: a first stage's under ``zb_autograd_split``, which is
+    its whole backward -- the up projection's there, ``plait rehearse`` of LLaMA 3 8B pp 2
+    ZB-H1 rank 0: 448 + 224 + 16 MiB of temporaries, 2.867 of the model's without it),
+    fp32. ``plait rehearse``: GPT-3 175B tp 8 pp 16 rank 0 peaked at FC2's
     (144 + 288 MiB of weight gradient, 48 + 24 MiB of gradients; 0.492 GiB of temporaries
     where the model had 0.094), Qwen 2.5 7B pp 2 rank 0 at the fused gate and up's
     (259 + 518 MiB; 2026-11-28). The freed activations are apart at the peak
     (``memory_per_rank``'s ``starts``), as the rehearsal finds them."""
     if (not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero > 1
-            or layout.num_microbatches == 1 or layout.schedule == "zb-h1"):  # fmt: skip
+            or layout.num_microbatches == 1 or (layout.schedule == "zb-h1" and not whole_w)):  # fmt: skip
         return 0.0, 0.0
     e, t, r = ACT_BYTES[layout.dtype], layout.tp, residual_bytes(layout)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
@@ -914,7 +917,9 @@ def memory_per_rank(
                         ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
                         gone = head_freed
                         if not moe_block and lora is None:  # an MLP weight's gradient cast
-                            cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime)
+                            whole_w = stage == 0 and runtime.zb_autograd_split
+                            cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime,
+                                                                            whole_w)  # fmt: skip
                             if cast - cast_freed > ws:
                                 ws, gone = cast, head_freed + cast_freed
                         working[rank] = max(working[rank], ws - gone)
@@ -1106,10 +1111,12 @@ def memory_per_rank(
         # (its transient is net of a tied head's cast, gone by then: off the activations)
         temps = ending + tied_cast if ending > 0 else held[rank] - act[rank]
         freed, _, kept = starts[rank]
-        if ending <= 0 and working[rank] > 0 and kept and layout.schedule != "zb-h1":
+        whole_w = rank == 0 and runtime.zb_autograd_split  # the first stage's W: its backward
+        if ending <= 0 and working[rank] > 0 and kept and (layout.schedule != "zb-h1" or whole_w):
             # a kept block's backward start: what it freed is gone from the activations
             # (``apart``). Not under ZB-H1, whose BI lets go of its saved tensors only as it
-            # ends and whose head's W keeps its input (``zb_autograd_split``)
+            # ends and whose head's W keeps its input (``zb_autograd_split``), but on its
+            # first stage, whose W is a whole backward
             temps += freed
         apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
         # of which the gradients not made yet are the gradients' (short of the state's),
