@@ -1058,8 +1058,7 @@ def memory_per_rank(
             # the backward), the last block prefetched and the gather's input; the head
             # keeps its cast of the table to its end (off what every moment frees)
             _, _, logits, temps = zero3_head_backward_moment(cfg, layout, runtime)
-            unit = tied_zero3_unit(cfg, layout, runtime)[0]
-            gathered = unit + zero3_gathered_bytes(cfg, layout, runtime) + gather_input_bytes(
+            gathered = tied + zero3_gathered_bytes(cfg, layout, runtime) + gather_input_bytes(
                 cfg, layout, runtime)  # fmt: skip
             moments.append((0.0, gathered, logits - head_cast, temps))
         elif buffers and rank == p - 1 and not (cfg.tied_embeddings and p == 1):
