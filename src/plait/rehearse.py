@@ -273,18 +273,10 @@ def _memtracker_class():
             self.settle()
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if self._fresh is not None:  # this operator made a new peak: its outputs
-                self._fresh = [(w, category[w.reftype]) for w in self._outputs(out)]
+                outputs = [(None, t) for t in torch.utils._pytree.tree_leaves(out)
+                           if isinstance(t, torch.Tensor)]  # fmt: skip
+                self._fresh = [(w, category[w.reftype]) for _, w in self._winfos(outputs)]
             return out
-
-        def _outputs(self, out):
-            seen = set()
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    for st in get_untyped_storages(t):
-                        winfo, _ = self._WINFO.get(st, (None, None))
-                        if winfo is not None and id(winfo) not in seen:
-                            seen.add(id(winfo))
-                            yield winfo
 
         def settle(self) -> None:
             """A new peak's outputs take their roles from the assignment that follows
