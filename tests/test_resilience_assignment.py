@@ -447,6 +447,49 @@ def test_step_watchdog_declares_a_stall_after_k_times_the_median_and_not_before(
         c.time.monotonic = real
 
 
+def test_a_new_generations_hold_is_in_the_store_before_its_decision():
+    """A replacement is on its way and one copy is left, so the kill due at step 14 waits
+    and the run holds before it (chaos.py). The coordinator writes the new generation's
+    ``ft/hold`` before its decision, so no member can start a step of it unheld. Breaks
+    if the hold is left to the next polling tick: on a loaded machine the members then ran
+    past step 14 first, the kill fired with no copy to spare and the replacement never
+    joined (a CI failure of test_resilience.py's tp-group test)."""
+    from plait.resilience import coordinator as c
+    from plait.resilience import protocol
+
+    class Store:
+        def __init__(self):
+            self.writes = []
+
+        def set(self, key, value):
+            self.writes.append((key, value))
+
+        def delete_key(self, key):
+            pass
+
+    class Fake(c.Coordinator):
+        def __init__(self):
+            self.gen, self.held, self.procs, self.store = 0, None, {}, Store()
+            self.durations, self.last_progress = {}, {}
+            self.res = ResilienceConfig(
+                fault_tolerance=1, inject_failure=parse_injections("3:1,14:2")
+            )
+            self.chaos = Chaos(self.res)
+            self.chaos.pending = self.chaos.pending[1:]  # the kill at step 3 has fired
+
+        def coming(self):
+            return True  # workers 4 and 5 are starting
+
+        def log(self, event, **kw):
+            pass
+
+    f = Fake()
+    f.publish({"assignment": {}, "step": 3})
+    keys = [k for k, _ in f.store.writes]
+    assert (protocol.HOLD, "1 14") in f.store.writes, f.store.writes
+    assert keys.index(protocol.HOLD) < keys.index(protocol.DECISION.format(1)), keys
+
+
 def test_nodes_hold_whole_pipelines_so_a_lost_node_leaves_a_copy_of_every_unit():
     """The coordinator's node placement (``node_slots``) of the first generation's grid:
     the workers off any one node still hold every unit. Breaks if workers are placed in

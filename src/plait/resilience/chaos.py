@@ -13,8 +13,9 @@ checkpoint being written -- gets hit. Draws come from ``random.Random(seed)``.
 **A shot waits for the replacements, and the run waits with it.** A shot that falls due
 while a replacement is on its way and the run holds F copies or fewer (a random kill: F
 copies or fewer, whether or not one is coming) does not fire; the coordinator publishes
-``hold_step()`` as ``ft/hold`` and the members stop at the boundary before that step until
-the replacement has joined (``elastic.Worker._boundary``). So which steps are hit, and how
+``hold_step()`` as ``ft/hold`` (a new generation's before its decision, which each member
+reads as it forms the generation) and the members stop at the boundary before that step
+until the replacement has joined (``elastic.Worker._boundary``). So which steps are hit, and how
 many shots land, depends on the steps and the seed, not on how fast this machine starts a
 process: a test's kills and rejoins happen alike on a fast and a slow machine. Without a
 replacement on its way (``--no-respawn``) an injection fires at once: that is how a second

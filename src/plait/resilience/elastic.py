@@ -232,6 +232,10 @@ class Worker:
     def generation(self, d: dict, assignment: Assignment) -> str:
         gen, why = None, None
         self.in_gen = d["gen"]
+        if self.chaos:  # the hold the coordinator set before this decision, read now: the
+            held = protocol.hold(self.store)  # watcher may not have polled it yet
+            if held is not None and held[0] == d["gen"]:
+                self.watcher.hold = held
         try:
             self._roll_forward(d.get("rollforward"))
             gen = Generation(store=self.store.raw, number=d["gen"], assignment=assignment,
