@@ -939,6 +939,10 @@ def memory_per_rank(
                 head_grads = bi_captured_bytes(cfg, layout, runtime, 0, last=True)
                 captures += head_grads
                 keep += head_grads + tokens * cfg.hidden * (ACT_BYTES[layout.dtype] + norm)
+                if cfg.tied_embeddings:  # a tied table's autocast cast, saved by the head's
+                    # GEMM: its node is W's too, and autograd unpacks every saved tensor of a
+                    # node it applies, so the cast stays to the W (``weight_cast_bytes``)
+                    keep += weight_cast_bytes(cfg, layout, runtime, 0, last=True)
             row.append((held + (head if stage == last_stage else 0.0), keep))
             grad_rows.append(captures)
         weights.append(tuple(row))
