@@ -631,8 +631,8 @@ class Coordinator:
             for w in self.procs:
                 self.store.delete_key(protocol.PROGRESS.format(w))
             self.pause_progress()
-        if self.chaos.enabled:  # in the store before any member can start a step of it
-            self.hold(self.chaos.hold_step(copies=0, coming=self.coming()))
+            if self.chaos.enabled:  # in the store before any member can start a step of it
+                self.hold(self.chaos.hold_step(copies=0, coming=self.coming()))
         protocol.publish(self.store, {"gen": self.gen, **decision})
 
     def _wait_exit(self, grace: float = 10.0) -> None:
