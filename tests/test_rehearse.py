@@ -529,7 +529,7 @@ def test_a_ranks_peak_holds_the_gradients_when_they_exist(tmp_path, schedule, m,
     if schedule == "zb-h1" and m > 2:
         for cat in (rehearse.ACT_PEAK, "activations"):
             assert abs(rows[cat][2] - 1) <= 0.05, (cat, rows[cat])
-        # the BI working set beside them is priced to 24 MiB (one QKV output gradient)
+        # beside them as a BI ends, its first block's input norm's backward (0.969 measured)
         assert abs(rows["temporaries"][2] - 1) <= 0.10, rows["temporaries"]
 
 
@@ -1033,21 +1033,21 @@ def test_zb_h1s_first_stage_casts_its_mlp_entrys_gradient_as_modelled(tmp_path):
     _assert_within(memory, ("total", "activations", "temporaries"), 0.02)
 
 
-def test_zb_h1s_tied_last_stage_keeps_the_tables_cast_to_its_w_as_modelled(tmp_path):
+def test_zb_h1s_tied_last_stage_peaks_at_a_bis_end_as_modelled(tmp_path):
     """ZB-H1's last stage of a tied model (GPT-2 124M's shapes, pp 2 x dp 2, 2,048 tokens,
-    bf16): the head's GEMM saved autocast's cast of the table, its node is W's too, and
-    autograd unpacks every saved tensor of a node it applies, so each micro-batch's cast
-    stays to its W -- two at the activations' own peak, the head's BI starting with one W
-    waiting. Activations at their own peak within 5 % of the model (1.001 measured); the
-    whole peak within 6 % (0.950: the model's BI-end state holds the logits' buffers and
-    every capture at once, an over-estimate). Catches the cast let go at BI in the model,
-    as it was (own peak 1.062)."""
+    bf16) peaks as a BI ends: its micro-batch still whole beside its captures and the
+    waiting W's (``pipeline.peak_with_grads``, x = 2). Each micro-batch keeps autocast's
+    cast of the table to its W (the head's GEMM node is W's, and autograd unpacks every
+    saved tensor of a node it applies); the forward's bf16 logits are gone by then; the
+    captures are temporaries, of the one W waiting at that moment. Whole peak, activations,
+    temporaries and the activations' own peak each within 2 % (0.999, 1.001, 0.997, 1.001
+    measured). Catches the cast let go at BI (own peak 1.062), the logits kept (whole
+    0.950), and the captures filed as activations (0.620 at the peak)."""
     cfg = _pipeline_cfg(tmp_path, model="gpt2-124m", layers=None, hidden=None, heads=None,
                         pp=2, tp=1, dp=2, schedule="zb-h1", seq_len=2048,
                         micro_batch_size=1, global_batch_size=16)  # fmt: skip
     memory = rehearse.compared(rehearse.rehearse_rank(cfg, 3), cfg)["memory"]
-    _assert_within(memory, (rehearse.ACT_PEAK,), 0.05)
-    _assert_within(memory, ("total",), 0.06)
+    _assert_within(memory, ("total", "activations", "temporaries", rehearse.ACT_PEAK), 0.02)
 
 
 def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):

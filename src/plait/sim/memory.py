@@ -568,14 +568,18 @@ def bi_captured_bytes(
     """The output gradients a zero-bubble BI captures for its W (``executor.backward_input``)
     over a chunk of ``layers`` blocks: each linear's (QKV's and FC1's split by t, the
     output projection's and FC2's h), each norm's under ``zb_autograd_split``, GPT-2's two
-    row-parallel bias adds' in fp32, and on the ``last`` stage the head's (V / t) and the
-    final norm's."""
+    row-parallel bias adds' in fp32, Qwen 3's q and k norms' (their outputs: q and k
+    widths), and on the ``last`` stage the head's (V / t) and the final norm's.
+    ``plait rehearse`` of Qwen 3 0.6B pp 2 ZB-H1: 1.517 GiB a micro-batch on its last
+    stage, 1.349 without the q/k norms' 12 MiB a block."""
     e, t = ACT_BYTES[layout.dtype], layout.tp
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     split = t if layout.sequence_parallel else 1
     up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
     qkv = cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)
     norms = cfg.hidden / split * e if runtime.zb_autograd_split else 0.0
+    if cfg.qk_norm and runtime.zb_autograd_split:
+        qkv += cfg.q_dim / t + sizes.kv_width_per_rank(cfg, t)
     # a row-parallel layer's bias is added after the reduction in its own fp32
     # (``RowParallelLinear``): that add's output gradient is fp32, and its own joint
     biases = 2 * cfg.hidden / split * 4 if cfg.biases and e < 4 else 0.0
@@ -1092,10 +1096,24 @@ def memory_per_rank(
         # the gradients and the activations' peak together (module docstring)
         ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
         short = 0.0  # of the gradients, what the joint peak's state has not made yet
+        captures = 0.0  # of the joint peak, what a BI captured for its W as it ends
+        w_at_peak = awaiting_w[rank]  # and what the waiting Ws' BIs captured
+        # a BI's end: what it captured, as a backward ends its first block's input norm's
+        # working set held (``backward_transient``); on the last stage without the head's
+        # logits in the compute dtype, gone as its forward ended (the loss keeps its fp32
+        # copy) where the held micro-batch has them
+        gone = 0.0
+        if rank == last_stage % p and captured[rank]:
+            tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+            gone = tokens * cfg.vocab_size / layout.tp * ACT_BYTES[layout.dtype]
+        bi_end = captured[rank] - gone + ends if captured[rank] else 0.0
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
-            joint, ending, made = peak_with_grads(states, rank, weights[rank], shares,
-                                                  (working[rank], end, captured[rank], emb))  # fmt: skip
+            joint, ending, made, captures, waiting = peak_with_grads(
+                states, rank, weights[rank], shares, (working[rank], end, bi_end, emb),
+                tuple(w_grads[rank]))  # fmt: skip
+            if captures:  # a BI's end: its captures and those of the Ws waiting then
+                captures, w_at_peak = captures + gone, waiting
             short = max(0.0, g - made)
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
@@ -1107,28 +1125,34 @@ def memory_per_rank(
             if emb > 0 and bare[rank] - weights[rank][0][0] + g + emb > joint:  # a first-
                 joint = bare[rank] - weights[rank][0][0] + g + emb  # chunk backward's end
                 ending = emb
-            if captured[rank] and at_bi[rank] and at_bi[rank] + captured[rank] + g > joint:
-                joint, ending = at_bi[rank] + captured[rank] + g, 0.0  # a BI's captures
+            if captured[rank] and at_bi[rank] and at_bi[rank] + bi_end + g > joint:
+                joint, ending = at_bi[rank] + bi_end + g, 0.0  # a BI's end
+                captures = bi_end + gone
         # the temporaries at the peak: a backward's end's working set, where the peak is
-        # there; else the working set a backward starts with
-        # (its transient is net of a tied head's cast, gone by then: off the activations)
-        temps = ending + tied_cast if ending > 0 else held[rank] - act[rank]
+        # there (its transient is net of a tied head's cast, gone by then: off the
+        # activations); a BI's end's captured output gradients, made in its backward;
+        # else the working set a backward starts with
+        if ending > 0:
+            temps = ending + tied_cast
+        else:
+            temps = captures if captures > 0 else held[rank] - act[rank]
         freed, _, kept = starts[rank]
         whole_w = rank == 0 and runtime.zb_autograd_split  # the first stage's W: its backward
-        if ending <= 0 and working[rank] > 0 and kept and (layout.schedule != "zb-h1" or whole_w):
+        if (ending <= 0 and not captures and working[rank] > 0 and kept
+                and (layout.schedule != "zb-h1" or whole_w)):  # fmt: skip
             # a kept block's backward start: what it freed is gone from the activations
             # (``apart``). Not under ZB-H1, whose BI lets go of its saved tensors only as it
             # ends and whose head's W keeps its input (``zb_autograd_split``), but on its
             # first stage, whose W is a whole backward
             temps += freed
-        apart = act[rank] + temps + g - joint  # < 0: a BI's captured gradients on top of both
+        apart = act[rank] + temps + g - joint
         # of which the gradients not made yet are the gradients' (short of the state's),
         # the rest the activations'
         # the activations at their own peak, where a moment of theirs alone tops it: apart
         apart += own[rank] - act[rank]
         mem = Memory(rank, w, g, o, own[rank], buffers, overhead, cp, casts + head_cast,
                      apart - short, temporaries=temps, grads_moment=-short,
-                     w_gradients=awaiting_w[rank],
+                     w_gradients=w_at_peak,
                      forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
         # as ``finish()`` launches what the hooks did not: every activation and cast gone
         fin = finish_transient(cfg, layout, runtime, layers, rank == 0, rank == p - 1)

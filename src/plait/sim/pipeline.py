@@ -273,15 +273,18 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list,
 
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
-                    transient: tuple[float, ...]) -> tuple[float, float, float]:  # fmt: skip
+                    transient: tuple[float, ...],
+                    w_caps: tuple = ()) -> tuple[float, float, float, float, float]:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (what the backward after a local maximum adds to
     it, what a first backward holds as it ends, what a BI has captured as it ends, what
     the first chunk's backward holds as it ends). Returns (the peak, its state's
-    transient, where that is a backward's end: x = 1 or 3; else 0, and the weight
-    gradients that state holds)."""
-    best, ends, held_grads = 0.0, 0.0, 0.0
+    transient, where that is a backward's end: x = 1 or 3; else 0, the weight gradients
+    that state holds, its state's transient where that is a BI's end: x = 2; else 0, and
+    of what it keeps for waiting Ws, ``w_caps[chunk]`` a micro-batch: the output
+    gradients BIs captured)."""
+    best, ends, held_grads, captures, waiting = 0.0, 0.0, 0.0, 0.0, 0.0
     for fwd, wait_w, made, (x,) in compiled.grad_states[rank]:
         total, made_grads = transient[x], 0.0
         for c, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
@@ -291,4 +294,6 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
         total += made_grads
         if total > best:
             best, ends, held_grads = total, transient[x] if x in (1, 3) else 0.0, made_grads
-    return best, ends, held_grads
+            captures = transient[x] if x == 2 else 0.0
+            waiting = sum(n * c for n, c in zip(wait_w, w_caps))
+    return best, ends, held_grads, captures, waiting
