@@ -108,14 +108,13 @@ class Memory:
     overhead: float
     cp_buffers: float = 0.0  # one layer's context-parallel exchange (sim/context.py)
     weight_casts: float = 0.0  # the step's compute-dtype weight copy (``weight_cast_bytes``)
-    # activations' peak + temporaries + grads less their joint peak (module docstring);
-    # negative where the joint peak holds more than both (a zero-bubble BI's captured
-    # gradients)
+    # activations' peak + temporaries + grads less their joint peak (module docstring)
     grads_apart: float = 0.0
     # the working set at the peak: what a backward holds beside the activations' peak as
     # it starts (the MLP's gradients, ``mlp_backward_working_set``) beyond what it frees
     # first (the head's buffers); or, where the peak is a backward's end, what it holds
-    # there (``backward_transient``, ``embedding_backward_transient``)
+    # there (``backward_transient``, ``embedding_backward_transient``; a zero-bubble BI's
+    # end: the output gradients it captured for its W, ``bi_captured_bytes``)
     temporaries: float = 0.0
     # gradients the peak holds beyond the state's ``grads`` (negative: short of them): a
     # ZeRO-2/3 backward's reduce-scatter outputs in flight and weight gradients not yet
