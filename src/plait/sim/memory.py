@@ -13,7 +13,7 @@
 - Activations: ``sizes.activation_bytes_per_layer`` (Korthikanti et al. 2022) per layer
   and micro-batch, times the layers of each chunk, held from a micro-batch's F to its B
   (from BI to W, zero-bubble schedules keep the weight-gradient inputs: the inputs of
-  the four linear layers). The peak is found by walking the rank's actual action list,
+  the four linear layers, and where W re-runs autograd the norms' inputs too). The peak is found by walking the rank's actual action list,
   so 1F1B's p - r micro-batches, GPipe's m and interleaving's extra (p - 1) / (p v)
   all come out of the schedule. The last stage also keeps, per micro-batch in flight,
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
@@ -653,14 +653,18 @@ def chunk_activation_bytes(
     tokens = b * s
     split_all = t if layout.sequence_parallel else 1
     # weight-gradient inputs: QKV and FC1 inputs (h, split under SP), attention output
-    # (h / t) and the FC2 input (f / t)
-    w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.hidden + cfg.ffn_hidden) / t)
+    # (heads x head size / t: h unless ``head_dim`` is set) and the FC2 input (f / t)
+    w_keep = tokens * e * (2 * cfg.hidden / split_all + (cfg.q_dim + cfg.ffn_hidden) / t)
     # and their output gradients (``bi_captured_bytes``); where W re-runs the norms'
     # backwards, their inputs too
     if lora is None:
         w_keep += bi_captured_bytes(cfg, layout, runtime, 1)
         if runtime.zb_autograd_split:
             w_keep += 2 * tokens * cfg.hidden / split_all * residual_bytes(layout)
+            if cfg.qk_norm:  # Qwen 3's q and k norms: the fused QKV storage, 1/rms
+                kv = sizes.kv_width_per_rank(cfg, t)
+                heads = (cfg.q_dim / t + kv) / cfg.head_dim
+                w_keep += tokens * ((cfg.q_dim / t + 2 * kv) * e + 4 * heads)
     if layout.recompute == "full":
         w_keep = 0.0  # recomputed in the backward, freed with it
     mlp_adapters = 0.0  # the dense MLP's adapters' products, which a MoE block has not
