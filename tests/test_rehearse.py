@@ -1066,6 +1066,56 @@ def test_zb_h1s_waiting_w_keeps_the_attention_output_and_qk_norm_inputs(tmp_path
     _assert_within(memory, ("total", "activations", rehearse.ACT_PEAK), 0.02)
 
 
+def test_an_mlp_backward_holds_its_working_set_without_the_down_projections_input(tmp_path):
+    """dp 2 ZeRO-1, one llama block (h 2048, F 5632, 2,048 tokens, bf16, two micro-
+    batches): the rank peaks in the block's MLP backward, and autograd has let go of the
+    down projection's input (T F e) as that projection's node ends, before the
+    activation's backward or the weight gradient's cast holds the rest
+    (``memory.mlp_backward_moment``). Whole peak and the activations at it within 2 %
+    (1.001, 1.005 measured). Catches the model that kept that input beside the working
+    set: whole 0.981, activations 0.914."""
+    cfg = _pipeline_cfg(tmp_path, arch="llama", hidden=2048, heads=16, seq_len=2048, layers=1,
+                        pp=1, tp=1, dp=2, zero=1, micro_batch_size=1, global_batch_size=4)  # fmt: skip
+    memory = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    _assert_within(memory, ("total", "activations"), 0.02)
+
+
+def test_a_sequence_parallel_mlp_backward_holds_its_inputs_regather(tmp_path):
+    """tp 2 + sequence parallelism, one llama block (h 2048, F 5632, 4,096 tokens, bf16,
+    two micro-batches): the rank peaks in the activation's backward, where plait's MLP
+    holds, beside its four T F / t gradients and the stream's incoming shard, its input
+    all-gathered again for the up projection's backward -- issued as the backward
+    reached the MLP's output (``memory.mlp_input_regather``) -- and no longer the down
+    projection's input. Whole peak, activations and temporaries within 2 % (1.003, 1.013,
+    1.000 measured). Catches the model without the re-gather (whole 1.015: the peak put
+    at the forward's end) and the one that kept the down projection's input instead
+    (temporaries 1.167, activations 0.894)."""
+    cfg = _pipeline_cfg(tmp_path, arch="llama", hidden=2048, heads=16, seq_len=4096, layers=1,
+                        pp=1, tp=2, sequence_parallel=True, micro_batch_size=1,
+                        global_batch_size=2)  # fmt: skip
+    memory = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    _assert_within(memory, ("total", "activations", "temporaries"), 0.02)
+
+
+def test_an_interleaved_peak_holds_the_working_set_of_the_chunk_whose_backward_follows(
+    tmp_path,
+):
+    """Interleaved 1F1B (pp 2 x vpp 2, four llama blocks of h 2048, 4,096 tokens, a
+    vocabulary of 65,536, bf16), the last rank: its activations peak just before its last
+    chunk's backward, which starts by freeing the head's buffers, so no MLP working set
+    rides on top of that peak; the other chunk's would. The model adds to each pipeline
+    state the working set of the chunk whose backward follows it
+    (``pipeline.peak_with_grads``). Whole peak, activations and their own peak within 2 %
+    (1.001, 1.002, 0.992 measured). Catches a rank's largest working set added to every
+    state: whole 0.972 (192 MiB of temporaries the rank never holds there)."""
+    cfg = _pipeline_cfg(tmp_path, arch="llama", hidden=2048, heads=16, seq_len=4096,
+                        vocab_size=65536, layers=4, pp=2, vpp=2, tp=1,
+                        schedule="interleaved-1f1b", micro_batch_size=1,
+                        global_batch_size=8)  # fmt: skip
+    memory = rehearse.compared(rehearse.rehearse_rank(cfg, 1), cfg)["memory"]
+    _assert_within(memory, ("total", "activations", rehearse.ACT_PEAK), 0.02)
+
+
 def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
     """ZeRO-3 under LoRA (dp 2, four llama blocks of h 2048, 2,048 tokens, bf16): with no
     weight gradients to wait for, the rank peaks as the last block's backward starts --

@@ -555,10 +555,56 @@ def mlp_backward_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
         k = 2
     else:
         k = 4 if runtime.layer_kernels == "plait" else 3
-    rows, width = tokens, cfg.ffn_hidden
+    rows, width, regather = tokens, cfg.ffn_hidden, mlp_input_regather(cfg, layout, runtime)
     if moe:
         rows, width = ep_sim.rows(cfg, layout, runtime.moe_imbalance)[1], cfg.moe_ffn_hidden
-    return tokens * cfg.hidden / split * residual_bytes(layout) + k * rows * width / t * e
+        regather = 0.0
+    return (
+        tokens * cfg.hidden / split * residual_bytes(layout) + k * rows * width / t * e + regather
+    )
+
+
+def mlp_input_regather(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
+    """Bytes of a dense MLP's input all-gathered again for its backward under sequence
+    parallelism (T h e), where the runtime issues that gather as the backward reaches the
+    MLP's output (``Runtime.prefetch_sp_regather``): held from the down projection's
+    backward until the up projection's takes it. ``plait rehearse`` of one llama block
+    (h 2048, F 5632, 4,096 tokens, tp 2 + sp): 16 MiB of it beside the activation's
+    backward, 112 MiB of temporaries in all (2026-11-28)."""
+    if not (runtime.prefetch_sp_regather and layout.sequence_parallel and layout.tp > 1):
+        return 0.0
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    return tokens * cfg.hidden * ACT_BYTES[layout.dtype]
+
+
+def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe: bool, lora,
+                        first_stage: bool) -> tuple[float, float]:  # fmt: skip
+    """(Bytes held beyond the activations, activations freed by then) where a block's MLP
+    backward holds the most: as the activation's backward runs (``mlp_backward_working_set``,
+    the down projection's input gone where its node ran whole: ``down_projection_input``)
+    or as an MLP weight's gradient is cast (``weight_grad_cast_working_set``), the larger
+    net of what it freed. A MoE block's and a LoRA run's: the working set alone."""
+    ws = mlp_backward_working_set(cfg, layout, runtime, moe)
+    if moe or lora is not None:
+        return ws, 0.0
+    whole_w = first_stage and runtime.zb_autograd_split  # a first stage's W: its backward
+    freed = down_projection_input(cfg, layout) if layout.schedule != "zb-h1" or whole_w else 0.0
+    cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime, whole_w)
+    if cast - cast_freed > ws - freed:
+        return cast, cast_freed
+    return ws, freed
+
+
+def down_projection_input(cfg: ModelConfig, layout: Layout) -> float:
+    """Bytes of a dense MLP's down projection's input (the activation's output, T F / t in
+    the activation dtype). Autograd lets go of it as that projection's backward node ends,
+    when the node computes both gradients: so the MLP's backward working set
+    (``mlp_backward_working_set``) and its weight's gradient cast
+    (``weight_grad_cast_working_set``) come with it freed, but under a zero-bubble BI,
+    which keeps it for W. ``plait rehearse`` of a llama of h 2048, F 5632 at 2,048 tokens,
+    dp 2 ZeRO-1: the peak's activations 0.978 of the model's with it held (2026-11-28)."""
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    return tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
 
 
 def bi_captured_bytes(
@@ -618,8 +664,9 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runt
     f, h = cfg.ffn_hidden, cfg.hidden
     up = (1 if cfg.arch == "gpt2" else 2) * f
     saved = (2 if cfg.arch == "gpt2" else 3) * f  # the MLP's split part (sizes)
-    down_input = tokens * f / t * e  # and its gradient, as large
-    down = (tokens * h / split * r + f * h / t * (e + 4) + down_input, down_input)
+    down_input = down_projection_input(cfg, layout)  # and its gradient, as large
+    regather = mlp_input_regather(cfg, layout, runtime)
+    down = (tokens * h / split * r + regather + f * h / t * (e + 4) + down_input, down_input)
     gone = tokens * (saved / t * e + h / split * e)
     first = (tokens * h * e + up * h / t * (e + 4), gone)
     return max(down, first, key=lambda x: x[0] - x[1])
@@ -859,6 +906,19 @@ def memory_per_rank(
     # freed is netted in ``transient``); a kept block's freed bytes (the head's buffers,
     # an MLP's input) are apart at the peak, and a ZeRO-3 last stage's start is a moment
     starts = []
+    # per rank and chunk, the same two for that chunk's blocks: a pipeline state knows
+    # whose backward follows it (``pipeline.peak_with_grads``)
+    chunk_work = []
+
+    def lead(rank: int, work: tuple, net: float, start: tuple) -> tuple:
+        """A backward start of ``net`` bytes beyond the activations' peak, ``start`` its
+        (freed, working set, kept): the rank's lead updated, the chunk's returned."""
+        working[rank] = max(working[rank], net)
+        if net > starts[rank][1] - starts[rank][0]:
+            starts[rank] = start
+        value, best = work
+        return max(value, net), (start if net > best[1] - best[0] else best)
+
     chunk_params = []  # per rank, each chunk's parameters (its share of the gradients)
     ends = backward_transient(cfg, layout, runtime)
     # per rank, the output gradients a BI captures for its W, of its largest chunk
@@ -870,6 +930,7 @@ def memory_per_rank(
         own_only.append(0.0)
         working.append(0.0)
         starts.append((0.0, -math.inf, False))
+        chunk_work.append([])
         chunk_params.append([])
         for chunk in range(v):
             stage = chunk * p + rank
@@ -893,6 +954,7 @@ def memory_per_rank(
                 if lora is None and lay.recompute != "full":  # of ``k``, BI's captures
                     captures += bi_captured_bytes(cfg, lay, runtime, dense + routed)
             head_freed = head if stage == last_stage else 0.0
+            work = (0.0, (0.0, -math.inf, False))  # the chunk's (``chunk_work``)
             if (
                 stage != last_stage
                 and layers
@@ -907,31 +969,25 @@ def memory_per_rank(
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
                         t = recompute_transient(cfg, layout, runtime, lora, moe_block)
-                        ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
                         transient[rank] = max(transient[rank], t - freed)
                         if not moe_block:  # made again, silu(gate) beside the MLP's entry
                             fwd = mlp_forward_transient(cfg, layout, runtime)
                             own_only[rank] = max(own_only[rank], t + fwd - freed)
-                        working[rank] = max(working[rank], t + ws - freed)
-                        if t + ws - freed > starts[rank][1] - starts[rank][0]:
-                            starts[rank] = (freed, t + ws, False)
+                        ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
+                                                       stage == 0)  # fmt: skip
+                        work = lead(rank, work, t + ws - freed - gone,
+                                    (freed + gone, t + ws, False))  # fmt: skip
             # a block that keeps its activations starts its backward with them all held,
             # the head's buffers freed (the recomputing ones: above)
             keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
             for dense, routed in keeps.values():
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
-                        ws = mlp_backward_working_set(cfg, layout, runtime, moe_block)
-                        gone = head_freed
-                        if not moe_block and lora is None:  # an MLP weight's gradient cast
-                            whole_w = stage == 0 and runtime.zb_autograd_split
-                            cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime,
-                                                                            whole_w)  # fmt: skip
-                            if cast - cast_freed > ws:
-                                ws, gone = cast, head_freed + cast_freed
-                        working[rank] = max(working[rank], ws - gone)
-                        if ws - gone > starts[rank][1] - starts[rank][0]:
-                            starts[rank] = (gone, ws, True)
+                        ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
+                                                       stage == 0)  # fmt: skip
+                        work = lead(rank, work, ws - head_freed - gone,
+                                    (head_freed + gone, ws, True))  # fmt: skip
+            chunk_work[rank].append(work)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
                 captures = 0.0
@@ -1110,11 +1166,17 @@ def memory_per_rank(
             tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
             gone = tokens * cfg.vocab_size / layout.tp * ACT_BYTES[layout.dtype]
         bi_end = captured[rank] - gone + ends if captured[rank] else 0.0
+        # the working set at the peak, and the start that leads it: the rank's largest,
+        # or that of the chunk whose backward starts at the peak, where that is known
+        work, start = working[rank], starts[rank]
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
-            joint, ending, made, captures, waiting = peak_with_grads(
-                states, rank, weights[rank], shares, (working[rank], end, bi_end, emb),
+            by_chunk = tuple(w for w, _ in chunk_work[rank])
+            joint, ending, made, captures, waiting, chunk = peak_with_grads(
+                states, rank, weights[rank], shares, (by_chunk, end, bi_end, emb),
                 tuple(w_grads[rank]))  # fmt: skip
+            if chunk >= 0:
+                work, start = chunk_work[rank][chunk]
             if captures:  # a BI's end: its captures and those of the Ws waiting then
                 captures, w_at_peak = captures + gone, waiting
             short = max(0.0, g - made)
@@ -1138,10 +1200,10 @@ def memory_per_rank(
         if ending > 0:
             temps = ending + tied_cast
         else:
-            temps = captures if captures > 0 else held[rank] - act[rank]
-        freed, _, kept = starts[rank]
+            temps = captures if captures > 0 else bare[rank] + work - act[rank]
+        freed, _, kept = start
         whole_w = rank == 0 and runtime.zb_autograd_split  # the first stage's W: its backward
-        if (ending <= 0 and not captures and working[rank] > 0 and kept
+        if (ending <= 0 and not captures and work > 0 and kept
                 and (layout.schedule != "zb-h1" or whole_w)):  # fmt: skip
             # a kept block's backward start: what it freed is gone from the activations
             # (``apart``). Not under ZB-H1, whose BI lets go of its saved tensors only as it

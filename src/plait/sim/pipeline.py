@@ -126,7 +126,7 @@ def _held_vectors(grad_states) -> list:
     of the activations (``_grad_states``' x = 0 states, their gradients set aside): after
     a forward followed by a backward, and after each BI (what waits for its W can be more
     than the micro-batch held)."""
-    return [tuple(sorted(_pareto({(f, w) for f, w, _, (x,) in states if x == 0})))
+    return [tuple(sorted(_pareto({(f, w) for f, w, _, (x, *_) in states if x == 0})))
             for states in grad_states]  # fmt: skip
 
 
@@ -158,8 +158,9 @@ def _grad_states(lists, v: int):
                 fwd[a.chunk] += 1
                 rising = True
                 continue
-            if rising:
-                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
+            if rising:  # and the chunk whose backward starts here (a W's: -1)
+                c = a.chunk if a.op is not Op.BACKWARD_WEIGHT else -1
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, c)))
                 rising = False
             first = a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and not made[a.chunk]
             if a.op is Op.BACKWARD:
@@ -170,15 +171,15 @@ def _grad_states(lists, v: int):
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (2,)))
                 fwd[a.chunk] -= 1
                 wait_w[a.chunk] += 1
-                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, -1)))
             if first:
                 made[a.chunk] = 1
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (1,)))
             if a.chunk == 0 and a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (3,)))
         if rising:
-            states.add((tuple(fwd), tuple(wait_w), tuple(made), (0,)))
-        # a transient need not grow with x: prune among the states of one x
+            states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, -1)))
+        # a transient need not grow with x: prune among the states of one x (and chunk)
         kept = [s for x in {s[3] for s in states}
                 for s in _pareto({s for s in states if s[3] == x})]  # fmt: skip
         out.append(tuple(sorted(kept)))
@@ -273,27 +274,34 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list,
 
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
-                    transient: tuple[float, ...],
-                    w_caps: tuple = ()) -> tuple[float, float, float, float, float]:  # fmt: skip
+                    transient: tuple,
+                    w_caps: tuple = ()) -> tuple[float, float, float, float, float, int]:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (what the backward after a local maximum adds to
-    it, what a first backward holds as it ends, what a BI has captured as it ends, what
-    the first chunk's backward holds as it ends). Returns (the peak, its state's
-    transient, where that is a backward's end: x = 1 or 3; else 0, the weight gradients
-    that state holds, its state's transient where that is a BI's end: x = 2; else 0, and
-    of what it keeps for waiting Ws, ``w_caps[chunk]`` a micro-batch: the output
-    gradients BIs captured)."""
-    best, ends, held_grads, captures, waiting = 0.0, 0.0, 0.0, 0.0, 0.0
-    for fwd, wait_w, made, (x,) in compiled.grad_states[rank]:
-        total, made_grads = transient[x], 0.0
-        for c, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
-            held, keep = weights[c]
+    it -- a float, or one per chunk: the chunk whose backward follows the state, their
+    largest where a W follows or nothing does --, what a first backward holds as it ends,
+    what a BI has captured as it ends, what the first chunk's backward holds as it ends).
+    Returns (the peak, its state's transient, where that is a backward's end: x = 1 or 3;
+    else 0, the weight gradients that state holds, its state's transient where that is a
+    BI's end: x = 2; else 0, of what it keeps for waiting Ws, ``w_caps[chunk]`` a
+    micro-batch: the output gradients BIs captured, and the chunk whose backward starts
+    at the peak: -1 where none does or it is not known)."""
+    best, ends, held_grads, captures, waiting, chunk = 0.0, 0.0, 0.0, 0.0, 0.0, -1
+    for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
+        extra = transient[x]
+        c = after[0] if after else -1
+        if isinstance(extra, tuple):
+            extra = extra[c] if c >= 0 else max(extra)
+        total, made_grads = extra, 0.0
+        for c_, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
+            held, keep = weights[c_]
             total += n_f * held + n_w * keep
-            made_grads += done * grads[c]
+            made_grads += done * grads[c_]
         total += made_grads
         if total > best:
-            best, ends, held_grads = total, transient[x] if x in (1, 3) else 0.0, made_grads
-            captures = transient[x] if x == 2 else 0.0
-            waiting = sum(n * c for n, c in zip(wait_w, w_caps))
-    return best, ends, held_grads, captures, waiting
+            best, ends, held_grads = total, extra if x in (1, 3) else 0.0, made_grads
+            captures = extra if x == 2 else 0.0
+            waiting = sum(n * c_ for n, c_ in zip(wait_w, w_caps))
+            chunk = c if x == 0 else -1
+    return best, ends, held_grads, captures, waiting, chunk
