@@ -13,9 +13,9 @@
 - Activations: ``sizes.activation_bytes_per_layer`` (Korthikanti et al. 2022) per layer
   and micro-batch, times the layers of each chunk, held from a micro-batch's F to its B
   (from BI to W, zero-bubble schedules keep the weight-gradient inputs: the inputs of
-  the four linear layers, and where W re-runs autograd the norms' inputs too). The peak is found by walking the rank's actual action list,
-  so 1F1B's p - r micro-batches, GPipe's m and interleaving's extra (p - 1) / (p v)
-  all come out of the schedule. The last stage also keeps, per micro-batch in flight,
+  the four linear layers, and where W re-runs autograd the norms' inputs too). The peak
+  is found by walking the rank's actual action list, so 1F1B's p - r micro-batches,
+  GPipe's m and interleaving's extra (p - 1) / (p v) all come out of the schedule. The last stage also keeps, per micro-batch in flight,
   its final-norm and head inputs and the logits in the activation dtype plus fp32 for the
   loss: T (h (r + e) + V / t (e + 4)) bytes, r the residual stream's bytes per element
   (e, or 4 under ``--fp32-residual``; Korthikanti's 4 s b h / t (1 + V / h) at e = 2).
@@ -590,8 +590,8 @@ def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe:
     its bias add) and where T > 2 h outweighs the cast.
     Under a zero-bubble BI, which keeps the input for W and makes no weight gradient, and
     for a MoE block or a LoRA run: the working set alone. ``plait rehearse`` of GPT-2
-    124M pp 2, rank 0 (2,048 tokens): its peak in the node, 0.995 of the model without
-    it (2026-11-28)."""
+    124M pp 2, rank 0 (2,048 tokens): its peak in the node, the activations there 1.024
+    of the model's without it, 1.005 with (2026-11-28)."""
     ws = mlp_backward_working_set(cfg, layout, runtime, moe)
     whole_w = first_stage and runtime.zb_autograd_split  # a first stage's W: its backward
     if moe or lora is not None or (layout.schedule == "zb-h1" and not whole_w):
