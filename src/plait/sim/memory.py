@@ -921,16 +921,13 @@ def memory_per_rank(
     # freed is netted in ``transient``); a kept block's freed bytes (the head's buffers,
     # an MLP's input) are apart at the peak, and a ZeRO-3 last stage's start is a moment
     starts = []
-    # per rank and chunk, the same two for that chunk's blocks: a pipeline state knows
-    # whose backward follows it (``pipeline.peak_with_grads``)
+    # per rank and chunk, the same two for that chunk's blocks (the rank's: the chunks'
+    # largest): a pipeline state knows whose backward follows it (``peak_with_grads``)
     chunk_work = []
 
-    def lead(rank: int, work: tuple, net: float, start: tuple) -> tuple:
-        """A backward start of ``net`` bytes beyond the activations' peak, ``start`` its
-        (freed, working set, kept): the rank's lead updated, the chunk's returned."""
-        working[rank] = max(working[rank], net)
-        if net > starts[rank][1] - starts[rank][0]:
-            starts[rank] = start
+    def lead(work: tuple, net: float, start: tuple) -> tuple:
+        """A chunk's (working set, start) with a backward start of ``net`` bytes beyond
+        the activations' peak, ``start`` its (freed, working set, kept), weighed in."""
         value, best = work
         return max(value, net), (start if net > best[1] - best[0] else best)
 
@@ -943,8 +940,6 @@ def memory_per_rank(
         row, n, x, grad_rows = [], 0.0, 0.0, []
         transient.append(0.0)
         own_only.append(0.0)
-        working.append(0.0)
-        starts.append((0.0, -math.inf, False))
         chunk_work.append([])
         chunk_params.append([])
         for chunk in range(v):
@@ -990,7 +985,7 @@ def memory_per_rank(
                             own_only[rank] = max(own_only[rank], t + fwd - freed)
                         ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
                                                        stage == 0)  # fmt: skip
-                        work = lead(rank, work, t + ws - freed - gone,
+                        work = lead(work, t + ws - freed - gone,
                                     (freed + gone, t + ws, False))  # fmt: skip
             # a block that keeps its activations starts its backward with them all held,
             # the head's buffers freed (the recomputing ones: above)
@@ -1000,7 +995,7 @@ def memory_per_rank(
                     if count:
                         ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
                                                        stage == 0)  # fmt: skip
-                        work = lead(rank, work, ws - head_freed - gone,
+                        work = lead(work, ws - head_freed - gone,
                                     (head_freed + gone, ws, True))  # fmt: skip
             chunk_work[rank].append(work)
             if stage == 0 and runtime.zb_autograd_split:
@@ -1024,6 +1019,9 @@ def memory_per_rank(
             row.append((held + (head if stage == last_stage else 0.0), keep))
             grad_rows.append(captures)
         weights.append(tuple(row))
+        # the rank's working set and start: its chunks' largest (the first of equals)
+        working.append(max(w for w, _ in chunk_work[rank]))
+        starts.append(max((b for _, b in chunk_work[rank]), key=lambda b: b[1] - b[0]))
         w_grads.append(grad_rows)
         heads.append(head if rank == last_stage % p else 0.0)
         params.append(n)

@@ -278,30 +278,29 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
                     w_caps: tuple = ()) -> tuple[float, float, float, float, float, int]:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
-    weight gradients, ``transient``: (what the backward after a local maximum adds to
-    it -- a float, or one per chunk: the chunk whose backward follows the state, their
-    largest where a W follows or nothing does --, what a first backward holds as it ends,
-    what a BI has captured as it ends, what the first chunk's backward holds as it ends).
-    Returns (the peak, its state's transient, where that is a backward's end: x = 1 or 3;
-    else 0, the weight gradients that state holds, its state's transient where that is a
-    BI's end: x = 2; else 0, of what it keeps for waiting Ws, ``w_caps[chunk]`` a
-    micro-batch: the output gradients BIs captured, and the chunk whose backward starts
-    at the peak: -1 where none does or it is not known)."""
+    weight gradients, ``transient``: (per chunk, what its backward adds to a local
+    maximum that it follows -- their largest where a W or nothing follows --, what a
+    first backward holds as it ends, what a BI has captured as it ends, what the first
+    chunk's backward holds as it ends). Returns (the peak, its state's transient, where
+    that is a backward's end: x = 1 or 3; else 0, the weight gradients that state holds,
+    its state's transient where that is a BI's end: x = 2; else 0, of what it keeps for
+    waiting Ws, ``w_caps[chunk]`` a micro-batch: the output gradients BIs captured, and
+    the chunk whose backward starts at the peak: -1 where none does or it is not known)."""
     best, ends, held_grads, captures, waiting, chunk = 0.0, 0.0, 0.0, 0.0, 0.0, -1
     for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
+        following = after[0] if after else -1
         extra = transient[x]
-        c = after[0] if after else -1
-        if isinstance(extra, tuple):
-            extra = extra[c] if c >= 0 else max(extra)
+        if x == 0:
+            extra = extra[following] if following >= 0 else max(extra)
         total, made_grads = extra, 0.0
-        for c_, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
-            held, keep = weights[c_]
+        for c, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
+            held, keep = weights[c]
             total += n_f * held + n_w * keep
-            made_grads += done * grads[c_]
+            made_grads += done * grads[c]
         total += made_grads
         if total > best:
             best, ends, held_grads = total, extra if x in (1, 3) else 0.0, made_grads
             captures = extra if x == 2 else 0.0
-            waiting = sum(n * c_ for n, c_ in zip(wait_w, w_caps))
-            chunk = c if x == 0 else -1
+            waiting = sum(n * c for n, c in zip(wait_w, w_caps))
+            chunk = following if x == 0 else -1
     return best, ends, held_grads, captures, waiting, chunk
