@@ -77,6 +77,7 @@ def predict(seq_len: int, cp: int, mode: str) -> dict:
     """The simulator's step time and step memory (activations + cp buffers) per rank."""
     from plait.layout import Layout
     from plait.model.config import ModelConfig
+    from plait.sim import context as cp_sim
     from plait.sim import get_hardware, simulate
     from plait.sim.runtime import get_runtime
 
@@ -85,8 +86,8 @@ def predict(seq_len: int, cp: int, mode: str) -> dict:
     # plait's cp blocks run on PyTorch's fused CPU kernel here (no document masks): the
     runtime = get_runtime("plait")  # fused cp attention: no document masks here
     res = simulate(model, lay, get_hardware("cpu"), runtime=runtime)
-    mem = res.memory
-    return {"step_s": res.iter_time_s, "mem": mem.activations + mem.cp_buffers}
+    held = cp_sim.buffer_bytes(model, lay, not cp_sim.math_attention(lay, runtime))
+    return {"step_s": res.iter_time_s, "mem": res.memory.activations + held}
 
 
 def row(label: str, seq_len: int, cp: int, mode: str, steps: int) -> dict:

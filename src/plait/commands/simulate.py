@@ -229,6 +229,9 @@ def _cp_lines(res, model, layout) -> list[str]:
     from plait.sim import context as cp_sim
 
     nb = cp_sim.layer_bytes(model, layout)
+    held = cp_sim.buffer_bytes(
+        model, layout, not cp_sim.math_attention(layout, PROFILES[res.runtime])
+    )
     steps = layout.num_microbatches * model.n_layers / layout.pp  # layers a rank runs, per step
     exposed = res.breakdown.get("cp_comm", 0.0)
     return [
@@ -236,7 +239,7 @@ def _cp_lines(res, model, layout) -> list[str]:
         f"forward + {nb.bwd_sent / MiB:,.1f} MiB backward per layer and micro-batch, "
         f"{nb.sent * steps / GiB:,.2f} GiB per step per rank; {exposed:.3g} s exposed",
         f"cp memory  activations of {model.seq_len // layout.cp:,} of {model.seq_len:,} tokens "
-        f"per sequence; +{res.memory.cp_buffers / GiB:.2f} GiB held by one layer's exchange",
+        f"per sequence; +{held / GiB:.2f} GiB held by one layer's exchange while it runs",
     ]
 
 

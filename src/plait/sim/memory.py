@@ -67,7 +67,10 @@
   output and a fp32 log-sum-exp: fused attention's accounting, whatever the runtime);
   ``cp_buffers`` is what one layer's exchange holds while it runs
   (``context.buffer_bytes``: the K/V blocks in flight, the gathered sequence, or the
-  head-sharded Q/K/V, per mode).
+  head-sharded Q/K/V, per mode) -- never at a backward's start or end, so only where a
+  ZeRO-2 or LoRA run has no moment of its attention's backward; elsewhere that moment
+  holds the exchange's backward working set (``cp_attention_moments``,
+  ``zero3_backward_moments``).
 - Mixtures of experts (``sim/expert.py``): a MoE block holds its router, shared experts
   and E / ep routed experts; the routed experts' state is sharded by ZeRO over their edp
   = dp / ep group (``rank_model_state(..., experts=)``), and a MoE block's activations
@@ -1118,7 +1121,20 @@ def memory_per_rank(
                     freed += bare[rank] * (m - 1) / m  # micro-batches: only the last's held
                 moments.append((grads, zbufs, freed, temps))
         head_cast = 0.0
+        # a backward's start or end runs no cp exchange: its attention's backward is a
+        # moment of its own (``zero3_backward_moments``' ``attend``, ``cp_attention_moments``)
+        exchange = True
+        if layout.cp > 1 and layout.zero < 2 and lora is None:
+            stage = (v - 1) * p + rank  # the rank's last chunk, its backward first
+            last_layers = stage_layers[stage]
+            moments += cp_attention_moments(
+                cfg, layout, runtime, bare[rank], g, rank == 0, rank == p - 1,
+                sum(stage_layers[c * p + rank] for c in range(v)),
+                layout.recompute == "full" and layout.recomputed_blocks(last_layers) >= last_layers,
+            )  # fmt: skip
+            exchange = False
         if buffers and runtime.zero3_grads_in_flight and lora is None:
+            exchange = False
             buffers -= full  # the gathered layers and the prefetch's input; in flight: below
             layers = sum(stage_layers[c * p + rank] for c in range(v))
             moments = zero3_backward_moments(cfg, layout, runtime, layers, rank == 0,
@@ -1148,7 +1164,9 @@ def memory_per_rank(
                 # unit gathered; the last block's backward start (two) a moment of its own
                 moments.append((0.0, buffers, freed, ws))
                 buffers = zero3_head_unit_bytes(cfg, layout, runtime)
-        cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
+        cp = 0.0
+        if exchange:  # (ZeRO-2 and LoRA: not modelled at their moments, kept at the peak)
+            cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
         moe_here = sum(moe[c * p + rank] for c in range(v))
         casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1,
@@ -1515,4 +1533,57 @@ def zero3_backward_moments(
             made_g, mlp_saved, attn_work = attend
             out.append((outputs + made_g, held, freed + down_input + mlp_saved - nxt[2],
                         attn_work + tied_grad))  # fmt: skip
+    return out
+
+
+def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bare: float,
+                         grads: float, first: bool, last: bool, blocks: int,
+                         recomputes: bool) -> list[tuple[float, float, float, float]]:  # fmt: skip
+    """ZeRO-0/1 under cp: where a rank's cp attention backward may peak. A backward's
+    start and end run no exchange (the joint peak's ``Memory.cp_buffers`` is 0); its
+    attention's backward does, after the block's MLP backward has freed the MLP's saved
+    tensors and made its weight gradients (as ``zero3_backward_moments``' ``attend``), with
+    ``context.backward_buffer_bytes`` held. First the rank's first attention backward (its
+    last chunk's last block: the head's buffers freed on the last stage, a recomputing
+    block's forward made again); in a step of one micro-batch, where the gradients are
+    made as the backward goes, also its last (the first chunk's first block: every
+    gradient made but that block's q, k, v and norm's, and the embedding's on the first
+    stage), its own attention's saved tensors and the exchange held. [(gradients,
+    buffers, activations freed, temporaries)], as ``head_backward_moment``; ``bare`` is
+    the rank's activations' peak and ``grads`` its gradients. ``plait rehearse`` of four
+    llama blocks (h 2048, s 2048) at ``--cp 2``, one micro-batch, peaked in block 0's ring
+    attention backward, 80 MiB of gradients short of the state (2026-11-29)."""
+    if layout.cp == 1:
+        return []
+    t, e = layout.tp, ACT_BYTES[layout.dtype]
+    g_bytes = runtime.state_bytes(layout.dtype)[1]
+    split = t if layout.sequence_parallel else 1
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden  # the MLP's entry width
+    # the MLP's saved tensors: its norm's input and output, the entry's output, the down
+    # projection's input
+    released = tokens * (2 * cfg.hidden / split + (up + cfg.ffn_hidden) / t) * e
+    work = cp_sim.backward_buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
+    again = recompute_transient(cfg, layout, runtime) if recomputes else 0.0
+    head = last_stage_buffers(cfg, layout) if last else 0.0
+    table = table_elements(cfg, layout) * g_bytes
+    # a tied head's gradient of the table, where the embedding is on the rank too, waits
+    # for the embedding's in autograd's buffer (``embedding_backward_transient``)
+    waiting = table_elements(cfg, layout) * runtime.state_bytes(layout.dtype)[0]
+    waiting = waiting if cfg.tied_embeddings and first and last else 0.0
+    one = layout.num_microbatches == 1
+    # made by then in a step of one micro-batch: the head's and final norm's, the block's
+    # MLP's, its norm's and its output projection's
+    made = ((up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / t + cfg.hidden) * g_bytes
+    if last:
+        made += (0.0 if waiting else table) + cfg.hidden * g_bytes
+    out = [(made if one else 0.0, 0.0, head - again + released, work + waiting)]
+    if one and blocks > 1:
+        kept = chunk_activation_bytes(cfg, layout.without_recompute(), runtime, 1, 0,
+                                      first=first)[0]  # fmt: skip
+        qkv = (cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)) * cfg.hidden + cfg.hidden
+        # and on the first stage the embedding's: the table's, learned positions'
+        embedding = table + (cfg.seq_len * cfg.hidden * g_bytes if cfg.arch == "gpt2" else 0.0)
+        left = qkv * g_bytes + (embedding if first else 0.0)
+        out.append((grads - left, 0.0, bare - kept + released, work + waiting))
     return out
