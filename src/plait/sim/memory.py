@@ -1124,12 +1124,16 @@ def memory_per_rank(
         # a backward's start or end runs no cp exchange: its attention's backward is a
         # moment of its own (``zero3_backward_moments``' ``attend``, ``cp_attention_moments``)
         exchange = True
-        if layout.cp > 1 and layout.zero < 2 and lora is None:
-            stage = (v - 1) * p + rank  # the rank's last chunk, its backward first
-            last_layers = stage_layers[stage]
+        if layout.cp > 1 and layout.zero < 2 and lora is None and layout.schedule != "zb-h1":
+            # (ZB-H1's BI keeps the MLP's saved tensors to its end: not modelled)
+            last_layers = stage_layers[(v - 1) * p + rank]  # its last chunk's, first back
+            m = layout.num_microbatches
+            fresh = in_flight_bound(layout.schedule, num_ranks=p, num_microbatches=m,
+                                    num_chunks=v, rank=rank) >= m * v  # fmt: skip
+            layers = sum(stage_layers[c * p + rank] for c in range(v))
             moments += cp_attention_moments(
-                cfg, layout, runtime, bare[rank], g, rank == 0, rank == p - 1,
-                sum(stage_layers[c * p + rank] for c in range(v)),
+                cfg, layout, runtime, bare[rank], g, rank == 0, rank == p - 1, fresh,
+                weights[rank][0][0] if v == 1 and layers > 1 else None,
                 layout.recompute == "full" and layout.recomputed_blocks(last_layers) >= last_layers,
             )  # fmt: skip
             exchange = False
@@ -1486,6 +1490,7 @@ def zero3_backward_moments(
     if layout.cp > 1:
         flash = not cp_sim.math_attention(layout, runtime)
         working = cp_sim.backward_buffer_bytes(cfg, layout, flash)  # ring or allgather
+        working += tokens * cfg.hidden / split * residual_bytes(layout)  # and the stream's
         made = (up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / layout.tp  # MLP, output proj.
         # the MLP's saved tensors besides the down projection's input: its norm's input
         # and output (the entry's input) and the entry's output
@@ -1537,22 +1542,32 @@ def zero3_backward_moments(
 
 
 def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bare: float,
-                         grads: float, first: bool, last: bool, blocks: int,
-                         recomputes: bool) -> list[tuple[float, float, float, float]]:  # fmt: skip
+                         grads: float, first: bool, last: bool, fresh: bool,
+                         one: float | None, recomputes: bool,
+                         ) -> list[tuple[float, float, float, float]]:  # fmt: skip
     """ZeRO-0/1 under cp: where a rank's cp attention backward may peak. A backward's
     start and end run no exchange (the joint peak's ``Memory.cp_buffers`` is 0); its
     attention's backward does, after the block's MLP backward has freed the MLP's saved
     tensors and made its weight gradients (as ``zero3_backward_moments``' ``attend``), with
-    ``context.backward_buffer_bytes`` held. First the rank's first attention backward (its
-    last chunk's last block: the head's buffers freed on the last stage, a recomputing
-    block's forward made again); in a step of one micro-batch, where the gradients are
-    made as the backward goes, also its last (the first chunk's first block: every
+    ``context.backward_buffer_bytes`` and the residual stream's gradient held. First the
+    rank's attention backward with its activations' peak in flight (its last chunk's
+    last block: the head's buffers freed on the last stage, a recomputing block's
+    forward made again; a stage short of the last holding its output's gradient,
+    received from the next, which the rehearsal files among the activations). Where
+    that is the rank's first backward (``fresh``: every forward in flight before it --
+    one micro-batch, GPipe, 1F1B with no more micro-batches than the rank's warm-up)
+    the gradients are made as it goes, and ``one`` (a micro-batch's activations of the
+    rank's only chunk) gives its last attention backward too (the first block: every
     gradient made but that block's q, k, v and norm's, and the embedding's on the first
-    stage), its own attention's saved tensors and the exchange held. [(gradients,
-    buffers, activations freed, temporaries)], as ``head_backward_moment``; ``bare`` is
-    the rank's activations' peak and ``grads`` its gradients. ``plait rehearse`` of four
-    llama blocks (h 2048, s 2048) at ``--cp 2``, one micro-batch, peaked in block 0's ring
-    attention backward, 80 MiB of gradients short of the state (2026-11-29)."""
+    stage; the other micro-batches' activations, and its first block's attention's
+    saved tensors, held) and the next backward's first (every gradient made, one
+    micro-batch fewer in flight). Otherwise an earlier backward has made every gradient.
+    [(gradients, buffers, activations freed, temporaries)], as ``head_backward_moment``:
+    the gradients beyond the state's rows (all of them from a step's second micro-batch
+    on); ``bare`` is the rank's activations' peak and ``grads`` its gradients. ``plait
+    rehearse`` of four llama blocks (h 2048, s 2048) at ``--cp 2``, one micro-batch,
+    peaked in block 0's ring attention backward, 80 MiB of gradients short of the state
+    (2026-11-29)."""
     if layout.cp == 1:
         return []
     t, e = layout.tp, ACT_BYTES[layout.dtype]
@@ -1563,7 +1578,9 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     # the MLP's saved tensors: its norm's input and output, the entry's output, the down
     # projection's input
     released = tokens * (2 * cfg.hidden / split + (up + cfg.ffn_hidden) / t) * e
+    # beside the exchange's working set, the residual stream's gradient
     work = cp_sim.backward_buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
+    work += tokens * cfg.hidden / split * residual_bytes(layout)
     again = recompute_transient(cfg, layout, runtime) if recomputes else 0.0
     head = last_stage_buffers(cfg, layout) if last else 0.0
     table = table_elements(cfg, layout) * g_bytes
@@ -1571,19 +1588,25 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     # for the embedding's in autograd's buffer (``embedding_backward_transient``)
     waiting = table_elements(cfg, layout) * runtime.state_bytes(layout.dtype)[0]
     waiting = waiting if cfg.tied_embeddings and first and last else 0.0
-    one = layout.num_microbatches == 1
-    # made by then in a step of one micro-batch: the head's and final norm's, the block's
-    # MLP's, its norm's and its output projection's
+    rows = grads if layout.num_microbatches > 1 else 0.0  # the state's, as the caller's
+    # made by a first backward at its first attention: the head's and final norm's, the
+    # block's MLP's, its norm's and its output projection's
     made = ((up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / t + cfg.hidden) * g_bytes
     if last:
         made += (0.0 if waiting else table) + cfg.hidden * g_bytes
-    out = [(made if one else 0.0, 0.0, head - again + released, work + waiting)]
-    if one and blocks > 1:
+    received = 0.0 if last else tokens * cfg.hidden / split * e
+    out = [((made if fresh else grads) - rows, 0.0, head - again + released - received,
+            work + waiting)]  # fmt: skip
+    if fresh and one is not None:
         kept = chunk_activation_bytes(cfg, layout.without_recompute(), runtime, 1, 0,
                                       first=first)[0]  # fmt: skip
         qkv = (cfg.q_dim / t + 2 * sizes.kv_width_per_rank(cfg, t)) * cfg.hidden + cfg.hidden
         # and on the first stage the embedding's: the table's, learned positions'
         embedding = table + (cfg.seq_len * cfg.hidden * g_bytes if cfg.arch == "gpt2" else 0.0)
         left = qkv * g_bytes + (embedding if first else 0.0)
-        out.append((grads - left, 0.0, bare - kept + released, work + waiting))
+        out.append((grads - left - rows, 0.0, one - kept + released - received,
+                    work + waiting))  # fmt: skip
+        if layout.num_microbatches > 1:  # the next backward's: every gradient made, one
+            # micro-batch fewer in flight
+            out.append((0.0, 0.0, one + out[0][2], work + waiting))
     return out

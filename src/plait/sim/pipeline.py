@@ -143,9 +143,12 @@ def _grad_states(lists, v: int):
     (``memory.embedding_backward_transient``: a vocabulary table's gradient or three,
     which can outweigh the micro-batch it has freed). The others are
     the local maxima of the activations (a forward not followed by one, and each BI), with
-    the gradients made so far. A later B or W ends below the local maximum before it (its
-    working set is less than the micro-batch's activations it has freed), so only the
-    first counts, the first chunk's apart."""
+    the gradients made so far, and every backward's start once gradients exist (a B that
+    follows a B holds one micro-batch fewer than the start before it, but the gradients
+    the first made and its own working set: LLaMA blocks at ``--pp 2 --cp 2`` and two
+    micro-batches peak as rank 0's second backward starts). A later B or W ends below the
+    local maximum before it (its working set is less than the micro-batch's activations
+    it has freed), so only the first counts, the first chunk's apart."""
     out = []
     for actions in lists:
         fwd, wait_w, made = [0] * v, [0] * v, [0] * v
@@ -158,10 +161,14 @@ def _grad_states(lists, v: int):
                 fwd[a.chunk] += 1
                 rising = True
                 continue
-            if rising:  # and the chunk whose backward starts here (a W's: -1)
-                c = a.chunk if a.op is not Op.BACKWARD_WEIGHT else -1
+            # a backward's start, with the chunk whose backward it is (a W's: -1): after a
+            # forward, a local maximum of the activations; after a backward that made
+            # gradients, fewer activations beside more gradients and a working set that
+            # can outweigh the transient the backward before ended with
+            c = a.chunk if a.op is not Op.BACKWARD_WEIGHT else -1
+            if rising or any(made):
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, c)))
-                rising = False
+            rising = False
             first = a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and not made[a.chunk]
             if a.op is Op.BACKWARD:
                 fwd[a.chunk] -= 1
