@@ -750,8 +750,9 @@ def test_zero3_cp_peaks_in_the_attention_backward_as_modelled(tmp_path, mode, ar
     [({"arch": "llama", "global_batch_size": 1}, 0),
      ({"arch": "llama", "global_batch_size": 1, "cp_mode": "allgather"}, 0),
      ({"arch": "gpt2", "global_batch_size": 1}, 0),
-     ({"arch": "llama", "pp": 2, "global_batch_size": 4}, 2)],
-    ids=["one-micro-batch", "allgather", "gpt2-tied", "pp2-last"],
+     ({"arch": "llama", "pp": 2, "global_batch_size": 4}, 2),
+     ({"arch": "llama", "lora_rank": 16, "global_batch_size": 2}, 0)],
+    ids=["one-micro-batch", "allgather", "gpt2-tied", "pp2-last", "lora"],
 )  # fmt: skip
 def test_a_cp_backward_holds_its_exchange_only_in_its_attention(tmp_path, kw, rank):
     """ZeRO-0 under context parallelism (--cp 2, four blocks of h 2048, 2,048 tokens,
@@ -767,8 +768,9 @@ def test_a_cp_backward_holds_its_exchange_only_in_its_attention(tmp_path, kw, ra
     last stage at its MLP's backward start).
     Catches the model that counted one layer's exchange beside the MLP's working set at
     every peak (total 0.992, GPT-2 0.988; 0.990 at two micro-batches; a pipeline's last
-    stage 0.980), one with no moment in the attention (one micro-batch: gradients 1.104
-    of the model's), and one that counted the tied head's table gradient among the
+    stage 0.980; LoRA on q and v, whose MLP keeps no input for a frozen weight's
+    gradient, 0.989), one with no moment in the attention (one micro-batch: gradients
+    1.104 of the model's), and one that counted the tied head's table gradient among the
     gradients (0.937, 2026-11-29)."""
     cfg = _pipeline_cfg(tmp_path, **{"pp": 1, "tp": 1, "cp": 2, "hidden": 2048, "heads": 16,
                                      "seq_len": 2048, "micro_batch_size": 1, **kw})  # fmt: skip

@@ -68,7 +68,7 @@
   ``cp_buffers`` is what one layer's exchange holds while it runs
   (``context.buffer_bytes``: the K/V blocks in flight, the gathered sequence, or the
   head-sharded Q/K/V, per mode) -- never at a backward's start or end, so only where a
-  ZeRO-2 or LoRA run has no moment of its attention's backward; elsewhere that moment
+  ZeRO-2 or ZB-H1 run has no moment of its attention's backward; elsewhere that moment
   holds the exchange's backward working set (``cp_attention_moments``,
   ``zero3_backward_moments``).
 - Mixtures of experts (``sim/expert.py``): a MoE block holds its router, shared experts
@@ -1124,7 +1124,7 @@ def memory_per_rank(
         # a backward's start or end runs no cp exchange: its attention's backward is a
         # moment of its own (``zero3_backward_moments``' ``attend``, ``cp_attention_moments``)
         exchange = True
-        if layout.cp > 1 and layout.zero < 2 and lora is None and layout.schedule != "zb-h1":
+        if layout.cp > 1 and layout.zero < 2 and layout.schedule != "zb-h1":
             # (ZB-H1's BI keeps the MLP's saved tensors to its end: not modelled)
             last_layers = stage_layers[(v - 1) * p + rank]  # its last chunk's, first back
             m = layout.num_microbatches
@@ -1135,6 +1135,7 @@ def memory_per_rank(
                 cfg, layout, runtime, bare[rank], g, rank == 0, rank == p - 1, fresh,
                 weights[rank][0][0] if v == 1 and layers > 1 else None,
                 layout.recompute == "full" and layout.recomputed_blocks(last_layers) >= last_layers,
+                lora,
             )  # fmt: skip
             exchange = False
         if buffers and runtime.zero3_grads_in_flight and lora is None:
@@ -1169,7 +1170,7 @@ def memory_per_rank(
                 moments.append((0.0, buffers, freed, ws))
                 buffers = zero3_head_unit_bytes(cfg, layout, runtime)
         cp = 0.0
-        if exchange:  # (ZeRO-2 and LoRA: not modelled at their moments, kept at the peak)
+        if exchange:  # (ZeRO-2, ZB-H1: not modelled at their moments, kept at the peak)
             cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
         moe_here = sum(moe[c * p + rank] for c in range(v))
@@ -1543,9 +1544,9 @@ def zero3_backward_moments(
 
 def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bare: float,
                          grads: float, first: bool, last: bool, fresh: bool,
-                         one: float | None, recomputes: bool,
+                         one: float | None, recomputes: bool, lora=None,
                          ) -> list[tuple[float, float, float, float]]:  # fmt: skip
-    """ZeRO-0/1 under cp: where a rank's cp attention backward may peak. A backward's
+    """ZeRO-0/1 under cp (and LoRA): where a rank's cp attention backward may peak. A backward's
     start and end run no exchange (the joint peak's ``Memory.cp_buffers`` is 0); its
     attention's backward does, after the block's MLP backward has freed the MLP's saved
     tensors and made its weight gradients (as ``zero3_backward_moments``' ``attend``), with
@@ -1576,8 +1577,16 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden  # the MLP's entry width
     # the MLP's saved tensors: its norm's input and output, the entry's output, the down
-    # projection's input
+    # projection's input; under LoRA (``lora``) but the inputs only a frozen linear's
+    # weight gradient would need, and with each MLP adapter's rank-r product
     released = tokens * (2 * cfg.hidden / split + (up + cfg.ffn_hidden) / t) * e
+    if lora is not None:
+        targets = set(lora.targets)
+        mlp = targets & {"up", "gate", "down"}
+        released -= tokens * e * (0.0 if targets & {"up", "gate"} else cfg.hidden / split)
+        released -= tokens * e * (0.0 if "down" in targets else cfg.ffn_hidden / t)
+        released += tokens * e * lora.rank * len(mlp)
+        fresh, one = False, None  # the adapters' gradients: a few MiB, taken as made
     # beside the exchange's working set, the residual stream's gradient
     work = cp_sim.backward_buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
     work += tokens * cfg.hidden / split * residual_bytes(layout)
