@@ -68,7 +68,8 @@
   ``cp_buffers`` is what one layer's exchange holds while it runs
   (``context.buffer_bytes``: the K/V blocks in flight, the gathered sequence, or the
   head-sharded Q/K/V, per mode) -- never at a backward's start or end, so only where a
-  ZeRO-2 or ZB-H1 run has no moment of its attention's backward; elsewhere that moment
+  ZeRO-2 run or a ZB-H1 stage that runs BI has no moment of its attention's backward;
+  elsewhere that moment
   holds the exchange's backward working set (``cp_attention_moments``,
   ``zero3_backward_moments``).
 - Mixtures of experts (``sim/expert.py``): a MoE block holds its router, shared experts
@@ -1124,7 +1125,8 @@ def memory_per_rank(
         # a backward's start or end runs no cp exchange: its attention's backward is a
         # moment of its own (``zero3_backward_moments``' ``attend``, ``cp_attention_moments``)
         exchange = True
-        if layout.cp > 1 and layout.zero < 2 and layout.schedule != "zb-h1":
+        whole_w = rank == 0 and runtime.zb_autograd_split  # a first stage's W: a backward
+        if layout.cp > 1 and layout.zero < 2 and (layout.schedule != "zb-h1" or whole_w):
             # (ZB-H1's BI keeps the MLP's saved tensors to its end: not modelled)
             last_layers = stage_layers[(v - 1) * p + rank]  # its last chunk's, first back
             m = layout.num_microbatches
@@ -1170,7 +1172,7 @@ def memory_per_rank(
                 moments.append((0.0, buffers, freed, ws))
                 buffers = zero3_head_unit_bytes(cfg, layout, runtime)
         cp = 0.0
-        if exchange:  # (ZeRO-2, ZB-H1: not modelled at their moments, kept at the peak)
+        if exchange:  # (ZeRO-2, ZB-H1's BI: not modelled at their moments, kept at the peak)
             cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
         moe_here = sum(moe[c * p + rank] for c in range(v))
@@ -1238,7 +1240,6 @@ def memory_per_rank(
         else:
             temps = captures if captures > 0 else bare[rank] + work - act[rank]
         freed, _, kept = start
-        whole_w = rank == 0 and runtime.zb_autograd_split  # the first stage's W: its backward
         if (ending <= 0 and not captures and work > 0 and kept
                 and (layout.schedule != "zb-h1" or whole_w)):  # fmt: skip
             # a kept block's backward start: what it freed is gone from the activations
