@@ -69,9 +69,8 @@
   (``context.buffer_bytes``: the K/V blocks in flight, the gathered sequence, or the
   head-sharded Q/K/V, per mode) -- never at a backward's start or end, so only where a
   ZeRO-2 run or a ZB-H1 stage that runs BI has no moment of its attention's backward;
-  elsewhere that moment
-  holds the exchange's backward working set (``cp_attention_moments``,
-  ``zero3_backward_moments``).
+  elsewhere that moment holds the exchange's backward working set
+  (``cp_attention_moments``, ``zero3_backward_moments``).
 - Mixtures of experts (``sim/expert.py``): a MoE block holds its router, shared experts
   and E / ep routed experts; the routed experts' state is sharded by ZeRO over their edp
   = dp / ep group (``rank_model_state(..., experts=)``), and a MoE block's activations
