@@ -1189,6 +1189,35 @@ def test_a_backward_after_a_backward_starts_with_the_gradients_the_first_made(tm
     _assert_within(memory, ("total", "gradients", "temporaries"), 0.01)
 
 
+@pytest.mark.parametrize(
+    "kw,rank,rows",
+    [({"dp": 2, "zero": 1, "global_batch_size": 4}, 0,
+      {"total": 0.01, "activations": 0.01, "temporaries": 0.01}),
+     ({"pp": 2, "global_batch_size": 8}, 1,
+      {"total": 0.01, "activations": 0.01, "temporaries": 0.01}),
+     ({"dp": 2, "zero": 2, "global_batch_size": 4}, 0, {"total": 0.02, "temporaries": 0.01})],
+    ids=["one-stage-z1", "pp2-last", "one-stage-z2"],
+)  # fmt: skip
+def test_a_tied_heads_cast_goes_and_its_table_gradient_waits(tmp_path, kw, rank, rows):
+    """GPT-2 (tied table; four blocks of h 2048, 2,048 tokens, vocabulary 4,096, bf16),
+    peaking in its last block's MLP backward (the down projection's weight-gradient
+    cast). By then the head's backward has let go of autocast's bf16 cast of the table,
+    which only it reads; and where one stage holds both ends, the head's fp32 gradient of
+    the table waits in autograd's buffer for the embedding's through every block's
+    backward (``memory_per_rank``'s ``head_freed`` and ``waits``; ZeRO-2's moments too).
+    One stage at ZeRO-1: every category 1.000 (total 1.005, temporaries 1.235 without
+    the wait; 1.009 with the cast gone but not the wait); a pipeline's last stage (its
+    tied copy accumulates in ``.grad``, no wait): total 0.993 -> 1.000, activations at
+    the peak 0.964 -> 1.001; one stage at ZeRO-2: total 1.029 -> 1.018, temporaries
+    1.445 -> 1.000 (its gradients by category 1.073: not this)."""
+    cfg = _pipeline_cfg(tmp_path, arch="gpt2", hidden=2048, heads=16, seq_len=2048,
+                        vocab_size=4096, layers=4, tp=1, pp=kw.pop("pp", 1),
+                        micro_batch_size=1, **kw)  # fmt: skip
+    memory = rehearse.compared(rehearse.rehearse_rank(cfg, rank), cfg)["memory"]
+    for row, tol in rows.items():
+        _assert_within(memory, (row,), tol)
+
+
 def test_zero3_lora_peaks_as_its_backward_starts_as_modelled(tmp_path):
     """ZeRO-3 under LoRA (dp 2, four llama blocks of h 2048, 2,048 tokens, bf16): with no
     weight gradients to wait for, the rank peaks as the last block's backward starts --

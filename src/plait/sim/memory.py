@@ -967,6 +967,16 @@ def memory_per_rank(
                 if lora is None and lay.recompute != "full":  # of ``k``, BI's captures
                     captures += bi_captured_bytes(cfg, lay, runtime, dense + routed)
             head_freed = head if stage == last_stage else 0.0
+            if stage == last_stage and cfg.tied_embeddings and layout.schedule != "zb-h1":
+                # and a tied head's autocast cast of the table, which only the head's
+                # backward reads (ZB-H1's head W keeps it: ``zb_autograd_split``)
+                head_freed += weight_cast_bytes(cfg, layout, runtime, 0, last=True)
+            # one stage at both ends of a tied table: the head's gradient of it waits in
+            # autograd's buffer for the embedding's through every block's backward
+            # (``embedding_backward_transient``)
+            waits = 0.0
+            if stage == 0 == last_stage and cfg.tied_embeddings and not lora and layout.zero < 3:
+                waits = table_elements(cfg, layout) * w_bytes
             work = (0.0, (0.0, -math.inf, False))  # the chunk's (``chunk_work``)
             if (
                 stage != last_stage
@@ -988,8 +998,8 @@ def memory_per_rank(
                             own_only[rank] = max(own_only[rank], t + fwd - freed)
                         ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
                                                        stage == 0)  # fmt: skip
-                        work = lead(work, t + ws - freed - gone,
-                                    (freed + gone, t + ws, False))  # fmt: skip
+                        work = lead(work, t + ws + waits - freed - gone,
+                                    (freed + gone, t + ws + waits, False))  # fmt: skip
             # a block that keeps its activations starts its backward with them all held,
             # the head's buffers freed (the recomputing ones: above)
             keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
@@ -998,8 +1008,8 @@ def memory_per_rank(
                     if count:
                         ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
                                                        stage == 0)  # fmt: skip
-                        work = lead(work, ws - head_freed - gone,
-                                    (head_freed + gone, ws, True))  # fmt: skip
+                        work = lead(work, ws + waits - head_freed - gone,
+                                    (head_freed + gone, ws + waits, True))  # fmt: skip
             chunk_work[rank].append(work)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
@@ -1111,6 +1121,10 @@ def memory_per_rank(
                 zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora),
                 zero2_up_cast_moment(cfg, layout, runtime, rank == p - 1, lora),
             ]
+            if p == 1 and cfg.tied_embeddings and lora is None:  # the head's table gradient
+                # waiting for the embedding's (above)
+                table = table_elements(cfg, layout) * w_bytes
+                moments = [(a, b, c, d + table) for a, b, c, d in moments]
             if rank == p - 1:
                 moments.append(zero2_head_moment(cfg, layout, runtime, lora))
                 moments.append(zero2_head_pack_moment(cfg, layout, runtime, lora))
