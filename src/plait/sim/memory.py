@@ -411,6 +411,20 @@ def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runt
     return table + packed + prev * (1 + 1 / shard) - unwritten
 
 
+def waiting_table_grad(cfg: ModelConfig, layout: Layout, runtime: Runtime, one_stage: bool,
+                       lora=None) -> float:  # fmt: skip
+    """Bytes of a tied head's gradient of the table held through a backward's blocks, on a
+    rank that holds both ends (``one_stage``): autograd keeps the head's contribution in
+    its buffer until the embedding's backward adds its own (V h / t in the weights'
+    dtype; ``embedding_backward_transient`` then sums them). None under LoRA (a frozen
+    table) or ZeRO-3 (``zero3_backward_moments``' ``tied_grad``). GPT-2 (h 2048, four
+    blocks) at ``--dp 2 --zero 1``: 32 MiB among the temporaries at its peak, the down
+    projection's weight-gradient cast (2026-11-29)."""
+    if not (one_stage and cfg.tied_embeddings and lora is None and layout.zero < 3):
+        return 0.0
+    return table_elements(cfg, layout) * runtime.state_bytes(layout.dtype)[0]
+
+
 def deferred_table_grads(cfg: ModelConfig, layout: Layout, runtime: Runtime,
                          holds_table: bool) -> float:  # fmt: skip
     """Gradient bytes beyond the ZeRO-2 state on a rank holding a pipeline's tied copy of
@@ -971,12 +985,7 @@ def memory_per_rank(
                 # and a tied head's autocast cast of the table, which only the head's
                 # backward reads (ZB-H1's head W keeps it: ``zb_autograd_split``)
                 head_freed += weight_cast_bytes(cfg, layout, runtime, 0, last=True)
-            # one stage at both ends of a tied table: the head's gradient of it waits in
-            # autograd's buffer for the embedding's through every block's backward
-            # (``embedding_backward_transient``)
-            waits = 0.0
-            if stage == 0 == last_stage and cfg.tied_embeddings and not lora and layout.zero < 3:
-                waits = table_elements(cfg, layout) * w_bytes
+            waits = waiting_table_grad(cfg, layout, runtime, stage == 0 == last_stage, lora)
             work = (0.0, (0.0, -math.inf, False))  # the chunk's (``chunk_work``)
             if (
                 stage != last_stage
@@ -1121,10 +1130,8 @@ def memory_per_rank(
                 zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora),
                 zero2_up_cast_moment(cfg, layout, runtime, rank == p - 1, lora),
             ]
-            if p == 1 and cfg.tied_embeddings and lora is None:  # the head's table gradient
-                # waiting for the embedding's (above)
-                table = table_elements(cfg, layout) * w_bytes
-                moments = [(a, b, c, d + table) for a, b, c, d in moments]
+            waits = waiting_table_grad(cfg, layout, runtime, p == 1, lora)
+            moments = [(a, b, c, d + waits) for a, b, c, d in moments]
             if rank == p - 1:
                 moments.append(zero2_head_moment(cfg, layout, runtime, lora))
                 moments.append(zero2_head_pack_moment(cfg, layout, runtime, lora))
@@ -1607,10 +1614,7 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     again = recompute_transient(cfg, layout, runtime) if recomputes else 0.0
     head = last_stage_buffers(cfg, layout) if last else 0.0
     table = table_elements(cfg, layout) * g_bytes
-    # a tied head's gradient of the table, where the embedding is on the rank too, waits
-    # for the embedding's in autograd's buffer (``embedding_backward_transient``)
-    waiting = table_elements(cfg, layout) * runtime.state_bytes(layout.dtype)[0]
-    waiting = waiting if cfg.tied_embeddings and first and last else 0.0
+    waiting = waiting_table_grad(cfg, layout, runtime, first and last, lora)
     rows = grads if layout.num_microbatches > 1 else 0.0  # the state's, as the caller's
     # made by a first backward at its first attention: the head's and final norm's, the
     # block's MLP's, its norm's and its output projection's
