@@ -847,6 +847,36 @@ def test_a_large_vocabularys_gradients_are_held_as_modelled(tmp_path, arch, kw, 
     assert abs(ratio - 1) <= 0.02, (got, want)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [{"arch": "llama", "hidden": 2048, "heads": 16},
+     {"arch": "gpt2", "hidden": 2048, "heads": 16},
+     {"arch": "gpt2", "hidden": 768, "heads": 12, "layers": 12, "vocab_size": 50257,
+      "schedule": "zb-h1", "dp": 2, "global_batch_size": 16}],
+    ids=["llama-1f1b", "gpt2-1f1b", "gpt2-124m-zb-h1"],
+)  # fmt: skip
+def test_a_first_stages_received_gradient_is_a_temporary_held_through_its_backward(tmp_path, kw):
+    """Rank 0 of pp 2 (2,048 tokens, 8 micro-batches; GPT-2 124M's shape under ZB-H1):
+    the output gradient a stage
+    receives is its backward's input, held by the executor through the whole chunk's
+    backward (a zero-bubble first stage's W, its whole backward, holds it until it
+    runs). The rehearsal files it with the temporaries wherever its receive was posted
+    (``PipelineRunner.received_grads``), and the model holds it beside a biased block's
+    stream gradient, which is a cast of it (``mlp_backward_moment``). Every category at
+    the peak within 1 %. Catches the rehearsal filing it among the activations (a
+    forward posted its receive: temporaries 0.917 of the model's), a zero-bubble W's not
+    counted (0.789), and the model that let it go in a biased block's weight-gradient
+    cast (whole 0.995 at GPT-3's widths; the GPT-2 case here 1.003) or missed the stream's
+    gradient beside an up projection's cast (the llama's of ``test_an_mlp_weights_...``:
+    temporaries 1.030)."""
+    values = {"layers": 4, "seq_len": 2048, "vocab_size": 4096, "tp": 1,
+              "micro_batch_size": 1, **kw}  # fmt: skip
+    cfg = _pipeline_cfg(tmp_path, **values)
+    rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    _assert_within(rows, ("parameters", "gradients", "optimizer", "activations",
+                          "temporaries", "total"), 0.01)  # fmt: skip
+
+
 def test_the_last_stage_peaks_in_its_final_norms_backward(tmp_path):
     """Two llama blocks (h 8192, 4,096 tokens, tp 8, vocabulary 32,000: LLaMA-2 70B's
     shapes) on the last of 2 stages, ZeRO-1, 4 micro-batches: after the head's backward
@@ -869,9 +899,9 @@ def test_the_last_stage_peaks_in_its_final_norms_backward(tmp_path):
 @pytest.mark.parametrize(
     "arch,kw,rows",
     [("gpt2", {"hidden": 12288, "heads": 96, "tp": 8, "pp": 2, "dp": 1, "global_batch_size": 8},
-      {"temporaries": 0.02, "activations": 0.03}),
+      {"temporaries": 0.01, "activations": 0.01}),
      ("llama", {"hidden": 4096, "heads": 32, "tp": 1, "pp": 1, "dp": 2, "zero": 1,
-                "global_batch_size": 4}, {"activations": 0.02, "temporaries": 0.04})],
+                "global_batch_size": 4}, {"activations": 0.01, "temporaries": 0.01})],
     ids=["gpt3-shaped-fc2", "llama-gate-up"],
 )  # fmt: skip
 def test_an_mlp_weights_gradient_is_held_twice_as_it_is_cast(tmp_path, arch, kw, rows):
@@ -879,10 +909,14 @@ def test_an_mlp_weights_gradient_is_held_twice_as_it_is_cast(tmp_path, arch, kw,
     fp32 cast of it are held together beside the gradients' state
     (``memory.weight_grad_cast_working_set``). Four blocks, 2,048 tokens, rank 0: GPT-3
     175B's widths at tp 8 peak at FC2's, a llama of h 4096 at its fused gate and up's.
-    The whole peak within 1 % (the model before: 1.046 and 1.017; GPT-3 175B's first
-    stage went 1.009 -> 1.001), the state within 2 %, and the temporaries and the
-    activations at the peak within ``rows``' tolerances (measured: 1.000 and 1.026 at
-    FC2's, 1.030 and 1.000 at the gate and up's), with what the moment has freed (the
+    The whole peak within 0.2 % (the model before: 1.046 and 1.017; GPT-3 175B's first
+    stage went 1.009 -> 1.001; 1.005 here while the model let go of the received output
+    gradient, which a biased block's stream gradient is a cast of), the state within 2 %,
+    and the temporaries and the activations at the peak within ``rows``' tolerances
+    (measured: 1.000 and 1.000 at FC2's, where the rehearsal filed the received gradient
+    among the activations, 1.026, and the model lacked it; 1.000 and 1.000 at the gate
+    and up's, temporaries 1.030 while the model lacked the residual stream's gradient
+    there), with what the moment has freed (the
     down projection's input; the gate and up's saved tensors and input) gone from the
     activations, as the rehearsal finds it. Catches the model that netted it against the
     temporaries: 1.050 and 1.785, the llama's activations 0.917. (The GPT-3-shaped
@@ -894,7 +928,7 @@ def test_an_mlp_weights_gradient_is_held_twice_as_it_is_cast(tmp_path, arch, kw,
     _assert_within(got_rows, ("parameters", "gradients", "optimizer"), 0.02)
     for row, tol in rows.items():
         _assert_within(got_rows, (row,), tol)
-    assert abs(got_rows["total"][2] - 1) <= 0.01, got_rows["total"]
+    assert abs(got_rows["total"][2] - 1) <= 0.002, got_rows["total"]
 
 
 def test_zero_bubble_w_waits_on_a_bias_adds_fp32_gradient(tmp_path):

@@ -30,7 +30,8 @@ roles, looked up at every new peak from the trainer's objects: parameters (this 
 shards under ZeRO-3), gradients, optimizer state, and buffers (ZeRO-3's gathered units,
 gathers in flight and packed gradients awaiting their reduce-scatter, module buffers);
 what is left is activations (made in a forward), temporaries (made in a backward or an
-optimizer step) and other state made at build. The peak of each phase (build, step 1,
+optimizer step, and a pipeline stage's received output gradients, wherever their
+receive was posted) and other state made at build. The peak of each phase (build, step 1,
 step 2, save, load) is reported with its split; the build's from the model's move to the
 device on (``Trainer.placed``: before it, the parameters were initialised on the host).
 Under ``--offload-optimizer`` AdamW's state and the fp32 masters live on the host
@@ -156,8 +157,10 @@ def _stable_roles(trainer) -> list[tuple[str, torch.Tensor]]:
 
 def _passing_roles(trainer, params: list) -> list[tuple[str, torch.Tensor]]:
     """(category, tensor) of the tensors whose role lasts part of a step: gradients
-    (autograd's ``p.grad``, a bucket's flat buffer, a reduce-scatter's shard) and buffers
-    in flight (ZeRO-3 gathers, packed gradients awaiting their reduce-scatter)."""
+    (autograd's ``p.grad``, a bucket's flat buffer, a reduce-scatter's shard), buffers
+    in flight (ZeRO-3 gathers, packed gradients awaiting their reduce-scatter) and a
+    pipeline stage's received output gradients, temporaries wherever their receive was
+    posted (often in a forward): the backward's input, held through it."""
     engine = trainer.engine
     out = [("gradients", p.grad) for p in params if p.grad is not None]
     for b in getattr(getattr(engine, "grads", None), "buckets", ()):
@@ -169,6 +172,9 @@ def _passing_roles(trainer, params: list) -> list[tuple[str, torch.Tensor]]:
     for u in units.units if units is not None else ():
         if u.pending is not None:
             out += [("buffers", t) for t in (u.pending.out, u.pending.src) if t is not None]
+    received = getattr(getattr(trainer, "runner", None), "received_grads", None)
+    if received is not None:  # a pipeline stage's output gradients: the backward's input
+        out += [("temporaries", t) for t in received()]
     return out
 
 

@@ -595,7 +595,7 @@ def mlp_input_regather(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
 
 
 def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe: bool, lora,
-                        first_stage: bool) -> tuple[float, float]:  # fmt: skip
+                        first_stage: bool, last_stage: bool = True) -> tuple[float, float]:  # fmt: skip
     """(Bytes held beyond the activations, activations freed by then) where a block's MLP
     backward holds the most, the larger net of what it freed: inside the down projection's
     node, both its gradients made and its input still held (the residual stream's incoming
@@ -624,6 +624,14 @@ def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe:
             + mlp_input_regather(cfg, layout, runtime) + freed
             + cfg.ffn_hidden * cfg.hidden / t * e)  # fmt: skip
     cast, cast_freed = weight_grad_cast_working_set(cfg, layout, runtime, whole_w)
+    # a stage short of the last holds the output gradient it received through the chunk's
+    # backward (``executor._backward``); where the block's output is rounded from an fp32
+    # sum (a biased model's), the stream's gradient is a cast of it, not it: held apart
+    # once the node's own gradients are gone (in the node, the bias add's output gradient
+    # counted above is as large)
+    if not last_stage and bias:
+        apart = tokens * cfg.hidden / split * e
+        ws, cast = ws + apart, cast + apart if cast else cast
     return max((node, 0.0), (ws, freed), (cast, cast_freed), key=lambda x: x[0] - x[1])
 
 
@@ -700,7 +708,7 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runt
     regather = mlp_input_regather(cfg, layout, runtime)
     down = (tokens * h / split * r + regather + f * h / t * (e + 4) + down_input, down_input)
     gone = tokens * (saved / t * e + h / split * e)
-    first = (tokens * h * e + up * h / t * (e + 4), gone)
+    first = (tokens * h / split * r + tokens * h * e + up * h / t * (e + 4), gone)
     return max(down, first, key=lambda x: x[0] - x[1])
 
 
@@ -1006,7 +1014,7 @@ def memory_per_rank(
                             fwd = mlp_forward_transient(cfg, layout, runtime)
                             own_only[rank] = max(own_only[rank], t + fwd - freed)
                         ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
-                                                       stage == 0)  # fmt: skip
+                                                       stage == 0, stage == last_stage)  # fmt: skip
                         work = lead(work, t + ws + waits - freed - gone,
                                     (freed + gone, t + ws + waits, False))  # fmt: skip
             # a block that keeps its activations starts its backward with them all held,
@@ -1016,7 +1024,7 @@ def memory_per_rank(
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
                         ws, gone = mlp_backward_moment(cfg, layout, runtime, moe_block, lora,
-                                                       stage == 0)  # fmt: skip
+                                                       stage == 0, stage == last_stage)  # fmt: skip
                         work = lead(work, ws + waits - head_freed - gone,
                                     (head_freed + gone, ws + waits, True))  # fmt: skip
             chunk_work[rank].append(work)
@@ -1575,7 +1583,7 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     rank's attention backward with its activations' peak in flight (its last chunk's
     last block: the head's buffers freed on the last stage, a recomputing block's
     forward made again; a stage short of the last holding its output's gradient,
-    received from the next, which the rehearsal files among the activations). Where
+    received from the next, beside the stream's). Where
     that is the rank's first backward (``fresh``: every forward in flight before it --
     one micro-batch, GPipe, 1F1B with no more micro-batches than the rank's warm-up)
     the gradients are made as it goes, and ``one`` (a micro-batch's activations of the
@@ -1622,8 +1630,8 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     if last:
         made += (0.0 if waiting else table) + cfg.hidden * g_bytes
     received = 0.0 if last else tokens * cfg.hidden / split * e
-    out = [((made if fresh else grads) - rows, 0.0, head - again + released - received,
-            work + waiting)]  # fmt: skip
+    out = [((made if fresh else grads) - rows, 0.0, head - again + released,
+            work + waiting + received)]  # fmt: skip
     if fresh and one is not None:
         kept = chunk_activation_bytes(cfg, layout.without_recompute(), runtime, 1, 0,
                                       first=first)[0]  # fmt: skip
@@ -1631,8 +1639,8 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
         # and on the first stage the embedding's: the table's, learned positions'
         embedding = table + (cfg.seq_len * cfg.hidden * g_bytes if cfg.arch == "gpt2" else 0.0)
         left = qkv * g_bytes + (embedding if first else 0.0)
-        out.append((grads - left - rows, 0.0, one - kept + released - received,
-                    work + waiting))  # fmt: skip
+        out.append((grads - left - rows, 0.0, one - kept + released,
+                    work + waiting + received))  # fmt: skip
         if layout.num_microbatches > 1:  # the next backward's: every gradient made, one
             # micro-batch fewer in flight
             out.append((0.0, 0.0, one + out[0][2], work + waiting))

@@ -306,6 +306,7 @@ class _Step:
     boxes: dict = field(default_factory=dict)  # (mb, chunk) -> SavedBoxes, until its BI
     batches: dict = field(default_factory=dict)  # item index -> _Posted, not yet waited on
     holder: dict = field(default_factory=dict)  # (kind, mb, chunk) -> its batch's item index
+    grad_in: torch.Tensor | None = None  # the received output gradient a backward runs on
     # last stage: the loss shares summed on the device as each micro-batch's forward ends
     # (in micro-batch order, as a sum over a list of them: one scalar held, not m)
     loss: torch.Tensor | None = None
@@ -391,6 +392,7 @@ class PipelineRunner:
         # ``plait rehearse``: the fake process group's works never report completion, so
         # a send-only batch would be held to the step's end; a real one lets go once sent
         self.sends_done_when_reaped = False
+        self._live: _Step | None = None  # the step ``_run`` is running (``received_grads``)
         # On CUDA compute is asynchronous: its time comes from events, read once they
         # have completed (``_read_completed``); the trace shows when the CPU issued each
         # action.
@@ -479,6 +481,13 @@ class PipelineRunner:
             Op.BACKWARD_INPUT: self._backward_input,
             Op.BACKWARD_WEIGHT: self._backward_weight,
         }
+        self._live = st
+        try:
+            self._run_items(items, st, handlers)
+        finally:
+            self._live = None
+
+    def _run_items(self, items: list[Item], st: _Step, handlers: dict) -> None:
         log = self.topo.stats.log
         run_start = None if log is None else len(log)
         for i, item in enumerate(items):
@@ -511,6 +520,21 @@ class PipelineRunner:
         assert not leftover and not st.received and not st.holder, "schedule left work undone"
         if log is not None:
             self.run_span = (run_start, len(log))
+
+    def received_grads(self) -> list[torch.Tensor]:
+        """The output gradients this rank has received, or posted a receive for, and not
+        yet run the backward of, in the step being run: the backward's input, made
+        wherever its receive was posted or unpacked (``plait rehearse`` files them with
+        the backward's temporaries, as the memory model does)."""
+        st = self._live
+        if st is None:
+            return []
+        out = [t for (kind, *_), t in st.received.items() if kind == "grad"]
+        out += [st.grad_in] if st.grad_in is not None else []
+        out += [w.grad for w in st.deferred.values()  # stage 0's W: the whole backward
+                if isinstance(w, FullBackward) and w.grad is not None]  # fmt: skip
+        return out + [buf for posted in st.batches.values()
+                      for (kind, *_), buf in posted.recvs if kind == "grad"]  # fmt: skip
 
     def replay_step(self, items: list[Item], calls_of: Callable[[Action], list]) -> None:
         """``plait rehearse``: run a training step's ``items`` (another number of
@@ -625,7 +649,9 @@ class PipelineRunner:
         key = (a.microbatch, a.chunk)
         root = st.roots.pop(key)
         grad = None if self._is_last(a.chunk) else st.received.pop(("grad", *key))
+        st.grad_in = grad
         torch.autograd.backward(root, grad_tensors=grad)
+        st.grad_in = grad = None
         x = st.inputs.pop(key, None)
         if x is not None:
             st.input_grads[key] = x.grad
@@ -638,14 +664,19 @@ class PipelineRunner:
         if x is None:  # stage 0: nobody waits for an input gradient; all of it in W
             st.deferred[key] = FullBackward(root, grad)
             return
+        st.grad_in = grad
         dx, st.deferred[key] = backward_input(
             root, grad, x, self.params[a.chunk], one_call=self.layout.recompute == "full",
             boxes=st.boxes.pop(key, None),
         )  # fmt: skip
+        st.grad_in = grad = None
         st.input_grads[key] = dx
 
     def _backward_weight(self, a: Action, st: _Step) -> None:
-        st.deferred.pop((a.microbatch, a.chunk)).run()
+        w = st.deferred.pop((a.microbatch, a.chunk))
+        st.grad_in = getattr(w, "grad", None)  # a ``FullBackward``'s: held as it runs
+        w.run()
+        st.grad_in = w = None
 
     # -- communication -----------------------------------------------------------------
 
