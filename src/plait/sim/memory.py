@@ -595,7 +595,7 @@ def mlp_input_regather(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
 
 
 def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe: bool, lora,
-                        first_stage: bool, last_stage: bool = True) -> tuple[float, float]:  # fmt: skip
+                        first_stage: bool, last_stage: bool) -> tuple[float, float]:  # fmt: skip
     """(Bytes held beyond the activations, activations freed by then) where a block's MLP
     backward holds the most, the larger net of what it freed: inside the down projection's
     node, both its gradients made and its input still held (the residual stream's incoming
