@@ -1238,9 +1238,12 @@ def memory_per_rank(
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
             by_chunk = tuple(w for w, _ in chunk_work[rank])
+            tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+            boundary = tokens * cfg.hidden / (layout.tp if layout.sequence_parallel else 1)
             joint, ending, made, captures, waiting, chunk = peak_with_grads(
                 states, rank, weights[rank], shares, (by_chunk, end, bi_end, emb),
-                tuple(w_grads[rank]))  # fmt: skip
+                tuple(w_grads[rank]), boundary * ACT_BYTES[layout.dtype], tied_cast,
+            )  # fmt: skip
             if chunk >= 0:
                 work, start = chunk_work[rank][chunk]
             if captures:  # a BI's end: its captures and those of the Ws waiting then

@@ -143,31 +143,48 @@ def _grad_states(lists, v: int):
     (``memory.embedding_backward_transient``: a vocabulary table's gradient or three,
     which can outweigh the micro-batch it has freed). The others are
     the local maxima of the activations (a forward not followed by one, and each BI), with
-    the gradients made so far, and every backward's start once gradients exist (a B that
+    the gradients made so far (x = (0, the chunk whose backward starts, the boundary
+    tensors awaiting their send then)), and every backward's start once gradients exist (a B that
     follows a B holds one micro-batch fewer than the start before it, but the gradients
     the first made and its own working set: LLaMA blocks at ``--pp 2 --cp 2`` and two
     micro-batches peak as rank 0's second backward starts). A later B or W ends below the
     local maximum before it (its working set is less than the micro-batch's activations
     it has freed), so only the first counts, the first chunk's apart."""
     out = []
-    for actions in lists:
+    p = len(lists)
+    for rank, actions in enumerate(lists):
         fwd, wait_w, made = [0] * v, [0] * v, [0] * v
         states = set()
         rising = False
+        # boundary tensors awaiting their send (``executor``: a stage's output or input
+        # gradient is held from its compute until its batch is posted, and by a send-only
+        # batch until the compute after it has run); a batch that receives too is waited on
+        # before the compute that reads it
+        unposted, sending = set(), set()
         for a in actions:
             if not isinstance(a, Action):
+                sent = {(m.microbatch, m.chunk, m.op) for m in a.messages if m.op in SEND_OPS}
+                unposted -= {(mb, c, op is Op.SEND_ACT) for mb, c, op in sent}
+                if all(m.op in SEND_OPS for m in a.messages):
+                    sending |= sent
                 continue
+            held_out = len(unposted) + len(sending)
+            sending = set()
             if a.op is Op.FORWARD:
                 fwd[a.chunk] += 1
                 rising = True
+                if a.chunk * p + rank < v * p - 1:  # its output goes to the next stage
+                    unposted.add((a.microbatch, a.chunk, True))
                 continue
+            if a.op is not Op.BACKWARD_WEIGHT and a.chunk * p + rank > 0:  # and its input's
+                unposted.add((a.microbatch, a.chunk, False))  # gradient to the one before
             # a backward's start, with the chunk whose backward it is (a W's: -1): after a
             # forward, a local maximum of the activations; after a backward that made
             # gradients, fewer activations beside more gradients and a working set that
             # can outweigh the transient the backward before ended with
             c = a.chunk if a.op is not Op.BACKWARD_WEIGHT else -1
             if rising or any(made):
-                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, c)))
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, c, held_out)))
             rising = False
             first = a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and not made[a.chunk]
             if a.op is Op.BACKWARD:
@@ -281,8 +298,8 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list,
 
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
-                    transient: tuple,
-                    w_caps: tuple = ()) -> tuple[float, float, float, float, float, int]:  # fmt: skip
+                    transient: tuple, w_caps: tuple = (), boundary: float = 0.0,
+                    last_cast: float = 0.0) -> tuple[float, float, float, float, float, int]:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (per chunk, what its backward adds to a local
@@ -292,13 +309,20 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     that is a backward's end: x = 1 or 3; else 0, the weight gradients that state holds,
     its state's transient where that is a BI's end: x = 2; else 0, of what it keeps for
     waiting Ws, ``w_caps[chunk]`` a micro-batch: the output gradients BIs captured, and
-    the chunk whose backward starts at the peak: -1 where none does or it is not known)."""
+    the chunk whose backward starts at the peak: -1 where none does or it is not known).
+    ``boundary``: bytes of a stage's output or input gradient, held at a backward's start
+    by each awaiting its send; ``last_cast``: a tied head's cast of the table on the rank
+    of the last stage, held only while its last chunk has a micro-batch in flight (the
+    head's backward lets go of it; an interleaved rank's other chunks run without it)."""
     best, ends, held_grads, captures, waiting, chunk = 0.0, 0.0, 0.0, 0.0, 0.0, -1
     for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
         following = after[0] if after else -1
         extra = transient[x]
         if x == 0:
             extra = extra[following] if following >= 0 else max(extra)
+            extra += boundary * (after[1] if len(after) > 1 else 0)
+            if not (fwd[-1] or wait_w[-1]):
+                extra -= last_cast
         total, made_grads = extra, 0.0
         for c, (n_f, n_w, done) in enumerate(zip(fwd, wait_w, made)):
             held, keep = weights[c]
