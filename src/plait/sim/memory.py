@@ -630,9 +630,18 @@ def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe:
     # once the node's own gradients are gone (in the node, the bias add's output gradient
     # counted above is as large)
     if not last_stage and bias:
-        apart = tokens * cfg.hidden / split * e
+        apart = boundary_bytes(cfg, layout)
         ws, cast = ws + apart, cast + apart if cast else cast
     return max((node, 0.0), (ws, freed), (cast, cast_freed), key=lambda x: x[0] - x[1])
+
+
+def boundary_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """Bytes of one tensor a pipeline stage sends or receives: its output, or the output
+    gradient it receives (T h / t under sequence parallelism, else T h, in the activation
+    dtype: the executor's ``act_shape``)."""
+    split = layout.tp if layout.sequence_parallel else 1
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    return tokens * cfg.hidden / split * ACT_BYTES[layout.dtype]
 
 
 def down_projection_input(cfg: ModelConfig, layout: Layout) -> float:
@@ -1238,11 +1247,9 @@ def memory_per_rank(
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
             by_chunk = tuple(w for w, _ in chunk_work[rank])
-            tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-            boundary = tokens * cfg.hidden / (layout.tp if layout.sequence_parallel else 1)
             joint, ending, made, captures, waiting, chunk = peak_with_grads(
                 states, rank, weights[rank], shares, (by_chunk, end, bi_end, emb),
-                tuple(w_grads[rank]), boundary * ACT_BYTES[layout.dtype], tied_cast,
+                tuple(w_grads[rank]), boundary_bytes(cfg, layout), tied_cast,
             )  # fmt: skip
             if chunk >= 0:
                 work, start = chunk_work[rank][chunk]
@@ -1632,7 +1639,7 @@ def cp_attention_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, bar
     made = ((up + cfg.ffn_hidden + cfg.q_dim) * cfg.hidden / t + cfg.hidden) * g_bytes
     if last:
         made += (0.0 if waiting else table) + cfg.hidden * g_bytes
-    received = 0.0 if last else tokens * cfg.hidden / split * e
+    received = 0.0 if last else boundary_bytes(cfg, layout)
     out = [((made if fresh else grads) - rows, 0.0, head - again + released,
             work + waiting + received)]  # fmt: skip
     if fresh and one is not None:

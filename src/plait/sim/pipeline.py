@@ -163,8 +163,9 @@ def _grad_states(lists, v: int):
         unposted, sending = set(), set()
         for a in actions:
             if not isinstance(a, Action):
-                sent = {(m.microbatch, m.chunk, m.op) for m in a.messages if m.op in SEND_OPS}
-                unposted -= {(mb, c, op is Op.SEND_ACT) for mb, c, op in sent}
+                sent = {(m.microbatch, m.chunk, m.op is Op.SEND_ACT) for m in a.messages
+                        if m.op in SEND_OPS}  # fmt: skip
+                unposted -= sent
                 if all(m.op in SEND_OPS for m in a.messages):
                     sending |= sent
                 continue
