@@ -705,8 +705,10 @@ def test_a_node_waiting_for_node_0_stops_on_sigterm(tmp_path):
     )  # fmt: skip
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and '"pid"' not in _read(tmp_path / "n1" / "run.lock"):
+        lock = tmp_path / "n1" / "run.node-1.lock"  # node 1's own lock (run_folder.lock_name)
+        while time.time() < deadline and '"pid"' not in _read(lock):
             time.sleep(0.1)
+        assert '"pid"' in _read(lock), "node 1 never took its run folder's lock"
         time.sleep(3)  # past data preparation, into the wait
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
