@@ -225,7 +225,8 @@ def backward_buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: boo
     largest kernel call, a query chunk of T / 2 against a block of T keys: its query,
     output gradient and output copied (T / 2 x h each), fp32 gradients of its queries and,
     at the queries' heads, of its keys and values, the kernel's three outputs, and the
-    K/V repeated to the queries' heads where heads are grouped. T = b s / N, h and k the
+    K/V repeated to the queries' heads where heads are grouped, and the fp32 dK and dV
+    summed back over those heads. T = b s / N, h and k the
     query and key widths of a tp rank. ``plait rehearse`` of a llama layer (h 2048, 16
     heads, s 2048, cp 2) held 13.6 x T h fp32 there against this 13. Allgather
     (``_AllGatherAttention.backward``): the output gradient, the fp32 query gradient, every
@@ -251,6 +252,8 @@ def backward_buffer_bytes(cfg: ModelConfig, layout: Layout, flash_attention: boo
         return max(base + call, pieces, buffer_bytes(cfg, layout, flash_attention))
     pairs = 1 if N == 2 else 2
     ring = T * (h * (e + FP32) + k * (pairs * 2 * e + 3 * 2 * FP32))
-    repeat = 2 * T * h * e if k < h else 0.0
-    call = T * h * (e / 2 + e + FP32 / 2 + 2 * FP32 + e / 2 + 2 * e) + repeat
+    # grouped heads: the K/V repeated to the queries' heads, and the fp32 dK, dV summed
+    # back over them (both held as the second sum is made: ``_attend_backward_fused``)
+    grouped = 2 * T * h * e + 2 * T * k * FP32 if k < h else 0.0
+    call = T * h * (e / 2 + e + FP32 / 2 + 2 * FP32 + e / 2 + 2 * e) + grouped
     return max(ring + call, buffer_bytes(cfg, layout, flash_attention))
