@@ -1142,6 +1142,11 @@ def memory_per_rank(
             buffers -= g_bytes * (sizes.layer_params(cfg) / layout.tp - adapters[rank] / layers)
             full = g_bytes * adapters[rank] / layers
         moments = []  # where a ZeRO-2/3 backward may peak (``zero2_*_moment``, ``zero3_...``)
+        m = layout.num_microbatches
+        # every forward of the rank before its first backward (one micro-batch, GPipe, 1F1B
+        # with no more micro-batches than the rank's warm-up)
+        fresh = in_flight_bound(layout.schedule, num_ranks=p, num_microbatches=m,
+                                num_chunks=v, rank=rank) >= m * v  # fmt: skip
         if layout.zero == 2 and runtime.zero2_reduce_per_microbatch:
             moments = [
                 zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora),
@@ -1152,8 +1157,9 @@ def memory_per_rank(
             if rank == p - 1:
                 moments.append(zero2_head_moment(cfg, layout, runtime, lora))
                 moments.append(zero2_head_pack_moment(cfg, layout, runtime, lora))
+            moments = zero2_fresh_moments(moments, g if m > 1 else 0.0, bare[rank] / m,
+                                          fresh and m > 1)  # fmt: skip
         elif layout.zero < 2 and rank == p - 1:
-            m = layout.num_microbatches
             for grads, zbufs, freed, temps in head_backward_moment(cfg, layout, runtime, lora):
                 if layout.schedule == "gpipe" and m > 1:  # with the gradients of m - 1
                     freed += bare[rank] * (m - 1) / m  # micro-batches: only the last's held
@@ -1163,19 +1169,24 @@ def memory_per_rank(
         # moment of its own (``zero3_backward_moments``' ``attend``, ``cp_attention_moments``)
         exchange = True
         whole_w = rank == 0 and runtime.zb_autograd_split  # a first stage's W: a backward
-        if layout.cp > 1 and layout.zero < 2 and (layout.schedule != "zb-h1" or whole_w):
+        zero2 = layout.zero == 2 and runtime.zero2_reduce_per_microbatch and lora is None
+        if (layout.cp > 1 and (layout.zero < 2 or zero2)
+                and (layout.schedule != "zb-h1" or whole_w)):  # fmt: skip
             # (ZB-H1's BI keeps the MLP's saved tensors to its end: not modelled)
             last_layers = stage_layers[(v - 1) * p + rank]  # its last chunk's, first back
-            m = layout.num_microbatches
-            fresh = in_flight_bound(layout.schedule, num_ranks=p, num_microbatches=m,
-                                    num_chunks=v, rank=rank) >= m * v  # fmt: skip
             layers = sum(stage_layers[c * p + rank] for c in range(v))
-            moments += cp_attention_moments(
+            attend = cp_attention_moments(
                 cfg, layout, runtime, bare[rank], g, rank == 0, rank == p - 1, fresh,
                 weights[rank][0][0] if v == 1 and layers > 1 else None,
                 layout.recompute == "full" and layout.recomputed_blocks(last_layers) >= last_layers,
                 lora,
             )  # fmt: skip
+            if zero2:  # the first attention of a backward, its gradients in buckets
+                made, done, packed = zero2_attention_moment(cfg, layout, runtime, rank == p - 1)
+                attend = zero2_fresh_moments([(made, packed, attend[0][2], attend[0][3])],
+                                             g if m > 1 else 0.0, bare[rank] / m,
+                                             fresh and m > 1, done)  # fmt: skip
+            moments += attend
             exchange = False
         if buffers and runtime.zero3_grads_in_flight and lora is None:
             exchange = False
@@ -1412,6 +1423,81 @@ def zero2_up_cast_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, las
     gone = tokens * (up / t * e + h / split * e)
     temps = up * h / t * (e + 4) + tokens * (h * e + h / split * r)
     return outputs, packed, freed + gone, temps
+
+
+def zero2_fresh_moments(moments: list, rows: float, one: float, fresh: bool,
+                        done: float = 0.0) -> list:  # fmt: skip
+    """ZeRO-2's backward moments (gradients beyond the shard rows, buffers, activations
+    freed, temporaries) where the rank's first backward of a step has every forward in
+    flight (``fresh``, more than one micro-batch): there no shard row exists yet but the
+    shards its launches wrote -- those in flight, which the moments count apart from the
+    rows, and ``done``, those already completed -- so the rows' ``rows`` bytes come off;
+    the next backward has the rows, and one micro-batch's activations (``one``) fewer in
+    flight. Not fresh: the moments as they are (one micro-batch: no rows, ``done`` its
+    own)."""
+    if not fresh:
+        return [(a + (done if rows == 0 else 0.0), b, c, d) for a, b, c, d in moments]
+    return ([(a + done - rows, b, c, d) for a, b, c, d in moments]
+            + [(a, b, c + one, d) for a, b, c, d in moments])  # fmt: skip
+
+
+def zero2_attention_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                           last: bool) -> tuple[float, float, float]:  # fmt: skip
+    """ZeRO-2's gradients and buffers as a stage's last block runs its cp attention's
+    backward, the moment ``cp_attention_moments`` prices for ZeRO-0/1: (gradients beyond
+    the state's rows, packed inputs in flight). ``split_buckets`` cuts the parameters,
+    last first, into buckets of ``--bucket-mb``; the backward has by then made the head's
+    and final norm's gradients (on the last stage, untied), the MLP's, its norm's and the
+    output projection's; every bucket all of whose gradients are made has been packed and
+    launched, the last ``Runtime.zero3_grads_in_flight`` of them
+    (``ReduceScatterGrads.in_flight``) still in flight, their fp32 input packed whole and
+    their shard written apart, the others done; a made gradient in a bucket that waits for
+    another (the attention's q, k, v, Qwen 3's q/k norms) is held whole. Returns (gradients apart from the shard rows: the
+    in-flight shards and the whole ones; the done buckets' shards, which are rows of
+    their own in a step's first backward and added to the rows after it
+    (``zero2_fresh_moments``); buffers). ``plait rehearse`` of four
+    llama blocks (h 2048, vocabulary 4,096) at ``--cp 2 --dp 2 --zero 2`` peaked there:
+    the gate's and up projection's packed gradients in flight (2 x 44 MiB), the head's,
+    down projection's and those two's shards (8 + 11 + 2 x 11 MiB) and the output
+    projection's gradient (16 MiB) in a bucket that also takes v's."""
+    t, h, f, w = layout.tp, cfg.hidden, cfg.ffn_hidden, 4  # fp32 weights, packed in fp32
+    kv = sizes.kv_width_per_rank(cfg, t)
+    norm = [h, h] if cfg.biases else [h]
+    # (elements, made by the moment), in ``split_buckets``' order: last parameter first
+    order = []
+    if last and not cfg.tied_embeddings:
+        order += [(table_elements(cfg, layout), True)] + [(n, True) for n in norm]
+    if cfg.arch == "gpt2":
+        order += [(h, True), (f * h / t, True), (f / t, True), (h * f / t, True)]
+    else:
+        order += [(f * h / t, True)] + [(h * f / t, True)] * 2
+    order += [(n, True) for n in norm]  # the MLP's norm
+    if cfg.qk_norm:  # registered after the output projection; made in the attention's
+        order += [(cfg.head_dim, False)] * 2
+    order += ([(h, True)] if cfg.biases else []) + [(cfg.q_dim * h / t, True)]
+    qkv_bias = cfg.biases or cfg.qkv_bias
+    for width in (kv, kv, cfg.q_dim / t):  # v, k, q: not made yet
+        order += ([(width, False)] if qkv_bias else []) + [(width * h, False)]
+    limit = layout.bucket_mb * 2**20
+    launched, whole = [], 0.0  # buckets launched; made gradients in buckets that are not
+    size = made_here = 0.0
+    full = True
+    for i, (elements, made) in enumerate(order):
+        size += elements * w
+        made_here += elements * w if made else 0.0
+        full = full and made
+        if size >= limit or i == len(order) - 1:  # a bucket cut (``split_buckets``)
+            if full:
+                launched.append(size)
+            else:
+                whole += made_here
+            size = made_here = 0.0
+            full = True
+    shard = dp_groups(layout, False)[0]
+    flying = launched[-runtime.zero3_grads_in_flight :] if runtime.zero3_grads_in_flight else []
+    g_bytes = runtime.state_bytes(layout.dtype)[1]
+    done = (sum(launched) - sum(flying)) / shard
+    return sum(flying) / shard + whole / w * g_bytes, done, sum(flying)
 
 
 def zero3_head_unit_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
