@@ -679,7 +679,8 @@ def test_zero2_last_stage_peaks_with_the_heads_gradient_as_modelled(tmp_path):
     _assert_within(rows, ("total", "gradients", "activations", "temporaries"), 0.05)
 
 
-def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path):
+@pytest.mark.parametrize("pp", [1, 2], ids=["one-stage", "pp2-first"])
+def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path, pp):
     """ZeRO-2 with a small vocabulary (four llama blocks of h 2048, vocabulary 4,096, dp
     2, two micro-batches): the rank peaks as the last block's MLP backward starts, the
     head's and the down projection's gradients packed into fp32 and in flight (32 and 44
@@ -688,14 +689,21 @@ def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path):
     buffers, activations at the peak and temporaries within 5 % (1.000, 1.000, 1.001,
     1.000), the whole peak within 2 % (1.000). Catches the model without that moment (no
     buffers at all, whole peak 1.030) and without the outputs in flight (gradients 1.090,
-    whole 1.012; 2026-11-28)."""
-    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, zero=2, arch="llama", hidden=2048,
+    whole 1.012; 2026-11-28).
+
+    The first stage of ``--pp 2`` runs both forwards before its first backward, where no
+    shard row exists yet (``memory.zero2_fresh_moments``), and peaks as the up
+    projection's bucket launches, the gate's and its fp32 gradients one cast both are
+    views of (``memory.zero2_entry_launch_moment``): every category within 0.2 %, where
+    the model that counted every row there gave 0.901 (gradients 0.094), and without the
+    launch 1.014 (temporaries 1.77, the model at another moment; 2026-11-29)."""
+    cfg = _pipeline_cfg(tmp_path, pp=pp, tp=1, dp=2, zero=2, arch="llama", hidden=2048,
                         heads=16, seq_len=2048, micro_batch_size=1,
                         global_batch_size=4)  # fmt: skip
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
     _assert_within(rows, ("gradients", "buffers", "activations", "temporaries"), 0.05)
     got, want, ratio = rows["total"]
-    assert abs(ratio - 1) <= 0.02, (got, want)
+    assert abs(ratio - 1) <= (0.02 if pp == 1 else 0.005), (got, want)
 
 
 def test_zero3_pipeline_stages_peak_as_modelled(tmp_path):
