@@ -1477,19 +1477,19 @@ def zero2_fresh_moments(moments: list, rows: float, one: float, fresh: bool,
 def zero2_attention_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
                            last: bool) -> tuple[float, float, float]:  # fmt: skip
     """ZeRO-2's gradients and buffers as a stage's last block runs its cp attention's
-    backward, the moment ``cp_attention_moments`` prices for ZeRO-0/1: (gradients beyond
-    the state's rows, packed inputs in flight). ``split_buckets`` cuts the parameters,
-    last first, into buckets of ``--bucket-mb``; the backward has by then made the head's
-    and final norm's gradients (on the last stage, untied), the MLP's, its norm's and the
-    output projection's; every bucket all of whose gradients are made has been packed and
-    launched, the last ``Runtime.zero3_grads_in_flight`` of them
+    backward, the moment ``cp_attention_moments`` prices for ZeRO-0/1. ``split_buckets``
+    cuts the parameters, last first, into buckets of ``--bucket-mb``; the backward has by
+    then made the head's and final norm's gradients (on the last stage, untied), the
+    MLP's, its norm's and the output projection's; every bucket all of whose gradients are
+    made has been packed and launched, the last ``Runtime.zero3_grads_in_flight`` of them
     (``ReduceScatterGrads.in_flight``) still in flight, their fp32 input packed whole and
     their shard written apart, the others done; a made gradient in a bucket that waits for
-    another (the attention's q, k, v, Qwen 3's q/k norms) is held whole. Returns (gradients apart from the shard rows: the
-    in-flight shards and the whole ones; the done buckets' shards, which are rows of
-    their own in a step's first backward and added to the rows after it
-    (``zero2_fresh_moments``); buffers). ``plait rehearse`` of four
-    llama blocks (h 2048, vocabulary 4,096) at ``--cp 2 --dp 2 --zero 2`` peaked there:
+    another (the attention's q, k, v, Qwen 3's q/k norms) is held whole. Returns
+    (gradients apart from the shard rows: the in-flight shards and the whole gradients;
+    the done buckets' shards, rows of their own in a step's first backward and added to
+    the rows after it (``zero2_fresh_moments``); the packed inputs in flight).
+    ``plait rehearse`` of four llama blocks (h 2048, vocabulary 4,096) at
+    ``--cp 2 --dp 2 --zero 2`` peaked there:
     the gate's and up projection's packed gradients in flight (2 x 44 MiB), the head's,
     down projection's and those two's shards (8 + 11 + 2 x 11 MiB) and the output
     projection's gradient (16 MiB) in a bucket that also takes v's."""
