@@ -1374,6 +1374,12 @@ def zero2_head_pack_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     return head * g_bytes, 0.0, last_stage_buffers(cfg, layout, lora), temps
 
 
+def zero2_head_bucket(cfg: ModelConfig, layout: Layout, last: bool) -> float:
+    """Elements of ZeRO-2's first bucket on the last stage, the untied head's table and the
+    final norm (a bucket of its own at any real size); 0 elsewhere."""
+    return table_elements(cfg, layout) + cfg.hidden if last and not cfg.tied_embeddings else 0.0
+
+
 def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last: bool,
                        lora=None) -> tuple[float, float, float, float]:  # fmt: skip
     """ZeRO-2 as a stage's last block starts its MLP's backward, its down projection's
@@ -1393,7 +1399,7 @@ def zero2_block_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last:
     e, t = ACT_BYTES[layout.dtype], layout.tp
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     down = cfg.ffn_hidden * cfg.hidden / t
-    head = table_elements(cfg, layout) + cfg.hidden if last and not cfg.tied_embeddings else 0.0
+    head = zero2_head_bucket(cfg, layout, last)
     packed = (down + head) * 4  # fp32 rows of every shard: the whole gradient
     freed = (last_stage_buffers(cfg, layout) if last else 0.0) + tokens * cfg.ffn_hidden / t * e
     # each reduce-scatter in flight writes this rank's shard of its input, a row of its own
@@ -1452,7 +1458,7 @@ def zero2_entry_launch_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime
         return 0.0, 0.0, 0.0, 0.0  # its bucket waits for the next parameter's
     shard = dp_groups(layout, False)[0]
     temps += weight * (1 + 1 / shard) - 2 * cfg.ffn_hidden * cfg.hidden / t * e
-    head = table_elements(cfg, layout) + cfg.hidden if last and not cfg.tied_embeddings else 0.0
+    head = zero2_head_bucket(cfg, layout, last)
     if head and runtime.zero3_grads_in_flight <= 2:  # the head's and the down projection's
         packed -= head * 4  # in flight, the oldest (the head's) completes: its input goes
     return outputs, packed, freed, temps
