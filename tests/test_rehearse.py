@@ -679,8 +679,9 @@ def test_zero2_last_stage_peaks_with_the_heads_gradient_as_modelled(tmp_path):
     _assert_within(rows, ("total", "gradients", "activations", "temporaries"), 0.05)
 
 
-@pytest.mark.parametrize("pp", [1, 2], ids=["one-stage", "pp2-first"])
-def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path, pp):
+@pytest.mark.parametrize("pp,arch", [(1, "llama"), (2, "llama"), (2, "gpt2")],
+                         ids=["one-stage", "pp2-first", "gpt2-pp2-first"])  # fmt: skip
+def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path, pp, arch):
     """ZeRO-2 with a small vocabulary (four llama blocks of h 2048, vocabulary 4,096, dp
     2, two micro-batches): the rank peaks as the last block's MLP backward starts, the
     head's and the down projection's gradients packed into fp32 and in flight (32 and 44
@@ -696,8 +697,14 @@ def test_zero2_peaks_with_two_packed_buckets_as_modelled(tmp_path, pp):
     projection's bucket launches, the gate's and its fp32 gradients one cast both are
     views of (``memory.zero2_entry_launch_moment``): every category within 0.2 %, where
     the model that counted every row there gave 0.901 (gradients 0.094), and without the
-    launch 1.014 (temporaries 1.77, the model at another moment; 2026-11-29)."""
-    cfg = _pipeline_cfg(tmp_path, pp=pp, tp=1, dp=2, zero=2, arch="llama", hidden=2048,
+    launch 1.014 (temporaries 1.77, the model at another moment; 2026-11-29).
+
+    GPT-2's MLP has no second launch beside its entry's cast: its first stage peaks as
+    the MLP norm's backward runs, FC1's and FC2's packed gradients both in flight and the
+    gradient the stage received held apart (``memory.zero2_mlp_norm_moment``): every
+    category within 0.1 %, where the model without that moment gave 1.033 (buffers 2.0,
+    gradients 1.12; 2026-11-29)."""
+    cfg = _pipeline_cfg(tmp_path, pp=pp, tp=1, dp=2, zero=2, arch=arch, hidden=2048,
                         heads=16, seq_len=2048, micro_batch_size=1,
                         global_batch_size=4)  # fmt: skip
     rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
@@ -808,6 +815,22 @@ def test_a_cp_backward_holds_its_exchange_only_in_its_attention(tmp_path, kw, ra
     _assert_within(rows, ("total", "gradients") + (("buffers",) if kw.get("zero") else ()), 0.01)
     _assert_within(rows, ("activations", rehearse.ACT_PEAK), 0.02)
     _assert_within(rows, ("temporaries",), 0.05)
+
+
+def test_the_embeddings_bucket_is_copied_whole_as_modelled(tmp_path):
+    """ZeRO-1 with hooks (--tp 2 --sequence-parallel --cp 2 --dp 2, four llama blocks of h
+    2048, vocabulary 4,096, one micro-batch): the rank peaks as its embedding's backward
+    ends and the hooks copy the last bucket into its flat buffer -- not the table alone
+    but everything ``split_buckets`` left beside it, the first block's q, k and v (16 +
+    24 MiB: ``memory.chunk_param_elements``, ``bucket_bytes_in_launch_order``) -- the
+    copy the gradients' storage from then on. Total and gradients within 0.5 % (1.000,
+    1.000). Catches the model that copied the table alone (total 1.011, gradients 1.21 of
+    the model's, 2026-11-29)."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=2, sequence_parallel=True, cp=2, dp=2, zero=1,
+                        arch="llama", hidden=2048, heads=16, seq_len=2048,
+                        micro_batch_size=1, global_batch_size=2)  # fmt: skip
+    rows = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]
+    _assert_within(rows, ("total", "gradients", "parameters", "optimizer"), 0.005)
 
 
 @pytest.mark.parametrize(

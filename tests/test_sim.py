@@ -1124,3 +1124,31 @@ def test_compute_beside_an_overlapped_collective_slows_by_the_published_fraction
     assert got.zero3_bwd == pytest.approx(0.189 * total)
     free = step.layer_step(model, layout, hw.replace(overlap_slowdown=0.0), rt)
     assert free.zero3_fwd == 0.0 and free.zero3_bwd == 0.0
+
+
+@pytest.mark.parametrize(
+    "name,tp,first,last",
+    [("llama3.2-1b", 1, True, True), ("gpt2-124m", 2, True, False),
+     ("qwen2.5-0.5b", 2, False, True), ("qwen3-0.6b", 1, True, False),
+     ("llama3-8b", 8, False, True)],
+)  # fmt: skip
+def test_the_bucket_walk_lists_the_models_own_parameters(name, tp, first, last):
+    """``memory.chunk_param_elements`` lists, in order, the elements of every parameter a
+    rank's chunk registers (built on the meta device at tp ranks): GPT-2's biases and
+    learned positions, Qwen 2.5's q/k/v biases, Qwen 3's q and k norms, kv heads fewer
+    than tp ranks (LLaMA 3 8B at tp 8), a tied table on the last stage. Catches a walk
+    whose order or sizes drift from the model's, which moves every bucket cut
+    (``bucket_bytes_in_launch_order``) and the embedding's copied bucket."""
+    import torch
+
+    from plait.model.transformer import Transformer
+    from plait.sim import memory
+    from plait.topology import Topology
+
+    cfg = replace(preset(name), n_layers=4)
+    layout = Layout(tp=tp, pp=2)
+    with torch.device("meta"):
+        model = Transformer(cfg, topo=Topology(tp=tp, rank=0), layers=[0, 1] if first else [2, 3],
+                            pre=first, post=last)  # fmt: skip
+    got = memory.chunk_param_elements(cfg, layout, 2, first, last)
+    assert got == [p.numel() for p in model.parameters() if p.requires_grad]

@@ -371,14 +371,69 @@ def _norm_backward_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     return tokens * cfg.hidden / split * (gradients + copies)
 
 
+def chunk_param_elements(cfg: ModelConfig, layout: Layout, layers: int, first: bool,
+                         last: bool) -> list[float] | None:  # fmt: skip
+    """Each trained parameter's elements on one rank of a pipeline chunk of ``layers``
+    dense blocks, in the order the model registers them (``Transformer``): the embedding
+    (the table's rows split over tp, padded to a multiple of it; GPT-2's learned
+    positions whole) where the chunk holds it,
+    each block's input norm, q, k, v (their biases after each weight), the output
+    projection, Qwen 3's q and k norms, the MLP's norm and its matrices, then the final
+    norm and an untied head. None with MoE blocks (not walked)."""
+    if cfg.moe_experts:
+        return None
+    t, h, f = layout.tp, cfg.hidden, cfg.ffn_hidden
+    kv = sizes.kv_width_per_rank(cfg, t)
+    norm = [h, h] if cfg.arch == "gpt2" else [h]
+    qkv_bias = cfg.biases or cfg.qkv_bias
+    out: list[float] = []
+    table = math.ceil(cfg.vocab_size / t) * h  # rows padded to a multiple of tp
+    if first or (last and cfg.tied_embeddings and layout.pp > 1):
+        out.append(table)
+        if first and cfg.arch == "gpt2":
+            out.append(cfg.seq_len * h)
+    for _ in range(layers):
+        out += norm
+        for width in (cfg.q_dim / t, kv, kv):
+            out += [width * h] + ([width] if qkv_bias else [])
+        out += [cfg.q_dim / t * h] + ([h] if cfg.biases else [])
+        out += [cfg.head_dim] * 2 if cfg.qk_norm else []
+        out += norm
+        if cfg.arch == "gpt2":
+            out += [f / t * h, f / t, h * f / t, h]
+        else:
+            out += [f / t * h] * 3
+    if last:
+        out += norm
+        if not cfg.tied_embeddings:
+            out.append(table)
+    return out
+
+
+def bucket_bytes_in_launch_order(elements: list[float], layout: Layout,
+                                 w_bytes: float) -> list[float]:  # fmt: skip
+    """The bytes of each gradient bucket ``split_buckets`` cuts from a chunk's parameters
+    (``chunk_param_elements``), last parameter first: the order the backward launches
+    them. The last holds the first registered (the embedding's, on a first stage)."""
+    limit, out, size = layout.bucket_mb * 2**20, [], 0.0
+    for n in reversed(elements):
+        size += n * w_bytes
+        if size >= limit:
+            out.append(size)
+            size = 0.0
+    return out + ([size] if size else [])
+
+
 def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime,
-                                 head_here: bool) -> float:  # fmt: skip
+                                 head_here: bool, layers: int = 0) -> float:  # fmt: skip
     """Bytes beyond the gradients' state a first stage holds as its embedding's backward
     runs, the last of a micro-batch's backward there. The table's dense gradient (V h / t
     in the weights' dtype) is new: autograd hands it to ``p.grad`` as it is in a step's
-    first micro-batch and adds it in place after, and the data-parallel hooks copy it
-    into its bucket's flat buffer as they launch (a dp group of one has no hooks: one
-    micro-batch holds nothing more). Where the rank also holds a tied head
+    first micro-batch and adds it in place after, and the data-parallel hooks copy its
+    whole bucket into a flat buffer as they launch -- the table and what ``split_buckets``
+    left beside it, the first block's first matrices (``chunk_param_elements``), the
+    gradients' storage from then on (a dp group of one has no hooks: one micro-batch
+    holds nothing more). Where the rank also holds a tied head
     (``head_here``), the head's gradient of the table waits in autograd's buffer for the
     embedding's and the two are summed: three tables, the state's one not yet written. A
     pipeline's tied copies are deferred (``GradReducer``: no hooks), their gradient
@@ -400,6 +455,11 @@ def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runt
     if layout.zero < 2 or not runtime.zero2_reduce_per_microbatch:
         if tied:
             return 2 * table
+        if grad_ranks(layout) > 1:  # the hooks copy its whole bucket, what shares it too
+            walk = chunk_param_elements(cfg, layout, layers, True, head_here)
+            w_bytes = runtime.state_bytes(layout.dtype)[0]
+            if walk is not None:
+                return max(table, bucket_bytes_in_launch_order(walk, layout, w_bytes)[-1])
         return table if grad_ranks(layout) > 1 or m > 1 else 0.0
     shard = dp_groups(layout, False)[0]
     packed = table_elements(cfg, layout) * 4  # fp32 rows of every shard
@@ -1152,6 +1212,7 @@ def memory_per_rank(
                 zero2_block_moment(cfg, layout, runtime, rank == p - 1, lora),
                 zero2_up_cast_moment(cfg, layout, runtime, rank == p - 1, lora),
                 zero2_entry_launch_moment(cfg, layout, runtime, rank == p - 1, lora),
+                zero2_mlp_norm_moment(cfg, layout, runtime, rank == p - 1, lora),
             ]
             waits = waiting_table_grad(cfg, layout, runtime, p == 1, lora)
             # (a moment that does not arise here is all zeros: not one to add the wait to)
@@ -1239,7 +1300,8 @@ def memory_per_rank(
         end = ends - tied_cast
         emb = 0.0
         if rank == 0:
-            emb = embedding_backward_transient(cfg, layout, runtime, p == 1) - tied_cast
+            emb = embedding_backward_transient(cfg, layout, runtime, p == 1, stage_layers[0])
+            emb -= tied_cast
         # the gradients and the activations' peak together (module docstring)
         ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
         short = 0.0  # of the gradients, what the joint peak's state has not made yet
@@ -1303,8 +1365,14 @@ def memory_per_rank(
         # the rest the activations'
         # the activations at their own peak, where a moment of theirs alone tops it: apart
         apart += own[rank] - act[rank]
+        # a first stage's backward ending in its embedding's: under ZeRO-0/1 with hooks,
+        # the bucket copied into its flat buffer is the gradients' storage from then on
+        flat = 0.0
+        if (rank == 0 and ending > 0 and ending == emb and layout.zero < 2
+                and not cfg.tied_embeddings and grad_ranks(layout) > 1):  # fmt: skip
+            flat = min(temps, emb)
         mem = Memory(rank, w, g, o, own[rank], buffers, overhead, cp, casts + head_cast,
-                     apart - short, temporaries=temps, grads_moment=-short,
+                     apart - short, temporaries=temps - flat, grads_moment=flat - short,
                      w_gradients=w_at_peak,
                      forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
         # as ``finish()`` launches what the hooks did not: every activation and cast gone
@@ -1461,6 +1529,36 @@ def zero2_entry_launch_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime
     head = zero2_head_bucket(cfg, layout, last)
     if head and runtime.zero3_grads_in_flight <= 2:  # the head's and the down projection's
         packed -= head * 4  # in flight, the oldest (the head's) completes: its input goes
+    return outputs, packed, freed, temps
+
+
+def zero2_mlp_norm_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last: bool,
+                          lora=None) -> tuple[float, float, float, float]:  # fmt: skip
+    """ZeRO-2 as the same block's MLP norm runs its backward, the MLP's weight gradients all
+    launched: the last ``Runtime.zero3_grads_in_flight`` of its buckets still in flight --
+    GPT-2's FC1 and FC2, SwiGLU's gate and up (each weight a bucket of its own:
+    ``split_buckets``) -- their packed fp32 inputs and the shards their reduce-scatters
+    write, the MLP's saved tensors and its input freed (``zero2_up_cast_moment``'s), and
+    the norm's working set (``backward_transient``). (gradients, buffers, activations
+    freed, temporaries), as ``zero2_head_moment``. GPT-2 has no launch beside its entry's
+    cast (``zero2_entry_launch_moment``), so its two in flight meet the norm: ``plait
+    rehearse`` of four GPT-2 blocks (h 2048, vocabulary 4,096, 2,048 tokens) at ``--dp 2
+    --zero 2`` peaked there, at the second micro-batch's, with 2 x 64 MiB packed, 2 x 32
+    of shards and 72 + 32 MiB of temporaries (the norm's, and the tied table's gradient
+    waiting for the embedding's): 1.018 of the model without the moment; at ``--pp 2``
+    the first stage, 1.033, where a biased block also holds the output gradient it
+    received apart (``mlp_backward_moment``)."""
+    if lora is not None or layout.dtype == "fp32":
+        return 0.0, 0.0, 0.0, 0.0
+    weight = cfg.ffn_hidden * cfg.hidden / layout.tp * 4  # one MLP weight's gradient, fp32
+    if weight < layout.bucket_mb * 2**20 or not runtime.zero3_grads_in_flight:
+        return 0.0, 0.0, 0.0, 0.0  # the buckets mix parameters: not this moment
+    _, _, freed, _ = zero2_up_cast_moment(cfg, layout, runtime, last, lora)
+    packed = min(runtime.zero3_grads_in_flight, 2) * weight
+    outputs = packed / dp_groups(layout, False)[0]
+    temps = backward_transient(cfg, layout, runtime)
+    if not last and cfg.biases and ACT_BYTES[layout.dtype] < 4:  # the received gradient,
+        temps += boundary_bytes(cfg, layout)  # apart from its fp32 sum's cast (as there)
     return outputs, packed, freed, temps
 
 
