@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from plait.layout import Layout
 from plait.model import sizes
@@ -781,6 +782,41 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runt
     return max(down, first, key=lambda x: x[0] - x[1])
 
 
+def w_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                       last: bool) -> tuple[float, float, float]:  # fmt: skip
+    """(Bytes a zero-bubble W holds beyond its micro-batch's kept tensors and the gradients
+    as it casts an MLP weight's gradient back to the weights' fp32 to add it to the
+    ``.grad`` an earlier W made (``Runtime.weight_cast_per_step``), of that micro-batch's
+    kept inputs and of its captured output gradients let go by then). The cast holds the
+    GEMM's e-byte gradient and its fp32 copy, e + 4 bytes a weight of the tp shard: the
+    down projection's first, then the entry's (SwiGLU's fused gate and up, twice the
+    weights), once the down projection's input and captured output gradient are gone; on
+    the last stage the head's W and the final norm's come before both (their inputs and
+    captured output gradients gone: ``bi_captured_bytes``). The moment of the two with the
+    more held. (0, 0, 0) on a first stage's W under ``zb_autograd_split`` (a whole
+    backward: ``weight_grad_cast_working_set``), for MoE, LoRA, fp32 or ZeRO-2/3.
+    ``plait rehearse`` of four llama blocks (h 2048) at ``--pp 2 --cp 2``, ZB-H1 and two
+    micro-batches, peaked on the last stage in the second W's entry cast (44 + 88 MiB),
+    no cp exchange held there: 1.004 of the model without the moment, activations 1.57
+    and temporaries 0.71 (the model at a BI's end, its exchange held)."""
+    if (not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero > 1
+            or layout.schedule != "zb-h1"):  # fmt: skip
+        return 0.0, 0.0, 0.0
+    e, t = ACT_BYTES[layout.dtype], layout.tp
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = t if layout.sequence_parallel else 1
+    f, h = cfg.ffn_hidden, cfg.hidden
+    up = (1 if cfg.arch == "gpt2" else 2) * f
+    inputs = caps = 0.0
+    if last:  # the head's W and the final norm's, as the keep counts them
+        norm = residual_bytes(layout) / split if runtime.zb_autograd_split else 0.0
+        caps = bi_captured_bytes(cfg, layout, runtime, 0, last=True)
+        inputs = tokens * h * (e + norm)
+    down = (f * h / t * (e + 4), inputs, caps)
+    entry = (up * h / t * (e + 4), inputs + tokens * f / t * e, caps + tokens * h / split * e)
+    return max(down, entry, key=lambda x: x[0] - x[1] - x[2])
+
+
 def chunk_activation_bytes(
     cfg: ModelConfig, layout: Layout, runtime: Runtime, layers: int, moe_layers: int = 0,
     lora=None, first: bool = False,
@@ -1319,13 +1355,29 @@ def memory_per_rank(
         # the working set at the peak, and the start that leads it: the rank's largest,
         # or that of the chunk whose backward starts at the peak, where that is known
         work, start = working[rank], starts[rank]
+        chunk = -1  # of the walk: the chunk whose backward starts at the peak, -2 a W's cast
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
             by_chunk = tuple(w for w, _ in chunk_work[rank])
-            joint, ending, made, captures, waiting, chunk = peak_with_grads(
-                states, rank, weights[rank], shares, (by_chunk, end, bi_end, emb),
-                tuple(w_grads[rank]), boundary_bytes(cfg, layout), tied_cast,
-            )  # fmt: skip
+            # a W's cast, per chunk (none on a first stage whose W is a whole backward)
+            casting = [
+                (0.0, 0.0, 0.0) if lora is not None or moe[c * p + rank] or (c * p + rank == 0 and whole_w)
+                else w_cast_working_set(cfg, layout, runtime, c * p + rank == last_stage)
+                for c in range(v)
+            ]  # fmt: skip
+            w_cast = tuple(max(0.0, a - b - c) for a, b, c in casting)
+            walk = partial(peak_with_grads, states, rank, weights[rank], shares,
+                           w_caps=tuple(w_grads[rank]), boundary=boundary_bytes(cfg, layout),
+                           last_cast=tied_cast)  # fmt: skip
+            found = walk((by_chunk, end, bi_end, emb, w_cast))
+            if found[5] == -2 and cp:  # a W runs no cp exchange: against the others with it
+                other = walk((by_chunk, end, bi_end, emb, (0.0,) * v))
+                found = other if other[0] + cp >= found[0] else found
+            joint, ending, made, captures, waiting, chunk = found
+            if chunk == -2:  # a W's cast (its chunk's: the largest), what the Ws waiting
+                # then captured less what the casting one has let go
+                cast, _, let_go = max(casting, key=lambda x: x[0] - x[1] - x[2])
+                cp, w_at_peak = 0.0, waiting - let_go
             if chunk >= 0:
                 work, start = chunk_work[rank][chunk]
             if captures:  # a BI's end: its captures and those of the Ws waiting then
@@ -1348,7 +1400,9 @@ def memory_per_rank(
         # there (its transient is net of a tied head's cast, gone by then: off the
         # activations); a BI's end's captured output gradients, made in its backward;
         # else the working set a backward starts with
-        if ending > 0:
+        if chunk == -2:  # a W's cast: the whole cast (what it let go: off the activations)
+            temps = cast
+        elif ending > 0:
             temps = ending + tied_cast
         else:
             temps = captures if captures > 0 else bare[rank] + work - act[rank]

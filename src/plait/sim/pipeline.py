@@ -141,7 +141,9 @@ def _grad_states(lists, v: int):
     W goes after it: ``executor.SavedBoxes``); x = 3 for the end of every B or W of the
     first chunk, whose last act on the model's first stage is the embedding's backward
     (``memory.embedding_backward_transient``: a vocabulary table's gradient or three,
-    which can outweigh the micro-batch it has freed). The others are
+    which can outweigh the micro-batch it has freed); x = (4, chunk) for a W of a chunk
+    whose gradients exist, its micro-batch still waiting, as it casts a weight's
+    gradient to add it in (``memory.w_cast_working_set``). The others are
     the local maxima of the activations (a forward not followed by one, and each BI), with
     the gradients made so far (x = (0, the chunk whose backward starts, the boundary
     tensors awaiting their send then)), and every backward's start once gradients exist (a B that
@@ -186,6 +188,8 @@ def _grad_states(lists, v: int):
             c = a.chunk if a.op is not Op.BACKWARD_WEIGHT else -1
             if rising or any(made):
                 states.add((tuple(fwd), tuple(wait_w), tuple(made), (0, c, held_out)))
+            if a.op is Op.BACKWARD_WEIGHT and made[a.chunk]:  # a W beside its gradients:
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (4, a.chunk)))  # casts
             rising = False
             first = a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT) and not made[a.chunk]
             if a.op is Op.BACKWARD:
@@ -306,11 +310,14 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     weight gradients, ``transient``: (per chunk, what its backward adds to a local
     maximum that it follows -- their largest where a W or nothing follows --, what a
     first backward holds as it ends, what a BI has captured as it ends, what the first
-    chunk's backward holds as it ends). Returns (the peak, its state's transient, where
-    that is a backward's end: x = 1 or 3; else 0, the weight gradients that state holds,
+    chunk's backward holds as it ends, and per chunk what a W holds as it casts a weight's
+    gradient beside the chunk's). Returns (the peak, its state's transient, where
+    that is a backward's end or a W's cast: x = 1, 3 or 4; else 0, the weight gradients
+    that state holds,
     its state's transient where that is a BI's end: x = 2; else 0, of what it keeps for
     waiting Ws, ``w_caps[chunk]`` a micro-batch: the output gradients BIs captured, and
-    the chunk whose backward starts at the peak: -1 where none does or it is not known).
+    the chunk whose backward starts at the peak: -1 where none does or it is not known,
+    -2 where the peak is a W's cast).
     ``boundary``: bytes of a stage's output or input gradient, held at a backward's start
     by each awaiting its send; ``last_cast``: a tied head's cast of the table on the rank
     of the last stage, held only while its last chunk has a micro-batch in flight (the
@@ -319,6 +326,10 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
         following = after[0] if after else -1
         extra = transient[x]
+        if x == 4:
+            extra = extra[after[0]]
+            if not extra:
+                continue
         if x == 0:
             extra = extra[following] if following >= 0 else max(extra)
             extra += boundary * (after[1] if len(after) > 1 else 0)
@@ -331,8 +342,8 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
             made_grads += done * grads[c]
         total += made_grads
         if total > best:
-            best, ends, held_grads = total, extra if x in (1, 3) else 0.0, made_grads
+            best, ends, held_grads = total, extra if x in (1, 3, 4) else 0.0, made_grads
             captures = extra if x == 2 else 0.0
             waiting = sum(n * c for n, c in zip(wait_w, w_caps))
-            chunk = following if x == 0 else -1
+            chunk = following if x == 0 else (-2 if x == 4 else -1)
     return best, ends, held_grads, captures, waiting, chunk
