@@ -80,6 +80,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -1651,24 +1652,19 @@ def zero2_attention_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     the gate's and up projection's packed gradients in flight (2 x 44 MiB), the head's,
     down projection's and those two's shards (8 + 11 + 2 x 11 MiB) and the output
     projection's gradient (16 MiB) in a bucket that also takes v's."""
-    t, h, f, w = layout.tp, cfg.hidden, cfg.ffn_hidden, 4  # fp32 weights, packed in fp32
-    kv = sizes.kv_width_per_rank(cfg, t)
-    norm = [h, h] if cfg.biases else [h]
-    # (elements, made by the moment), in ``split_buckets``' order: last parameter first
-    order = []
-    if last and not cfg.tied_embeddings:
-        order += [(table_elements(cfg, layout), True)] + [(n, True) for n in norm]
-    if cfg.arch == "gpt2":
-        order += [(h, True), (f * h / t, True), (f / t, True), (h * f / t, True)]
-    else:
-        order += [(f * h / t, True)] + [(h * f / t, True)] * 2
-    order += [(n, True) for n in norm]  # the MLP's norm
-    if cfg.qk_norm:  # registered after the output projection; made in the attention's
-        order += [(cfg.head_dim, False)] * 2
-    order += ([(h, True)] if cfg.biases else []) + [(cfg.q_dim * h / t, True)]
-    qkv_bias = cfg.biases or cfg.qkv_bias
-    for width in (kv, kv, cfg.q_dim / t):  # v, k, q: not made yet
-        order += ([(width, False)] if qkv_bias else []) + [(width * h, False)]
+    w = 4  # fp32 weights, packed in fp32
+    # (elements, made by the moment), in ``split_buckets``' order: last parameter first --
+    # the head's (untied), the block's MLP, its norm and the output projection made; Qwen
+    # 3's q/k norms (registered after it), v, k, q and the input norm not yet. The block's
+    # MLP as a dense one's (the walk does not list experts)
+    block = chunk_param_elements(dataclasses.replace(cfg, moe_experts=0), layout, 1,
+                                 False, last)  # fmt: skip
+    # in the model's order: the input norm, q, k, v (their biases), o (its bias), q/k norms
+    o = (2 if cfg.arch == "gpt2" else 1) + 3 * (2 if cfg.biases or cfg.qkv_bias else 1)
+    after_o = o + (2 if cfg.biases else 1)
+    rest = after_o + (2 if cfg.qk_norm else 0)
+    made = [o <= i < after_o or i >= rest for i in range(len(block))]
+    order = list(zip(reversed(block), reversed(made)))
     limit = layout.bucket_mb * 2**20
     launched, whole = [], 0.0  # buckets launched; made gradients in buckets that are not
     size = made_here = 0.0
