@@ -1339,6 +1339,10 @@ def memory_per_rank(
         if rank == 0:
             emb = embedding_backward_transient(cfg, layout, runtime, p == 1, stage_layers[0])
             emb -= tied_cast
+        if v == 1 and rank < p - 1:  # a stage short of the last holds the output gradient it
+            # received until its chunk's backward returns (``executor._backward``)
+            end += boundary_bytes(cfg, layout)
+            emb += boundary_bytes(cfg, layout) if rank == 0 else 0.0
         # the gradients and the activations' peak together (module docstring)
         ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
         short = 0.0  # of the gradients, what the joint peak's state has not made yet
