@@ -657,7 +657,8 @@ def mlp_input_regather(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> fl
 
 
 def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe: bool, lora,
-                        first_stage: bool, last_stage: bool) -> tuple[float, float]:  # fmt: skip
+                        first_stage: bool, last_stage: bool,
+                        fresh: bool = False) -> tuple[float, ...]:  # fmt: skip
     """(Bytes held beyond the activations, activations freed by then) where a block's MLP
     backward holds the most, the larger net of what it freed: inside the down projection's
     node, both its gradients made and its input still held (the residual stream's incoming
@@ -694,7 +695,41 @@ def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe:
     if not last_stage and bias:
         apart = boundary_bytes(cfg, layout)
         ws, cast = ws + apart, cast + apart if cast else cast
+    if fresh:  # (``fresh_backward_grads``)
+        head, down = fresh_backward_grads(cfg, layout, runtime, last_stage)
+        # and the MLP norm's backward, every MLP weight's gradient made, its saved tensors
+        # and its input gone (``backward_transient``'s working set, the norm's)
+        up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
+        mlp = (up + cfg.ffn_hidden) / layout.tp
+        gone = tokens * (mlp + cfg.hidden / split) * e
+        norm = (
+            backward_transient(cfg, layout, runtime),
+            gone,
+            head + down * mlp / cfg.ffn_hidden * layout.tp,
+        )
+        return max((node, 0.0, head), (ws, freed, head + down), norm,
+                   key=lambda x: x[0] + x[2] - x[1])  # fmt: skip
     return max((node, 0.0), (ws, freed), (cast, cast_freed), key=lambda x: x[0] - x[1])
+
+
+def fresh_backward_grads(cfg: ModelConfig, layout: Layout, runtime: Runtime,
+                         last_stage: bool) -> tuple[float, float]:  # fmt: skip
+    """Weight gradients a chunk's first backward of a step has made as its last block's
+    MLP backward runs -- (the head's and the final norm's on the last stage, an untied
+    head's: a tied one's waits, ``waiting_table_grad``; the down projection's, once its
+    node has ended) -- where the chunk holds none yet (ZeRO-0/1, dense, no LoRA: what a
+    backward start adds beyond the walk's gradients of the chunks that have them).
+    ``plait rehearse`` of four llama blocks (h 2048, 4,096 tokens) at ``--tp 2
+    --sequence-parallel``, one micro-batch, peaked in the last block's SwiGLU backward with
+    the head's 16 and the down projection's 22 MiB made (1.016 of the model without
+    them)."""
+    if layout.zero > 1:
+        return 0.0, 0.0
+    g_bytes = runtime.state_bytes(layout.dtype)[1]
+    head = 0.0
+    if last_stage and not cfg.tied_embeddings:
+        head = (table_elements(cfg, layout) + cfg.hidden) * g_bytes
+    return head, cfg.ffn_hidden * cfg.hidden / layout.tp * g_bytes
 
 
 def boundary_bytes(cfg: ModelConfig, layout: Layout) -> float:
@@ -1055,6 +1090,7 @@ def memory_per_rank(
     # per rank and chunk, the same two for that chunk's blocks (the rank's: the chunks'
     # largest): a pipeline state knows whose backward follows it (``peak_with_grads``)
     chunk_work = []
+    chunk_fresh = []  # per rank and chunk: the same in a first backward (``fresh_work``)
 
     def lead(work: tuple, net: float, start: tuple) -> tuple:
         """A chunk's (working set, start) with a backward start of ``net`` bytes beyond
@@ -1072,6 +1108,7 @@ def memory_per_rank(
         transient.append(0.0)
         own_only.append(0.0)
         chunk_work.append([])
+        chunk_fresh.append([])
         chunk_params.append([])
         for chunk in range(v):
             stage = chunk * p + rank
@@ -1126,6 +1163,9 @@ def memory_per_rank(
             # a block that keeps its activations starts its backward with them all held,
             # the head's buffers freed (the recomputing ones: above)
             keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
+            # and in a chunk's first backward of a step, with the gradients it has made by
+            # then (``fresh_backward_grads``): (net, the gradients, working set, start)
+            fresh_work = (-math.inf, 0.0, 0.0, None)
             for dense, routed in keeps.values():
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
@@ -1133,7 +1173,17 @@ def memory_per_rank(
                                                        stage == 0, stage == last_stage)  # fmt: skip
                         work = lead(work, ws + waits - head_freed - gone,
                                     (head_freed + gone, ws + waits, True))  # fmt: skip
+                        if (not moe_block and lora is None and layout.schedule != "zb-h1"
+                                and layout.zero < 2):  # fmt: skip
+                            ws, gone, made = mlp_backward_moment(
+                                cfg, layout, runtime, False, lora, stage == 0,
+                                stage == last_stage, fresh=True)  # fmt: skip
+                            net = ws + waits - head_freed - gone
+                            if net + made > fresh_work[0] + fresh_work[1]:
+                                fresh_work = (net, made, net,
+                                              (head_freed + gone, ws + waits, True))  # fmt: skip
             chunk_work[rank].append(work)
+            chunk_fresh[rank].append(fresh_work)
             if stage == 0 and runtime.zb_autograd_split:
                 keep = held  # no input gradient: its W is the whole backward (runtime.py)
                 captures = 0.0
@@ -1371,20 +1421,24 @@ def memory_per_rank(
                 for c in range(v)
             ]  # fmt: skip
             w_cast = tuple(max(0.0, a - b - c) for a, b, c in casting)
+            fresh_starts = tuple((f[0], f[1]) if f[3] is not None else None
+                                 for f in chunk_fresh[rank])  # fmt: skip
             walk = partial(peak_with_grads, states, rank, weights[rank], shares,
                            w_caps=tuple(w_grads[rank]), boundary=boundary_bytes(cfg, layout),
-                           last_cast=tied_cast)  # fmt: skip
+                           last_cast=tied_cast, fresh=fresh_starts)  # fmt: skip
             found = walk((by_chunk, end, bi_end, emb, w_cast))
             if found[5] == -2 and cp:  # a W runs no cp exchange: against the others with it
                 other = walk((by_chunk, end, bi_end, emb, (0.0,) * v))
                 found = other if other[0] + cp >= found[0] else found
-            joint, ending, made, captures, waiting, chunk = found
+            joint, ending, made, captures, waiting, chunk, first_b = found
             if chunk == -2:  # a W's cast (its chunk's: the largest), what the Ws waiting
                 # then captured less what the casting one has let go
                 cast, _, let_go = max(casting, key=lambda x: x[0] - x[1] - x[2])
                 cp, w_at_peak = 0.0, waiting - let_go
             if chunk >= 0:
                 work, start = chunk_work[rank][chunk]
+                if first_b:  # a chunk's first backward: its working set and start there
+                    _, _, work, start = chunk_fresh[rank][chunk]
             if captures:  # a BI's end: its captures and those of the Ws waiting then
                 captures, w_at_peak = captures + gone, waiting
             short = max(0.0, g - made)

@@ -304,7 +304,7 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list,
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
                     transient: tuple, w_caps: tuple = (), boundary: float = 0.0,
-                    last_cast: float = 0.0) -> tuple[float, float, float, float, float, int]:  # fmt: skip
+                    last_cast: float = 0.0, fresh: tuple = ()) -> tuple:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (per chunk, what its backward adds to a local
@@ -317,21 +317,27 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     its state's transient where that is a BI's end: x = 2; else 0, of what it keeps for
     waiting Ws, ``w_caps[chunk]`` a micro-batch: the output gradients BIs captured, and
     the chunk whose backward starts at the peak: -1 where none does or it is not known,
-    -2 where the peak is a W's cast).
+    -2 where the peak is a W's cast; and whether that backward is the chunk's first,
+    where ``fresh[chunk]`` = (its backward start's transient there, the weight gradients
+    that start has made: counted among the gradients) leads).
     ``boundary``: bytes of a stage's output or input gradient, held at a backward's start
     by each awaiting its send; ``last_cast``: a tied head's cast of the table on the rank
     of the last stage, held only while its last chunk has a micro-batch in flight (the
     head's backward lets go of it; an interleaved rank's other chunks run without it)."""
     best, ends, held_grads, captures, waiting, chunk = 0.0, 0.0, 0.0, 0.0, 0.0, -1
+    first_b = False
     for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
         following = after[0] if after else -1
-        extra = transient[x]
+        extra, new_grads = transient[x], 0.0
         if x == 4:
             extra = extra[after[0]]
             if not extra:
                 continue
         if x == 0:
             extra = extra[following] if following >= 0 else max(extra)
+            lead = fresh[following] if fresh and following >= 0 else None
+            if lead is not None and not made[following] and sum(lead) > extra:
+                extra, new_grads = lead
             extra += boundary * (after[1] if len(after) > 1 else 0)
             if not (fwd[-1] or wait_w[-1]):
                 extra -= last_cast
@@ -340,10 +346,12 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
             held, keep = weights[c]
             total += n_f * held + n_w * keep
             made_grads += done * grads[c]
+        made_grads += new_grads
         total += made_grads
         if total > best:
             best, ends, held_grads = total, extra if x in (1, 3, 4) else 0.0, made_grads
+            first_b = new_grads > 0
             captures = extra if x == 2 else 0.0
             waiting = sum(n * c for n, c in zip(wait_w, w_caps))
             chunk = following if x == 0 else (-2 if x == 4 else -1)
-    return best, ends, held_grads, captures, waiting, chunk
+    return best, ends, held_grads, captures, waiting, chunk, first_b
