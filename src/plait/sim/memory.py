@@ -692,21 +692,22 @@ def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe:
     # sum (a biased model's), the stream's gradient is a cast of it, not it: held apart
     # once the node's own gradients are gone (in the node, the bias add's output gradient
     # counted above is as large)
-    if not last_stage and bias:
+    apart_held = not last_stage and bias
+    if apart_held:
         apart = boundary_bytes(cfg, layout)
         ws, cast = ws + apart, cast + apart if cast else cast
     if fresh:  # (``fresh_backward_grads``)
         head, down = fresh_backward_grads(cfg, layout, runtime, last_stage)
         # and the MLP norm's backward, every MLP weight's gradient made, its saved tensors
         # and its input gone (``backward_transient``'s working set, the norm's)
-        up = (1 if cfg.arch == "gpt2" else 2) * cfg.ffn_hidden
-        mlp = (up + cfg.ffn_hidden) / layout.tp
-        gone = tokens * (mlp + cfg.hidden / split) * e
+        widths = (2 if cfg.arch == "gpt2" else 3) * cfg.ffn_hidden  # entry and down
+        gone = tokens * (widths / layout.tp + cfg.hidden / split) * e
+        every = down * widths / cfg.ffn_hidden  # each MLP weight's, as the down projection's
         norm = (
-            backward_transient(cfg, layout, runtime),
+            backward_transient(cfg, layout, runtime) + (apart if apart_held else 0.0),
             gone,
-            head + down * mlp / cfg.ffn_hidden * layout.tp,
-        )
+            head + every,
+        )  # (a biased block's received gradient apart: above)
         return max((node, 0.0, head), (ws, freed, head + down), norm,
                    key=lambda x: x[0] + x[2] - x[1])  # fmt: skip
     return max((node, 0.0), (ws, freed), (cast, cast_freed), key=lambda x: x[0] - x[1])
@@ -1164,8 +1165,9 @@ def memory_per_rank(
             # the head's buffers freed (the recomputing ones: above)
             keeps = {k: v for k, v in blocks.items() if not k or layout.recompute != "full"}
             # and in a chunk's first backward of a step, with the gradients it has made by
-            # then (``fresh_backward_grads``): (net, the gradients, working set, start)
-            fresh_work = (-math.inf, 0.0, 0.0, None)
+            # then (``fresh_backward_grads``): (working set net of what it freed, the
+            # gradients made, start)
+            fresh_work = (-math.inf, 0.0, None)
             for dense, routed in keeps.values():
                 for count, moe_block in ((dense, False), (routed, True)):
                     if count:
@@ -1180,7 +1182,7 @@ def memory_per_rank(
                                 stage == last_stage, fresh=True)  # fmt: skip
                             net = ws + waits - head_freed - gone
                             if net + made > fresh_work[0] + fresh_work[1]:
-                                fresh_work = (net, made, net,
+                                fresh_work = (net, made,
                                               (head_freed + gone, ws + waits, True))  # fmt: skip
             chunk_work[rank].append(work)
             chunk_fresh[rank].append(fresh_work)
@@ -1421,8 +1423,7 @@ def memory_per_rank(
                 for c in range(v)
             ]  # fmt: skip
             w_cast = tuple(max(0.0, a - b - c) for a, b, c in casting)
-            fresh_starts = tuple((f[0], f[1]) if f[3] is not None else None
-                                 for f in chunk_fresh[rank])  # fmt: skip
+            fresh_starts = tuple(f[:2] if f[2] is not None else None for f in chunk_fresh[rank])
             walk = partial(peak_with_grads, states, rank, weights[rank], shares,
                            w_caps=tuple(w_grads[rank]), boundary=boundary_bytes(cfg, layout),
                            last_cast=tied_cast, fresh=fresh_starts)  # fmt: skip
@@ -1438,7 +1439,7 @@ def memory_per_rank(
             if chunk >= 0:
                 work, start = chunk_work[rank][chunk]
                 if first_b:  # a chunk's first backward: its working set and start there
-                    _, _, work, start = chunk_fresh[rank][chunk]
+                    work, _, start = chunk_fresh[rank][chunk]
             if captures:  # a BI's end: its captures and those of the Ws waiting then
                 captures, w_at_peak = captures + gone, waiting
             short = max(0.0, g - made)
