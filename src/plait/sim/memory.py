@@ -378,8 +378,8 @@ def chunk_param_elements(cfg: ModelConfig, layout: Layout, layers: int, first: b
     """Each trained parameter's elements on one rank of a pipeline chunk of ``layers``
     dense blocks, in the order the model registers them (``Transformer``): the embedding
     (the table's rows split over tp, padded to a multiple of it; GPT-2's learned
-    positions whole) where the chunk holds it,
-    each block's input norm, q, k, v (their biases after each weight), the output
+    positions whole) where the chunk holds it, each block's input norm, q, k, v (their
+    biases after each weight), the output
     projection, Qwen 3's q and k norms, the MLP's norm and its matrices, then the final
     norm and an untied head. None with MoE blocks (not walked)."""
     if cfg.moe_experts:
@@ -412,18 +412,26 @@ def chunk_param_elements(cfg: ModelConfig, layout: Layout, layers: int, first: b
     return out
 
 
+def bucket_runs(elements: list[float], layout: Layout, w_bytes: float) -> list[list[int]]:
+    """The gradient buckets ``split_buckets`` cuts from a chunk's parameters
+    (``chunk_param_elements``), each as the indices of its parameters, last parameter
+    first: the order the backward launches them. The last holds the first registered (the
+    embedding's, on a first stage)."""
+    limit, runs, run, size = layout.bucket_mb * 2**20, [], [], 0.0
+    for i in reversed(range(len(elements))):
+        run.append(i)
+        size += elements[i] * w_bytes
+        if size >= limit:
+            runs.append(run)
+            run, size = [], 0.0
+    return runs + ([run] if run else [])
+
+
 def bucket_bytes_in_launch_order(elements: list[float], layout: Layout,
                                  w_bytes: float) -> list[float]:  # fmt: skip
-    """The bytes of each gradient bucket ``split_buckets`` cuts from a chunk's parameters
-    (``chunk_param_elements``), last parameter first: the order the backward launches
-    them. The last holds the first registered (the embedding's, on a first stage)."""
-    limit, out, size = layout.bucket_mb * 2**20, [], 0.0
-    for n in reversed(elements):
-        size += n * w_bytes
-        if size >= limit:
-            out.append(size)
-            size = 0.0
-    return out + ([size] if size else [])
+    """The bytes of each of ``bucket_runs``' buckets, in launch order."""
+    return [sum(elements[i] for i in run) * w_bytes
+            for run in bucket_runs(elements, layout, w_bytes)]  # fmt: skip
 
 
 def embedding_backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime,
@@ -724,8 +732,6 @@ def fresh_backward_grads(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     --sequence-parallel``, one micro-batch, peaked in the last block's SwiGLU backward with
     the head's 16 and the down projection's 22 MiB made (1.016 of the model without
     them)."""
-    if layout.zero > 1:
-        return 0.0, 0.0
     g_bytes = runtime.state_bytes(layout.dtype)[1]
     head = 0.0
     if last_stage and not cfg.tied_embeddings:
@@ -1712,8 +1718,8 @@ def zero2_attention_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     down projection's and those two's shards (8 + 11 + 2 x 11 MiB) and the output
     projection's gradient (16 MiB) in a bucket that also takes v's."""
     w = 4  # fp32 weights, packed in fp32
-    # (elements, made by the moment), in ``split_buckets``' order: last parameter first --
-    # the head's (untied), the block's MLP, its norm and the output projection made; Qwen
+    # made by the moment, last parameter first (``bucket_runs``' order): the head's
+    # (untied), the block's MLP, its norm and the output projection; Qwen
     # 3's q/k norms (registered after it), v, k, q and the input norm not yet. The block's
     # MLP as a dense one's (the walk does not list experts)
     block = chunk_param_elements(dataclasses.replace(cfg, moe_experts=0), layout, 1,
@@ -1723,22 +1729,12 @@ def zero2_attention_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime,
     after_o = o + (2 if cfg.biases else 1)
     rest = after_o + (2 if cfg.qk_norm else 0)
     made = [o <= i < after_o or i >= rest for i in range(len(block))]
-    order = list(zip(reversed(block), reversed(made)))
-    limit = layout.bucket_mb * 2**20
     launched, whole = [], 0.0  # buckets launched; made gradients in buckets that are not
-    size = made_here = 0.0
-    full = True
-    for i, (elements, made) in enumerate(order):
-        size += elements * w
-        made_here += elements * w if made else 0.0
-        full = full and made
-        if size >= limit or i == len(order) - 1:  # a bucket cut (``split_buckets``)
-            if full:
-                launched.append(size)
-            else:
-                whole += made_here
-            size = made_here = 0.0
-            full = True
+    for run in bucket_runs(block, layout, w):
+        if all(made[i] for i in run):
+            launched.append(sum(block[i] for i in run) * w)
+        else:
+            whole += sum(block[i] for i in run if made[i]) * w
     shard = dp_groups(layout, False)[0]
     flying = launched[-runtime.zero3_grads_in_flight :] if runtime.zero3_grads_in_flight else []
     g_bytes = runtime.state_bytes(layout.dtype)[1]
