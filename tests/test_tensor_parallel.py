@@ -220,6 +220,11 @@ def _layers(world):
             _randomise(ref, 5)
             layer = MLP(cfg, topo=topo, sequence_parallel=sp)
             check(f"mlp-{arch}-{s}", layer, ref, x, x_split=xs, out_split=xs)
+            if sp:  # one sequence: its shards lie in rank order, gathered and scattered
+                # without a copy (``comm.joined``), where two sequences interleave them
+                ref.zero_grad(set_to_none=True)
+                layer = MLP(cfg, topo=topo, sequence_parallel=sp)
+                check(f"mlp-{arch}-b1-{s}", layer, ref, x[:1], x_split=xs, out_split=xs)
         # attention: multi-head (gpt2), GQA split (kv 4), GQA replicated when kv < tp
         # (kv 2 on 4 ranks), multi-query (kv 1: replicated on every rank)
         for arch, kv in (("gpt2", 8), ("llama", 4), ("llama", 2), ("llama", 1)):
@@ -282,7 +287,8 @@ def _layers(world):
 
 def _expected_layer_comms(name: str, tp: int) -> tuple[dict, dict]:
     """(forward, backward) collectives of one layer: {(axis, op): (calls, bytes)}."""
-    act = B * T * 32 * 8  # every activation collective moves one (B, T, C) float64 tensor
+    # every activation collective moves one (B, T, C) float64 tensor (-b1-: one sequence)
+    act = (1 if "-b1-" in name else B) * T * 32 * 8
     sp = name.endswith("-sp")
     f_in, g_out = ("all_gather", "reduce_scatter") if sp else (None, "all_reduce")
     f_back, g_back = ("reduce_scatter", "all_gather") if sp else ("all_reduce", None)
@@ -619,6 +625,23 @@ def test_dropout_streams(tp2):
 
 
 # --- no processes ------------------------------------------------------------------------
+
+
+def test_joined_rows_are_their_concatenation_and_a_view_at_one_sequence():
+    """``comm.joined``: rows a collective stacked, (n, B, T / n, C), as their concatenation
+    along T -- equal to ``torch.cat`` always, and at one sequence (B = 1) the rows'
+    own storage, no copy (sequence parallelism's gathers at micro-batch 1 made a T x C
+    copy per call before). Catches a view taken where the rows do not lie in order
+    (B > 1: the values would interleave sequences) and a copy where they do."""
+    from plait import comm
+
+    for b in (1, 2):
+        rows = torch.arange(4 * b * 3 * 5, dtype=torch.float32).view(4, b, 3, 5)
+        got = comm.joined(rows, 1)
+        assert torch.equal(got, torch.cat(rows.unbind(0), dim=1))
+        assert (got.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()) == (b == 1)
+    rows = torch.zeros(2, 3, 5)
+    assert comm.joined(rows, 0).data_ptr() == rows.data_ptr()
 
 
 def test_padded_vocabulary_sharding_round_trip():

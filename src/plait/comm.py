@@ -182,6 +182,22 @@ def _single_tensor(op: str, fn, out, t, topo: Topology, axis, async_op: bool):
     )
 
 
+def _stacked_in_order(shape, dim: int) -> bool:
+    """Pieces of ``shape`` stacked along a new first dimension lie in memory as their
+    concatenation along ``dim``: every dimension before ``dim`` has size 1 (dim 0 always;
+    sequence parallelism's (B, T, C) split along T at one sequence per micro-batch)."""
+    return all(size == 1 for size in shape[:dim])
+
+
+def joined(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """The concatenation along ``dim`` of ``rows`` (n, ...) stacked as a collective lays
+    them out: a view where memory already holds it (``_stacked_in_order``), else a copy."""
+    n, *shape = rows.shape
+    if _stacked_in_order(shape, dim):
+        return rows.view(*shape[:dim], n * shape[dim], *shape[dim + 1 :])
+    return torch.cat(rows.unbind(0), dim=dim)
+
+
 def all_gather(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (in axis order)."""
     if topo.group(axis) is None:
@@ -189,9 +205,7 @@ def all_gather(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> 
     n = topo.size(axis)
     out = torch.empty((n, *t.shape), dtype=t.dtype, device=t.device)
     all_gather_into(out, t, topo=topo, axis=axis)
-    if dim == 0:  # stacking along a new first dimension is concatenation along dim 0
-        return out.view(n * t.shape[0], *t.shape[1:])
-    return torch.cat(out.unbind(0), dim=dim)
+    return joined(out, dim)
 
 
 def reduce_scatter(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0) -> torch.Tensor:
@@ -201,7 +215,8 @@ def reduce_scatter(t: torch.Tensor, *, topo: Topology, axis: Axis, dim: int = 0)
     n = topo.size(axis)
     if t.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dim {dim} of size {t.shape[dim]} not divisible by {n}")
-    pieces = t.contiguous() if dim == 0 else torch.stack(t.chunk(n, dim=dim))
+    # the pieces in rank order, one after another: ``t`` itself where it already lies so
+    pieces = t.contiguous() if _stacked_in_order(t.shape, dim) else torch.stack(t.chunk(n, dim=dim))
     shape = list(t.shape)
     shape[dim] //= n
     out = torch.empty(shape, dtype=t.dtype, device=t.device)

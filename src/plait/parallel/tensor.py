@@ -207,7 +207,7 @@ def _start_gather_seq(x: torch.Tensor, topo: Topology):
 
 def _finish_gather_seq(rows: torch.Tensor, work, topo: Topology) -> torch.Tensor:
     comm.wait([work], topo=topo, what="all_gather", axis="tp")
-    return torch.cat(rows.unbind(0), dim=SEQ_DIM)
+    return comm.joined(rows, SEQ_DIM)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, topo: Topology) -> torch.Tensor:
