@@ -18,7 +18,7 @@ from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig, preset
 from plait.parallel.pipeline.schedules import bubble_formula, build_schedule
-from plait.sim import Hardware, Result, collectives, costs, get_hardware, pipeline, simulate
+from plait.sim import Hardware, Result, collectives, costs, get_hardware, memory, pipeline, simulate
 from plait.sim.hardware import BUILTIN, Link
 from plait.sim.pipeline import replay, unit_cost
 from plait.sim.runtime import PROFILES
@@ -362,16 +362,20 @@ def test_pipeline_memory_follows_the_schedule():
     gpipe = simulate(c, lay(schedule="gpipe", **base), A100)
     inter = simulate(c, lay(schedule="interleaved-1f1b", vpp=2, **base), A100)
     per_layer = sizes.activation_bytes_per_layer(c, act_bytes=2, flash_attention=True)
-    # 1F1B: rank 0 holds p = 4 micro-batches of its 6 layers; GPipe all m = 32
-    assert one.memory_ranks[0].activations == pytest.approx(4 * 6 * per_layer)
-    assert gpipe.memory_ranks[0].activations == pytest.approx(32 * 6 * per_layer)
+    # 1F1B: rank 0 holds p = 4 micro-batches of its 6 layers; GPipe all m = 32; each peaks
+    # as its last forward ends, the output before it awaiting its send
+    # (``memory.forward_end_moment``)
+    end = memory.forward_end_moment(c, lay(**base), PROFILES["plait"], False, True)
+    end += memory.boundary_bytes(c, lay(**base))
+    assert one.memory_ranks[0].activations == pytest.approx(4 * 6 * per_layer + end)
+    assert gpipe.memory_ranks[0].activations == pytest.approx(32 * 6 * per_layer + end)
     # the last rank also keeps each in-flight micro-batch's logits (bf16 + fp32 for the loss)
     head = 2048 * (2 * c.hidden * 2 + c.vocab_size * 6)
     assert gpipe.memory_ranks[3].activations == pytest.approx(32 * (6 * per_layer + head))
     assert one.memory_ranks[3].activations == pytest.approx(6 * per_layer + head)
     # interleaving: rank 0 holds (p - 1) * 2 + (v - 1) * p + 1 = 11 chunk-micro-batches
     # of 3 layers: the (1 + (p - 1) / (p v)) penalty of Korthikanti et al. on 4 x 6 layers
-    assert inter.memory_ranks[0].activations == pytest.approx(11 * 3 * per_layer)
+    assert inter.memory_ranks[0].activations == pytest.approx(11 * 3 * per_layer + end)
     assert 11 * 3 == pytest.approx(4 * 6 * (1 + 3 / 8))
 
 

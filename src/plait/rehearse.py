@@ -916,8 +916,9 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     # at the model's peak the activations are their own peak less what the gradients'
     # arrival after it takes off (``Memory.grads_apart``); the output gradients waiting for
     # a zero-bubble W were made in a backward: temporaries, as the rehearsal counts them
-    act = mem.activations + mem.weight_casts - mem.w_gradients
-    own = act if mem.forward_made_peak is None else mem.forward_made_peak + mem.weight_casts
+    act = mem.activations + mem.weight_casts + mem.tables - mem.w_gradients
+    own = act if mem.forward_made_peak is None else (mem.forward_made_peak + mem.weight_casts
+                                                     + mem.tables)  # fmt: skip
     memory = {"parameters": mem.weights, "gradients": mem.grads + mem.grads_moment,
               "optimizer": mem.optimizer,
               "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: own,

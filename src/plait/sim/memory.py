@@ -96,7 +96,7 @@ from plait.parallel.pipeline.schedules import (
 from plait.sim import context as cp_sim
 from plait.sim import expert as ep_sim
 from plait.sim.costs import ACT_BYTES, dp_groups, grad_ranks, residual_bytes
-from plait.sim.pipeline import Compiled, compile_schedule, peak_held, peak_with_grads
+from plait.sim.pipeline import Compiled, compile_schedule, forward_peaks, peak_held, peak_with_grads
 from plait.sim.runtime import Runtime
 
 
@@ -130,6 +130,8 @@ class Memory:
     # the rest, what forwards made, at its own moment (None: the activations')
     w_gradients: float = 0.0
     forward_made_peak: float | None = None
+    # the rotary tables the model caches (``rotary_table_bytes``)
+    tables: float = 0.0
 
     @property
     def total(self) -> float:
@@ -138,6 +140,7 @@ class Memory:
             + self.overhead
             + self.cp_buffers
             + self.weight_casts
+            + self.tables
             + self.temporaries
             + self.grads_moment
             - self.grads_apart
@@ -155,6 +158,8 @@ class Memory:
             cp["grads_moment"] = self.grads_moment
         if self.w_gradients:
             cp["w_gradients"] = self.w_gradients
+        if self.tables:
+            cp["tables"] = self.tables
         return {
             "rank": self.rank,
             "weights": self.weights,
@@ -166,6 +171,16 @@ class Memory:
             **cp,
             "total": self.total,
         }
+
+
+def rotary_table_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """The rotary tables a model chunk caches from its first forward on: cos and sin of
+    each position of the s / cp a rank holds, D / 2 fp32 angles each (T D 4 bytes: 2 MiB
+    at 4,096 tokens and heads of 128). ``plait rehearse`` finds them among the activations,
+    made in a forward."""
+    if not cfg.rotary:
+        return 0.0
+    return cfg.seq_len // layout.cp * cfg.head_dim * 4.0
 
 
 def table_elements(cfg: ModelConfig, layout: Layout) -> float:
@@ -247,13 +262,18 @@ def average_model_state(cfg: ModelConfig, layout: Layout, lora=None) -> dict[str
 
 def last_stage_buffers(cfg: ModelConfig, layout: Layout, lora=None) -> float:
     """Bytes the last stage keeps per micro-batch in flight for the final norm, the head
-    and the loss: T (h (r + e) + V / t (e + 4)), r the residual stream's bytes (the final
-    norm's input; ``costs.residual_bytes``). Under LoRA (``lora``) the head is frozen and
-    keeps no input (h e) for a weight gradient."""
+    and the loss: T (h (r + e) / s + V / t (e + 4)), r the residual stream's bytes (the
+    final norm's input; ``costs.residual_bytes``), s = t under sequence parallelism (the
+    head keeps its input's sequence shard and gathers it again for its backward:
+    ``keeping_shard``), else 1. Under LoRA (``lora``) the head is frozen and keeps no
+    input (h e) for a weight gradient. ``plait rehearse`` of four llama blocks of h 2048 at
+    ``--tp 2 --sp --pp 2``, 4,096 tokens: the last stage's activations' own peak was 0.969
+    of the model's while it counted the whole sequence's norm input and output."""
     e, r = ACT_BYTES[layout.dtype], residual_bytes(layout)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     head_input = 0 if lora is not None else e
-    return tokens * (cfg.hidden * (r + head_input) + cfg.vocab_size / layout.tp * (e + 4))
+    split = layout.tp if layout.sequence_parallel else 1
+    return tokens * (cfg.hidden * (r + head_input) / split + cfg.vocab_size / layout.tp * (e + 4))
 
 
 def tied_zero3_unit(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> tuple[float, float]:
@@ -337,17 +357,50 @@ def mlp_forward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) ->
     return tokens * cfg.ffn_hidden / layout.tp * ACT_BYTES[layout.dtype]
 
 
-def forward_mlp_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
-    """Bytes above a forward's end that a stage holds as its last block's MLP makes its
-    product: silu(gate) (``mlp_forward_transient``) where the block's output, made after
-    it, is not yet (T h / t under sequence parallelism, the stream's dtype). Only a stage
-    without the head peaks there (the head's logits outweigh it): ``plait rehearse`` of
-    four llama blocks of h 512 at pp 2, rank 0, held silu(gate) at its activations' own
-    peak (2026-11-28)."""
+def forward_end_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last_stage: bool,
+                       dense_end: bool) -> float:  # fmt: skip
+    """Bytes a chunk's forward holds at its last moments beyond its micro-batch's saved
+    tensors (the head's buffers not yet made): the largest of
+    - its last block's MLP making its product: silu(gate) (``mlp_forward_transient``),
+      beside the MLP's fp32 input on an fp32 stream (the norm's output, which the MLP
+      casts for its GEMMs and holds as its argument);
+    - its last block's output being made: the down projection's product (T h e,
+      all-reduced in place; under sequence parallelism reduce-scattered beside it into
+      T h / t e -- the pieces in order, no copy, at one sequence a micro-batch:
+      ``comm.joined``), a biased one's fp32 sum with its bias, the residual sum (fp32 if
+      either side is) and its cast back to the stream's dtype (``Block._forward``);
+    - on the last stage, the final norm's: its input (that output) with the fp32 copy of
+      it (none where the stream is fp32), the fp32 result and its cast to the stream's
+      dtype (``_LowPrecisionNorm``: PyTorch's fused kernels, as on a GPU).
+    ``dense_end``: the last block is a dense one that keeps its activations (a MoE block's
+    or a recomputing one's last moments are not modelled: its output alone).
+    ``plait rehearse`` of four llama blocks of h 2048 at 4,096 tokens and tp 2: rank 0 of
+    ``--pp 2`` peaked as its last block's output was made, the model 5.9 % short without
+    it; the last stage of one, at the final norm (2026-11-29)."""
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-    split = layout.tp if layout.sequence_parallel else 1
-    output = tokens * cfg.hidden / split * residual_bytes(layout)
-    return max(0.0, mlp_forward_transient(cfg, layout, runtime) - output)
+    e, r = ACT_BYTES[layout.dtype], residual_bytes(layout)
+    sp = layout.sequence_parallel and layout.tp > 1
+    row = tokens * cfg.hidden / (layout.tp if sp else 1)  # elements of the stream a rank holds
+    output = row * r
+    moments = [output]
+    if dense_end:
+        # an fp32 stream's norm output, fp32 too, is the MLP's argument: held through it
+        held = row * 4 if r == 4 and e != 4 else 0.0
+        moments.append(mlp_forward_transient(cfg, layout, runtime) + held)
+        product = tokens * cfg.hidden * e
+        branch = row * e  # the product as the residual add takes it: this rank's rows
+        moments.append(product + held + (branch if sp else 0.0))  # (its reduce-scatter)
+        if cfg.biases and e != 4:  # the bias, held in fp32, promotes the branch
+            moments.append(branch + row * 4)
+            branch = row * 4
+        total = row * max(r, branch / row)  # the residual sum
+        moments.append(branch + total)
+        if total != output:
+            moments.append(total + output)  # cast back to the stream's dtype
+    if last_stage:
+        copies = 4 + (0 if r == 4 else 4 + r)  # fp32 result; fp32 input copy, cast back
+        moments.append(output + row * copies)
+    return max(moments)
 
 
 def backward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> float:
@@ -1082,10 +1135,12 @@ def memory_per_rank(
     transient = []
     # per rank, a moment that tops the activations' own peak and nothing else, as no
     # gradient or working set is held there: a dense MLP's silu(gate)
-    # (``mlp_forward_transient``) on top of a recomputing block's forward made again, or,
-    # on a stage without the head, on top of a forward's saved tensors but its last
-    # block's output (``forward_mlp_moment``)
+    # (``mlp_forward_transient``) on top of a recomputing block's forward made again
     own_only = []
+    # per rank and chunk, (what its forward holds at its end beyond its micro-batch's
+    # weight below, a stage output awaiting its send): ``pipeline.forward_peaks``
+    ends_of_forward = []
+    end_output = boundary_bytes(cfg, layout)  # awaiting its send: in the wire's dtype
     # per rank, the same with each block's backward working set on top
     # (``mlp_backward_working_set``): what the rehearsal calls temporaries
     working = []
@@ -1114,6 +1169,7 @@ def memory_per_rank(
         row, n, x, grad_rows = [], 0.0, 0.0, []
         transient.append(0.0)
         own_only.append(0.0)
+        ends_of_forward.append([])
         chunk_work.append([])
         chunk_fresh.append([])
         chunk_params.append([])
@@ -1145,14 +1201,17 @@ def memory_per_rank(
                 head_freed += weight_cast_bytes(cfg, layout, runtime, 0, last=True)
             waits = waiting_table_grad(cfg, layout, runtime, stage == 0 == last_stage, lora)
             work = (0.0, (0.0, -math.inf, False))  # the chunk's (``chunk_work``)
-            if (
-                stage != last_stage
-                and layers
-                and (layout.recompute != "full" or layout.recomputed_blocks(layers) < layers)
-            ):
-                index = sum(stage_layers[:stage]) + layers - 1  # the chunk's last block
-                if not cfg.is_moe_layer(index):
-                    own_only[rank] = max(own_only[rank], forward_mlp_moment(cfg, layout, runtime))
+            index = sum(stage_layers[:stage]) + layers - 1  # the chunk's last block
+            dense_end = (layers > 0 and not cfg.is_moe_layer(index)
+                         and layout.recomputed_blocks(layers) < layers)  # fmt: skip
+            end = forward_end_moment(cfg, layout, runtime, stage == last_stage, dense_end)
+            output = 0.0 if stage == last_stage else end_output
+            if stage == last_stage:  # its weight counts the head's buffers, not made yet,
+                end -= head  # and the step's casts the head's weight's, made at the step's
+                if cfg.tied_embeddings or layout.num_microbatches == 1:  # first head (a
+                    end -= weight_cast_bytes(cfg, layout, runtime, 0, last=True)  # tied one: each)
+            ends_of_forward[rank].append((end if layers or stage == last_stage else 0.0,
+                                          output))  # fmt: skip
             if layout.recompute == "full":
                 freed += head_freed
                 dense, routed = blocks[True]
@@ -1260,6 +1319,22 @@ def memory_per_rank(
             grads.append(held_grads)
         return act, grads
 
+    def forward_end_peaks(bare: list) -> list[float]:
+        """Each rank's activations at its forwards' ends (``forward_end_moment``, with
+        the stage outputs awaiting their send beside them). Without a compiled schedule:
+        the busiest chunk's end on top of the peak, one earlier output awaiting its send
+        where a rank runs two forwards in a row before its first backward."""
+        if compiled is not None:
+            return forward_peaks(compiled, tuple(weights), tuple(map(tuple, ends_of_forward)))
+        out = []
+        for rank in range(p):
+            bound = in_flight_bound(layout.schedule, num_ranks=p,
+                                    num_microbatches=layout.num_microbatches,
+                                    num_chunks=v, rank=rank)  # fmt: skip
+            out.append(bare[rank] + max(end + (output if bound > 1 else 0.0)
+                                        for end, output in ends_of_forward[rank]))  # fmt: skip
+        return out
+
     # of the activations' peak, the output gradients BIs captured for their Ws: made in a
     # backward (the rehearsal's temporaries), held as long as the inputs W also needs; and
     # the peak of the rest, what forwards made, wherever it falls (``at_bi``: the second)
@@ -1269,6 +1344,7 @@ def memory_per_rank(
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
     own = [max(a, b + o) for a, b, o in zip(act, bare, own_only)]  # and their own peak's
+    own = [max(a, f) for a, f in zip(own, forward_end_peaks(bare))]  # forwards' ends
     forward_made = [a + t for a, t in zip(forward_made, transient)]
     held = [a + w for a, w in zip(bare, working)]  # ... and the backward's working set
     # only with no more micro-batches than stages can a rank's forwards all come before
@@ -1382,6 +1458,7 @@ def memory_per_rank(
             cp = cp_sim.buffer_bytes(cfg, layout, not cp_sim.math_attention(layout, runtime))
         layers = sum(stage_layers[c * p + rank] for c in range(v))
         moe_here = sum(moe[c * p + rank] for c in range(v))
+        tables = rotary_table_bytes(cfg, layout) * v  # each model chunk caches its own
         casts = weight_cast_bytes(cfg, layout, runtime, layers, last=rank == p - 1,
                                   moe_layers=moe_here)  # fmt: skip
         # of those, a tied head's is autocast's, kept by its micro-batch for the head's
@@ -1494,14 +1571,15 @@ def memory_per_rank(
         mem = Memory(rank, w, g, o, own[rank], buffers, overhead, cp, casts + head_cast,
                      apart - short, temporaries=temps - flat, grads_moment=flat - short,
                      w_gradients=w_at_peak,
-                     forward_made_peak=forward_made[rank] if awaiting_w[rank] else None)  # fmt: skip
+                     forward_made_peak=forward_made[rank] if awaiting_w[rank] else None,
+                     tables=tables)  # fmt: skip
         # as ``finish()`` launches what the hooks did not: every activation and cast gone
         fin = finish_transient(cfg, layout, runtime, layers, rank == 0, rank == p - 1)
         if fin:
             gone = own[rank] + casts + head_cast
             end_of_step = Memory(rank, w, g, o, own[rank], 0.0, overhead, 0.0, casts + head_cast,
                                  gone, grads_moment=fin,
-                                 forward_made_peak=mem.forward_made_peak)  # fmt: skip
+                                 forward_made_peak=mem.forward_made_peak, tables=tables)  # fmt: skip
             if end_of_step.total > mem.total:
                 mem = end_of_step
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
@@ -1514,7 +1592,7 @@ def memory_per_rank(
                           own[rank] - bare[rank] + freed + head_cast + tied_cast,
                           temporaries=temps,
                           grads_moment=rows + grads - g, w_gradients=mem.w_gradients,
-                          forward_made_peak=mem.forward_made_peak)  # fmt: skip
+                          forward_made_peak=mem.forward_made_peak, tables=tables)  # fmt: skip
             if back.total > mem.total:
                 mem = back
         out.append(mem)

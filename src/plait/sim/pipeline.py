@@ -85,7 +85,8 @@ class Compiled:
     (rank * v + chunk) * 4 + column (F, B, BI, W) of the flattened cost table and a send
     entry 2 * rank (activation) or 2 * rank + 1 (gradient) of the flattened transfer
     table. ``finals[rank]``: (item, chunk) of each chunk's final B or W on the rank.
-    ``held_vectors``: see ``_held_vectors``; ``grad_states``: see ``_grad_states``.
+    ``held_vectors``: see ``_held_vectors``; ``grad_states``: see ``_grad_states``;
+    ``forward_vectors``: see ``_forward_vectors``.
     """
 
     p: int
@@ -96,6 +97,7 @@ class Compiled:
     finals: tuple[tuple[tuple[int, int], ...], ...]
     held_vectors: tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], ...]
     grad_states: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...] = ()
+    forward_vectors: tuple = ()
 
 
 @lru_cache(maxsize=64)
@@ -118,7 +120,7 @@ def compile_schedule(name: str, p: int, m: int, v: int) -> Compiled:
         finals.append(tuple(sorted((i, c) for c, i in last_of.items())))
     states = tuple(_grad_states(lists, v))
     return Compiled(p, m, v, lists, resolution, tuple(finals), tuple(_held_vectors(states)),
-                    states)  # fmt: skip
+                    states, tuple(_forward_vectors(states)))  # fmt: skip
 
 
 def _held_vectors(grad_states) -> list:
@@ -127,6 +129,18 @@ def _held_vectors(grad_states) -> list:
     a forward followed by a backward, and after each BI (what waits for its W can be more
     than the micro-batch held)."""
     return [tuple(sorted(_pareto({(f, w) for f, w, _, (x, *_) in states if x == 0})))
+            for states in grad_states]  # fmt: skip
+
+
+def _forward_vectors(grad_states) -> list:
+    """Per rank, the (held until B/BI, held until W, chunk, outputs) at each forward's end
+    (``_grad_states``' x = 5 states): the micro-batches held per chunk with the forward's
+    own counted, the chunk it runs, and how many earlier stage outputs still await their
+    send beside it -- where a forward's last moments (its last block's output, the final
+    norm's fp32 copies: ``memory.forward_end_moment``) top the activations."""
+    return [tuple(sorted((f, w, c, n) for c, n in {s[3][1:] for s in states if s[3][0] == 5}
+                         for f, w in _pareto({(f, w) for f, w, _, x in states
+                                              if x == (5, c, n)})))
             for states in grad_states]  # fmt: skip
 
 
@@ -149,7 +163,10 @@ def _grad_states(lists, v: int):
     tensors awaiting their send then)), and every backward's start once gradients exist (a B that
     follows a B holds one micro-batch fewer than the start before it, but the gradients
     the first made and its own working set: LLaMA blocks at ``--pp 2 --cp 2`` and two
-    micro-batches peak as rank 0's second backward starts). A later B or W ends below the
+    micro-batches peak as rank 0's second backward starts); and x = (5, chunk, outputs)
+    for each forward's end, with the stage outputs awaiting their send beside it
+    (``_forward_vectors``; not a moment of the gradients' peak: a backward's start that
+    follows holds as much, and its working set). A later B or W ends below the
     local maximum before it (its working set is less than the micro-batch's activations
     it has freed), so only the first counts, the first chunk's apart."""
     out = []
@@ -160,22 +177,32 @@ def _grad_states(lists, v: int):
         rising = False
         # boundary tensors awaiting their send (``executor``: a stage's output or input
         # gradient is held from its compute until its batch is posted, and by a send-only
-        # batch until the compute after it has run); a batch that receives too is waited on
-        # before the compute that reads it
-        unposted, sending = set(), set()
+        # batch until the compute after it has run; a batch that receives too is waited on,
+        # and lets go of what it sent, before the compute that reads one of its messages)
+        unposted, sending, waiting = set(), set(), []  # waiting: [(receives, sends)]
         for a in actions:
             if not isinstance(a, Action):
                 sent = {(m.microbatch, m.chunk, m.op is Op.SEND_ACT) for m in a.messages
                         if m.op in SEND_OPS}  # fmt: skip
                 unposted -= sent
-                if all(m.op in SEND_OPS for m in a.messages):
+                got = {(m.microbatch, m.chunk, m.op is Op.RECV_ACT) for m in a.messages
+                       if m.op not in SEND_OPS}  # fmt: skip
+                if got:
+                    waiting.append((got, sent))
+                else:
                     sending |= sent
                 continue
-            held_out = len(unposted) + len(sending)
+            if a.op is not Op.BACKWARD_WEIGHT:  # what it reads: its batch waited on first
+                reads = (a.microbatch, a.chunk, a.op is Op.FORWARD)
+                waiting = [(got, sent) for got, sent in waiting if reads not in got]
+            awaiting = unposted | sending | {x for _, sent in waiting for x in sent}
+            held_out = len(awaiting)
+            outputs = sum(1 for *_, act in awaiting if act)
             sending = set()
             if a.op is Op.FORWARD:
                 fwd[a.chunk] += 1
                 rising = True
+                states.add((tuple(fwd), tuple(wait_w), tuple(made), (5, a.chunk, outputs)))
                 if a.chunk * p + rank < v * p - 1:  # its output goes to the next stage
                     unposted.add((a.microbatch, a.chunk, True))
                 continue
@@ -302,6 +329,24 @@ def peak_held(compiled: Compiled, weights: tuple, waiting: tuple) -> tuple[list,
     return peaks, parts
 
 
+def forward_peaks(compiled: Compiled, weights: tuple, ends: tuple) -> list:
+    """Per rank, the activations at their forwards' ends (``_forward_vectors``), with
+    ``weights`` as ``peak_held``'s and ``ends[rank][chunk]`` = (what that chunk's forward
+    holds at its end beyond its micro-batch's ``weights`` -- less where the weights count
+    what is not made yet --, bytes of one stage output awaiting its send)."""
+    peaks = []
+    for rank, vectors in enumerate(compiled.forward_vectors):
+        w, best = weights[rank], 0.0
+        for fwd, wait_w, chunk, outputs in vectors:
+            extra, output = ends[rank][chunk]
+            total = extra + outputs * output
+            total += sum(n_f * w[c][0] + n_w * w[c][1]
+                         for c, (n_f, n_w) in enumerate(zip(fwd, wait_w)))  # fmt: skip
+            best = max(best, total)
+        peaks.append(best)
+    return peaks
+
+
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
                     transient: tuple, w_caps: tuple = (), boundary: float = 0.0,
                     last_cast: float = 0.0, fresh: tuple = ()) -> tuple:  # fmt: skip
@@ -327,6 +372,8 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     best, ends, held_grads, captures, waiting, chunk = 0.0, 0.0, 0.0, 0.0, 0.0, -1
     first_b = False
     for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
+        if x == 5:  # a forward's end: the activations' own moment (``_forward_vectors``)
+            continue
         following = after[0] if after else -1
         extra, new_grads = transient[x], 0.0
         if x == 4:
