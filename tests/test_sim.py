@@ -369,10 +369,11 @@ def test_pipeline_memory_follows_the_schedule():
     end += memory.boundary_bytes(c, lay(**base))
     assert one.memory_ranks[0].activations == pytest.approx(4 * 6 * per_layer + end)
     assert gpipe.memory_ranks[0].activations == pytest.approx(32 * 6 * per_layer + end)
-    # the last rank also keeps each in-flight micro-batch's logits (bf16 + fp32 for the loss)
-    head = 2048 * (2 * c.hidden * 2 + c.vocab_size * 6)
-    assert gpipe.memory_ranks[3].activations == pytest.approx(32 * (6 * per_layer + head))
-    assert one.memory_ranks[3].activations == pytest.approx(6 * per_layer + head)
+    # the last rank also keeps each in-flight micro-batch's final norm input and output and
+    # the loss's fp32 copy of its logits; its bf16 logits only while the loss's forward runs
+    head, logits = 2048 * (2 * c.hidden * 2 + c.vocab_size * 4), 2048 * c.vocab_size * 2
+    assert gpipe.memory_ranks[3].activations == pytest.approx(32 * (6 * per_layer + head) + logits)
+    assert one.memory_ranks[3].activations == pytest.approx(6 * per_layer + head + logits)
     # interleaving: rank 0 holds (p - 1) * 2 + (v - 1) * p + 1 = 11 chunk-micro-batches
     # of 3 layers: the (1 + (p - 1) / (p v)) penalty of Korthikanti et al. on 4 x 6 layers
     assert inter.memory_ranks[0].activations == pytest.approx(11 * 3 * per_layer + end)

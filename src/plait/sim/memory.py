@@ -265,15 +265,31 @@ def last_stage_buffers(cfg: ModelConfig, layout: Layout, lora=None) -> float:
     and the loss: T (h (r + e) / s + V / t (e + 4)), r the residual stream's bytes (the
     final norm's input; ``costs.residual_bytes``), s = t under sequence parallelism (the
     head keeps its input's sequence shard and gathers it again for its backward:
-    ``keeping_shard``), else 1. Under LoRA (``lora``) the head is frozen and keeps no
-    input (h e) for a weight gradient. ``plait rehearse`` of four llama blocks of h 2048 at
-    ``--tp 2 --sp --pp 2``, 4,096 tokens: the last stage's activations' own peak was 0.969
-    of the model's while it counted the whole sequence's norm input and output."""
+    ``keeping_shard``), else 1; less the logits in the compute dtype, gone as the loss's
+    forward ends (``head_logits_bytes``). Under LoRA (``lora``) the head is frozen and
+    keeps no input (h e) for a weight gradient. ``plait rehearse`` of four llama blocks
+    of h 2048 at ``--tp 2 --sp --pp 2``, 4,096 tokens: the last stage's activations' own
+    peak was 0.969 of the model's while it counted the whole sequence's norm input and
+    output; GPipe's last stage at ``--pp 2`` 0.982 while each finished micro-batch kept
+    its bf16 logits."""
     e, r = ACT_BYTES[layout.dtype], residual_bytes(layout)
     tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
     head_input = 0 if lora is not None else e
     split = layout.tp if layout.sequence_parallel else 1
-    return tokens * (cfg.hidden * (r + head_input) / split + cfg.vocab_size / layout.tp * (e + 4))
+    kept = tokens * (cfg.hidden * (r + head_input) / split + cfg.vocab_size / layout.tp * (e + 4))
+    return kept - head_logits_bytes(cfg, layout)
+
+
+def head_logits_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """The logits in the compute dtype (T V / t e), made by the head's GEMM and let go as
+    the loss's forward returns: the vocabulary-parallel cross-entropy keeps its own fp32
+    copy for the backward (``tensor._VocabParallelCrossEntropy``). Held at the loss's
+    moment of the micro-batch whose forward runs (``forward_end_moment``), by none of
+    those in flight. 0 under fp32, whose loss keeps the caller's logits."""
+    e = ACT_BYTES[layout.dtype]
+    if e == 4:
+        return 0.0
+    return layout.micro_batch_size * cfg.seq_len // layout.cp * cfg.vocab_size / layout.tp * e
 
 
 def tied_zero3_unit(cfg: ModelConfig, layout: Layout, runtime: Runtime) -> tuple[float, float]:
@@ -1210,6 +1226,8 @@ def memory_per_rank(
                 end -= head  # and the step's casts the head's weight's, made at the step's
                 if cfg.tied_embeddings or layout.num_microbatches == 1:  # first head (a
                     end -= weight_cast_bytes(cfg, layout, runtime, 0, last=True)  # tied one: each)
+                # or the loss's moment, the head's buffers made and its logits still held
+                end = max(end, head_logits_bytes(cfg, layout))
             ends_of_forward[rank].append((end if layers or stage == last_stage else 0.0,
                                           output))  # fmt: skip
             if layout.recompute == "full":
@@ -1319,11 +1337,12 @@ def memory_per_rank(
             grads.append(held_grads)
         return act, grads
 
-    def forward_end_peaks(bare: list) -> list[float]:
+    def forward_end_peaks(weights: list, bare: list) -> list[float]:
         """Each rank's activations at its forwards' ends (``forward_end_moment``, with
-        the stage outputs awaiting their send beside them). Without a compiled schedule:
-        the busiest chunk's end on top of the peak, one earlier output awaiting its send
-        where a rank runs two forwards in a row before its first backward."""
+        the stage outputs awaiting their send beside them), ``weights`` and ``bare`` as
+        ``activation_peaks``' and its peaks. Without a compiled schedule: the busiest
+        chunk's end on top of the peak, one earlier output awaiting its send where a rank
+        runs two forwards in a row before its first backward."""
         if compiled is not None:
             return forward_peaks(compiled, tuple(weights), tuple(map(tuple, ends_of_forward)))
         out = []
@@ -1338,13 +1357,18 @@ def memory_per_rank(
     # of the activations' peak, the output gradients BIs captured for their Ws: made in a
     # backward (the rehearsal's temporaries), held as long as the inputs W also needs; and
     # the peak of the rest, what forwards made, wherever it falls (``at_bi``: the second)
-    forward_made = activation_peaks([[(h, k - g) for (h, k), g in zip(row, grads)]
-                                     for row, grads in zip(weights, w_grads)])[0]  # fmt: skip
+    made_weights = [[(h, k - g) for (h, k), g in zip(row, grads)]
+                    for row, grads in zip(weights, w_grads)]  # fmt: skip
+    forward_made = activation_peaks(made_weights)[0]
+    forward_made = [
+        max(a, f) for a, f in zip(forward_made, forward_end_peaks(made_weights, forward_made))
+    ]
     act, awaiting_w = activation_peaks(weights)
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
     own = [max(a, b + o) for a, b, o in zip(act, bare, own_only)]  # and their own peak's
-    own = [max(a, f) for a, f in zip(own, forward_end_peaks(bare))]  # forwards' ends
+    closed_ends = forward_end_peaks(weights, bare)  # forwards' ends
+    own = [max(a, f) for a, f in zip(own, closed_ends)]
     forward_made = [a + t for a, t in zip(forward_made, transient)]
     held = [a + w for a, w in zip(bare, working)]  # ... and the backward's working set
     # only with no more micro-batches than stages can a rank's forwards all come before
@@ -1478,24 +1502,24 @@ def memory_per_rank(
             # received until its chunk's backward returns (``executor._backward``)
             end += boundary_bytes(cfg, layout)
             emb += boundary_bytes(cfg, layout) if rank == 0 else 0.0
+        received = 0.0  # and the input it received, its first norm's saved input, until
+        if rank > 0:  # then: an activation, made in a forward
+            received = (layout.micro_batch_size * cfg.seq_len // layout.cp * cfg.hidden
+                        / (layout.tp if layout.sequence_parallel else 1) * residual_bytes(layout))  # fmt: skip
+            end += received
         # the gradients and the activations' peak together (module docstring)
         ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
         short = 0.0  # of the gradients, what the joint peak's state has not made yet
         captures = 0.0  # of the joint peak, what a BI captured for its W as it ends
         w_at_peak = awaiting_w[rank]  # and what the waiting Ws' BIs captured
         # a BI's end: what it captured, as a backward ends its first block's input norm's
-        # working set held (``backward_transient``); on the last stage without the head's
-        # logits in the compute dtype, gone as its forward ended (the loss keeps its fp32
-        # copy) where the held micro-batch has them
-        gone = 0.0
-        if rank == last_stage % p and captured[rank]:
-            tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
-            gone = tokens * cfg.vocab_size / layout.tp * ACT_BYTES[layout.dtype]
-        bi_end = captured[rank] - gone + ends if captured[rank] else 0.0
+        # working set held (``backward_transient``)
+        bi_end = captured[rank] + ends if captured[rank] else 0.0
         # the working set at the peak, and the start that leads it: the rank's largest,
         # or that of the chunk whose backward starts at the peak, where that is known
         work, start = working[rank], starts[rank]
-        chunk = -1  # of the walk: the chunk whose backward starts at the peak, -2 a W's cast
+        chunk = -1  # of the walk: the chunk whose backward starts at the peak, -2 a W's cast,
+        # -3 a forward's end
         if states is not None:
             shares = [g * c / n if n else g / v for c in chunk_params[rank]]
             by_chunk = tuple(w for w, _ in chunk_work[rank])
@@ -1509,7 +1533,8 @@ def memory_per_rank(
             fresh_starts = tuple(f[:2] if f[2] is not None else None for f in chunk_fresh[rank])
             walk = partial(peak_with_grads, states, rank, weights[rank], shares,
                            w_caps=tuple(w_grads[rank]), boundary=boundary_bytes(cfg, layout),
-                           last_cast=tied_cast, fresh=fresh_starts)  # fmt: skip
+                           last_cast=tied_cast, fresh=fresh_starts,
+                           forward_ends=tuple(ends_of_forward[rank]))  # fmt: skip
             found = walk((by_chunk, end, bi_end, emb, w_cast))
             if found[5] == -2 and cp:  # a W runs no cp exchange: against the others with it
                 other = walk((by_chunk, end, bi_end, emb, (0.0,) * v))
@@ -1524,7 +1549,7 @@ def memory_per_rank(
                 if first_b:  # a chunk's first backward: its working set and start there
                     work, _, start = chunk_fresh[rank][chunk]
             if captures:  # a BI's end: its captures and those of the Ws waiting then
-                captures, w_at_peak = captures + gone, waiting
+                w_at_peak = waiting
             short = max(0.0, g - made)
         elif layout.schedule == "gpipe":  # every forward before the first backward
             m = layout.num_microbatches
@@ -1538,19 +1563,25 @@ def memory_per_rank(
                 ending = emb
             if captured[rank] and at_bi[rank] and at_bi[rank] + bi_end + g > joint:
                 joint, ending = at_bi[rank] + bi_end + g, 0.0  # a BI's end
-                captures = bi_end + gone
+                captures = bi_end
+        if states is None:  # a forward's end: before any gradient under GPipe
+            at_forward = closed_ends[rank] + (0.0 if layout.schedule == "gpipe" else g)
+            if at_forward > joint:
+                joint, ending, captures, chunk = at_forward, 0.0, 0.0, -3
         # the temporaries at the peak: a backward's end's working set, where the peak is
         # there (its transient is net of a tied head's cast, gone by then: off the
         # activations); a BI's end's captured output gradients, made in its backward;
         # else the working set a backward starts with
         if chunk == -2:  # a W's cast: the whole cast (what it let go: off the activations)
             temps = cast
+        elif chunk == -3:  # a forward's end: all of it made by forwards
+            temps = 0.0
         elif ending > 0:
-            temps = ending + tied_cast
+            temps = ending + tied_cast - (received if ending == end else 0.0)
         else:
             temps = captures if captures > 0 else bare[rank] + work - act[rank]
         freed, _, kept = start
-        if (ending <= 0 and not captures and work > 0 and kept
+        if (ending <= 0 and not captures and work > 0 and kept and chunk != -3
                 and (layout.schedule != "zb-h1" or whole_w)):  # fmt: skip
             # a kept block's backward start: what it freed is gone from the activations
             # (``apart``). Not under ZB-H1, whose BI lets go of its saved tensors only as it
@@ -1833,7 +1864,8 @@ def zero3_head_backward_moment(cfg: ModelConfig, layout: Layout,
     micro-batch still held: (gradients, buffers, activations freed, temporaries), as
     ``zero3_backward_moments``. Gathered are the head's unit (``zero3_head_unit_bytes``)
     and, prefetched as the backward began, the last block, with the gather's input; the
-    logits in the compute dtype are freed and their gradient, as large, held. Two blocks
+    logits' gradient in the compute dtype held (the logits themselves went as the loss's
+    forward returned: ``head_logits_bytes``). Two blocks
     are gathered only as the last block's backward starts, the head's activations gone
     by then; at the forward's end, only the head's unit. ``plait rehearse`` of LLaMA-2 7B
     dp 64 ZeRO-3 LoRA r16 (2026-11-28) peaked here, with 0.628 GiB of buffers (the head
@@ -1844,7 +1876,7 @@ def zero3_head_backward_moment(cfg: ModelConfig, layout: Layout,
     logits = tokens * cfg.vocab_size / layout.tp * e if e < 4 else 0.0
     buffers = zero3_head_unit_bytes(cfg, layout, runtime) + zero3_gathered_bytes(
         cfg, layout, runtime) + gather_input_bytes(cfg, layout, runtime)  # fmt: skip
-    return 0.0, buffers, logits, logits
+    return 0.0, buffers, 0.0, logits
 
 
 def zero3_backward_moments(

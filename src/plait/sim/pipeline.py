@@ -349,7 +349,8 @@ def forward_peaks(compiled: Compiled, weights: tuple, ends: tuple) -> list:
 
 def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
                     transient: tuple, w_caps: tuple = (), boundary: float = 0.0,
-                    last_cast: float = 0.0, fresh: tuple = ()) -> tuple:  # fmt: skip
+                    last_cast: float = 0.0, fresh: tuple = (),
+                    forward_ends: tuple = ()) -> tuple:  # fmt: skip
     """Peak of activations plus weight gradients on ``rank`` (``_grad_states``);
     ``weights`` as ``peak_held``'s for the rank, ``grads[chunk]``: bytes of the chunk's
     weight gradients, ``transient``: (per chunk, what its backward adds to a local
@@ -368,14 +369,22 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
     ``boundary``: bytes of a stage's output or input gradient, held at a backward's start
     by each awaiting its send; ``last_cast``: a tied head's cast of the table on the rank
     of the last stage, held only while its last chunk has a micro-batch in flight (the
-    head's backward lets go of it; an interleaved rank's other chunks run without it)."""
+    head's backward lets go of it; an interleaved rank's other chunks run without it).
+    ``forward_ends[chunk]``: as ``forward_peaks``' ``ends`` for the rank, its forwards' ends
+    weighed too (x = 5; the chunk returned -3 where one is the peak)."""
     best, ends, held_grads, captures, waiting, chunk = 0.0, 0.0, 0.0, 0.0, 0.0, -1
     first_b = False
     for fwd, wait_w, made, (x, *after) in compiled.grad_states[rank]:
-        if x == 5:  # a forward's end: the activations' own moment (``_forward_vectors``)
-            continue
+        if x == 5:  # a forward's end (``_forward_vectors``), where they are weighed
+            if not forward_ends:
+                continue
+            end, output = forward_ends[after[0]]
+            extra, new_grads = end + after[1] * output, 0.0
+            if not (fwd[-1] or wait_w[-1]):
+                extra -= last_cast
+        else:
+            extra, new_grads = transient[x], 0.0
         following = after[0] if after else -1
-        extra, new_grads = transient[x], 0.0
         if x == 4:
             extra = extra[after[0]]
             if not extra:
@@ -400,5 +409,5 @@ def peak_with_grads(compiled: Compiled, rank: int, weights: tuple, grads: tuple,
             first_b = new_grads > 0
             captures = extra if x == 2 else 0.0
             waiting = sum(n * c for n, c in zip(wait_w, w_caps))
-            chunk = following if x == 0 else (-2 if x == 4 else -1)
+            chunk = following if x == 0 else {4: -2, 5: -3}.get(x, -1)
     return best, ends, held_grads, captures, waiting, chunk, first_b
