@@ -270,6 +270,7 @@ def test_simulator_and_info_count_the_frozen_base():
     adapter), less the frozen head's input. Catches adapters counted as full weights, a
     frozen base given gradients, and the adapters' own activations dropped again."""
     from plait.layout import Layout
+    from plait.sim import costs
     from plait.sim.costs import ACT_BYTES
     from plait.sim.hardware import get_hardware
     from plait.sim.simulate import simulate
@@ -284,9 +285,11 @@ def test_simulator_and_info_count_the_frozen_base():
     assert tuned.optimizer == pytest.approx(8 * adapters)
     assert tuned.weights == pytest.approx(full.weights + 4 * adapters)
     # every linear adapted: no input dropped; each adapter keeps its rank-8 product; the
-    # frozen head keeps no input
+    # frozen head keeps no input, nor the first block's input norm (the frozen
+    # embedding's output takes no gradient; the residual stream's dtype)
     tokens, e = lay.micro_batch_size * cfg.seq_len, ACT_BYTES[lay.dtype]
     kept = cfg.n_layers * 7 * tokens * 8 * e - tokens * cfg.hidden * e
+    kept -= tokens * cfg.hidden * costs.residual_bytes(lay)
     assert tuned.activations == pytest.approx(full.activations + kept)
 
 

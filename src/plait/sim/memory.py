@@ -982,11 +982,15 @@ def chunk_activation_bytes(
         mlp_adapters = tokens * e * lora.rank * mlp
     held, keep = layers * per_layer, layers * w_keep
     if first and layers and lora is not None and layout.recompute != "full":
+        # block 0's input norm: its input (the frozen embedding's output) takes no gradient
+        # and its weight is frozen, so autograd records nothing there (``plait rehearse``
+        # of four llama blocks under LoRA on q and v: the activations' own peak 0.991 of
+        # the model's while it kept it)
+        held -= tokens * cfg.hidden * residual_bytes(layout) / split_all
         if not lora.adapts_attention:  # block 0's attention: no graph
             kv = sizes.kv_width_per_rank(cfg, t)
             core = 4 * cfg.n_heads  # fused attention's log-sum-exp
-            held -= tokens * (cfg.hidden * residual_bytes(layout) / split_all
-                              + (2 * cfg.q_dim * e + core) / t + 2 * kv * e)  # fmt: skip
+            held -= tokens * ((2 * cfg.q_dim * e + core) / t + 2 * kv * e)
     if layout.cp > 1 and layout.cp_mode == "a2a" and layout.recompute == "none":
         # Ulysses: the attention's output is kept twice -- head-split over the whole
         # sequence by the core, sequence-split by the o projection after the all-to-all
