@@ -165,8 +165,8 @@ def _grad_states(lists, v: int):
     the first made and its own working set: LLaMA blocks at ``--pp 2 --cp 2`` and two
     micro-batches peak as rank 0's second backward starts); and x = (5, chunk, outputs)
     for each forward's end, with the stage outputs awaiting their send beside it
-    (``_forward_vectors``; not a moment of the gradients' peak: a backward's start that
-    follows holds as much, and its working set). A later B or W ends below the
+    (``_forward_vectors``; the loss's moment, its logits in the compute dtype beside the
+    head's buffers, can be a last stage's whole peak). A later B or W ends below the
     local maximum before it (its working set is less than the micro-batch's activations
     it has freed), so only the first counts, the first chunk's apart."""
     out = []
