@@ -173,6 +173,14 @@ class Memory:
         }
 
 
+def stream_bytes(cfg: ModelConfig, layout: Layout) -> float:
+    """One micro-batch of the residual stream as a rank holds it: T h (T / t under
+    sequence parallelism) in the stream's dtype (``costs.residual_bytes``)."""
+    split = layout.tp if layout.sequence_parallel else 1
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    return tokens * cfg.hidden / split * residual_bytes(layout)
+
+
 def rotary_table_bytes(cfg: ModelConfig, layout: Layout) -> float:
     """The rotary tables a model chunk caches from its first forward on: cos and sin of
     each position of the s / cp a rank holds, D / 2 fp32 angles each (T D 4 bytes: 2 MiB
@@ -397,7 +405,7 @@ def forward_end_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last_
     e, r = ACT_BYTES[layout.dtype], residual_bytes(layout)
     sp = layout.sequence_parallel and layout.tp > 1
     row = tokens * cfg.hidden / (layout.tp if sp else 1)  # elements of the stream a rank holds
-    output = row * r
+    output = stream_bytes(cfg, layout)
     moments = [output]
     if dense_end:
         # an fp32 stream's norm output, fp32 too, is the MLP's argument: held through it
@@ -748,9 +756,9 @@ def mlp_backward_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, moe:
     Under a zero-bubble BI, which keeps the input for W and makes no weight gradient, and
     for a MoE block: the working set alone; under LoRA that with the down projection's
     input gone where its adapter kept it (``plait rehearse`` of four llama blocks, every
-    linear adapted: activations at the peak 0.978 of the model's while it was held). ``plait rehearse`` of GPT-2
-    124M pp 2, rank 0 (2,048 tokens): its peak in the node, the activations there 1.024
-    of the model's without it, 1.005 with (2026-11-28)."""
+    linear adapted: activations at the peak 0.978 of the model's while it was held).
+    ``plait rehearse`` of GPT-2 124M pp 2, rank 0 (2,048 tokens): its peak in the node,
+    the activations there 1.024 of the model's without it, 1.005 with (2026-11-28)."""
     ws = mlp_backward_working_set(cfg, layout, runtime, moe)
     whole_w = first_stage and runtime.zb_autograd_split  # a first stage's W: its backward
     if moe or (layout.schedule == "zb-h1" and not whole_w):
@@ -1164,7 +1172,6 @@ def memory_per_rank(
     # per rank and chunk, (what its forward holds at its end beyond its micro-batch's
     # weight below, a stage output awaiting its send): ``pipeline.forward_peaks``
     ends_of_forward = []
-    end_output = boundary_bytes(cfg, layout)  # awaiting its send: in the wire's dtype
     # per rank, the same with each block's backward working set on top
     # (``mlp_backward_working_set``): what the rehearsal calls temporaries
     working = []
@@ -1229,7 +1236,8 @@ def memory_per_rank(
             dense_end = (layers > 0 and not cfg.is_moe_layer(index)
                          and layout.recomputed_blocks(layers) < layers)  # fmt: skip
             end = forward_end_moment(cfg, layout, runtime, stage == last_stage, dense_end)
-            output = 0.0 if stage == last_stage else end_output
+            # a stage output awaiting its send, in the wire's dtype
+            output = 0.0 if stage == last_stage else boundary_bytes(cfg, layout)
             if stage == last_stage:  # its weight counts the head's buffers, not made yet,
                 end -= head  # and the step's casts the head's weight's, made at the step's
                 if cfg.tied_embeddings or layout.num_microbatches == 1:  # first head (a
@@ -1375,8 +1383,8 @@ def memory_per_rank(
     bare = act  # the activations' peak without the recomputation transients
     act = [a + t for a, t in zip(act, transient)]  # (the transients above)
     own = [max(a, b + o) for a, b, o in zip(act, bare, own_only)]  # and their own peak's
-    closed_ends = forward_end_peaks(weights, bare)  # forwards' ends
-    own = [max(a, f) for a, f in zip(own, closed_ends)]
+    at_ends = forward_end_peaks(weights, bare)  # forwards' ends
+    own = [max(a, f) for a, f in zip(own, at_ends)]
     forward_made = [a + t for a, t in zip(forward_made, transient)]
     held = [a + w for a, w in zip(bare, working)]  # ... and the backward's working set
     # only with no more micro-batches than stages can a rank's forwards all come before
@@ -1510,11 +1518,10 @@ def memory_per_rank(
             # received until its chunk's backward returns (``executor._backward``)
             end += boundary_bytes(cfg, layout)
             emb += boundary_bytes(cfg, layout) if rank == 0 else 0.0
-        received = 0.0  # and the input it received, its first norm's saved input, until
-        if rank > 0:  # then: an activation, made in a forward
-            received = (layout.micro_batch_size * cfg.seq_len // layout.cp * cfg.hidden
-                        / (layout.tp if layout.sequence_parallel else 1) * residual_bytes(layout))  # fmt: skip
-            end += received
+        # and the input it received, its first norm's saved input, until then: an
+        # activation, made in a forward
+        received = stream_bytes(cfg, layout) if rank > 0 else 0.0
+        end += received
         # the gradients and the activations' peak together (module docstring)
         ending = 0.0  # of the joint peak, a backward's end's working set, if it is there
         short = 0.0  # of the gradients, what the joint peak's state has not made yet
@@ -1573,7 +1580,7 @@ def memory_per_rank(
                 joint, ending = at_bi[rank] + bi_end + g, 0.0  # a BI's end
                 captures = bi_end
         if states is None:  # a forward's end: before any gradient under GPipe
-            at_forward = closed_ends[rank] + (0.0 if layout.schedule == "gpipe" else g)
+            at_forward = at_ends[rank] + (0.0 if layout.schedule == "gpipe" else g)
             if at_forward > joint:
                 joint, ending, captures, chunk = at_forward, 0.0, 0.0, -3
         # the temporaries at the peak: a backward's end's working set, where the peak is
@@ -1618,7 +1625,8 @@ def memory_per_rank(
             gone = own[rank] + casts + head_cast
             end_of_step = Memory(rank, w, g, o, own[rank], 0.0, overhead, 0.0, casts + head_cast,
                                  gone, grads_moment=fin,
-                                 forward_made_peak=mem.forward_made_peak, tables=tables)  # fmt: skip
+                                 forward_made_peak=mem.forward_made_peak,
+                                 tables=tables)  # fmt: skip
             if end_of_step.total > mem.total:
                 mem = end_of_step
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
