@@ -5,6 +5,7 @@ validation perplexity change, which stays small for int8."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -210,3 +211,37 @@ def test_export_refuses_a_group_size_without_int4(trained, tmp_path, capsys):
     args = ["export", "--run", str(trained), "--quantize", "int8", "--quant-group-size", "16"]
     assert main([*args, "--out", str(tmp_path / "x")]) == 2
     assert "--quant-group-size applies to --quantize int4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("q", SCHEMES, ids=lambda q: q.dtype)
+def test_qat_accumulates_micro_batches_through_the_steps_one_copy(q):
+    """Under bf16 a step's fake-quantised weight is made once and shared by its micro-batches
+    (``tensor.step_cast``); each micro-batch's backward must still reach the fp32 weight,
+    straight through the rounding. Catches the shared quantiser graph whose saved tensors
+    the first micro-batch's backward freed ("Trying to backward through the graph a second
+    time": ``plait train --qat --dtype bf16`` with two micro-batches) and any gradient that
+    differs from running each micro-batch with its own graph."""
+    from plait.parallel.tensor import weight_casts
+
+    ids = torch.randint(0, 64, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(shared: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        model = build_model(CFG, seed=0)
+        apply_qat(model, q)
+        losses = []
+        with weight_casts() if shared else contextlib.nullcontext():
+            for mb in ids:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(mb).float().logsumexp(-1).mean()
+                loss.backward()
+                losses.append(loss.detach())
+        return losses, {n: p.grad for n, p in model.named_parameters()}
+
+    (l_shared, g_shared), (l_own, g_own) = grads(True), grads(False)
+    assert [float(x) for x in l_shared] == [float(x) for x in l_own]
+    layers = quantized_layers(build_model(CFG, seed=0))
+    for name, g in g_own.items():
+        assert g is not None and g_shared[name] is not None, name
+        # the same ops in the same order, up to the order of the two micro-batches' sums
+        torch.testing.assert_close(g_shared[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(n.removesuffix(".weight") in layers for n in g_own)

@@ -294,7 +294,7 @@ class Experts(nn.Module):
         stack's gradient E times)."""
         stacked = None if stacks is None else stacks.get(name)
         if stacked is None:
-            stacked = step_cast((self, name), lambda: getattr(self, name), x.device.type)
+            stacked = step_cast((self, name), getattr(self, name), x.device.type)
             if stacks is not None:
                 stacks[name] = stacked
         y = F.linear(x, stacked[e], bias)

@@ -22,9 +22,11 @@ perplexity before and after, reported with every export.
 Communication (QAT only; axis tp, t = tp size): a row-parallel layer's weight is split
 along its input features, so an ``int8`` channel spans every tp rank's shard: its
 absolute maximum is all-reduced (MAX) over tp before the scales are formed, one call of
-4 out bytes per row-parallel layer (o and the MLP's second GEMM) per forward, issued by
-the training thread in the model's layer order, identically on every tp rank (and again
-in the backward under ``--recompute full``). Column-parallel layers split output
+4 out bytes per row-parallel layer (o and the MLP's second GEMM), issued by the training
+thread in the model's layer order, identically on every tp rank: under bf16 / fp16 once a
+step, in the first forward that uses the layer (the step's compute-dtype copy,
+``tensor.step_cast``, whose backward reruns the quantiser at the kept scales); in fp32
+per forward, and again in the backward under ``--recompute full``. Column-parallel layers split output
 channels, and ``int4`` groups never straddle a shard (``group_size`` must divide each
 rank's input features): their scales are local. Nothing with t == 1. Scales are
 computed without gradient; the rounding passes gradients straight through (STE) and
@@ -106,10 +108,14 @@ class FakeQuant:
             return (absmax / half_range).clamp(min=torch.finfo(torch.float32).eps)
 
     def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return self.quantize(w, self.scales(w))
+
+    def quantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``w`` fake-quantised at ``scale`` (``scales``), torchao's arithmetic; no
+        collective (a step's copy reruns it in each backward, ``tensor._StepQuant``)."""
         with _quiet_import():
             from torchao.quantization.quant_primitives import _fake_quantize_affine
 
-        scale = self.scales(w)
         group = w.shape[1] // scale.shape[1]
         return _fake_quantize_affine(
             w, (1, group), scale.to(w.dtype), torch.zeros_like(scale, dtype=torch.int8),

@@ -559,36 +559,37 @@ def _weight(layer: nn.Module) -> torch.Tensor:
     product. Neither adds a collective to the forward or backward.
     """
 
-    def weight():
-        return layer.weight if layer.weight_quant is None else layer.weight_quant(layer.weight)
-
-    return step_cast(layer, weight, layer.weight.device.type)
+    return step_cast(layer, layer.weight, layer.weight.device.type, layer.weight_quant)
 
 
-def step_cast(key, weight, device: str) -> torch.Tensor:
-    """``weight()`` -- a parameter, or a function of one -- in the autocast dtype, made once
-    within a step's ``weight_casts`` under ``key`` and shared by every micro-batch (the
-    parallel linear layers' weights, ``_weight``; MoE's stacked expert weights,
-    ``moe.Experts``); outside a step's casts or autocast, ``weight()`` as it is."""
+def step_cast(key, weight: torch.Tensor, device: str, quant=None) -> torch.Tensor:
+    """``weight`` -- fake-quantised by ``quant`` if given (``model/quant.FakeQuant``) -- in
+    the autocast dtype, made once within a step's ``weight_casts`` under ``key`` and
+    shared by every micro-batch (the parallel linear layers' weights, ``_weight``; MoE's
+    stacked expert weights, ``moe.Experts``); outside a step's casts or autocast, as it is.
+
+    A quantised weight's copy is made without autograd too (``_StepQuant``): sharing one
+    graph of the quantiser between micro-batches failed in the second one's backward, its
+    saved tensors freed by the first's (``--qat`` with more than one micro-batch under
+    bf16)."""
     # Under torch.compile the cast is part of the block's graph (autocast's own, fused, and
     # recomputed in the backward from the fp32 weight rather than saved): the step's dict
     # stays out of it -- reading it would make dynamo guard on its length, one recompile
     # per block until the recompile limit sends every block back to eager.
     casts = None if torch.compiler.is_compiling() else _CASTS
     if casts is None or not torch.is_autocast_enabled(device):
-        return weight()
+        return weight if quant is None else quant(weight)
     cast = casts.get(key)
     if cast is None:
-        w = weight()
         dtype = torch.get_autocast_dtype(device)
-        if w.dtype == dtype:
-            cast = w
-        elif w.is_leaf:  # a parameter: copied outside autograd, each use routes back
-            cast = _StepCopy.of(dtype, [w])
-        else:  # a function of one (fake-quantised): its graph carries the cast
-            cast = w.to(dtype)
+        if quant is not None:
+            cast = _StepQuant(dtype, weight, quant)
+        elif weight.dtype == dtype:
+            cast = weight
+        else:  # a parameter: copied outside autograd, each use routes back
+            cast = _StepCopy.of(dtype, [weight])
         casts[key] = cast
-    return cast.use() if isinstance(cast, _StepCopy) else cast
+    return cast if isinstance(cast, torch.Tensor) else cast.use()
 
 
 def column_linears(layers, x: torch.Tensor) -> list[torch.Tensor]:
@@ -834,6 +835,46 @@ class _UseCopy(torch.autograd.Function):
         if len(set(ctx.dtypes)) == 1:
             return (None, *grad.to(ctx.dtypes[0]).split(ctx.rows))
         return (None, *(g.to(d) for g, d in zip(grad.split(ctx.rows), ctx.dtypes)))
+
+
+class _StepQuant:
+    """A step's fake-quantised copy of a weight in the compute dtype (``step_cast``): the
+    scales of the weight and its quantised value, made once a step without autograd (the
+    scales' tensor-parallel all-reduce, where a scheme has one, is the forward's, once a
+    step). Each use is an autograd node of its own (``_UseQuant``), whose backward runs
+    the quantiser again on the weight at the step's scales, in autograd, and returns its
+    gradient: straight through the rounding, stopped by the clamp -- the same arithmetic
+    as a graph made in the forward, with nothing of it held between a micro-batch's
+    forward and backward but the scales (a few floats a row). Collectives: none beyond
+    the scales' (the backward's rerun takes the kept scales)."""
+
+    def __init__(self, dtype: torch.dtype, weight: torch.Tensor, quant):
+        self.weight, self.quant = weight, quant
+        with torch.no_grad():
+            self.scales = quant.scales(weight)
+            self.copy = quant.quantize(weight, self.scales).to(dtype)
+
+    def use(self) -> torch.Tensor:
+        return _UseQuant.apply(self.copy, self.weight, self)
+
+
+class _UseQuant(torch.autograd.Function):
+    """One use of a ``_StepQuant``: the copy forward (a view), the quantiser's gradient
+    backward."""
+
+    @staticmethod
+    def forward(ctx, copy, weight, step):
+        ctx.step = step
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        step = ctx.step
+        with torch.enable_grad():
+            w = step.weight.detach().requires_grad_()
+            out = step.quant.quantize(w, step.scales)
+            (gw,) = torch.autograd.grad(out, w, grad.to(out.dtype))
+        return None, gw, None
 
 
 GEMM_ALIGN = 128  # output features a vocabulary head's GEMM is padded to a multiple of
