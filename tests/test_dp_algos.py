@@ -603,3 +603,21 @@ def test_fault_tolerance_with_another_dp_algorithm_is_refused_in_one_line():
         with pytest.raises(ValueError) as e:
             run(algo, train)
         assert "--fault-tolerance" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_orthonormalise_never_asks_the_host():
+    """Gram-Schmidt runs on the device without reading a value back: under fake tensors
+    (no values: any ``if norm > 0`` raises) it completes, and a zero column stays zero
+    while the others come out orthonormal. Catches a per-column host synchronisation --
+    r per matrix per step under PowerSGD on a GPU -- which also made ``plait rehearse``
+    of ``--compress powersgd`` fail."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert orthonormalise(torch.randn(50, 3)).shape == (50, 3)
+    p = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+    p[:, 1] = 0
+    o = orthonormalise(p)
+    assert torch.equal(o[:, 1], torch.zeros(40))
+    kept = o[:, [0, 2]]
+    assert torch.allclose(kept.T @ kept, torch.eye(2), atol=1e-5)

@@ -336,6 +336,7 @@ def orthonormalise(p: torch.Tensor) -> torch.Tensor:
         for i in range(j):
             col -= (out[:, i] @ col) * out[:, i]
         norm = torch.linalg.vector_norm(col)
-        if norm > 0:
-            col /= norm
+        # on the device, without asking the host (a zero column divided by 1 stays zero):
+        # an ``if norm > 0`` here was one host synchronisation per column and matrix
+        col /= torch.where(norm > 0, norm, torch.ones_like(norm))
     return out
