@@ -71,12 +71,13 @@ def run_case(i: int) -> list[str]:
             act = m[rehearse.ACT_PEAK][2]
             state = " ".join(f"{k} {m[k][2]:.3f}" for k in ("parameters", "gradients",
                              "optimizer", "buffers") if m[k][2] is not None)  # fmt: skip
+            other = m["other"]
             off = {a: round(v[2], 4) for a, v in c["bytes"].items()
                    if v[2] is not None and abs(v[2] - 1) > 1e-6}  # fmt: skip
             flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
                              for k, v in kw.items())  # fmt: skip
             lines.append(f"{i:2d} rank {rank}: peak {got / 2**20:8.1f} vs {want / 2**20:8.1f} MiB"
-                         f" ({ratio:.3f})  activations {act:.3f}  {state}  bytes "
+                         f" ({ratio:.3f})  activations {act:.3f}  {state}  other {other[0] / 2**20:.0f}/{(other[1] or 0) / 2**20:.0f} MiB  bytes "
                          f"{off or 'equal'}  [{flags}]")  # fmt: skip
     return lines
 

@@ -1526,3 +1526,43 @@ def test_rehearsal_of_a_hugging_face_folder_reads_no_weight(tmp_path, monkeypatc
     steps = [(p.name, p.peak, p.split) for p in got.phases[1:]]
     assert steps == [(p.name, p.peak, p.split) for p in want.phases[1:]]
     assert got.bytes_per_axis() == want.bytes_per_axis()
+
+
+@pytest.mark.parametrize(
+    "kw,peak",
+    [
+        ({"dp": 2, "dp_algo": "diloco", "sync_every": 4}, True),
+        ({"dp": 2, "dp_algo": "local-sgd", "sync_every": 2, "sync_optimizer_state": True}, True),
+        ({"dp": 4, "zero": 1, "zero_shard_group": 2, "dp_algo": "diloco", "sync_every": 2}, False),
+        ({"dp": 2, "compress": "topk:0.05"}, False),
+        ({"dp": 2, "compress": "powersgd:2"}, False),
+        ({"dp": 2, "zero": 1, "compress": "bf16", "compress_warmup": 3}, False),
+    ],
+    ids=["diloco", "local-sgd-state", "diloco-zero1-group", "topk", "powersgd", "bf16-warmup"],
+)
+def test_dp_algorithms_are_rehearsed_at_their_own_step_as_modelled(tmp_path, kw, peak):
+    """A --dp-algo / --compress run is rehearsed at its first sync or its second compressed
+    step (``volume.characteristic_step``), and its dp and world bytes, its state ("other")
+    and -- for local SGD and DiLoCo, whose sync's buffers can be the peak -- its whole peak
+    are the model's. Catches a two-step rehearsal that never reaches a sync every 4 steps
+    (dp bytes 0), a codec whose step count ignores the jump (still warm: an fp32
+    all-reduce), a model without the algorithm's state (DiLoCo x1.39) or the sync's
+    packed optimizer state (x1.16), the ZeRO-1 weights gathered again after a sync,
+    PowerSGD's host synchronisation (no rehearsal at all) and its lazily made error
+    state counted as activations."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, arch="llama", hidden=512, heads=8, layers=2,
+                        seq_len=256, global_batch_size=kw["dp"] * 2, micro_batch_size=1,
+                        **kw)  # fmt: skip
+    report = rehearse.rehearse_rank(cfg, 0)
+    assert report.second_step == rehearse.volume.characteristic_step(cfg.dp_algo) > 0
+    c = rehearse.compared(report, cfg)
+    for axis in ("dp", "world"):
+        got, want, _ = c["bytes"][axis]
+        assert got > 0 and abs(got - want) <= 1e-3 * want, (axis, got, want)
+    got, want, _ = c["memory"]["other"]
+    # (the model keeps PowerSGD's error for every weight; the runtime for matrices only:
+    # the norms' 1-D weights, under 0.1 % here)
+    assert abs(got - (want or 0)) <= 1e-3 * max(got, 1), (got, want)
+    if peak:
+        got, want, ratio = c["memory"]["total"]
+        assert abs(ratio - 1) <= 0.005, (got, want)

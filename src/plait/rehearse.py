@@ -71,6 +71,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plait.dp_algos import volume
 from plait.topology import Axis, Call, Topology, coords
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers", "activations",
@@ -161,17 +162,29 @@ def _passing_roles(trainer, params: list) -> list[tuple[str, torch.Tensor]]:
     in flight (ZeRO-3 gathers, packed gradients awaiting their reduce-scatter) and a
     pipeline stage's received output gradients, temporaries wherever their receive was
     posted (often in a forward): the backward's input, held through it."""
+    from plait.parallel.zero import ReduceScatterGrads
+
     engine = trainer.engine
     out = [("gradients", p.grad) for p in params if p.grad is not None]
-    for b in getattr(getattr(engine, "grads", None), "buckets", ()):
+    reducer = getattr(engine, "grads", None)
+    for b in getattr(reducer, "buckets", ()):
         if b.flat is not None:
             out.append(("gradients", b.flat))
-        if isinstance(b.handle, tuple):  # a reduce-scatter in flight: (work, input, shard)
+        if isinstance(reducer, ReduceScatterGrads) and isinstance(b.handle, tuple):
+            # a reduce-scatter in flight: (work, input, shard, last)
             out += [("buffers", b.handle[1]), ("gradients", b.handle[2])]
+        elif isinstance(b.handle, tuple):  # a codec's messages in flight (compressed_grads)
+            out += [("buffers", t) for t in b.handle[1:] if isinstance(t, torch.Tensor)]
     units = getattr(engine, "units", None)
     for u in units.units if units is not None else ():
         if u.pending is not None:
             out += [("buffers", t) for t in (u.pending.out, u.pending.src) if t is not None]
+    algo = getattr(trainer, "dp_algo", None)
+    if algo is not None:  # its state, made in the build or (PowerSGD's error) in a step
+        codec = getattr(algo, "compression", None)
+        own = getattr(algo, "algo_state", dict)()
+        states = [own, codec.state() if codec is not None else {}]
+        out += [("other", t) for state in states for d in state.values() for t in d.values()]
     received = getattr(getattr(trainer, "runner", None), "received_grads", None)
     if received is not None:  # a pipeline stage's output gradients: the backward's input
         out += [("temporaries", t) for t in received()]
@@ -601,6 +614,9 @@ class RankReport:
     bytes_read: int = 0  # ... and of its load
     boxes_written: dict[tuple, int] = field(default_factory=dict)  # (key, offsets) -> bytes
     moe_imbalance: float = 1.0  # how its MoE layers routed (``moe.modelled_routing``)
+    # the optimizer step (from 0) "step 2" ran: 1, or a --dp-algo's first sync or
+    # compressed step (``dp_algos.volume.characteristic_step``)
+    second_step: int = 1
 
     def training_peak(self) -> int:
         return max(p.peak for p in self.phases if p.name.startswith("step"))
@@ -747,6 +763,7 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
         # MoE layers route as the model prices them (``moe.modelled_routing``): the counts
         # are known on the host
         report.moe_imbalance = moe_imbalance
+        report.second_step = volume.characteristic_step(cfg.dp_algo)
         with (FakeTensorMode(), _memtracker_class()() as mem, modelled_routing(moe_imbalance),
               rehearsing_gpu_kernels()):  # fmt: skip
             t0 = time.perf_counter()
@@ -765,7 +782,10 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
             held["temporaries"] += mem.peak - sum(held.values())
             report.phases.append(Phase("build", mem.peak, held, time.perf_counter() - t0))
             trainer.model.train()
-            for step in range(2):
+            for step in (0, report.second_step):
+                codec = getattr(trainer.dp_algo, "compression", None)
+                if step > 1 and codec is not None:  # the steps between are not run: the
+                    codec.set_step(step)  # codec's count jumps, as a resume at ``step`` sets it
                 mem.reset_peak()
                 t0 = time.perf_counter()
                 mark = len(topo.stats.log)
@@ -774,7 +794,7 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
                 trainer.step(step)
                 mem.settle()
                 report.phases.append(
-                    Phase(f"step {step + 1}", mem.peak, mem.split, time.perf_counter() - t0,
+                    Phase(f"step {min(step, 1) + 1}", mem.peak, mem.split, time.perf_counter() - t0,
                           mem.act_peak)
                 )  # fmt: skip
             report.calls = list(topo.stats.log)
@@ -787,7 +807,7 @@ def _rehearse_rank(cfg, rank: int, *, full=None, moe_imbalance: float = 1.0) -> 
                     for c in topo.stats.log[mark:]
                 ]
             with tempfile.TemporaryDirectory(prefix="plait-rehearse-") as out:
-                _save_and_load(trainer, 2, Path(out), mem, report)
+                _save_and_load(trainer, report.second_step + 1, Path(out), mem, report)
             trainer.close()
             mem.trainer = mem.params = None
         return report
@@ -896,12 +916,14 @@ def check_p2p(reports: list[RankReport], layout) -> str:
 # -- held against the performance model ------------------------------------------------------
 
 
-def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
+def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0, step: int = 1) -> dict:
     """What the performance model says of a rank of pipeline rank ``pp_rank`` in the same
     layout, runtime ``plait`` (at ``moe_imbalance``, the busiest ep rank): memory per
-    category (``sim/memory.py``'s ``memory_per_rank``, no framework overhead) and counted
-    bytes per axis of a step (``sim/traffic.py``)."""
-    from plait.sim.memory import memory_per_rank
+    category (``sim/memory.py``'s ``memory_per_rank``, no framework overhead; a
+    ``--dp-algo``'s or ``--compress``'s state, ``sim/dp_algos.state_bytes``, as "other")
+    and counted bytes per axis of optimizer step ``step`` (``sim/traffic.py``)."""
+    from plait.sim.dp_algos import added_at_peak, state_bytes
+    from plait.sim.memory import memory_per_rank, stage_params
     from plait.sim.pipeline import compile_schedule
     from plait.sim.runtime import get_runtime
     from plait.sim.simulate import layers_per_stage
@@ -912,6 +934,11 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
     stage_layers = layers_per_stage(model, lay)
     compiled = compile_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
     mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]
+    S = lay.pp * lay.vpp
+    params = sum(stage_params(model, lay, stage_layers[s], s == 0, s == S - 1)
+                 for s in range(pp_rank, S, lay.pp))  # fmt: skip
+    held = state_bytes(model, lay, cfg.dp_algo, params)
+    algo = added_at_peak(model, lay, cfg.dp_algo, params, mem)
     # the step's weight copy is made in a forward: the rehearsal counts it an activation;
     # at the model's peak the activations are their own peak less what the gradients'
     # arrival after it takes off (``Memory.grads_apart``); the output gradients waiting for
@@ -923,10 +950,12 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0) -> dict:
               "optimizer": mem.optimizer,
               "buffers": mem.buffers, "activations": act - mem.grads_apart, ACT_PEAK: own,
               "temporaries": (mem.temporaries + mem.cp_buffers + mem.w_gradients) or None,
-              "total": mem.total}  # fmt: skip
+              "other": held or None, "total": mem.total + algo}  # fmt: skip
     return {
         "memory": memory,
-        "bytes": bytes_per_axis(model, lay, rt, stage_layers, pp_rank, lora=cfg.lora),
+        "bytes": bytes_per_axis(
+            model, lay, rt, stage_layers, pp_rank, lora=cfg.lora, dp_algo=cfg.dp_algo, step=step
+        ),  # fmt: skip
     }
 
 
@@ -935,7 +964,7 @@ def compared(report: RankReport, cfg) -> dict:
     counted bytes per axis, each with the ratio rehearsed / simulated (None where the
     model has no figure); and ``ACT_PEAK``, step 2's activations at their own peak, which
     is what the model's activation figure (its peak) is to be compared with."""
-    sim = predicted(cfg, report.pp_rank, report.moe_imbalance)
+    sim = predicted(cfg, report.pp_rank, report.moe_imbalance, report.second_step)
     peak = next(p for p in report.phases if p.name == "step 2")
     rows = {}
     for cat in (*CATEGORIES, "total"):

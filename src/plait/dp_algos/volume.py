@@ -155,6 +155,47 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
     )
 
 
+def writes_shards(cfg: DPAlgoConfig | None, step: int) -> bool:
+    """Whether optimizer step ``step`` (from 0) rewrites each rank's shards after the
+    optimizer step -- local SGD's and DiLoCo's syncs, every gossip step -- so that an
+    engine sharding over a replica's ranks at ZeRO 1/2 gathers its weights a second time
+    (``engine.shards_changed``)."""
+    if cfg is None or cfg.algo == "allreduce":
+        return False
+    t = step + 1
+    if cfg.algo == "local-sgd":
+        return t > cfg.local_warmup and (t - cfg.local_warmup) % cfg.sync_every == 0
+    if cfg.algo == "diloco":
+        return t % cfg.sync_every == 0
+    return True
+
+
+def characteristic_step(cfg: DPAlgoConfig | None) -> int:
+    """The first optimizer step after step 0 (steps from 0) that does the algorithm's
+    own work in steady state: local SGD's and DiLoCo's first sync after any warm-up, a
+    codec's second compressed step after its warm-up, gossip's first step that is not a
+    Gossip-PGA all-reduce; else 1. ``plait rehearse`` runs step 0 and this one, so its
+    second step shows what the algorithm sends and holds (a sync every 4 steps would
+    otherwise never run in a two-step rehearsal)."""
+    if cfg is None:
+        return 1
+    if cfg.grad_codec is not None:  # the second compressed step: PowerSGD's error, made
+        return cfg.compress_warmup + 1  # in the first, is then held through a backward
+
+    def wanted(step: int) -> bool:
+        t = step + 1
+        if cfg.algo == "local-sgd":
+            return t > cfg.local_warmup and (t - cfg.local_warmup) % cfg.sync_every == 0
+        if cfg.algo == "diloco":
+            return t % cfg.sync_every == 0
+        if cfg.algo == "gossip" and cfg.global_avg_every:
+            return t % cfg.global_avg_every != 0
+        return True
+
+    period = (cfg.sync_every or 1) + cfg.global_avg_every
+    return next((s for s in range(1, 2 + cfg.local_warmup + 2 * period) if wanted(s)), 1)
+
+
 def block_scale_bytes(shapes) -> int:
     """int8's (and QSGD's) fp32 scales: one per block of 512 elements of each tensor."""
     return 4 * sum(math.ceil(_numel(s) / QSGD_BLOCK) for s in shapes)

@@ -25,16 +25,21 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
   1/H of that, exposed (nothing overlaps it). A compressed sync (``--compress bf16``:
   2N/K bytes and the two casts; ``int8``: N/K bytes of levels plus a scale per 512
   elements in a second all-reduce, the encode and decode streams) adds local SGD's anchor
-  arithmetic (8 fp32 streams).
+  arithmetic (8 fp32 streams). ZeRO 1/2 over K > 1 ranks gathers the weights again
+  after each sync (``engine.shards_changed``), and after every gossip step.
 - gossip: every step, d messages of 4N/K bytes leave the rank together (one batch, one
   NIC: latency + d x 4N/K / bandwidth of the link to the neighbours), and the mixing
   reads d + 1 copies and writes one; Gossip-PGA replaces one step in H by an all-reduce.
 
-Memory each algorithm adds per device at its peak (``state_bytes``): DiLoCo's anchor and
-outer momentum 8N/K plus the 4N/K outer gradients in flight; local SGD's 4N/K packed
-shards while averaging (and its 4N/K anchor with a compressed sync); gossip's d receive buffers, the packed chunk and its mix (one
-``--bucket-mb`` chunk each); EF21's two estimates 8N (top-k), PowerSGD's error 4N (per
-shard under ZeRO 2/3).
+Memory each algorithm adds per device: what it keeps through a step (``state_bytes``):
+DiLoCo's anchor and outer momentum 8N/K, a compressed local SGD sync's 4N/K anchor,
+EF21's two estimates 8N (top-k), PowerSGD's error 4N (per shard under ZeRO 2/3); and its
+sync's buffers after the optimizer step (``sync_bytes``), which add to the peak only where
+they outgrow the step's own (``added_at_peak``): DiLoCo's 4N/K outer gradients, local
+SGD's 4N/K packed shards while averaging, gossip's d receive buffers, the packed chunk and
+its mix (one ``--bucket-mb`` chunk each). Not modelled: the codecs' transients in the
+backward (QSGD's encode streams, the all-gathered messages of every bucket awaiting
+``finish()``), which ``plait rehearse`` finds at a step's peak.
 """
 
 from __future__ import annotations
@@ -59,8 +64,8 @@ INT8_DECODE = 5  # read the summed level (1 byte), write the fp32 mean (4)
 
 def rank_shapes(model: ModelConfig, layout: Layout, chunks, params: float) -> list[tuple]:
     """Tensor shapes one tp rank of a pipeline rank holds: every block's weight matrices
-    (their tp shards, as ``model/transformer.py`` builds them), the embedding and head,
-    and the rest (norms, biases, positions) as one flat tensor. ``chunks``: (layers,
+    (their tp shards, as ``model/transformer.py`` builds them), the embedding and head
+    (and GPT-2's position embedding), and the rest (norms, biases, positions) as one flat tensor. ``chunks``: (layers,
     first, last) of each virtual stage on the rank; ``params``: its parameter count."""
     t, h, f = layout.tp, model.hidden, model.ffn_hidden
     kv = model.kv_dim
@@ -76,6 +81,8 @@ def rank_shapes(model: ModelConfig, layout: Layout, chunks, params: float) -> li
         shapes += per_layer * layers
         if first:
             shapes.append(vocab)
+            if model.arch == "gpt2":  # the learned positions, whole on every tp rank
+                shapes.append((model.seq_len, h))
         if last and (not model.tied_embeddings or not first):
             shapes.append(vocab)
     rest = params - sum(a * b for a, b in shapes)
@@ -84,7 +91,7 @@ def rank_shapes(model: ModelConfig, layout: Layout, chunks, params: float) -> li
     return shapes
 
 
-def _shards(shapes, k: int) -> list[tuple]:
+def shard_shapes(shapes, k: int) -> list[tuple]:
     """This rank's ZeRO shards of ``shapes`` over k ranks: flat, ceil(e / k) elements."""
     if k == 1:
         return shapes
@@ -118,7 +125,7 @@ def comm_time(
     inner = costs.dp_comm_time(params, layout.replace(dp=k, zero_shard_group=None), hw, rt)
     if k == 1:
         inner = {"grad": 0.0, "param": 0.0}
-    shards = _shards(shapes, k)
+    shards = shard_shapes(shapes, k)
     shard_bytes = 4 * sum(math.prod(s) for s in shards)
     link = collectives.group_link(hw, r, layout.tp * k)
     vol = volume.mean_volume(algo, shapes=shards, n=r)
@@ -146,6 +153,8 @@ def comm_time(
                 work += costs.stream_time(hw, ANCHOR_STREAMS * elems)
         if algo.algo == "diloco":
             work += costs.stream_time(hw, OUTER_STEP_STREAMS * elems)
+        if k > 1 and layout.zero in (1, 2):  # the new shards' weights gathered again
+            work += inner["param"]
         latency = rounds * 2 * collectives.ring_latency(r, link, "all_reduce") / h
         return {
             **inner,
@@ -168,6 +177,8 @@ def comm_time(
         d = len(send_to)
         mix = costs.stream_time(hw, (d + 2) * shard_bytes)
         total += p2p.latency + d * shard_bytes / p2p.bandwidth + mix
+        if k > 1 and layout.zero in (1, 2):  # the new shards' weights gathered again
+            total += inner["param"]
         lat += p2p.latency
     return {
         **inner,
@@ -189,7 +200,7 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
         if layout.zero == 1:  # the sharded optimizer's gather stays
             inner["param"] = costs.dp_comm_time(params, layout, hw, rt)["param"]
         stride = layout.tp
-    shards = _shards(shapes, k)
+    shards = shard_shapes(shapes, k)
     elems = sum(math.prod(s) for s in shards)
     link = collectives.group_link(hw, n, stride)
     vol = volume.step_volume(algo, step=0, shapes=shards, n=n)
@@ -240,21 +251,54 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
 def state_bytes(
     model: ModelConfig, layout: Layout, algo: DPAlgoConfig | None, params: float
 ) -> float:
-    """Device memory the algorithm adds to one rank of ``params`` parameters at its peak
-    (module docstring): state it keeps, and the buffers of its synchronisation."""
-    if algo is None or (algo.algo == "allreduce" and algo.compress is None):
+    """Device memory the algorithm keeps on one rank of ``params`` parameters through a
+    step (module docstring): DiLoCo's anchor and outer momentum, a compressed local SGD
+    sync's anchor, EF21's two estimates, PowerSGD's error. ``plait rehearse`` finds them
+    at the step's peak, as "other"."""
+    if algo is None or algo.plain:
         return 0.0
     if algo.grad_codec is not None:
         codec, _ = algo.codec
         _, k = compress_group(layout)
         return {"topk": 8.0, "powersgd": 4.0}.get(codec, 0.0) * params / k
+    _, k = replicas_of(layout)
+    shard = 4.0 * params / k
+    if algo.algo == "diloco":
+        return 2 * shard
+    if algo.algo == "local-sgd" and algo.sync_codec is not None:
+        return shard
+    return 0.0
+
+
+def sync_bytes(
+    model: ModelConfig, layout: Layout, algo: DPAlgoConfig | None, params: float
+) -> float:
+    """The buffers of the algorithm's synchronisation after the optimizer step, beside its
+    state: DiLoCo's outer gradients and a compressed local SGD sync's changes, packed,
+    beside one ``--bucket-mb`` chunk of them being formed; local SGD's packed shards (with
+    ``--sync-optimizer-state`` AdamW's two moments too) while they are averaged; gossip's d receive buffers, the packed chunk and its mix (one
+    ``--bucket-mb`` chunk each)."""
+    if algo is None or algo.plain or algo.grad_codec is not None:
+        return 0.0
     r, k = replicas_of(layout)
     shard = 4.0 * params / k
-    if algo.algo == "diloco":  # anchor + momentum, and the outer gradients in flight
-        return 3 * shard
-    if algo.algo == "gossip":  # d receive buffers, the packed chunk and its mix
-        chunk = min(shard, layout.bucket_mb * 2**20)
+    chunk = min(shard, layout.bucket_mb * 2**20)
+    if algo.algo == "gossip":
         return (max(graphs.degree(algo.topology, r), 1) + 2) * chunk
-    if algo.sync_codec is not None:  # the anchor, and the packed changes while averaged
-        return 2 * shard
-    return shard  # local SGD: the packed shards while they are averaged
+    if algo.algo == "diloco" or algo.sync_codec is not None:  # ``mean_changes``: the
+        return shard + chunk  # packed changes, and one chunk's differences being formed
+    if algo.sync_optimizer_state:  # AdamW's two moments packed beside the parameters
+        return 3 * shard
+    return shard
+
+
+def added_at_peak(
+    model: ModelConfig, layout: Layout, algo: DPAlgoConfig | None, params: float, mem
+) -> float:
+    """What the algorithm adds to the peak of a rank whose own is ``mem``
+    (``sim/memory.Memory``): its state, and the sync's buffers where they outgrow the
+    step's own peak -- at the sync, after the optimizer step, the rank holds its weights,
+    optimizer state and buffers, but no activations or gradients."""
+    held = state_bytes(model, layout, algo, params)
+    at_sync = mem.weights + mem.optimizer + mem.buffers + mem.overhead
+    return held + max(0.0, at_sync + sync_bytes(model, layout, algo, params) - mem.total)

@@ -289,7 +289,8 @@ def _simulate(model, layout, hw, n_devices, rt, keep_timeline, exact, lora=None,
     if dp_algo is not None:
         from plait.sim import dp_algos as sim_dp
 
-        algo_mem = max(sim_dp.state_bytes(model, layout, dp_algo, n) for n in params)
+        algo_mem = max(sim_dp.added_at_peak(model, layout, dp_algo, n, mem)
+                       for n, mem in zip(params, memory))  # fmt: skip
         busiest = _dp_time(model, layout, hw, rt, dp_algo, [c[:3] for c in chunks[crit]],
                            params[crit])  # fmt: skip
         algo_info = {k: busiest[k] for k in ("bytes_sent", "messages", "latency")}

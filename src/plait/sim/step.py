@@ -110,13 +110,13 @@ def tied_sync(model: ModelConfig, layout: Layout, hw: Hardware, rt: Runtime) -> 
     return collectives.all_reduce_time(nbytes, 2, costs.pp_boundary_link(hw, layout, 0, p - 1))
 
 
-def stats_bytes(layout: Layout, model: ModelConfig | None = None) -> int:
-    """The step's statistics vector (``Trainer._reduce_stats``): loss, bubble, one |g|^2
-    (a replica's each, when replicas differ: not modelled here), every rank's peak
-    memory and the allocator's retries, 8 bytes each: 8 (4 + W); with a MoE ``model``
-    its routing table too (``moe.stats_table``: L (E + 4) more)."""
+def stats_bytes(layout: Layout, model: ModelConfig | None = None, replicas: int = 1) -> int:
+    """The step's statistics vector (``Trainer._reduce_stats``): loss, bubble, a |g|^2 for
+    each of ``replicas`` (1, or every replica where they differ: ``--dp-algo``), every
+    rank's peak memory and the allocator's retries, 8 bytes each: 8 (3 + R + W); with a
+    MoE ``model`` its routing table too (``moe.stats_table``: L (E + 4) more)."""
     table = model.n_layers * (model.moe_experts + 4) if model is not None and model.moe else 0
-    return 8 * (4 + layout.world_size + table)
+    return 8 * (3 + replicas + layout.world_size + table)
 
 
 def stats_time(layout: Layout, hw: Hardware) -> float:

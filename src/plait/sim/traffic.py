@@ -37,12 +37,21 @@ L_c layers:
 - ep: per MoE layer the dispatch of ``sim/expert.py``'s ``layer_bytes`` (balanced;
   counted), forward and backward; ``--recompute full`` repeats the forward's. Routed
   experts' gradients reduce over their edp group, counted on the dp axis.
-- world: the step's statistics, 8 (4 + W) bytes, and a MoE model's routing table
-  (``step.stats_bytes``).
+- dp under ``--dp-algo`` / ``--compress`` (``dp_algo``, at optimizer step ``step``): the
+  engine's own traffic inside a replica of K ranks (ZeRO over ``--zero-shard-group``;
+  nothing at K = 1) and the algorithm's across replicas, ``dp_algos.volume.step_volume``
+  of this rank's tensors (``sim/dp_algos.rank_shapes``, its shards at K > 1): a compressed
+  gradient's codec in place of the all-reduce (ZeRO-1 still gathers the weights; ZeRO 2/3
+  reduce-scatter inside the shard group first); local SGD's and DiLoCo's sync, gossip's
+  sends and receives, after which ZeRO 1/2 over K > 1 ranks gathers the weights again
+  (``dp_algos.volume.writes_shards``).
+- world: the step's statistics, 8 (3 + R + W) bytes, R = 1 or the replicas where they
+  differ, and a MoE model's routing table (``step.stats_bytes``).
 """
 
 from __future__ import annotations
 
+from plait.dp_algos.config import compress_group, replicas_of
 from plait.layout import Layout
 from plait.model import sizes
 from plait.model.config import ModelConfig
@@ -117,7 +126,7 @@ def tp_sync_params(model: ModelConfig, layout: Layout, layers: int, moe_layers: 
 
 def bytes_per_axis(
     model: ModelConfig, layout: Layout, runtime: Runtime, stage_layers: list[int], pp_rank: int,
-    lora=None,
+    lora=None, dp_algo=None, step: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """Counted bytes per axis ("tp", "pp", "dp", "world") of one optimizer step on a rank
     of pipeline rank ``pp_rank`` (module docstring); axes of size 1 are left out. ``lora``
@@ -215,13 +224,47 @@ def bytes_per_axis(
             forward_only=once,
         )  # fmt: skip
         dp += _dp_bytes(held.routed, layout, runtime, True, gathered=groups[1][0] + held.routed)
+    elif dp_algo is not None and not dp_algo.plain:  # dense only (``RunConfig``'s checks)
+        held = [(layers, stage == 0, stage == S - 1) for stage, layers in chunks]
+        dp = _algo_dp_bytes(model, layout, runtime, dp_algo, held, groups[0][0], step)
     else:
         dp = sum(_dp_bytes(params, layout, runtime, experts) for params, experts in groups)
     if dp:
         out["dp"] = dp
     if layout.world_size > 1:
-        out["world"] = stats_bytes(layout, model)
+        differ = dp_algo is not None and dp_algo.replicas_differ
+        out["world"] = stats_bytes(layout, model, replicas_of(layout)[0] if differ else 1)
     return out
+
+
+def _group_layout(layout: Layout, k: int) -> Layout:
+    """``layout`` as one group of k of its dp ranks sees it: the same micro-batches."""
+    gbs = layout.global_batch_size * k // layout.dp
+    return layout.replace(dp=k, zero_shard_group=None, global_batch_size=gbs)
+
+
+def _algo_dp_bytes(model, layout, runtime, algo, held, params, step) -> float:
+    """Counted dp bytes of optimizer step ``step`` under ``algo`` (module docstring) for
+    a rank holding ``params`` weights in the chunks ``held`` ((layers, first, last))."""
+    from plait.dp_algos import volume
+    from plait.sim import dp_algos as sim_dp
+
+    shapes = sim_dp.rank_shapes(model, layout, held, params)
+    if algo.grad_codec is not None:
+        n, k = compress_group(layout)
+        if layout.zero >= 2:  # reduce-scatter (and gather) inside the shard group first
+            inner = _dp_bytes(params, _group_layout(layout, k), runtime, False)
+        elif layout.zero == 1:  # the sharded optimizer's gather of the updated weights
+            inner = params * runtime.state_bytes(layout.dtype)[0]
+        else:
+            inner = 0.0
+    else:
+        n, k = replicas_of(layout)
+        inner = _dp_bytes(params, _group_layout(layout, k), runtime, False)
+        if k > 1 and layout.zero in (1, 2) and volume.writes_shards(algo, step):
+            inner += params * runtime.state_bytes(layout.dtype)[0]  # gathered again
+    vol = volume.step_volume(algo, step=step, shapes=sim_dp.shard_shapes(shapes, k), n=n)
+    return inner + sum(vol.counted.values())
 
 
 def _adapters(model: ModelConfig, layout: Layout, lora, chunks, stage_layers):
