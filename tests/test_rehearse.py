@@ -1566,3 +1566,15 @@ def test_dp_algorithms_are_rehearsed_at_their_own_step_as_modelled(tmp_path, kw,
     if peak:
         got, want, ratio = c["memory"]["total"]
         assert abs(ratio - 1) <= 0.005, (got, want)
+
+
+def test_a_model_smaller_than_two_buckets_gathers_no_more_than_itself(tmp_path):
+    """ZeRO-1's step gathers the updated weights two buckets at a time
+    (``memory.finish_transient``); a rank whose weights fill less than two ``--bucket-mb``
+    buckets gathers no more than its weights. Catches the model's two full 25 MiB buckets
+    (and their shards) on a 40 MiB llama at ``--dp 4 --zero 1``: its whole peak 0.956 of
+    the model's, gradients x3."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=4, zero=1, arch="llama", hidden=512, heads=8,
+                        layers=2, seq_len=256, global_batch_size=8, micro_batch_size=1)  # fmt: skip
+    got, want, ratio = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"]["total"]
+    assert abs(ratio - 1) <= 0.005, (got, want)

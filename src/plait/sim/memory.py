@@ -636,6 +636,9 @@ def finish_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers:
     if layout.zero in (1, 2):  # the two largest buckets gathered, and their shards; a
         # tied copy's whole gradient (ZeRO-2: ``deferred_table_grads``) gone by then
         pair = largest + (bucket if layers else 0.0)
+        # no more than the rank's weights: a model smaller than two buckets is gathered
+        # whole (a tiny llama at --dp 4 --zero 1: x3 its gradients without this)
+        pair = min(pair, stage_params(cfg, layout, layers, first, last) * w_bytes)
         gone = deferred_table_grads(cfg, layout, runtime, first or last)
         out = max(out, pair * (1 + 1 / shard) - gone)
     return out
