@@ -1547,7 +1547,8 @@ def test_dp_algorithms_are_rehearsed_at_their_own_step_as_modelled(tmp_path, kw,
     are the model's. Catches a two-step rehearsal that never reaches a sync every 4 steps
     (dp bytes 0), a codec whose step count ignores the jump (still warm: an fp32
     all-reduce), a model without the algorithm's state (DiLoCo x1.39) or the sync's
-    packed optimizer state (x1.16), the ZeRO-1 weights gathered again after a sync,
+    packed optimizer state (x1.16), ZeRO-1 gathering the weights twice at a sync (after
+    the optimizer step, unused, and after the sync rewrote the shards: dp x1.4),
     PowerSGD's host synchronisation (no rehearsal at all) and its lazily made error
     state counted as activations."""
     cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, arch="llama", hidden=512, heads=8, layers=2,

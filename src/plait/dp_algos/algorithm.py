@@ -92,6 +92,13 @@ class DPAlgorithm:
     def after_step(self, step: int) -> None:
         """After the optimizer step of step ``step``."""
 
+    def rewrites_shards(self, step: int) -> bool:
+        """Whether ``after_step(step)`` writes every shard anew (a sync, a gossip mix) and
+        so gathers the parameters itself (``engine.shards_changed``): the engine's own
+        gather after the optimizer step is then skipped (``ZeroDataParallel.step``), one
+        all-gather of the weights at ZeRO 1/2 saved each such step."""
+        return False
+
     def consensus_distance(self) -> float | None:
         return None
 

@@ -52,6 +52,9 @@ class Gossip(Replicas):
         h = self.cfg.global_avg_every
         return bool(h) and (step + 1) % h == 0
 
+    def rewrites_shards(self, step: int) -> bool:
+        return True  # every step mixes (or averages)
+
     def after_step(self, step: int) -> None:
         if self.is_global(step):
             self.average()

@@ -67,6 +67,9 @@ class LocalSGD(Replicas):
         t, w = step + 1, self.cfg.local_warmup
         return t > w and (t - w) % self.cfg.sync_every == 0
 
+    def rewrites_shards(self, step: int) -> bool:
+        return self.is_sync(step)
+
     def finish_grads(self, step: int) -> None:
         if step >= self.cfg.local_warmup:
             return
@@ -120,6 +123,9 @@ class DiLoCo(Replicas):
 
     def is_sync(self, step: int) -> bool:
         return (step + 1) % self.cfg.sync_every == 0
+
+    def rewrites_shards(self, step: int) -> bool:
+        return self.is_sync(step)
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:

@@ -155,21 +155,6 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
     )
 
 
-def writes_shards(cfg: DPAlgoConfig | None, step: int) -> bool:
-    """Whether optimizer step ``step`` (from 0) rewrites each rank's shards after the
-    optimizer step -- local SGD's and DiLoCo's syncs, every gossip step -- so that an
-    engine sharding over a replica's ranks at ZeRO 1/2 gathers its weights a second time
-    (``engine.shards_changed``)."""
-    if cfg is None or cfg.algo == "allreduce":
-        return False
-    t = step + 1
-    if cfg.algo == "local-sgd":
-        return t > cfg.local_warmup and (t - cfg.local_warmup) % cfg.sync_every == 0
-    if cfg.algo == "diloco":
-        return t % cfg.sync_every == 0
-    return True
-
-
 def characteristic_step(cfg: DPAlgoConfig | None) -> int:
     """The first optimizer step after step 0 (steps from 0) that does the algorithm's
     own work in steady state: local SGD's and DiLoCo's first sync after any warm-up, a

@@ -372,9 +372,13 @@ class ZeroDataParallel:
             shards = [b.flat for b in self.grads.buckets]
         torch._foreach_mul_(shards, factor)
 
+    # set for a step whose dp algorithm rewrites the shards after it and then gathers
+    # (``DPAlgorithm.rewrites_shards``): the gather here would be overwritten unused
+    gather_deferred = False
+
     def step(self, lr: float) -> None:
         self.update_shards(lr)
-        if self.zero in (1, 2):
+        if self.zero in (1, 2) and not self.gather_deferred:
             self.gather_params()
 
     # the two halves of a step (the resilient engine runs them apart)

@@ -25,8 +25,8 @@ replica (``--zero-shard-group`` under ZeRO, else 1), R = dp / K replicas, and th
   1/H of that, exposed (nothing overlaps it). A compressed sync (``--compress bf16``:
   2N/K bytes and the two casts; ``int8``: N/K bytes of levels plus a scale per 512
   elements in a second all-reduce, the encode and decode streams) adds local SGD's anchor
-  arithmetic (8 fp32 streams). ZeRO 1/2 over K > 1 ranks gathers the weights again
-  after each sync (``engine.shards_changed``), and after every gossip step.
+  arithmetic (8 fp32 streams). ZeRO 1/2 over K > 1 ranks gather the weights after the
+  sync instead of after the optimizer step (``DPAlgorithm.rewrites_shards``), once.
 - gossip: every step, d messages of 4N/K bytes leave the rank together (one batch, one
   NIC: latency + d x 4N/K / bandwidth of the link to the neighbours), and the mixing
   reads d + 1 copies and writes one; Gossip-PGA replaces one step in H by an all-reduce.
@@ -153,8 +153,6 @@ def comm_time(
                 work += costs.stream_time(hw, ANCHOR_STREAMS * elems)
         if algo.algo == "diloco":
             work += costs.stream_time(hw, OUTER_STEP_STREAMS * elems)
-        if k > 1 and layout.zero in (1, 2):  # the new shards' weights gathered again
-            work += inner["param"]
         latency = rounds * 2 * collectives.ring_latency(r, link, "all_reduce") / h
         return {
             **inner,
@@ -177,8 +175,6 @@ def comm_time(
         d = len(send_to)
         mix = costs.stream_time(hw, (d + 2) * shard_bytes)
         total += p2p.latency + d * shard_bytes / p2p.bandwidth + mix
-        if k > 1 and layout.zero in (1, 2):  # the new shards' weights gathered again
-            total += inner["param"]
         lat += p2p.latency
     return {
         **inner,

@@ -43,8 +43,8 @@ L_c layers:
   of this rank's tensors (``sim/dp_algos.rank_shapes``, its shards at K > 1): a compressed
   gradient's codec in place of the all-reduce (ZeRO-1 still gathers the weights; ZeRO 2/3
   reduce-scatter inside the shard group first); local SGD's and DiLoCo's sync, gossip's
-  sends and receives, after which ZeRO 1/2 over K > 1 ranks gathers the weights again
-  (``dp_algos.volume.writes_shards``).
+  sends and receives (after which ZeRO 1/2 over K > 1 ranks gather the weights, in place
+  of the optimizer step's gather: ``DPAlgorithm.rewrites_shards``).
 - world: the step's statistics, 8 (3 + R + W) bytes, R = 1 or the replicas where they
   differ, and a MoE model's routing table (``step.stats_bytes``).
 """
@@ -261,8 +261,6 @@ def _algo_dp_bytes(model, layout, runtime, algo, held, params, step) -> float:
     else:
         n, k = replicas_of(layout)
         inner = _dp_bytes(params, _group_layout(layout, k), runtime, False)
-        if k > 1 and layout.zero in (1, 2) and volume.writes_shards(algo, step):
-            inner += params * runtime.state_bytes(layout.dtype)[0]  # gathered again
     vol = volume.step_volume(algo, step=step, shapes=sim_dp.shard_shapes(shapes, k), n=n)
     return inner + sum(vol.counted.values())
 

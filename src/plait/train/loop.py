@@ -457,6 +457,8 @@ class Trainer:
         self.tp_grad_sync.finish()
         engine.finish()
         algo.finish_grads(step)  # post-local SGD's warm-up: the gradients across replicas
+        if hasattr(engine, "gather_deferred"):  # the algorithm gathers after rewriting
+            engine.gather_deferred = algo.rewrites_shards(step)
         stats = self._reduce_stats(step, loss_share)
         grad_norm, found_inf = self.update(stats, lr=lr)
         moe.update_expert_bias(self.model, topo)  # aux-loss-free balancing (one all-reduce)
