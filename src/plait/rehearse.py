@@ -639,6 +639,7 @@ class RankReport:
             "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
             "tp_rank": self.tp_rank,
             "microbatches": self.microbatches, "microbatches_run": self.microbatches_run,
+            "second_step": self.second_step + 1,  # the optimizer step "step 2" ran, from 1
             "phases": [dataclasses.asdict(p) for p in self.phases],
             "calls": [c._asdict() for c in self.step_calls],
             "bytes_per_axis": self.bytes_per_axis(),

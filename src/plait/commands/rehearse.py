@@ -130,6 +130,9 @@ def report(r, compared: dict) -> str:
            f"states: --full-steps runs all); counts of the full step"
            if r.microbatches_run < r.microbatches
            else f"ran all {r.microbatches} micro-batches a step")  # fmt: skip
+    if r.second_step != 1:  # ``volume.characteristic_step``: a --dp-algo's own step
+        ran += (f"; step 2 is optimizer step {r.second_step + 1}, the data-parallel "
+                f"algorithm's first sync or second compressed step")  # fmt: skip
     lines = [f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, cp {r.cp_rank}, tp {r.tp_rank}): "
              f"{times}", f"  {ran}",
              f"  {'memory (GiB) at the peak':26s}" + "".join(f"{p.name:>9s}" for p in r.phases)
