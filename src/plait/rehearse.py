@@ -614,8 +614,8 @@ class RankReport:
     bytes_read: int = 0  # ... and of its load
     boxes_written: dict[tuple, int] = field(default_factory=dict)  # (key, offsets) -> bytes
     moe_imbalance: float = 1.0  # how its MoE layers routed (``moe.modelled_routing``)
-    # the optimizer step (from 0) "step 2" ran: 1, or a --dp-algo's first sync or
-    # compressed step (``dp_algos.volume.characteristic_step``)
+    # the optimizer step (from 0) "step 2" ran: 1, or a --dp-algo's first sync or a
+    # codec's second compressed step (``dp_algos.volume.characteristic_step``)
     second_step: int = 1
 
     def training_peak(self) -> int:
