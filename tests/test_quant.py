@@ -245,3 +245,37 @@ def test_qat_accumulates_micro_batches_through_the_steps_one_copy(q):
         # the same ops in the same order, up to the order of the two micro-batches' sums
         torch.testing.assert_close(g_shared[name], g, rtol=1e-5, atol=1e-7, msg=name)
     assert any(n.removesuffix(".weight") in layers for n in g_own)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_a_gathered_weights_quantised_linear_is_the_plain_one(dtype):
+    """A fake-quantised weight that ZeRO-3 gathers per use (``gathered_per_use``) goes
+    through ``tensor.quantised_linear``, which keeps no quantised copy and re-quantises
+    in its backward: its output and its gradients (input, weight, bias) equal the plain
+    ``F.linear(x, quant(w), b)``'s, column- and row-parallel, under autocast and not.
+    Catches a backward that forgets the straight-through clamp, the bias, or the
+    autocast casts. (The memory it saves: ``tests/test_rehearse.py``.)"""
+    gen = torch.Generator().manual_seed(0)
+    cfg = dataclasses.replace(CFG, arch="gpt2", tied_embeddings=True)  # biases everywhere
+    results = []
+    for gathered in (False, True):
+        model = build_model(cfg, seed=0)
+        apply_qat(model, QuantConfig(dtype="int8"))
+        layers = [model.blocks["0"].attn.q, model.blocks["0"].mlp.proj]
+        outs = []
+        for layer in layers:
+            layer.weight.gathered_per_use = gathered
+            x = torch.randn(3, 5, layer.weight.shape[1], generator=gen).requires_grad_()
+            c = torch.randn(3, 5, layer.weight.shape[0], generator=torch.Generator().manual_seed(1))
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                y = layer(x)
+            (y.float() * c).sum().backward()
+            grads = [x.grad, layer.weight.grad] + ([layer.bias.grad] if layer.bias is not None
+                                                   else [])  # fmt: skip
+            outs.append((y.detach(), grads))
+        results.append(outs)
+        gen = torch.Generator().manual_seed(0)
+    for (y0, g0), (y1, g1) in zip(*results):
+        assert y0.dtype == y1.dtype and torch.equal(y0, y1)
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)

@@ -154,6 +154,9 @@ class Unit:
             for i, view in zip(idx, whole.views(buf)):
                 self.slices[i] = view
                 params[i].data = view.view_as(params[i])
+                # held only while its unit is gathered: nothing may keep a function of
+                # it through the step (``tensor.quantised_linear``)
+                params[i].gathered_per_use = True
         self.nbytes = [b.untyped_storage().nbytes() for b in self.buffers]
 
     @property
