@@ -1599,3 +1599,18 @@ def test_zero3_qat_keeps_no_quantised_copy_of_the_model(tmp_path):
     # weight (x1.08 at this size; LLaMA-2 7B's activations 15.33 GiB with QAT, 15.50
     # without); the copies of every layer were x2.08 here
     assert quantised <= 1.10 * plain, (quantised, plain)
+
+
+def test_fp32_qat_keeps_one_quantised_copy_a_step_as_modelled(tmp_path):
+    """Under fp32 ``--qat`` a step keeps one fp32 quantised copy of each block weight,
+    shared by its micro-batches (``tensor._StepQuant``), which the model counts
+    (``Runtime.qat``): the activations at their own peak are the model's. Catches a graph
+    of the quantiser per micro-batch (its saved input and the quantised weight, fp32,
+    x1.69 here) and a model without the copy."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, arch="llama", hidden=512, heads=8,
+                        layers=4, seq_len=256, global_batch_size=4, micro_batch_size=1,
+                        dtype="fp32", qat="int8")  # fmt: skip
+    got, want, ratio = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)["memory"][
+        rehearse.ACT_PEAK
+    ]
+    assert abs(ratio - 1) <= 0.01, (got, want)

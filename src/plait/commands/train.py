@@ -466,6 +466,7 @@ def memory_fit(cfg, *, nnodes: int = 1) -> MemoryFit | None:
     """``MemoryFit`` of ``cfg`` on this machine (the nearest layout only when it does not
     fit); None where the limit is unknown (no /proc/meminfo) or the simulator cannot
     model the run."""
+    from plait.sim.runtime import get_runtime
     from plait.sim.simulate import simulate
 
     local = max(1, cfg.layout.world_size // nnodes)
@@ -475,7 +476,8 @@ def memory_fit(cfg, *, nnodes: int = 1) -> MemoryFit | None:
     hw, where = device
     algo = None if cfg.dp_algo.algo == "allreduce" and cfg.dp_algo.compress is None else cfg.dp_algo
     try:
-        res = simulate(cfg.model, cfg.layout, hw, runtime="plait", exact=False, lora=cfg.lora,
+        rt = dataclasses.replace(get_runtime("plait"), qat=cfg.qat is not None)
+        res = simulate(cfg.model, cfg.layout, hw, runtime=rt, exact=False, lora=cfg.lora,
                        dp_algo=algo)  # fmt: skip
     except ValueError:  # a run the model does not cover: no check rather than a wrong one
         return None

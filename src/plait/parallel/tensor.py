@@ -627,7 +627,8 @@ def step_cast(key, weight: torch.Tensor, device: str, quant=None) -> torch.Tenso
     """``weight`` -- fake-quantised by ``quant`` if given (``model/quant.FakeQuant``) -- in
     the autocast dtype, made once within a step's ``weight_casts`` under ``key`` and
     shared by every micro-batch (the parallel linear layers' weights, ``_weight``; MoE's
-    stacked expert weights, ``moe.Experts``); outside a step's casts or autocast, as it is.
+    stacked expert weights, ``moe.Experts``); outside a step's casts, or outside autocast
+    unless quantised, as it is.
 
     A quantised weight's copy is made without autograd too (``_StepQuant``): sharing one
     graph of the quantiser between micro-batches failed in the second one's backward, its
@@ -638,12 +639,13 @@ def step_cast(key, weight: torch.Tensor, device: str, quant=None) -> torch.Tenso
     # stays out of it -- reading it would make dynamo guard on its length, one recompile
     # per block until the recompile limit sends every block back to eager.
     casts = None if torch.compiler.is_compiling() else _CASTS
-    if casts is None or not torch.is_autocast_enabled(device):
+    autocast = torch.is_autocast_enabled(device)
+    if casts is None or (quant is None and not autocast):
         return weight if quant is None else quant(weight)
     cast = casts.get(key)
     if cast is None:
-        dtype = torch.get_autocast_dtype(device)
-        if quant is not None:
+        dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
+        if quant is not None:  # (in fp32 too: one copy a step, not a graph per use)
             cast = _StepQuant(dtype, weight, quant)
         elif weight.dtype == dtype:
             cast = weight

@@ -1132,7 +1132,10 @@ def weight_cast_bytes(cfg: ModelConfig, layout: Layout, runtime: Runtime, layers
     7B's activations outside its blocks were 0.245 GiB over the model at 2,048 and 4,096
     tokens alike, the head's 32,000 x 4,096 bf16 copy. ``moe_layers`` of the ``layers``
     hold their experts' stacked weights (this ep rank's routed ones and the shared ones)
-    in place of the dense MLP's (``moe.Experts``: one cast a step, ``tensor.step_cast``)."""
+    in place of the dense MLP's (``moe.Experts``: one cast a step, ``tensor.step_cast``).
+    Under fp32 ``--qat`` (``Runtime.qat``) the blocks' fake-quantised weights in fp32."""
+    if runtime.qat and layout.dtype == "fp32" and layout.zero != 3:  # the quantised copy
+        return 4.0 * layers * sizes.layer_matmul_params(cfg) / layout.tp  # of the blocks'
     if not runtime.weight_cast_per_step or layout.dtype == "fp32" or layout.zero == 3:
         return 0.0
     head = cfg.vocab_size * cfg.hidden if last else 0

@@ -147,6 +147,10 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   cost function reads the runtime: the most-loaded expert's tokens over the mean
   (``sim/expert.py``; ``simulate(moe_imbalance=)``, ``--moe-imbalance``). 1.0, a balanced
   router, by default.
+- ``qat``: not the software but the run's ``--qat``, likewise: the blocks' linear weights
+  are fake-quantised, and a step keeps one quantised copy of each in the weights' dtype
+  under fp32 (``tensor._StepQuant``; under bf16 / fp16 the compute-dtype copy the step
+  keeps anyway, ``weight_cast_per_step``; under ZeRO-3 none, ``tensor.quantised_linear``).
 """
 
 from __future__ import annotations
@@ -190,6 +194,7 @@ class Runtime:
     adamw_bytes: int = 28
     recompute_stops_early: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
+    qat: bool = False  # a property of the run too: --qat (memory.weight_cast_bytes)
     description: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
