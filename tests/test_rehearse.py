@@ -1605,8 +1605,8 @@ def test_fp32_qat_keeps_one_quantised_copy_a_step_as_modelled(tmp_path):
     """Under fp32 ``--qat`` a step keeps one fp32 quantised copy of each block weight,
     shared by its micro-batches (``tensor._StepQuant``), which the model counts
     (``Runtime.qat``): the activations at their own peak are the model's. Catches a graph
-    of the quantiser per micro-batch (its saved input and the quantised weight, fp32,
-    x1.69 here) and a model without the copy."""
+    of the quantiser per micro-batch (its saved input and the quantised weight, fp32)
+    and a model without the copy: x3.35 here before both."""
     cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=2, arch="llama", hidden=512, heads=8,
                         layers=4, seq_len=256, global_batch_size=4, micro_batch_size=1,
                         dtype="fp32", qat="int8")  # fmt: skip
