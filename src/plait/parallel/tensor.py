@@ -600,7 +600,6 @@ class _QuantisedLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(x, wq, bias)
         ctx.quant, ctx.scales, ctx.dtype = quant, scales, wq.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
         return y
 
