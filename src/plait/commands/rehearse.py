@@ -131,8 +131,8 @@ def report(r, compared: dict) -> str:
            if r.microbatches_run < r.microbatches
            else f"ran all {r.microbatches} micro-batches a step")  # fmt: skip
     if r.second_step != 1:  # ``volume.characteristic_step``: a --dp-algo's own step
-        ran += (f"; step 2 is optimizer step {r.second_step + 1}, the data-parallel "
-                f"algorithm's first sync or second compressed step")  # fmt: skip
+        ran += (f"; step 2 is optimizer step {r.second_step + 1}, where the data-parallel "
+                f"algorithm does its own work (a sync, a compressed or gossip step)")  # fmt: skip
     lines = [f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}, cp {r.cp_rank}, tp {r.tp_rank}): "
              f"{times}", f"  {ran}",
              f"  {'memory (GiB) at the peak':26s}" + "".join(f"{p.name:>9s}" for p in r.phases)
