@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from plait import comm
 from plait.data import IGNORE_INDEX
+from plait.dp_algos import volume
 from plait.dp_algos.compression import Int8Sum
 from plait.dp_algos.config import DPAlgoConfig, compress_group, replicas_of
 from plait.parallel.flat import FlatLayout
@@ -239,6 +240,14 @@ class Replicas(DPAlgorithm):
     """Base of the algorithms whose replicas differ (module docstring)."""
 
     replicas_differ = True
+
+    def is_sync(self, step: int) -> bool:
+        """Whether step ``step`` ends in a synchronisation (``volume.is_sync``, the one
+        rule the runtime and the byte formulas share)."""
+        return volume.is_sync(self.cfg, step)
+
+    def rewrites_shards(self, step: int) -> bool:
+        return self.is_sync(step)  # local SGD's and DiLoCo's syncs; gossip: every step
 
     def __init__(self, cfg: DPAlgoConfig, *, topo: Topology, layout, seed: int = 0):
         super().__init__(cfg, topo=topo, layout=layout, seed=seed)

@@ -48,15 +48,11 @@ from plait.topology import Axis
 class Gossip(Replicas):
     """Neighbour averaging after every local step (module docstring)."""
 
-    def is_global(self, step: int) -> bool:
-        h = self.cfg.global_avg_every
-        return bool(h) and (step + 1) % h == 0
-
     def rewrites_shards(self, step: int) -> bool:
         return True  # every step mixes (or averages)
 
     def after_step(self, step: int) -> None:
-        if self.is_global(step):
+        if self.is_sync(step):  # Gossip-PGA's all-reduce
             self.average()
         else:
             self.mix(step)

@@ -63,13 +63,6 @@ from plait.dp_algos.algorithm import Replicas
 class LocalSGD(Replicas):
     """Parameter averaging every H steps, after an optional warm-up (module docstring)."""
 
-    def is_sync(self, step: int) -> bool:
-        t, w = step + 1, self.cfg.local_warmup
-        return t > w and (t - w) % self.cfg.sync_every == 0
-
-    def rewrites_shards(self, step: int) -> bool:
-        return self.is_sync(step)
-
     def finish_grads(self, step: int) -> None:
         if step >= self.cfg.local_warmup:
             return
@@ -120,12 +113,6 @@ class DiLoCo(Replicas):
         super().attach(engine, model)
         self.anchor = [shard.detach().clone() for shard in self.shards]
         self.momentum = [torch.zeros_like(shard) for shard in self.shards]
-
-    def is_sync(self, step: int) -> bool:
-        return (step + 1) % self.cfg.sync_every == 0
-
-    def rewrites_shards(self, step: int) -> bool:
-        return self.is_sync(step)
 
     @torch.no_grad()
     def after_step(self, step: int) -> None:

@@ -134,18 +134,17 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
     if cfg.algo == "allreduce":
         return all_reduce(whole, n)
     if cfg.algo == "local-sgd":
-        w, h = cfg.local_warmup, cfg.sync_every
-        warm = t <= w
-        sync = t > w and (t - w) % h == 0
+        warm = t <= cfg.local_warmup
+        sync = is_sync(cfg, step)
         if sync and cfg.sync_optimizer_state:
             return all_reduce(whole * (1 + state_tensors), n)
         if sync:
             return sync_volume(cfg, shapes, n)
         return all_reduce(whole, n) if warm else Volume()
     if cfg.algo == "diloco":
-        return sync_volume(cfg, shapes, n) if t % cfg.sync_every == 0 else Volume()
+        return sync_volume(cfg, shapes, n) if is_sync(cfg, step) else Volume()
     # gossip
-    if cfg.global_avg_every and t % cfg.global_avg_every == 0:
+    if is_sync(cfg, step):  # Gossip-PGA's all-reduce
         return all_reduce(whole, n)
     recv_from, send_to = graphs.neighbours(cfg.topology, n, index, step)
     return Volume(
@@ -153,6 +152,20 @@ def step_volume(cfg: DPAlgoConfig, *, step: int, shapes, n: int, index: int = 0,
         float(len(send_to) * whole),
         len(send_to),
     )
+
+
+def is_sync(cfg: DPAlgoConfig, step: int) -> bool:
+    """Whether optimizer step ``step`` (from 0) ends in a synchronisation of the replicas:
+    local SGD's after its warm-up every H, DiLoCo's every H, Gossip-PGA's all-reduce every
+    H (``Replicas.is_sync``: the runtime decides by this too)."""
+    t = step + 1
+    if cfg.algo == "local-sgd":
+        return t > cfg.local_warmup and (t - cfg.local_warmup) % cfg.sync_every == 0
+    if cfg.algo == "diloco":
+        return t % cfg.sync_every == 0
+    if cfg.algo == "gossip":
+        return bool(cfg.global_avg_every) and t % cfg.global_avg_every == 0
+    return False
 
 
 def characteristic_step(cfg: DPAlgoConfig | None) -> int:
@@ -167,15 +180,8 @@ def characteristic_step(cfg: DPAlgoConfig | None) -> int:
     if cfg.grad_codec is not None:  # the second compressed step: PowerSGD's error, made
         return cfg.compress_warmup + 1  # in the first, is then held through a backward
 
-    def wanted(step: int) -> bool:
-        t = step + 1
-        if cfg.algo == "local-sgd":
-            return t > cfg.local_warmup and (t - cfg.local_warmup) % cfg.sync_every == 0
-        if cfg.algo == "diloco":
-            return t % cfg.sync_every == 0
-        if cfg.algo == "gossip" and cfg.global_avg_every:
-            return t % cfg.global_avg_every != 0
-        return True
+    def wanted(step: int) -> bool:  # a sync; for gossip, a step that is not PGA's
+        return not is_sync(cfg, step) if cfg.algo == "gossip" else is_sync(cfg, step)
 
     period = (cfg.sync_every or 1) + cfg.global_avg_every
     return next((s for s in range(1, 2 + cfg.local_warmup + 2 * period) if wanted(s)), 1)
