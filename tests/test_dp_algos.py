@@ -621,3 +621,128 @@ def test_orthonormalise_never_asks_the_host():
     assert torch.equal(o[:, 1], torch.zeros(40))
     kept = o[:, [0, 2]]
     assert torch.allclose(kept.T @ kept, torch.eye(2), atol=1e-5)
+
+
+def test_powersgd_forms_m_prime_in_its_error_with_the_same_bits():
+    """Two steps of PowerSGD on one matrix: P, the kept M' = M + e and the next error equal
+    the out-of-place formulas bit for bit, and M' lives in the error's own storage (as
+    does the next error). Catches a separate M' -- a second fp32 copy of every compressed
+    gradient held from the backward to ``finish()`` (x1.061 of a rank's peak in
+    ``plait rehearse``) -- and an in-place update that changes the arithmetic."""
+    codec = PowerSGD(2, seed=3)
+    gen = torch.Generator().manual_seed(1)
+    codec.error["w"] = torch.zeros(16, 24)
+    for _ in range(2):
+        grad = torch.randn(16, 24, generator=gen)
+        e = codec.error["w"]
+        want_m = grad + e
+        q = codec.q["w"].clone() if "w" in codec.q else codec._q("w", 24, 2, "cpu").clone()
+        p = codec.first("w", grad)
+        assert codec._m["w"].data_ptr() == e.data_ptr()  # M' in the error's storage
+        assert torch.equal(codec._m["w"], want_m) and torch.equal(p, want_m @ q)
+        p_hat, q_new = codec.second("w", p)
+        assert torch.equal(q_new, want_m.T @ p_hat)
+        assert torch.equal(codec.error["w"], want_m - p_hat @ q_new.T)
+        assert codec.error["w"].data_ptr() == e.data_ptr()
+        codec.finish("w", p_hat, q_new)
+
+
+@pytest.mark.parametrize("codec", ["qsgd:4", "topk:0.25", "bf16"])
+def test_codec_messages_in_flight_stay_within_the_window(codec):
+    """One rank (gloo, world 1), eight linear layers, a bucket each: as the backward
+    launches them, a windowed codec holds at most ``in_flight`` buckets' messages (weak
+    references to each), and its gradients equal those of every message decoded at
+    ``finish()``, bit for bit. Catches messages kept until ``finish()`` -- the whole
+    model's, n + 1 bytes an element under QSGD (16x the fp32 gradients at n = 64) -- and
+    an early decode that changes a bit or skips a bucket."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from plait.dp_algos import compressed_grads as cg
+    from plait.parallel.data_parallel import DataParallelConfig
+    from plait.topology import Topology
+
+    def run(in_flight: int, monkeypatch):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(8)])
+        names = {id(p): n for n, p in model.named_parameters()}
+        comp = cg.Compression(DPAlgoConfig(compress=codec), seed=0, names=names,
+                              sender="dp0.tp0")  # fmt: skip
+        topo = Topology.build(pp=1, dp=1, tp=1)
+        cfg = DataParallelConfig(bucket_mb=32 * 32 * 4 / 2**20)
+        reducer = comp.reducer(model, topo=topo, cfg=cfg)
+        reducer.in_flight = in_flight
+        messages, most = [], [0]
+
+        def tracked(start):
+            def call(self, *args):
+                most[0] = max(most[0], sum(m() is not None for m in messages))
+                out = start(self, *args)
+                messages.append(weakref.ref(out[1]))  # the gathered messages / the wire
+                return out
+
+            return call
+
+        monkeypatch.setattr(cg._Wire, "gather_start", tracked(cg._Wire.gather_start))
+        monkeypatch.setattr(cg._Wire, "bf16_start", tracked(cg._Wire.bf16_start))
+        grads = []
+        for step in range(2):  # the second: top-k's estimates carried from the first
+            comp.set_step(step)
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step))
+            model(x).square().sum().backward()
+            assert reducer.launched_by_hooks == 8
+            reducer.finish()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            reducer.zero_grad()
+        monkeypatch.undo()
+        return grads, most[0]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            windowed, most = run(2, mp)
+        with pytest.MonkeyPatch.context() as mp:
+            whole, most_whole = run(100, mp)
+    finally:
+        dist.destroy_process_group()
+    assert most == 1  # alive as a new one is made: the one launched before it
+    assert most_whole == 7  # the check sees them all when nothing is decoded early
+    for a, b in zip(windowed, whole):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_codecs_encode_and_decode_a_chunk_at_a_time():
+    """QSGD's and int8's encode and decode of a 64M-element gradient (fake tensors, no
+    storage; PyTorch's MemTracker) hold the tensor, their outputs and one chunk's working
+    set: under 8 bytes an element in all, where encoding the tensor whole held 21 (three
+    fp32 copies of it and more) -- 16 GiB at a 1B-parameter table's gradient, in the
+    backward. Catches an encode or decode of the whole tensor at once."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from plait.dp_algos.compression import ENCODE_CHUNK
+
+    n = 64 * 2**20
+    assert n >= 16 * ENCODE_CHUNK
+
+    def peak(run) -> float:
+        tracker = MemTracker()
+        with tracker:
+            run()
+            snap = tracker.get_tracker_snapshot("peak")
+        return sum(v["Total"] for v in snap.values()) / n
+
+    with FakeTensorMode():
+        x = torch.empty(n)
+        qsgd, int8 = QSGD(4), Int8Sum(4)
+        out = {}
+        encode = peak(lambda: out.update(q=qsgd.encode(x, gen=torch.Generator().manual_seed(0))))
+        decode = peak(lambda: qsgd.add_decoded(x, *out["q"]))
+
+        def both():
+            scales = int8.scales_of([x])
+            int8.decode_into(int8.encode(x, scales, gen=torch.Generator()), scales, [x])
+
+        summed = peak(both)
+    assert encode < 8 and decode < 8 and summed < 8, (encode, decode, summed)

@@ -931,8 +931,10 @@ def predicted(cfg, pp_rank: int, moe_imbalance: float = 1.0, step: int = 1) -> d
     from plait.sim.traffic import bytes_per_axis
 
     model, lay = cfg.model, cfg.layout
+    algo = cfg.dp_algo
     rt = dataclasses.replace(get_runtime("plait"), moe_imbalance=moe_imbalance,
-                             qat=cfg.qat is not None)  # fmt: skip
+                             qat=cfg.qat is not None,
+                             grad_codec=algo.codec if algo and algo.grad_codec else None)  # fmt: skip
     stage_layers = layers_per_stage(model, lay)
     compiled = compile_schedule(lay.schedule, lay.pp, lay.num_microbatches, lay.vpp)
     mem = memory_per_rank(model, lay, rt, stage_layers, 0.0, compiled, lora=cfg.lora)[pp_rank]

@@ -30,7 +30,10 @@ are encoded and its collective launched asynchronously from the backward hook of
 last gradient on the step's last micro-batch (PowerSGD's first all-reduce and int8's
 scales likewise); ``finish()`` waits, decodes and sums in rank order, and runs
 PowerSGD's second all-reduce and int8's levels (encoded once the shared scales are
-there), bucket by bucket. ZeRO 2/3 with ``--zero-shard-group`` (``Across``): the
+there), bucket by bucket -- but under bf16, QSGD and top-k at most ``in_flight`` (2)
+buckets are launched and not yet decoded: launching another first waits for the oldest
+and decodes it (``CompressedGrads``), so a rank holds two buckets' messages, not the
+whole model's n + 1 times over. ZeRO 2/3 with ``--zero-shard-group`` (``Across``): the
 reduce-scatter inside the shard group is unchanged; what crosses the groups -- this
 rank's shard of each gradient, in ``finish()`` -- goes through the codec instead of the
 plain all-reduce, synchronously, bucket by bucket.
@@ -39,7 +42,8 @@ Why this cannot deadlock under NCCL: every collective is issued by the thread th
 the model (autograd's hooks, in the backward's deterministic order, or ``finish()`` in
 bucket order), tensors on ``topo.device``, the same sequence on every rank of the group
 (same buckets, same codec, same shapes: message sizes depend only on shapes); no thread
-pool, no point-to-point.
+pool, no point-to-point. The window's early completions only wait for a collective that
+every rank of the group has issued already, in launch order, the same on every rank.
 
 The result is the same on every rank (all-gathered messages are decoded in rank order;
 all-reduced ones are identical), so the replicas stay identical: parameters and
@@ -54,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import comm
-from plait.dp_algos import compression
+from plait.dp_algos import compression, volume
 from plait.dp_algos.config import DPAlgoConfig
 from plait.parallel.data_parallel import Bucket, GradReducer
 from plait.parallel.flat import FlatLayout
@@ -141,7 +145,7 @@ class _Wire:
                 s = small_bytes[so : so + ns * width].view(dtype)
                 fo, so = fo + nf, so + ns * width
                 if self.name == "qsgd":
-                    x.add_(self.codec.decode(f, s, x.numel()))
+                    self.codec.add_decoded(x, f, s)
                 else:
                     self.codec.add_to_total(key, f, s, x.numel())
         if self.name == "topk":
@@ -202,9 +206,7 @@ class _Wire:
         comm.wait([handle], topo=self.topo, what="all_reduce", axis="dp")
         levels = self.codec.encode_all(tensors, scales, step=self.step, sender=self.sender)
         comm.all_reduce(levels, topo=self.topo, axis=Axis.DP)
-        xs = [x for _, x in tensors]
-        for x, total in zip(xs, self.codec.decode_all(levels, scales, xs)):
-            x.copy_(total)
+        self.codec.decode_into(levels, scales, [x for _, x in tensors])
 
     # --- bf16 ----------------------------------------------------------------------------
 
@@ -218,24 +220,46 @@ class _Wire:
         flat.copy_(wire)
 
 
+# Codecs whose launch allocates the bucket's message (bf16's cast, QSGD's and top-k's n
+# gathered messages) and whose completion is local work (a wait, a decode): see
+# ``CompressedGrads``.
+WINDOWED = ("bf16", "qsgd", "topk")
+
+
 class CompressedGrads(GradReducer):
     """Stages 0 and 1: a bucket's gradients are moved into one flat buffer (``p.grad`` a
     view into it, as ``AllReduceGrads`` does), encoded per tensor, and reduced over the
-    dp axis (module docstring); ``finish()`` leaves the summed gradient in the buffer."""
+    dp axis (module docstring); ``finish()`` leaves the summed gradient in the buffer.
+
+    Under bf16, QSGD and top-k (``WINDOWED``) at most ``in_flight`` buckets are launched
+    and not yet decoded: launching one more first waits for the oldest (launch order) and
+    decodes it into its gradients, as ZeRO-2 bounds its packed inputs. Kept until
+    ``finish()`` instead, the messages would add up to the whole model's: at n ranks
+    QSGD's gathered ones are n + 1 bytes an element, 16x the fp32 gradients at n = 64.
+    Completing is only waiting for a collective every rank has issued, in the same
+    (launch) order everywhere, and local arithmetic; nothing is issued. int8 and PowerSGD
+    hold only block scales or P factors in flight and complete with a second collective,
+    which stays in ``finish()`` (bucket order)."""
+
+    in_flight = volume.IN_FLIGHT
 
     def __init__(self, model: nn.Module, *, topo, cfg, defer=(), codec_name, codec, names, sender,
                  warmup=0):  # fmt: skip
         super().__init__(model, topo=topo, cfg=cfg, defer=defer)
         self.names = names  # id(parameter) -> name: the codecs' state is kept by name
         self.wire = _Wire(codec_name, codec, topo=topo, sender=sender, n=topo.dp, warmup=warmup)
+        self._in_flight: list[Bucket] = []  # windowed buckets launched, not yet decoded
 
     def _tensors(self, bucket: Bucket):
         views = bucket.layout.views(bucket.flat)
         return [(self.names[id(p)], view) for p, view in zip(bucket.params, views)]
 
     def _launch(self, bucket: Bucket) -> None:
-        self._flatten(bucket)
         wire = self.wire
+        windowed = not wire.warm and wire.name in WINDOWED
+        while windowed and len(self._in_flight) >= self.in_flight:  # the oldest: decoded
+            self._complete(self._in_flight[0])  # before this one's message is made
+        self._flatten(bucket)
         if wire.warm:
             bucket.handle = wire.plain_start(self._tensors(bucket), bucket.flat)
         elif wire.name == "bf16":
@@ -247,8 +271,18 @@ class CompressedGrads(GradReducer):
         else:
             bucket.handle = wire.gather_start(self._tensors(bucket))
         bucket.launched = True
+        if windowed:
+            self._in_flight.append(bucket)
 
     def _complete(self, bucket: Bucket) -> None:
+        if bucket.handle is None:  # decoded early, to keep the window
+            return
+        if bucket in self._in_flight:
+            self._in_flight.remove(bucket)
+        self._finish_wire(bucket)
+        bucket.handle = None
+
+    def _finish_wire(self, bucket: Bucket) -> None:
         wire = self.wire
         if wire.warm:
             wire.plain_finish(bucket.handle, self._tensors(bucket))

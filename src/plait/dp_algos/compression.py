@@ -57,11 +57,66 @@ import zlib
 
 import torch
 
-QSGD_BLOCK = 512  # elements per QSGD norm (the bucket size d of Alistarh et al.'s experiments)
+# QSGD_BLOCK: elements per QSGD norm (the bucket size d of Alistarh et al.'s experiments)
+from plait.dp_algos.volume import ENCODE_CHUNK, QSGD_BLOCK
 
 
 def _blocks(n: int) -> int:
     return math.ceil(n / QSGD_BLOCK)
+
+
+def encode_levels(x: torch.Tensor, scale_of, s: int, gen) -> torch.Tensor:
+    """int8 levels (n,) of the tensor ``x``, ``ENCODE_CHUNK`` elements at a time (the
+    working set, ``stochastic_levels``'s, under 64 MiB: a 128K-token table's gradient is
+    262M elements at hidden 2048, 4 GiB of it encoded whole, in the backward):
+    ``scale_of(v, first)`` gives the scale of each block of ``v``, a chunk's fp32 blocks
+    whose first is block ``first`` of the tensor. The uniform draws come from ``gen`` in
+    order, chunk after chunk, as one draw of the whole would (the same bits on a CPU)."""
+    n = x.numel()
+    flat = x.reshape(-1)
+    out = torch.empty(n, dtype=torch.int8, device=x.device)
+    for at in range(0, n, ENCODE_CHUNK):
+        part = flat[at : at + ENCODE_CHUNK]
+        v = _blocks_copy(part)
+        levels = stochastic_levels(v, scale_of(v, at // QSGD_BLOCK), s, gen)
+        out[at : at + part.numel()] = levels[: part.numel()]
+    return out
+
+
+def _blocks_copy(x: torch.Tensor) -> torch.Tensor:
+    """A fp32 copy of ``x``, flat, zero-padded to whole blocks: (blocks, ``QSGD_BLOCK``)."""
+    n = x.numel()
+    v = torch.zeros(_blocks(n) * QSGD_BLOCK, dtype=torch.float32, device=x.device)
+    v[:n].copy_(x.reshape(-1))
+    return v.view(-1, QSGD_BLOCK)
+
+
+def _decode_chunks(x: torch.Tensor, levels: torch.Tensor, step: torch.Tensor, write) -> None:
+    """``write(x's part, levels x step)`` chunk after chunk: ``step`` a block's value of
+    one level (fp32, one a block of ``levels``)."""
+    flat = x.view(-1)
+    for at in range(0, flat.numel(), ENCODE_CHUNK):
+        part = levels[at : at + ENCODE_CHUNK]
+        first = at // QSGD_BLOCK
+        v = _blocks_copy(part)
+        v.mul_(step[first : first + v.shape[0], None])
+        write(flat[at : at + part.numel()], v.view(-1)[: part.numel()])
+
+
+def stochastic_levels(v: torch.Tensor, scale: torch.Tensor, s: int, gen) -> torch.Tensor:
+    """int8 levels (flat) of the fp32 blocks ``v`` (a copy, ``_blocks_copy``, which this
+    overwrites): l_i = sign(v_i) (floor(m_i) + Bernoulli(m_i - floor(m_i))), m_i = |v_i| x
+    the block's ``scale``, clamped to s. In place where it can be: three fp32 copies of
+    the tensor at once (v, floor(m), the uniform draws) and a few bytes an element, where
+    the plain expression held up to seven -- the codec runs in the backward, at a rank's
+    peak. The same arithmetic in the same order, so the same bits."""
+    neg = v.signbit()  # the sign, before v becomes |v| (a zero stays a zero level)
+    mag = v.abs_().mul_(scale[:, None])  # in [0, s]
+    low = mag.floor()
+    u = torch.rand(mag.shape, generator=gen, device=v.device, dtype=mag.dtype)
+    up = u.lt_(mag.sub_(low))  # the fraction's Bernoulli draw, as 0 / 1 in u's storage
+    level = low.add_(up).clamp_(max=s).to(torch.int8)
+    return torch.where(neg, level.neg(), level).view(-1)
 
 
 class QSGD:
@@ -89,22 +144,24 @@ class QSGD:
 
     def encode(self, x: torch.Tensor, *, gen: torch.Generator):
         """(norms fp32 (blocks,), levels int8 (n,)) of the flat fp32 tensor ``x``."""
-        n, s = x.numel(), self.levels
-        pad = _blocks(n) * QSGD_BLOCK - n
-        v = torch.nn.functional.pad(x.reshape(-1).float(), (0, pad)).view(-1, QSGD_BLOCK)
-        norms = torch.linalg.vector_norm(v, dim=1)  # (blocks,)
-        scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        mag = v.abs() * scale[:, None]  # in [0, s]
-        low = mag.floor()
-        u = torch.rand(mag.shape, generator=gen, device=x.device, dtype=mag.dtype)
-        level = (low + (u < mag - low).to(mag.dtype)).clamp_(max=s)
-        signed = (level * v.sign()).to(torch.int8).view(-1)[:n]
-        return norms, signed
+        norms = torch.empty(_blocks(x.numel()), dtype=torch.float32, device=x.device)
+
+        def scale_of(v: torch.Tensor, first: int) -> torch.Tensor:
+            got = norms[first : first + v.shape[0]]
+            torch.linalg.vector_norm(v, dim=1, out=got)
+            return torch.where(got > 0, self.levels / got, torch.zeros_like(got))
+
+        return norms, encode_levels(x, scale_of, self.levels, gen)
 
     def decode(self, norms: torch.Tensor, levels: torch.Tensor, n: int) -> torch.Tensor:
         pad = _blocks(n) * QSGD_BLOCK - n
         lv = torch.nn.functional.pad(levels.float(), (0, pad)).view(-1, QSGD_BLOCK)
         return (lv * (norms / self.levels)[:, None]).view(-1)[:n]
+
+    def add_decoded(self, x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor) -> None:
+        """``x += decode(norms, levels)``, ``ENCODE_CHUNK`` elements at a time: one fp32
+        copy of a chunk, not of the tensor (it runs in the backward). The same bits."""
+        _decode_chunks(x, levels, norms / self.levels, torch.Tensor.add_)
 
 
 class Int8Sum:
@@ -139,20 +196,19 @@ class Int8Sum:
         return torch.nn.functional.pad(x.reshape(-1).float(), (0, pad)).view(-1, QSGD_BLOCK)
 
     def scales(self, x: torch.Tensor) -> torch.Tensor:
-        """This replica's largest |x_i| of each block (fp32, (blocks,))."""
-        return self._view(x).abs().amax(dim=1) if x.numel() else x.new_zeros(0)
+        """This replica's largest |x_i| of each block (fp32, (blocks,)), ``ENCODE_CHUNK``
+        elements at a time (one fp32 copy of a chunk: it runs in the backward)."""
+        flat = x.reshape(-1)
+        parts = [_blocks_copy(flat[at : at + ENCODE_CHUNK]).abs_().amax(dim=1)
+                 for at in range(0, x.numel(), ENCODE_CHUNK)]  # fmt: skip
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=x.device)
 
     def encode(self, x: torch.Tensor, scales: torch.Tensor, *, gen: torch.Generator):
         """int8 levels (n,) of ``x`` on the grid of the shared ``scales`` (>= this
         replica's own, so every level is within -s..s)."""
-        n, s = x.numel(), self.levels
-        v = self._view(x)
-        step = torch.where(scales > 0, s / scales, torch.zeros_like(scales))
-        mag = v.abs() * step[:, None]  # in [0, s]
-        low = mag.floor()
-        u = torch.rand(mag.shape, generator=gen, device=x.device, dtype=mag.dtype)
-        level = (low + (u < mag - low).to(mag.dtype)).clamp_(max=s)
-        return (level * v.sign()).to(torch.int8).view(-1)[:n]
+        step = torch.where(scales > 0, self.levels / scales, torch.zeros_like(scales))
+        return encode_levels(x, lambda v, first: step[first : first + v.shape[0]],
+                             self.levels, gen)  # fmt: skip
 
     def decode(self, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """fp32 (n,) of (summed) ``levels``: sum_i l_i a / s per element."""
@@ -182,6 +238,16 @@ class Int8Sum:
             self.encode(x, a, gen=self.generator(key, step, sender, x.device))
             for (key, x), a in zip(items, self._cuts(xs, scales))
         ])  # fmt: skip
+
+    def decode_into(self, levels: torch.Tensor, scales: torch.Tensor, xs) -> None:
+        """Each tensor of ``xs`` set to its part of the summed ``levels`` decoded, as
+        ``decode_all`` gives it, ``ENCODE_CHUNK`` elements at a time (one fp32 copy of a
+        chunk beside the tensors)."""
+        offset = 0
+        for x, a in zip(xs, self._cuts(xs, scales)):
+            _decode_chunks(x, levels[offset : offset + x.numel()], a / self.levels,
+                           torch.Tensor.copy_)  # fmt: skip
+            offset += x.numel()
 
     def decode_all(self, levels: torch.Tensor, scales: torch.Tensor, xs) -> list[torch.Tensor]:
         """The summed ``levels`` of one message decoded, one flat fp32 tensor per tensor
@@ -227,13 +293,13 @@ class TopK:
         """(values fp32 (k,), positions int32 (k,)) of grad - g_i; g_i takes them in."""
         local, _ = self._state(key, x)
         flat = x.reshape(-1).float()
-        residual = flat - local
         k = self.k(flat.numel())
-        if k:
-            idx = torch.topk(residual.abs(), k, sorted=False).indices
+        if k:  # |grad - g_i| in one fp32 copy (it runs in the backward); the k values
+            # sent are the same differences, taken again at the k positions
+            idx = torch.topk(flat.sub(local).abs_(), k, sorted=False).indices
         else:
-            idx = residual.new_zeros(0, dtype=torch.long)
-        values = residual[idx]
+            idx = flat.new_zeros(0, dtype=torch.long)
+        values = flat[idx] - local[idx]
         local[idx] = flat[idx]  # = g_i + c_i, exactly: nothing of the residual is lost
         return values, idx.to(torch.int32)
 
@@ -301,20 +367,27 @@ class PowerSGD:
         return self.q[key]
 
     def first(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        """P = (M + e) Q for one matrix gradient (M + e is kept for ``second``)."""
+        """P = (M + e) Q for one matrix gradient. M' = M + e is formed in the error's own
+        storage and kept there for ``second``, which turns it into the next error in
+        place: one fp32 copy of the gradient a matrix, not two (a separate M' beside the
+        error held a second copy of every compressed gradient from the backward to
+        ``finish()``)."""
         rows, cols = self.matrix_shape(tuple(grad.shape))
-        m = grad.reshape(rows, cols).float()
+        g = grad.reshape(rows, cols)
         if key in self.error:
-            m = m + self.error[key]
+            m = self.error.pop(key).add_(g)  # e + M: the same bits as M + e
+        else:  # the first step: a copy, never a view of the gradient (overwritten later)
+            m = g.to(torch.float32, copy=True)
         self._m[key] = m
         return m @ self._q(key, cols, self.r(tuple(grad.shape)), grad.device)
 
     def second(self, key: str, p_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P^, Q = M'^T P^) from the all-reduced P; the error is set here."""
+        """(P^, Q = M'^T P^) from the all-reduced P; the error M' - P^ Q^T is set here,
+        in M''s storage."""
         m = self._m.pop(key)
         p_hat = orthonormalise(p_sum)
         q = m.T @ p_hat
-        self.error[key] = m - p_hat @ q.T
+        self.error[key] = m.sub_(p_hat @ q.T)
         return p_hat, q
 
     def finish(self, key: str, p_hat: torch.Tensor, q_sum: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,14 @@ from dataclasses import dataclass, field
 from plait.dp_algos import graphs
 from plait.dp_algos.config import DPAlgoConfig
 
-QSGD_BLOCK = 512  # == compression.QSGD_BLOCK (compression.py imports torch; this does not)
+QSGD_BLOCK = 512  # elements per QSGD norm / int8 scale (compression.py's codecs use these:
+# it imports torch, this does not)
+# elements a codec encodes at a time (whole blocks): its working set in the backward stays
+# under 64 MiB whatever the tensor (``compression.encode_levels``)
+ENCODE_CHUNK = 8192 * QSGD_BLOCK
+# a ZeRO-0/1 reduction's windowed codec buckets (bf16, QSGD, top-k) launched and not yet
+# decoded (``compressed_grads.CompressedGrads``)
+IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)

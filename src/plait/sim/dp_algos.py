@@ -37,9 +37,10 @@ EF21's two estimates 8N (top-k), PowerSGD's error 4N (per shard under ZeRO 2/3);
 sync's buffers after the optimizer step (``sync_bytes``), which add to the peak only where
 they outgrow the step's own (``added_at_peak``): DiLoCo's 4N/K outer gradients, local
 SGD's 4N/K packed shards while averaging, gossip's d receive buffers, the packed chunk and
-its mix (one ``--bucket-mb`` chunk each). Not modelled: the codecs' transients in the
-backward (QSGD's encode streams, the all-gathered messages of every bucket awaiting
-``finish()``), which ``plait rehearse`` finds at a step's peak.
+its mix (one ``--bucket-mb`` chunk each). And a gradient codec's buffers as the backward
+launches a bucket (``codec_buffers``, at ``memory.codec_launch_moments``): its messages in
+flight -- under QSGD and top-k n + 1 of them a bucket, two buckets at most -- and its
+encode's working set.
 """
 
 from __future__ import annotations
@@ -242,6 +243,46 @@ def _compressed(model, layout, hw, rt, algo, shapes, params) -> dict:
         "messages": 0,
         "latency": latency,
     }
+
+
+def codec_buffers(codec: str, arg, n: int, bucket: float, tensor: float,
+                  flying: tuple[float, ...]) -> list[tuple[float, float, bool]]:  # fmt: skip
+    """The moments at which a gradient codec's buffers may peak as the backward launches a
+    bucket of ``bucket`` elements whose largest tensor has ``tensor``, over n ranks
+    (``compressed_grads``), with buckets of ``flying`` elements in flight (oldest first):
+    (messages in flight, working set, whether the bucket's gradients have been copied
+    into its flat buffer by then), in bytes. QSGD and top-k keep ``IN_FLIGHT`` buckets
+    launched and not yet decoded, each its message and the n gathered: launching one more
+    first decodes the oldest (QSGD: an fp32 copy of ``ENCODE_CHUNK`` elements at a time),
+    then flattens and encodes the new bucket's tensors (QSGD: three fp32 copies and four
+    bytes an element of a chunk; top-k: |g - g_i| whole, one fp32 copy), then makes its
+    message and the gathered buffer beside its parts (the tensors' encoded levels, as
+    large as the message) -- the new bucket's are working set until it is launched.
+    bf16: the new bucket's cast beside those in flight. int8: a chunk's fp32 copy for its
+    block scales (their 4 bytes a block in flight, 1/128 of the gradients, not counted).
+    PowerSGD: nothing (its P factors, r (rows + cols) a matrix). ``plait rehearse`` of
+    four llama blocks (h 2048, F 5632), ``--dp 16 --zero 1 --compress qsgd:4``: the peak
+    as the newest's gathered buffer was made, 187 MiB of messages in flight and 198 of
+    its own (2026-11-29)."""
+
+    def message(elements: float) -> float:
+        return volume.codec_message(codec, arg, (int(elements),))
+
+    if codec not in ("qsgd", "topk", "bf16"):
+        chunk = min(tensor, volume.ENCODE_CHUNK)
+        return [(0.0, 4 * chunk if codec == "int8" else 0.0, True)]
+    copies = 1 if codec == "bf16" else 1 + n  # a bucket's buffers: its message (and the n)
+    out = [(copies * sum(message(b) for b in flying), 0.0, False)]  # as its hook fires
+    if len(flying) >= volume.IN_FLIGHT:  # the oldest decoded first
+        chunk = min(flying[0], volume.ENCODE_CHUNK)
+        out.append((out[0][0], 4 * chunk if codec == "qsgd" else 0.0, False))
+        flying = flying[1:]
+    before = copies * sum(message(b) for b in flying)
+    msg = message(bucket)
+    if codec == "bf16":
+        return out + [(before, msg, True)]
+    encode = 16 * min(tensor, volume.ENCODE_CHUNK) if codec == "qsgd" else 4 * tensor
+    return out + [(before, encode, True), (before, copies * msg + msg, True)]
 
 
 def state_bytes(

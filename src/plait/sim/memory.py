@@ -909,6 +909,98 @@ def weight_grad_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runt
     return max(down, first, key=lambda x: x[0] - x[1])
 
 
+def codec_launch_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, first_stage: bool,
+                         last_stage: bool, blocks: bool, last: float,
+                         params: float) -> list[tuple]:  # fmt: skip
+    """[(Gradients beyond the state's rows -- None: all of the rank's --, a bucket's flat
+    copy, codec messages, activations freed of the last micro-batch's ``last``, working
+    set)] of a ZeRO-0/1 backward, on a rank of ``params`` parameters, under a gradient codec
+    (``Runtime.grad_codec``) as it launches the bucket of one of the largest tensors in the
+    step's last micro-batch, at each of the codec's moments (``sim/dp_algos.codec_buffers``:
+    its messages and working set). Three places, each its tensor's gradient made -- from
+    the second micro-batch on the new one in fp32 beside the accumulated, with one
+    micro-batch the gradients made so far -- and copied into its bucket's flat buffer:
+
+    - an MLP entry weight's (the gate's or the up's, each a parameter, the largest of a
+      block), the MLP's saved tensors and input gone, the residual stream's gradient and
+      the MLP input's held (``weight_grad_cast_working_set``'s FC1 moment; with one
+      micro-batch, ``fresh_backward_grads`` and the entry's);
+    - an untied head's on the last stage, first in the backward, its input's gradient held
+      (``head_backward_moment``'s first);
+    - the table's at the backward's end on the first stage (a tied copy's, deferred to
+      ``finish()``, on either end of a pipeline), every activation gone.
+
+    None where no codec runs in the backward (none; ZeRO-2/3, whose codec runs in
+    ``finish()`` on shards; one rank). ``plait rehearse`` of four llama blocks (h 2048,
+    F 5632, two micro-batches) at ``--dp 16 --zero 1 --compress qsgd:4`` peaked at an
+    entry's: 88 MiB of the new gradient in fp32, 44 of the bucket's flat copy, 375 of
+    messages (2026-11-29)."""
+    from plait.dp_algos.config import compress_group
+    from plait.sim import dp_algos as sim_dp
+
+    n = compress_group(layout)[0]
+    if runtime.grad_codec is None or layout.zero > 1 or n < 2:
+        return []
+    codec, arg = runtime.grad_codec
+    e, t, r = ACT_BYTES[layout.dtype], layout.tp, residual_bytes(layout)
+    g_bytes = runtime.state_bytes(layout.dtype)[1]
+    m = layout.num_microbatches
+    tokens = layout.micro_batch_size * cfg.seq_len // layout.cp
+    split = t if layout.sequence_parallel else 1
+    f, h = cfg.ffn_hidden, cfg.hidden
+    table = table_elements(cfg, layout)
+    head, down = fresh_backward_grads(cfg, layout, runtime, last_stage)
+    untied_head = last_stage and not cfg.tied_embeddings
+
+    def bucket_of(elements: float) -> float:  # (of the rank's parameters at most)
+        return min(_bucket_bytes(layout, elements * g_bytes) / g_bytes, params)
+
+    # (tensor elements, elements of the buckets in flight as its hook fires, gradients
+    # made by then with one micro-batch -- None: all --, activations gone, held beyond
+    # them, whether the bucket's flat copy is held beside autograd's gradients, and held
+    # before its launch besides)
+    places = []
+    if blocks:  # the new gradient of the entry's one GEMM (SwiGLU: gate and up) in fp32
+        # beside the accumulated, both halves until the second is added in, and before
+        # the hook the compute dtype's it was cast from; the flat copy beside
+        # (``plait rehearse``: 88 + 44 MiB at h 2048, F 5632). In flight: the down
+        # projection's, and before it the head's (the last block) or a block's
+        up = (1 if cfg.arch == "gpt2" else 2) * f
+        saved = (2 if cfg.arch == "gpt2" else 3) * f
+        block = min(bucket_of(f * h / t), params - bucket_of(f * h / t))
+        flying = (max(block, bucket_of(table) if untied_head else 0.0), block)
+        cast = up * h / t * e if m > 1 and e < 4 and runtime.weight_cast_per_step else 0.0
+        places.append((f * h / t, flying, head + down + up * h / t * g_bytes,
+                       tokens * (saved / t * e + h / split * e),
+                       tokens * h / split * r + tokens * h * e + (up * h / t * 4 if m > 1 else 0.0),
+                       True, cast))  # fmt: skip
+        if untied_head:  # the last block's down projection, right after the head (the
+            # backward's first bucket, still in flight): its node done, its input gone and
+            # its input's gradient held, the gradient added in (a parameter of its own)
+            node = tokens * h / split * r + mlp_input_regather(cfg, layout, runtime)
+            node += down_projection_input(cfg, layout)  # (the input's gradient, as large)
+            places.append((f * h / t, (bucket_of(table),), head + down,
+                           down_projection_input(cfg, layout), node, False, 0.0))  # fmt: skip
+    # a table's gradient, a parameter of its own, is added in before its hook: no new
+    # gradient or flat copy beside it (``plait rehearse`` of LLaMA 3.2 1B, --seq-len 1024
+    # --dp 16 --compress qsgd:4: 4.44 GiB of temporaries at its launch, its 17 messages)
+    if untied_head:  # the backward's first
+        places.append((table, (), head, 0.0, tokens * h / split * e, False, 0.0))
+    if first_stage or (last_stage and cfg.tied_embeddings):  # the backward's last: after
+        # the first block's attention projections' buckets
+        query = min(bucket_of(cfg.q_dim * h / t), params - bucket_of(table)) if blocks else 0.0
+        places.append((table, (query, query) if query else (), None, last, 0.0, False, 0.0))
+    out = []
+    for tensor, flying, made, gone, held, beside, early in places:
+        bucket = bucket_of(tensor)
+        pack = bucket * g_bytes if beside else 0.0  # the bucket's flat copy
+        for messages, work, packed in sim_dp.codec_buffers(codec, arg, n, bucket, tensor,
+                                                           flying):  # fmt: skip
+            out.append((0.0 if m > 1 else made, pack if packed else 0.0, messages, gone,
+                        held + work + (0.0 if packed else early)))  # fmt: skip
+    return out
+
+
 def w_cast_working_set(cfg: ModelConfig, layout: Layout, runtime: Runtime,
                        last: bool) -> tuple[float, float, float]:  # fmt: skip
     """(Bytes a zero-bubble W holds beyond its micro-batch's kept tensors and the gradients
@@ -1636,6 +1728,12 @@ def memory_per_rank(
             if end_of_step.total > mem.total:
                 mem = end_of_step
         rows = g if layout.num_microbatches > 1 else 0.0  # the shard rows, from the second on
+        # a codec's launches: the last micro-batch's activations, the head's buffers gone
+        last = weights[rank][0][0] - (head if rank == p - 1 and v == 1 else 0.0)
+        for made, pack, zbufs, gone, temps in codec_launch_moments(
+                cfg, layout, runtime, rank == 0, rank == p - 1, layers > 0, last, n):  # fmt: skip
+            moments.append(((g if made is None else made) + pack, zbufs,
+                            bare[rank] - last + gone, temps))  # fmt: skip
         for grads, zbufs, freed, temps in moments:  # a peak in the backward (module doc)
             # no cp exchange runs at these moments but the attention's own, whose
             # working set is among its temporaries

@@ -151,6 +151,9 @@ picks a profile and ``--runs`` files may name one per row (see ``runs.py``).
   are fake-quantised, and a step keeps one quantised copy of each in the weights' dtype
   under fp32 (``tensor._StepQuant``; under bf16 / fp16 the compute-dtype copy the step
   keeps anyway, ``weight_cast_per_step``; under ZeRO-3 none, ``tensor.quantised_linear``).
+- ``grad_codec``: the run's ``--compress`` gradient codec, likewise (``simulate`` and
+  ``plait rehearse`` set it from the run): its messages and working set as the backward
+  launches a bucket (``memory.codec_launch_moments``, ``sim/dp_algos.codec_buffers``).
 """
 
 from __future__ import annotations
@@ -195,6 +198,9 @@ class Runtime:
     recompute_stops_early: bool = False
     moe_imbalance: float = 1.0  # a property of the run: sim/expert.py
     qat: bool = False  # a property of the run too: --qat (memory.weight_cast_bytes)
+    # and --compress's gradient codec, (name, argument): its buffers in the backward
+    # (memory.codec_launch_moments)
+    grad_codec: tuple | None = None
     description: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:

@@ -136,6 +136,8 @@ def simulate(
     ``moe_imbalance``: a MoE model's most-loaded expert over the mean (``sim/expert.py``;
     default the runtime's, 1.0: balanced)."""
     rt = get_runtime(runtime) if isinstance(runtime, str) else runtime
+    if dp_algo is not None and dp_algo.grad_codec is not None:  # its buffers in the backward
+        rt = dataclasses.replace(rt, grad_codec=dp_algo.codec)
     if moe_imbalance is not None:
         rt = dataclasses.replace(rt, moe_imbalance=moe_imbalance)
     ep_sim.check_imbalance(model, rt.moe_imbalance)
