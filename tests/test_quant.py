@@ -279,3 +279,38 @@ def test_a_gathered_weights_quantised_linear_is_the_plain_one(dtype):
         assert y0.dtype == y1.dtype and torch.equal(y0, y1)
         for a, b in zip(g0, g1):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("q", SCHEMES, ids=lambda q: q.dtype)
+def test_qat_gradient_is_torchaos_bits_without_its_graph(q):
+    """``FakeQuant.grad`` -- the quantiser's gradient each backward takes -- equals, bit for
+    bit, what autograd gets through torchao's fake quantisation (fp32 and bf16 incoming
+    gradients, scales shrunk so that the clamp cuts some weights), and holds a mask and
+    one fp32 copy of the weight beyond its inputs: under 13 bytes an element with the
+    weight (4) and a bf16 gradient (2), where making torchao's graph again held 26.
+    Catches a gradient that passes the clamped weights, rounds differently (g s / s is
+    not g in floating point), or remakes the whole graph in the backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    fq = FakeQuant.__new__(FakeQuant)  # no layer: the scales need no tp reduction here
+    fq.cfg, fq.topo, fq.reduce_max = q, None, False
+    gen = torch.Generator().manual_seed(0)
+    for shrink, dtype in ((1.0, torch.float32), (0.6, torch.float32), (0.6, torch.bfloat16)):
+        w = torch.randn(32, 128, generator=gen)
+        scales = fq.scales(w) * shrink
+        g = torch.randn(32, 128, generator=gen).to(dtype)
+        leaf = w.clone().requires_grad_()
+        (want,) = torch.autograd.grad(fq.quantize(leaf, scales), leaf, g.float())
+        got = fq.grad(w, scales, g)
+        assert got.dtype == want.dtype
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert shrink == 1.0 or (want == 0).any()  # the clamp cut some
+    with FakeTensorMode():
+        w, g = torch.empty(1024, 1024), torch.empty(1024, 1024, dtype=torch.bfloat16)
+        scales = fq.scales(w)
+        tracker = MemTracker()
+        with tracker:
+            fq.grad(w, scales, g)
+            peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    assert peak / w.numel() < 13, peak / w.numel()

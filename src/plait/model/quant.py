@@ -25,7 +25,7 @@ absolute maximum is all-reduced (MAX) over tp before the scales are formed, one 
 4 out bytes per row-parallel layer (o and the MLP's second GEMM), issued by the training
 thread in the model's layer order, identically on every tp rank: once a step, in the
 first forward that uses the layer (the step's quantised copy, ``tensor.step_cast``, whose
-backward reruns the quantiser at the kept scales); under ZeRO-3, whose weights are
+backward takes the quantiser's gradient at the kept scales, ``FakeQuant.grad``); under ZeRO-3, whose weights are
 gathered per use, in every forward (``tensor.quantised_linear``), and again in the
 backward under ``--recompute full``. Column-parallel layers split output
 channels, and ``int4`` groups never straddle a shard (``group_size`` must divide each
@@ -113,7 +113,7 @@ class FakeQuant:
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``w`` fake-quantised at ``scale`` (``scales``), torchao's arithmetic; no
-        collective (a step's copy reruns it in each backward, ``tensor._StepQuant``)."""
+        collective (``tensor.quantised_linear`` makes it again in each backward)."""
         with _quiet_import():
             from torchao.quantization.quant_primitives import _fake_quantize_affine
 
@@ -122,6 +122,25 @@ class FakeQuant:
             w, (1, group), scale.to(w.dtype), torch.zeros_like(scale, dtype=torch.int8),
             torch.int8, self.cfg.qmin, self.cfg.qmax,
         )  # fmt: skip
+
+    def grad(self, w: torch.Tensor, scale: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``quantize(w, scale)`` at ``grad``: straight through the
+        rounding, stopped where the clamp cut, with the bits autograd gets from torchao's
+        graph -- ((grad x s) where round(w / s) is in range, else 0) x (1 / s) -- but
+        without making that graph again: two fp32 copies of the weight at once (the
+        rounded quotient, then the product) and a mask, where the graph held every step
+        of the quantiser and its dequantisation (about six). It runs in each backward, at
+        the weight's largest GEMM."""
+        rows, cols = w.shape
+        group = cols // scale.shape[1]
+        s = scale.to(w.dtype).view(rows, -1, 1)
+        inv = 1.0 / s  # as the forward's ``input * (1.0 / scale)``
+        with torch.no_grad():
+            q = (w.detach().view(rows, -1, group) * inv).round_()
+            keep = (q >= self.cfg.qmin).logical_and_(q <= self.cfg.qmax)
+            del q
+            out = grad.view(rows, -1, group) * s  # (a bf16 gradient promoted, exactly)
+            return out.masked_fill_(keep.logical_not_(), 0).mul_(inv).view(rows, cols)
 
 
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:

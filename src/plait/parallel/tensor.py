@@ -588,7 +588,7 @@ def quantised_linear(x, weight, bias, quant) -> torch.Tensor:
 class _QuantisedLinear(torch.autograd.Function):
     """``quantised_linear``: saves the input and the (gathered) weight, not the quantised
     weight; the backward makes that again, then the input's gradient and the weight's,
-    straight through the quantiser (its autograd at the kept scales)."""
+    straight through the quantiser at the kept scales (``FakeQuant.grad``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, quant, dtype):
@@ -613,10 +613,7 @@ class _QuantisedLinear(torch.autograd.Function):
         gw = gb = None
         if ctx.needs_input_grad[1]:
             gwq = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            with torch.enable_grad():
-                w = weight.detach().requires_grad_()
-                out = ctx.quant.quantize(w, ctx.scales)
-                (gw,) = torch.autograd.grad(out, w, gwq.to(out.dtype))
+            gw = ctx.quant.grad(weight, ctx.scales, gwq)
         if ctx.needs_input_grad[2]:
             gb = grad.reshape(-1, grad.shape[-1]).sum(0)
         return gx, gw, gb, None, None
@@ -903,12 +900,12 @@ class _StepQuant:
     """A step's fake-quantised copy of a weight in the compute dtype (``step_cast``): the
     scales of the weight and its quantised value, made once a step without autograd (the
     scales' tensor-parallel all-reduce, where a scheme has one, is the forward's, once a
-    step). Each use is an autograd node of its own (``_UseQuant``), whose backward runs
-    the quantiser again on the weight at the step's scales, in autograd, and returns its
-    gradient: straight through the rounding, stopped by the clamp -- the same arithmetic
-    as a graph made in the forward, with nothing of it held between a micro-batch's
-    forward and backward but the scales (a few floats a row). Collectives: none beyond
-    the scales' (the backward's rerun takes the kept scales)."""
+    step). Each use is an autograd node of its own (``_UseQuant``), whose backward gives
+    the quantiser's gradient at the step's scales (``FakeQuant.grad``): straight through
+    the rounding, stopped by the clamp -- the bits of a graph made in the forward, with
+    nothing of it held between a micro-batch's forward and backward but the scales (a
+    few floats a row). Collectives: none beyond the scales' (the backward takes the kept
+    scales)."""
 
     def __init__(self, dtype: torch.dtype, weight: torch.Tensor, quant):
         self.weight, self.quant = weight, quant
@@ -932,11 +929,7 @@ class _UseQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         step = ctx.step
-        with torch.enable_grad():
-            w = step.weight.detach().requires_grad_()
-            out = step.quant.quantize(w, step.scales)
-            (gw,) = torch.autograd.grad(out, w, grad.to(out.dtype))
-        return None, gw, None
+        return None, step.quant.grad(step.weight, step.scales, grad), None
 
 
 GEMM_ALIGN = 128  # output features a vocabulary head's GEMM is padded to a multiple of
