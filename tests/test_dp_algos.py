@@ -405,6 +405,9 @@ def test_comm_stats_sent_bytes():
         (dict(algo="gossip"), dict(dp=2, dtype="fp16"), "bf16"),
         (dict(algo="gossip", topology="torus"), dict(dp=2), "at least 4"),
         (dict(algo="local-sgd", sync_every=2, compress="int8"), dict(dp=128, global_batch_size=128), "bf16"),
+        # the gradients are summed over dp x cp (a check on dp alone passed, then the
+        # build raised)
+        (dict(compress="int8"), dict(dp=64, cp=2, global_batch_size=64), "sums 128 ranks"),
     ],
 )  # fmt: skip
 def test_pairs_that_mean_nothing_are_refused_in_one_line(cfg, layout, words):

@@ -1569,24 +1569,27 @@ def test_dp_algorithms_are_rehearsed_at_their_own_step_as_modelled(tmp_path, kw,
         assert abs(ratio - 1) <= 0.005, (got, want)
 
 
-@pytest.mark.parametrize("codec,dp", [("qsgd:4", 16), ("topk:0.05", 16)])
-def test_a_codecs_messages_in_the_backward_are_rehearsed_as_modelled(tmp_path, codec, dp):
-    """A gradient codec over 16 ranks, two micro-batches, each tensor its own bucket: the
-    rank's peak is in the backward, with the messages of the buckets in flight (QSGD:
-    each the rank's and the 16 gathered, ~3x the gradient at once) -- and the model's
-    ``codec_launch_moments`` give that peak within 2 % and the messages in flight exactly.
-    Catches the runtime keeping every bucket's messages until ``finish()`` (the whole
-    peak x1.63 of the model's under QSGD, x1.10 under top-k) and a model that leaves the
-    codec's buffers out (x1.26 under QSGD)."""
-    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=dp, zero=1 if codec.startswith("qsgd") else 0,
-                        compress=codec, arch="llama", hidden=1024, heads=8, layers=2,
-                        seq_len=1024, global_batch_size=2 * dp, micro_batch_size=1,
+@pytest.mark.parametrize("codec,dp,cp", [("qsgd:4", 16, 1), ("topk:0.05", 16, 1), ("qsgd:4", 8, 2)])
+def test_a_codecs_messages_in_the_backward_are_rehearsed_as_modelled(tmp_path, codec, dp, cp):
+    """A gradient codec over 16 ranks (dp 16, or dp 8 x cp 2: the gradients are summed over
+    dp x cp), two micro-batches, each tensor its own bucket: the rank's peak is in the
+    backward, with the messages of the buckets in flight (QSGD: each the rank's and the
+    16 gathered, ~3x the gradient at once) -- and the model's ``codec_launch_moments``
+    give that peak within 0.5 %, the messages in flight exactly, and the dp bytes. Catches
+    the runtime keeping every bucket's messages until ``finish()`` (the whole peak x1.66
+    of the model's under QSGD, x1.10 under top-k), a model that leaves the codec's
+    buffers out (x1.26 under QSGD), and one that sums over dp alone (dp bytes x2 at cp 2)."""
+    cfg = _pipeline_cfg(tmp_path, pp=1, tp=1, dp=dp, cp=cp, compress=codec, arch="llama",
+                        zero=1 if codec.startswith("qsgd") else 0, hidden=1024, heads=8,
+                        layers=2, seq_len=1024, global_batch_size=2 * dp, micro_batch_size=1,
                         bucket_mb=2)  # fmt: skip
     c = rehearse.compared(rehearse.rehearse_rank(cfg, 0), cfg)
     got, want, ratio = c["memory"]["total"]
-    assert abs(ratio - 1) <= 0.02, (got, want)
+    assert abs(ratio - 1) <= 0.005, (got, want)
     got, want, _ = c["memory"]["buffers"]
     assert want and abs(got - want) <= 1e-3 * want, (got, want)
+    got, want, _ = c["bytes"]["dp"]
+    assert got > 0 and abs(got - want) <= 1e-3 * want, (got, want)
 
 
 def test_a_model_smaller_than_two_buckets_gathers_no_more_than_itself(tmp_path):

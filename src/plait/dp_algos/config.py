@@ -246,9 +246,12 @@ def replicas_of(layout) -> tuple[int, int]:
 
 
 def compress_group(layout) -> tuple[int, int]:
-    """(ranks a compressed reduction spans, K): every dp rank under ZeRO 0/1 (the whole
-    gradient is all-reduced), the dp / K shard groups under ZeRO 2/3."""
+    """(ranks a compressed reduction spans, K): every rank of the dp x cp axis the
+    gradients are reduced over under ZeRO 0/1 (``Topology.grad_view``: the cp ranks of a
+    dp rank hold the same weights and their own tokens' gradients), the dp x cp / K shard
+    groups under ZeRO 2/3."""
+    ranks = layout.dp * layout.cp
     if layout.zero >= 2:
-        k = layout.zero_shard_group or layout.dp
-        return layout.dp // k, k
-    return layout.dp, 1
+        k = layout.zero_shard_group or ranks
+        return ranks // k, k
+    return ranks, 1

@@ -994,10 +994,11 @@ def codec_launch_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, fir
     for tensor, flying, made, gone, held, beside, early in places:
         bucket = bucket_of(tensor)
         pack = bucket * g_bytes if beside else 0.0  # the bucket's flat copy
-        for messages, work, packed in sim_dp.codec_buffers(codec, arg, n, bucket, tensor,
-                                                           flying):  # fmt: skip
+        moments = sim_dp.codec_buffers(codec, arg, n, bucket, tensor, flying)
+        for i, (messages, work, packed) in enumerate(moments):  # (the first, before the
+            # bucket is packed: as the hook fires, the compute dtype's gradient not yet gone)
             out.append((0.0 if m > 1 else made, pack if packed else 0.0, messages, gone,
-                        held + work + (0.0 if packed else early)))  # fmt: skip
+                        held + work + (early if i == 0 and not packed else 0.0)))  # fmt: skip
     return out
 
 
