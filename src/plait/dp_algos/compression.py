@@ -154,9 +154,10 @@ class QSGD:
         return norms, encode_levels(x, scale_of, self.levels, gen)
 
     def decode(self, norms: torch.Tensor, levels: torch.Tensor, n: int) -> torch.Tensor:
-        pad = _blocks(n) * QSGD_BLOCK - n
-        lv = torch.nn.functional.pad(levels.float(), (0, pad)).view(-1, QSGD_BLOCK)
-        return (lv * (norms / self.levels)[:, None]).view(-1)[:n]
+        """fp32 (n,): |v| l_i / s per element."""
+        out = torch.zeros(n, dtype=torch.float32, device=levels.device)
+        self.add_decoded(out, norms, levels)
+        return out
 
     def add_decoded(self, x: torch.Tensor, norms: torch.Tensor, levels: torch.Tensor) -> None:
         """``x += decode(norms, levels)``, ``ENCODE_CHUNK`` elements at a time: one fp32
@@ -189,12 +190,6 @@ class Int8Sum:
         g.manual_seed(zlib.crc32(f"int8|{self.seed}|{step}|{sender}|{key}".encode()))
         return g
 
-    @staticmethod
-    def _view(x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        pad = _blocks(n) * QSGD_BLOCK - n
-        return torch.nn.functional.pad(x.reshape(-1).float(), (0, pad)).view(-1, QSGD_BLOCK)
-
     def scales(self, x: torch.Tensor) -> torch.Tensor:
         """This replica's largest |x_i| of each block (fp32, (blocks,)), ``ENCODE_CHUNK``
         elements at a time (one fp32 copy of a chunk: it runs in the backward)."""
@@ -212,9 +207,9 @@ class Int8Sum:
 
     def decode(self, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """fp32 (n,) of (summed) ``levels``: sum_i l_i a / s per element."""
-        n = levels.numel()
-        lv = self._view(levels)
-        return (lv * (scales / self.levels)[:, None]).view(-1)[:n]
+        out = torch.empty(levels.numel(), dtype=torch.float32, device=levels.device)
+        _decode_chunks(out, levels, scales / self.levels, torch.Tensor.copy_)
+        return out
 
     # one message of several tensors: what a bucket or a chunk sends
 

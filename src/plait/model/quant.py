@@ -25,9 +25,9 @@ absolute maximum is all-reduced (MAX) over tp before the scales are formed, one 
 4 out bytes per row-parallel layer (o and the MLP's second GEMM), issued by the training
 thread in the model's layer order, identically on every tp rank: once a step, in the
 first forward that uses the layer (the step's quantised copy, ``tensor.step_cast``, whose
-backward takes the quantiser's gradient at the kept scales, ``FakeQuant.grad``); under ZeRO-3, whose weights are
-gathered per use, in every forward (``tensor.quantised_linear``), and again in the
-backward under ``--recompute full``. Column-parallel layers split output
+backward takes the quantiser's gradient at the kept scales, ``FakeQuant.grad``); under
+ZeRO-3, whose weights are gathered per use, in every forward
+(``tensor.quantised_linear``), and again in the backward under ``--recompute full``. Column-parallel layers split output
 channels, and ``int4`` groups never straddle a shard (``group_size`` must divide each
 rank's input features): their scales are local. Nothing with t == 1. Scales are
 computed without gradient; the rounding passes gradients straight through (STE) and

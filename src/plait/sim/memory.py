@@ -917,7 +917,7 @@ def codec_launch_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, fir
     set)] of a ZeRO-0/1 backward, on a rank of ``params`` parameters, under a gradient codec
     (``Runtime.grad_codec``) as it launches the bucket of one of the largest tensors in the
     step's last micro-batch, at each of the codec's moments (``sim/dp_algos.codec_buffers``:
-    its messages and working set). Three places, each its tensor's gradient made -- from
+    its messages and working set). Four places, each its tensor's gradient made -- from
     the second micro-batch on the new one in fp32 beside the accumulated, with one
     micro-batch the gradients made so far -- and copied into its bucket's flat buffer:
 
@@ -926,11 +926,12 @@ def codec_launch_moments(cfg: ModelConfig, layout: Layout, runtime: Runtime, fir
       the MLP input's held (``weight_grad_cast_working_set``'s FC1 moment; with one
       micro-batch, ``fresh_backward_grads`` and the entry's);
     - an untied head's on the last stage, first in the backward, its input's gradient held
-      (``head_backward_moment``'s first);
+      (``head_backward_moment``'s first), and the last block's down projection's after
+      it, the head's messages still in flight;
     - the table's at the backward's end on the first stage (a tied copy's, deferred to
       ``finish()``, on either end of a pipeline), every activation gone.
 
-    None where no codec runs in the backward (none; ZeRO-2/3, whose codec runs in
+    No moments where no codec runs in the backward (none; ZeRO-2/3, whose codec runs in
     ``finish()`` on shards; one rank). ``plait rehearse`` of four llama blocks (h 2048,
     F 5632, two micro-batches) at ``--dp 16 --zero 1 --compress qsgd:4`` peaked at an
     entry's: 88 MiB of the new gradient in fp32, 44 of the bucket's flat copy, 375 of
