@@ -382,7 +382,7 @@ def mlp_forward_transient(cfg: ModelConfig, layout: Layout, runtime: Runtime) ->
 
 
 def forward_end_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last_stage: bool,
-                       dense_end: bool) -> float:  # fmt: skip
+                       dense_end: bool, lora=None) -> float:  # fmt: skip
     """Bytes a chunk's forward holds at its last moments beyond its micro-batch's saved
     tensors (the head's buffers not yet made): the largest of
     - its last block's MLP making its product: silu(gate) (``mlp_forward_transient``),
@@ -397,7 +397,12 @@ def forward_end_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last_
       it (none where the stream is fp32), the fp32 result and its cast to the stream's
       dtype (``_LowPrecisionNorm``: PyTorch's fused kernels, as on a GPU).
     ``dense_end``: the last block is a dense one that keeps its activations (a MoE block's
-    or a recomputing one's last moments are not modelled: its output alone).
+    or a recomputing one's last moments are not modelled: its output alone). Under LoRA
+    (``lora``) an MLP whose frozen linears keep neither their input nor the down
+    projection's (``lora_dropped_inputs``) still holds both at silu(gate)'s moment: the
+    input is the forward's argument, the product is being made (``plait rehearse`` of four
+    llama blocks of h 2048 at ``--pp 2 --lora-rank 16``, rank 0: the activations' own
+    peak 1.049 of the model's without them, 2026-11-29).
     ``plait rehearse`` of four llama blocks of h 2048 at 4,096 tokens and tp 2: rank 0 of
     ``--pp 2`` peaked as its last block's output was made, the model 5.9 % short without
     it; the last stage of one, at the final norm (2026-11-29)."""
@@ -410,7 +415,12 @@ def forward_end_moment(cfg: ModelConfig, layout: Layout, runtime: Runtime, last_
     if dense_end:
         # an fp32 stream's norm output, fp32 too, is the MLP's argument: held through it
         held = row * 4 if r == 4 and e != 4 else 0.0
-        moments.append(mlp_forward_transient(cfg, layout, runtime) + held)
+        dropped = 0.0  # what a LoRA run does not keep, alive at silu(gate)'s moment
+        if lora is not None and mlp_forward_transient(cfg, layout, runtime):
+            targets = set(lora.targets)
+            dropped += 0.0 if targets & {"up", "gate"} else row * e
+            dropped += 0.0 if "down" in targets else down_projection_input(cfg, layout)
+        moments.append(mlp_forward_transient(cfg, layout, runtime) + held + dropped)
         product = tokens * cfg.hidden * e
         branch = row * e  # the product as the residual add takes it: this rank's rows
         moments.append(product + held + (branch if sp else 0.0))  # (its reduce-scatter)
@@ -1335,7 +1345,7 @@ def memory_per_rank(
             index = sum(stage_layers[:stage]) + layers - 1  # the chunk's last block
             dense_end = (layers > 0 and not cfg.is_moe_layer(index)
                          and layout.recomputed_blocks(layers) < layers)  # fmt: skip
-            end = forward_end_moment(cfg, layout, runtime, stage == last_stage, dense_end)
+            end = forward_end_moment(cfg, layout, runtime, stage == last_stage, dense_end, lora)
             # a stage output awaiting its send, in the wire's dtype
             output = 0.0 if stage == last_stage else boundary_bytes(cfg, layout)
             if stage == last_stage:  # its weight counts the head's buffers, not made yet,
