@@ -314,3 +314,39 @@ def test_qat_gradient_is_torchaos_bits_without_its_graph(q):
             fq.grad(w, scales, g)
             peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     assert peak / w.numel() < 13, peak / w.numel()
+
+
+@pytest.mark.parametrize("q", SCHEMES, ids=lambda q: q.dtype)
+def test_qat_copy_without_a_graph_is_torchaos_bits_in_one_copy(q):
+    """``FakeQuant.quantize`` where no graph is wanted (a step's quantised copy, ZeRO-3's
+    per-use product) gives torchao's bits -- fp32 and bf16 weights, negative zeros and
+    clamped values included -- and holds one fp32 copy of the weight beyond it: under 9
+    bytes an element with the fp32 weight, where torchao's expression held 16. Catches a
+    copy whose zeros or rounding differ from the graph's (the fp32 path's and the
+    export's), and the forward's share of QAT's peak in the first micro-batch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torchao.quantization.quant_primitives import _fake_quantize_affine
+
+    fq = FakeQuant.__new__(FakeQuant)  # no layer: the scales need no tp reduction here
+    fq.cfg, fq.topo, fq.reduce_max = q, None, False
+    gen = torch.Generator().manual_seed(1)
+    for shrink, dtype in ((1.0, torch.float32), (0.6, torch.float32), (0.6, torch.bfloat16)):
+        w = torch.randn(32, 128, generator=gen).to(dtype)
+        w[0, :4], w[1, :4] = -0.0, -1e-30
+        scales = fq.scales(w) * shrink
+        group = w.shape[1] // scales.shape[1]
+        want = _fake_quantize_affine(w, (1, group), scales.to(w.dtype),
+                                     torch.zeros_like(scales, dtype=torch.int8), torch.int8,
+                                     q.qmin, q.qmax)  # fmt: skip
+        got = fq.quantize(w, scales)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert got.dtype == want.dtype and torch.equal(got.view(bits), want.view(bits))
+    with FakeTensorMode():
+        w = torch.empty(1024, 1024)
+        scales = fq.scales(w)
+        tracker = MemTracker()
+        with tracker, torch.no_grad():
+            fq.quantize(w, scales)
+            peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    assert peak / w.numel() < 9, peak / w.numel()

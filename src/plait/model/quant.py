@@ -113,15 +113,26 @@ class FakeQuant:
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``w`` fake-quantised at ``scale`` (``scales``), torchao's arithmetic; no
-        collective (``tensor.quantised_linear`` makes it again in each backward)."""
-        with _quiet_import():
-            from torchao.quantization.quant_primitives import _fake_quantize_affine
+        collective (``tensor.quantised_linear`` makes it again in each backward). Where no
+        graph is wanted (a step's copy, ``tensor._StepQuant``; ``quantised_linear``) the
+        same operations run in place on one fp32 copy of the weight, where torchao's
+        expression held two or three: (clamp(round(w x (1 / s)) + 0) - 0) x s, the zero
+        point's adds kept, as they turn a -0 into a +0."""
+        rows, cols = w.shape
+        group = cols // scale.shape[1]
+        if torch.is_grad_enabled() and w.requires_grad:
+            with _quiet_import():
+                from torchao.quantization.quant_primitives import _fake_quantize_affine
 
-        group = w.shape[1] // scale.shape[1]
-        return _fake_quantize_affine(
-            w, (1, group), scale.to(w.dtype), torch.zeros_like(scale, dtype=torch.int8),
-            torch.int8, self.cfg.qmin, self.cfg.qmax,
-        )  # fmt: skip
+            return _fake_quantize_affine(
+                w, (1, group), scale.to(w.dtype), torch.zeros_like(scale, dtype=torch.int8),
+                torch.int8, self.cfg.qmin, self.cfg.qmax,
+            )  # fmt: skip
+        s = scale.to(w.dtype).view(rows, -1, 1)
+        zero = torch.zeros_like(s)
+        q = w.detach().view(rows, -1, group) * (1.0 / s)
+        q.round_().add_(zero).clamp_(self.cfg.qmin, self.cfg.qmax)
+        return q.sub_(zero).mul_(s).view(rows, cols)
 
     def grad(self, w: torch.Tensor, scale: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of ``quantize(w, scale)`` at ``grad``: straight through the
