@@ -220,20 +220,14 @@ class _Wire:
         flat.copy_(wire)
 
 
-# Codecs whose launch allocates the bucket's message (bf16's cast, QSGD's and top-k's n
-# gathered messages) and whose completion is local work (a wait, a decode): see
-# ``CompressedGrads``.
-WINDOWED = ("bf16", "qsgd", "topk")
-
-
 class CompressedGrads(GradReducer):
     """Stages 0 and 1: a bucket's gradients are moved into one flat buffer (``p.grad`` a
     view into it, as ``AllReduceGrads`` does), encoded per tensor, and reduced over the
     dp axis (module docstring); ``finish()`` leaves the summed gradient in the buffer.
 
-    Under bf16, QSGD and top-k (``WINDOWED``) at most ``in_flight`` buckets are launched
-    and not yet decoded: launching one more first waits for the oldest (launch order) and
-    decodes it into its gradients, as ZeRO-2 bounds its packed inputs. Kept until
+    Under bf16, QSGD and top-k (``volume.WINDOWED``) at most ``in_flight`` buckets are
+    launched and not yet decoded: launching one more first waits for the oldest (launch
+    order) and decodes it into its gradients, as ZeRO-2 bounds its packed inputs. Kept until
     ``finish()`` instead, the messages would add up to the whole model's: at n ranks
     QSGD's gathered ones are n + 1 bytes an element, 16x the fp32 gradients at n = 64.
     Completing is only waiting for a collective every rank has issued, in the same
@@ -256,7 +250,7 @@ class CompressedGrads(GradReducer):
 
     def _launch(self, bucket: Bucket) -> None:
         wire = self.wire
-        windowed = not wire.warm and wire.name in WINDOWED
+        windowed = not wire.warm and wire.name in volume.WINDOWED
         while windowed and len(self._in_flight) >= self.in_flight:  # the oldest: decoded
             self._complete(self._in_flight[0])  # before this one's message is made
         self._flatten(bucket)

@@ -52,8 +52,11 @@ QSGD_BLOCK = 512  # elements per QSGD norm / int8 scale (compression.py's codecs
 # elements a codec encodes at a time (whole blocks): its working set in the backward stays
 # under 64 MiB whatever the tensor (``compression.encode_levels``)
 ENCODE_CHUNK = 8192 * QSGD_BLOCK
-# a ZeRO-0/1 reduction's windowed codec buckets (bf16, QSGD, top-k) launched and not yet
+# the codecs whose launch allocates the bucket's message (bf16's cast, QSGD's and top-k's
+# n gathered messages) and whose completion is local work (a wait, a decode): of a
+# ZeRO-0/1 reduction, at most ``IN_FLIGHT`` of their buckets are launched and not yet
 # decoded (``compressed_grads.CompressedGrads``)
+WINDOWED = ("bf16", "qsgd", "topk")
 IN_FLIGHT = 2
 
 

@@ -116,7 +116,7 @@ class FakeQuant:
         collective (``tensor.quantised_linear`` makes it again in each backward). Where no
         graph is wanted (a step's copy, ``tensor._StepQuant``; ``quantised_linear``) the
         same operations run in place on one fp32 copy of the weight, where torchao's
-        expression held two or three: (clamp(round(w x (1 / s)) + 0) - 0) x s, the zero
+        expression held three: (clamp(round(w x (1 / s)) + 0) - 0) x s, the zero
         point's adds kept, as they turn a -0 into a +0."""
         rows, cols = w.shape
         group = cols // scale.shape[1]

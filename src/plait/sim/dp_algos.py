@@ -268,7 +268,7 @@ def codec_buffers(codec: str, arg, n: int, bucket: float, tensor: float,
     def message(elements: float) -> float:
         return volume.codec_message(codec, arg, (int(elements),))
 
-    if codec not in ("qsgd", "topk", "bf16"):
+    if codec not in volume.WINDOWED:
         chunk = min(tensor, volume.ENCODE_CHUNK)
         return [(0.0, 4 * chunk if codec == "int8" else 0.0, True)]
     copies = 1 if codec == "bf16" else 1 + n  # a bucket's buffers: its message (and the n)
